@@ -1,0 +1,71 @@
+"""The interface every engine speaks, as producer and as consumer.
+
+A qualification prompt of P tokens is split once: the producer prefills ``prompt[:h]`` and hands
+off that KV; the consumer feeds the pending tokens ``prompt[h:]`` (at least one) and then decodes
+greedily. The cold local recompute is the consumer's own ``prefill(prompt[:h])`` followed by the
+same decode, so both branches run identical decode arithmetic and differ only in where the KV
+came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from qualify.kv import KVCache, KVGeometry
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Model shape facts a producer checks against the identity at start."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    rope_theta: float
+
+    def kv_geometry(self, positions: int, dtype: str = "float32") -> KVGeometry:
+        return KVGeometry(self.layers, self.kv_heads, self.head_dim, positions, dtype)
+
+
+@dataclass
+class DecodeResult:
+    """Greedy decode output: ``tokens`` int32 [n]; ``logits`` float32 [n, vocab], row i scored
+    the choice of tokens[i]. ``draft_trace`` (speculative lanes) is per step
+    ``(proposed_tokens, accepted_count)``."""
+
+    tokens: np.ndarray
+    logits: np.ndarray
+    draft_trace: list[tuple[tuple[int, ...], int]] | None = None
+    seconds: float = 0.0
+    meta: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Producer and consumer operations. ``logit_units`` names what ``logits`` are in:
+    ``"raw"`` or a transform spec string such as ``"tanh-softcap:30.0"``."""
+
+    name: str
+    version: str
+    abi: str
+    logit_units: str
+    geometry: ModelGeometry
+
+    def prefill(self, tokens: np.ndarray) -> KVCache:
+        """KV of exactly ``tokens`` (positions 0..len-1) in the canonical layout."""
+        ...
+
+    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
+        """Feed ``pending`` after ``kv``'s positions, then greedily generate ``n`` tokens."""
+        ...
+
+    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
+        """Logits [len(forced), vocab]: row i scores position after pending + forced[:i]."""
+        ...
