@@ -69,3 +69,17 @@ class Engine(Protocol):
     def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
         """Logits [len(forced), vocab]: row i scores position after pending + forced[:i]."""
         ...
+
+
+@runtime_checkable
+class Linear(Protocol):
+    """One projection ``y[T, n_out] = x[T, n_in] @ W.T`` in some arithmetic (dense float32,
+    NVFP4 exact a16-q8, a native variant, k-quant). Row t of ``y`` must depend only on row t of
+    ``x`` for the exact arithmetics, so results do not depend on batch shape."""
+
+    n_in: int
+    n_out: int
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x: float32 [T, n_in] -> float32 [T, n_out]."""
+        ...
