@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up the virtual environment and run the harness's test suite, recipes and self-test.
+# Used by the README ("make test") and by CI (.ci/run). Fails on pytest's "no tests" (exit 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev,torch]' 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+"$VENV/bin/python" -c "import qualify, numpy, torch, transformers" || { echo "test.sh: install failed" >&2; exit 1; }
+
+run_pytest() {
+  local rc=0
+  "$VENV/bin/python" -m pytest "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests for: $*" >&2
+    exit 1
+  fi
+  return "$rc"
+}
+
+mkdir -p out
+# The harness's own tests: spread over both cores; slow and torch-marked tests included.
+run_pytest tests -n 2 -q --junitxml=out/tests.xml
