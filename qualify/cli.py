@@ -1,0 +1,237 @@
+"""The ``qualify`` console script.
+
+Exit codes: 0 pass, 1 failed qualification, 2 refused contract or bad usage. Every refusal or
+unexpected error is one line on stderr, never a traceback (set ``QUALIFY_DEBUG=1`` to see one).
+
+Commands whose work lives in other modules are *delegated*: the handler is imported when the
+command runs and called as ``handler(argv) -> int`` with the arguments after the command words
+(for ``--recipe``, the whole argument list). If the module or function is missing the command
+exits 2 with a one-line "not available".
+
+=====================  =========================================================
+command                handler
+=====================  =========================================================
+``--recipe NAME ...``  ``qualify.qualifier.run_cli``
+``receipts verify``    ``qualify.receipts.verify_cli(path)`` (PATH parsed here)
+``enroll``             ``qualify.enroll.enroll_cli``
+``calibrate``          ``qualify.qualifier.calibrate_cli``
+``selftest``           ``qualify.qualifier.selftest_cli``
+``producer serve``     ``qualify.handoff.service.main``
+=====================  =========================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.text import Text
+
+from qualify import __version__
+from qualify.errors import Refused, one_line
+from qualify.lanes import Recipe
+
+EXIT_PASS = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+
+
+def _call_with_argv(handler: Callable[..., object], argv: list[str]) -> object:
+    return handler(argv)
+
+
+def _call_receipts_verify(handler: Callable[..., object], argv: list[str]) -> object:
+    """``verify_cli(path)`` takes one optional PATH, not an argument list."""
+    parser = argparse.ArgumentParser(
+        prog="qualify receipts verify",
+        description="Re-hash one receipt or an archive of receipts against their manifests.",
+    )
+    parser.add_argument("path", nargs="?", metavar="PATH", help="a receipt or an archive")
+    return handler(parser.parse_args(argv).path)
+
+
+@dataclass(frozen=True, slots=True)
+class Delegate:
+    """A command implemented elsewhere: its words, module, function, help line, and how the
+    handler is called (default ``handler(argv)``)."""
+
+    words: tuple[str, ...]
+    module: str
+    function: str
+    help: str
+    call: Callable[[Callable[..., object], list[str]], object] = _call_with_argv
+
+
+DELEGATES: tuple[Delegate, ...] = (
+    Delegate(("receipts", "verify"), "qualify.receipts", "verify_cli",
+             "re-hash a receipt archive; report altered, missing or extra files",
+             _call_receipts_verify),
+    Delegate(("enroll",), "qualify.enroll", "enroll_cli",
+             "enroll a qualified lane and mint its handoff key"),
+    Delegate(("calibrate",), "qualify.qualifier", "calibrate_cli",
+             "measure a lane's drift envelope over repeated handoffs (the basis receipt)"),
+    Delegate(("selftest",), "qualify.qualifier", "selftest_cli",
+             "run the harness's own end-to-end self checks"),
+    Delegate(("producer", "serve"), "qualify.handoff.service", "main",
+             "run a producer service process (Unix socket)"),
+)
+RECIPE_DELEGATE = Delegate(("--recipe",), "qualify.qualifier", "run_cli",
+                           "run a qualification recipe")
+
+_OUT = Console(highlight=False, soft_wrap=True)
+_ERR = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _debug() -> bool:
+    return os.environ.get("QUALIFY_DEBUG") == "1"
+
+
+def _say_error(message: str) -> None:
+    _ERR.print(Text(one_line(message), style="bold red"))
+
+
+def _recipe_names() -> list[str]:
+    return [recipe.value for recipe in Recipe]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also what ``--help`` shows)."""
+    parser = argparse.ArgumentParser(
+        prog="qualify",
+        description=(
+            "Qualify KV-cache handoff between inference engines against a frozen onboarding "
+            "identity, and archive the evidence. Exit 0 pass, 1 failed qualification, "
+            "2 refused contract or bad usage."
+        ),
+    )
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME",
+        choices=_recipe_names(),
+        help=f"run a qualification recipe ({', '.join(_recipe_names())}); "
+        "further options go to the recipe runner",
+    )
+    parser.add_argument("--version", action="version", version=f"qualify {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    identity = commands.add_parser("identity", help="frozen onboarding identities")
+    identity_commands = identity.add_subparsers(dest="identity_command", metavar="ACTION")
+    identity_commands.required = True
+    check = identity_commands.add_parser(
+        "check", help="validate an identity file against its schema and sealed constants"
+    )
+    check.add_argument("path", metavar="PATH", help="identity JSON file")
+
+    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
+    for delegate in DELEGATES:
+        if len(delegate.words) == 1:
+            commands.add_parser(delegate.words[0], help=delegate.help, add_help=False)
+            continue
+        group_name, action = delegate.words
+        if group_name not in groups:
+            group = commands.add_parser(group_name, help=f"{group_name} commands")
+            groups[group_name] = group.add_subparsers(dest=f"{group_name}_command", metavar="ACTION")
+            groups[group_name].required = True
+        groups[group_name].add_parser(action, help=delegate.help, add_help=False)
+    return parser
+
+
+def _exit_code(label: str, code: object) -> int:
+    if type(code) is int and 0 <= code <= 255:
+        return code
+    _say_error(f"qualify {label}: handler returned {code!r}, expected an exit code 0-255")
+    return EXIT_REFUSED
+
+
+def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
+    """Import and call a delegated handler; a missing one is "not available" (exit 2)."""
+    label = " ".join(delegate.words)
+    try:
+        module = importlib.import_module(delegate.module)
+        handler: Callable[..., object] = getattr(module, delegate.function)
+    except Exception as exc:
+        if _debug():
+            raise
+        _say_error(
+            f"qualify {label}: not available ({delegate.module}.{delegate.function}: "
+            f"{type(exc).__name__}: {one_line(str(exc))[:160]})"
+        )
+        return EXIT_REFUSED
+    return _exit_code(label, delegate.call(handler, list(argv)))
+
+
+def identity_check(path: str) -> int:
+    """``qualify identity check PATH``: 0 with lane and digest when valid, 2 on refusal."""
+    from qualify.identity import identity_sha256, load_identity
+
+    identity = load_identity(path)
+    _OUT.print(
+        Text(
+            f"identity {path}: valid: lane {identity.lane} (lane kind {identity.lane_kind.value}, "
+            f"recipe {identity.recipe.value}, rung {identity.rung}, producer mode "
+            f"{identity.producer_mode.value}); identity_sha256 {identity_sha256(identity)}"
+        )
+    )
+    return EXIT_PASS
+
+
+def _wants_recipe(argv: Sequence[str]) -> bool:
+    command_words = {words[0] for words in (d.words for d in DELEGATES)} | {"identity"}
+    if argv and argv[0] in command_words:
+        return False
+    return any(token == "--recipe" or token.startswith("--recipe=") for token in argv)
+
+
+def _dispatch(argv: list[str]) -> int:
+    if _wants_recipe(argv):
+        recipe_parser = argparse.ArgumentParser(prog="qualify", add_help=False)
+        recipe_parser.add_argument("--recipe", metavar="NAME", choices=_recipe_names(), required=True)
+        recipe_parser.parse_known_args(argv)
+        return run_delegate(RECIPE_DELEGATE, argv)
+    for delegate in DELEGATES:
+        if tuple(argv[: len(delegate.words)]) == delegate.words:
+            return run_delegate(delegate, argv[len(delegate.words):])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "identity":
+        return identity_check(args.path)
+    parser.print_usage(sys.stderr)
+    _say_error("qualify: expected a command or --recipe NAME (see qualify --help)")
+    return EXIT_REFUSED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point; returns the process exit code."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(arguments)
+    except SystemExit as exc:  # argparse: 0 for --help/--version, 2 for usage errors
+        if exc.code is None:
+            return EXIT_PASS
+        if isinstance(exc.code, int):
+            return exc.code
+        _say_error(str(exc.code))
+        return EXIT_REFUSED
+    except Refused as exc:
+        _say_error(f"refused: {exc}")
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        _say_error("qualify: interrupted")
+        return EXIT_REFUSED
+    except Exception as exc:
+        if _debug():
+            raise
+        _say_error(
+            f"qualify: internal error: {type(exc).__name__}: {one_line(str(exc))[:200]} "
+            f"(set QUALIFY_DEBUG=1 for the traceback)"
+        )
+        return EXIT_REFUSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Load a Hugging Face Llama checkpoint (``config.json`` + ``model.safetensors``), failing closed.
+
+Only what the reference engine implements is accepted: ``LlamaForCausalLM`` with SiLU, no biases,
+default RoPE, tied embeddings. Weights are upcast to float32 exactly (float16 -> float32 is
+lossless) and refused if any value is not finite. Every refusal is one line naming file and field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qualify.engines.base import ModelGeometry
+from qualify.errors import Refused, one_line
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Stored dtypes we upcast; float16 and float32 both convert to float32 without rounding.
+ACCEPTED_WEIGHT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The config fields the reference engine needs, already validated."""
+
+    geometry: ModelGeometry
+    intermediate: int
+    rms_norm_eps: float
+
+
+def _refuse(path: Path, field: str, problem: str) -> Refused:
+    return Refused(one_line(f"{path}: {field}: {problem}"))
+
+
+def _positive_int(config: dict[str, Any], key: str, path: Path) -> int:
+    if key not in config:
+        raise _refuse(path, key, "missing; expected a positive integer")
+    value = config[key]
+    # bool is an int subclass in Python; a JSON true is not a size.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _refuse(path, key, f"expected a positive integer, found {value!r}")
+    return value
+
+
+def _positive_float(config: dict[str, Any], key: str, path: Path) -> float:
+    if key not in config:
+        raise _refuse(path, key, "missing; expected a positive number")
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise _refuse(path, key, f"expected a positive finite number, found {value!r}")
+    return float(value)
+
+
+def _rope_theta(config: dict[str, Any], path: Path) -> float:
+    """rope_theta at top level (transformers 4 style) or in rope_parameters (transformers 5)."""
+    scaling = config.get("rope_scaling")
+    if scaling is not None:
+        raise _refuse(path, "rope_scaling", f"expected null (plain RoPE), found {scaling!r}")
+    parameters = config.get("rope_parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise _refuse(path, "rope_parameters", f"expected an object, found {parameters!r}")
+        if parameters.get("rope_type", "default") != "default":
+            raise _refuse(path, "rope_parameters.rope_type",
+                          f"expected 'default', found {parameters.get('rope_type')!r}")
+        if "rope_theta" in parameters:
+            theta = _positive_float(parameters, "rope_theta", path)
+            if "rope_theta" in config and _positive_float(config, "rope_theta", path) != theta:
+                raise _refuse(path, "rope_theta", "disagrees with rope_parameters.rope_theta")
+            return theta
+    return _positive_float(config, "rope_theta", path)
+
+
+def load_config(model_dir: Path) -> LlamaConfig:
+    """Read and validate ``config.json``; refuse anything the reference engine does not implement."""
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _refuse(path, "file", "missing") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _refuse(path, "file", f"unreadable ({type(exc).__name__})") from None
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise _refuse(path, "json", f"not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise _refuse(path, "json", f"expected an object, found {type(config).__name__}")
+
+    architectures = config.get("architectures")
+    if architectures != ["LlamaForCausalLM"]:
+        raise _refuse(path, "architectures", f"expected ['LlamaForCausalLM'], found {architectures!r}")
+    if config.get("model_type", "llama") != "llama":
+        raise _refuse(path, "model_type", f"expected 'llama', found {config.get('model_type')!r}")
+    if "hidden_act" not in config:
+        raise _refuse(path, "hidden_act", "missing; expected 'silu'")
+    if config["hidden_act"] != "silu":
+        raise _refuse(path, "hidden_act", f"expected 'silu', found {config['hidden_act']!r}")
+    if "tie_word_embeddings" not in config:
+        raise _refuse(path, "tie_word_embeddings", "missing; expected true")
+    if config["tie_word_embeddings"] is not True:
+        raise _refuse(path, "tie_word_embeddings",
+                      f"expected true (the LM head is the embedding), found {config['tie_word_embeddings']!r}")
+    for key in ("attention_bias", "mlp_bias"):
+        # Absent means false in Hugging Face's LlamaConfig; anything but false is unimplemented.
+        if config.get(key, False) is not False:
+            raise _refuse(path, key, f"expected false (no biases), found {config[key]!r}")
+
+    layers = _positive_int(config, "num_hidden_layers", path)
+    hidden = _positive_int(config, "hidden_size", path)
+    heads = _positive_int(config, "num_attention_heads", path)
+    kv_heads = _positive_int(config, "num_key_value_heads", path)
+    head_dim = _positive_int(config, "head_dim", path)
+    intermediate = _positive_int(config, "intermediate_size", path)
+    vocab = _positive_int(config, "vocab_size", path)
+    max_positions = _positive_int(config, "max_position_embeddings", path)
+    rms_norm_eps = _positive_float(config, "rms_norm_eps", path)
+    rope_theta = _rope_theta(config, path)
+    if heads % kv_heads != 0:
+        raise _refuse(path, "num_key_value_heads",
+                      f"{kv_heads} does not divide num_attention_heads {heads}")
+    if head_dim % 2 != 0:
+        raise _refuse(path, "head_dim", f"expected an even number (RoPE rotates pairs), found {head_dim}")
+
+    geometry = ModelGeometry(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                             head_dim=head_dim, vocab=vocab, max_positions=max_positions,
+                             rope_theta=rope_theta)
+    return LlamaConfig(geometry=geometry, intermediate=intermediate, rms_norm_eps=rms_norm_eps)
+
+
+def expected_tensor_shapes(geometry: ModelGeometry, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor a tied-embedding Llama checkpoint holds, by Hugging Face name, with its shape."""
+    hidden, attn_width = geometry.hidden, geometry.heads * geometry.head_dim
+    kv_width = geometry.kv_heads * geometry.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (geometry.vocab, hidden)}
+    for index in range(geometry.layers):
+        prefix = f"model.layers.{index}."
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        shapes[prefix + "self_attn.q_proj.weight"] = (attn_width, hidden)
+        shapes[prefix + "self_attn.k_proj.weight"] = (kv_width, hidden)
+        shapes[prefix + "self_attn.v_proj.weight"] = (kv_width, hidden)
+        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, attn_width)
+        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[prefix + "mlp.gate_proj.weight"] = (intermediate, hidden)
+        shapes[prefix + "mlp.up_proj.weight"] = (intermediate, hidden)
+        shapes[prefix + "mlp.down_proj.weight"] = (hidden, intermediate)
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+def check_weights(weights: dict[str, np.ndarray], geometry: ModelGeometry, intermediate: int,
+                  source: str) -> None:
+    """Refuse (one line naming ``source`` and the tensor) missing, unexpected, mis-shaped,
+    non-float32 or non-finite weights."""
+    expected = expected_tensor_shapes(geometry, intermediate)
+    for name, shape in expected.items():
+        if name not in weights:
+            raise Refused(f"{source}: {name}: tensor missing; expected shape {list(shape)}")
+        tensor = weights[name]
+        if not isinstance(tensor, np.ndarray) or tensor.dtype != np.float32:
+            found = tensor.dtype if isinstance(tensor, np.ndarray) else type(tensor).__name__
+            raise Refused(f"{source}: {name}: expected a float32 array, found {found}")
+        if tensor.shape != shape:
+            raise Refused(f"{source}: {name}: shape {list(tensor.shape)}, expected {list(shape)}")
+        if not np.isfinite(tensor).all():
+            count = int(tensor.size - np.count_nonzero(np.isfinite(tensor)))
+            raise Refused(f"{source}: {name}: {count} non-finite values")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise Refused(f"{source}: {unexpected[0]}: unexpected tensor ({len(unexpected)} unexpected; "
+                      "an untied lm_head or other extras are not implemented)")
+
+
+def load_checkpoint(model_dir: Path) -> tuple[ModelGeometry, dict[str, np.ndarray]]:
+    """Geometry and float32 weights (Hugging Face names) of the checkpoint in ``model_dir``."""
+    config = load_config(model_dir)
+    return config.geometry, load_weights(model_dir, config)
+
+
+def load_weights(model_dir: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
+    """The float32 weights of ``model.safetensors``, checked against ``config``."""
+    # Imported here so that importing this module stays cheap for code that only reads configs.
+    from safetensors.numpy import load_file
+
+    path = Path(model_dir) / WEIGHTS_FILE
+    if not path.is_file():
+        raise _refuse(path, "file", "missing")
+    try:
+        stored = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types, plus OSError/ValueError
+        raise _refuse(path, "file", f"unreadable safetensors ({type(exc).__name__}: {exc})") from None
+    weights: dict[str, np.ndarray] = {}
+    for name, tensor in stored.items():
+        if tensor.dtype not in ACCEPTED_WEIGHT_DTYPES:
+            raise _refuse(path, name, f"dtype {tensor.dtype}, expected float16 or float32")
+        weights[name] = np.ascontiguousarray(tensor, dtype=np.float32)
+    check_weights(weights, config.geometry, config.intermediate, str(path))
+    return weights

@@ -1,0 +1,290 @@
+"""NVFP4 projections ``y[T, n_out] = x[T, n_in] @ W.T`` in four arithmetics, and their factories.
+
+* ``exact`` (consumer and verification anchor): seed 003 section 7.4.2, the integer-exact a16-q8
+  contraction. Activations become Q8_K integers per 256-value super-block; each super-block's
+  weight(q1 * q9) x activation(q8) sum is an exact integer (done as a float64 BLAS matmul, exact
+  because every partial sum stays below 2^53, checked at construction); a pinned float32 epilogue
+  (x 2^-10, x 1/iscale, x scale2, sequential add over super-blocks); output rounded through
+  float16. Row t of y depends only on row t of x, bit for bit, whatever the batch or BLAS threads.
+* ``splitk`` (native, mild): the same quantized operands dequantized to float32, contracted in
+  float32 over 64-wide K chunks summed as a pairwise tree (another reduction topology).
+* ``f16`` (native, medium): ``splitk`` with both operands materialized in float16, and the
+  engine's intermediates rounded through float16 by ``materialize_f16``.
+* ``w4a4`` (native, harsh): seed section 7.4.3. Activations quantized per 16 values to E2M1 with
+  an E4M3FN block scale under a global activation scale: ``1/input_scale_inv`` when the
+  checkpoint carries one, else dynamic per row ``row amax / (6 * 448)`` (keeps rows independent).
+  Integer sum of weight-q1 x act-q1 x weight-q9 x act-q9 (units 2^-20), epilogue x 2^-20,
+  x weight scale2, x activation global scale, float16 output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal, get_args
+
+import numpy as np
+
+from qualify.engines.base import Linear
+from qualify.engines.nvfp4 import (
+    BLOCK_SIZE,
+    E2M1_MAX,
+    E4M3FN_MAX,
+    E4M3FN_Q9,
+    Nvfp4Checkpoint,
+    Nvfp4Tensor,
+    dequantize_nvfp4,
+    e2m1_q1,
+    load_nvfp4_checkpoint,
+    quantize_blocks_e2m1,
+    validate_nvfp4_tensor,
+)
+from qualify.errors import Refused
+
+Arithmetic = Literal["exact", "splitk", "f16", "w4a4"]
+ARITHMETICS: tuple[str, ...] = get_args(Arithmetic)
+
+SUPER_BLOCK = 256  # Q8_K activation super-block
+Q8_MAX = 127
+FLOAT64_EXACT_LIMIT = 2**53  # integers (and sums of them) below this are exact in float64
+TWO_POW_M10 = np.float32(2.0**-10)  # q1 (2^-1) x q9 (2^-9)
+TWO_POW_M20 = np.float32(2.0**-20)  # weight q1 q9 x activation q1 q9
+W4A4_ACT_Q10_MAX = 12 * int(E4M3FN_Q9[0x7E])  # |act q1| <= 12 (6.0), |act q9| <= 448 * 2^9
+SPLIT_K = 64
+
+
+def _require_float64_exact(max_row_abs_q: int, operand_max: int, name: str) -> None:
+    """Refuse unless every partial sum of a row contraction is an integer below 2^53."""
+    bound = int(max_row_abs_q) * int(operand_max)
+    if bound >= FLOAT64_EXACT_LIMIT:
+        raise Refused(f"{name}: integer row bound {bound} >= 2^53; a float64 contraction would not be exact")
+
+
+def _activations_f32(x: np.ndarray, n_in: int, name: str) -> np.ndarray:
+    """Refuse anything but finite float32 [T, n_in]."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_in:
+        got = f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}"
+        raise Refused(f"{name}: activations must be float32 [T, {n_in}], got {got}")
+    if not np.isfinite(x).all():
+        raise Refused(f"{name}: activations contain non-finite values")
+    return x
+
+
+F16_MIN_NORMAL = np.float32(2.0**-14)
+F16_OVERFLOW_MIDPOINT = np.float32(65520.0)  # at or above: float16 rounds to inf
+
+
+def round_through_f16(values_f32: np.ndarray) -> np.ndarray:
+    """float32 -> nearest float16 (ties to even) -> float32; bit-identical to
+    ``astype(float16).astype(float32)`` but faster: float16-normal values round their float32 bit
+    pattern to 10 mantissa bits; the rare rest (zero, subnormal, overflow, NaN) take ``astype``."""
+    values = np.ascontiguousarray(values_f32, dtype=np.float32)
+    bits = values.view(np.uint32)
+    rounded = bits >> np.uint32(13)
+    rounded &= np.uint32(1)  # lowest kept mantissa bit: a tie goes to even
+    rounded += np.uint32(0x0FFF)
+    rounded += bits
+    rounded &= np.uint32(0xFFFFE000)
+    out = rounded.view(np.float32)
+    magnitude = np.abs(values)
+    special = ~((magnitude >= F16_MIN_NORMAL) & (magnitude < F16_OVERFLOW_MIDPOINT))
+    if special.any():
+        with np.errstate(over="ignore"):
+            out[special] = values[special].astype(np.float16).astype(np.float32)
+    return out
+
+
+def quantize_activations_q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_K per 256-value super-block: signed first absolute maximum m, iscale = -127/m (float32),
+    q = min(127, round-half-even(iscale * x)); the block scale is 1/iscale (0 for an all-zero
+    block, whose codes are 0). x float32 [T, n_in] -> q8 int8 [T, n_in], q8_scale float32 [T, S]."""
+    rows, n_in = x.shape
+    blocks = x.reshape(rows, n_in // SUPER_BLOCK, SUPER_BLOCK)
+    first_max_index = np.argmax(np.abs(blocks), axis=2)[:, :, None]  # argmax keeps the first
+    signed_max = np.take_along_axis(blocks, first_max_index, axis=2)[:, :, 0]  # [T, S]
+    zero_block = signed_max == 0
+    with np.errstate(divide="ignore"):
+        iscale = np.where(zero_block, np.float32(0.0), np.float32(-Q8_MAX) / signed_max)
+        q8_scale = np.where(zero_block, np.float32(0.0), np.float32(1.0) / iscale)
+    q8 = np.minimum(np.rint(blocks * iscale[:, :, None]), Q8_MAX).astype(np.int8)
+    return q8.reshape(rows, n_in), q8_scale.astype(np.float32)
+
+
+def _dequantized_q8_activations(x: np.ndarray) -> np.ndarray:
+    """Q8_K round trip in float32 [T, n_in]: q8 * (1/iscale), the operand native lanes contract."""
+    q8, q8_scale = quantize_activations_q8k(x)
+    rows, n_in = x.shape
+    blocks = q8.astype(np.float32).reshape(rows, -1, SUPER_BLOCK) * q8_scale[:, :, None]
+    return blocks.reshape(rows, n_in)
+
+
+def _require_super_blocks(tensor: Nvfp4Tensor) -> None:
+    if tensor.n_in % SUPER_BLOCK:
+        raise Refused(f"{tensor.name}: n_in {tensor.n_in} is not a multiple of the Q8_K super-block {SUPER_BLOCK}")
+
+
+class ExactA16Q8Linear:
+    """Seed 003 section 7.4.2: integer-exact a16-q8 contraction with the pinned float32 epilogue.
+
+    Holds the folded integer weight (e2m1_q1 * e4m3fn_q9, units 2^-10) as float64
+    [S, 256, n_out] so each super-block's integer sum is one exact BLAS matmul."""
+
+    arithmetic = "exact"
+
+    def __init__(self, tensor: Nvfp4Tensor) -> None:
+        validate_nvfp4_tensor(tensor)
+        _require_super_blocks(tensor)
+        _require_float64_exact(tensor.max_row_abs_weight_q10(), Q8_MAX, tensor.name)
+        self.name, self.n_in, self.n_out, self.scale2 = tensor.name, tensor.n_in, tensor.n_out, tensor.scale2
+        super_blocks = self.n_in // SUPER_BLOCK
+        weight_q10_t = tensor.weight_q10().T.astype(np.float64)  # [n_in, n_out]
+        self._weight_q10_t_by_super_block = weight_q10_t.reshape(super_blocks, SUPER_BLOCK, self.n_out)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x float32 [T, n_in] -> float32 [T, n_out] (values exactly representable in float16)."""
+        x = _activations_f32(x, self.n_in, self.name)
+        q8, q8_scale = quantize_activations_q8k(x)  # int8 [T, n_in], float32 [T, S]
+        q8_f64 = q8.astype(np.float64)
+        total = np.zeros((x.shape[0], self.n_out), dtype=np.float32)
+        for s, weight_q10_t in enumerate(self._weight_q10_t_by_super_block):
+            columns = slice(s * SUPER_BLOCK, (s + 1) * SUPER_BLOCK)
+            integer_total = q8_f64[:, columns] @ weight_q10_t  # [T, n_out], exact integers
+            contribution = integer_total.astype(np.float32) * TWO_POW_M10  # 1. x 2^-10
+            contribution *= q8_scale[:, s : s + 1]  # 2. x activation scale 1/iscale
+            contribution *= self.scale2  # 3. x tensor scale2
+            total += contribution  # 4. sequential accumulation over super-blocks
+        return round_through_f16(total)
+
+
+def _pairwise_tree_sum(parts: list[np.ndarray]) -> np.ndarray:
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+class SplitKLinear:
+    """Native ``splitk``: dequantized float32 operands (weights, Q8_K activations), float32
+    products over 64-wide K chunks summed as a pairwise tree; float16 output rounding."""
+
+    arithmetic = "splitk"
+    operands_in_f16 = False
+
+    def __init__(self, tensor: Nvfp4Tensor) -> None:
+        validate_nvfp4_tensor(tensor)
+        _require_super_blocks(tensor)
+        self.name, self.n_in, self.n_out = tensor.name, tensor.n_in, tensor.n_out
+        weight = dequantize_nvfp4(tensor)  # float32 [n_out, n_in]
+        if self.operands_in_f16:
+            weight = round_through_f16(weight)
+        self._weight_t = np.ascontiguousarray(weight.T)  # [n_in, n_out]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = _activations_f32(x, self.n_in, self.name)
+        activations = _dequantized_q8_activations(x)  # float32 [T, n_in]
+        if self.operands_in_f16:
+            activations = round_through_f16(activations)
+        partials = [
+            activations[:, k : k + SPLIT_K] @ self._weight_t[k : k + SPLIT_K] for k in range(0, self.n_in, SPLIT_K)
+        ]
+        return round_through_f16(_pairwise_tree_sum(partials))
+
+
+class F16Linear(SplitKLinear):
+    """Native ``f16``: ``splitk`` with weight and activation operands materialized in float16."""
+
+    arithmetic = "f16"
+    operands_in_f16 = True
+
+
+class W4A4Linear:
+    """Native ``w4a4`` (seed section 7.4.3): E2M1 activations with E4M3FN scales per 16 values and
+    a global activation scale; one exact integer sum per row (units 2^-20), float32 epilogue."""
+
+    arithmetic = "w4a4"
+
+    def __init__(self, tensor: Nvfp4Tensor) -> None:
+        validate_nvfp4_tensor(tensor)
+        _require_float64_exact(tensor.max_row_abs_weight_q10(), W4A4_ACT_Q10_MAX, tensor.name)
+        self.name, self.n_in, self.n_out, self.scale2 = tensor.name, tensor.n_in, tensor.n_out, tensor.scale2
+        self.input_scale_inv = tensor.input_scale_inv
+        self._weight_q10_t = tensor.weight_q10().T.astype(np.float64)  # [n_in, n_out]
+
+    def quantize_activations(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x float32 [T, n_in] -> activation q1*q9 (float64 [T, n_in], units 2^-10) and the global
+        activation scale float32 [T, 1] (static 1/input_scale_inv, else dynamic row amax/2688)."""
+        rows = x.shape[0]
+        if self.input_scale_inv is not None:
+            act_scale2 = np.full((rows, 1), np.float32(1.0) / self.input_scale_inv, dtype=np.float32)
+        else:
+            act_scale2 = np.abs(x).max(axis=1, keepdims=True) / np.float32(E2M1_MAX * E4M3FN_MAX)
+        codes, scale_bytes = quantize_blocks_e2m1(x, act_scale2)
+        act_q10 = e2m1_q1(codes).reshape(rows, -1, BLOCK_SIZE) * E4M3FN_Q9[scale_bytes][:, :, None]
+        return act_q10.reshape(rows, self.n_in).astype(np.float64), act_scale2.astype(np.float32)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = _activations_f32(x, self.n_in, self.name)
+        act_q10, act_scale2 = self.quantize_activations(x)
+        integer_total = act_q10 @ self._weight_q10_t  # [T, n_out], exact integers (2^-20 units)
+        y = integer_total.astype(np.float32) * TWO_POW_M20
+        y *= self.scale2
+        y *= act_scale2
+        return round_through_f16(y)
+
+
+_LINEAR_BY_ARITHMETIC: dict[str, type] = {
+    "exact": ExactA16Q8Linear,
+    "splitk": SplitKLinear,
+    "f16": F16Linear,
+    "w4a4": W4A4Linear,
+}
+
+
+def _require_arithmetic(arithmetic: str) -> None:
+    if arithmetic not in ARITHMETICS:
+        raise Refused(f"nvfp4 arithmetic: {arithmetic!r} is not one of {list(ARITHMETICS)}")
+
+
+def make_nvfp4_linear(tensor: Nvfp4Tensor, arithmetic: Arithmetic) -> Linear:
+    """One NVFP4 Linear of the named arithmetic over ``tensor``."""
+    _require_arithmetic(arithmetic)
+    return _LINEAR_BY_ARITHMETIC[arithmetic](tensor)
+
+
+def make_nvfp4_linear_factory(
+    checkpoint: Nvfp4Checkpoint | str | Path, arithmetic: Arithmetic
+) -> Callable[[str, np.ndarray | None], Linear]:
+    """``make_linear(name, weight_f32) -> Linear`` for the reference engine. It ignores the float
+    weight's values (the NVFP4 tensors of ``name`` are the weight) but refuses a shape mismatch or
+    a name the checkpoint lacks. A W4A4 checkpoint (input_scale_inv present) only admits ``w4a4``."""
+    _require_arithmetic(arithmetic)
+    if not isinstance(checkpoint, Nvfp4Checkpoint):
+        checkpoint = load_nvfp4_checkpoint(checkpoint)
+    if checkpoint.activation_precision == "nvfp4" and arithmetic != "w4a4":
+        raise Refused(f"{checkpoint.path}: activation_precision 'nvfp4' (W4A4) does not admit arithmetic {arithmetic!r}")
+
+    def make_linear(name: str, weight_f32: np.ndarray | None = None) -> Linear:
+        tensor = checkpoint.nvfp4.get(name)
+        if tensor is None:
+            raise Refused(f"{checkpoint.path}: no NVFP4 tensor named {name!r}")
+        if weight_f32 is not None and tuple(np.shape(weight_f32)) != (tensor.n_out, tensor.n_in):
+            raise Refused(f"{name}: float weight shape {list(np.shape(weight_f32))} does not match NVFP4 "
+                          f"[{tensor.n_out}, {tensor.n_in}]")
+        return make_nvfp4_linear(tensor, arithmetic)
+
+    return make_linear
+
+
+def materialize_identity(x: np.ndarray) -> np.ndarray:
+    """Intermediates stay float32 (exact, splitk, w4a4)."""
+    return x
+
+
+def materialize_f16(x: np.ndarray) -> np.ndarray:
+    """Round an intermediate through float16 and back to float32 (the ``f16`` variant)."""
+    return round_through_f16(np.asarray(x, dtype=np.float32))
+
+
+def materialize_hook(arithmetic: Arithmetic) -> Callable[[np.ndarray], np.ndarray]:
+    """The engine's ``materialize(x)`` hook for an arithmetic: float16 round trip for ``f16``."""
+    _require_arithmetic(arithmetic)
+    return materialize_f16 if arithmetic == "f16" else materialize_identity

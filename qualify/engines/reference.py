@@ -1,0 +1,525 @@
+"""The numpy reference engine: a Llama decoder (Hugging Face ``LlamaForCausalLM`` math), readable
+top to bottom, deterministic bit for bit, and the harness's embedded default engine.
+
+Model, per token row (shapes for the shipped model: hidden 256, 8 query heads, 4 KV heads,
+head_dim 32, intermediate 512, vocab 4096):
+
+    x = embed[token]                                   # [hidden], float16 weights upcast to float32
+    for each layer:
+        h = RMSNorm(x)                                 # float32, weight * x / sqrt(mean(x^2) + eps)
+        q, k, v = Wq h, Wk h, Wv h                     # pluggable Linear (dense float32 by default)
+        q, k = RoPE(q), RoPE(k)                        # Hugging Face rotate_half layout
+        a = softmax(q k^T / sqrt(head_dim)) v          # grouped-query, causal, float32 softmax
+        x = x + Wo a
+        m = RMSNorm(x)
+        x = x + Wdown(silu(Wgate m) * Wup m)           # SwiGLU
+    logits = RMSNorm(x) @ embed^T                      # tied LM head, always dense float32
+
+Two forward paths share the layer weights and arithmetic kinds but not reduction shapes:
+
+* ``prefill`` is batched over positions (one matmul per projection, attention in query blocks),
+  because it only produces KV and speed matters there;
+* decode (``forward_rows``, used by ``decode`` and ``teacher_forced``) runs every new row through
+  the whole model on its own. BLAS gives different bits for row t of a [T, n] matmul depending on
+  T (gemv for one row, gemm kernels for several, measured on OpenBLAS 0.3.30), so a block of rows
+  is always computed as consecutive single-row steps. A speculative verifier that feeds k+1 rows
+  at once, or a consumer that gets several pending tokens, therefore reproduces plain one-token
+  decode bit for bit. Determinism does not depend on the BLAS thread count either: OpenBLAS splits
+  matmuls over output rows/columns, never over the reduction dimension (tested in subprocesses).
+
+The ``materialize`` hook stands in for intermediates a fast producer stores in a narrower type.
+It is applied, in both paths, to: the residual stream after each add, every RMSNorm output
+(including the final norm), the attention probabilities, the attention output (before ``o_proj``)
+and the SwiGLU product (before ``down_proj``). KV stays float32 (the canonical layout).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import qualify
+from qualify import assets
+from qualify.engines.base import DecodeResult, Linear, ModelGeometry
+from qualify.engines.checkpoint import check_weights, load_config, load_weights
+from qualify.errors import Refused
+from qualify.kv import KVCache
+
+# Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
+# the abi is part of every lane's cache identity, so old KV never aliases new arithmetic.
+ABI_VERSION = "numpy-llama-abi-1"
+# Prefill attention runs over query blocks of this many rows: scores for one block are
+# [kv_heads, group, block, keys] float32 (~17 MB at 2047 positions) instead of the whole
+# [heads, T, T] matrix, and keys after the block are never computed.
+PREFILL_QUERY_BLOCK = 256
+
+Materialize = Callable[[np.ndarray], np.ndarray]
+MakeLinear = Callable[[str, np.ndarray], Linear]
+
+
+# --------------------------------------------------------------------------------------------
+# Pluggable pieces: projections and materialization
+# --------------------------------------------------------------------------------------------
+
+
+class DenseLinear:
+    """The default projection: float32 ``x @ W.T`` through numpy's BLAS."""
+
+    kind = "dense-f32"
+
+    def __init__(self, weight_f32: np.ndarray) -> None:
+        self.weight = np.ascontiguousarray(weight_f32, dtype=np.float32)  # [n_out, n_in]
+        self.n_out, self.n_in = self.weight.shape
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.weight.T  # [T, n_in] @ [n_in, n_out] -> [T, n_out]
+
+
+def dense_linear(name: str, weight_f32: np.ndarray) -> DenseLinear:
+    """The default ``make_linear`` factory: every projection dense float32."""
+    del name  # every projection gets the same arithmetic
+    return DenseLinear(weight_f32)
+
+
+class KeepFloat32:
+    """The default ``materialize`` hook: intermediates stay float32 (identity)."""
+
+    kind = "f32"
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+
+class RoundTripFloat16:
+    """A ``materialize`` hook that stores intermediates as float16, as an f16 fast producer does
+    (values beyond float16's range become infinities, as they would there)."""
+
+    kind = "f16-round-trip"
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (pure functions, float32 in and out)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
+    """x [T, hidden] -> weight * x / sqrt(mean(x^2) + eps), computed in float32 like HF."""
+    mean_square = np.mean(x * x, axis=-1, keepdims=True)  # [T, 1]
+    return weight * (x * (np.float32(1.0) / np.sqrt(mean_square + eps)))
+
+
+def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [positions, head_dim] float32, angles laid out [f, f] (HF rotate_half layout)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** exponents)  # [head_dim / 2]
+    # One float32 product per angle, the same rounding as HF's float32 outer product.
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([freqs, freqs], axis=-1)  # [positions, head_dim]
+    return np.cos(angles), np.sin(angles)
+
+
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    """[..., head_dim]: (x1, x2) -> (-x2, x1), halves along the last axis."""
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate q or k ([..., head_dim]) by the angles of its positions (cos/sin broadcast)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x) as x / (1 + exp(-x)); exp overflow for x < -88 correctly gives -0."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+def softmax_(scores: np.ndarray) -> np.ndarray:
+    """In-place float32 softmax over the last axis (max-subtracted; -inf entries become 0)."""
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
+
+
+# --------------------------------------------------------------------------------------------
+# One decoder layer
+# --------------------------------------------------------------------------------------------
+
+
+class DecoderLayer:
+    """One Llama decoder layer (attention + SwiGLU MLP), with a batched prefill path and a
+    single-row decode path. ``prefix`` is the layer's weight-name prefix, e.g.
+    ``model.layers.0.`` (a draft head's own layer can reuse this with its prefix)."""
+
+    def __init__(self, weights: dict[str, np.ndarray], prefix: str, geometry: ModelGeometry,
+                 rms_norm_eps: float, rope: tuple[np.ndarray, np.ndarray],
+                 make_linear: MakeLinear, materialize: Materialize) -> None:
+        self.heads, self.kv_heads, self.head_dim = geometry.heads, geometry.kv_heads, geometry.head_dim
+        self.group = self.heads // self.kv_heads  # query heads per KV head
+        self.scale = np.float32(1.0 / math.sqrt(self.head_dim))
+        self.eps = np.float32(rms_norm_eps)
+        self.rope_cos, self.rope_sin = rope  # [max_positions, head_dim]
+        self.materialize = materialize
+        self.attention_norm = weights[prefix + "input_layernorm.weight"]  # [hidden]
+        self.mlp_norm = weights[prefix + "post_attention_layernorm.weight"]  # [hidden]
+
+        def linear(name: str) -> Linear:
+            return make_engine_linear(make_linear, prefix + name, weights[prefix + name])
+
+        self.q_proj = linear("self_attn.q_proj.weight")  # hidden -> heads * head_dim
+        self.k_proj = linear("self_attn.k_proj.weight")  # hidden -> kv_heads * head_dim
+        self.v_proj = linear("self_attn.v_proj.weight")  # hidden -> kv_heads * head_dim
+        self.o_proj = linear("self_attn.o_proj.weight")  # heads * head_dim -> hidden
+        self.gate_proj = linear("mlp.gate_proj.weight")  # hidden -> intermediate
+        self.up_proj = linear("mlp.up_proj.weight")  # hidden -> intermediate
+        self.down_proj = linear("mlp.down_proj.weight")  # intermediate -> hidden
+
+    @property
+    def linears(self) -> list[Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.o_proj,
+                self.gate_proj, self.up_proj, self.down_proj]
+
+    def _mlp_residual(self, x: np.ndarray) -> np.ndarray:
+        """x [T, hidden] -> x + down(silu(gate(norm x)) * up(norm x)), materialized."""
+        m = self.materialize(rms_norm(x, self.mlp_norm, self.eps))  # [T, hidden]
+        swiglu = self.materialize(silu(self.gate_proj(m)) * self.up_proj(m))  # [T, intermediate]
+        return self.materialize(x + self.down_proj(swiglu))
+
+    # ---- prefill: all positions at once --------------------------------------------------
+
+    def prefill(self, x: np.ndarray, *, need_output: bool = True
+                ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """x [T, hidden] at positions 0..T-1 -> (x_out [T, hidden] or None, K, V), K post-RoPE
+        and V as C-contiguous [kv_heads, T, head_dim]. ``need_output=False`` stops after K/V
+        (the last layer's output only feeds logits, which prefill does not return)."""
+        positions = x.shape[0]
+        cos, sin = self.rope_cos[:positions], self.rope_sin[:positions]  # [T, head_dim]
+        h = self.materialize(rms_norm(x, self.attention_norm, self.eps))  # [T, hidden]
+        q = self.q_proj(h).reshape(positions, self.heads, self.head_dim).transpose(1, 0, 2)
+        k = self.k_proj(h).reshape(positions, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+        v = self.v_proj(h).reshape(positions, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+        q = np.ascontiguousarray(apply_rope(q, cos, sin))  # [heads, T, head_dim]
+        k = np.ascontiguousarray(apply_rope(k, cos, sin))  # [kv_heads, T, head_dim]
+        v = np.ascontiguousarray(v, dtype=np.float32)  # [kv_heads, T, head_dim]
+        if not need_output:
+            return None, k, v
+        attended = self._prefill_attention(q, k, v)  # [T, heads * head_dim]
+        x = self.materialize(x + self.o_proj(attended))
+        return self._mlp_residual(x), k, v
+
+    def _prefill_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Causal grouped-query attention over all positions, in query blocks (no Python loop
+        over positions). q [heads, T, hd], k/v [kv_heads, T, hd] -> [T, heads * hd]."""
+        kv_heads, group, head_dim = self.kv_heads, self.group, self.head_dim
+        positions = q.shape[1]
+        # Query head h reads KV head h // group (HF repeat_kv order), so [heads] -> [kv, group].
+        grouped = q.reshape(kv_heads, group, positions, head_dim)
+        out = np.empty((kv_heads, group, positions, head_dim), dtype=np.float32)
+        for start in range(0, positions, PREFILL_QUERY_BLOCK):
+            stop = min(start + PREFILL_QUERY_BLOCK, positions)
+            rows = stop - start
+            q_block = grouped[:, :, start:stop].reshape(kv_heads, group * rows, head_dim)
+            # Only keys 0..stop-1 can be visible to this block.
+            scores = q_block @ k[:, :stop].transpose(0, 2, 1)  # [kv, group * rows, stop]
+            scores *= self.scale
+            scores = scores.reshape(kv_heads, group, rows, stop)
+            # Query at position i sees keys j <= i: mask the rest with -inf before softmax.
+            future = np.arange(stop)[None, :] > np.arange(start, stop)[:, None]  # [rows, stop]
+            scores += np.where(future, np.float32(-np.inf), np.float32(0.0))
+            probs = self.materialize(softmax_(scores))  # [kv, group, rows, stop]
+            block = probs.reshape(kv_heads, group * rows, stop) @ v[:, :stop]  # [kv, g*rows, hd]
+            out[:, :, start:stop] = block.reshape(kv_heads, group, rows, head_dim)
+        # [kv, group, T, hd] -> [heads, T, hd] -> [T, heads * hd] (heads concatenated per row)
+        merged = out.reshape(self.heads, positions, head_dim).transpose(1, 0, 2)
+        return self.materialize(merged.reshape(positions, self.heads * head_dim))
+
+    # ---- decode: one row -------------------------------------------------------------------
+
+    def decode_row(self, x: np.ndarray, position: int, keys: np.ndarray, values: np.ndarray
+                   ) -> np.ndarray:
+        """x [1, hidden] at ``position`` -> x_out [1, hidden]. Writes this row's K (post-RoPE)
+        and V into ``keys``/``values`` [kv_heads, capacity, head_dim] at ``position`` and attends
+        over positions 0..position. The same code runs for every row whatever the block size."""
+        cos, sin = self.rope_cos[position], self.rope_sin[position]  # [head_dim]
+        h = self.materialize(rms_norm(x, self.attention_norm, self.eps))  # [1, hidden]
+        q = apply_rope(self.q_proj(h).reshape(self.heads, self.head_dim), cos, sin)
+        keys[:, position] = apply_rope(self.k_proj(h).reshape(self.kv_heads, self.head_dim), cos, sin)
+        values[:, position] = self.v_proj(h).reshape(self.kv_heads, self.head_dim)
+        visible = position + 1
+        grouped = q.reshape(self.kv_heads, self.group, self.head_dim)  # [kv, group, hd]
+        scores = grouped @ keys[:, :visible].transpose(0, 2, 1)  # [kv, group, visible]
+        scores *= self.scale
+        probs = self.materialize(softmax_(scores))
+        attended = probs @ values[:, :visible]  # [kv, group, hd]
+        attended = self.materialize(attended.reshape(1, self.heads * self.head_dim))
+        x = self.materialize(x + self.o_proj(attended))
+        return self._mlp_residual(x)
+
+
+def make_engine_linear(make_linear: MakeLinear, name: str, weight_f32: np.ndarray) -> Linear:
+    """Call the factory and refuse a projection whose shape or declared ``kind`` is missing:
+    the engine abi names every arithmetic, so an undeclared one would alias cache identities."""
+    linear = make_linear(name, weight_f32)
+    n_out, n_in = weight_f32.shape
+    if getattr(linear, "n_in", None) != n_in or getattr(linear, "n_out", None) != n_out:
+        raise Refused(f"make_linear: {name}: n_in/n_out {getattr(linear, 'n_in', None)}/"
+                      f"{getattr(linear, 'n_out', None)}, expected {n_in}/{n_out}")
+    kind = getattr(linear, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise Refused(f"make_linear: {name}: {type(linear).__name__} declares no 'kind' string "
+                      "(needed in the engine abi)")
+    return linear
+
+
+# --------------------------------------------------------------------------------------------
+# Decode state
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeCache:
+    """Preallocated per-layer K/V ``[kv_heads, capacity, head_dim]`` float32; positions
+    0..length-1 are filled. ``truncate`` rolls back (a verifier rejecting draft tokens)."""
+
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    length: int
+    meta: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def truncate(self, length: int) -> None:
+        """Forget positions ``length`` onward; they are overwritten when fed again."""
+        if not 0 <= length <= self.length:
+            raise Refused(f"decode cache: truncate length {length} outside 0..{self.length}")
+        self.length = length
+
+    def export(self) -> KVCache:
+        """The filled positions as a canonical KVCache (copies)."""
+        return KVCache([np.ascontiguousarray(k[:, :self.length]) for k in self.keys],
+                       [np.ascontiguousarray(v[:, :self.length]) for v in self.values])
+
+
+@dataclass
+class RowsOutput:
+    """What ``forward_rows`` returns: ``logits`` float32 [T, vocab] (row t scores the token after
+    row t) and ``hidden`` float32 [T, hidden], the last hidden state before the final norm."""
+
+    logits: np.ndarray
+    hidden: np.ndarray
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
+
+
+class ReferenceEngine:
+    """The numpy Llama engine: producer (``prefill``) and consumer (``decode``,
+    ``teacher_forced``) of the canonical KV layout, with pluggable projections."""
+
+    name = "reference-numpy"
+    version = qualify.__version__
+    logit_units = "raw"
+
+    def __init__(self, geometry: ModelGeometry, weights: dict[str, np.ndarray], *,
+                 rms_norm_eps: float, make_linear: MakeLinear | None = None,
+                 materialize: Materialize | None = None) -> None:
+        gate = weights.get("model.layers.0.mlp.gate_proj.weight")
+        if not isinstance(gate, np.ndarray) or gate.ndim != 2:
+            raise Refused("weights: model.layers.0.mlp.gate_proj.weight: missing or not a matrix")
+        check_weights(weights, geometry, gate.shape[0], "weights")
+        if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and rms_norm_eps > 0):
+            raise Refused(f"rms_norm_eps: expected a positive finite float, found {rms_norm_eps!r}")
+        self.geometry = geometry
+        self.intermediate = int(gate.shape[0])
+        self.rms_norm_eps = rms_norm_eps
+        make_linear = dense_linear if make_linear is None else make_linear
+        self.materialize: Materialize = KeepFloat32() if materialize is None else materialize
+        materialize_kind = getattr(self.materialize, "kind", None)
+        if not isinstance(materialize_kind, str) or not materialize_kind:
+            raise Refused("materialize: hook declares no 'kind' string (needed in the engine abi)")
+
+        self.rope = rope_tables(geometry.max_positions, geometry.head_dim, geometry.rope_theta)
+        self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden] float32
+        self.layers = [
+            DecoderLayer(weights, f"model.layers.{index}.", geometry, rms_norm_eps, self.rope,
+                         make_linear, self.materialize)
+            for index in range(geometry.layers)
+        ]
+        self.final_norm = weights["model.norm.weight"]  # [hidden]
+        self.eps = np.float32(rms_norm_eps)
+
+        linear_kinds = sorted({linear.kind for layer in self.layers for linear in layer.linears})
+        abi = f"{ABI_VERSION}+{','.join(linear_kinds)}"
+        if materialize_kind != KeepFloat32.kind:
+            abi += f"+{materialize_kind}"
+        self.abi = abi
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path = assets.MODEL_DIR, make_linear: MakeLinear | None = None,
+                       materialize: Materialize | None = None) -> "ReferenceEngine":
+        """Load ``config.json`` + ``model.safetensors`` from ``model_dir`` (refusing bad ones)."""
+        config = load_config(Path(model_dir))
+        weights = load_weights(Path(model_dir), config)
+        return cls(config.geometry, weights, rms_norm_eps=config.rms_norm_eps,
+                   make_linear=make_linear, materialize=materialize)
+
+    # ---- shared pieces ---------------------------------------------------------------------
+
+    def _tokens(self, tokens: np.ndarray, what: str) -> np.ndarray:
+        """Refuse anything but a non-empty 1-D array of in-vocabulary integer ids; int64 copy."""
+        array = np.asarray(tokens)
+        if array.ndim != 1 or array.size == 0:
+            raise Refused(f"{what}: expected a non-empty 1-D token array, found shape {list(array.shape)}")
+        if not np.issubdtype(array.dtype, np.integer):
+            raise Refused(f"{what}: expected integer token ids, found dtype {array.dtype}")
+        if array.min() < 0 or array.max() >= self.geometry.vocab:
+            raise Refused(f"{what}: token ids must lie in 0..{self.geometry.vocab - 1}, "
+                          f"found {int(array.min())}..{int(array.max())}")
+        return array.astype(np.int64)
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
+        """Final norm then the tied LM head: x [T, hidden] -> float32 [T, vocab], always dense
+        float32 whatever the projections are (the embedding upcast from float16)."""
+        normed = self.materialize(rms_norm(x, self.final_norm, self.eps))
+        return normed @ self.embed.T
+
+    # ---- producer --------------------------------------------------------------------------
+
+    def prefill(self, tokens: np.ndarray) -> KVCache:
+        """KV of exactly ``tokens`` (positions 0..len-1): per layer K (post-RoPE) and V float32
+        [kv_heads, positions, head_dim], C-contiguous."""
+        kv, _ = self._prefill(tokens, need_hidden=False)
+        return kv
+
+    def prefill_with_hidden(self, tokens: np.ndarray) -> tuple[KVCache, np.ndarray]:
+        """``prefill`` plus the last hidden state before the final norm, float32 [T, hidden]
+        (what an EAGLE draft head reads)."""
+        kv, hidden = self._prefill(tokens, need_hidden=True)
+        assert hidden is not None
+        return kv, hidden
+
+    def _prefill(self, tokens: np.ndarray, need_hidden: bool) -> tuple[KVCache, np.ndarray | None]:
+        began = time.perf_counter()
+        tokens = self._tokens(tokens, "prefill tokens")
+        if tokens.size > self.geometry.max_positions:
+            raise Refused(f"prefill tokens: {tokens.size} positions exceed max_positions "
+                          f"{self.geometry.max_positions}")
+        x: np.ndarray | None = self.embed[tokens]  # [T, hidden]
+        keys, values = [], []
+        for index, layer in enumerate(self.layers):
+            last = index == len(self.layers) - 1
+            assert x is not None
+            x, k, v = layer.prefill(x, need_output=need_hidden or not last)
+            keys.append(k)
+            values.append(v)
+        kv = KVCache(keys, values, meta={"prefill_seconds": time.perf_counter() - began})
+        return kv, x
+
+    # ---- consumer --------------------------------------------------------------------------
+
+    def new_cache(self, kv: KVCache, extra_positions: int) -> DecodeCache:
+        """Install (copy) a canonical KV into a cache with room for ``extra_positions`` more,
+        refusing a KV whose geometry, dtype or values do not fit this model."""
+        layers, kv_heads, head_dim = self.geometry.layers, self.geometry.kv_heads, self.geometry.head_dim
+        if not isinstance(kv, KVCache) or len(kv.keys) != layers or len(kv.values) != layers:
+            found = (len(kv.keys), len(kv.values)) if isinstance(kv, KVCache) else type(kv).__name__
+            raise Refused(f"kv: expected {layers} layers of K and V, found {found}")
+        positions = None
+        for index in range(layers):
+            for kind, array in (("k", kv.keys[index]), ("v", kv.values[index])):
+                where = f"kv: layers.{index}.{kind}"
+                if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+                    found = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+                    raise Refused(f"{where}: expected float32, found {found}")
+                positions = array.shape[1] if positions is None and array.ndim == 3 else positions
+                if array.shape != (kv_heads, positions, head_dim):
+                    raise Refused(f"{where}: shape {list(array.shape)}, expected "
+                                  f"[{kv_heads}, {positions}, {head_dim}]")
+                if not np.isfinite(array).all():
+                    raise Refused(f"{where}: non-finite values")
+        assert positions is not None
+        capacity = positions + extra_positions
+        if extra_positions < 0 or capacity > self.geometry.max_positions:
+            raise Refused(f"kv: {positions} positions plus {extra_positions} to feed exceed "
+                          f"max_positions {self.geometry.max_positions}")
+        cache_keys, cache_values = [], []
+        for key, value in zip(kv.keys, kv.values, strict=True):
+            cache_key = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
+            cache_value = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
+            cache_key[:, :positions] = key
+            cache_value[:, :positions] = value
+            cache_keys.append(cache_key)
+            cache_values.append(cache_value)
+        return DecodeCache(cache_keys, cache_values, length=positions)
+
+    def forward_rows(self, cache: DecodeCache, tokens: np.ndarray) -> RowsOutput:
+        """Feed ``tokens`` at positions cache.length.. and append their K/V. Each row runs
+        through the whole model alone (see module docstring), so the result for a row never
+        depends on how many rows were fed together."""
+        tokens = self._tokens(tokens, "tokens")
+        if cache.length + tokens.size > cache.capacity:
+            raise Refused(f"decode cache: {tokens.size} tokens after {cache.length} positions "
+                          f"exceed capacity {cache.capacity}")
+        logits = np.empty((tokens.size, self.geometry.vocab), dtype=np.float32)
+        hidden = np.empty((tokens.size, self.geometry.hidden), dtype=np.float32)
+        for row, token in enumerate(tokens):
+            position = cache.length
+            x = self.embed[token:token + 1]  # [1, hidden]
+            for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
+                x = layer.decode_row(x, position, keys, values)
+            hidden[row] = x[0]
+            logits[row] = self._logits(x)[0]
+            cache.length = position + 1
+        return RowsOutput(logits=logits, hidden=hidden)
+
+    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
+        """Install ``kv``, feed ``pending``, then generate ``n`` greedy tokens (argmax, ties to
+        the lowest id), keeping every full logit row."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise Refused(f"decode n: expected a positive integer, found {n!r}")
+        return self._run(kv, pending, int(n), forced=None)
+
+    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
+        """Logits [len(forced), vocab]: row i scores the position after pending + forced[:i]."""
+        forced = self._tokens(forced, "forced tokens")
+        return self._run(kv, pending, int(forced.size), forced=forced).logits
+
+    def _run(self, kv: KVCache, pending: np.ndarray, steps: int, forced: np.ndarray | None
+             ) -> DecodeResult:
+        """The one decode loop: greedy when ``forced`` is None, else feeding ``forced``. Both
+        feed one token per step through ``forward_rows``, so decode equals teacher_forced fed
+        its own tokens bit for bit."""
+        began = time.perf_counter()
+        pending = self._tokens(pending, "pending tokens")
+        # The last chosen token is never fed, so the cache needs pending + steps - 1 positions.
+        cache = self.new_cache(kv, extra_positions=pending.size + steps - 1)
+        handed_off = cache.length
+        logits = np.empty((steps, self.geometry.vocab), dtype=np.float32)
+        tokens = np.empty(steps, dtype=np.int32)
+        current = self.forward_rows(cache, pending).logits[-1]  # scores the first new token
+        for step in range(steps):
+            logits[step] = current
+            tokens[step] = forced[step] if forced is not None else int(np.argmax(current))
+            if step + 1 < steps:
+                current = self.forward_rows(cache, tokens[step:step + 1]).logits[0]
+        finite_rows = np.isfinite(logits).all(axis=1)
+        if not finite_rows.all():
+            raise Refused(f"{self.name}: non-finite logits at decode step {int(np.argmin(finite_rows))}")
+        return DecodeResult(tokens=tokens, logits=logits, seconds=time.perf_counter() - began,
+                            meta={"handed_off_positions": float(handed_off),
+                                  "pending_tokens": float(pending.size)})

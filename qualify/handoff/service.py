@@ -1,0 +1,822 @@
+"""The producer service: one process that prefills prompts and answers with sealed KV handoffs.
+
+Started by the harness (``qualify.handoff.client.ProducerProcess``) or by an operator::
+
+    python -m qualify.handoff.service --lane NAME --mode exact|native --socket PATH \\
+        --run-id ID --expect EXPECT.json --key-fd N [--watchdog-s 900]
+
+Start is fail-closed: a mode other than exact/native, a key that is missing or short, an engine
+whose version, geometry or digests differ from ``--expect`` all exit 2 before anything is served.
+Readiness means a warm-up prefill has completed (then one ready line is written), not that the
+process is alive. Every request runs under a watchdog; on expiry, and after any error that touched
+the engine, the producer sends an error frame and exits 75 (EX_TEMPFAIL): a dead producer is a
+known state, a live one serving from a half-broken engine is not. Three consecutive non-engine
+errors (bad frames, failed authentication) also exit 75.
+
+Protocol (Unix socket by default, loopback TCP on request): every frame is a 4-byte big-endian
+length, a canonical-JSON header, then the raw blobs the header's ``blobs`` list sizes. On connect
+the producer sends ``hello`` with a nonce; the client answers ``auth`` with
+HMAC-SHA256(run key, context || nonce); then ``ready?``, ``prefill {tokens, request_id}`` (answered
+by ``handoff`` with blobs manifest, MAC, payload) and ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import hashlib
+import hmac
+import importlib
+import ipaddress
+import json
+import os
+import re
+import secrets
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import numpy as np
+
+from qualify.assets import prompt_sha256
+from qualify.digests import canonical_json_bytes, is_sha256_hex
+from qualify.engines.base import Engine, ModelGeometry
+from qualify.errors import Refused, one_line
+from qualify.handoff.wire import PRODUCER_MODES, SealedHandoff, key_id, seal_handoff_parts
+
+PROTOCOL = "trust-ladder.handoff-protocol.v1"
+EXIT_OK = 0
+EXIT_REFUSED = 2
+EXIT_TEMPFAIL = 75
+DEFAULT_WATCHDOG_S = 900.0
+DEFAULT_WARMUP_TOKENS = 16
+DEFAULT_ENGINE_FACTORY = "qualify.engines.factory:build_producer"
+KEY_ENV = "QUALIFY_HANDOFF_KEY"
+CLIENT_AUTH_CONTEXT = b"trust-ladder.handoff.client-auth.v1\x00"
+MAX_HEADER_BYTES = 1 << 20
+MAX_NON_ENGINE_ERRORS = 3
+FRAME_LENGTH = struct.Struct(">I")
+# Once a frame has started, the rest must arrive within this many seconds.
+FRAME_STALL_S = 60.0
+# A GIL-independent backstop (faulthandler, exits 1) behind the watchdog, for a hang in C code
+# that never releases the GIL and so never lets the watchdog thread run.
+BACKSTOP_GRACE_S = 60.0
+SOCKET_BUFFER_BYTES = 4 << 20
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+LANE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+_T = TypeVar("_T")
+EngineFactory = Callable[[str, str], Engine]
+
+
+# --------------------------------------------------------------------------------------------
+# framing (shared with the client)
+
+
+def encode_frame_header(header: Mapping[str, Any]) -> bytes:
+    """Length prefix plus canonical JSON header; the blobs listed in ``header['blobs']`` follow."""
+    body = canonical_json_bytes(dict(header))
+    if len(body) > MAX_HEADER_BYTES:
+        raise Refused(f"frame header: {len(body)} bytes, limit {MAX_HEADER_BYTES}")
+    return FRAME_LENGTH.pack(len(body)) + body
+
+
+def decode_frame_header(body: bytes) -> dict[str, Any]:
+    """Parse one frame header; anything but a JSON object with a string ``op`` is refused."""
+    try:
+        header = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise Refused(one_line(f"frame header: not valid JSON ({exc})")) from None
+    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+        raise Refused("frame header: expected a JSON object with a string 'op'")
+    return header
+
+
+def client_auth_mac(key: bytes, nonce: bytes) -> bytes:
+    """What a client proves it holds the run key with (domain-separated from manifest MACs)."""
+    return hmac.new(key, CLIENT_AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+# --------------------------------------------------------------------------------------------
+# start-time expectations
+
+
+class StartRefused(Refused):
+    """The producer refuses to start (exit 2): bad arguments, key, engine or expectation."""
+
+
+@dataclass(frozen=True)
+class ProducerExpectation:
+    """What the harness expects the producer's engine to be; checked once, at start.
+
+    ``digests`` (checkpoint file -> SHA-256), ``engine_name`` and ``engine_abi`` are checked when
+    given. ``identity_sha256`` is the frozen identity the run is under; it goes into every
+    manifest. The target cache identity is *not* here: the engine declares its own (derived from
+    the mode it was built in), so a producer in the wrong mode cannot echo the expected one.
+    """
+
+    engine_version: str
+    geometry: ModelGeometry
+    identity_sha256: str
+    engine_name: str | None = None
+    engine_abi: str | None = None
+    digests: Mapping[str, str] | None = None
+    kv_dtype: str = "float32"
+
+    def to_document(self) -> dict[str, Any]:
+        """The JSON document ``--expect`` reads."""
+        geometry = self.geometry
+        return {
+            "engine_version": self.engine_version,
+            "engine_name": self.engine_name,
+            "engine_abi": self.engine_abi,
+            "identity_sha256": self.identity_sha256,
+            "kv_dtype": self.kv_dtype,
+            "digests": None if self.digests is None else dict(self.digests),
+            "geometry": {
+                "layers": geometry.layers,
+                "hidden": geometry.hidden,
+                "heads": geometry.heads,
+                "kv_heads": geometry.kv_heads,
+                "head_dim": geometry.head_dim,
+                "vocab": geometry.vocab,
+                "max_positions": geometry.max_positions,
+                "rope_theta": geometry.rope_theta,
+            },
+        }
+
+    @classmethod
+    def from_document(cls, document: object) -> ProducerExpectation:
+        """Read an ``--expect`` document; any missing, extra or mistyped field is refused."""
+        fields = {"engine_version", "engine_name", "engine_abi", "identity_sha256", "kv_dtype",
+                  "digests", "geometry"}
+        if not isinstance(document, dict) or set(document) != fields:
+            found = sorted(document) if isinstance(document, dict) else type(document).__name__
+            raise StartRefused(f"--expect: fields {found}, expected exactly {sorted(fields)}")
+        if not isinstance(document["engine_version"], str) or not document["engine_version"]:
+            raise StartRefused("--expect: engine_version must be a non-empty string")
+        for name in ("engine_name", "engine_abi"):
+            if document[name] is not None and not isinstance(document[name], str):
+                raise StartRefused(f"--expect: {name} must be a string or null")
+        if not is_sha256_hex(document["identity_sha256"]):
+            raise StartRefused("--expect: identity_sha256 must be 64 lowercase hex characters")
+        if document["kv_dtype"] not in ("float16", "float32", "float64"):
+            raise StartRefused(f"--expect: kv_dtype {document['kv_dtype']!r} is not a KV dtype")
+        digests = document["digests"]
+        if digests is not None and (
+            not isinstance(digests, dict)
+            or not all(isinstance(k, str) and is_sha256_hex(v) for k, v in digests.items())
+        ):
+            raise StartRefused("--expect: digests must map file names to SHA-256 hex, or be null")
+        geometry = document["geometry"]
+        names = ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_positions")
+        if not isinstance(geometry, dict) or set(geometry) != {*names, "rope_theta"}:
+            raise StartRefused(f"--expect: geometry fields must be exactly {[*names, 'rope_theta']}")
+        for name in names:
+            if type(geometry[name]) is not int or geometry[name] < 1:
+                raise StartRefused(f"--expect: geometry.{name} must be a positive integer")
+        theta = geometry["rope_theta"]
+        if type(theta) not in (int, float) or not np.isfinite(theta) or theta <= 0:
+            raise StartRefused("--expect: geometry.rope_theta must be a positive finite number")
+        return cls(
+            engine_version=document["engine_version"],
+            geometry=ModelGeometry(**{name: geometry[name] for name in names},
+                                   rope_theta=float(theta)),
+            identity_sha256=document["identity_sha256"],
+            engine_name=document["engine_name"],
+            engine_abi=document["engine_abi"],
+            digests=None if digests is None else dict(digests),
+            kv_dtype=document["kv_dtype"],
+        )
+
+
+def check_engine(engine: object, *, mode: str, expectation: ProducerExpectation) -> str:
+    """Compare the built engine with the expectation; returns its target cache identity.
+
+    Raises ``StartRefused`` naming the first field that differs.
+    """
+    for attribute in ("name", "version", "abi", "geometry", "prefill"):
+        if not hasattr(engine, attribute):
+            raise StartRefused(f"engine: has no {attribute!r}; it does not implement Engine")
+    if engine.version != expectation.engine_version:  # type: ignore[attr-defined]
+        raise StartRefused(
+            f"engine version: found {engine.version!r}, expected "  # type: ignore[attr-defined]
+            f"{expectation.engine_version!r}"
+        )
+    for attribute, wanted in (("name", expectation.engine_name), ("abi", expectation.engine_abi)):
+        found = getattr(engine, attribute)
+        if wanted is not None and found != wanted:
+            raise StartRefused(f"engine {attribute}: found {found!r}, expected {wanted!r}")
+    geometry = engine.geometry  # type: ignore[attr-defined]
+    if not isinstance(geometry, ModelGeometry):
+        raise StartRefused(f"engine geometry: found {type(geometry).__name__}, expected ModelGeometry")
+    for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_positions",
+                 "rope_theta"):
+        found, wanted = getattr(geometry, name), getattr(expectation.geometry, name)
+        if found != wanted:
+            label = {"max_positions": "max_positions (context length)"}.get(name, name)
+            raise StartRefused(f"engine geometry {label}: found {found}, expected {wanted}")
+    if expectation.digests is not None:
+        found_digests = getattr(engine, "digests", None)
+        if not isinstance(found_digests, Mapping):
+            raise StartRefused("engine digests: the engine exposes none, expected checkpoint digests")
+        for name in sorted(set(found_digests) | set(expectation.digests)):
+            if found_digests.get(name) != expectation.digests.get(name):
+                raise StartRefused(
+                    f"engine digests {name}: found {found_digests.get(name)!r}, expected "
+                    f"{expectation.digests.get(name)!r}"
+                )
+    engine_mode = getattr(engine, "producer_mode", mode)
+    engine_mode = getattr(engine_mode, "value", engine_mode)
+    if engine_mode != mode:
+        raise StartRefused(f"engine producer_mode: found {engine_mode!r}, expected {mode!r}")
+    cache_identity = getattr(engine, "target_cache_identity_sha256", None)
+    if not is_sha256_hex(cache_identity):
+        raise StartRefused(
+            f"engine target_cache_identity_sha256: found {cache_identity!r}; the factory must "
+            f"derive it for the mode it built (qualify.lanes.target_cache_identity)"
+        )
+    return str(cache_identity)
+
+
+# --------------------------------------------------------------------------------------------
+# arguments, key, factory, socket
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that refuses in one line (exit 2 via StartRefused), never a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise StartRefused(one_line(f"producer arguments: {message}"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="python -m qualify.handoff.service", add_help=True,
+                            description="KV handoff producer service (fails closed, exit 75).")
+    parser.add_argument("--lane", required=True, help="lane name (e.g. nvfp4-native-splitk)")
+    parser.add_argument("--mode", required=True, help="producer mode: exact or native")
+    parser.add_argument("--run-id", required=True, help="run id recorded in every manifest")
+    parser.add_argument("--expect", required=True, type=Path,
+                        help="JSON: expected engine version, geometry, digests, identity digest")
+    parser.add_argument("--socket", type=Path, help="Unix socket path (default transport)")
+    parser.add_argument("--port", type=int, help="serve loopback TCP on this port instead (0: any)")
+    parser.add_argument("--host", default="127.0.0.1", help="TCP address (loopback only unless "
+                        "--allow-non-loopback)")
+    parser.add_argument("--allow-non-loopback", action="store_true",
+                        help="permit a non-loopback TCP address (explicit opt-in)")
+    parser.add_argument("--watchdog-s", type=float, default=DEFAULT_WATCHDOG_S,
+                        help="per-request watchdog in seconds; on expiry the producer exits 75")
+    parser.add_argument("--key-fd", type=int, help="read the hex run key from this descriptor")
+    parser.add_argument("--key-file", type=Path, help="read the hex run key from this file")
+    parser.add_argument("--key-env", help=f"read the hex run key from this variable "
+                        f"(default {KEY_ENV} when set)")
+    parser.add_argument("--engine-factory", default=DEFAULT_ENGINE_FACTORY,
+                        help="module:function building the engine from (lane, mode)")
+    parser.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP_TOKENS)
+    parser.add_argument("--ready-fd", type=int, help="write the ready line here (default stdout)")
+    parser.add_argument("--exit-with-stdin", action="store_true",
+                        help="exit when stdin reaches EOF (the parent is gone)")
+    return parser
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Validated start arguments."""
+
+    lane: str
+    mode: str
+    run_id: str
+    expect_path: Path
+    socket_path: Path | None
+    host: str
+    port: int | None
+    allow_non_loopback: bool
+    watchdog_s: float
+    engine_factory: str
+    warmup_tokens: int
+    ready_fd: int | None
+    exit_with_stdin: bool
+    key_source: tuple[str, str] = field(repr=False)
+
+
+def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
+    """Parse and validate the command line; refuses (exit 2) with one line naming the option."""
+    args = _parser().parse_args(argv)
+    if args.mode not in PRODUCER_MODES:
+        raise StartRefused(f"--mode: found {args.mode!r}, expected exact or native")
+    if not LANE_PATTERN.fullmatch(args.lane):
+        raise StartRefused(f"--lane: found {args.lane!r}, expected a lane name")
+    if not ID_PATTERN.fullmatch(args.run_id):
+        raise StartRefused(f"--run-id: found {args.run_id!r}, expected [A-Za-z0-9._:-], 1-128")
+    if not (args.watchdog_s > 0 and np.isfinite(args.watchdog_s)):
+        raise StartRefused(f"--watchdog-s: found {args.watchdog_s}, expected a positive number")
+    if (args.socket is None) == (args.port is None):
+        raise StartRefused("transport: give exactly one of --socket PATH or --port N")
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise StartRefused(f"--port: found {args.port}, expected 0-65535")
+    if args.port is not None:
+        _check_tcp_host(args.host, args.allow_non_loopback)
+    if args.warmup_tokens < 1:
+        raise StartRefused(f"--warmup-tokens: found {args.warmup_tokens}, expected >= 1")
+    sources = [(kind, value) for kind, value in (("fd", args.key_fd), ("file", args.key_file),
+                                                   ("env", args.key_env)) if value is not None]
+    if not sources and KEY_ENV in os.environ:
+        sources = [("env", KEY_ENV)]
+    if len(sources) != 1:
+        raise StartRefused("run key: give exactly one of --key-fd, --key-file, --key-env (never "
+                           "the key itself on the command line)")
+    kind, value = sources[0]
+    return ServiceConfig(
+        lane=args.lane, mode=args.mode, run_id=args.run_id, expect_path=args.expect,
+        socket_path=args.socket, host=args.host, port=args.port,
+        allow_non_loopback=args.allow_non_loopback, watchdog_s=float(args.watchdog_s),
+        engine_factory=args.engine_factory, warmup_tokens=args.warmup_tokens,
+        ready_fd=args.ready_fd, exit_with_stdin=args.exit_with_stdin,
+        key_source=(kind, str(value)),
+    )
+
+
+def _check_tcp_host(host: str, allow_non_loopback: bool) -> None:
+    if host == "localhost":
+        return
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise StartRefused(f"--host: found {host!r}, expected an IP address or localhost") from None
+    if not address.is_loopback and not allow_non_loopback:
+        raise StartRefused(f"--host: {host} is not loopback; pass --allow-non-loopback to serve it")
+
+
+def read_key(source: tuple[str, str]) -> bytes:
+    """Read the hex run key from a descriptor, file or environment variable (then forget it)."""
+    kind, value = source
+    try:
+        if kind == "fd":
+            with os.fdopen(int(value), "rb", closefd=True) as stream:
+                text = stream.read(4096)
+        elif kind == "file":
+            text = Path(value).read_bytes()[:4096]
+        else:
+            text = os.environ.pop(value, "").encode()
+    except (OSError, ValueError) as exc:
+        raise StartRefused(f"run key: cannot read from {kind} ({type(exc).__name__})") from None
+    try:
+        key = bytes.fromhex(text.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise StartRefused(f"run key from {kind}: not hex text") from None
+    if len(key) < 32:
+        raise StartRefused(f"run key from {kind}: {len(key)} bytes, expected at least 32")
+    return key
+
+
+def load_factory(spec: str) -> EngineFactory:
+    """Resolve ``module:function``; refuses anything else."""
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise StartRefused(f"--engine-factory: found {spec!r}, expected module:function")
+    try:
+        factory = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise StartRefused(one_line(f"--engine-factory {spec}: cannot load ({exc})")) from None
+    if not callable(factory):
+        raise StartRefused(f"--engine-factory {spec}: not callable")
+    return factory
+
+
+def load_expectation(path: Path) -> ProducerExpectation:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise StartRefused(one_line(f"--expect {path}: cannot read JSON ({exc})")) from None
+    return ProducerExpectation.from_document(document)
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """Bind a 0600 Unix socket; a stale socket file (nobody listening) is replaced."""
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise StartRefused(f"--socket {path}: exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()
+        else:
+            raise StartRefused(f"--socket {path}: a live producer is already serving it")
+        finally:
+            probe.close()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+    except OSError as exc:
+        listener.close()
+        raise StartRefused(one_line(f"--socket {path}: cannot bind ({exc})")) from None
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    listener.listen(1)
+    return listener
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise StartRefused(one_line(f"--host/--port {host}:{port}: cannot bind ({exc})")) from None
+    listener.listen(1)
+    return listener
+
+
+# --------------------------------------------------------------------------------------------
+# the service
+
+
+class _PeerGone(Exception):
+    """The client closed the connection (between frames: normal; inside one: an error)."""
+
+
+class _BadFrame(Exception):
+    """A frame could not be read or understood (a non-engine error)."""
+
+
+def _log(message: str) -> None:
+    print(f"producer: {one_line(message)}", file=sys.stderr, flush=True)
+
+
+class ProducerService:
+    """Serves one client connection at a time; fails closed (exit 75) as the module says."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        config: ServiceConfig,
+        key: bytes,
+        expectation: ProducerExpectation,
+        cache_identity: str,
+        listener: socket.socket,
+        address: str,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.key = key
+        self.expectation = expectation
+        self.cache_identity = cache_identity
+        self.listener = listener
+        self.address = address
+        self.send_lock = threading.Lock()
+        self.non_engine_errors = 0
+        self.requests_served = 0
+
+    # -- exits ---------------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Close the listener and remove the socket file (best effort)."""
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        if self.config.socket_path is not None:
+            try:
+                if stat.S_ISSOCK(self.config.socket_path.lstat().st_mode):
+                    self.config.socket_path.unlink()
+            except OSError:
+                pass
+
+    def exit_now(self, status: int, message: str) -> NoReturn:
+        """Log one line, remove the socket, and leave without running anything else."""
+        _log(f"{message} (exit {status})")
+        self.cleanup()
+        sys.stdout.flush()
+        os._exit(status)
+
+    def send_error(self, conn: socket.socket | None, op: str, message: str, *,
+                   request_id: str | None = None, exiting: int | None = None,
+                   lock_timeout_s: float = -1) -> None:
+        """Best-effort error frame (never raises)."""
+        if conn is None:
+            return
+        header: dict[str, Any] = {"op": op, "status": "error", "error": one_line(message)}
+        if request_id is not None:
+            header["request_id"] = request_id
+        if exiting is not None:
+            header["exit_status"] = exiting
+        if not self.send_lock.acquire(timeout=lock_timeout_s):
+            return
+        try:
+            conn.settimeout(5.0)
+            conn.sendall(encode_frame_header(header))
+        except OSError:
+            pass
+        finally:
+            self.send_lock.release()
+
+    # -- watchdog ------------------------------------------------------------------------------
+
+    def guarded(self, label: str, work: Callable[[], _T], conn: socket.socket | None,
+                request_id: str | None = None) -> _T:
+        """Run ``work`` under the watchdog; on expiry report the error and exit 75."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["result"] = work()
+            except BaseException as exc:  # handed to the serving thread below
+                box["error"] = exc
+
+        worker = threading.Thread(target=target, name=f"producer-{label}", daemon=True)
+        faulthandler.dump_traceback_later(self.config.watchdog_s + BACKSTOP_GRACE_S, exit=True)
+        worker.start()
+        worker.join(self.config.watchdog_s)
+        faulthandler.cancel_dump_traceback_later()
+        if worker.is_alive():
+            message = f"watchdog: {label} did not finish within {self.config.watchdog_s:g} s"
+            self.send_error(conn, "prefill", message, request_id=request_id,
+                            exiting=EXIT_TEMPFAIL, lock_timeout_s=1.0)
+            self.exit_now(EXIT_TEMPFAIL, message)
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def warm_up(self) -> float:
+        """A real prefill and seal of a short prompt; readiness means this completed."""
+        count = min(self.config.warmup_tokens, self.engine.geometry.max_positions)
+        tokens = np.arange(count, dtype=np.int64) % self.engine.geometry.vocab
+        started = time.perf_counter()
+        try:
+            self.guarded("warm-up prefill", lambda: self._prefill_and_seal(tokens, "warmup"), None)
+        except StartRefused:
+            raise
+        except Exception as exc:
+            self.exit_now(EXIT_TEMPFAIL, f"warm-up prefill failed: {type(exc).__name__}: {exc}")
+        return time.perf_counter() - started
+
+    def _prefill_and_seal(
+        self, tokens: np.ndarray, request_id: str
+    ) -> tuple[SealedHandoff, float, float]:
+        """Prefill, check the KV geometry, seal; returns (sealed, compute_s, seal_s)."""
+        started = time.perf_counter()
+        kv = self.engine.prefill(tokens)
+        compute_s = time.perf_counter() - started
+        geometry = kv.geometry
+        wanted = self.engine.geometry.kv_geometry(len(tokens), self.expectation.kv_dtype)
+        if geometry != wanted:
+            raise StartRefused(
+                f"engine prefill geometry: produced {geometry.as_dict()}, expected {wanted.as_dict()}"
+            )
+        sealed = seal_handoff_parts(
+            kv,
+            key=self.key,
+            identity_sha256=self.expectation.identity_sha256,
+            target_cache_identity=self.cache_identity,
+            producer_mode=self.config.mode,
+            lane=self.config.lane,
+            prompt_sha256=prompt_sha256(tokens),
+            run_id=self.config.run_id,
+            request_id=request_id,
+            compute_s=compute_s,
+        )
+        return sealed, compute_s, time.perf_counter() - started - compute_s
+
+    def announce_ready(self, warmup_s: float) -> None:
+        line = canonical_json_bytes({
+            "event": "ready",
+            "protocol": PROTOCOL,
+            "pid": os.getpid(),
+            "address": self.address,
+            "lane": self.config.lane,
+            "producer_mode": self.config.mode,
+            "key_id": key_id(self.key),
+            "warmup_s": warmup_s,
+        }) + b"\n"
+        if self.config.ready_fd is None:
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+        else:
+            with os.fdopen(self.config.ready_fd, "wb", closefd=True) as stream:
+                stream.write(line)
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Accept connections until ``shutdown``; returns the exit status (0)."""
+        while True:
+            conn, _ = self.listener.accept()
+            with conn:
+                _tune(conn)
+                if self._serve_connection(conn):
+                    self.cleanup()
+                    return EXIT_OK
+
+    def _non_engine_error(self, conn: socket.socket, op: str, message: str) -> None:
+        self.non_engine_errors += 1
+        _log(f"{op}: {message}")
+        if self.non_engine_errors >= MAX_NON_ENGINE_ERRORS:
+            self.send_error(conn, op, message, exiting=EXIT_TEMPFAIL)
+            self.exit_now(EXIT_TEMPFAIL, f"{MAX_NON_ENGINE_ERRORS} consecutive non-engine errors")
+        self.send_error(conn, op, message)
+
+    def _serve_connection(self, conn: socket.socket) -> bool:
+        """One client: hello/auth, then requests. Returns True after ``shutdown``."""
+        nonce = secrets.token_bytes(32)
+        try:
+            self._send(conn, {"op": "hello", "protocol": PROTOCOL, "nonce": nonce.hex(),
+                              "key_id": key_id(self.key)})
+            auth = self._read_frame(conn)
+        except (_PeerGone, _BadFrame, OSError):
+            return False
+        proof = auth.get("mac") if auth.get("op") == "auth" else None
+        try:
+            proof_bytes = bytes.fromhex(proof) if isinstance(proof, str) else b""
+        except ValueError:
+            proof_bytes = b""
+        if not hmac.compare_digest(proof_bytes, client_auth_mac(self.key, nonce)):
+            self._non_engine_error(conn, "auth", "client authentication failed (wrong run key?)")
+            return False
+        self._send(conn, {"op": "auth", "status": "ok"})
+        while True:
+            try:
+                request = self._read_frame(conn)
+            except _PeerGone:
+                return False
+            except (_BadFrame, OSError) as exc:
+                self._non_engine_error(conn, "frame", str(exc))
+                return False
+            op = request["op"]
+            if op == "ready?":
+                self.non_engine_errors = 0
+                self._send(conn, {
+                    "op": "ready", "status": "ok", "ready": True, "lane": self.config.lane,
+                    "producer_mode": self.config.mode, "engine": self.engine.name,
+                    "engine_version": self.engine.version, "run_id": self.config.run_id,
+                    "requests_served": self.requests_served,
+                })
+            elif op == "prefill":
+                self._handle_prefill(conn, request)
+            elif op == "shutdown":
+                self._send(conn, {"op": "shutdown", "status": "ok"})
+                _log("shutdown requested")
+                return True
+            else:
+                self._non_engine_error(conn, op, f"unknown op {op!r}")
+
+    def _handle_prefill(self, conn: socket.socket, request: Mapping[str, Any]) -> None:
+        request_id = request.get("request_id")
+        tokens = request.get("tokens")
+        geometry = self.engine.geometry
+        problem = None
+        if set(request) != {"op", "request_id", "tokens"}:
+            problem = f"prefill fields {sorted(request)}, expected op, request_id, tokens"
+        elif not isinstance(request_id, str) or not ID_PATTERN.fullmatch(request_id):
+            problem = f"request_id {request_id!r} is not an id"
+        elif not isinstance(tokens, list) or not 1 <= len(tokens) <= geometry.max_positions:
+            problem = f"tokens: expected a list of 1..{geometry.max_positions} token ids"
+        elif not all(type(t) is int and 0 <= t < geometry.vocab for t in tokens):
+            problem = f"tokens: every id must be an integer in [0, {geometry.vocab})"
+        if problem is not None:
+            self._non_engine_error(conn, "prefill", problem)
+            return
+        self.non_engine_errors = 0
+        token_array = np.asarray(tokens, dtype=np.int64)
+        assert isinstance(request_id, str)
+
+        def work() -> None:
+            sealed, compute_s, seal_s = self._prefill_and_seal(token_array, request_id)
+            header = {
+                "op": "handoff", "status": "ok", "request_id": request_id,
+                "blobs": [len(sealed.manifest_bytes), len(sealed.mac), sealed.payload_size],
+                "compute_s": compute_s, "seal_s": seal_s,
+            }
+            with self.send_lock:
+                conn.settimeout(None)
+                conn.sendall(encode_frame_header(header))
+                conn.sendall(sealed.manifest_bytes)
+                conn.sendall(sealed.mac)
+                for part in sealed.payload_parts:
+                    conn.sendall(part)
+
+        try:
+            self.guarded(f"prefill {request_id}", work, conn, request_id)
+        except Exception as exc:
+            message = f"prefill {request_id} failed: {type(exc).__name__}: {exc}"
+            self.send_error(conn, "prefill", message, request_id=request_id,
+                            exiting=EXIT_TEMPFAIL, lock_timeout_s=1.0)
+            self.exit_now(EXIT_TEMPFAIL, message)
+        self.requests_served += 1
+
+    def _send(self, conn: socket.socket, header: Mapping[str, Any]) -> None:
+        with self.send_lock:
+            conn.settimeout(FRAME_STALL_S)
+            conn.sendall(encode_frame_header(header))
+
+    def _read_frame(self, conn: socket.socket) -> dict[str, Any]:
+        conn.settimeout(None)
+        first = conn.recv(FRAME_LENGTH.size)
+        if not first:
+            raise _PeerGone()
+        conn.settimeout(FRAME_STALL_S)
+        prefix = first + _recv_exact(conn, FRAME_LENGTH.size - len(first))
+        (length,) = FRAME_LENGTH.unpack(prefix)
+        if length > MAX_HEADER_BYTES:
+            raise _BadFrame(f"frame header of {length} bytes exceeds {MAX_HEADER_BYTES}")
+        try:
+            header = decode_frame_header(_recv_exact(conn, length))
+        except Refused as exc:
+            raise _BadFrame(str(exc)) from None
+        if header.get("blobs"):
+            raise _BadFrame("requests carry no blobs")
+        return header
+
+
+def _recv_exact(conn: socket.socket, count: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < count:
+        chunk = conn.recv(count - len(chunks))
+        if not chunk:
+            raise _BadFrame("connection closed inside a frame")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _tune(conn: socket.socket) -> None:
+    """Larger socket buffers: fewer wake-ups when moving hundreds of megabytes."""
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            conn.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
+
+
+def _exit_when_stdin_closes() -> None:
+    def watch() -> None:
+        try:
+            while os.read(0, 4096):  # the raw fd: no buffered-reader lock at interpreter exit
+                pass
+        except (OSError, ValueError):
+            pass
+        _log("stdin closed (parent gone); exiting")
+        sys.stderr.flush()
+        os._exit(EXIT_OK)
+
+    threading.Thread(target=watch, name="producer-stdin-watch", daemon=True).start()
+
+
+def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = None) -> int:
+    """Run the producer service; returns its exit status (75 exits happen in place)."""
+    try:
+        config = parse_config(argv)
+        key = read_key(config.key_source)
+        expectation = load_expectation(config.expect_path)
+        if config.exit_with_stdin:
+            _exit_when_stdin_closes()
+        build = factory if factory is not None else load_factory(config.engine_factory)
+        try:
+            engine = build(config.lane, config.mode)
+        except Refused as exc:
+            raise StartRefused(one_line(f"engine build for lane {config.lane}: {exc}")) from None
+        except Exception as exc:
+            raise StartRefused(one_line(
+                f"engine build for lane {config.lane} failed: {type(exc).__name__}: {exc}"
+            )) from None
+        cache_identity = check_engine(engine, mode=config.mode, expectation=expectation)
+        if config.socket_path is not None:
+            listener = bind_unix(config.socket_path)
+            address = f"unix:{config.socket_path}"
+        else:
+            assert config.port is not None
+            listener = bind_tcp(config.host, config.port)
+            host, port = listener.getsockname()[:2]
+            address = f"tcp:{host}:{port}"
+    except StartRefused as exc:
+        _log(f"refused to start: {exc}")
+        return EXIT_REFUSED
+    service = ProducerService(engine=engine, config=config, key=key, expectation=expectation,
+                              cache_identity=cache_identity, listener=listener, address=address)
+    try:
+        warmup_s = service.warm_up()
+    except StartRefused as exc:
+        service.cleanup()
+        _log(f"refused to start: {exc}")
+        return EXIT_REFUSED
+    _log(f"ready on {address} (lane {config.lane}, mode {config.mode}, warm-up {warmup_s:.3f} s)")
+    service.announce_ready(warmup_s)
+    return service.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

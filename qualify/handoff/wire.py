@@ -1,0 +1,809 @@
+"""The handoff wire format: a safetensors KV payload, a JSON manifest, and an HMAC-SHA256 over it.
+
+A producer seals a :class:`~qualify.kv.KVCache` into a :class:`Handoff`: the payload is the
+safetensors encoding of ``KVCache.tensors()`` (byte-identical to ``safetensors.numpy.save``, built
+without copying the tensors), the manifest names what the payload is (per-layer seam digests,
+payload digest and size, identity, cache identity, producer mode, geometry, prompt digest,
+producer phase times), and the MAC covers the manifest's canonical JSON bytes, which in turn
+cover the payload through its SHA-256. The consumer opens a handoff in a fixed order and refuses
+on the first difference with one line naming it:
+
+1. MAC (under the run key), 2. manifest (canonical JSON, JSON Schema, self-consistency),
+3. payload byte count and SHA-256, 4. payload layout (tensor names, order, dtypes, shapes),
+5. every seam digest (``seam digest mismatch at layer 3 V``) and the draft context digest,
+6. identity digest and target cache identity, 7. geometry against the consumer model,
+8. prompt digest, 9. run and request ids (no replay of another request's handoff).
+
+Only then are the tensors installed, as zero-copy views of the verified payload buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, NamedTuple, TypeVar
+
+import jsonschema
+import numpy as np
+
+from qualify.assets import CONTRACTS_DIR
+from qualify.digests import canonical_json_bytes, is_sha256_hex
+from qualify.errors import HandoffRefused, Refused, one_line
+from qualify.kv import KVCache, KVGeometry
+
+MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v1"
+MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v1.schema.json"
+PRODUCER_MODES: tuple[str, ...] = ("exact", "native")
+PAYLOAD_FORMAT = "safetensors"
+RUN_KEY_BYTES = 32
+MAC_BYTES = 32
+KEY_ID_HEX_CHARS = 16
+DRAFT_PREFIX = "draft."
+
+# numpy dtype name -> (safetensors dtype tag, rank in safetensors' layout sort: higher first).
+_SAFETENSORS_DTYPES: Mapping[str, tuple[str, int]] = {
+    "float64": ("F64", 3),
+    "float32": ("F32", 2),
+    "float16": ("F16", 1),
+}
+_TAG_TO_DTYPE = {tag: name for name, (tag, _) in _SAFETENSORS_DTYPES.items()}
+_MAX_HEADER_BYTES = 16 << 20
+# Below this many payload bytes, hashing runs on one thread (a thread costs more than it saves).
+_PARALLEL_DIGEST_MIN_BYTES = 4 << 20
+
+Buffer = bytes | bytearray | memoryview
+_T = TypeVar("_T")
+
+
+# --------------------------------------------------------------------------------------------
+# keys
+
+
+def mint_run_key() -> bytes:
+    """A fresh 32-byte run key (one per qualification run; enrollment keys are minted alike)."""
+    return secrets.token_bytes(RUN_KEY_BYTES)
+
+
+def key_id(key: bytes) -> str:
+    """A key's public name: the first 16 hex digits of its SHA-256 (safe to log and record)."""
+    return hashlib.sha256(_checked_key(key)).hexdigest()[:KEY_ID_HEX_CHARS]
+
+
+def manifest_mac(key: bytes, manifest_bytes: bytes) -> bytes:
+    """HMAC-SHA256 of the manifest's canonical bytes under ``key`` (32 raw bytes)."""
+    return hmac.new(_checked_key(key), manifest_bytes, hashlib.sha256).digest()
+
+
+def _checked_key(key: object) -> bytes:
+    if not isinstance(key, (bytes, bytearray)):
+        raise Refused(f"handoff key: found {type(key).__name__}, expected bytes")
+    if len(key) < RUN_KEY_BYTES:
+        raise Refused(f"handoff key: {len(key)} bytes, expected at least {RUN_KEY_BYTES}")
+    return bytes(key)
+
+
+# --------------------------------------------------------------------------------------------
+# public data types
+
+
+@dataclass(frozen=True)
+class TransportStats:
+    """How a handoff crossed the process boundary, measured by the receiving side.
+
+    ``transfer_s`` runs from the first response byte to the last payload byte; ``request_s``
+    from sending the request to the last byte (it includes the producer's compute and sealing).
+    """
+
+    request_s: float
+    transfer_s: float
+    payload_bytes: int
+    gbit_per_s: float
+    # As the producer reported them in its response frame (unauthenticated; informational).
+    producer_compute_s: float | None = None
+    producer_seal_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One sealed handoff as it travels: manifest bytes, their MAC, and the safetensors payload."""
+
+    manifest_bytes: bytes
+    mac: bytes
+    payload_bytes: Buffer
+    transport: TransportStats | None = None
+
+
+@dataclass(frozen=True)
+class SealedHandoff:
+    """A producer's handoff before it is sent: the payload as zero-copy parts (prefix + tensors).
+
+    Concatenating ``payload_parts`` gives the payload; a sender writes them one after another.
+    """
+
+    manifest_bytes: bytes
+    mac: bytes
+    payload_parts: tuple[memoryview, ...]
+    payload_size: int
+
+    def to_handoff(self) -> Handoff:
+        """Join the parts into one payload buffer (one copy; for in-process use and tests)."""
+        return Handoff(self.manifest_bytes, self.mac, b"".join(self.payload_parts))
+
+
+@dataclass(frozen=True)
+class SeamDigest:
+    """SHA-256 of one layer's K and V raw C-order bytes."""
+
+    layer: int
+    k_sha256: str
+    v_sha256: str
+
+
+@dataclass(frozen=True)
+class HandoffManifest:
+    """The typed view of a verified manifest (every field the sample record needs)."""
+
+    schema: str
+    run_id: str
+    request_id: str
+    lane: str
+    producer_mode: str
+    key_id: str
+    identity_sha256: str
+    target_cache_identity_sha256: str
+    prompt_sha256: str
+    handed_off_positions: int
+    geometry: KVGeometry
+    payload_sha256: str
+    payload_size: int
+    seams: tuple[SeamDigest, ...]
+    draft_geometry: KVGeometry | None
+    draft_context_sha256: str | None
+    compute_s: float
+    serialize_s: float
+    digest_s: float
+
+
+@dataclass(frozen=True)
+class VerifyTimings:
+    """Consumer phase times in seconds; payload and seam digests run concurrently (``digest_s``)."""
+
+    mac_s: float
+    manifest_s: float
+    digest_s: float
+    checks_s: float
+    install_s: float
+
+    @property
+    def verify_s(self) -> float:
+        return self.mac_s + self.manifest_s + self.digest_s + self.checks_s
+
+    @property
+    def total_s(self) -> float:
+        return self.verify_s + self.install_s
+
+
+class OpenedHandoff(NamedTuple):
+    """What :func:`open_handoff` returns: the installed KV, its manifest, and verify timings."""
+
+    kv: KVCache
+    manifest: HandoffManifest
+    timings: VerifyTimings
+
+
+# --------------------------------------------------------------------------------------------
+# payload layout (safetensors, byte-identical to safetensors.numpy.save)
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    name: str
+    dtype: str
+    shape: tuple[int, int, int]
+
+    @property
+    def nbytes(self) -> int:
+        kv_heads, positions, head_dim = self.shape
+        return kv_heads * positions * head_dim * np.dtype(self.dtype).itemsize
+
+
+def _wire_names(layers: int, prefix: str = "") -> list[str]:
+    """Tensor names in wire order (``KVCache.tensors()`` order): layer by layer, K before V."""
+    return [f"{prefix}layers.{i}.{part}" for i in range(layers) for part in ("k", "v")]
+
+
+def _slots(geometry: KVGeometry, draft: KVGeometry | None) -> list[_TensorSlot]:
+    """Every tensor a payload of this geometry carries, in wire order."""
+    slots = []
+    for prefix, geo in (("", geometry), (DRAFT_PREFIX, draft)):
+        if geo is None:
+            continue
+        shape = (geo.kv_heads, geo.positions, geo.head_dim)
+        slots.extend(_TensorSlot(name, geo.dtype, shape) for name in _wire_names(geo.layers, prefix))
+    return slots
+
+
+def _layout_order(slots: Sequence[_TensorSlot]) -> list[_TensorSlot]:
+    """safetensors' data order: larger dtype first, then name (bytewise), as ``save`` writes."""
+    return sorted(slots, key=lambda s: (-_SAFETENSORS_DTYPES[s.dtype][1], s.name.encode()))
+
+
+def _payload_prefix(layout: Sequence[_TensorSlot]) -> bytes:
+    """The 8-byte little-endian header length plus the space-padded JSON header."""
+    entries: dict[str, Any] = {}
+    offset = 0
+    for slot in layout:
+        end = offset + slot.nbytes
+        entries[slot.name] = {
+            "dtype": _SAFETENSORS_DTYPES[slot.dtype][0],
+            "shape": list(slot.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    header = json.dumps(entries, separators=(",", ":")).encode("ascii")
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
+def _geometry_of(keys: Sequence[np.ndarray], values: Sequence[np.ndarray], what: str) -> KVGeometry:
+    """Check one KV's arrays agree on shape and dtype; refuse anything the wire cannot carry."""
+    if len(keys) == 0 or len(keys) != len(values):
+        raise Refused(f"{what}: {len(keys)} K and {len(values)} V layers, expected equal and >= 1")
+    first = keys[0]
+    if first.ndim != 3:
+        raise Refused(f"{what}: layer 0 K has shape {list(first.shape)}, expected 3 dimensions")
+    dtype = first.dtype.name
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise Refused(f"{what}: dtype {dtype}, expected one of {', '.join(_SAFETENSORS_DTYPES)}")
+    for index, (key, value) in enumerate(zip(keys, values, strict=True)):
+        for part, array in (("K", key), ("V", value)):
+            if array.shape != first.shape or array.dtype != first.dtype:
+                raise Refused(
+                    f"{what}: layer {index} {part} is {array.dtype} {list(array.shape)}, "
+                    f"expected {first.dtype} {list(first.shape)} like layer 0 K"
+                )
+    kv_heads, positions, head_dim = first.shape
+    if min(kv_heads, positions, head_dim) < 1:
+        raise Refused(f"{what}: empty shape {list(first.shape)}")
+    return KVGeometry(len(keys), kv_heads, head_dim, positions, dtype)
+
+
+def _wire_array(array: np.ndarray) -> np.ndarray:
+    """The array as C-contiguous little-endian (a copy only when it is not already)."""
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(array)
+
+
+def _byte_view(array: np.ndarray) -> memoryview:
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+# --------------------------------------------------------------------------------------------
+# hashing
+
+
+def _sha256_parts(parts: Sequence[Buffer]) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
+class _Concurrent:
+    """Runs one callable on a helper thread (hashlib releases the GIL), or inline when small."""
+
+    def __init__(self, work: Callable[[], _T], *, threaded: bool) -> None:
+        self._work = work
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="handoff-digest", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._work()
+        except BaseException as exc:  # re-raised in the caller's thread by result()
+            self._error = exc
+
+    def result(self) -> Any:
+        if self._thread is None:
+            self._run()
+        else:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+# --------------------------------------------------------------------------------------------
+# producer side
+
+
+def seal_handoff_parts(
+    kv: KVCache,
+    *,
+    key: bytes,
+    identity_sha256: str,
+    target_cache_identity: str,
+    producer_mode: str,
+    lane: str,
+    prompt_sha256: str,
+    run_id: str,
+    request_id: str,
+    compute_s: float,
+) -> SealedHandoff:
+    """Seal ``kv`` without copying its tensors: digests, manifest, MAC, payload as parts.
+
+    Refuses (``Refused``) a producer mode other than exact/native and any malformed input, so a
+    producer can never sign something the consumer's schema would reject.
+    """
+    if producer_mode not in PRODUCER_MODES:
+        raise Refused(f"producer_mode: found {producer_mode!r}, expected exact or native")
+    for field_name, digest in (
+        ("identity_sha256", identity_sha256),
+        ("target_cache_identity_sha256", target_cache_identity),
+        ("prompt_sha256", prompt_sha256),
+    ):
+        if not is_sha256_hex(digest):
+            raise Refused(f"{field_name}: found {digest!r}, expected 64 lowercase hex characters")
+    started = time.perf_counter()
+    keys = [_wire_array(a) for a in kv.keys]
+    values = [_wire_array(a) for a in kv.values]
+    geometry = _geometry_of(keys, values, "kv")
+    named: dict[str, np.ndarray] = {}
+    for index, (key_array, value_array) in enumerate(zip(keys, values, strict=True)):
+        named[f"layers.{index}.k"] = key_array
+        named[f"layers.{index}.v"] = value_array
+    draft_geometry: KVGeometry | None = None
+    if kv.draft is not None:
+        if kv.draft.draft is not None:
+            raise Refused("kv: a draft context cannot carry its own draft")
+        draft_keys = [_wire_array(a) for a in kv.draft.keys]
+        draft_values = [_wire_array(a) for a in kv.draft.values]
+        draft_geometry = _geometry_of(draft_keys, draft_values, "kv draft")
+        for index, (key_array, value_array) in enumerate(zip(draft_keys, draft_values, strict=True)):
+            named[f"{DRAFT_PREFIX}layers.{index}.k"] = key_array
+            named[f"{DRAFT_PREFIX}layers.{index}.v"] = value_array
+    layout = _layout_order(_slots(geometry, draft_geometry))
+    prefix = _payload_prefix(layout)
+    parts = (memoryview(prefix), *(_byte_view(named[slot.name]) for slot in layout))
+    payload_size = sum(part.nbytes for part in parts)
+    serialized = time.perf_counter()
+
+    payload_digest = _Concurrent(
+        lambda: _sha256_parts(parts), threaded=payload_size >= _PARALLEL_DIGEST_MIN_BYTES
+    )
+    seams = [
+        {
+            "layer": index,
+            "k_sha256": hashlib.sha256(_byte_view(named[f"layers.{index}.k"])).hexdigest(),
+            "v_sha256": hashlib.sha256(_byte_view(named[f"layers.{index}.v"])).hexdigest(),
+        }
+        for index in range(geometry.layers)
+    ]
+    draft_context = None
+    if draft_geometry is not None:
+        draft_context = _sha256_parts(
+            [_byte_view(named[name]) for name in _wire_names(draft_geometry.layers, DRAFT_PREFIX)]
+        )
+    payload_sha256 = payload_digest.result()
+    digested = time.perf_counter()
+
+    manifest: dict[str, Any] = {
+        "schema": MANIFEST_SCHEMA,
+        "run_id": run_id,
+        "request_id": request_id,
+        "lane": lane,
+        "producer_mode": producer_mode,
+        "key_id": key_id(key),
+        "identity_sha256": identity_sha256,
+        "target_cache_identity_sha256": target_cache_identity,
+        "prompt_sha256": prompt_sha256,
+        "handed_off_positions": geometry.positions,
+        "geometry": geometry.as_dict(),
+        "payload": {"format": PAYLOAD_FORMAT, "sha256": payload_sha256, "bytes": payload_size},
+        "seams": seams,
+        "timings": {
+            "compute_s": float(compute_s),
+            "serialize_s": serialized - started,
+            "digest_s": digested - serialized,
+        },
+    }
+    if draft_geometry is not None:
+        manifest["draft_geometry"] = draft_geometry.as_dict()
+        manifest["draft_context_sha256"] = draft_context
+    _validate_manifest_schema(manifest, refusal=Refused)
+    manifest_bytes = canonical_json_bytes(manifest)
+    return SealedHandoff(manifest_bytes, manifest_mac(key, manifest_bytes), parts, payload_size)
+
+
+def seal_handoff(
+    kv: KVCache,
+    *,
+    key: bytes,
+    identity_sha256: str,
+    target_cache_identity: str,
+    producer_mode: str,
+    lane: str,
+    prompt_sha256: str,
+    run_id: str,
+    request_id: str,
+    compute_s: float,
+) -> Handoff:
+    """Seal ``kv`` into one contiguous :class:`Handoff` (see :func:`seal_handoff_parts`)."""
+    return seal_handoff_parts(
+        kv,
+        key=key,
+        identity_sha256=identity_sha256,
+        target_cache_identity=target_cache_identity,
+        producer_mode=producer_mode,
+        lane=lane,
+        prompt_sha256=prompt_sha256,
+        run_id=run_id,
+        request_id=request_id,
+        compute_s=compute_s,
+    ).to_handoff()
+
+
+# --------------------------------------------------------------------------------------------
+# manifest parsing
+
+
+@lru_cache(maxsize=1)
+def _manifest_validator() -> jsonschema.Draft202012Validator:
+    schema = json.loads(MANIFEST_SCHEMA_PATH.read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _validate_manifest_schema(document: object, *, refusal: type[Refused]) -> None:
+    error = jsonschema.exceptions.best_match(_manifest_validator().iter_errors(document))
+    if error is not None:
+        where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
+        raise refusal(one_line(f"handoff manifest: {where}: {error.message}"))
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in result:
+            raise ValueError(f"duplicate key {name!r}")
+        result[name] = value
+    return result
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name}")
+
+
+def _strict_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(
+            data.decode("utf-8"),
+            object_pairs_hook=_reject_duplicate_keys,
+            parse_constant=_reject_constant,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise HandoffRefused(one_line(f"{what}: not valid JSON ({exc})")) from None
+
+
+def _geometry_from(document: Mapping[str, Any]) -> KVGeometry:
+    return KVGeometry(
+        document["layers"],
+        document["kv_heads"],
+        document["head_dim"],
+        document["positions"],
+        document["dtype"],
+    )
+
+
+def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
+    """Canonical JSON, schema, then self-consistency; returns the typed view."""
+    document = _strict_json(manifest_bytes, "handoff manifest")
+    _validate_manifest_schema(document, refusal=HandoffRefused)
+    if canonical_json_bytes(document) != manifest_bytes:
+        raise HandoffRefused("handoff manifest: not in canonical JSON form")
+    geometry = _geometry_from(document["geometry"])
+    if document["handed_off_positions"] != geometry.positions:
+        raise HandoffRefused(
+            f"handoff manifest: handed_off_positions {document['handed_off_positions']} "
+            f"disagrees with geometry.positions {geometry.positions}"
+        )
+    seams = tuple(SeamDigest(s["layer"], s["k_sha256"], s["v_sha256"]) for s in document["seams"])
+    if len(seams) != geometry.layers:
+        raise HandoffRefused(
+            f"handoff manifest: seams lists {len(seams)} layers, geometry.layers is {geometry.layers}"
+        )
+    for index, seam in enumerate(seams):
+        if seam.layer != index:
+            raise HandoffRefused(
+                f"handoff manifest: seams[{index}] is for layer {seam.layer}, expected layer {index}"
+            )
+    draft = document.get("draft_geometry")
+    timings = document["timings"]
+    return HandoffManifest(
+        schema=document["schema"],
+        run_id=document["run_id"],
+        request_id=document["request_id"],
+        lane=document["lane"],
+        producer_mode=document["producer_mode"],
+        key_id=document["key_id"],
+        identity_sha256=document["identity_sha256"],
+        target_cache_identity_sha256=document["target_cache_identity_sha256"],
+        prompt_sha256=document["prompt_sha256"],
+        handed_off_positions=document["handed_off_positions"],
+        geometry=geometry,
+        payload_sha256=document["payload"]["sha256"],
+        payload_size=document["payload"]["bytes"],
+        seams=seams,
+        draft_geometry=None if draft is None else _geometry_from(draft),
+        draft_context_sha256=document.get("draft_context_sha256"),
+        compute_s=float(timings["compute_s"]),
+        serialize_s=float(timings["serialize_s"]),
+        digest_s=float(timings["digest_s"]),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# payload parsing (consumer)
+
+
+class _PayloadLayout(NamedTuple):
+    data_start: int
+    offsets: dict[str, tuple[int, int]]
+
+
+def _parse_payload_layout(payload: memoryview, manifest: HandoffManifest) -> _PayloadLayout:
+    """Locate every tensor, refusing names, order, dtypes or shapes the manifest does not declare.
+
+    The header must be byte-for-byte the canonical one for the declared geometry, so nothing
+    (metadata, padding, key order) can vary between two payloads with equal tensors.
+    """
+    size = payload.nbytes
+    if size < 8:
+        raise HandoffRefused(f"handoff payload: {size} bytes, too short for a safetensors header")
+    (header_size,) = struct.unpack_from("<Q", payload, 0)
+    if header_size > min(_MAX_HEADER_BYTES, size - 8):
+        raise HandoffRefused(f"handoff payload: header length {header_size} exceeds the payload")
+    header = _strict_json(bytes(payload[8 : 8 + header_size]), "handoff payload header")
+    if not isinstance(header, dict):
+        raise HandoffRefused("handoff payload header: not a JSON object")
+    slots = _slots(manifest.geometry, manifest.draft_geometry)
+    expected_names = {slot.name for slot in slots}
+    found_names = set(header)
+    missing = [slot.name for slot in slots if slot.name not in found_names]
+    if missing:
+        raise HandoffRefused(f"handoff payload: tensor {missing[0]} is missing")
+    extra = sorted(found_names - expected_names)
+    if extra:
+        raise HandoffRefused(f"handoff payload: unexpected tensor {extra[0]!r}")
+    entries: dict[str, tuple[str, list[int], tuple[int, int]]] = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise HandoffRefused(f"handoff payload: tensor {name} header is malformed")
+        offsets = entry["data_offsets"]
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int and o >= 0 for o in offsets)
+        ):
+            raise HandoffRefused(f"handoff payload: tensor {name} data_offsets is malformed")
+        entries[name] = (entry["dtype"], entry["shape"], (offsets[0], offsets[1]))
+    layout = _layout_order(slots)
+    placed = sorted(entries, key=lambda name: entries[name][2])
+    for position, (found, slot) in enumerate(zip(placed, layout, strict=True)):
+        if found != slot.name:
+            raise HandoffRefused(
+                f"handoff payload: tensor order: position {position} holds {found}, "
+                f"expected {slot.name}"
+            )
+    data_start = 8 + header_size
+    cursor = 0
+    offsets_by_name: dict[str, tuple[int, int]] = {}
+    for slot in layout:
+        dtype_tag, shape, (begin, end) = entries[slot.name]
+        if _TAG_TO_DTYPE.get(dtype_tag) != slot.dtype:
+            raise HandoffRefused(
+                f"handoff payload: tensor {slot.name} dtype {dtype_tag}, manifest geometry says "
+                f"{slot.dtype}"
+            )
+        if shape != list(slot.shape):
+            raise HandoffRefused(
+                f"handoff payload: tensor {slot.name} shape {shape}, manifest geometry says "
+                f"{list(slot.shape)}"
+            )
+        if begin != cursor or end - begin != slot.nbytes:
+            raise HandoffRefused(f"handoff payload: tensor {slot.name} data_offsets are not contiguous")
+        offsets_by_name[slot.name] = (data_start + begin, data_start + end)
+        cursor = end
+    if data_start + cursor != size:
+        raise HandoffRefused(
+            f"handoff payload: tensors end at byte {data_start + cursor}, payload has {size}"
+        )
+    if bytes(payload[:data_start]) != _payload_prefix(layout):
+        raise HandoffRefused("handoff payload: header is not the canonical safetensors header")
+    return _PayloadLayout(data_start, offsets_by_name)
+
+
+# --------------------------------------------------------------------------------------------
+# consumer side
+
+
+def _short(digest: str) -> str:
+    return digest[:16] + "…"
+
+
+def open_handoff(
+    handoff: Handoff,
+    *,
+    key: bytes,
+    expected_identity_sha256: str,
+    expected_cache_identity: str,
+    expected_geometry: KVGeometry,
+    expected_prompt_sha256: str,
+    expected_draft_geometry: KVGeometry | None = None,
+    expected_run_id: str | None = None,
+    expected_request_id: str | None = None,
+) -> OpenedHandoff:
+    """Verify ``handoff`` in the documented order and install it, or raise ``HandoffRefused``.
+
+    ``expected_geometry`` is the consumer model's KV geometry at the expected handed-off
+    positions and dtype; ``expected_draft_geometry`` is required exactly when a draft rides along.
+    The installed arrays are views of ``handoff.payload_bytes`` (writable if that buffer is).
+    """
+    started = time.perf_counter()
+    mac = handoff.mac
+    expected_mac = manifest_mac(key, bytes(handoff.manifest_bytes))
+    if not isinstance(mac, (bytes, bytearray)) or not hmac.compare_digest(bytes(mac), expected_mac):
+        raise HandoffRefused(f"handoff MAC does not verify under key {key_id(key)}")
+    mac_done = time.perf_counter()
+
+    manifest = _parse_manifest(bytes(handoff.manifest_bytes))
+    manifest_done = time.perf_counter()
+
+    try:
+        payload = memoryview(handoff.payload_bytes).cast("B")
+    except TypeError:
+        raise HandoffRefused("handoff payload: not a contiguous byte buffer") from None
+    if payload.nbytes != manifest.payload_size:
+        raise HandoffRefused(
+            f"handoff payload: {payload.nbytes} bytes, manifest payload.bytes says "
+            f"{manifest.payload_size}"
+        )
+    payload_digest = _Concurrent(
+        lambda: hashlib.sha256(payload).hexdigest(),
+        threaded=payload.nbytes >= _PARALLEL_DIGEST_MIN_BYTES,
+    )
+    layout: _PayloadLayout | None = None
+    layout_refusal: HandoffRefused | None = None
+    seam_digests: dict[str, str] = {}
+    try:
+        layout = _parse_payload_layout(payload, manifest)
+        for slot in _slots(manifest.geometry, manifest.draft_geometry):
+            if slot.name.startswith(DRAFT_PREFIX):
+                continue
+            begin, end = layout.offsets[slot.name]
+            seam_digests[slot.name] = hashlib.sha256(payload[begin:end]).hexdigest()
+        if manifest.draft_geometry is not None:
+            draft_names = _wire_names(manifest.draft_geometry.layers, DRAFT_PREFIX)
+            seam_digests[DRAFT_PREFIX] = _sha256_parts(
+                [payload[slice(*layout.offsets[name])] for name in draft_names]
+            )
+    except HandoffRefused as refusal:
+        layout_refusal = refusal
+    payload_sha256 = payload_digest.result()
+    digest_done = time.perf_counter()
+
+    if not hmac.compare_digest(payload_sha256, manifest.payload_sha256):
+        raise HandoffRefused(
+            f"handoff payload SHA-256 mismatch: found {_short(payload_sha256)}, manifest says "
+            f"{_short(manifest.payload_sha256)}"
+        )
+    if layout_refusal is not None or layout is None:
+        raise layout_refusal or HandoffRefused("handoff payload: layout unreadable")
+    for seam in manifest.seams:
+        for part, claimed in (("k", seam.k_sha256), ("v", seam.v_sha256)):
+            if not hmac.compare_digest(seam_digests[f"layers.{seam.layer}.{part}"], claimed):
+                raise HandoffRefused(f"seam digest mismatch at layer {seam.layer} {part.upper()}")
+    if manifest.draft_context_sha256 is not None and not hmac.compare_digest(
+        seam_digests[DRAFT_PREFIX], manifest.draft_context_sha256
+    ):
+        raise HandoffRefused("draft context digest mismatch")
+
+    _check_expectations(
+        manifest,
+        expected_identity_sha256=expected_identity_sha256,
+        expected_cache_identity=expected_cache_identity,
+        expected_geometry=expected_geometry,
+        expected_draft_geometry=expected_draft_geometry,
+        expected_prompt_sha256=expected_prompt_sha256,
+        expected_run_id=expected_run_id,
+        expected_request_id=expected_request_id,
+    )
+    checks_done = time.perf_counter()
+
+    named: dict[str, np.ndarray] = {}
+    for slot in _slots(manifest.geometry, manifest.draft_geometry):
+        begin, end = layout.offsets[slot.name]
+        count = (end - begin) // np.dtype(slot.dtype).itemsize
+        array = np.frombuffer(payload, dtype=np.dtype(slot.dtype).newbyteorder("<"), count=count,
+                              offset=begin)
+        named[slot.name] = array.reshape(slot.shape)
+    kv = KVCache.from_tensors(named)
+    installed = time.perf_counter()
+    timings = VerifyTimings(
+        mac_s=mac_done - started,
+        manifest_s=manifest_done - mac_done,
+        digest_s=digest_done - manifest_done,
+        checks_s=checks_done - digest_done,
+        install_s=installed - checks_done,
+    )
+    return OpenedHandoff(kv, manifest, timings)
+
+
+def _check_expectations(
+    manifest: HandoffManifest,
+    *,
+    expected_identity_sha256: str,
+    expected_cache_identity: str,
+    expected_geometry: KVGeometry,
+    expected_draft_geometry: KVGeometry | None,
+    expected_prompt_sha256: str,
+    expected_run_id: str | None,
+    expected_request_id: str | None,
+) -> None:
+    """Identity, cache identity, geometry, prompt and ids: each must equal the consumer's."""
+    if manifest.identity_sha256 != expected_identity_sha256:
+        raise HandoffRefused(
+            f"identity_sha256 is {_short(manifest.identity_sha256)}, expected "
+            f"{_short(expected_identity_sha256)}"
+        )
+    if manifest.target_cache_identity_sha256 != expected_cache_identity:
+        raise HandoffRefused(
+            f"target_cache_identity_sha256 is {_short(manifest.target_cache_identity_sha256)} "
+            f"(producer mode {manifest.producer_mode}), expected {_short(expected_cache_identity)}"
+        )
+    _check_geometry("geometry", manifest.geometry, expected_geometry)
+    if (manifest.draft_geometry is None) != (expected_draft_geometry is None):
+        found = "present" if manifest.draft_geometry is not None else "absent"
+        wanted = "one" if expected_draft_geometry is not None else "none"
+        raise HandoffRefused(f"draft_geometry: draft context {found}, consumer expects {wanted}")
+    if manifest.draft_geometry is not None and expected_draft_geometry is not None:
+        _check_geometry("draft_geometry", manifest.draft_geometry, expected_draft_geometry)
+    if manifest.prompt_sha256 != expected_prompt_sha256:
+        raise HandoffRefused(
+            f"prompt_sha256 is {_short(manifest.prompt_sha256)}, expected "
+            f"{_short(expected_prompt_sha256)}"
+        )
+    if expected_run_id is not None and manifest.run_id != expected_run_id:
+        raise HandoffRefused(f"run_id is {manifest.run_id!r}, expected {expected_run_id!r}")
+    if expected_request_id is not None and manifest.request_id != expected_request_id:
+        raise HandoffRefused(
+            f"request_id is {manifest.request_id!r}, expected {expected_request_id!r}"
+        )
+
+
+def _check_geometry(what: str, found: KVGeometry, expected: KVGeometry) -> None:
+    for name in ("layers", "kv_heads", "head_dim", "dtype"):
+        if getattr(found, name) != getattr(expected, name):
+            raise HandoffRefused(
+                f"{what} {name}: handoff has {getattr(found, name)}, consumer model has "
+                f"{getattr(expected, name)}"
+            )
+    if found.positions != expected.positions:
+        raise HandoffRefused(
+            f"{what} positions: handoff has {found.positions}, expected {expected.positions} "
+            f"handed-off positions"
+        )

@@ -1,0 +1,674 @@
+"""All judging of the trust ladder lives here: pure functions from records and a rule to a verdict.
+
+Where is each rung judged?
+
+* rung 2 (``native-text``, bounded drift): :func:`judge_rung2_sample` per sample,
+  :func:`judge_summary` over the repetitions;
+* rung 3 (``kquant-target-plus-dflash``, bit-exact): :func:`judge_rung3_sample` per sample,
+  :func:`judge_summary` over the repetitions;
+* rung 1 (throughput parity within noise): :func:`parity_verdict`.
+
+Records are judged as plain dicts (a sample read back from its receipt JSON); a pydantic record
+is dumped to that form first, so the judge never relies on a model's defaults. A field that is
+absent or null is refused as ``sample omits <field>``: absent evidence is failed evidence, never
+read as zero. Non-finite numbers are refused. Nothing here does I/O.
+
+Wording discipline (seed §32.2, §32.5): a rung-2 verdict says "bounded drift: max X <= A, mean
+Y <= M" and never "zero drift"; only rung 3 may say "bit-exact"; a throughput split inside the
+cells' noise is "parity" and no output calls either lane faster.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from qualify.records import (
+    LOGIT_DIGEST_FIELDS,
+    PHASE_FIELDS,
+    REQUIRED_SAMPLE_FIELDS,
+    RUNG3_DRAFT_FIELDS,
+    SAMPLE_SCHEMA,
+    BitExactRule,
+    BoundedDriftRule,
+    parse_rule,
+)
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_NON_FINITE_TEXT = {"nan", "infinity", "-infinity", "inf", "-inf", "+infinity", "+inf"}
+
+Rule = BoundedDriftRule | BitExactRule | Mapping[str, Any]
+Record = Mapping[str, Any] | BaseModel
+
+
+@dataclass(frozen=True)
+class Check:
+    """One judged check: its name, whether it held, and what was found, in plain words."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A judgement: ``passed``; ``headline`` (one line); ``reasons`` in plain words (what failed
+    when failed, what held when passed); ``checks`` with per-check details."""
+
+    passed: bool
+    headline: str
+    reasons: list[str]
+    checks: list[Check] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain-dict form (for a validation summary)."""
+        return asdict(self)
+
+
+def _num(value: float | int | None, against: float | None = None) -> str:
+    """A number as written in verdicts: ints as ints, floats to 9 significant digits, or in
+    full when that would print ``value`` equal to the bound it is compared ``against``."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    text = f"{float(value):.9g}"
+    if against is not None and float(value) != float(against) and text == f"{float(against):.9g}":
+        return repr(float(value))
+    return text
+
+
+def _plain(record: Record) -> Any:
+    if isinstance(record, BaseModel):
+        return record.model_dump(mode="python", by_alias=True)
+    return record
+
+
+class _Evidence:
+    """Reads one sample's fields, collecting refusals; invalid or absent fields read as None."""
+
+    def __init__(self, record: Mapping[str, Any]) -> None:
+        self.record = record
+        self.omitted: list[str] = []
+        self.invalid: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return self.record.get(name) is not None
+
+    def require(self, names: Sequence[str]) -> None:
+        for name in names:
+            if not self.has(name):
+                self.omitted.append(f"sample omits {name}")
+
+    def require_key(self, name: str) -> None:
+        """A field whose null is meaningful (e.g. 'no mismatching row') must still be present."""
+        if name not in self.record:
+            self.omitted.append(f"sample omits {name}")
+
+    def number(self, name: str, *, minimum: float | None = None, maximum: float | None = None) -> float | None:
+        value = self.record.get(name)
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip().lower() in _NON_FINITE_TEXT:
+            self.invalid.append(f"sample {name} is not finite: {value}")
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.invalid.append(f"sample {name} is not a number: {value!r}")
+            return None
+        if not math.isfinite(value):
+            self.invalid.append(f"sample {name} is not finite: {value!r}")
+            return None
+        if minimum is not None and value < minimum:
+            self.invalid.append(f"sample {name} is {_num(value)}, below {_num(minimum)}")
+            return None
+        if maximum is not None and value > maximum:
+            self.invalid.append(f"sample {name} is {_num(value)}, above {_num(maximum)}")
+            return None
+        return float(value)
+
+    def whole(self, name: str, *, minimum: int = 0) -> int | None:
+        value = self.record.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and not math.isfinite(value):
+                self.invalid.append(f"sample {name} is not finite: {value!r}")
+            else:
+                self.invalid.append(f"sample {name} is not a whole number: {value!r}")
+            return None
+        if value < minimum:
+            self.invalid.append(f"sample {name} is {value}, below {minimum}")
+            return None
+        return value
+
+    def digest(self, name: str) -> str | None:
+        value = self.record.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not _SHA256.fullmatch(value):
+            self.invalid.append(f"sample {name} is not a SHA-256 hex digest: {value!r}")
+            return None
+        return value
+
+    def flag(self, name: str) -> bool | None:
+        value = self.record.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, bool):
+            self.invalid.append(f"sample {name} is not true or false: {value!r}")
+            return None
+        return value
+
+
+@dataclass
+class _Judgement:
+    """Accumulates checks; failed checks contribute their reasons."""
+
+    checks: list[Check] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+    def check(self, name: str, passed: bool, detail: str, *, reasons: Sequence[str] = ()) -> bool:
+        self.checks.append(Check(name, passed, detail))
+        if passed:
+            self.held.append(detail)
+        else:
+            self.failures.extend(reasons or [detail])
+        return passed
+
+    def verdict(self, pass_headline: str) -> Verdict:
+        if self.failures:
+            more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+            return Verdict(False, f"failed: {self.failures[0]}{more}", list(self.failures), list(self.checks))
+        return Verdict(True, f"passed: {pass_headline}", list(self.held), list(self.checks))
+
+
+# --------------------------------------------------------------------------- per sample
+
+
+def _localisation_words(record: Mapping[str, Any], *, tokens: bool) -> str:
+    """A short plain-words pointer to where a failing sample disagrees (from its localisation):
+    the first divergence (``tokens``) or the first rule-breaking logit row."""
+    where = record.get("localisation")
+    if not isinstance(where, Mapping):
+        return ""
+    parts = []
+    position = where.get("first_divergence_position")
+    if tokens and isinstance(position, int) and not isinstance(position, bool):
+        text = f"first divergence at token {position}"
+        margin = where.get("cold_margin_at_divergence")
+        if isinstance(margin, (int, float)) and not isinstance(margin, bool):
+            text += f", cold margin {_num(margin)}"
+        kind = where.get("divergence_class")
+        if kind in ("near-tie", "decisive"):
+            text += f" ({kind})"
+        parts.append(text)
+    row = where.get("first_rule_breaking_row")
+    if not tokens and isinstance(row, int) and not isinstance(row, bool):
+        parts.append(f"first rule-breaking logit row {row}")
+    return "; ".join(parts)
+
+
+def _common_sample_checks(
+    evidence: _Evidence, judgement: _Judgement, rule: BoundedDriftRule | BitExactRule, extra_required: Sequence[str]
+) -> dict[str, Any] | None:
+    """Schema, error, omissions, value types, token exactness, payload and phases.
+
+    Returns the validated values, or None when the sample failed before its values could be read.
+    """
+    record = evidence.record
+    if record.get("schema") != SAMPLE_SCHEMA:
+        judgement.check("record", False, f"sample schema: found {record.get('schema')!r}, expected {SAMPLE_SCHEMA!r}")
+        return None
+    error = record.get("error")
+    if error is not None:
+        judgement.check("error", False, f"sample failed: {' '.join(str(error).split())}")
+        return None
+
+    evidence.require(REQUIRED_SAMPLE_FIELDS)
+    evidence.require(extra_required)
+    if not rule.drift_graded or rule.rung == 3:
+        evidence.require(LOGIT_DIGEST_FIELDS[:1])
+        evidence.require_key(LOGIT_DIGEST_FIELDS[1])
+    judgement.check(
+        "evidence", not evidence.omitted,
+        "every required field present" if not evidence.omitted else "; ".join(evidence.omitted),
+        reasons=evidence.omitted,
+    )
+
+    values: dict[str, Any] = {
+        "repetition": evidence.whole("repetition", minimum=1),
+        "output_tokens": evidence.whole("output_tokens", minimum=1),
+        "token_agreement_rate": evidence.number("token_agreement_rate", minimum=0.0, maximum=1.0),
+        "max_abs": evidence.number("max_abs", minimum=0.0),
+        "mean_abs": evidence.number("mean_abs", minimum=0.0),
+        "payload_bytes": evidence.whole("payload_bytes"),
+        "payload_gbit_per_s": evidence.number("payload_gbit_per_s", minimum=0.0),
+        "handed_off_positions": evidence.whole("handed_off_positions"),
+        "recomputed_positions": evidence.whole("recomputed_positions"),
+        "logit_row_digests_equal": evidence.flag("logit_row_digests_equal"),
+        "first_logit_digest_mismatch_row": evidence.whole("first_logit_digest_mismatch_row"),
+        "draft_acceptance_rate": evidence.number("draft_acceptance_rate", minimum=0.0, maximum=1.0),
+    }
+    for name in PHASE_FIELDS:
+        values[name] = evidence.number(name, minimum=0.0)
+    for name in (
+        "handoff_generated_token_sha256", "cold_generated_token_sha256",
+        "handoff_logit_block_sha256", "cold_logit_block_sha256", "payload_sha256",
+        *RUNG3_DRAFT_FIELDS[:4],
+    ):
+        values[name] = evidence.digest(name)
+    judgement.check(
+        "values", not evidence.invalid,
+        "every value finite and well-formed" if not evidence.invalid else "; ".join(evidence.invalid),
+        reasons=evidence.invalid,
+    )
+
+    tokens = values["output_tokens"]
+    if tokens is not None:
+        judgement.check(
+            "output tokens", tokens == rule.output_tokens,
+            f"decoded {tokens} tokens" + ("" if tokens == rule.output_tokens else f", rule requires {rule.output_tokens}"),
+        )
+    rate = values["token_agreement_rate"]
+    if rate is not None:
+        where = _localisation_words(record, tokens=True)
+        if rate == 1.0:
+            detail = f"tokens exact: {tokens}/{tokens}" if tokens is not None else "tokens exact"
+        else:
+            agreed = f" ({round(rate * tokens)}/{tokens})" if tokens is not None else ""
+            detail = f"tokens diverge: agreement {_num(rate)}{agreed}" + (f"; {where}" if where else "")
+        judgement.check("tokens exact", rate == 1.0, detail)
+    handoff_tokens, cold_tokens = values["handoff_generated_token_sha256"], values["cold_generated_token_sha256"]
+    if handoff_tokens is not None and cold_tokens is not None:
+        judgement.check(
+            "generated-token digest", handoff_tokens == cold_tokens,
+            "generated-token digest equals the cold run's" if handoff_tokens == cold_tokens
+            else "generated-token digest differs from the cold run's",
+        )
+    payload = values["payload_bytes"]
+    if payload is not None:
+        judgement.check("payload", payload > 0, f"payload {payload} bytes" if payload > 0 else "payload is empty (0 bytes)")
+    handed_off = values["handed_off_positions"]
+    if handed_off is not None:
+        judgement.check(
+            "handed-off positions", handed_off > 0,
+            f"{handed_off} positions handed off, {values['recomputed_positions']} recomputed"
+            if handed_off > 0 else "no positions handed off: the handoff qualified nothing",
+        )
+    return values
+
+
+def judge_rung2_sample(record: Record, rule: Rule) -> Verdict:
+    """Rung 2, one sample: complete finite evidence, exact tokens, drift inside the identity's
+    bounds (and, when not drift-graded, no logit digest mismatch)."""
+    rule = parse_rule(rule)
+    if not isinstance(rule, BoundedDriftRule):
+        raise TypeError("judge_rung2_sample needs a rung-2 BoundedDriftRule")
+    record = _plain(record)
+    judgement = _Judgement()
+    if not isinstance(record, Mapping):
+        judgement.check("record", False, f"sample is not a record: {type(record).__name__}")
+        return judgement.verdict("")
+    evidence = _Evidence(record)
+    values = _common_sample_checks(evidence, judgement, rule, ())
+    if values is None:
+        return judgement.verdict("")
+    maximum, mean = values["max_abs"], values["mean_abs"]
+    bound, mean_bound = rule.maximum_absolute, rule.maximum_mean_absolute
+    if maximum is not None and mean is not None:
+        inside = maximum <= bound and mean <= mean_bound
+        if inside:
+            detail = f"bounded drift: max {_num(maximum, bound)} <= {_num(bound)}, mean {_num(mean, mean_bound)} <= {_num(mean_bound)}"
+        else:
+            where = _localisation_words(record, tokens=False)
+            detail = (
+                f"native full-logit drift exceeds its identity rule: max={_num(maximum, bound)}, mean={_num(mean, mean_bound)} "
+                f"(rule: max <= {_num(bound)}, mean <= {_num(mean_bound)})" + (f"; {where}" if where else "")
+            )
+        judgement.check("bounded drift", inside, detail)
+    if not rule.drift_graded:
+        _check_logit_digests_refuse_first(values, judgement)
+    tokens = values["output_tokens"]
+    return judgement.verdict(
+        f"tokens exact ({tokens}/{tokens}) and bounded drift: max {_num(maximum, bound)} <= {_num(bound)}, "
+        f"mean {_num(mean, mean_bound)} <= {_num(mean_bound)}"
+    )
+
+
+def _check_logit_digests_refuse_first(values: Mapping[str, Any], judgement: _Judgement) -> bool:
+    """Default (not drift-graded) judging: refuse on the first logit digest mismatch."""
+    equal = values["logit_row_digests_equal"]
+    row = values["first_logit_digest_mismatch_row"]
+    handoff_block, cold_block = values["handoff_logit_block_sha256"], values["cold_logit_block_sha256"]
+    if equal is None or handoff_block is None or cold_block is None:
+        return False
+    if equal and row is None and handoff_block == cold_block:
+        return judgement.check("logit digests", True, "logit digests equal in every row and over the block")
+    if row is not None:
+        detail = f"logit digest mismatch at row {row}"
+    elif handoff_block != cold_block and equal:
+        detail = "logit digest mismatch: block digests differ while every row digest is reported equal"
+    else:
+        detail = "logit digest mismatch at an unreported row"
+    return judgement.check("logit digests", False, detail)
+
+
+def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
+    """Rung 3, one sample: exact tokens, bit-exact full logits (digests equal, deltas exactly 0),
+    exact draft tokens and trace, draft acceptance at or above the sealed floor.
+
+    Not drift-graded (the default): the first logit digest mismatch is refused as such. Drift-
+    graded: the deltas are reported and judged (they must still be exactly 0).
+    """
+    rule = parse_rule(rule)
+    if not isinstance(rule, BitExactRule):
+        raise TypeError("judge_rung3_sample needs a rung-3 BitExactRule")
+    record = _plain(record)
+    judgement = _Judgement()
+    if not isinstance(record, Mapping):
+        judgement.check("record", False, f"sample is not a record: {type(record).__name__}")
+        return judgement.verdict("")
+    evidence = _Evidence(record)
+    draft_declared = rule.acceptance_floor is not None
+    values = _common_sample_checks(evidence, judgement, rule, RUNG3_DRAFT_FIELDS if draft_declared else ())
+    if values is None:
+        return judgement.verdict("")
+
+    _check_row_digest_lists(record, values, judgement)
+    maximum, mean = values["max_abs"], values["mean_abs"]
+    if not rule.drift_graded:
+        digests_equal = _check_logit_digests_refuse_first(values, judgement)
+        if digests_equal and maximum is not None and mean is not None:
+            exact = maximum == 0 and mean == 0
+            judgement.check(
+                "logit deltas", exact,
+                "full-logit deltas exactly 0" if exact
+                else f"full logits not bit-exact despite equal digests: max={_num(maximum)}, mean={_num(mean)}",
+            )
+    else:
+        if maximum is not None and mean is not None:
+            exact = maximum == 0 and mean == 0
+            row = values["first_logit_digest_mismatch_row"]
+            judgement.check(
+                "logit deltas", exact,
+                "full-logit deltas exactly 0" if exact
+                else f"full logits differ: max={_num(maximum)}, mean={_num(mean)} (bit-exact requires 0)"
+                + (f"; logit digest mismatch at row {row}" if row is not None else ""),
+            )
+        equal = values["logit_row_digests_equal"]
+        blocks = (values["handoff_logit_block_sha256"], values["cold_logit_block_sha256"])
+        if equal is not None and None not in blocks:
+            same = equal and values["first_logit_digest_mismatch_row"] is None and blocks[0] == blocks[1]
+            row = values["first_logit_digest_mismatch_row"]
+            judgement.check(
+                "logit digests", same,
+                "logit digests equal in every row and over the block" if same
+                else f"logit digest mismatch at row {row}" if row is not None else "logit block digests differ",
+            )
+
+    if draft_declared:
+        for what, left, right in (
+            ("draft tokens", "handoff_draft_tokens_sha256", "cold_draft_tokens_sha256"),
+            ("draft trace", "handoff_draft_trace_sha256", "cold_draft_trace_sha256"),
+        ):
+            if values[left] is not None and values[right] is not None:
+                same = values[left] == values[right]
+                judgement.check(what, same, f"{what} equal to the cold run's" if same else f"{what} differ from the cold run's")
+        acceptance = values["draft_acceptance_rate"]
+        floor = rule.acceptance_floor
+        if acceptance is not None and floor is not None:
+            judgement.check(
+                "draft acceptance", acceptance >= floor,
+                f"draft acceptance {_num(acceptance, floor)} >= floor {_num(floor)}" if acceptance >= floor
+                else f"draft acceptance {_num(acceptance, floor)} is below the sealed floor {_num(floor)}",
+            )
+    else:
+        judgement.check("draft", True, "no speculative draft declared by the identity")
+    tokens = values["output_tokens"]
+    return judgement.verdict(
+        f"bit-exact: tokens {tokens}/{tokens}, full-logit digests equal, deltas 0"
+        + ("; draft tokens and trace equal, acceptance at or above the floor" if draft_declared else "")
+    )
+
+
+def _check_row_digest_lists(record: Mapping[str, Any], values: Mapping[str, Any], judgement: _Judgement) -> None:
+    """When per-row digests are recorded, they must agree with the reported first mismatch."""
+    handoff_rows, cold_rows = record.get("handoff_logit_row_sha256"), record.get("cold_logit_row_sha256")
+    if handoff_rows is None and cold_rows is None:
+        return
+    if not (isinstance(handoff_rows, Sequence) and isinstance(cold_rows, Sequence)) or isinstance(handoff_rows, str):
+        judgement.check("row digests", False, "sample row digests are malformed")
+        return
+    first = next((i for i, (a, b) in enumerate(zip(handoff_rows, cold_rows)) if a != b), None)
+    if first is None and len(handoff_rows) != len(cold_rows):
+        first = min(len(handoff_rows), len(cold_rows))
+    consistent = first == values["first_logit_digest_mismatch_row"] and (
+        values["output_tokens"] is None or len(handoff_rows) == values["output_tokens"]
+    )
+    judgement.check(
+        "row digests", consistent,
+        "recorded row digests agree with the reported first mismatch" if consistent
+        else f"recorded row digests disagree with the reported first mismatch (rows say {first})",
+    )
+
+
+def judge_sample(record: Record, rule: Rule) -> Verdict:
+    """One sample under its rule's rung (2 or 3)."""
+    rule = parse_rule(rule)
+    return judge_rung3_sample(record, rule) if rule.rung == 3 else judge_rung2_sample(record, rule)
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
+    """Over all repetitions: the right number, every sample passing its rung's per-sample
+    judgement (tokens exact in each, drift inside the rule or bit-exact), and determinism: the
+    generated-token, payload and logit block digests equal across repetitions."""
+    rule = parse_rule(rule)
+    judgement = _Judgement()
+    plain = [_plain(record) for record in records]
+    count = len(plain)
+    indices = [r.get("repetition") if isinstance(r, Mapping) else None for r in plain]
+    expected = list(range(1, rule.repetitions + 1))
+    valid = [i for i in indices if isinstance(i, int) and not isinstance(i, bool)]
+    problems = []
+    if count != rule.repetitions:
+        problems.append(f"expected {rule.repetitions} repetitions, found {count}")
+    for index in expected:
+        seen = valid.count(index)
+        if seen == 0:
+            problems.append(f"repetition {index} missing")
+        elif seen > 1:
+            problems.append(f"repetition {index} appears {seen} times")
+    strays = sorted({repr(i) for i in indices if i not in expected})
+    if strays:
+        problems.append(f"unexpected repetition index {', '.join(strays)}")
+    judgement.check(
+        "repetitions", not problems,
+        f"{rule.repetitions}/{rule.repetitions} repetitions present" if not problems else "; ".join(problems),
+        reasons=problems,
+    )
+
+    sample_verdicts = [judge_sample(record, rule) for record in plain]
+    failing = []
+    for position, verdict in enumerate(sample_verdicts):
+        label = indices[position] if isinstance(indices[position], int) else f"#{position + 1}"
+        if not verdict.passed:
+            failing.extend(f"repetition {label}: {reason}" for reason in verdict.reasons)
+    judgement.check(
+        "samples", not failing and count > 0,
+        f"every sample passes its rung-{rule.rung} judgement" if not failing and count > 0
+        else ("no samples" if count == 0 else f"{sum(not v.passed for v in sample_verdicts)} of {count} samples refused"),
+        reasons=failing or (["no samples"] if count == 0 else []),
+    )
+
+    mappings = [r for r in plain if isinstance(r, Mapping)]
+    rates = [r.get("token_agreement_rate") for r in mappings]
+    exact_everywhere = count > 0 and len(rates) == count and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and x == 1.0 for x in rates
+    )
+    judgement.check(
+        "tokens exact in every repetition", exact_everywhere,
+        "token agreement exactly 1.0 in every repetition" if exact_everywhere
+        else "token agreement is not exactly 1.0 in every repetition",
+    )
+
+    if isinstance(rule, BoundedDriftRule):
+        maxima = [r.get("max_abs") for r in mappings]
+        means = [r.get("mean_abs") for r in mappings]
+        numeric = count > 0 and len(maxima) == count and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in maxima + means
+        )
+        inside = numeric and all(x <= rule.maximum_absolute for x in maxima) and all(
+            y <= rule.maximum_mean_absolute for y in means
+        )
+        worst_max = max(maxima) if numeric else None
+        worst_mean = max(means) if numeric else None
+        judgement.check(
+            "bounded drift in every repetition", inside,
+            f"bounded drift: max {_num(worst_max, rule.maximum_absolute)} <= {_num(rule.maximum_absolute)}, "
+            f"mean {_num(worst_mean, rule.maximum_mean_absolute)} <= {_num(rule.maximum_mean_absolute)} in every repetition"
+            if inside else "full-logit drift is not inside the identity rule in every repetition"
+            + (f": worst max={_num(worst_max, rule.maximum_absolute)}, mean={_num(worst_mean, rule.maximum_mean_absolute)}" if numeric else ""),
+        )
+
+    for name, words in (
+        ("handoff_generated_token_sha256", "generated-token digest"),
+        ("payload_sha256", "payload digest"),
+        ("payload_bytes", "payload size"),
+        ("handoff_logit_block_sha256", "handoff logit block digest"),
+        ("cold_generated_token_sha256", "cold generated-token digest"),
+        ("cold_logit_block_sha256", "cold logit block digest"),
+        *(
+            (("handoff_draft_tokens_sha256", "draft tokens digest"), ("handoff_draft_trace_sha256", "draft trace digest"))
+            if isinstance(rule, BitExactRule) and rule.acceptance_floor is not None else ()
+        ),
+    ):
+        _check_equal_across(judgement, mappings, count, name, words)
+
+    if isinstance(rule, BoundedDriftRule):
+        headline = (
+            f"{count}/{rule.repetitions} handoffs with exact tokens and "
+            + next(c.detail for c in judgement.checks if c.name == "bounded drift in every repetition")
+            + "; generated-token and payload digests equal across repetitions"
+        )
+    else:
+        headline = (
+            f"{count}/{rule.repetitions} handoffs bit-exact: tokens, full logits (digests equal, deltas 0)"
+            + (", draft tokens and trace equal, acceptance at or above the floor" if rule.acceptance_floor is not None else "")
+            + "; digests equal across repetitions"
+        )
+    return judgement.verdict(headline)
+
+
+def _check_equal_across(
+    judgement: _Judgement, records: Sequence[Mapping[str, Any]], count: int, name: str, words: str
+) -> None:
+    values = [record.get(name) for record in records]
+    present = count > 0 and len(values) == count and all(v is not None and not isinstance(v, bool) for v in values)
+    if not present:
+        missing = [str(record.get("repetition", "?")) for record in records if record.get(name) is None]
+        detail = f"{words} missing in repetition {', '.join(missing)}" if missing else f"{words} missing"
+        judgement.check(f"{words} across repetitions", False, detail)
+        return
+    first = values[0]
+    differing = [str(records[i].get("repetition", i + 1)) for i, value in enumerate(values) if value != first]
+    judgement.check(
+        f"{words} across repetitions", not differing,
+        f"{words} equal across {count} repetitions" if not differing
+        else f"{words} differs across repetitions (repetition {', '.join(differing)} vs {records[0].get('repetition', 1)}): "
+        "output is not deterministic",
+    )
+
+
+judge_qualification = judge_summary
+"""The whole run's verdict (alias of :func:`judge_summary`)."""
+
+
+# --------------------------------------------------------------------------- rung 1
+
+
+@dataclass(frozen=True)
+class ThroughputCell:
+    """One throughput cell: a lane's mean tokens per second and coefficient of variation
+    (a fraction: 0.0013 is 0.13 %)."""
+
+    name: str
+    mean: float
+    cv: float
+
+    @classmethod
+    def from_samples(cls, name: str, samples: Sequence[float]) -> "ThroughputCell":
+        """Mean and sample CV (ddof 1) of repeated measurements (at least two)."""
+        values = [float(x) for x in samples]
+        if len(values) < 2:
+            raise ValueError(f"cell {name}: at least two measurements are needed for a CV")
+        mean = sum(values) / len(values)
+        variance = sum((x - mean) ** 2 for x in values) / (len(values) - 1)
+        return cls(name, mean, math.sqrt(variance) / mean if mean else math.inf)
+
+
+def _cell(cell: ThroughputCell | Mapping[str, Any], label: str) -> tuple[ThroughputCell | None, str | None]:
+    if isinstance(cell, ThroughputCell):
+        name, mean, cv = cell.name, cell.mean, cell.cv
+    elif isinstance(cell, Mapping):
+        name = cell.get("name", label)
+        if cell.get("samples") is not None and cell.get("mean") is None:
+            try:
+                built = ThroughputCell.from_samples(str(name), cell["samples"])
+            except (TypeError, ValueError) as exc:
+                return None, f"cell {name}: {exc}"
+            name, mean, cv = built.name, built.mean, built.cv
+        else:
+            mean, cv = cell.get("mean"), cell.get("cv")
+    else:
+        return None, f"cell {label} is not a throughput cell"
+    for what, value in (("mean", mean), ("cv", cv)):
+        if value is None:
+            return None, f"cell {name} omits {what}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None, f"cell {name} {what} is not a finite number: {value!r}"
+    if mean <= 0 or cv < 0:
+        return None, f"cell {name}: mean must be positive and cv non-negative (mean {_num(mean)}, cv {_num(cv)})"
+    return ThroughputCell(str(name), float(mean), float(cv)), None
+
+
+def parity_verdict(cell_a: ThroughputCell | Mapping[str, Any], cell_b: ThroughputCell | Mapping[str, Any]) -> Verdict:
+    """Rung 1: is the throughput split between two cells inside their noise? ``passed`` means
+    parity.
+
+    Rule: parity when ``|mean_a / mean_b - 1| <= cv_a + cv_b`` (each cell's mean is uncertain by
+    about its CV, so a split inside their sum is not resolved). A split inside the noise is
+    reported as parity, and no output calls either lane faster (seed §32.5).
+    """
+    a, problem_a = _cell(cell_a, "a")
+    b, problem_b = _cell(cell_b, "b")
+    problems = [p for p in (problem_a, problem_b) if p]
+    if problems or a is None or b is None:
+        return Verdict(False, f"failed: {problems[0]}", problems, [Check("cells", False, "; ".join(problems))])
+    split = a.mean / b.mean - 1.0
+    noise = a.cv + b.cv
+    cells = (
+        f"{a.name} {a.mean:.6g} tok/s (CV {a.cv:.3%}) vs {b.name} {b.mean:.6g} tok/s (CV {b.cv:.3%})"
+    )
+    if abs(split) <= noise:
+        detail = (
+            f"parity within noise: {cells}: a {split:+.4%} split inside the cells' combined CV "
+            f"({noise:.3%}); no throughput claim may lean on it"
+        )
+        return Verdict(True, detail, [detail], [Check("parity", True, detail)])
+    higher, lower = (a, b) if split > 0 else (b, a)
+    detail = (
+        f"not parity: {cells}: a {split:+.4%} split outside the cells' combined CV ({noise:.3%}); "
+        f"{higher.name} measured higher throughput than {lower.name} in these cells"
+    )
+    return Verdict(False, detail, [detail], [Check("parity", False, detail)])

@@ -1,0 +1,247 @@
+"""Lane kinds, recipes, producer modes, native variants, the lane table and cache identities.
+
+A *lane* is one way of producing KV for the consumer: a lane kind (which engine family), a
+producer mode (``exact``: integer-exact, bit-identical to the consumer; ``native``: the producer's
+own fast arithmetic) and, for native NVFP4, a variant. The lane kind picks the qualification
+recipe (and so the rung) through :func:`recipe_for`, an exhaustive ``match`` ending in
+``assert_never``: a new :class:`LaneKind` without a recipe fails the type checker and
+``tests/test_lanes.py``. Exact and native lanes derive different target-cache identities, so a KV
+entry from one can never be installed where the other is expected (seed §32.8).
+
+Lane table decisions (documented here, enforced by tests):
+
+* ``nvfp4-exact`` is the verification anchor (seed §32.7): it may be *qualified* under
+  ``native-text`` as a control (it must pass with zero drift) but it is never *enrollable*: it
+  exists to be compared against, not served.
+* ``kquant-native`` (float accumulation) exists for fault tests: rung 3 must refuse it on the first
+  logit digest mismatch. It is never enrollable.
+* A native-mode lane cannot declare speculative-draft geometry (:func:`check_speculative_draft`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+from typing import assert_never
+
+from qualify.digests import canonical_sha256, is_sha256_hex
+from qualify.errors import Refused
+
+ZERO_SHA256 = "0" * 64
+
+
+class LaneKind(str, Enum):
+    """The producer engine family of a lane (later issues add ``vllm`` and ``transformers``)."""
+
+    NVFP4 = "nvfp4"
+    KQUANT = "kquant"
+
+
+class Recipe(str, Enum):
+    """A qualification contract; the recipe fixes the rung of the trust ladder."""
+
+    NATIVE_TEXT = "native-text"
+    KQUANT_TARGET_PLUS_DFLASH = "kquant-target-plus-dflash"
+
+    @property
+    def rung(self) -> int:
+        """Rung 2 (exact tokens, bounded logits) or rung 3 (bit-exact full handoff)."""
+        match self:
+            case Recipe.NATIVE_TEXT:
+                return 2
+            case Recipe.KQUANT_TARGET_PLUS_DFLASH:
+                return 3
+            case _:
+                assert_never(self)
+
+    @property
+    def onboarding_schema(self) -> str:
+        """The ``onboarding_qualification.schema`` string an identity for this recipe carries."""
+        match self:
+            case Recipe.NATIVE_TEXT:
+                return "trust-ladder.native-text-onboarding.v1"
+            case Recipe.KQUANT_TARGET_PLUS_DFLASH:
+                return "trust-ladder.kquant-target-plus-dflash-onboarding.v1"
+            case _:
+                assert_never(self)
+
+    @property
+    def full_logits_mode(self) -> str:
+        """How full logits are judged: ``bounded-drift`` (rung 2) or ``exact`` (rung 3)."""
+        match self:
+            case Recipe.NATIVE_TEXT:
+                return "bounded-drift"
+            case Recipe.KQUANT_TARGET_PLUS_DFLASH:
+                return "exact"
+            case _:
+                assert_never(self)
+
+
+class ProducerMode(str, Enum):
+    """``exact``: integer-exact, bit-identical to the consumer; ``native``: fast, drifts."""
+
+    EXACT = "exact"
+    NATIVE = "native"
+
+
+class NativeVariant(str, Enum):
+    """Native NVFP4 contractions, mild to harsh: reduction topology, f16 intermediates, W4A4."""
+
+    SPLITK = "splitk"
+    F16 = "f16"
+    W4A4 = "w4a4"
+
+
+def recipe_for(kind: LaneKind) -> Recipe:
+    """The one recipe a lane kind qualifies under (total; the type checker enforces it)."""
+    match kind:
+        case LaneKind.NVFP4:
+            return Recipe.NATIVE_TEXT
+        case LaneKind.KQUANT:
+            return Recipe.KQUANT_TARGET_PLUS_DFLASH
+        case _:
+            assert_never(kind)
+
+
+def check_speculative_draft(lane: str, mode: ProducerMode, has_draft: bool) -> None:
+    """Refuse speculative-draft geometry on a native-mode lane (seed §32.8, Chapter 33)."""
+    if has_draft and mode is ProducerMode.NATIVE:
+        raise Refused(
+            f"lane {lane}: speculative_draft: a native-mode lane cannot declare speculative-draft "
+            f"geometry; drop the draft, or route speculative serving to the kquant lane "
+            f"({KQUANT_EXACT_DFLASH_LANE})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LaneSpec:
+    """One producer lane: its kind, recipe, producer mode, native variant and draft geometry.
+
+    ``enrollable`` is False for lanes that exist to be compared against (the exact anchor) or to
+    be refused (fault tests); they can be qualified but a handoff key is never minted for them.
+    """
+
+    name: str
+    kind: LaneKind
+    recipe: Recipe
+    mode: ProducerMode
+    variant: NativeVariant | None
+    speculative_draft: bool
+    enrollable: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, LaneKind):
+            raise Refused(f"lane {self.name}: kind: found {self.kind!r}, expected a LaneKind")
+        if not isinstance(self.recipe, Recipe):
+            raise Refused(f"lane {self.name}: recipe: found {self.recipe!r}, expected a Recipe")
+        if not isinstance(self.mode, ProducerMode):
+            raise Refused(f"lane {self.name}: mode: found {self.mode!r}, expected exact or native")
+        if self.variant is not None and not isinstance(self.variant, NativeVariant):
+            raise Refused(f"lane {self.name}: variant: found {self.variant!r}, expected a variant")
+        expected = recipe_for(self.kind)
+        if self.recipe is not expected:
+            raise Refused(
+                f"lane {self.name}: recipe: found {self.recipe.value}, lane kind "
+                f"{self.kind.value} qualifies under {expected.value}"
+            )
+        if self.mode is ProducerMode.EXACT and self.variant is not None:
+            raise Refused(
+                f"lane {self.name}: variant: found {self.variant.value}, an exact-mode lane has none"
+            )
+        if self.kind is LaneKind.NVFP4 and self.mode is ProducerMode.NATIVE and self.variant is None:
+            raise Refused(f"lane {self.name}: variant: a native nvfp4 lane must name its variant")
+        if self.variant is not None and self.kind is not LaneKind.NVFP4:
+            raise Refused(
+                f"lane {self.name}: variant: found {self.variant.value}, native variants are "
+                f"nvfp4 contractions (lane kind {self.kind.value})"
+            )
+        check_speculative_draft(self.name, self.mode, self.speculative_draft)
+        if self.speculative_draft and self.recipe.rung != 3:
+            raise Refused(
+                f"lane {self.name}: speculative_draft: only rung-3 recipes qualify a draft "
+                f"(recipe {self.recipe.value} is rung {self.recipe.rung})"
+            )
+
+
+KQUANT_EXACT_DFLASH_LANE = "kquant-exact-dflash"
+
+_LANE_LIST: tuple[LaneSpec, ...] = (
+    LaneSpec(
+        "nvfp4-native-splitk", LaneKind.NVFP4, Recipe.NATIVE_TEXT, ProducerMode.NATIVE,
+        NativeVariant.SPLITK, speculative_draft=False,
+    ),
+    LaneSpec(
+        "nvfp4-native-f16", LaneKind.NVFP4, Recipe.NATIVE_TEXT, ProducerMode.NATIVE,
+        NativeVariant.F16, speculative_draft=False,
+    ),
+    LaneSpec(
+        "nvfp4-native-w4a4", LaneKind.NVFP4, Recipe.NATIVE_TEXT, ProducerMode.NATIVE,
+        NativeVariant.W4A4, speculative_draft=False,
+    ),
+    # The verification anchor: qualifiable as a zero-drift control, never enrollable.
+    LaneSpec(
+        "nvfp4-exact", LaneKind.NVFP4, Recipe.NATIVE_TEXT, ProducerMode.EXACT, None,
+        speculative_draft=False, enrollable=False,
+    ),
+    LaneSpec(
+        KQUANT_EXACT_DFLASH_LANE, LaneKind.KQUANT, Recipe.KQUANT_TARGET_PLUS_DFLASH,
+        ProducerMode.EXACT, None, speculative_draft=True,
+    ),
+    # Fault-test lane (float accumulation): rung 3 must refuse it; never enrollable.
+    LaneSpec(
+        "kquant-native", LaneKind.KQUANT, Recipe.KQUANT_TARGET_PLUS_DFLASH, ProducerMode.NATIVE,
+        None, speculative_draft=False, enrollable=False,
+    ),
+)
+
+LANES: Mapping[str, LaneSpec] = MappingProxyType({spec.name: spec for spec in _LANE_LIST})
+"""Every lane the harness knows, by identity name (immutable)."""
+
+DEFAULT_NATIVE_TEXT_LANE = "nvfp4-native-splitk"
+"""The lane ``qualify --recipe native-text`` qualifies by default (placeholder: the lead sets it
+after measuring every variant)."""
+
+
+def lane_spec(name: str) -> LaneSpec:
+    """The lane called ``name``; an unknown name is refused, listing the known ones."""
+    spec = LANES.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise Refused(f"lane: found {name!r}, expected one of {', '.join(LANES)}")
+    return spec
+
+
+def target_cache_identity(
+    spec: LaneSpec, checkpoint_digests: Mapping[str, str], engine_abi: str
+) -> str:
+    """Canonical SHA-256 of what a KV entry's validity depends on, mode-separated (§32.8).
+
+    Hashes ``{"lane_kind", "producer_mode", "native_variant", "checkpoint_sha256": {relpath:
+    sha256}, "engine_abi"}`` with :func:`qualify.digests.canonical_sha256`.
+    """
+    if not isinstance(spec, LaneSpec):
+        raise Refused(f"target cache identity: spec: found {type(spec).__name__}, expected LaneSpec")
+    if not isinstance(engine_abi, str) or not engine_abi.strip():
+        raise Refused(f"lane {spec.name}: engine abi: found {engine_abi!r}, expected a non-empty string")
+    if not isinstance(checkpoint_digests, Mapping) or not checkpoint_digests:
+        raise Refused(f"lane {spec.name}: checkpoint digests: expected a non-empty mapping")
+    digests: dict[str, str] = {}
+    for relpath, digest in checkpoint_digests.items():
+        if not isinstance(relpath, str) or not relpath:
+            raise Refused(f"lane {spec.name}: checkpoint file: found {relpath!r}, expected a path")
+        if not is_sha256_hex(digest) or digest == ZERO_SHA256:
+            raise Refused(
+                f"lane {spec.name}: checkpoint file {relpath}: found {digest!r}, expected a "
+                f"non-zero 64-character lowercase hex SHA-256"
+            )
+        digests[relpath] = digest
+    return canonical_sha256(
+        {
+            "lane_kind": spec.kind.value,
+            "producer_mode": spec.mode.value,
+            "native_variant": None if spec.variant is None else spec.variant.value,
+            "checkpoint_sha256": digests,
+            "engine_abi": engine_abi,
+        }
+    )

@@ -1,0 +1,85 @@
+"""pytest plugin: recipe options, the shared ``qualification`` fixture, and ordered recipe steps.
+
+A recipe module (``recipes/native_text.py``) holds one test per progress label. All tests of a
+module share one :class:`qualify.qualifier.QualificationRun`; a step whose predecessor failed
+fails too (never skips), so a CI gate cannot pass on a partial run. Under pytest-xdist the
+module is the unit of distribution, so one run's handoffs stay ordered on one worker while
+independent runs spread over workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("qualify", "trust-ladder qualification recipes")
+    group.addoption("--recipe", action="append", default=[],
+                    help="run only recipe modules for this recipe name (repeatable)")
+    group.addoption("--identity", default=None, help="frozen onboarding identity JSON for the run")
+    group.addoption("--producer", default="reference",
+                    help="producer engine: reference (embedded default)")
+    group.addoption("--reference-once", action="store_true", default=False,
+                    help="compute the cold local recompute once per run instead of per sample")
+    group.addoption("--drift-graded", action="store_true", default=False,
+                    help="rung 3: compute and grade deltas instead of refusing at the first digest mismatch")
+    group.addoption("--fault", default=None, help="run against a named fault lane (self-test)")
+    group.addoption("--receipts", default=None, help="receipt archive directory")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "recipe(name): a qualification recipe module")
+    # One run's steps must stay ordered on one worker: distribute by module, never by test.
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadfile"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = set(config.getoption("--recipe"))
+    if not wanted:
+        return
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("recipe")
+        if marker is None or marker.args[0] in wanted:
+            kept.append(item)
+        else:
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+@pytest.fixture(scope="module")
+def qualification(request: pytest.FixtureRequest):
+    """The module's qualification run, built from its ``RECIPE`` and the command-line options."""
+    from qualify.qualifier import QualificationRun, RunOptions
+
+    config = request.config
+    recipe = getattr(request.module, "RECIPE", None)
+    if recipe is None:
+        pytest.fail(f"{request.module.__name__} defines no RECIPE", pytrace=False)
+    receipts = config.getoption("--receipts")
+    options = RunOptions(
+        recipe=recipe,
+        identity=Path(config.getoption("--identity")) if config.getoption("--identity") else None,
+        producer=config.getoption("--producer"),
+        reference_once=config.getoption("--reference-once"),
+        drift_graded=config.getoption("--drift-graded"),
+        fault=config.getoption("--fault"),
+        receipts=Path(receipts) if receipts else None,
+        command_line=["pytest", *config.invocation_params.args],
+    )
+    run = QualificationRun(options)
+    yield run
+    run.close()
+
+
+def run_recipe_step(run, label: str) -> None:
+    """Run one labelled step; a failed or blocked step fails the test with its one-line reason."""
+    outcome = run.step(label)
+    if not outcome.passed:
+        pytest.fail(f"{label}: {outcome.message}", pytrace=False)

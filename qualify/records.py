@@ -1,0 +1,387 @@
+"""Sample records, qualification rules and the validation summary (frozen pydantic models).
+
+A :class:`SampleRecord` is the evidence one handoff sample leaves in its receipt. Records are
+written to JSON (:func:`record_json`) and judged from plain dicts read back from it, so the judge
+never trusts a model's defaults: a field that is absent or null is *omitted evidence*. In the JSON
+form every field is present (null when not measured), and non-finite floats are written as the
+strings ``"NaN"``/``"Infinity"`` so they reach the judge and are refused there rather than being
+silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+
+from qualify.compare import BranchComparison
+
+SAMPLE_SCHEMA = "trust-ladder.sample-record.v1"
+SUMMARY_SCHEMA = "trust-ladder.validation-summary.v1"
+
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, Field(ge=0)]
+Position = Annotated[int, Field(ge=0)]
+
+PHASE_FIELDS: tuple[str, ...] = (
+    "producer_compute_s",
+    "serialize_s",
+    "transport_s",
+    "verify_s",
+    "install_s",
+    "decode_s",
+    "recompute_s",
+)
+"""Per-sample phase times in seconds, in pipeline order."""
+
+REQUIRED_SAMPLE_FIELDS: tuple[str, ...] = (
+    "repetition",
+    "output_tokens",
+    "token_agreement_rate",
+    "max_abs",
+    "mean_abs",
+    "handoff_generated_token_sha256",
+    "cold_generated_token_sha256",
+    "handoff_logit_block_sha256",
+    "cold_logit_block_sha256",
+    "payload_sha256",
+    "payload_bytes",
+    "payload_gbit_per_s",
+    "handed_off_positions",
+    "recomputed_positions",
+    *PHASE_FIELDS,
+)
+"""Fields every sample must carry with a value; the judge refuses a sample that omits one."""
+
+LOGIT_DIGEST_FIELDS: tuple[str, ...] = ("logit_row_digests_equal", "first_logit_digest_mismatch_row")
+"""Logit digest comparison; required by rung 3 and by any rule that is not drift-graded.
+``first_logit_digest_mismatch_row`` must be present; null there means no row differs."""
+
+RUNG3_DRAFT_FIELDS: tuple[str, ...] = (
+    "handoff_draft_tokens_sha256",
+    "cold_draft_tokens_sha256",
+    "handoff_draft_trace_sha256",
+    "cold_draft_trace_sha256",
+    "draft_acceptance_rate",
+)
+"""Speculative-draft evidence a rung-3 sample must carry with a value."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid", ser_json_inf_nan="strings")
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def _finite_positive(value: float, name: str) -> float:
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and positive, found {value!r}")
+    return value
+
+
+class BoundedDriftRule(_Frozen):
+    """Rung 2 (``native-text``): exact tokens, full-logit drift inside the identity's bounds.
+
+    ``drift_graded`` False means the default judging: any logit digest mismatch is refused.
+    """
+
+    rung: Literal[2] = 2
+    repetitions: Annotated[int, Field(ge=1)] = 3
+    output_tokens: Annotated[int, Field(ge=1)] = 256
+    maximum_absolute: float
+    maximum_mean_absolute: float
+    drift_graded: bool = True
+
+    @model_validator(mode="after")
+    def _bounds_finite(self) -> "BoundedDriftRule":
+        _finite_positive(self.maximum_absolute, "maximum_absolute")
+        _finite_positive(self.maximum_mean_absolute, "maximum_mean_absolute")
+        return self
+
+
+class BitExactRule(_Frozen):
+    """Rung 3 (``kquant-target-plus-dflash``): exact tokens, exact full logits, exact draft
+    tokens and trace, draft acceptance at or above the sealed floor.
+
+    ``acceptance_floor`` None means the identity declares no speculative draft (only the
+    non-enrollable fault lane does); the draft checks then do not apply and the verdict says so.
+    """
+
+    rung: Literal[3] = 3
+    repetitions: Annotated[int, Field(ge=1)] = 3
+    output_tokens: Annotated[int, Field(ge=1)] = 256
+    acceptance_floor: float | None
+    drift_graded: bool = False
+
+    @model_validator(mode="after")
+    def _floor_in_range(self) -> "BitExactRule":
+        floor = self.acceptance_floor
+        if floor is not None and not (math.isfinite(floor) and 0 < floor <= 1):
+            raise ValueError(f"acceptance_floor must be in (0, 1], found {floor!r}")
+        return self
+
+
+QualificationRule = Annotated[BoundedDriftRule | BitExactRule, Field(discriminator="rung")]
+_RULE_ADAPTER: TypeAdapter[BoundedDriftRule | BitExactRule] = TypeAdapter(QualificationRule)
+
+
+def rule_from_identity(identity: Any, *, drift_graded: bool) -> BoundedDriftRule | BitExactRule:
+    """The judging rule an onboarding identity (``qualify.identity.Identity``) declares.
+
+    Rung 2 takes the bounded-drift bounds; rung 3 the draft's sealed acceptance floor (None when
+    the identity declares no draft). ``drift_graded`` is the run's ``--drift-graded`` flag.
+    """
+    qualification = identity.onboarding_qualification
+    common = {
+        "repetitions": qualification.repetitions,
+        "output_tokens": qualification.output_tokens,
+        "drift_graded": drift_graded,
+    }
+    if identity.rung == 2:
+        logits = qualification.full_logits
+        return BoundedDriftRule(
+            maximum_absolute=logits.maximum_absolute,
+            maximum_mean_absolute=logits.maximum_mean_absolute,
+            **common,
+        )
+    if identity.rung == 3:
+        draft = identity.speculative_draft
+        return BitExactRule(acceptance_floor=None if draft is None else draft.acceptance_floor, **common)
+    raise ValueError(f"identity rung: found {identity.rung!r}, expected 2 or 3")
+
+
+def parse_rule(rule: Mapping[str, Any] | BoundedDriftRule | BitExactRule) -> BoundedDriftRule | BitExactRule:
+    """A rule model from a model or a plain dict (e.g. read back from a validation summary)."""
+    if isinstance(rule, (BoundedDriftRule, BitExactRule)):
+        return rule
+    return _RULE_ADAPTER.validate_python(dict(rule))
+
+
+# --------------------------------------------------------------------------- localisation
+
+
+class TeacherForcedSummary(_Frozen):
+    """Teacher-forced drift: the handoff branch fed the cold tokens, against the cold logits."""
+
+    max_abs: float
+    mean_abs: float
+    first_row_over_rule: Position | None
+    top1_flips: Count
+
+
+class KVLayerMaxAbs(_Frozen):
+    """One layer's handed-off K and V max abs delta against the consumer's own prefill."""
+
+    layer: Count
+    k: float
+    v: float
+    k_position: Position | None = None
+    v_position: Position | None = None
+
+
+class Localisation(_Frozen):
+    """Where and why a sample disagrees (present on failures); null means not applicable."""
+
+    first_divergence_position: Position | None
+    cold_margin_at_divergence: float | None
+    drift_at_divergence: float | None
+    divergence_class: Literal["near-tie", "decisive"] | None
+    first_rule_breaking_row: Position | None
+    min_cold_margin: float | None
+    teacher_forced: TeacherForcedSummary | None = None
+    kv_layer_max_abs: tuple[KVLayerMaxAbs, ...] | None = None
+    kv_first_position_over_threshold: Position | None = None
+    kv_threshold: float | None = None
+
+
+# --------------------------------------------------------------------------- sample record
+
+
+class SampleRecord(_Frozen):
+    """One handoff sample's evidence. Every field of :data:`REQUIRED_SAMPLE_FIELDS` must hold a
+    value unless ``error`` says why the sample failed (then missing evidence stays null)."""
+
+    schema_: Literal["trust-ladder.sample-record.v1"] = Field(SAMPLE_SCHEMA, alias="schema")
+    repetition: Annotated[int, Field(ge=1)]
+    output_tokens: Count | None = None
+    token_agreement_rate: float | None = None
+    max_abs: float | None = None
+    mean_abs: float | None = None
+    handoff_generated_token_sha256: Sha256Hex | None = None
+    cold_generated_token_sha256: Sha256Hex | None = None
+    handoff_logit_block_sha256: Sha256Hex | None = None
+    cold_logit_block_sha256: Sha256Hex | None = None
+    logit_row_digests_equal: bool | None = None
+    first_logit_digest_mismatch_row: Position | None = None
+    handoff_logit_row_sha256: tuple[Sha256Hex, ...] | None = None
+    cold_logit_row_sha256: tuple[Sha256Hex, ...] | None = None
+    payload_sha256: Sha256Hex | None = None
+    payload_bytes: Count | None = None
+    payload_gbit_per_s: float | None = None
+    handed_off_positions: Count | None = None
+    recomputed_positions: Count | None = None
+    producer_compute_s: float | None = None
+    serialize_s: float | None = None
+    transport_s: float | None = None
+    verify_s: float | None = None
+    install_s: float | None = None
+    decode_s: float | None = None
+    recompute_s: float | None = None
+    handoff_draft_tokens_sha256: Sha256Hex | None = None
+    cold_draft_tokens_sha256: Sha256Hex | None = None
+    handoff_draft_trace_sha256: Sha256Hex | None = None
+    cold_draft_trace_sha256: Sha256Hex | None = None
+    draft_acceptance_rate: float | None = None
+    localisation: Localisation | None = None
+    error: str | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _complete_unless_failed(self) -> "SampleRecord":
+        if self.error is None:
+            for name in REQUIRED_SAMPLE_FIELDS:
+                if getattr(self, name) is None:
+                    raise ValueError(f"sample omits {name} (set error to record a failed sample)")
+        elif not self.error.strip():
+            raise ValueError("error must say why the sample failed")
+        return self
+
+
+def record_json(record: SampleRecord) -> dict[str, Any]:
+    """The JSON form of a record as a plain dict: every field present, non-finite as strings."""
+    return json.loads(record.model_dump_json(by_alias=True))
+
+
+def sample_record(
+    *,
+    repetition: int,
+    comparison: BranchComparison,
+    payload_sha256: str,
+    payload_bytes: int,
+    payload_gbit_per_s: float,
+    handed_off_positions: int,
+    recomputed_positions: int,
+    phases: Mapping[str, float],
+    kv_threshold: float | None = None,
+    include_localisation: bool | None = None,
+    include_row_digests: bool = True,
+) -> SampleRecord:
+    """Build a complete record from a :class:`BranchComparison` and the handoff's own facts.
+
+    ``phases`` must name every field of :data:`PHASE_FIELDS`. Localisation is included when the
+    sample disagrees (tokens, a rule-breaking row, a digest mismatch) or when teacher-forced/KV
+    localisation was computed, unless ``include_localisation`` says otherwise.
+    """
+    missing = [name for name in PHASE_FIELDS if name not in phases]
+    if missing:
+        raise ValueError(f"sample omits {missing[0]}")
+    extra = sorted(set(phases) - set(PHASE_FIELDS))
+    if extra:
+        raise ValueError(f"phases: unknown phase {extra[0]!r}")
+    disagrees = (
+        comparison.first_divergence is not None
+        or comparison.delta.first_row_over_rule is not None
+        or comparison.first_logit_digest_mismatch is not None
+    )
+    if include_localisation is None:
+        include_localisation = disagrees or comparison.teacher_forced is not None or comparison.kv is not None
+    localisation = None
+    if include_localisation:
+        teacher = comparison.teacher_forced
+        kv = comparison.kv
+        margins = comparison.cold_margins
+        localisation = Localisation(
+            first_divergence_position=comparison.first_divergence,
+            cold_margin_at_divergence=comparison.cold_margin_at_divergence,
+            drift_at_divergence=comparison.drift_at_divergence,
+            divergence_class=comparison.divergence_class,
+            first_rule_breaking_row=comparison.delta.first_row_over_rule,
+            min_cold_margin=float(margins.min()) if margins.size else None,
+            teacher_forced=None if teacher is None else TeacherForcedSummary(
+                max_abs=teacher.max_abs,
+                mean_abs=teacher.mean_abs,
+                first_row_over_rule=teacher.first_row_over_rule,
+                top1_flips=teacher.top1_flips,
+            ),
+            kv_layer_max_abs=None if kv is None else tuple(
+                KVLayerMaxAbs(layer=item.layer, k=item.k, v=item.v,
+                              k_position=item.k_position, v_position=item.v_position)
+                for item in kv.layers
+            ),
+            kv_first_position_over_threshold=(
+                kv.first_position_over(kv_threshold) if kv is not None and kv_threshold is not None else None
+            ),
+            kv_threshold=kv_threshold if kv is not None else None,
+        )
+    return SampleRecord(
+        repetition=repetition,
+        output_tokens=comparison.output_tokens,
+        token_agreement_rate=comparison.token_agreement_rate,
+        max_abs=comparison.max_abs,
+        mean_abs=comparison.mean_abs,
+        handoff_generated_token_sha256=comparison.handoff_generated_token_sha256,
+        cold_generated_token_sha256=comparison.cold_generated_token_sha256,
+        handoff_logit_block_sha256=comparison.handoff_digests.block_sha256,
+        cold_logit_block_sha256=comparison.cold_digests.block_sha256,
+        logit_row_digests_equal=comparison.logit_row_digests_equal,
+        first_logit_digest_mismatch_row=comparison.first_logit_digest_mismatch,
+        handoff_logit_row_sha256=comparison.handoff_digests.row_sha256 if include_row_digests else None,
+        cold_logit_row_sha256=comparison.cold_digests.row_sha256 if include_row_digests else None,
+        payload_sha256=payload_sha256,
+        payload_bytes=payload_bytes,
+        payload_gbit_per_s=float(payload_gbit_per_s),
+        handed_off_positions=handed_off_positions,
+        recomputed_positions=recomputed_positions,
+        **{name: float(phases[name]) for name in PHASE_FIELDS},
+        handoff_draft_tokens_sha256=comparison.handoff_draft_tokens_sha256,
+        cold_draft_tokens_sha256=comparison.cold_draft_tokens_sha256,
+        handoff_draft_trace_sha256=comparison.handoff_draft_trace_sha256,
+        cold_draft_trace_sha256=comparison.cold_draft_trace_sha256,
+        draft_acceptance_rate=comparison.draft_acceptance_rate,
+        localisation=localisation,
+    )
+
+
+def failed_sample_record(repetition: int, error: str, **measured: Any) -> SampleRecord:
+    """A record for a sample that failed (producer error, refused handoff), keeping whatever was
+    measured before the failure; the judge refuses it on ``error``."""
+    message = " ".join(str(error).split()) or "sample failed without a message"
+    return SampleRecord(repetition=repetition, error=message, **measured)
+
+
+# --------------------------------------------------------------------------- summary
+
+
+class CheckRecord(_Frozen):
+    """One judged check: its name, whether it held, and the plain-words detail."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+class ValidationSummary(_Frozen):
+    """What a receipt's ``validation-summary.json`` holds: the verdict over the run's samples."""
+
+    schema_: Literal["trust-ladder.validation-summary.v1"] = Field(SUMMARY_SCHEMA, alias="schema")
+    run_id: str
+    recipe: str
+    lane: str
+    rung: Literal[1, 2, 3] | None
+    identity_sha256: Sha256Hex
+    passed: bool
+    verdict: str
+    reasons: tuple[str, ...]
+    checks: tuple[CheckRecord, ...]
+    rule: dict[str, Any] | None
+    samples: Count
+    started_utc: str
+    finished_utc: str
+    error: str | None = None
+
+    model_config = ConfigDict(populate_by_name=True)

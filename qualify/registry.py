@@ -1,0 +1,157 @@
+"""Lane registry files: the enrolled producer lanes, refused whole on any doubt at load.
+
+A registry (``contracts/lane-registry.v1.schema.json``) lists entries ``{lane, lane_kind,
+recipe, identity_sha256, receipt, key_id}``. Loading refuses, before any key could be minted: an
+unknown lane kind or recipe, a kind/recipe pair that disagrees with
+:func:`qualify.lanes.recipe_for`, a lane the harness does not know or that is not enrollable, a
+lane whose kind differs from the lane table, and duplicate key ids or duplicate entries.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from qualify.assets import CONTRACTS_DIR
+from qualify.errors import Refused
+from qualify.identity import check_schema, format_path, read_strict_json, render
+from qualify.lanes import LANES, LaneKind, LaneSpec, Recipe, recipe_for
+
+REGISTRY_SCHEMA_ID = "trust-ladder.lane-registry.v1"
+REGISTRY_SCHEMA_PATH = CONTRACTS_DIR / "lane-registry.v1.schema.json"
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryEntry:
+    """One enrolled lane: its identity digest, qualification receipt and handoff key id."""
+
+    lane: str
+    lane_kind: LaneKind
+    recipe: Recipe
+    identity_sha256: str
+    receipt: str
+    key_id: str
+
+    @property
+    def spec(self) -> LaneSpec:
+        return LANES[self.lane]
+
+    def document(self) -> dict[str, str]:
+        return {
+            "lane": self.lane,
+            "lane_kind": self.lane_kind.value,
+            "recipe": self.recipe.value,
+            "identity_sha256": self.identity_sha256,
+            "receipt": self.receipt,
+            "key_id": self.key_id,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LaneRegistry:
+    """An immutable, validated registry."""
+
+    entries: tuple[RegistryEntry, ...]
+
+    def for_lane(self, lane: str) -> tuple[RegistryEntry, ...]:
+        """Entries enrolled for ``lane`` (one per identity version)."""
+        return tuple(entry for entry in self.entries if entry.lane == lane)
+
+    def by_key_id(self, key_id: str) -> RegistryEntry:
+        """The entry a handoff key belongs to; an unknown key id is refused."""
+        for entry in self.entries:
+            if entry.key_id == key_id:
+                return entry
+        raise Refused(f"registry: key_id: found {render(key_id)}, no enrolled lane has it")
+
+    def document(self) -> dict[str, Any]:
+        """The JSON document of this registry (what a writer serialises)."""
+        return {"schema": REGISTRY_SCHEMA_ID, "entries": [entry.document() for entry in self.entries]}
+
+
+def _known(value: str, enum: type[LaneKind] | type[Recipe]) -> LaneKind | Recipe | None:
+    for member in enum:
+        if member.value == value:
+            return member
+    return None
+
+
+def registry_from_document(document: Any, where: str) -> LaneRegistry:
+    """Validate a parsed registry document; ``where`` starts every refusal line."""
+    check_schema(document, REGISTRY_SCHEMA_PATH, where)
+    entries: list[RegistryEntry] = []
+    seen_keys: dict[str, int] = {}
+    seen_identities: dict[tuple[str, str], int] = {}
+    for index, raw in enumerate(document["entries"]):
+        at = format_path(["entries", index])
+        kind = _known(raw["lane_kind"], LaneKind)
+        if not isinstance(kind, LaneKind):
+            raise Refused(
+                f"{where}: {at}.lane_kind: found {render(raw['lane_kind'])}, expected one of "
+                f"{', '.join(k.value for k in LaneKind)} (unknown lane kinds are refused before "
+                f"any key is minted)"
+            )
+        recipe = _known(raw["recipe"], Recipe)
+        if not isinstance(recipe, Recipe):
+            raise Refused(
+                f"{where}: {at}.recipe: found {render(raw['recipe'])}, expected one of "
+                f"{', '.join(r.value for r in Recipe)} (unknown recipes are refused before any "
+                f"key is minted)"
+            )
+        if recipe is not recipe_for(kind):
+            raise Refused(
+                f"{where}: {at}.recipe: found {render(recipe.value)}, lane kind {kind.value} "
+                f"qualifies under {recipe_for(kind).value}"
+            )
+        spec = LANES.get(raw["lane"])
+        if spec is None:
+            raise Refused(
+                f"{where}: {at}.lane: found {render(raw['lane'])}, expected one of {', '.join(LANES)}"
+            )
+        if spec.kind is not kind:
+            raise Refused(
+                f"{where}: {at}.lane_kind: found {render(kind.value)}, lane {spec.name} is "
+                f"{spec.kind.value}"
+            )
+        if not spec.enrollable:
+            raise Refused(
+                f"{where}: {at}.lane: {spec.name} is not enrollable (it exists to be compared "
+                f"against or to be refused, never served)"
+            )
+        key_id = raw["key_id"]
+        if key_id in seen_keys:
+            raise Refused(
+                f"{where}: {at}.key_id: found {render(key_id)}, already used by entries[{seen_keys[key_id]}]"
+            )
+        seen_keys[key_id] = index
+        pair = (spec.name, raw["identity_sha256"])
+        if pair in seen_identities:
+            raise Refused(
+                f"{where}: {at}: lane {spec.name} with this identity_sha256 is already "
+                f"entries[{seen_identities[pair]}]"
+            )
+        seen_identities[pair] = index
+        entries.append(
+            RegistryEntry(
+                lane=spec.name,
+                lane_kind=kind,
+                recipe=recipe,
+                identity_sha256=raw["identity_sha256"],
+                receipt=raw["receipt"],
+                key_id=key_id,
+            )
+        )
+    return LaneRegistry(tuple(entries))
+
+
+def load_registry(path: str | os.PathLike[str]) -> LaneRegistry:
+    """Read and validate a lane registry file; any doubt is a one-line ``Refused``."""
+    document = read_strict_json(path, "registry")
+    return registry_from_document(document, f"registry {os.fspath(path)}")
+
+
+def validate_registry_document(document: Mapping[str, Any]) -> LaneRegistry:
+    """Validate a registry document before it is written (writers call this first)."""
+    return registry_from_document(dict(document), "registry (to be written)")

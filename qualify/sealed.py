@@ -1,0 +1,467 @@
+"""Sealed constants: the exact identity each lane must present, compiled into the package.
+
+An identity file is only accepted if every field equals the sealed value for its lane (seed
+§32.2): "relaxing" a bound in the JSON fails onboarding; a bound changes only by a code change to
+this file, in a commit, in front of a reviewer. Every value here is immutable at run time (frozen
+dataclasses, mapping proxies), and each :class:`SealedIdentity` validates itself when constructed:
+a placeholder digest (all zeros, ``TODO``, uppercase, wrong length) or an inconsistent rule fails
+the import, never a run.
+
+``tools/freeze_identity.py`` computes the real digests of the shipped artifacts and prints the
+``SealedIdentity(...)`` block to paste below, together with the identity JSON it seals.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any
+
+from qualify.digests import canonical_sha256, is_sha256_hex
+from qualify.errors import Refused
+from qualify.lanes import (
+    LANES,
+    LaneKind,
+    LaneSpec,
+    NativeVariant,
+    ProducerMode,
+    Recipe,
+    check_speculative_draft,
+    target_cache_identity,
+)
+
+IDENTITY_SCHEMA_ID = "trust-ladder.onboarding-identity.v1"
+"""The ``schema`` string of an onboarding identity document (v1)."""
+
+ZERO_SHA256 = "0" * 64
+RELPATH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*")
+RECEIPT_URI = re.compile(
+    r"receipt://(?P<run_id>[A-Za-z0-9][A-Za-z0-9._-]*)"
+    r"/(?P<file>[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*)"
+)
+PRINTABLE_NAME = re.compile(r"[\x21-\x7e]+(?: [\x21-\x7e]+)*")
+
+
+def is_sealable_sha256(value: object) -> bool:
+    """True for 64 lowercase hex characters that are not the all-zero placeholder."""
+    return is_sha256_hex(value) and value != ZERO_SHA256
+
+
+class _Check:
+    """Collects the field path of a sealed constant for one-line refusal messages."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, field: str, found: object, expected: str) -> None:
+        raise Refused(f"sealed {self.where}: {field}: found {found!r}, expected {expected}")
+
+    def sha256(self, field: str, value: object) -> None:
+        if not is_sealable_sha256(value):
+            self.fail(field, value, "a non-zero 64-character lowercase hex SHA-256")
+
+    def name(self, field: str, value: object) -> None:
+        if not isinstance(value, str) or len(value) > 200 or not PRINTABLE_NAME.fullmatch(value):
+            self.fail(field, value, "a non-empty printable name (at most 200 characters)")
+
+    def positive_int(self, field: str, value: object) -> None:
+        if type(value) is not int or value < 1:
+            self.fail(field, value, "a positive int")
+
+    def positive_float(self, field: str, value: object) -> None:
+        if type(value) is not float or not math.isfinite(value) or value <= 0.0:
+            self.fail(field, value, "a finite positive float")
+
+    def flag(self, field: str, value: object) -> None:
+        if value is not True:
+            self.fail(field, value, "True (the rule requires it)")
+
+
+@dataclass(frozen=True, slots=True)
+class SealedEngine:
+    """An engine pinned by name, version and ABI string."""
+
+    name: str
+    version: str
+    abi: str
+
+    def document(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "abi": self.abi}
+
+
+@dataclass(frozen=True, slots=True)
+class SealedNamedDigest:
+    """An artifact pinned by name and SHA-256 (adapter, prompt template)."""
+
+    name: str
+    sha256: str
+
+    def document(self) -> dict[str, Any]:
+        return {"name": self.name, "sha256": self.sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class SealedCheckpoint:
+    """Per-file digest map (paths relative to ``model/``) and total byte count."""
+
+    files: Mapping[str, str]
+    total_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.files, Mapping):
+            raise Refused(f"sealed checkpoint: files: found {type(self.files).__name__}, expected a mapping")
+        if not all(isinstance(relpath, str) for relpath in self.files):
+            raise Refused("sealed checkpoint: files: every key must be a relative path string")
+        object.__setattr__(self, "files", MappingProxyType(dict(sorted(self.files.items()))))
+
+    def document(self) -> dict[str, Any]:
+        return {"files": dict(self.files), "total_bytes": self.total_bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class SealedPrompt:
+    """The qualification prompt: name, token count and ``qualify.assets.prompt_sha256``."""
+
+    name: str
+    tokens: int
+    sha256: str
+
+    def document(self) -> dict[str, Any]:
+        return {"name": self.name, "tokens": self.tokens, "sha256": self.sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class SealedContextPolicy:
+    """Positions handed off by the producer and the largest position the lane may use."""
+
+    handoff_positions: int
+    max_positions: int
+
+    def document(self) -> dict[str, Any]:
+        return {"handoff_positions": self.handoff_positions, "max_positions": self.max_positions}
+
+
+@dataclass(frozen=True, slots=True)
+class SealedRope:
+    """RoPE base and the digest of the cos/sin cache both engines use."""
+
+    theta: float
+    cache_sha256: str
+
+    def document(self) -> dict[str, Any]:
+        return {"theta": self.theta, "cache_sha256": self.cache_sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class SealedLogitUnits:
+    """The units the bounds are in (seed §32.6): ``raw`` or ``tanh-softcap`` with its cap."""
+
+    transform: str
+    cap: float | None = None
+
+    def document(self) -> dict[str, Any]:
+        if self.transform == "raw":
+            return {"transform": "raw"}
+        return {"transform": self.transform, "cap": self.cap}
+
+
+@dataclass(frozen=True, slots=True)
+class SealedDraftGeometry:
+    """Speculative draft head geometry (EAGLE-1) and tokens proposed per step."""
+
+    kind: str
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    proposal_tokens: int
+
+    def document(self) -> dict[str, Any]:
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class SealedDraft:
+    """A rung-3 speculative draft: geometry, acceptance floor and weights digest."""
+
+    geometry: SealedDraftGeometry
+    acceptance_floor: float
+    draft_sha256: str
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "geometry": self.geometry.document(),
+            "acceptance_floor": self.acceptance_floor,
+            "draft_sha256": self.draft_sha256,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SealedQualification:
+    """The qualification rule. Bounds are None for rung 3 (full logits must be exact).
+
+    ``basis_sha256`` pins the bytes of the basis receipt file; it is not part of the document.
+    """
+
+    prompt_tokens: int
+    output_tokens: int
+    repetitions: int
+    prompt_sha256: str
+    require_exact_tokens: bool
+    require_deterministic_remote_output: bool
+    maximum_absolute: float | None
+    maximum_mean_absolute: float | None
+    basis: str
+    basis_sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class SealedIdentity:
+    """Everything one lane's identity document must say, exactly; validated on construction.
+
+    Lane kind, recipe, rung, producer mode and native variant come from :data:`LANES`; the
+    onboarding schema string and full-logit mode come from the recipe.
+    """
+
+    lane: str
+    checkpoint: SealedCheckpoint
+    producer_engine: SealedEngine
+    consumer_engine: SealedEngine
+    adapter: SealedNamedDigest
+    tokenizer_sha256: str
+    prompt: SealedPrompt
+    prompt_template: SealedNamedDigest
+    context_policy: SealedContextPolicy
+    rope: SealedRope
+    logit_units: SealedLogitUnits
+    target_cache_identity_sha256: str
+    speculative_draft: SealedDraft | None
+    qualification: SealedQualification
+
+    def __post_init__(self) -> None:
+        _validate_sealed(self)
+
+    @property
+    def spec(self) -> LaneSpec:
+        return LANES[self.lane]
+
+    def identity_document(self) -> dict[str, Any]:
+        """The identity JSON document this constant seals (key order is the report order)."""
+        spec = self.spec
+        rule = self.qualification
+        full_logits: dict[str, Any] = {"mode": spec.recipe.full_logits_mode}
+        if rule.maximum_absolute is not None:
+            full_logits["maximum_absolute"] = rule.maximum_absolute
+            full_logits["maximum_mean_absolute"] = rule.maximum_mean_absolute
+        return {
+            "schema": IDENTITY_SCHEMA_ID,
+            "lane": self.lane,
+            "lane_kind": spec.kind.value,
+            "recipe": spec.recipe.value,
+            "rung": spec.recipe.rung,
+            "producer_mode": spec.mode.value,
+            "native_variant": None if spec.variant is None else spec.variant.value,
+            "onboarding_qualification": {
+                "schema": spec.recipe.onboarding_schema,
+                "prompt_tokens": rule.prompt_tokens,
+                "output_tokens": rule.output_tokens,
+                "repetitions": rule.repetitions,
+                "prompt_sha256": rule.prompt_sha256,
+                "require_exact_tokens": rule.require_exact_tokens,
+                "require_deterministic_remote_output": rule.require_deterministic_remote_output,
+                "full_logits": full_logits,
+                "basis": rule.basis,
+            },
+            "target_cache_identity_sha256": self.target_cache_identity_sha256,
+            "checkpoint": self.checkpoint.document(),
+            "producer_engine": self.producer_engine.document(),
+            "consumer_engine": self.consumer_engine.document(),
+            "adapter": self.adapter.document(),
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "prompt": self.prompt.document(),
+            "prompt_template": self.prompt_template.document(),
+            "context_policy": self.context_policy.document(),
+            "rope": self.rope.document(),
+            "logit_units": self.logit_units.document(),
+            "speculative_draft": (
+                None if self.speculative_draft is None else self.speculative_draft.document()
+            ),
+        }
+
+    @property
+    def identity_sha256(self) -> str:
+        """Canonical SHA-256 of the sealed document (equals ``identity_sha256`` of a match)."""
+        return canonical_sha256(self.identity_document())
+
+
+def _validate_sealed(sealed: SealedIdentity) -> None:
+    """Refuse a sealed constant that is a placeholder or contradicts its lane or itself."""
+    check = _Check(str(sealed.lane))
+    spec = LANES.get(sealed.lane) if isinstance(sealed.lane, str) else None
+    if spec is None:
+        check.fail("lane", sealed.lane, f"one of {', '.join(LANES)}")
+        return
+    for part, kind in (
+        ("checkpoint", SealedCheckpoint),
+        ("producer_engine", SealedEngine),
+        ("consumer_engine", SealedEngine),
+        ("adapter", SealedNamedDigest),
+        ("prompt", SealedPrompt),
+        ("prompt_template", SealedNamedDigest),
+        ("context_policy", SealedContextPolicy),
+        ("rope", SealedRope),
+        ("logit_units", SealedLogitUnits),
+        ("qualification", SealedQualification),
+    ):
+        if not isinstance(getattr(sealed, part), kind):
+            check.fail(part, type(getattr(sealed, part)).__name__, kind.__name__)
+
+    files = sealed.checkpoint.files
+    if not files:
+        check.fail("checkpoint.files", {}, "at least one file")
+    for relpath, digest in files.items():
+        if not isinstance(relpath, str) or len(relpath) > 255 or not RELPATH.fullmatch(relpath):
+            check.fail("checkpoint.files", relpath, "a relative path without '.' or '..' segments")
+        check.sha256(f"checkpoint.files[{relpath!r}]", digest)
+    check.positive_int("checkpoint.total_bytes", sealed.checkpoint.total_bytes)
+    for role in ("producer_engine", "consumer_engine"):
+        engine = getattr(sealed, role)
+        for part in ("name", "version", "abi"):
+            check.name(f"{role}.{part}", getattr(engine, part))
+    for role in ("adapter", "prompt_template"):
+        check.name(f"{role}.name", getattr(sealed, role).name)
+        check.sha256(f"{role}.sha256", getattr(sealed, role).sha256)
+    check.sha256("tokenizer_sha256", sealed.tokenizer_sha256)
+    check.name("prompt.name", sealed.prompt.name)
+    check.positive_int("prompt.tokens", sealed.prompt.tokens)
+    check.sha256("prompt.sha256", sealed.prompt.sha256)
+    check.positive_int("context_policy.handoff_positions", sealed.context_policy.handoff_positions)
+    check.positive_int("context_policy.max_positions", sealed.context_policy.max_positions)
+    check.positive_float("rope.theta", sealed.rope.theta)
+    check.sha256("rope.cache_sha256", sealed.rope.cache_sha256)
+    units = sealed.logit_units
+    if units.transform == "raw":
+        if units.cap is not None:
+            check.fail("logit_units.cap", units.cap, "None for raw logits")
+    elif units.transform == "tanh-softcap":
+        check.positive_float("logit_units.cap", units.cap)
+    else:
+        check.fail("logit_units.transform", units.transform, "'raw' or 'tanh-softcap'")
+
+    rule = sealed.qualification
+    check.positive_int("qualification.prompt_tokens", rule.prompt_tokens)
+    check.positive_int("qualification.output_tokens", rule.output_tokens)
+    check.positive_int("qualification.repetitions", rule.repetitions)
+    check.sha256("qualification.prompt_sha256", rule.prompt_sha256)
+    check.flag("qualification.require_exact_tokens", rule.require_exact_tokens)
+    check.flag(
+        "qualification.require_deterministic_remote_output", rule.require_deterministic_remote_output
+    )
+    if spec.recipe.full_logits_mode == "bounded-drift":
+        check.positive_float("qualification.maximum_absolute", rule.maximum_absolute)
+        check.positive_float("qualification.maximum_mean_absolute", rule.maximum_mean_absolute)
+        assert rule.maximum_absolute is not None and rule.maximum_mean_absolute is not None
+        if rule.maximum_mean_absolute > rule.maximum_absolute:
+            check.fail(
+                "qualification.maximum_mean_absolute",
+                rule.maximum_mean_absolute,
+                f"at most maximum_absolute ({rule.maximum_absolute!r})",
+            )
+    else:
+        for bound in ("maximum_absolute", "maximum_mean_absolute"):
+            if getattr(rule, bound) is not None:
+                check.fail(f"qualification.{bound}", getattr(rule, bound), "None (exact logits)")
+    if not isinstance(rule.basis, str) or len(rule.basis) > 512 or not RECEIPT_URI.fullmatch(rule.basis):
+        check.fail("qualification.basis", rule.basis, "receipt://<run-id>/<file>")
+    check.sha256("qualification.basis_sha256", rule.basis_sha256)
+
+    if sealed.prompt.sha256 != rule.prompt_sha256:
+        check.fail("prompt.sha256", sealed.prompt.sha256, f"qualification.prompt_sha256 {rule.prompt_sha256}")
+    if sealed.prompt.tokens != rule.prompt_tokens:
+        check.fail("prompt.tokens", sealed.prompt.tokens, f"qualification.prompt_tokens {rule.prompt_tokens}")
+    if sealed.context_policy.handoff_positions >= rule.prompt_tokens:
+        check.fail(
+            "context_policy.handoff_positions",
+            sealed.context_policy.handoff_positions,
+            f"fewer than prompt_tokens {rule.prompt_tokens} (the consumer feeds at least one)",
+        )
+    if sealed.context_policy.max_positions < rule.prompt_tokens + rule.output_tokens:
+        check.fail(
+            "context_policy.max_positions",
+            sealed.context_policy.max_positions,
+            f"at least prompt_tokens + output_tokens = {rule.prompt_tokens + rule.output_tokens}",
+        )
+
+    draft = sealed.speculative_draft
+    check_speculative_draft(sealed.lane, spec.mode, draft is not None)
+    if spec.speculative_draft and draft is None:
+        check.fail("speculative_draft", None, f"a draft (lane {spec.name} declares one)")
+    if not spec.speculative_draft and draft is not None:
+        check.fail("speculative_draft", "a draft", f"None (lane {spec.name} declares none)")
+    if draft is not None:
+        if not isinstance(draft, SealedDraft) or not isinstance(draft.geometry, SealedDraftGeometry):
+            check.fail("speculative_draft", type(draft).__name__, "SealedDraft with SealedDraftGeometry")
+        if draft.geometry.kind != "eagle-1":
+            check.fail("speculative_draft.geometry.kind", draft.geometry.kind, "'eagle-1'")
+        for part in ("layers", "hidden_size", "heads", "kv_heads", "head_dim", "proposal_tokens"):
+            check.positive_int(f"speculative_draft.geometry.{part}", getattr(draft.geometry, part))
+        floor = draft.acceptance_floor
+        if type(floor) is not float or not math.isfinite(floor) or not 0.0 < floor <= 1.0:
+            check.fail("speculative_draft.acceptance_floor", floor, "a float in (0, 1]")
+        check.sha256("speculative_draft.draft_sha256", draft.draft_sha256)
+
+    check.sha256("target_cache_identity_sha256", sealed.target_cache_identity_sha256)
+    derived = target_cache_identity(spec, files, sealed.producer_engine.abi)
+    if sealed.target_cache_identity_sha256 != derived:
+        check.fail(
+            "target_cache_identity_sha256",
+            sealed.target_cache_identity_sha256,
+            f"{derived} (derived from lane kind, mode, variant, checkpoint and producer abi)",
+        )
+
+
+def sealed_table(*identities: SealedIdentity) -> Mapping[str, SealedIdentity]:
+    """An immutable lane -> sealed identity table; a lane sealed twice is refused."""
+    table: dict[str, SealedIdentity] = {}
+    for sealed in identities:
+        if not isinstance(sealed, SealedIdentity):
+            raise Refused(f"sealed table: found {type(sealed).__name__}, expected SealedIdentity")
+        if sealed.lane in table:
+            raise Refused(f"sealed table: lane {sealed.lane} is sealed twice")
+        table[sealed.lane] = sealed
+    return MappingProxyType(table)
+
+
+# --- The shipped sealed identities -------------------------------------------------------------
+# The lead pastes the blocks printed by `tools/freeze_identity.py` here once the NVFP4 checkpoint
+# and calibration receipts exist, and adds each constant to SEALED_IDENTITIES. Until then no lane
+# is sealed and every identity file is refused ("no lane is sealed yet").
+
+SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table()
+"""Shipped lane -> sealed identity (immutable)."""
+
+__all__ = [
+    "IDENTITY_SCHEMA_ID",
+    "LaneKind",
+    "NativeVariant",
+    "ProducerMode",
+    "Recipe",
+    "SEALED_IDENTITIES",
+    "SealedCheckpoint",
+    "SealedContextPolicy",
+    "SealedDraft",
+    "SealedDraftGeometry",
+    "SealedEngine",
+    "SealedIdentity",
+    "SealedLogitUnits",
+    "SealedNamedDigest",
+    "SealedPrompt",
+    "SealedQualification",
+    "SealedRope",
+    "is_sealable_sha256",
+    "sealed_table",
+]

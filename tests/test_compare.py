@@ -1,0 +1,338 @@
+"""qualify.compare against straightforward numpy on random data, localisation included."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from qualify import compare
+from qualify.compare import (
+    classify_divergence,
+    compare_branches,
+    compare_kv,
+    compare_logit_blocks,
+    draft_acceptance_rate,
+    draft_tokens_sha256,
+    draft_trace_sha256,
+    first_digest_mismatch,
+    generated_token_sha256,
+    logit_digests,
+    parse_logit_transform,
+    teacher_forced_drift,
+    token_agreement,
+    top1_top2_margins,
+    transform_between,
+)
+from qualify.engines.base import DecodeResult
+from qualify.errors import Refused
+
+ROWS, VOCAB = 64, 1000
+
+
+def _blocks(seed: int = 0, rows: int = ROWS, vocab: int = VOCAB, noise: float = 1e-2):
+    rng = np.random.default_rng(seed)
+    cold = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    handoff = (cold + rng.standard_normal((rows, vocab)) * noise).astype(np.float32)
+    return handoff, cold
+
+
+def _softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    c = np.float32(cap)
+    return (np.tanh(x / c) * c).astype(np.float32)
+
+
+@pytest.fixture(params=[compare.CHUNK_BYTES, 4 * VOCAB * 3, 100], ids=["default-chunk", "3-row-chunk", "sub-row-chunk"])
+def chunk_bytes(request, monkeypatch):
+    """Exercise the default chunking, several rows per chunk, and one row per chunk."""
+    monkeypatch.setattr(compare, "CHUNK_BYTES", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("spec", ["raw", "tanh-softcap:30.0", "tanh-softcap:5"])
+def test_logit_deltas_match_numpy(spec, chunk_bytes):
+    handoff, cold = _blocks()
+    transform = parse_logit_transform(spec)
+    if transform.cap is None:
+        a, b = handoff, cold
+    else:
+        a, b = _softcap(handoff, transform.cap), _softcap(cold, transform.cap)
+    expected = np.abs(a - b)
+    result = compare_logit_blocks(handoff, cold, spec, maximum_absolute=0.03, maximum_mean_absolute=0.0085)
+    assert result.max_abs == float(expected.max())
+    assert result.mean_abs == pytest.approx(float(expected.astype(np.float64).mean()), rel=1e-6)
+    np.testing.assert_array_equal(result.row_max_abs, expected.max(axis=1))
+    np.testing.assert_allclose(result.row_mean_abs, expected.astype(np.float64).mean(axis=1), rtol=1e-6)
+    breaking = np.flatnonzero((expected.max(axis=1) > 0.03) | (expected.astype(np.float64).mean(axis=1) > 0.0085))
+    assert result.first_row_over_rule == (int(breaking[0]) if breaking.size else None)
+
+
+def test_first_row_over_rule_locates_the_first_breaking_row():
+    handoff, cold = _blocks(noise=1e-4)
+    handoff[17, 3] += 5.0  # max rule
+    handoff[29] += 0.5  # mean rule only
+    by_max = compare_logit_blocks(handoff, cold, maximum_absolute=1.0, maximum_mean_absolute=1.0)
+    assert by_max.first_row_over_rule == 17
+    by_mean = compare_logit_blocks(handoff, cold, maximum_absolute=10.0, maximum_mean_absolute=0.1)
+    assert by_mean.first_row_over_rule == 29
+    assert compare_logit_blocks(handoff, cold).first_row_over_rule is None  # no rule given
+
+
+def test_identical_blocks_have_exactly_zero_deltas():
+    _, cold = _blocks()
+    result = compare_logit_blocks(cold.copy(), cold, maximum_absolute=1e-30, maximum_mean_absolute=1e-30)
+    assert result.max_abs == 0.0 and result.mean_abs == 0.0
+    assert result.first_row_over_rule is None
+
+
+def test_non_finite_logits_propagate_and_break_the_rule():
+    handoff, cold = _blocks()
+    handoff[5, 7] = np.nan
+    result = compare_logit_blocks(handoff, cold, maximum_absolute=100.0, maximum_mean_absolute=100.0)
+    assert math.isnan(result.max_abs) and math.isnan(result.mean_abs)
+    assert result.first_row_over_rule == 5
+    handoff[5, 7] = cold[5, 7]
+    handoff[9, 1] = np.inf
+    assert compare_logit_blocks(handoff, cold, maximum_absolute=100.0, maximum_mean_absolute=100.0).first_row_over_rule == 9
+
+
+def test_digests_are_of_little_endian_float32_rows_and_block(chunk_bytes):
+    handoff, _ = _blocks()
+    digests = logit_digests(handoff)
+    assert digests.row_sha256 == tuple(hashlib.sha256(row.astype("<f4").tobytes()).hexdigest() for row in handoff)
+    assert digests.block_sha256 == hashlib.sha256(handoff.astype("<f4").tobytes()).hexdigest()
+    big_endian = handoff.astype(">f4")
+    assert logit_digests(big_endian.astype(np.float32)) == digests
+
+
+def test_first_digest_mismatch():
+    handoff, _ = _blocks()
+    other = handoff.copy()
+    assert first_digest_mismatch(logit_digests(handoff), logit_digests(other)) is None
+    other[40, 0] = np.nextafter(other[40, 0], np.float32(np.inf))  # one ULP
+    assert first_digest_mismatch(logit_digests(handoff), logit_digests(other)) == 40
+
+
+def test_generated_token_digest_is_little_endian_uint32():
+    tokens = np.array([0, 1, 4095, 70000], dtype=np.int64)
+    assert generated_token_sha256(tokens) == hashlib.sha256(tokens.astype("<u4").tobytes()).hexdigest()
+    with pytest.raises(Refused):
+        generated_token_sha256(np.array([-1]))
+    with pytest.raises(Refused):
+        generated_token_sha256(np.array([1.0]))
+
+
+def test_token_agreement():
+    cold = np.arange(256)
+    handoff = cold.copy()
+    assert token_agreement(handoff, cold).rate == 1.0
+    assert token_agreement(handoff, cold).first_divergence is None
+    handoff[[40, 41, 200]] += 1
+    result = token_agreement(handoff, cold)
+    assert result.rate == 253 / 256 and result.first_divergence == 40
+    with pytest.raises(Refused, match="shapes differ"):
+        token_agreement(handoff[:-1], cold)
+
+
+@pytest.mark.parametrize("spec", ["raw", "tanh-softcap:7.5"])
+def test_margins_match_numpy(spec, chunk_bytes):
+    _, cold = _blocks()
+    cold[3, [10, 20]] = 50.0  # exact tie at the top
+    transform = parse_logit_transform(spec)
+    units = cold if transform.cap is None else _softcap(cold, transform.cap)
+    ordered = np.sort(units, axis=1)
+    expected = ordered[:, -1].astype(np.float64) - ordered[:, -2].astype(np.float64)
+    margins = top1_top2_margins(cold, spec)
+    np.testing.assert_array_equal(margins, expected)
+    assert margins[3] == 0.0
+
+
+def test_teacher_forced_drift_matches_numpy(chunk_bytes):
+    forced, cold = _blocks(noise=0.3)
+    expected = np.abs(forced - cold)
+    result = teacher_forced_drift(forced, cold, maximum_absolute=1.2, maximum_mean_absolute=0.25)
+    assert result.max_abs == float(expected.max())
+    assert result.mean_abs == pytest.approx(float(expected.astype(np.float64).mean()), rel=1e-6)
+    assert result.top1_flips == int(np.count_nonzero(forced.argmax(axis=1) != cold.argmax(axis=1)))
+    assert result.top1_flips > 0
+    over = np.flatnonzero((expected.max(axis=1) > 1.2) | (expected.astype(np.float64).mean(axis=1) > 0.25))
+    assert result.first_row_over_rule == (int(over[0]) if over.size else None)
+
+
+def _decode_pair(seed: int = 1, noise: float = 0.05, rows: int = ROWS):
+    """Cold and handoff greedy branches; the handoff branch diverges where its argmax differs."""
+    handoff_logits, cold_logits = _blocks(seed=seed, rows=rows, noise=noise)
+    cold = DecodeResult(cold_logits.argmax(axis=1).astype(np.int32), cold_logits)
+    handoff = DecodeResult(handoff_logits.argmax(axis=1).astype(np.int32), handoff_logits)
+    return handoff, cold
+
+
+@pytest.mark.parametrize("spec", ["raw", "tanh-softcap:30.0"])
+def test_compare_branches_matches_numpy_including_localisation(spec, chunk_bytes):
+    handoff, cold = _decode_pair(noise=0.6)
+    forced = handoff.logits.copy()  # stands in for the teacher-forced logits
+    transform = parse_logit_transform(spec)
+    units = (lambda x: x) if transform.cap is None else (lambda x: _softcap(x, transform.cap))
+    result = compare_branches(
+        handoff, cold, spec, maximum_absolute=1.5, maximum_mean_absolute=0.3, teacher_forced_logits=forced
+    )
+    delta = np.abs(units(handoff.logits) - units(cold.logits))
+    equal = handoff.tokens == cold.tokens
+    first = int(np.flatnonzero(~equal)[0])
+    assert result.output_tokens == ROWS and result.vocab == VOCAB and result.transform == spec
+    assert result.token_agreement_rate == equal.mean()
+    assert result.first_divergence == first
+    assert result.max_abs == float(delta.max())
+    assert result.mean_abs == pytest.approx(float(delta.astype(np.float64).mean()), rel=1e-6)
+    ordered = np.sort(units(cold.logits), axis=1).astype(np.float64)
+    np.testing.assert_array_equal(result.cold_margins, ordered[:, -1] - ordered[:, -2])
+    assert result.cold_margin_at_divergence == result.cold_margins[first]
+    assert result.drift_at_divergence == float(delta[first].max())
+    assert result.divergence_class == classify_divergence(result.cold_margin_at_divergence, result.drift_at_divergence, 1.5)
+    assert result.handoff_digests == logit_digests(handoff.logits)
+    assert result.cold_digests == logit_digests(cold.logits)
+    assert result.first_logit_digest_mismatch == 0 and not result.logit_row_digests_equal
+    assert result.handoff_generated_token_sha256 == generated_token_sha256(handoff.tokens)
+    assert result.cold_generated_token_sha256 == generated_token_sha256(cold.tokens)
+    tf = result.teacher_forced
+    assert tf is not None and tf.max_abs == result.max_abs
+    assert tf.top1_flips == int(np.count_nonzero(forced.argmax(axis=1) != cold.logits.argmax(axis=1)))
+
+
+def test_compare_branches_bit_identical_branches():
+    _, cold = _decode_pair()
+    same = DecodeResult(cold.tokens.copy(), cold.logits.copy(), draft_trace=[((1, 2, 3), 3), ((4, 5), 1)])
+    cold.draft_trace = [((1, 2, 3), 3), ((4, 5), 1)]
+    result = compare_branches(same, cold, "raw", maximum_absolute=1.0, maximum_mean_absolute=0.1)
+    assert result.token_agreement_rate == 1.0 and result.first_divergence is None
+    assert result.max_abs == 0.0 and result.mean_abs == 0.0
+    assert result.logit_row_digests_equal and result.first_logit_digest_mismatch is None
+    assert result.divergence_class is None and result.cold_margin_at_divergence is None
+    assert result.handoff_draft_tokens_sha256 == result.cold_draft_tokens_sha256
+    assert result.handoff_draft_trace_sha256 == result.cold_draft_trace_sha256
+    assert result.draft_acceptance_rate == 4 / 5
+
+
+def test_compare_branches_refuses_mismatched_inputs():
+    handoff, cold = _decode_pair()
+    with pytest.raises(Refused, match="float32"):
+        compare_branches(DecodeResult(handoff.tokens, handoff.logits.astype(np.float64)), cold, "raw",
+                         maximum_absolute=1.0, maximum_mean_absolute=1.0)
+    with pytest.raises(Refused, match="shapes differ"):
+        compare_branches(DecodeResult(handoff.tokens[:-1], handoff.logits[:-1]), cold, "raw",
+                         maximum_absolute=1.0, maximum_mean_absolute=1.0)
+    with pytest.raises(Refused, match="logit rows"):
+        compare_branches(DecodeResult(handoff.tokens[:-1], handoff.logits), cold, "raw",
+                         maximum_absolute=1.0, maximum_mean_absolute=1.0)
+    with pytest.raises(Refused, match="teacher-forced"):
+        compare_branches(handoff, cold, "raw", maximum_absolute=1.0, maximum_mean_absolute=1.0,
+                         teacher_forced_logits=handoff.logits[:-1])
+
+
+def test_divergence_uses_teacher_forced_drift_at_that_row():
+    handoff, cold = _decode_pair(noise=0.6)
+    forced = cold.logits.copy()
+    first = int(np.flatnonzero(handoff.tokens != cold.tokens)[0])
+    forced[first] += np.float32(0.25)
+    result = compare_branches(handoff, cold, "raw", maximum_absolute=5.0, maximum_mean_absolute=1.0,
+                              teacher_forced_logits=forced)
+    assert result.drift_at_divergence == pytest.approx(0.25, rel=1e-5)
+    assert result.divergence_class == ("near-tie" if result.cold_margin_at_divergence <= 0.5 else "decisive")
+
+
+@pytest.mark.parametrize(
+    ("margin", "drift", "bound", "expected"),
+    [
+        (0.05, 0.1, 1.0, "near-tie"),  # well inside what the drift can flip
+        (0.2, 0.1, 1.0, "near-tie"),  # exactly 2·D: two logits moved by D can just swap
+        (0.2000001, 0.1, 1.0, "decisive"),  # beyond 2·D: the measured drift cannot flip it
+        (1.5, 5.0, 0.5, "decisive"),  # needs drift beyond the lane's declared envelope
+        (0.9, 5.0, 0.5, "near-tie"),
+        (math.nan, 0.1, 1.0, "decisive"),
+        (0.1, math.inf, 1.0, "decisive"),
+    ],
+)
+def test_classify_divergence(margin, drift, bound, expected):
+    assert classify_divergence(margin, drift, bound) == expected
+
+
+def test_kv_layer_deltas_match_numpy():
+    rng = np.random.default_rng(3)
+    own_keys = [rng.standard_normal((4, 50, 8)).astype(np.float32) for _ in range(3)]
+    own_values = [rng.standard_normal((4, 50, 8)).astype(np.float32) for _ in range(3)]
+    handed_keys = [k[:, :48] + rng.standard_normal((4, 48, 8)).astype(np.float32) * 0.01 for k in own_keys]
+    handed_values = [v[:, :48].copy() for v in own_values]
+    handed_keys[1][2, 30, 5] += 3.0
+    handed_values[2][0, 7, 0] -= 2.0
+    result = compare_kv(handed_keys, handed_values, own_keys, own_values)
+    for layer, item in enumerate(result.layers):
+        k_delta = np.abs(handed_keys[layer] - own_keys[layer][:, :48])
+        v_delta = np.abs(handed_values[layer] - own_values[layer][:, :48])
+        assert item.layer == layer
+        assert item.k == float(k_delta.max()) and item.v == float(v_delta.max())
+        assert item.k_position == int(k_delta.max(axis=(0, 2)).argmax())
+        assert item.v_position == int(v_delta.max(axis=(0, 2)).argmax()) if item.v > 0 else True
+    assert result.layers[1].k_position == 30 and result.layers[2].v_position == 7
+    profile = np.max([np.abs(h - o[:, :48]).max(axis=(0, 2)) for h, o in zip(handed_keys + handed_values, own_keys + own_values)], axis=0)
+    np.testing.assert_array_equal(result.position_max_abs, profile)
+    assert result.first_position_over(1.0) == 7
+
+
+def test_kv_refusals_and_nan():
+    good = [np.zeros((2, 5, 4), np.float32)]
+    with pytest.raises(Refused, match="layer counts"):
+        compare_kv(good, good, good + good, good + good)
+    with pytest.raises(Refused, match="does not fit"):
+        compare_kv([np.zeros((2, 6, 4), np.float32)], [np.zeros((2, 6, 4), np.float32)], good, good)
+    with pytest.raises(Refused, match="kv_heads"):
+        compare_kv([np.zeros((5, 4), np.float32)], good, good, good)
+    bad = [np.zeros((2, 5, 4), np.float32)]
+    bad[0][1, 3, 2] = np.nan
+    result = compare_kv(bad, good, good, good)
+    assert math.isnan(result.layers[0].k)
+    assert result.first_position_over(1e9) == 3
+
+
+def test_draft_digests():
+    trace = [((5, 6, 7), 2), ((8,), 0)]
+    assert draft_tokens_sha256(trace) == hashlib.sha256(np.array([5, 6, 7, 8], "<u4").tobytes()).hexdigest()
+    assert draft_trace_sha256(trace) == hashlib.sha256(json.dumps([[[5, 6, 7], 2], [[8], 0]], separators=(",", ":")).encode()).hexdigest()
+    assert draft_trace_sha256(trace) != draft_trace_sha256([((5, 6, 7), 3), ((8,), 0)])
+    assert draft_acceptance_rate(trace) == 0.5
+    assert draft_tokens_sha256(None) is None and draft_acceptance_rate([]) is None
+
+
+@pytest.mark.parametrize("spec", ["", "softcap:30", "tanh-softcap:0", "tanh-softcap:-1", "tanh-softcap:nan", "tanh-softcap:inf", "RAW"])
+def test_parse_logit_transform_refuses(spec):
+    with pytest.raises(Refused, match="logit transform"):
+        parse_logit_transform(spec)
+
+
+def test_transform_between():
+    assert transform_between("raw", "raw").cap is None
+    assert transform_between("tanh-softcap:30.0", "tanh-softcap:30").cap is None
+    assert transform_between("raw", "tanh-softcap:30.0").cap == 30.0
+    with pytest.raises(Refused, match="cannot be undone"):
+        transform_between("tanh-softcap:30.0", "raw")
+
+
+def test_compare_branches_memory_is_per_chunk_not_per_block():
+    """A [256, 32768] comparison (32 MiB per block) must not allocate a block-sized delta."""
+    rows, vocab = 256, 32768
+    handoff, cold = _decode_pair(rows=rows, noise=0.01)
+    handoff = DecodeResult(handoff.tokens, np.ascontiguousarray(np.broadcast_to(handoff.logits[:, :1], (rows, vocab)) + np.zeros((rows, vocab), np.float32)))
+    cold = DecodeResult(handoff.tokens.copy(), handoff.logits + np.float32(0.001))
+    forced = cold.logits.copy()
+    tracemalloc.start()
+    try:
+        compare_branches(handoff, cold, "tanh-softcap:30.0", maximum_absolute=1.0, maximum_mean_absolute=1.0,
+                         teacher_forced_logits=forced)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    block = rows * vocab * 4
+    assert peak < block / 4, f"peak {peak} bytes against a {block}-byte block"

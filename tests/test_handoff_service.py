@@ -1,0 +1,379 @@
+"""The producer service across a real process boundary, with a stub engine.
+
+The stub engine factory lives in this module (``--engine-factory
+tests.test_handoff_service:build_stub_engine``); its lane name picks a behaviour: ``stub-ok``,
+``stub-raise`` (raises on the first real request), ``stub-hang`` and ``stub-slow`` (block on the
+first real request after touching a marker file, so a test knows the request is inside the
+engine). Watchdogs are short here; client timeouts are generous and only guard against hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qualify.assets import REPO_ROOT, prompt_sha256
+from qualify.engines.base import ModelGeometry
+from qualify.errors import HandoffRefused, ProducerFailed
+from qualify.handoff.client import ProducerFailure, ProducerProcess, ProducerStartRefused
+from qualify.handoff.service import (
+    FRAME_LENGTH,
+    ProducerExpectation,
+    StartRefused,
+    bind_unix,
+    client_auth_mac,
+    decode_frame_header,
+    encode_frame_header,
+    parse_config,
+)
+from qualify.handoff.wire import mint_run_key, open_handoff
+from qualify.kv import KVCache
+
+FACTORY = "tests.test_handoff_service:build_stub_engine"
+MARKER_ENV = "STUB_ENGINE_MARKER"
+STUB_GEOMETRY = ModelGeometry(layers=3, hidden=32, heads=4, kv_heads=2, head_dim=8, vocab=64,
+                              max_positions=256, rope_theta=10000.0)
+STUB_DIGESTS = {"model.safetensors": hashlib.sha256(b"stub checkpoint").hexdigest()}
+STUB_CACHE_IDENTITY = {
+    mode: hashlib.sha256(f"stub cache identity {mode}".encode()).hexdigest()
+    for mode in ("exact", "native")
+}
+IDENTITY_SHA256 = hashlib.sha256(b"stub identity").hexdigest()
+EXPECTATION = ProducerExpectation(
+    engine_version="stub-1", geometry=STUB_GEOMETRY, identity_sha256=IDENTITY_SHA256,
+    engine_name="stub", engine_abi="stub-abi-1", digests=STUB_DIGESTS,
+)
+RUN_ID = "run-test"
+TOKENS = np.arange(40, dtype=np.int64) * 7 % STUB_GEOMETRY.vocab
+HANG_GUARD_S = 60.0
+
+
+# ------------------------------------------------------------------------------------------
+# the stub engine (imported by the producer subprocess)
+
+
+def stub_kv(tokens: np.ndarray) -> KVCache:
+    """Deterministic KV of ``tokens`` in the canonical layout."""
+    g = STUB_GEOMETRY
+    positions = len(tokens)
+    grid = (np.arange(g.kv_heads)[:, None, None] * 0.5
+            + np.asarray(tokens, dtype=np.float64)[None, :, None] * 0.01
+            + np.arange(g.head_dim)[None, None, :] * 0.001)
+    keys = [np.ascontiguousarray((grid + layer).astype(np.float32)) for layer in range(g.layers)]
+    values = [np.ascontiguousarray((-grid - layer).astype(np.float32)) for layer in range(g.layers)]
+    assert keys[0].shape == (g.kv_heads, positions, g.head_dim)
+    return KVCache(keys, values)
+
+
+class StubEngine:
+    """Implements the Engine attributes the producer checks, with one scripted behaviour."""
+
+    name = "stub"
+    version = "stub-1"
+    abi = "stub-abi-1"
+    logit_units = "raw"
+    geometry = STUB_GEOMETRY
+    digests = STUB_DIGESTS
+
+    def __init__(self, behaviour: str, mode: str) -> None:
+        self.behaviour = behaviour
+        self.producer_mode = mode
+        self.target_cache_identity_sha256 = STUB_CACHE_IDENTITY[mode]
+        self.calls = 0
+
+    def prefill(self, tokens: np.ndarray) -> KVCache:
+        self.calls += 1
+        if self.calls > 1:  # the first call is the producer's warm-up
+            if self.behaviour == "raise":
+                raise RuntimeError("stub engine exploded")
+            if self.behaviour in ("hang", "slow"):
+                Path(os.environ[MARKER_ENV]).write_text("inside prefill")
+                while True:
+                    time.sleep(0.05)
+        return stub_kv(tokens)
+
+    def decode(self, kv: KVCache, pending: np.ndarray, n: int):  # pragma: no cover
+        raise NotImplementedError
+
+    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray):  # pragma: no cover
+        raise NotImplementedError
+
+
+def build_stub_engine(lane: str, mode: str) -> StubEngine:
+    behaviour = lane.removeprefix("stub-")
+    if behaviour not in ("ok", "raise", "hang", "slow"):
+        raise ValueError(f"unknown stub lane {lane}")
+    return StubEngine(behaviour, mode)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def producer(lane: str = "stub-ok", mode: str = "exact", *, key: bytes | None = None,
+             expectation: ProducerExpectation = EXPECTATION, watchdog_s: float = 30.0,
+             marker: Path | None = None, **options) -> ProducerProcess:
+    env = {MARKER_ENV: str(marker)} if marker is not None else {}
+    return ProducerProcess(
+        lane=lane, mode=mode, key=key if key is not None else KEY, run_id=RUN_ID,
+        expectation=expectation, watchdog_s=watchdog_s, ready_timeout_s=HANG_GUARD_S,
+        request_timeout_s=options.pop("request_timeout_s", HANG_GUARD_S),
+        engine_factory=FACTORY, env=env, **options,
+    )
+
+
+KEY = mint_run_key()
+
+
+def open_stub_handoff(handoff, *, mode: str = "exact", request_id: str, tokens=TOKENS):
+    return open_handoff(
+        handoff, key=KEY, expected_identity_sha256=IDENTITY_SHA256,
+        expected_cache_identity=STUB_CACHE_IDENTITY[mode],
+        expected_geometry=STUB_GEOMETRY.kv_geometry(len(tokens)),
+        expected_prompt_sha256=prompt_sha256(tokens), expected_run_id=RUN_ID,
+        expected_request_id=request_id,
+    )
+
+
+def run_service(*args: str, key_hex: str | None = None, expect: Path | None = None,
+                tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run the service directly (for start refusals); the key travels in the environment."""
+    expect_path = expect or tmp_path / "expect.json"
+    if expect is None:
+        import json
+
+        expect_path.write_text(json.dumps(EXPECTATION.to_document()))
+    env = dict(os.environ, QUALIFY_HANDOFF_KEY=key_hex or KEY.hex())
+    return subprocess.run(
+        [sys.executable, "-m", "qualify.handoff.service", "--run-id", RUN_ID,
+         "--expect", str(expect_path), "--engine-factory", FACTORY, *args],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
+    )
+
+
+def kill_when_inside_engine(marker: Path, pid: int) -> threading.Thread:
+    """SIGKILL ``pid`` once the stub engine has entered prefill (marker file appears)."""
+    def watch() -> None:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+# ------------------------------------------------------------------------------------------
+# round trips
+
+
+def test_prefill_round_trip_across_process_boundary() -> None:
+    with producer() as p:
+        assert p.ready_info["event"] == "ready"
+        cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{p.pid}/environ").read_bytes()
+        assert KEY.hex().encode() not in cmdline and KEY.hex().encode() not in environ
+        for index in range(2):
+            request_id = f"req-{index}"
+            handoff = p.request_prefill(TOKENS, request_id)
+            kv, manifest, timings = open_stub_handoff(handoff, request_id=request_id)
+            expected = stub_kv(TOKENS)
+            for found, wanted in zip(kv.keys + kv.values, expected.keys + expected.values):
+                assert np.array_equal(found, wanted)
+            assert manifest.producer_mode == "exact"
+            assert manifest.lane == "stub-ok"
+            assert manifest.handed_off_positions == len(TOKENS)
+            assert handoff.transport is not None
+            assert handoff.transport.payload_bytes == manifest.payload_size
+            assert handoff.transport.gbit_per_s > 0
+            assert timings.total_s >= 0
+    assert p.exit_status == 0
+
+
+def test_loopback_tcp_round_trip() -> None:
+    with producer(transport="tcp") as p:
+        assert p.ready_info["address"].startswith("tcp:127.0.0.1:")
+        handoff = p.request_prefill(TOKENS, "req-tcp")
+        kv, manifest, _ = open_stub_handoff(handoff, request_id="req-tcp")
+        assert np.array_equal(kv.values[2], stub_kv(TOKENS).values[2])
+    assert p.exit_status == 0
+
+
+def test_native_producer_handoff_refused_where_exact_expected() -> None:
+    with producer(mode="native") as p:
+        handoff = p.request_prefill(TOKENS, "req-native")
+        _, manifest, _ = open_stub_handoff(handoff, mode="native", request_id="req-native")
+        assert manifest.producer_mode == "native"
+        with pytest.raises(HandoffRefused, match="target_cache_identity_sha256.*producer mode native"):
+            open_stub_handoff(handoff, mode="exact", request_id="req-native")
+
+
+def test_client_with_wrong_key_is_turned_away() -> None:
+    with producer() as p:
+        assert p.socket_path is not None
+        intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        intruder.settimeout(HANG_GUARD_S)
+        intruder.connect(str(p.socket_path))
+        # the producer serves one client at a time: close the harness connection first
+        assert p._sock is not None
+        p._sock.close()
+        p._sock = None
+
+        def read_header(sock: socket.socket) -> dict:
+            (length,) = FRAME_LENGTH.unpack(sock.recv(FRAME_LENGTH.size, socket.MSG_WAITALL))
+            return decode_frame_header(sock.recv(length, socket.MSG_WAITALL))
+
+        hello = read_header(intruder)
+        wrong = client_auth_mac(mint_run_key(), bytes.fromhex(hello["nonce"]))
+        intruder.sendall(encode_frame_header({"op": "auth", "mac": wrong.hex()}))
+        answer = read_header(intruder)
+        assert answer["status"] == "error" and "authentication failed" in answer["error"]
+        assert intruder.recv(1) == b""  # connection closed
+        intruder.close()
+
+
+# ------------------------------------------------------------------------------------------
+# start refusals (exit 2)
+
+
+def test_bad_mode_refuses_to_start(tmp_path: Path) -> None:
+    result = run_service("--lane", "stub-ok", "--mode", "fast", "--socket",
+                         str(tmp_path / "p.sock"), tmp_path=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--mode" in lines[0] and "'fast'" in lines[0]
+    with pytest.raises(ProducerStartRefused, match="--mode") as refused:
+        with producer(mode="turbo"):
+            pass
+    assert refused.value.exit_status == 2
+
+
+def test_non_loopback_address_needs_explicit_flag(tmp_path: Path) -> None:
+    result = run_service("--lane", "stub-ok", "--mode", "exact", "--host", "0.0.0.0",
+                         "--port", "0", tmp_path=tmp_path)
+    assert result.returncode == 2
+    assert "not loopback" in result.stderr and "--allow-non-loopback" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("expectation", "field"),
+    [
+        (replace(EXPECTATION, geometry=replace(STUB_GEOMETRY, heads=8)), "heads"),
+        (replace(EXPECTATION, geometry=replace(STUB_GEOMETRY, rope_theta=500000.0)), "rope_theta"),
+        (replace(EXPECTATION, geometry=replace(STUB_GEOMETRY, max_positions=4096)),
+         "max_positions"),
+        (replace(EXPECTATION, engine_version="stub-2"), "engine version"),
+        (replace(EXPECTATION, digests={"model.safetensors": "0" * 64}), "digests"),
+    ],
+    ids=["heads", "rope_theta", "context_length", "engine_version", "digests"],
+)
+def test_engine_mismatch_fails_at_start(expectation: ProducerExpectation, field: str) -> None:
+    with pytest.raises(ProducerStartRefused, match=field) as refused:
+        with producer(expectation=expectation):
+            pass
+    assert refused.value.exit_status == 2
+
+
+def test_start_arguments_refused_in_one_line(tmp_path: Path) -> None:
+    base = ["--lane", "stub-ok", "--run-id", RUN_ID, "--expect", str(tmp_path / "e.json"),
+            "--socket", str(tmp_path / "p.sock"), "--key-env", "X"]
+    with pytest.raises(StartRefused, match="--mode"):
+        parse_config([*base, "--mode", "EXACT"])
+    with pytest.raises(StartRefused, match="exactly one of --socket"):
+        parse_config([*base, "--mode", "exact", "--port", "0"])
+    with pytest.raises(StartRefused, match="--watchdog-s"):
+        parse_config([*base, "--mode", "exact", "--watchdog-s", "0"])
+    with pytest.raises(StartRefused, match="run key"):
+        parse_config([*base, "--mode", "exact", "--key-fd", "9"])
+    with pytest.raises(StartRefused, match="producer arguments"):
+        parse_config([*base, "--mode", "exact", "--bogus"])
+    with pytest.raises(StartRefused, match="geometry"):
+        document = EXPECTATION.to_document()
+        del document["geometry"]["rope_theta"]
+        ProducerExpectation.from_document(document)
+    assert ProducerExpectation.from_document(EXPECTATION.to_document()) == EXPECTATION
+
+
+def test_stale_socket_is_replaced_and_live_socket_refused(tmp_path: Path) -> None:
+    path = tmp_path / "p.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # leaves the file behind, nobody listening
+    listener = bind_unix(path)
+    try:
+        assert (path.stat().st_mode & 0o777) == 0o600
+        with pytest.raises(StartRefused, match="live producer"):
+            bind_unix(path)
+    finally:
+        listener.close()
+
+
+# ------------------------------------------------------------------------------------------
+# failures become ProducerFailed within seconds (exit 75, SIGKILL, watchdog)
+
+
+def test_engine_error_returns_error_frame_then_exit_75() -> None:
+    with producer("stub-raise") as p:
+        with pytest.raises(ProducerFailure) as failed:
+            p.request_prefill(TOKENS, "req-boom")
+        with pytest.raises(ProducerFailed):  # the producer stays failed
+            p.request_prefill(TOKENS, "req-again")
+    assert failed.value.exit_status == 75
+    assert "stub engine exploded" in failed.value.producer_message
+    assert "exit status 75" in str(failed.value)
+
+
+def test_sigkill_mid_request_becomes_producer_failed(tmp_path: Path) -> None:
+    marker = tmp_path / "inside"
+    with producer("stub-slow", marker=marker) as p:
+        killer = kill_when_inside_engine(marker, p.pid)
+        with pytest.raises(ProducerFailure) as failed:
+            p.request_prefill(TOKENS, "req-killed")
+        killer.join(HANG_GUARD_S)
+    assert failed.value.exit_status == -signal.SIGKILL
+    assert "killed by signal 9" in str(failed.value)
+
+
+def test_hanging_engine_is_stopped_by_watchdog(tmp_path: Path) -> None:
+    with producer("stub-hang", watchdog_s=1.0, marker=tmp_path / "inside") as p:
+        with pytest.raises(ProducerFailure) as failed:
+            p.request_prefill(TOKENS, "req-hang")
+    assert failed.value.exit_status == 75
+    assert "watchdog" in failed.value.producer_message
+
+
+def test_client_deadline_stops_a_stuck_producer(tmp_path: Path) -> None:
+    with producer("stub-hang", watchdog_s=600.0, marker=tmp_path / "inside") as p:
+        with pytest.raises(ProducerFailure, match="deadline") as failed:
+            p.request_prefill(TOKENS, "req-stuck", timeout_s=1.0)
+    assert failed.value.exit_status == -signal.SIGKILL
+
+
+def test_request_validation_errors_do_not_touch_engine_but_three_exit_75() -> None:
+    with producer() as p:
+        assert p._sock is not None
+        for index in range(2):
+            p._send({"op": "prefill", "request_id": f"bad-{index}", "tokens": [10_000]})
+            answer = p._read_header(time.monotonic() + HANG_GUARD_S)
+            assert answer["status"] == "error" and "tokens" in answer["error"]
+        handoff = p.request_prefill(TOKENS, "req-good")  # a success resets the count
+        open_stub_handoff(handoff, request_id="req-good")
+        for index in range(2):
+            p._send({"op": "nonsense"})
+            p._read_header(time.monotonic() + HANG_GUARD_S)
+        p._send({"op": "nonsense"})
+        answer = p._read_header(time.monotonic() + HANG_GUARD_S)
+        assert answer.get("exit_status") == 75
+    assert p.exit_status == 75

@@ -1,0 +1,375 @@
+"""The handoff wire format: sealing, the consumer's verify order, and refusal of tampering.
+
+One small random KV is sealed once; every test derives handoffs from it. A *compromised
+producer* (it holds the key) is modelled by :func:`reseal`, which recomputes the payload digest
+and the MAC around a changed payload, so only the checks after them can catch the change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qualify.digests import canonical_json_bytes
+from qualify.errors import HandoffRefused, Refused
+from qualify.handoff.wire import (
+    Handoff,
+    key_id,
+    manifest_mac,
+    mint_run_key,
+    open_handoff,
+    seal_handoff,
+)
+from qualify.kv import KVCache, KVGeometry
+
+KEY = mint_run_key()
+IDENTITY = hashlib.sha256(b"identity").hexdigest()
+CACHE_EXACT = hashlib.sha256(b"cache exact").hexdigest()
+CACHE_NATIVE = hashlib.sha256(b"cache native").hexdigest()
+PROMPT = hashlib.sha256(b"prompt").hexdigest()
+GEOMETRY = KVGeometry(layers=5, kv_heads=2, head_dim=4, positions=6, dtype="float32")
+DRAFT_GEOMETRY = KVGeometry(layers=2, kv_heads=1, head_dim=4, positions=6, dtype="float32")
+
+
+def random_kv(geometry: KVGeometry, seed: int) -> KVCache:
+    rng = np.random.default_rng(seed)
+    shape = (geometry.kv_heads, geometry.positions, geometry.head_dim)
+    return KVCache(
+        [rng.standard_normal(shape).astype(geometry.dtype) for _ in range(geometry.layers)],
+        [rng.standard_normal(shape).astype(geometry.dtype) for _ in range(geometry.layers)],
+    )
+
+
+KV = random_kv(GEOMETRY, seed=1)
+
+
+def seal(kv: KVCache = KV, *, key: bytes = KEY, cache: str = CACHE_EXACT, mode: str = "exact",
+         request_id: str = "req-1") -> Handoff:
+    return seal_handoff(kv, key=key, identity_sha256=IDENTITY, target_cache_identity=cache,
+                        producer_mode=mode, lane="nvfp4-exact", prompt_sha256=PROMPT,
+                        run_id="run-1", request_id=request_id, compute_s=0.25)
+
+
+def open_(handoff: Handoff, **overrides):
+    expected = dict(key=KEY, expected_identity_sha256=IDENTITY,
+                    expected_cache_identity=CACHE_EXACT, expected_geometry=GEOMETRY,
+                    expected_prompt_sha256=PROMPT, expected_run_id="run-1",
+                    expected_request_id="req-1")
+    expected.update(overrides)
+    return open_handoff(handoff, **expected)
+
+
+SEALED = seal()
+PAYLOAD = bytes(SEALED.payload_bytes)
+MANIFEST = json.loads(SEALED.manifest_bytes)
+HEADER_END = 8 + struct.unpack_from("<Q", PAYLOAD)[0]
+TENSOR_BYTES = GEOMETRY.kv_heads * GEOMETRY.positions * GEOMETRY.head_dim * 4
+
+
+def reseal(payload: bytes, *, key: bytes = KEY, **manifest_changes) -> Handoff:
+    """What a compromised producer sends: payload digest, byte count and MAC made to match."""
+    document = json.loads(SEALED.manifest_bytes)
+    document["payload"] = {"format": "safetensors", "sha256": hashlib.sha256(payload).hexdigest(),
+                           "bytes": len(payload)}
+    document.update(manifest_changes)
+    manifest_bytes = canonical_json_bytes(document)
+    return Handoff(manifest_bytes, manifest_mac(key, manifest_bytes), payload)
+
+
+def tensor_span(name: str) -> tuple[int, int]:
+    begin, end = json.loads(PAYLOAD[8:HEADER_END])[name]["data_offsets"]
+    return HEADER_END + begin, HEADER_END + end
+
+
+def swap_layer_data(payload: bytes, first: int, second: int) -> bytes:
+    """Swap the K and V bytes of two layers; the header still names them as before."""
+    data = bytearray(payload)
+    for part in ("k", "v"):
+        a, b = tensor_span(f"layers.{first}.{part}"), tensor_span(f"layers.{second}.{part}")
+        data[a[0]:a[1]], data[b[0]:b[1]] = payload[b[0]:b[1]], payload[a[0]:a[1]]
+    return bytes(data)
+
+
+def reorder_layers_in_header(first: int, second: int) -> bytes:
+    """A valid safetensors payload holding the same tensors, two layers stored in swapped order."""
+    header = json.loads(PAYLOAD[8:HEADER_END])
+    names = list(header)
+    i, j = names.index(f"layers.{first}.k"), names.index(f"layers.{second}.k")
+    names[i:i + 2], names[j:j + 2] = names[j:j + 2], names[i:i + 2]
+    entries, blobs, offset = {}, [], 0
+    for name in names:
+        begin, end = tensor_span(name)
+        entries[name] = dict(header[name], data_offsets=[offset, offset + end - begin])
+        blobs.append(PAYLOAD[begin:end])
+        offset += end - begin
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
+
+
+# ------------------------------------------------------------------------------------------
+# round trip and format
+
+
+def test_round_trip_installs_identical_kv_and_reports_manifest() -> None:
+    kv, manifest, timings = open_(SEALED)
+    for found, wanted in zip(kv.keys + kv.values, KV.keys + KV.values):
+        assert found.dtype == wanted.dtype and np.array_equal(found, wanted)
+    assert manifest.geometry == GEOMETRY and manifest.handed_off_positions == 6
+    assert manifest.producer_mode == "exact" and manifest.key_id == key_id(KEY)
+    assert manifest.payload_size == len(PAYLOAD)
+    assert manifest.payload_sha256 == hashlib.sha256(PAYLOAD).hexdigest()
+    assert manifest.seams[3].v_sha256 == hashlib.sha256(KV.values[3].tobytes()).hexdigest()
+    assert manifest.compute_s == 0.25
+    assert timings.verify_s >= 0 and timings.install_s >= 0
+
+
+def test_payload_is_exactly_safetensors_numpy_save() -> None:
+    many_layers = random_kv(replace(GEOMETRY, layers=12), seed=2)  # layers.10 sorts before .2
+    many_layers.draft = random_kv(replace(DRAFT_GEOMETRY, dtype="float16"), seed=3)
+    handoff = seal(many_layers)
+    assert bytes(handoff.payload_bytes) == safetensors.numpy.save(many_layers.tensors())
+    loaded = safetensors.numpy.load(bytes(handoff.payload_bytes))
+    assert loaded.keys() == many_layers.tensors().keys()
+    for name, array in many_layers.tensors().items():
+        assert loaded[name].dtype == array.dtype and np.array_equal(loaded[name], array)
+
+
+def test_draft_context_round_trip_and_expectation() -> None:
+    kv = random_kv(GEOMETRY, seed=4)
+    kv.draft = random_kv(DRAFT_GEOMETRY, seed=5)
+    handoff = seal(kv)
+    opened = open_(handoff, expected_draft_geometry=DRAFT_GEOMETRY)
+    assert opened.kv.draft is not None
+    assert np.array_equal(opened.kv.draft.values[1], kv.draft.values[1])
+    assert opened.manifest.draft_context_sha256 == hashlib.sha256(
+        b"".join(a.tobytes() for a in (kv.draft.keys[0], kv.draft.values[0], kv.draft.keys[1],
+                                       kv.draft.values[1]))).hexdigest()
+    with pytest.raises(HandoffRefused, match="draft_geometry: draft context present"):
+        open_(handoff)
+    with pytest.raises(HandoffRefused, match="draft_geometry: draft context absent"):
+        open_(SEALED, expected_draft_geometry=DRAFT_GEOMETRY)
+    with pytest.raises(HandoffRefused, match="draft_geometry kv_heads"):
+        open_(handoff, expected_draft_geometry=replace(DRAFT_GEOMETRY, kv_heads=2))
+
+
+def test_installed_arrays_are_views_of_the_received_buffer() -> None:
+    received = bytearray(PAYLOAD)
+    kv, _, _ = open_(Handoff(SEALED.manifest_bytes, SEALED.mac, received))
+    assert np.shares_memory(kv.keys[0], np.frombuffer(received, dtype=np.uint8))
+    assert kv.keys[0].flags.c_contiguous and kv.keys[0].flags.writeable
+
+
+def test_big_endian_and_strided_input_is_sealed_as_canonical_little_endian() -> None:
+    odd = KVCache([np.asfortranarray(a).astype(">f4") for a in KV.keys],
+                  [a.astype(">f4") for a in KV.values])
+    assert bytes(seal(odd).payload_bytes) == PAYLOAD
+
+
+# ------------------------------------------------------------------------------------------
+# refusals, one field each
+
+
+def test_wrong_key_is_refused() -> None:
+    other = mint_run_key()
+    with pytest.raises(HandoffRefused, match=f"MAC does not verify under key {key_id(other)}"):
+        open_(SEALED, key=other)
+    with pytest.raises(HandoffRefused, match="MAC does not verify"):
+        open_(seal(key=other))
+
+
+def test_other_producer_mode_is_refused_on_cache_identity() -> None:
+    native = seal(cache=CACHE_NATIVE, mode="native")
+    with pytest.raises(HandoffRefused,
+                       match="target_cache_identity_sha256 .* \\(producer mode native\\), expected"):
+        open_(native)
+    assert open_(native, expected_cache_identity=CACHE_NATIVE).manifest.producer_mode == "native"
+
+
+@pytest.mark.parametrize(
+    ("expected", "message"),
+    [
+        (replace(GEOMETRY, layers=4), "geometry layers: handoff has 5, consumer model has 4"),
+        (replace(GEOMETRY, kv_heads=4), "geometry kv_heads: handoff has 2, consumer model has 4"),
+        (replace(GEOMETRY, head_dim=8), "geometry head_dim: handoff has 4, consumer model has 8"),
+        (replace(GEOMETRY, dtype="float16"), "geometry dtype: handoff has float32"),
+        (replace(GEOMETRY, positions=7), "geometry positions: handoff has 6, expected 7"),
+    ],
+    ids=["layers", "kv_heads", "head_dim", "dtype", "positions"],
+)
+def test_geometry_mismatch_names_the_field(expected: KVGeometry, message: str) -> None:
+    with pytest.raises(HandoffRefused, match=message):
+        open_(SEALED, expected_geometry=expected)
+
+
+def test_seam_mismatch_names_layer_and_part_when_producer_reseals() -> None:
+    tampered = bytearray(PAYLOAD)
+    begin, _ = tensor_span("layers.3.v")
+    tampered[begin + 5] ^= 0x40
+    with pytest.raises(HandoffRefused, match="^seam digest mismatch at layer 3 V$"):
+        open_(reseal(bytes(tampered)))
+    tampered = bytearray(PAYLOAD)
+    tampered[tensor_span("layers.0.k")[1] - 1] ^= 0x01
+    with pytest.raises(HandoffRefused, match="^seam digest mismatch at layer 0 K$"):
+        open_(reseal(bytes(tampered)))
+
+
+def test_draft_context_mismatch_when_producer_reseals() -> None:
+    kv = random_kv(GEOMETRY, seed=6)
+    kv.draft = random_kv(DRAFT_GEOMETRY, seed=7)
+    handoff = seal(kv)
+    document = json.loads(handoff.manifest_bytes)
+    payload = bytearray(handoff.payload_bytes)
+    header_end = 8 + struct.unpack_from("<Q", payload)[0]
+    begin, _ = json.loads(payload[8:header_end])["draft.layers.1.k"]["data_offsets"]
+    payload[header_end + begin] ^= 0x01
+    document["payload"]["sha256"] = hashlib.sha256(payload).hexdigest()
+    manifest_bytes = canonical_json_bytes(document)
+    forged = Handoff(manifest_bytes, manifest_mac(KEY, manifest_bytes), bytes(payload))
+    with pytest.raises(HandoffRefused, match="draft context digest mismatch"):
+        open_(forged, expected_draft_geometry=DRAFT_GEOMETRY)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"expected_identity_sha256": "e" * 64}, "^identity_sha256 is"),
+        ({"expected_prompt_sha256": "f" * 64}, "^prompt_sha256 is"),
+        ({"expected_request_id": "req-2"}, "^request_id is 'req-1', expected 'req-2'"),
+        ({"expected_run_id": "run-2"}, "^run_id is 'run-1', expected 'run-2'"),
+    ],
+    ids=["identity", "prompt", "replayed-request", "other-run"],
+)
+def test_expectation_mismatch_names_the_field(overrides: dict, message: str) -> None:
+    with pytest.raises(HandoffRefused, match=message):
+        open_(SEALED, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"producer_mode": "fast"}, "handoff manifest: producer_mode: 'fast' is not one of"),
+        ({"extra": 1}, "handoff manifest: \\(top level\\): Additional properties"),
+        ({"handed_off_positions": 5}, "handed_off_positions 5 disagrees with geometry.positions 6"),
+        ({"seams": MANIFEST["seams"][:4]}, "seams lists 4 layers, geometry.layers is 5"),
+        ({"seams": [MANIFEST["seams"][i] for i in (1, 0, 2, 3, 4)]},
+         "seams\\[0\\] is for layer 1, expected layer 0"),
+        ({"geometry": dict(MANIFEST["geometry"], layers=6), "seams": MANIFEST["seams"]
+          + [dict(MANIFEST["seams"][0], layer=5)]}, "tensor layers.5.k is missing"),
+    ],
+    ids=["mode", "extra-field", "positions", "missing-seam", "seam-order", "missing-layer"],
+)
+def test_manifest_problems_under_a_valid_mac_are_refused(change: dict, message: str) -> None:
+    with pytest.raises(HandoffRefused, match=message):
+        open_(reseal(PAYLOAD, **change))
+
+
+def test_non_canonical_manifest_is_refused_even_with_valid_mac() -> None:
+    pretty = json.dumps(MANIFEST, indent=1).encode()
+    with pytest.raises(HandoffRefused, match="not in canonical JSON form"):
+        open_(Handoff(pretty, manifest_mac(KEY, pretty), PAYLOAD))
+    duplicated = SEALED.manifest_bytes[:-1] + b',"lane":"x"}'
+    with pytest.raises(HandoffRefused, match="duplicate key 'lane'"):
+        open_(Handoff(duplicated, manifest_mac(KEY, duplicated), PAYLOAD))
+
+
+def test_reordered_layer_in_a_valid_safetensors_payload_is_refused() -> None:
+    with pytest.raises(HandoffRefused, match="tensor order: position 2 holds layers.3.k"):
+        open_(reseal(reorder_layers_in_header(1, 3)))
+
+
+def test_sealing_refuses_what_the_consumer_would_refuse() -> None:
+    with pytest.raises(Refused, match="producer_mode: found 'fast'"):
+        seal(mode="fast")
+    with pytest.raises(Refused, match="handoff key: 16 bytes"):
+        seal(key=b"k" * 16)
+    with pytest.raises(Refused, match="layer 2 V is float32 \\[2, 5, 4\\]"):
+        short = random_kv(GEOMETRY, seed=8)
+        short.values[2] = short.values[2][:, :5]
+        seal(short)
+
+
+def test_run_keys_are_fresh_and_named_by_a_short_digest() -> None:
+    first, second = mint_run_key(), mint_run_key()
+    assert len(first) == 32 and first != second
+    assert key_id(first) == hashlib.sha256(first).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------
+# property: every tampered handoff is refused
+
+
+TAMPER_COUNTS: Counter[str] = Counter()
+LAYER = st.integers(0, GEOMETRY.layers - 1)
+TAMPERS = st.one_of(
+    st.tuples(st.just("payload-byte"), st.integers(0, len(PAYLOAD) - 1), st.integers(1, 255)),
+    st.tuples(st.just("manifest-byte"), st.integers(0, len(SEALED.manifest_bytes) - 1),
+              st.integers(1, 255)),
+    st.tuples(st.just("mac-byte"), st.integers(0, 31), st.integers(1, 255)),
+    st.tuples(st.just("truncated-payload"), st.integers(0, len(PAYLOAD) - 1), st.just(0)),
+    st.tuples(st.just("swapped-layers"), LAYER, LAYER).filter(lambda t: t[1] != t[2]),
+    st.tuples(st.just("swapped-layers-resealed"), LAYER, LAYER).filter(lambda t: t[1] != t[2]),
+    st.tuples(st.just("reordered-header-resealed"), LAYER, LAYER).filter(lambda t: t[1] < t[2]),
+    st.tuples(st.just("payload-byte-resealed"), st.integers(HEADER_END, len(PAYLOAD) - 1),
+              st.integers(1, 255)),
+)
+
+
+def tampered(kind: str, a: int, b: int) -> Handoff:
+    manifest, mac, payload = SEALED.manifest_bytes, SEALED.mac, PAYLOAD
+    if kind == "payload-byte":
+        flipped = bytearray(payload)
+        flipped[a] ^= b
+        return Handoff(manifest, mac, bytes(flipped))
+    if kind == "manifest-byte":
+        flipped = bytearray(manifest)
+        flipped[a] ^= b
+        return Handoff(bytes(flipped), mac, payload)
+    if kind == "mac-byte":
+        flipped = bytearray(mac)
+        flipped[a] ^= b
+        return Handoff(manifest, bytes(flipped), payload)
+    if kind == "truncated-payload":
+        return Handoff(manifest, mac, payload[:a])
+    if kind == "swapped-layers":
+        return Handoff(manifest, mac, swap_layer_data(payload, a, b))
+    if kind == "swapped-layers-resealed":
+        return reseal(swap_layer_data(payload, a, b))
+    if kind == "reordered-header-resealed":
+        return reseal(reorder_layers_in_header(a, b))
+    if kind == "payload-byte-resealed":
+        flipped = bytearray(payload)
+        flipped[a] ^= b
+        return reseal(bytes(flipped))
+    raise AssertionError(kind)
+
+
+def test_every_tampered_handoff_is_refused() -> None:
+    TAMPER_COUNTS.clear()
+
+    @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @given(TAMPERS)
+    def check(tamper: tuple[str, int, int]) -> None:
+        kind, a, b = tamper
+        TAMPER_COUNTS["examples"] += 1
+        with pytest.raises(HandoffRefused):
+            open_(tampered(kind, a, b))
+        TAMPER_COUNTS["refused"] += 1
+        TAMPER_COUNTS[kind] += 1
+
+    check()
+    assert TAMPER_COUNTS["examples"] >= 1000
+    assert TAMPER_COUNTS["refused"] == TAMPER_COUNTS["examples"]
+    kinds = {"payload-byte", "manifest-byte", "mac-byte", "truncated-payload", "swapped-layers",
+             "swapped-layers-resealed", "reordered-header-resealed", "payload-byte-resealed"}
+    assert kinds <= set(TAMPER_COUNTS), TAMPER_COUNTS

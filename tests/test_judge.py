@@ -1,0 +1,577 @@
+"""Every judging rule of qualify.judge, one record per refusal path."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+
+from qualify.compare import compare_branches
+from qualify.engines.base import DecodeResult
+from qualify.judge import ThroughputCell, judge_rung2_sample, judge_rung3_sample, judge_sample, judge_summary, parity_verdict
+from qualify.records import (
+    PHASE_FIELDS,
+    REQUIRED_SAMPLE_FIELDS,
+    RUNG3_DRAFT_FIELDS,
+    SAMPLE_SCHEMA,
+    BitExactRule,
+    BoundedDriftRule,
+    SampleRecord,
+    parse_rule,
+    record_json,
+    sample_record,
+)
+
+RULE2 = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)
+RULE3 = BitExactRule(acceptance_floor=0.95)
+TOKENS_SHA = "1" * 64
+LOGITS_HANDOFF_SHA = "2" * 64
+LOGITS_COLD_SHA = "3" * 64
+PAYLOAD_SHA = "4" * 64
+DRAFT_SHA = "5" * 64
+TRACE_SHA = "6" * 64
+
+NUMERIC_FIELDS = ("token_agreement_rate", "max_abs", "mean_abs", "payload_gbit_per_s", *PHASE_FIELDS)
+
+
+def rung2_record(repetition: int = 1, **changes) -> dict:
+    """A passing rung-2 sample as read back from its receipt JSON."""
+    record = {
+        "schema": SAMPLE_SCHEMA,
+        "repetition": repetition,
+        "output_tokens": 256,
+        "token_agreement_rate": 1.0,
+        "max_abs": 10.884401,
+        "mean_abs": 1.233789,
+        "handoff_generated_token_sha256": TOKENS_SHA,
+        "cold_generated_token_sha256": TOKENS_SHA,
+        "handoff_logit_block_sha256": LOGITS_HANDOFF_SHA,
+        "cold_logit_block_sha256": LOGITS_COLD_SHA,
+        "logit_row_digests_equal": False,
+        "first_logit_digest_mismatch_row": 0,
+        "payload_sha256": PAYLOAD_SHA,
+        "payload_bytes": 8 * 1024 * 1024,
+        "payload_gbit_per_s": 6.866,
+        "handed_off_positions": 2047,
+        "recomputed_positions": 0,
+        **{name: 0.1 for name in PHASE_FIELDS},
+        "localisation": None,
+        "error": None,
+    }
+    record.update(changes)
+    return record
+
+
+def rung3_record(repetition: int = 1, **changes) -> dict:
+    """A passing rung-3 (bit-exact) sample."""
+    record = rung2_record(
+        repetition,
+        max_abs=0.0,
+        mean_abs=0.0,
+        handoff_logit_block_sha256=LOGITS_COLD_SHA,
+        logit_row_digests_equal=True,
+        first_logit_digest_mismatch_row=None,
+        handoff_draft_tokens_sha256=DRAFT_SHA,
+        cold_draft_tokens_sha256=DRAFT_SHA,
+        handoff_draft_trace_sha256=TRACE_SHA,
+        cold_draft_trace_sha256=TRACE_SHA,
+        draft_acceptance_rate=0.97,
+    )
+    record.update(changes)
+    return record
+
+
+def texts(verdict) -> list[str]:
+    return [verdict.headline, *verdict.reasons, *(check.detail for check in verdict.checks)]
+
+
+def assert_never_zero_drift(verdict) -> None:
+    assert not any("zero drift" in text for text in texts(verdict))
+
+
+# --------------------------------------------------------------------------- rung 2, per sample
+
+
+def test_good_rung2_sample_passes_with_bounded_drift_wording():
+    verdict = judge_sample(rung2_record(), RULE2)
+    assert verdict.passed, verdict.reasons
+    assert verdict.headline == "passed: tokens exact (256/256) and bounded drift: max 10.884401 <= 11, mean 1.233789 <= 1.25"
+    assert_never_zero_drift(verdict)
+    assert not any("bit-exact" in text for text in texts(verdict))
+
+
+def test_rung2_never_says_zero_drift_even_when_the_deltas_are_zero():
+    verdict = judge_sample(rung2_record(max_abs=0.0, mean_abs=0.0), RULE2)
+    assert verdict.passed
+    assert "bounded drift: max 0 <= 11, mean 0 <= 1.25" in verdict.headline
+    assert_never_zero_drift(verdict)
+
+
+@pytest.mark.parametrize("field", REQUIRED_SAMPLE_FIELDS)
+@pytest.mark.parametrize("how", ["absent", "null"])
+def test_each_omitted_field_is_refused(field, how):
+    record = rung2_record()
+    if how == "absent":
+        del record[field]
+    else:
+        record[field] = None
+    verdict = judge_sample(record, RULE2)
+    assert not verdict.passed
+    assert f"sample omits {field}" in verdict.reasons
+
+
+def test_every_omission_is_listed_separately():
+    record = rung2_record()
+    for field in ("max_abs", "mean_abs", "transport_s"):
+        del record[field]
+    reasons = judge_sample(record, RULE2).reasons
+    assert {"sample omits max_abs", "sample omits mean_abs", "sample omits transport_s"} <= set(reasons)
+
+
+@pytest.mark.parametrize("field", NUMERIC_FIELDS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "NaN", "Infinity", "-Infinity"])
+def test_non_finite_values_are_refused(field, value):
+    verdict = judge_sample(rung2_record(**{field: value}), RULE2)
+    assert not verdict.passed
+    assert any(reason.startswith(f"sample {field} is not finite") for reason in verdict.reasons), verdict.reasons
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("max_abs", True, "is not a number"),
+        ("max_abs", "10.0", "is not a number"),
+        ("mean_abs", -0.1, "below 0"),
+        ("token_agreement_rate", 1.5, "above 1"),
+        ("payload_bytes", 12.0, "is not a whole number"),
+        ("payload_bytes", -1, "below 0"),
+        ("repetition", 0, "below 1"),
+        ("payload_sha256", "ABC", "is not a SHA-256 hex digest"),
+        ("cold_generated_token_sha256", "A" * 64, "is not a SHA-256 hex digest"),
+        ("transport_s", -0.5, "below 0"),
+    ],
+)
+def test_malformed_values_are_refused(field, value, words):
+    verdict = judge_sample(rung2_record(**{field: value}), RULE2)
+    assert not verdict.passed
+    assert any(reason.startswith(f"sample {field}") and words in reason for reason in verdict.reasons), verdict.reasons
+
+
+@pytest.mark.parametrize(
+    ("maximum", "mean"),
+    [(11.000001, 1.0), (10.0, 1.2500001), (12.0, 2.0)],
+    ids=["max-over", "mean-over", "both-over"],
+)
+def test_drift_above_the_rule_is_refused_with_the_values(maximum, mean):
+    verdict = judge_sample(rung2_record(max_abs=maximum, mean_abs=mean), RULE2)
+    assert not verdict.passed
+    [reason] = [r for r in verdict.reasons if "drift exceeds" in r]
+    assert reason == (
+        f"native full-logit drift exceeds its identity rule: max={maximum:.9g}, mean={mean:.9g} "
+        f"(rule: max <= 11, mean <= 1.25)"
+    )
+
+
+def test_drift_exactly_at_the_bounds_passes():
+    assert judge_sample(rung2_record(max_abs=11.0, mean_abs=1.25), RULE2).passed
+
+
+def test_a_value_a_hair_above_the_bound_never_prints_as_equal():
+    hair = math.nextafter(1.25, 2.0)
+    reason = next(r for r in judge_sample(rung2_record(mean_abs=hair), RULE2).reasons if "drift exceeds" in r)
+    assert f"mean={hair!r}" in reason
+
+
+def test_token_divergence_is_refused_with_its_localisation():
+    record = rung2_record(
+        token_agreement_rate=0.75,
+        handoff_generated_token_sha256="9" * 64,
+        localisation={
+            "first_divergence_position": 64,
+            "cold_margin_at_divergence": 0.02,
+            "divergence_class": "near-tie",
+            "first_rule_breaking_row": None,
+        },
+    )
+    verdict = judge_sample(record, RULE2)
+    assert not verdict.passed
+    assert "tokens diverge: agreement 0.75 (192/256); first divergence at token 64, cold margin 0.02 (near-tie)" in verdict.reasons
+    assert "generated-token digest differs from the cold run's" in verdict.reasons
+
+
+def test_generated_token_digest_must_match_the_cold_run():
+    verdict = judge_sample(rung2_record(handoff_generated_token_sha256="9" * 64), RULE2)
+    assert verdict.reasons == ["generated-token digest differs from the cold run's"]
+
+
+def test_failed_sample_is_refused_with_the_producer_message():
+    record = {"schema": SAMPLE_SCHEMA, "repetition": 2, "error": "producer exited 75:\n watchdog fired"}
+    verdict = judge_sample(record, RULE2)
+    assert not verdict.passed
+    assert verdict.reasons == ["sample failed: producer exited 75: watchdog fired"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"schema": "other"}, "sample schema: found 'other', expected 'trust-ladder.sample-record.v1'"),
+        ({"output_tokens": 255}, "decoded 255 tokens, rule requires 256"),
+        ({"payload_bytes": 0}, "payload is empty (0 bytes)"),
+        ({"handed_off_positions": 0}, "no positions handed off: the handoff qualified nothing"),
+    ],
+)
+def test_other_sample_refusals(changes, reason):
+    verdict = judge_sample(rung2_record(**changes), RULE2)
+    assert not verdict.passed and reason in verdict.reasons
+
+
+def test_not_a_record_is_refused():
+    assert not judge_sample(["max_abs", 1.0], RULE2).passed
+
+
+def test_rung2_without_drift_graded_refuses_the_first_logit_digest_mismatch():
+    rule = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25, drift_graded=False)
+    verdict = judge_sample(rung2_record(first_logit_digest_mismatch_row=7), rule)
+    assert "logit digest mismatch at row 7" in verdict.reasons
+    record = rung2_record()
+    del record["first_logit_digest_mismatch_row"]
+    assert "sample omits first_logit_digest_mismatch_row" in judge_sample(record, rule).reasons
+
+
+def test_model_records_and_json_round_trips_judge_alike():
+    handoff_logits = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    tokens = handoff_logits.argmax(axis=1)
+    cold = DecodeResult(tokens, handoff_logits + np.float32(0.5))
+    handoff = DecodeResult(tokens.copy(), handoff_logits)
+    comparison = compare_branches(handoff, cold, "raw", maximum_absolute=11.0, maximum_mean_absolute=1.25)
+    model = sample_record(
+        repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
+        payload_gbit_per_s=1.0, handed_off_positions=2047, recomputed_positions=0,
+        phases={name: 0.0 for name in PHASE_FIELDS},
+    )
+    as_json = json.loads(json.dumps(record_json(model)))
+    assert judge_sample(model, RULE2).passed
+    assert judge_sample(as_json, RULE2).passed
+    assert judge_sample(model, RULE2).headline == judge_sample(as_json, RULE2).headline
+
+
+def test_a_nan_measured_by_compare_reaches_the_judge_through_json():
+    logits = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    tokens = logits.argmax(axis=1)
+    broken = logits.copy()
+    broken[3, 3] = np.nan
+    comparison = compare_branches(DecodeResult(tokens, broken), DecodeResult(tokens, logits), "raw",
+                                  maximum_absolute=11.0, maximum_mean_absolute=1.25)
+    model = sample_record(
+        repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
+        payload_gbit_per_s=1.0, handed_off_positions=2047, recomputed_positions=0,
+        phases={name: 0.0 for name in PHASE_FIELDS},
+    )
+    as_json = record_json(model)
+    assert as_json["max_abs"] == "NaN"
+    verdict = judge_sample(as_json, RULE2)
+    assert "sample max_abs is not finite: NaN" in verdict.reasons
+    assert "sample mean_abs is not finite: NaN" in verdict.reasons
+
+
+def test_record_model_refuses_incomplete_samples_without_an_error():
+    with pytest.raises(ValueError, match="sample omits output_tokens"):
+        SampleRecord(repetition=1)
+    assert SampleRecord(repetition=1, error="producer died").error == "producer died"
+
+
+# --------------------------------------------------------------------------- rung 2, summary
+
+
+def three(factory=rung2_record, **changes):
+    return [factory(repetition, **changes) for repetition in (1, 2, 3)]
+
+
+def test_summary_passes_three_good_repetitions():
+    verdict = judge_summary(three(), RULE2)
+    assert verdict.passed, verdict.reasons
+    assert verdict.headline.startswith(
+        "passed: 3/3 handoffs with exact tokens and bounded drift: max 10.884401 <= 11, mean 1.233789 <= 1.25"
+    )
+    assert_never_zero_drift(verdict)
+    assert {check.name for check in verdict.checks} >= {
+        "repetitions", "samples", "tokens exact in every repetition", "bounded drift in every repetition",
+        "generated-token digest across repetitions", "payload digest across repetitions",
+    }
+
+
+def test_summary_reports_the_worst_repetition():
+    records = three()
+    records[1]["max_abs"] = 10.95
+    records[2]["mean_abs"] = 1.24
+    assert "max 10.95 <= 11, mean 1.24 <= 1.25" in judge_summary(records, RULE2).headline
+
+
+@pytest.mark.parametrize(
+    ("records", "reason"),
+    [
+        (three()[:2], "expected 3 repetitions, found 2"),
+        (three()[:2], "repetition 3 missing"),
+        ([rung2_record(1), rung2_record(1), rung2_record(3)], "repetition 1 appears 2 times"),
+        ([*three(), rung2_record(4)], "unexpected repetition index 4"),
+        ([], "no samples"),
+    ],
+)
+def test_summary_requires_exactly_the_repetitions(records, reason):
+    verdict = judge_summary(records, RULE2)
+    assert not verdict.passed and reason in verdict.reasons
+
+
+@pytest.mark.parametrize("field", REQUIRED_SAMPLE_FIELDS)
+def test_summary_refuses_a_repetition_that_omits_a_field(field):
+    records = three()
+    del records[1][field]
+    verdict = judge_summary(records, RULE2)
+    assert not verdict.passed
+    assert f"repetition 2: sample omits {field}" in verdict.reasons or (
+        field == "repetition" and "repetition 2 missing" in verdict.reasons
+    )
+
+
+def test_summary_refuses_token_divergence_in_one_repetition():
+    records = three()
+    records[2]["token_agreement_rate"] = 0.99609375
+    verdict = judge_summary(records, RULE2)
+    assert "token agreement is not exactly 1.0 in every repetition" in verdict.reasons
+
+
+def test_summary_refuses_drift_outside_the_rule_in_one_repetition():
+    records = three()
+    records[0]["max_abs"] = 11.5
+    verdict = judge_summary(records, RULE2)
+    assert not verdict.passed
+    assert any(r.startswith("repetition 1: native full-logit drift exceeds its identity rule: max=11.5") for r in verdict.reasons)
+    assert "full-logit drift is not inside the identity rule in every repetition: worst max=11.5, mean=1.233789" in verdict.reasons
+
+
+@pytest.mark.parametrize(
+    ("field", "words"),
+    [
+        ("payload_sha256", "payload digest"),
+        ("handoff_logit_block_sha256", "handoff logit block digest"),
+        ("cold_logit_block_sha256", "cold logit block digest"),
+    ],
+)
+def test_summary_requires_deterministic_digests(field, words):
+    records = three()
+    records[2][field] = "f" * 64
+    verdict = judge_summary(records, RULE2)
+    assert not verdict.passed
+    assert f"{words} differs across repetitions (repetition 3 vs 1): output is not deterministic" in verdict.reasons
+
+
+def test_summary_requires_equal_generated_token_digests_across_repetitions():
+    records = three()
+    records[1]["handoff_generated_token_sha256"] = records[1]["cold_generated_token_sha256"] = "8" * 64
+    verdict = judge_summary(records, RULE2)
+    assert "generated-token digest differs across repetitions (repetition 2 vs 1): output is not deterministic" in verdict.reasons
+
+
+def test_summary_refuses_a_missing_generated_token_digest():
+    records = three()
+    records[0]["handoff_generated_token_sha256"] = None
+    verdict = judge_summary(records, RULE2)
+    assert "generated-token digest missing in repetition 1" in verdict.reasons
+
+
+def test_summary_refuses_payload_size_changes():
+    records = three()
+    records[1]["payload_bytes"] = 1
+    assert "payload size differs across repetitions (repetition 2 vs 1): output is not deterministic" in judge_summary(records, RULE2).reasons
+
+
+def test_summary_accepts_models_and_rule_dicts():
+    verdict = judge_summary(three(), RULE2.model_dump())
+    assert verdict.passed
+    assert parse_rule({"rung": 2, "maximum_absolute": 1.0, "maximum_mean_absolute": 0.5}).repetitions == 3
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"rung": 2, "maximum_absolute": 0.0, "maximum_mean_absolute": 1.0},
+        {"rung": 2, "maximum_absolute": math.inf, "maximum_mean_absolute": 1.0},
+        {"rung": 2, "maximum_absolute": 1.0, "maximum_mean_absolute": math.nan},
+        {"rung": 3, "acceptance_floor": 1.5},
+        {"rung": 4},
+    ],
+)
+def test_invalid_rules_are_refused(rule):
+    with pytest.raises(ValueError):
+        parse_rule(rule)
+
+
+# --------------------------------------------------------------------------- rung 3
+
+
+def test_good_rung3_sample_is_bit_exact():
+    verdict = judge_sample(rung3_record(), RULE3)
+    assert verdict.passed, verdict.reasons
+    assert "bit-exact" in verdict.headline
+    assert "draft acceptance 0.97 >= floor 0.95" in verdict.reasons
+
+
+def test_rung3_refuses_the_first_logit_digest_mismatch():
+    record = rung3_record(
+        logit_row_digests_equal=False, first_logit_digest_mismatch_row=5,
+        handoff_logit_block_sha256=LOGITS_HANDOFF_SHA, max_abs=0.001, mean_abs=1e-7,
+    )
+    verdict = judge_rung3_sample(record, RULE3)
+    assert not verdict.passed
+    assert verdict.reasons == ["logit digest mismatch at row 5"]
+
+
+def test_rung3_drift_graded_reports_the_deltas():
+    record = rung3_record(
+        logit_row_digests_equal=False, first_logit_digest_mismatch_row=5,
+        handoff_logit_block_sha256=LOGITS_HANDOFF_SHA, max_abs=0.001, mean_abs=1e-7,
+    )
+    rule = BitExactRule(acceptance_floor=0.95, drift_graded=True)
+    verdict = judge_rung3_sample(record, rule)
+    assert not verdict.passed
+    assert "full logits differ: max=0.001, mean=1e-07 (bit-exact requires 0); logit digest mismatch at row 5" in verdict.reasons
+    assert "logit digest mismatch at row 5" in verdict.reasons
+
+
+def test_rung3_refuses_nonzero_deltas_despite_equal_digests():
+    verdict = judge_rung3_sample(rung3_record(max_abs=1e-6), RULE3)
+    assert "full logits not bit-exact despite equal digests: max=1e-06, mean=0" in verdict.reasons
+
+
+def test_rung3_refuses_block_digest_mismatch_even_if_rows_claim_equal():
+    verdict = judge_rung3_sample(rung3_record(handoff_logit_block_sha256=LOGITS_HANDOFF_SHA), RULE3)
+    assert not verdict.passed
+    assert any("block digests differ" in r for r in verdict.reasons)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"handoff_draft_tokens_sha256": "7" * 64}, "draft tokens differ from the cold run's"),
+        ({"cold_draft_trace_sha256": "7" * 64}, "draft trace differ from the cold run's"),
+        ({"draft_acceptance_rate": 0.94}, "draft acceptance 0.94 is below the sealed floor 0.95"),
+        ({"token_agreement_rate": 0.5}, "tokens diverge: agreement 0.5 (128/256)"),
+    ],
+)
+def test_rung3_refusals(changes, reason):
+    verdict = judge_rung3_sample(rung3_record(**changes), RULE3)
+    assert not verdict.passed and reason in verdict.reasons
+
+
+def test_rung3_acceptance_at_the_floor_passes():
+    assert judge_rung3_sample(rung3_record(draft_acceptance_rate=0.95), RULE3).passed
+
+
+@pytest.mark.parametrize("field", [*REQUIRED_SAMPLE_FIELDS, *RUNG3_DRAFT_FIELDS, "logit_row_digests_equal"])
+def test_rung3_refuses_each_omitted_field(field):
+    record = rung3_record()
+    del record[field]
+    verdict = judge_rung3_sample(record, RULE3)
+    assert not verdict.passed and f"sample omits {field}" in verdict.reasons
+
+
+def test_rung3_requires_the_mismatch_row_key_to_be_present():
+    record = rung3_record()
+    del record["first_logit_digest_mismatch_row"]
+    assert "sample omits first_logit_digest_mismatch_row" in judge_rung3_sample(record, RULE3).reasons
+
+
+def test_rung3_row_digest_lists_must_agree_with_the_reported_mismatch():
+    rows = ["a" * 64] * 256
+    consistent = rung3_record(handoff_logit_row_sha256=rows, cold_logit_row_sha256=rows)
+    assert judge_rung3_sample(consistent, RULE3).passed
+    other = list(rows)
+    other[9] = "b" * 64
+    lying = rung3_record(handoff_logit_row_sha256=rows, cold_logit_row_sha256=other)
+    verdict = judge_rung3_sample(lying, RULE3)
+    assert "recorded row digests disagree with the reported first mismatch (rows say 9)" in verdict.reasons
+
+
+def test_rung3_without_a_declared_draft_skips_only_the_draft_checks():
+    rule = BitExactRule(acceptance_floor=None)
+    record = rung3_record()
+    for field in RUNG3_DRAFT_FIELDS:
+        del record[field]
+    verdict = judge_rung3_sample(record, rule)
+    assert verdict.passed and "no speculative draft declared by the identity" in verdict.reasons
+
+
+def test_rung3_summary():
+    assert judge_summary(three(rung3_record), RULE3).passed
+    records = three(rung3_record)
+    records[2]["handoff_draft_trace_sha256"] = records[2]["cold_draft_trace_sha256"] = "e" * 64
+    verdict = judge_summary(records, RULE3)
+    assert "draft trace digest differs across repetitions (repetition 3 vs 1): output is not deterministic" in verdict.reasons
+    records = three(rung3_record)
+    records[0].update(logit_row_digests_equal=False, first_logit_digest_mismatch_row=0, handoff_logit_block_sha256=LOGITS_HANDOFF_SHA)
+    assert "repetition 1: logit digest mismatch at row 0" in judge_summary(records, RULE3).reasons
+
+
+def test_wrong_rule_type_is_a_programming_error():
+    with pytest.raises(TypeError):
+        judge_rung2_sample(rung2_record(), RULE3)
+    with pytest.raises(TypeError):
+        judge_rung3_sample(rung3_record(), RULE2)
+
+
+def test_judging_does_not_mutate_records():
+    records = three()
+    before = copy.deepcopy(records)
+    judge_summary(records, RULE2)
+    assert records == before
+
+
+# --------------------------------------------------------------------------- rung 1
+
+
+def test_parity_inside_noise_is_parity_and_never_faster():
+    verdict = parity_verdict(
+        ThroughputCell("nvfp4", 35.490711722, 0.00130), ThroughputCell("kquant", 35.439527527, 0.00037)
+    )
+    assert verdict.passed
+    assert verdict.headline.startswith("parity within noise: nvfp4 35.4907 tok/s (CV 0.130%) vs kquant 35.4395 tok/s (CV 0.037%)")
+    assert "+0.1444% split inside the cells' combined CV (0.167%)" in verdict.headline
+    assert not any("faster" in text.lower() for text in texts(verdict))
+
+
+def test_parity_is_symmetric():
+    a = {"name": "a", "mean": 100.0, "cv": 0.01}
+    b = {"name": "b", "mean": 101.0, "cv": 0.005}
+    assert parity_verdict(a, b).passed and parity_verdict(b, a).passed
+
+
+def test_split_outside_noise_is_not_parity_and_still_not_called_faster():
+    verdict = parity_verdict({"name": "a", "mean": 110.0, "cv": 0.01}, {"name": "b", "mean": 100.0, "cv": 0.01})
+    assert not verdict.passed
+    assert "outside the cells' combined CV" in verdict.headline
+    assert "a measured higher throughput than b" in verdict.headline
+    assert not any("faster" in text.lower() for text in texts(verdict))
+
+
+def test_parity_from_samples():
+    cell = ThroughputCell.from_samples("a", [10.0, 10.2, 9.8])
+    assert cell.mean == pytest.approx(10.0) and cell.cv == pytest.approx(0.02)
+    assert parity_verdict({"name": "a", "samples": [10.0, 10.2, 9.8]}, {"name": "b", "samples": [10.1, 10.0, 10.2]}).passed
+
+
+@pytest.mark.parametrize(
+    ("cell", "reason"),
+    [
+        ({"name": "a", "mean": 10.0}, "cell a omits cv"),
+        ({"name": "a", "cv": 0.1}, "cell a omits mean"),
+        ({"name": "a", "mean": math.nan, "cv": 0.1}, "cell a mean is not a finite number: nan"),
+        ({"name": "a", "mean": 10.0, "cv": -0.1}, "cell a: mean must be positive and cv non-negative (mean 10, cv -0.1)"),
+        ({"name": "a", "samples": [10.0]}, "cell a: cell a: at least two measurements are needed for a CV"),
+    ],
+)
+def test_parity_refuses_incomplete_cells(cell, reason):
+    verdict = parity_verdict(cell, {"name": "b", "mean": 10.0, "cv": 0.1})
+    assert not verdict.passed and verdict.reasons == [reason]

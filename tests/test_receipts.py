@@ -1,0 +1,359 @@
+"""Receipts: created once, complete even on failure, and any altered, missing or extra file is found."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from qualify.assets import REPO_ROOT
+from qualify.digests import canonical_sha256
+from qualify.errors import Refused
+from qualify.judge import judge_summary
+from qualify.records import SAMPLE_SCHEMA, BoundedDriftRule
+from qualify.receipts import (
+    MANIFEST,
+    PARTIAL_PREFIX,
+    REQUIRED_FILES,
+    RUN_ID,
+    ReceiptWriter,
+    archive_dir,
+    default_archive_dir,
+    new_run_id,
+    read_receipt_json,
+    receipt_files,
+    resolve_receipt_uri,
+    verify_cli,
+    verify_receipt,
+)
+from tests.test_judge import rung2_record
+
+RULE = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)
+IDENTITY = {"schema": "test-identity", "lane": "nvfp4-native-splitk", "bound": 11.0}
+
+
+def write_receipt(archive: Path, records=None, *, run_id: str | None = None, identity=IDENTITY) -> Path:
+    records = [rung2_record(i) for i in (1, 2, 3)] if records is None else records
+    writer = ReceiptWriter(
+        archive, command_line=["qualify", "--recipe", "native-text"], identity=identity,
+        recipe="native-text", lane="nvfp4-native-splitk", rule=RULE, versions={"consumer": "reference 0.1"},
+        run_id=run_id,
+    )
+    try:
+        writer.log("identity sealed")
+        for record in records:
+            writer.add_sample(record)
+        verdict = judge_summary(records, RULE)
+    finally:
+        path = writer.finalize(verdict)
+    return path
+
+
+def make_writable(path: Path) -> None:
+    """Finalized receipts are read-only; tests that tamper with them lift that first."""
+    for current, dirs, files in os.walk(path):
+        os.chmod(current, 0o755)
+        for name in files:
+            os.chmod(Path(current) / name, 0o644)
+
+
+@pytest.fixture
+def receipt(tmp_path) -> Path:
+    return write_receipt(tmp_path / "archive")
+
+
+def test_a_fresh_receipt_verifies_and_holds_every_file(receipt):
+    assert verify_receipt(receipt) == []
+    files = receipt_files(receipt)
+    assert set(REQUIRED_FILES) <= set(files)
+    assert [f for f in files if f.startswith("samples/")] == [f"samples/sample-{n}.json" for n in (1, 2, 3)]
+    assert (receipt / "identity.sha256").read_text() == canonical_sha256(IDENTITY) + "\n"
+    summary = read_receipt_json(receipt, "validation-summary.json")
+    assert summary["passed"] is True and summary["run_id"] == receipt.name and summary["samples"] == 3
+    assert summary["rule"]["maximum_absolute"] == 11.0
+    assert summary["identity_sha256"] == canonical_sha256(IDENTITY)
+    log = (receipt / "command.log").read_text()
+    assert log.startswith("command: qualify --recipe native-text\n")
+    assert "identity sealed" in log and "verdict: passed:" in log
+    versions = read_receipt_json(receipt, "versions.json")
+    assert versions["engines"] == {"consumer": "reference 0.1"} and "numpy" in versions["libraries"]
+    assert read_receipt_json(receipt, "samples/sample-2.json")["repetition"] == 2
+
+
+def test_finalized_files_are_read_only(receipt):
+    for path in receipt.rglob("*"):
+        if path.is_file():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o444
+    assert stat.S_IMODE(receipt.stat().st_mode) == 0o555
+
+
+def test_identity_file_is_copied_byte_for_byte(tmp_path):
+    identity_path = tmp_path / "identity.json"
+    identity_path.write_bytes(b'{"lane": "nvfp4-native-splitk",   "bound": 11.0}\n')
+    path = write_receipt(tmp_path / "archive", identity=identity_path)
+    assert (path / "identity.json").read_bytes() == identity_path.read_bytes()
+    assert (path / "identity.sha256").read_text().strip() == canonical_sha256({"lane": "nvfp4-native-splitk", "bound": 11.0})
+    assert verify_receipt(path) == []
+
+
+def _all_receipt_files() -> list[str]:
+    return [*REQUIRED_FILES, "samples/sample-1.json", "samples/sample-3.json", MANIFEST]
+
+
+@pytest.mark.parametrize("name", _all_receipt_files())
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_flipping_any_byte_of_any_file_fails_verification(receipt, name, where):
+    path = receipt / name
+    data = bytearray(path.read_bytes())
+    index = {"first": 0, "middle": len(data) // 2, "last": len(data) - 1}[where]
+    data[index] ^= 0x01
+    make_writable(receipt)
+    path.write_bytes(bytes(data))
+    problems = verify_receipt(receipt)
+    assert problems, f"flipping byte {index} of {name} went unnoticed"
+    if name != MANIFEST:  # an edited manifest may surface as the entry it now misdescribes
+        assert any(name in problem for problem in problems), problems
+
+
+@pytest.mark.parametrize("name", [*REQUIRED_FILES, "samples/sample-2.json", MANIFEST])
+def test_a_missing_file_is_reported(receipt, name):
+    make_writable(receipt)
+    (receipt / name).unlink()
+    problems = verify_receipt(receipt)
+    assert any(f"missing file {name}" in problem for problem in problems), problems
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "samples/sample-4.json", ".hidden", "samples/extra/deep.json"])
+def test_an_extra_file_is_reported(receipt, name):
+    make_writable(receipt)
+    (receipt / name).parent.mkdir(parents=True, exist_ok=True)
+    (receipt / name).write_text("{}")
+    problems = verify_receipt(receipt)
+    assert any(f"extra file {name}" in problem for problem in problems), problems
+
+
+def test_extra_directories_and_links_are_reported(receipt, tmp_path):
+    make_writable(receipt)
+    (receipt / "empty").mkdir()
+    (receipt / "link.json").symlink_to(receipt / "versions.json")
+    problems = verify_receipt(receipt)
+    assert any("extra directory empty" in p for p in problems)
+    assert any("extra file link.json: symbolic link" in p for p in problems)
+
+
+def test_a_consistently_rewritten_manifest_still_fails_the_digest_cross_checks(receipt):
+    """Editing identity.sha256 and re-hashing the manifest is caught by the identity cross-check."""
+    make_writable(receipt)
+    (receipt / "identity.sha256").write_text("0" * 64 + "\n")
+    manifest = json.loads((receipt / MANIFEST).read_text())
+    import hashlib
+
+    for entry in manifest["files"]:
+        data = (receipt / entry["path"]).read_bytes()
+        entry.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (receipt / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    problems = verify_receipt(receipt)
+    assert any("identity.sha256 is not the canonical digest of identity.json" in p for p in problems)
+
+
+def test_a_receipt_directory_is_never_rewritten(tmp_path):
+    archive = tmp_path / "archive"
+    first = write_receipt(archive, run_id="20261129T000000Z-0123456789abcdef")
+    before = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
+    with pytest.raises(Refused, match="already exists; a receipt is never rewritten"):
+        write_receipt(archive, run_id="20261129T000000Z-0123456789abcdef")
+    assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
+    assert verify_receipt(first) == []
+
+
+def test_a_finalized_writer_refuses_further_writes(tmp_path):
+    writer = ReceiptWriter(tmp_path, command_line=["x"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
+    writer.finalize(None, error="stopped")
+    for action in (lambda: writer.log("x"), lambda: writer.add_sample(rung2_record()), lambda: writer.finalize(None)):
+        with pytest.raises(Refused, match="already finalized"):
+            action()
+
+
+def test_a_run_that_raises_still_gets_a_complete_failing_receipt(tmp_path):
+    archive = tmp_path / "archive"
+    with pytest.raises(RuntimeError):
+        with ReceiptWriter(archive, command_line=["qualify"], identity=IDENTITY, recipe="native-text",
+                           lane="nvfp4-native-splitk", rule=RULE) as writer:
+            writer.add_sample(rung2_record(1))
+            raise RuntimeError("producer died\nwith a traceback")
+    [path] = [p for p in archive.iterdir()]
+    assert verify_receipt(path) == []
+    summary = read_receipt_json(path, "validation-summary.json")
+    assert summary["passed"] is False
+    assert summary["error"] == "RuntimeError: producer died with a traceback"
+    assert summary["verdict"] == "failed: run ended before a verdict: RuntimeError: producer died with a traceback"
+    assert summary["samples"] == 1
+
+
+def test_a_run_without_a_verdict_fails(tmp_path):
+    with ReceiptWriter(tmp_path, command_line=["qualify"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE) as writer:
+        pass
+    assert read_receipt_json(writer.path, "validation-summary.json")["passed"] is False
+
+
+def test_an_error_overrides_a_passing_verdict(tmp_path):
+    writer = ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
+    records = [rung2_record(i) for i in (1, 2, 3)]
+    for record in records:
+        writer.add_sample(record)
+    path = writer.finalize(judge_summary(records, RULE), error="receipt upload failed")
+    summary = read_receipt_json(path, "validation-summary.json")
+    assert summary["passed"] is False and summary["verdict"] == "failed: receipt upload failed"
+
+
+def test_a_crash_never_leaves_a_receipt_that_looks_complete(tmp_path):
+    archive = tmp_path / "archive"
+    writer = ReceiptWriter(archive, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
+    writer.add_sample(rung2_record(1))
+    # the process dies here: no finalize
+    claimed = archive / writer.run_id
+    assert claimed.is_dir() and not any(claimed.iterdir())
+    assert any("missing file manifest.json" in p for p in verify_receipt(claimed))
+    assert (archive / f"{PARTIAL_PREFIX}{writer.run_id}").is_dir()
+    out = io.StringIO()
+    assert verify_cli(archive, out=out) == 1
+    assert "partial receipt left by an interrupted run" in out.getvalue()
+
+
+def test_non_finite_sample_values_are_kept_as_strings(tmp_path):
+    record = rung2_record(1, max_abs=float("nan"), mean_abs=float("inf"))
+    writer = ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
+    writer.add_sample(record)
+    path = writer.finalize(None, error="stopped")
+    stored = read_receipt_json(path, "samples/sample-1.json")
+    assert stored["max_abs"] == "NaN" and stored["mean_abs"] == "Infinity"
+    assert stored["schema"] == SAMPLE_SCHEMA
+
+
+def test_identity_digest_mismatch_is_refused(tmp_path):
+    with pytest.raises(Refused, match="does not match the document's digest"):
+        ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, identity_sha256="0" * 64,
+                      recipe="native-text", lane="l", rule=RULE)
+
+
+@pytest.mark.parametrize("run_id", ["../x", "", ".hidden", "a/b", "a b"])
+def test_malformed_run_ids_are_refused(tmp_path, run_id):
+    with pytest.raises(Refused, match="run id"):
+        ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", run_id=run_id)
+
+
+def test_run_ids_are_utc_timestamp_plus_random_suffix():
+    first, second = new_run_id(), new_run_id()
+    assert first != second
+    for run_id in (first, second):
+        assert RUN_ID.fullmatch(run_id)
+        stamp, suffix = run_id.split("-")
+        assert len(stamp) == 16 and stamp.endswith("Z") and stamp[8] == "T"
+        assert len(suffix) == 16 and int(suffix, 16) >= 0
+
+
+# --------------------------------------------------------------------------- receipt:// URIs
+
+
+def test_resolve_receipt_uri(receipt):
+    archive = receipt.parent
+    assert resolve_receipt_uri(f"receipt://{receipt.name}/command.log", archive) == (receipt / "command.log").resolve()
+    assert resolve_receipt_uri(f"receipt://{receipt.name}/samples/sample-2.json", archive).name == "sample-2.json"
+    assert resolve_receipt_uri(f"receipt://{receipt.name}/manifest.json", archive).name == MANIFEST
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "command.log",
+        "https://example.org/x/command.log",
+        "receipt://",
+        "receipt://RUN",
+        "receipt://RUN/",
+        "receipt://RUN/../other/command.log",
+        "receipt://RUN/samples/../../command.log",
+        "receipt://RUN//command.log",
+        "receipt://RUN/./command.log",
+        "receipt://RUN/samples\\sample-1.json",
+        "receipt://../RUN/command.log",
+        "receipt:///etc/passwd",
+        "receipt://RUN/command.log?x=1",
+        "receipt://RUN/command.log#top",
+        "receipt://RUN/%2e%2e/command.log",
+    ],
+)
+def test_malformed_and_traversing_uris_are_refused(receipt, uri):
+    with pytest.raises(Refused) as refusal:
+        resolve_receipt_uri(uri.replace("RUN", receipt.name), receipt.parent)
+    assert "\n" not in str(refusal.value)
+
+
+def test_uri_to_a_missing_receipt_or_file_is_refused(receipt):
+    with pytest.raises(Refused, match="no receipt"):
+        resolve_receipt_uri("receipt://20990101T000000Z-0000000000000000/command.log", receipt.parent)
+    with pytest.raises(Refused, match="has no file"):
+        resolve_receipt_uri(f"receipt://{receipt.name}/samples/sample-9.json", receipt.parent)
+
+
+def test_uri_to_an_altered_receipt_is_refused(receipt):
+    make_writable(receipt)
+    (receipt / "samples" / "sample-1.json").write_text("{}")
+    with pytest.raises(Refused, match="fails verification: .*altered file samples/sample-1.json"):
+        resolve_receipt_uri(f"receipt://{receipt.name}/command.log", receipt.parent)
+
+
+# --------------------------------------------------------------------------- CLI and locations
+
+
+def test_verify_cli_archive_and_single_receipt(tmp_path):
+    archive = tmp_path / "archive"
+    first, second = write_receipt(archive), write_receipt(archive)
+    out = io.StringIO()
+    assert verify_cli(archive, out=out) == 0
+    assert "2 receipts verified" in out.getvalue()
+    assert verify_cli(first, out=io.StringIO()) == 0
+    make_writable(second)
+    (second / "command.log").write_text("edited")
+    out = io.StringIO()
+    assert verify_cli(archive, out=out) == 1
+    assert f"FAIL {second.name}: altered file command.log" in out.getvalue()
+    assert "1 of 2 receipts failed verification" in out.getvalue()
+
+
+def test_verify_cli_missing_path_and_empty_archive(tmp_path):
+    assert verify_cli(tmp_path / "nowhere", out=io.StringIO()) == 2
+    (tmp_path / "empty").mkdir()
+    assert verify_cli(tmp_path / "empty", out=io.StringIO()) == 1
+
+
+def test_default_archive_is_outside_the_checkout(monkeypatch, tmp_path):
+    monkeypatch.delenv("QUALIFY_RECEIPTS", raising=False)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_archive_dir() == tmp_path / "home" / ".local" / "share" / "trust-ladder" / "receipts"
+    assert not default_archive_dir().is_relative_to(REPO_ROOT)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert default_archive_dir() == tmp_path / "xdg" / "trust-ladder" / "receipts"
+    monkeypatch.setenv("QUALIFY_RECEIPTS", str(tmp_path / "env"))
+    assert default_archive_dir() == tmp_path / "env"
+    assert archive_dir(str(tmp_path / "option")) == tmp_path / "option"
+    assert archive_dir(None) == tmp_path / "env"
+
+
+def test_every_single_byte_flip_of_the_manifest_is_caught(receipt):
+    """Exhaustive over the manifest (the one file no digest covers): any edit is found."""
+    path = receipt / MANIFEST
+    original = path.read_bytes()
+    make_writable(receipt)
+    for index in range(len(original)):
+        for mask in (0x01, 0x20):
+            data = bytearray(original)
+            data[index] ^= mask
+            path.write_bytes(bytes(data))
+            assert verify_receipt(receipt), f"byte {index} ^ {mask:#x} of the manifest went unnoticed"
+    path.write_bytes(original)
+    assert verify_receipt(receipt) == []

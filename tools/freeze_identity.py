@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""Freeze one lane's onboarding identity from the real artifacts, in one command.
+
+Computes the SHA-256 of every pinned artifact (checkpoint files under ``model/``, tokenizer,
+main prompt via ``qualify.assets.prompt_sha256``, RoPE cache, adapter, draft, basis receipt),
+derives the lane's target-cache identity, validates the result through the same layers as
+``qualify identity check``, then writes the identity JSON (never over an existing file unless
+``--replace``; written whole via a temporary file) and prints the ``SealedIdentity(...)`` block
+to paste into ``qualify/sealed.py``.
+
+Example (rung 2, after the calibration run archived its receipt)::
+
+    .venv/bin/python tools/freeze_identity.py --lane nvfp4-native-splitk \\
+        --producer-engine qualify-reference 0.1.0 nvfp4-splitk-v1 \\
+        --consumer-engine qualify-reference 0.1.0 nvfp4-exact-v1 \\
+        --maximum-absolute 11.0 --maximum-mean-absolute 1.25 \\
+        --basis receipt://<run-id>/command.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+
+from qualify.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256  # noqa: E402
+from qualify.digests import canonical_json_bytes, canonical_sha256, sha256_bytes, sha256_file  # noqa: E402
+from qualify.errors import Refused, one_line  # noqa: E402
+from qualify.identity import DEFAULT_ARCHIVE_DIR, validate_identity_document  # noqa: E402
+from qualify.lanes import LaneKind, LaneSpec, lane_spec, target_cache_identity  # noqa: E402
+from qualify.sealed import (  # noqa: E402
+    RECEIPT_URI,
+    RELPATH,
+    SealedCheckpoint,
+    SealedContextPolicy,
+    SealedDraft,
+    SealedDraftGeometry,
+    SealedEngine,
+    SealedIdentity,
+    SealedLogitUnits,
+    SealedNamedDigest,
+    SealedPrompt,
+    SealedQualification,
+    SealedRope,
+    sealed_table,
+)
+
+DEFAULT_CHECKPOINT_PATTERNS: Mapping[LaneKind, tuple[str, ...]] = {
+    LaneKind.NVFP4: ("config.json", "model.safetensors", "nvfp4/**"),
+    LaneKind.KQUANT: ("config.json", "model.safetensors", "kquant/**"),
+}
+"""Checkpoint files pinned per lane kind, relative to ``model/`` (``dir/**``: every file under)."""
+
+DEFAULT_ADAPTERS: Mapping[LaneKind, tuple[str, str]] = {
+    LaneKind.NVFP4: ("qualify-nvfp4-linear", "qualify/engines/nvfp4_linear.py"),
+    LaneKind.KQUANT: ("qualify-kquant", "qualify/engines/kquant.py"),
+}
+"""The producer adapter per lane kind: name and the source file whose SHA-256 pins it."""
+
+RAW_TOKEN_TEMPLATE_NAME = "raw-token-ids"
+RAW_TOKEN_TEMPLATE_RULE = {
+    "template": RAW_TOKEN_TEMPLATE_NAME,
+    "rule": "prompt token ids are fed verbatim: no chat template, no BOS or EOS insertion",
+}
+"""The harness applies no chat template; its template digest is the canonical SHA-256 of this."""
+
+
+def rope_cache_sha256(theta: float, head_dim: int, max_positions: int) -> str:
+    """SHA-256 of the RoPE cache: float32 little-endian cos then sin tables
+    ``[max_positions, head_dim // 2]`` of ``position * theta ** (-2i / head_dim)`` (float64 math)."""
+    if head_dim < 2 or head_dim % 2 or max_positions < 1 or not theta > 0:
+        raise Refused(f"rope: theta {theta}, head_dim {head_dim}, max_positions {max_positions} invalid")
+    inverse = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inverse[None, :]
+    cos = np.cos(angles).astype("<f4")
+    sin = np.sin(angles).astype("<f4")
+    return sha256_bytes(cos.tobytes() + sin.tobytes())
+
+
+def collect_checkpoint(model_dir: Path, patterns: Sequence[str]) -> tuple[dict[str, str], int]:
+    """Relative path -> SHA-256 of every file the patterns name, and their total size."""
+    files: dict[str, str] = {}
+    total = 0
+    for pattern in patterns:
+        if pattern.endswith("/**"):
+            base = model_dir / pattern[:-3]
+            matched = sorted(p for p in base.rglob("*") if p.is_file()) if base.is_dir() else []
+        else:
+            candidate = model_dir / pattern
+            matched = [candidate] if candidate.is_file() else []
+        if not matched:
+            raise Refused(f"checkpoint: {pattern}: no file under {model_dir}")
+        for path in matched:
+            relpath = path.relative_to(model_dir).as_posix()
+            if not RELPATH.fullmatch(relpath):
+                raise Refused(f"checkpoint: {relpath}: not a plain relative path")
+            if relpath not in files:
+                files[relpath] = sha256_file(path)
+                total += path.stat().st_size
+    return dict(sorted(files.items())), total
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise Refused(f"{path}: cannot read JSON ({type(exc).__name__})") from None
+    if not isinstance(document, dict):
+        raise Refused(f"{path}: expected a JSON object")
+    return document
+
+
+def _named_file(value: str, what: str) -> tuple[str, Path]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise Refused(f"{what}: found {value!r}, expected NAME=PATH")
+    return name, (REPO_ROOT / path if not os.path.isabs(path) else Path(path))
+
+
+def _logit_units(value: str) -> SealedLogitUnits:
+    if value == "raw":
+        return SealedLogitUnits("raw")
+    prefix = "tanh-softcap:"
+    if value.startswith(prefix):
+        try:
+            cap = float(value[len(prefix):])
+        except ValueError:
+            cap = math.nan
+        if math.isfinite(cap) and cap > 0:
+            return SealedLogitUnits("tanh-softcap", cap)
+    raise Refused(f"--logit-units: found {value!r}, expected raw or tanh-softcap:<positive cap>")
+
+
+def build_sealed(args: argparse.Namespace) -> SealedIdentity:
+    """The sealed identity of ``args.lane`` computed from the artifacts on disk."""
+    spec: LaneSpec = lane_spec(args.lane)
+    model_dir = Path(args.model_dir)
+    archive_dir = Path(args.archive_dir)
+    config = _read_json(model_dir / "config.json")
+
+    patterns = tuple(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT_PATTERNS[spec.kind]
+    files, total_bytes = collect_checkpoint(model_dir, patterns)
+    producer = SealedEngine(*args.producer_engine)
+    consumer = SealedEngine(*args.consumer_engine)
+
+    adapter_name, adapter_path = (
+        _named_file(args.adapter, "--adapter")
+        if args.adapter
+        else (DEFAULT_ADAPTERS[spec.kind][0], REPO_ROOT / DEFAULT_ADAPTERS[spec.kind][1])
+    )
+    if not adapter_path.is_file():
+        raise Refused(f"adapter {adapter_name}: no file {adapter_path} (pass --adapter NAME=PATH)")
+
+    tokens = load_prompt(args.prompt)
+    if len(tokens) < args.prompt_tokens:
+        raise Refused(f"prompt {args.prompt}: {len(tokens)} tokens, expected {args.prompt_tokens}")
+    tokens = tokens[: args.prompt_tokens]
+    prompt_digest = prompt_sha256(tokens)
+
+    try:
+        theta = float(config["rope_theta"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        max_positions = int(config["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise Refused(f"{model_dir / 'config.json'}: missing rope_theta/head_dim/max positions") from None
+
+    draft: SealedDraft | None = None
+    if spec.speculative_draft:
+        if args.acceptance_floor is None or args.draft_proposal_tokens is None:
+            raise Refused(f"lane {spec.name}: pass --acceptance-floor and --draft-proposal-tokens")
+        draft_config = _read_json(model_dir / "draft_config.json")
+        draft = SealedDraft(
+            geometry=SealedDraftGeometry(
+                kind=str(draft_config.get("kind")),
+                layers=int(draft_config.get("layers", 0)),
+                hidden_size=int(config["hidden_size"]),
+                heads=int(config["num_attention_heads"]),
+                kv_heads=int(config["num_key_value_heads"]),
+                head_dim=head_dim,
+                proposal_tokens=args.draft_proposal_tokens,
+            ),
+            acceptance_floor=float(args.acceptance_floor),
+            draft_sha256=sha256_file(model_dir / "draft.safetensors"),
+        )
+    elif args.acceptance_floor is not None or args.draft_proposal_tokens is not None:
+        raise Refused(f"lane {spec.name}: declares no speculative draft; drop the draft options")
+
+    bounded = spec.recipe.full_logits_mode == "bounded-drift"
+    if bounded and (args.maximum_absolute is None or args.maximum_mean_absolute is None):
+        raise Refused(f"lane {spec.name}: pass --maximum-absolute and --maximum-mean-absolute")
+    if not bounded and (args.maximum_absolute is not None or args.maximum_mean_absolute is not None):
+        raise Refused(f"lane {spec.name}: recipe {spec.recipe.value} is exact; drop the bounds")
+
+    match = RECEIPT_URI.fullmatch(args.basis)
+    if match is None:
+        raise Refused(f"--basis: found {args.basis!r}, expected receipt://<run-id>/<file>")
+    basis_path = archive_dir / match["run_id"] / match["file"]
+    if not basis_path.is_file():
+        raise Refused(f"--basis: {args.basis} does not resolve (no file {basis_path})")
+
+    return SealedIdentity(
+        lane=spec.name,
+        checkpoint=SealedCheckpoint(files=files, total_bytes=total_bytes),
+        producer_engine=producer,
+        consumer_engine=consumer,
+        adapter=SealedNamedDigest(adapter_name, sha256_file(adapter_path)),
+        tokenizer_sha256=sha256_file(model_dir / "tokenizer.json"),
+        prompt=SealedPrompt(args.prompt, int(len(tokens)), prompt_digest),
+        prompt_template=SealedNamedDigest(
+            RAW_TOKEN_TEMPLATE_NAME, canonical_sha256(RAW_TOKEN_TEMPLATE_RULE)
+        ),
+        context_policy=SealedContextPolicy(
+            handoff_positions=args.prompt_tokens - 1, max_positions=max_positions
+        ),
+        rope=SealedRope(theta, rope_cache_sha256(theta, head_dim, max_positions)),
+        logit_units=_logit_units(args.logit_units),
+        target_cache_identity_sha256=target_cache_identity(spec, files, producer.abi),
+        speculative_draft=draft,
+        qualification=SealedQualification(
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            repetitions=args.repetitions,
+            prompt_sha256=prompt_digest,
+            require_exact_tokens=True,
+            require_deterministic_remote_output=True,
+            maximum_absolute=None if args.maximum_absolute is None else float(args.maximum_absolute),
+            maximum_mean_absolute=(
+                None if args.maximum_mean_absolute is None else float(args.maximum_mean_absolute)
+            ),
+            basis=args.basis,
+            basis_sha256=sha256_file(basis_path),
+        ),
+    )
+
+
+def _python_literal(value: Any, indent: int) -> str:
+    pad = " " * indent
+    if is_dataclass(value) and not isinstance(value, type):
+        inner = ",\n".join(
+            f"{pad}    {field.name}={_python_literal(getattr(value, field.name), indent + 4)}"
+            for field in fields(value)
+        )
+        return f"{type(value).__name__}(\n{inner},\n{pad})"
+    if isinstance(value, Mapping):
+        if not value:
+            return "{}"
+        inner = ",\n".join(f"{pad}    {key!r}: {item!r}" for key, item in value.items())
+        return "{\n" + inner + f",\n{pad}}}"
+    return repr(value)
+
+
+def constant_name(lane: str) -> str:
+    """``nvfp4-native-splitk`` -> ``SEALED_NVFP4_NATIVE_SPLITK``."""
+    return "SEALED_" + lane.upper().replace("-", "_")
+
+
+def sealed_python_block(sealed: SealedIdentity) -> str:
+    """The Python source to paste into ``qualify/sealed.py`` for this sealed identity."""
+    name = constant_name(sealed.lane)
+    return (
+        f"# {sealed.lane}: frozen by tools/freeze_identity.py; identity_sha256 "
+        f"{sealed.identity_sha256}\n{name} = {_python_literal(sealed, 0)}\n"
+    )
+
+
+def write_new_file(path: Path, data: bytes, replace: bool) -> None:
+    """Write ``data`` whole (temporary file then rename); refuse to overwrite unless asked."""
+    if path.exists() and not replace:
+        raise Refused(f"{path}: exists; pass --replace to overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="freeze_identity", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("--lane", required=True, help="lane identity name (qualify/lanes.py)")
+    parser.add_argument("--producer-engine", nargs=3, required=True, metavar=("NAME", "VERSION", "ABI"))
+    parser.add_argument("--consumer-engine", nargs=3, required=True, metavar=("NAME", "VERSION", "ABI"))
+    parser.add_argument("--basis", required=True, help="receipt://<run-id>/<file> of the calibration")
+    parser.add_argument("--maximum-absolute", type=float, help="rung-2 bound (max abs logit delta)")
+    parser.add_argument("--maximum-mean-absolute", type=float, help="rung-2 bound (mean abs delta)")
+    parser.add_argument("--acceptance-floor", type=float, help="rung-3 draft acceptance floor")
+    parser.add_argument("--draft-proposal-tokens", type=int, help="rung-3 draft tokens per step")
+    parser.add_argument("--adapter", help="NAME=PATH of the producer adapter source (default per kind)")
+    parser.add_argument("--checkpoint", action="append", metavar="RELPATH",
+                        help="checkpoint file or DIR/** under model/ (repeatable; default per kind)")
+    parser.add_argument("--prompt", default=MAIN_PROMPT, help="held-out prompt name")
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--logit-units", default="raw", help="raw or tanh-softcap:<cap>")
+    parser.add_argument("--model-dir", default=str(MODEL_DIR))
+    parser.add_argument("--archive-dir", default=str(DEFAULT_ARCHIVE_DIR))
+    parser.add_argument("--out", help="identity JSON to write (default contracts/<lane>-identity-v1.json)")
+    parser.add_argument("--replace", action="store_true", help="overwrite an existing --out file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Freeze one identity: 0 written, 2 refused (one line on stderr)."""
+    args = build_parser().parse_args(argv)
+    try:
+        sealed = build_sealed(args)
+        document = sealed.identity_document()
+        out = Path(args.out) if args.out else CONTRACTS_DIR / f"{sealed.lane}-identity-v1.json"
+        validate_identity_document(
+            document,
+            where=f"identity {out}",
+            sealed_identities=sealed_table(sealed),
+            archive_dir=args.archive_dir,
+        )
+        data = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False).encode("utf-8") + b"\n"
+        if json.loads(data) != document or canonical_json_bytes(json.loads(data)) != canonical_json_bytes(document):
+            raise Refused(f"{out}: the written form does not round-trip")
+        write_new_file(out, data, args.replace)
+    except Refused as exc:
+        print(f"freeze_identity: refused: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        print(f"freeze_identity: refused: {type(exc).__name__}: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    print(f"# wrote {out} (identity_sha256 {sealed.identity_sha256})")
+    print(sealed_python_block(sealed))
+    print(f"# then: SEALED_IDENTITIES = sealed_table(..., {constant_name(sealed.lane)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
