@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +47,9 @@ from qualify.errors import Refused
 
 CHUNK_BYTES = 1 << 19
 """Rows are streamed in chunks of about this many bytes per branch (kept cache-resident)."""
+
+DIGEST_THREADS = 2
+"""Worker threads hashing the two branches' logit blocks while the deltas are computed."""
 
 DivergenceClass = Literal["near-tie", "decisive"]
 
@@ -184,6 +188,16 @@ def logit_digests(logits: np.ndarray) -> LogitDigests:
     for start in range(0, array.shape[0], step):
         stream.update(array[start:start + step])
     return stream.result()
+
+
+def _digest_blocks_in_background(*blocks: np.ndarray) -> list[Future[LogitDigests]]:
+    """Hash each block on its own worker thread (hashlib releases the GIL on large buffers), so
+    SHA-256, the slowest part of a comparison, overlaps the delta pass on the calling thread."""
+    executor = ThreadPoolExecutor(max_workers=min(DIGEST_THREADS, len(blocks)), thread_name_prefix="logit-digest")
+    try:
+        return [executor.submit(logit_digests, block) for block in blocks]
+    finally:
+        executor.shutdown(wait=False)
 
 
 def first_digest_mismatch(handoff: LogitDigests, cold: LogitDigests) -> int | None:
@@ -615,9 +629,9 @@ def compare_branches(
     agreement = token_agreement(handoff_tokens, cold_tokens)
 
     step = _chunk_rows(vocab)
+    digest_jobs = _digest_blocks_in_background(handoff_logits, cold_logits)
     deltas = _DeltaStream(rows, vocab, step)
     forced_deltas = _DeltaStream(rows, vocab, step) if forced is not None else None
-    handoff_stream, cold_stream = _DigestStream(), _DigestStream()
     margins = np.empty(rows, dtype=np.float64)
     flips = 0
     capped = transform.cap is not None
@@ -628,8 +642,6 @@ def compare_branches(
         stop = min(rows, start + step)
         count = stop - start
         left, right = handoff_logits[start:stop], cold_logits[start:stop]
-        handoff_stream.update(left)
-        cold_stream.update(right)
         if forced is not None:
             flips += int(np.count_nonzero(forced[start:stop].argmax(axis=1) != right.argmax(axis=1)))
         if capped:
@@ -664,7 +676,7 @@ def compare_branches(
     if handoff_kv is not None and own_kv is not None:
         kv = compare_kv(handoff_kv[0], handoff_kv[1], own_kv[0], own_kv[1])
 
-    handoff_digests, cold_digests = handoff_stream.result(), cold_stream.result()
+    handoff_digests, cold_digests = (job.result() for job in digest_jobs)
     return BranchComparison(
         output_tokens=rows,
         vocab=vocab,

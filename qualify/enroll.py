@@ -1,46 +1,42 @@
-"""Enrollment: the registry of enrolled producer lanes, and handoff key minting.
+"""Enrollment: minting handoff keys for qualified producer lanes, into the lane registry.
 
 A handoff key is minted only for an enrollable lane whose identity has a verified, passing
 qualification receipt: the manifest verifies, the receipt's ``identity.sha256`` is this
 identity's digest, its validation summary passed, and its samples still pass when re-judged
-under this identity's own rule. Anything else (a failing, altered or foreign receipt) is refused
-with one line, before any key exists.
+under this identity's own rule (so a receipt judged under a looser rule cannot enroll). Anything
+else (a failing, altered or foreign receipt) is refused with one line, before any key exists.
 
-Registry (``enrollment.json``): ``{"schema": "trust-ladder.enrollment-registry.v1", "lanes":
-[{lane, lane_kind, recipe, identity_sha256, receipt_uri, receipt_manifest_sha256, key_id,
-enrolled_utc}]}``; a registry naming an unknown lane, lane kind or recipe is refused when it is
-loaded. Keys: 32 random bytes in ``<key_dir>/<key_id>.key``, mode 0600 in a 0700 directory;
-``key_id`` is the first 16 hex characters of the key's SHA-256. Re-enrolling a lane rotates its
-key (the registry then names the new one). Default locations sit beside the receipt archive's
-default, outside the checkout: ``$XDG_DATA_HOME/trust-ladder/`` or
-``~/.local/share/trust-ladder/`` (``$QUALIFY_ENROLLMENT`` for the registry file,
-``$QUALIFY_KEYS`` for the key directory).
+The registry is the project's one lane-registry format (:mod:`qualify.registry`,
+``contracts/lane-registry.v1.schema.json``): entries ``{lane, lane_kind, recipe,
+identity_sha256, receipt, key_id}``; loading it refuses unknown lanes, lane kinds and recipes
+before any key is minted, and every document is validated before it is written (atomically).
+Keys: 32 random bytes in ``<key_dir>/<key_id>.key``, mode 0600 in a 0700 directory; ``key_id``
+is the first 16 hex characters of the key's SHA-256. Enrolling a lane again replaces its entry
+(a new key; a new identity version supersedes the old one). Default locations sit beside the
+receipt archive's default, outside the checkout: ``$XDG_DATA_HOME/trust-ladder/`` or
+``~/.local/share/trust-ladder/`` (``$QUALIFY_REGISTRY`` for the registry file, ``$QUALIFY_KEYS``
+for the key directory).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import hashlib
 import json
 import os
-import re
 import secrets
 import stat
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from qualify.digests import canonical_sha256, is_sha256_hex, sha256_file
+from qualify.digests import canonical_sha256
 from qualify.errors import Refused, one_line
 from qualify.judge import judge_summary
-from qualify.lanes import LANES, LaneKind, Recipe
+from qualify.lanes import LANES
 from qualify.records import parse_rule, rule_from_identity
 from qualify.receipts import (
-    MANIFEST,
-    RUN_ID,
     archive_dir,
     read_receipt_json,
     receipt_files,
@@ -48,14 +44,10 @@ from qualify.receipts import (
     resolve_receipt_uri,
     verify_receipt,
 )
+from qualify.registry import LaneRegistry, RegistryEntry, validate_registry_document
+from qualify.registry import load_registry as _load_registry_file
 
-REGISTRY_SCHEMA = "trust-ladder.enrollment-registry.v1"
 KEY_BYTES = 32
-_KEY_ID = re.compile(r"^[0-9a-f]{16}$")
-_ENTRY_FIELDS = (
-    "lane", "lane_kind", "recipe", "identity_sha256", "receipt_uri",
-    "receipt_manifest_sha256", "key_id", "enrolled_utc",
-)
 
 
 def _data_home() -> Path:
@@ -65,9 +57,9 @@ def _data_home() -> Path:
 
 
 def default_registry_path() -> Path:
-    """``$QUALIFY_ENROLLMENT``, else ``<data home>/trust-ladder/enrollment.json``."""
-    configured = os.environ.get("QUALIFY_ENROLLMENT")
-    return Path(configured).expanduser() if configured else _data_home() / "enrollment.json"
+    """``$QUALIFY_REGISTRY``, else ``<data home>/trust-ladder/lane-registry.json``."""
+    configured = os.environ.get("QUALIFY_REGISTRY")
+    return Path(configured).expanduser() if configured else _data_home() / "lane-registry.json"
 
 
 def default_key_dir() -> Path:
@@ -76,90 +68,17 @@ def default_key_dir() -> Path:
     return Path(configured).expanduser() if configured else _data_home() / "keys"
 
 
-@dataclass(frozen=True)
-class Enrollment:
-    """One enrolled producer lane: what was qualified, by which receipt, under which key."""
-
-    lane: str
-    lane_kind: str
-    recipe: str
-    identity_sha256: str
-    receipt_uri: str
-    receipt_manifest_sha256: str
-    key_id: str
-    enrolled_utc: str
+def load_registry(path: str | os.PathLike[str]) -> LaneRegistry:
+    """The lane registry at ``path`` (no file yet: an empty registry); anything malformed or
+    unknown is refused by :func:`qualify.registry.load_registry` before a key is minted."""
+    if not os.path.lexists(path):
+        return LaneRegistry(())
+    return _load_registry_file(path)
 
 
-# --------------------------------------------------------------------------- registry file
-
-
-def _check_entry(entry: Any, index: int, where: str) -> Enrollment:
-    field = f"{where}: lanes[{index}]"
-    if not isinstance(entry, dict):
-        raise Refused(f"{field}: found {type(entry).__name__}, expected an object")
-    missing = [name for name in _ENTRY_FIELDS if name not in entry]
-    if missing:
-        raise Refused(f"{field}: omits {missing[0]}")
-    extra = sorted(set(entry) - set(_ENTRY_FIELDS))
-    if extra:
-        raise Refused(f"{field}: unknown field {extra[0]!r}")
-    if any(not isinstance(entry[name], str) for name in _ENTRY_FIELDS):
-        name = next(name for name in _ENTRY_FIELDS if not isinstance(entry[name], str))
-        raise Refused(f"{field}.{name}: found {entry[name]!r}, expected a string")
-    kinds = [kind.value for kind in LaneKind]
-    if entry["lane_kind"] not in kinds:
-        raise Refused(f"{field}.lane_kind: found {entry['lane_kind']!r}, expected one of {', '.join(kinds)}")
-    recipes = [recipe.value for recipe in Recipe]
-    if entry["recipe"] not in recipes:
-        raise Refused(f"{field}.recipe: found {entry['recipe']!r}, expected one of {', '.join(recipes)}")
-    spec = LANES.get(entry["lane"])
-    if spec is None:
-        raise Refused(f"{field}.lane: found {entry['lane']!r}, expected one of {', '.join(LANES)}")
-    if spec.kind.value != entry["lane_kind"] or spec.recipe.value != entry["recipe"]:
-        raise Refused(
-            f"{field}: lane {spec.name} is {spec.kind.value}/{spec.recipe.value}, "
-            f"registry says {entry['lane_kind']}/{entry['recipe']}"
-        )
-    if not spec.enrollable:
-        raise Refused(f"{field}.lane: {spec.name} is never enrollable")
-    for name in ("identity_sha256", "receipt_manifest_sha256"):
-        if not is_sha256_hex(entry[name]):
-            raise Refused(f"{field}.{name}: found {entry[name]!r}, expected a SHA-256 hex digest")
-    if not _KEY_ID.fullmatch(entry["key_id"]):
-        raise Refused(f"{field}.key_id: found {entry['key_id']!r}, expected 16 lowercase hex characters")
-    if not entry["receipt_uri"].startswith("receipt://"):
-        raise Refused(f"{field}.receipt_uri: found {entry['receipt_uri']!r}, expected receipt://<run-id>/<file>")
-    return Enrollment(**{name: entry[name] for name in _ENTRY_FIELDS})
-
-
-def load_registry(path: str | os.PathLike[str]) -> dict[str, Enrollment]:
-    """Enrolled lanes by name; a missing file is an empty registry, anything malformed or unknown
-    (lane, lane kind, recipe) is refused before any key is minted or read."""
-    registry = Path(path)
-    where = f"registry {registry}"
-    if not registry.exists():
-        return {}
-    try:
-        document = json.loads(registry.read_text(encoding="utf-8"), parse_constant=lambda text: text)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise Refused(f"{where}: not a readable JSON document ({type(exc).__name__})") from None
-    if not isinstance(document, dict) or set(document) != {"schema", "lanes"}:
-        raise Refused(f"{where}: expected exactly the fields schema and lanes")
-    if document["schema"] != REGISTRY_SCHEMA:
-        raise Refused(f"{where}: schema: found {document['schema']!r}, expected {REGISTRY_SCHEMA!r}")
-    if not isinstance(document["lanes"], list):
-        raise Refused(f"{where}: lanes: expected a list")
-    enrolled: dict[str, Enrollment] = {}
-    for index, entry in enumerate(document["lanes"]):
-        enrollment = _check_entry(entry, index, where)
-        if enrollment.lane in enrolled:
-            raise Refused(f"{where}: lanes[{index}].lane: {enrollment.lane} is enrolled twice")
-        enrolled[enrollment.lane] = enrollment
-    return enrolled
-
-
-def _write_registry(path: Path, enrolled: dict[str, Enrollment]) -> None:
-    document = {"schema": REGISTRY_SCHEMA, "lanes": [asdict(enrolled[name]) for name in sorted(enrolled)]}
+def _write_registry(path: Path, registry: LaneRegistry) -> None:
+    document = registry.document()
+    validate_registry_document(document)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -198,7 +117,7 @@ def enroll(
     receipt_dir: str | os.PathLike[str],
     registry_path: str | os.PathLike[str],
     key_dir: str | os.PathLike[str],
-) -> Enrollment:
+) -> RegistryEntry:
     """Mint and register a handoff key for ``identity``'s lane from its qualification receipt.
 
     ``identity`` is a loaded :class:`qualify.identity.Identity` (or a path to load). Refuses, with
@@ -237,8 +156,7 @@ def enroll(
         )
     _rejudge(receipt, summary, identity)
 
-    manifest_sha256 = sha256_file(receipt / MANIFEST)
-    enrolled = load_registry(registry_path)  # a malformed registry is refused before any key exists
+    registry = load_registry(registry_path)  # a malformed registry is refused before any key exists
     key = secrets.token_bytes(KEY_BYTES)
     key_id = hashlib.sha256(key).hexdigest()[:16]
     keys = Path(key_dir)
@@ -251,19 +169,17 @@ def enroll(
         os.fsync(handle.fileno())
     os.chmod(keys / f"{key_id}.key", 0o600)
 
-    enrollment = Enrollment(
-        lane=lane,
-        lane_kind=kind,
-        recipe=recipe,
+    entry = RegistryEntry(
+        lane=spec.name,
+        lane_kind=spec.kind,
+        recipe=spec.recipe,
         identity_sha256=digest,
-        receipt_uri=receipt_uri(run_id, "validation-summary.json"),
-        receipt_manifest_sha256=manifest_sha256,
+        receipt=receipt_uri(run_id, "validation-summary.json"),
         key_id=key_id,
-        enrolled_utc=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
-    enrolled[lane] = enrollment
-    _write_registry(Path(registry_path), enrolled)
-    return enrollment
+    kept = tuple(existing for existing in registry.entries if existing.lane != lane)
+    _write_registry(Path(registry_path), LaneRegistry((*kept, entry)))
+    return entry
 
 
 def _rejudge(receipt: Path, summary: dict[str, Any], identity: Any) -> None:
@@ -285,17 +201,35 @@ def _rejudge(receipt: Path, summary: dict[str, Any], identity: Any) -> None:
         raise Refused(f"enroll: receipt {run_id} samples do not pass when re-judged: {verdict.reasons[0]}")
 
 
-def key_for(lane: str, registry_path: str | os.PathLike[str], key_dir: str | os.PathLike[str]) -> bytes:
+def enrollment_for(
+    lane: str, registry_path: str | os.PathLike[str], identity_sha256: str | None = None
+) -> RegistryEntry:
+    """The registry entry of an enrolled lane (optionally of one identity digest); refused when
+    the lane is not enrolled or the choice is ambiguous."""
+    entries = load_registry(registry_path).for_lane(lane)
+    if identity_sha256 is not None:
+        entries = tuple(entry for entry in entries if entry.identity_sha256 == identity_sha256)
+    if not entries:
+        which = f" with identity {identity_sha256[:16]}…" if identity_sha256 else ""
+        raise Refused(f"key: lane {lane!r}{which} is not enrolled in {registry_path}")
+    if len(entries) > 1:
+        raise Refused(f"key: lane {lane!r} has {len(entries)} enrolled identities in {registry_path}; name the identity digest")
+    return entries[0]
+
+
+def key_for(
+    lane: str,
+    registry_path: str | os.PathLike[str],
+    key_dir: str | os.PathLike[str],
+    identity_sha256: str | None = None,
+) -> bytes:
     """The enrolled handoff key of ``lane``; a consumer accepts that lane's handoffs only under it.
 
     Refuses a lane that is not enrolled, and a key file that is missing, a link, readable by
     others, of the wrong size, or whose digest does not match the registered key id.
     """
-    enrolled = load_registry(registry_path)
-    enrollment = enrolled.get(lane)
-    if enrollment is None:
-        raise Refused(f"key: lane {lane!r} is not enrolled in {registry_path}")
-    path = Path(key_dir) / f"{enrollment.key_id}.key"
+    entry = enrollment_for(lane, registry_path, identity_sha256)
+    path = Path(key_dir) / f"{entry.key_id}.key"
     try:
         info = path.lstat()
     except FileNotFoundError:
@@ -307,17 +241,9 @@ def key_for(lane: str, registry_path: str | os.PathLike[str], key_dir: str | os.
     key = path.read_bytes()
     if len(key) != KEY_BYTES:
         raise Refused(f"key: {path}: {len(key)} bytes, expected {KEY_BYTES}")
-    if hashlib.sha256(key).hexdigest()[:16] != enrollment.key_id:
-        raise Refused(f"key: {path}: digest does not match key id {enrollment.key_id}")
+    if hashlib.sha256(key).hexdigest()[:16] != entry.key_id:
+        raise Refused(f"key: {path}: digest does not match key id {entry.key_id}")
     return key
-
-
-def enrollment_for(lane: str, registry_path: str | os.PathLike[str]) -> Enrollment:
-    """The registry entry of an enrolled lane (refused when not enrolled)."""
-    enrollment = load_registry(registry_path).get(lane)
-    if enrollment is None:
-        raise Refused(f"enrollment: lane {lane!r} is not enrolled in {registry_path}")
-    return enrollment
 
 
 def enroll_cli(args: Sequence[str]) -> int:
@@ -339,8 +265,6 @@ def enroll_cli(args: Sequence[str]) -> int:
             run_id = receipt.removeprefix("receipt://").partition("/")[0]
             resolve_receipt_uri(receipt, archive_dir(options.receipts))
             receipt_path = archive_dir(options.receipts) / run_id
-            if not RUN_ID.fullmatch(run_id):  # pragma: no cover - resolve refused already
-                raise Refused(f"enroll: receipt uri {receipt!r} is malformed")
         else:
             receipt_path = Path(receipt)
         enrollment = enroll(
@@ -353,7 +277,7 @@ def enroll_cli(args: Sequence[str]) -> int:
         print(one_line(str(refusal)), file=sys.stderr)
         return 2
     print(
-        f"enrolled {enrollment.lane} ({enrollment.lane_kind}, {enrollment.recipe}): key {enrollment.key_id}, "
-        f"receipt {enrollment.receipt_uri}"
+        f"enrolled {enrollment.lane} ({enrollment.lane_kind.value}, {enrollment.recipe.value}): "
+        f"key {enrollment.key_id}, receipt {enrollment.receipt}"
     )
     return 0

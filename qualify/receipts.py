@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import jsonschema
 from pydantic import BaseModel
@@ -48,6 +48,9 @@ from qualify.assets import CONTRACTS_DIR
 from qualify.digests import canonical_sha256, is_sha256_hex
 from qualify.errors import Refused, one_line
 from qualify.records import CheckRecord, SampleRecord, ValidationSummary, record_json
+
+if TYPE_CHECKING:
+    from qualify.judge import Verdict
 
 MANIFEST_SCHEMA = "trust-ladder.receipt-manifest.v1"
 MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "receipt-manifest.v1.schema.json"
@@ -279,7 +282,7 @@ class ReceiptWriter:
 
     # -- the end
 
-    def finalize(self, verdict: Any | None, *, error: str | None = None) -> Path:
+    def finalize(self, verdict: "Verdict | None", *, error: str | None = None) -> Path:
         """Write the validation summary and manifest, then publish the receipt atomically.
 
         ``verdict`` is a :class:`qualify.judge.Verdict` (None when the run ended before one); the

@@ -10,6 +10,7 @@ engine). Watchdogs are short here; client timeouts are generous and only guard a
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import signal
 import socket
@@ -25,7 +26,8 @@ import pytest
 
 from qualify.assets import REPO_ROOT, prompt_sha256
 from qualify.engines.base import ModelGeometry
-from qualify.errors import HandoffRefused, ProducerFailed
+from qualify.errors import HandoffRefused, ProducerFailed, Refused
+from qualify.handoff import client
 from qualify.handoff.client import ProducerFailure, ProducerProcess, ProducerStartRefused
 from qualify.handoff.service import (
     FRAME_LENGTH,
@@ -190,7 +192,8 @@ def test_prefill_round_trip_across_process_boundary() -> None:
             handoff = p.request_prefill(TOKENS, request_id)
             kv, manifest, timings = open_stub_handoff(handoff, request_id=request_id)
             expected = stub_kv(TOKENS)
-            for found, wanted in zip(kv.keys + kv.values, expected.keys + expected.values):
+            for found, wanted in zip(kv.keys + kv.values, expected.keys + expected.values,
+                                     strict=True):
                 assert np.array_equal(found, wanted)
             assert manifest.producer_mode == "exact"
             assert manifest.lane == "stub-ok"
@@ -202,13 +205,25 @@ def test_prefill_round_trip_across_process_boundary() -> None:
     assert p.exit_status == 0
 
 
-def test_loopback_tcp_round_trip() -> None:
+def test_loopback_tcp_round_trip_into_huge_page_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client, "HUGE_PAGE_MIN_BYTES", 1)  # take the large-payload path
     with producer(transport="tcp") as p:
         assert p.ready_info["address"].startswith("tcp:127.0.0.1:")
         handoff = p.request_prefill(TOKENS, "req-tcp")
-        kv, manifest, _ = open_stub_handoff(handoff, request_id="req-tcp")
+        assert isinstance(handoff.payload_bytes, memoryview)
+        assert isinstance(handoff.payload_bytes.obj, mmap.mmap)
+        kv, _, _ = open_stub_handoff(handoff, request_id="req-tcp")
         assert np.array_equal(kv.values[2], stub_kv(TOKENS).values[2])
+        assert kv.values[2].flags.writeable
     assert p.exit_status == 0
+
+
+def test_client_refuses_non_integer_tokens() -> None:
+    with producer() as p:
+        with pytest.raises(Refused, match="prefill tokens"):
+            p.request_prefill(TOKENS.astype(np.float32), "req-float")
+        handoff = p.request_prefill(TOKENS, "req-after")  # the producer is unaffected
+        open_stub_handoff(handoff, request_id="req-after")
 
 
 def test_native_producer_handoff_refused_where_exact_expected() -> None:
@@ -370,7 +385,7 @@ def test_request_validation_errors_do_not_touch_engine_but_three_exit_75() -> No
             assert answer["status"] == "error" and "tokens" in answer["error"]
         handoff = p.request_prefill(TOKENS, "req-good")  # a success resets the count
         open_stub_handoff(handoff, request_id="req-good")
-        for index in range(2):
+        for _ in range(2):
             p._send({"op": "nonsense"})
             p._read_header(time.monotonic() + HANG_GUARD_S)
         p._send({"op": "nonsense"})

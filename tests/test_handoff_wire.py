@@ -122,7 +122,7 @@ def reorder_layers_in_header(first: int, second: int) -> bytes:
 
 def test_round_trip_installs_identical_kv_and_reports_manifest() -> None:
     kv, manifest, timings = open_(SEALED)
-    for found, wanted in zip(kv.keys + kv.values, KV.keys + KV.values):
+    for found, wanted in zip(kv.keys + kv.values, KV.keys + KV.values, strict=True):
         assert found.dtype == wanted.dtype and np.array_equal(found, wanted)
     assert manifest.geometry == GEOMETRY and manifest.handed_off_positions == 6
     assert manifest.producer_mode == "exact" and manifest.key_id == key_id(KEY)

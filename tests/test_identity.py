@@ -576,6 +576,7 @@ def _refused_file(pair: Pair, data: bytes) -> str:
         (b'{"lane": "nvfp4-native-splitk\\n"}', "control character U+000A"),
         (b'{"a": 1' + b"0" * 5000 + b"}", "not JSON"),
     ],
+    ids=lambda value: repr(value[:24]) if isinstance(value, bytes) else "",
 )
 def test_malformed_files_are_refused_in_one_line(pair: Pair, data: bytes, expected: str) -> None:
     assert expected in _refused_file(pair, data)
@@ -631,32 +632,37 @@ def _paths(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
 
 
 def _near_miss(value: Any) -> st.SearchStrategy[Any]:
-    """Same-type perturbations and type confusions of a value."""
-    options: list[st.SearchStrategy[Any]] = [
+    """Half same-type perturbations (which pass the schema and reach the sealed layer), half
+    type confusions."""
+    confusions = st.one_of(
         st.just(str(value)), st.just([value]), st.just({"value": value}), st.none(), JSON_VALUES
-    ]
+    )
+    same: list[Any] = []
     if isinstance(value, bool):
-        options += [st.just(not value), st.just(int(value)), st.just(str(value).lower())]
+        same = [not value]
+        confusions = confusions | st.sampled_from([int(value), str(value).lower()])
     elif isinstance(value, int):
-        options += [st.just(value + 1), st.just(value - 1), st.just(-value), st.just(0), st.just(float(value))]
+        same = [value + 1, value - 1, -value, 0, value * 2, value // 2]
+        confusions = confusions | st.just(float(value))
     elif isinstance(value, float):
-        options += [
-            st.just(math.nextafter(value, math.inf)), st.just(math.nextafter(value, -math.inf)),
-            st.just(value * 2), st.just(value / 2), st.just(-value), st.just(0.0),
-            st.just(int(value)), st.just(math.nan), st.just(math.inf),
+        same = [
+            math.nextafter(value, math.inf), math.nextafter(value, -math.inf), value * 2,
+            value / 2, -value, 0.0, value + 1.0, value - 0.25,
         ]
+        confusions = confusions | st.sampled_from([int(value), math.nan, math.inf, -math.inf])
     elif isinstance(value, str):
-        options += [
-            st.just(value.upper()), st.just(value[:-1]), st.just(value + "0"), st.just(" " + value),
-            st.just(value + "\n"), st.just(""), st.just("0" * 64), st.just("TODO"),
-            st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
-            st.integers(min_value=0, max_value=max(len(value) - 1, 0)).flatmap(
-                lambda i: st.characters().map(lambda c: value[:i] + c + value[i + 1:])
-            ),
-        ]
+        same = [value.upper(), value[:-1], value + "0", " " + value, value + "\n", "", "0" * 64, "TODO"]
+        edits = st.integers(min_value=0, max_value=max(len(value) - 1, 0)).flatmap(
+            lambda i: st.sampled_from("0123456789abcdef-._x").map(lambda c: value[:i] + c + value[i + 1:])
+        )
+        hex_digest = st.binary(min_size=32, max_size=32).map(bytes.hex)
+        return st.one_of(st.sampled_from(same), edits, hex_digest, confusions)
     elif isinstance(value, dict):
-        options += [st.just({}), st.just(list(value.values()))]
-    return st.one_of(options)
+        same = [{}, {key: value[key] for key in list(value)[:-1]}]
+        confusions = confusions | st.just(list(value.values()))
+    else:
+        return confusions
+    return st.one_of(st.sampled_from(same), confusions)
 
 
 @pytest.mark.slow
@@ -679,7 +685,10 @@ def test_hypothesis_no_mutant_is_accepted(tmp_path: Path, capsys: pytest.Capture
         pair = pairs[data.draw(st.sampled_from(lanes), label="lane")]
         original = json.dumps(pair.document, allow_nan=True)
         document = copy.deepcopy(pair.document)
-        operation = data.draw(st.sampled_from(["replace", "near-miss", "remove", "add"]), label="op")
+        operation = data.draw(
+            st.sampled_from(["near-miss", "replace", "near-miss", "remove", "near-miss", "add"]),
+            label="op",
+        )
         paths = _paths(document)
         if operation == "add":
             containers = [()] + [p for p in paths if isinstance(_get(document, p), dict)]
@@ -720,6 +729,63 @@ def test_hypothesis_no_mutant_is_accepted(tmp_path: Path, capsys: pytest.Capture
         )
     assert examples >= 2000
     assert stats["accepted"] == 0, accepted[:3]
+
+
+def _leaves(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(node, dict):
+        return [leaf for key, value in node.items() for leaf in _leaves(value, prefix + (key,))]
+    return [prefix] if node is not None else []
+
+
+@pytest.mark.slow
+def test_hypothesis_schema_valid_mutants_stop_at_the_sealed_layer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same-type, well-formed changes of any leaf (another real digest, a bigger bound, a
+    flipped flag, a renamed engine) pass the schema and must be refused by the sealed constants."""
+    lanes = ("nvfp4-native-splitk", "kquant-exact-dflash")
+    pairs = {lane: make_pair(tmp_path / lane, lane) for lane in lanes}
+    stats = {"mutants": 0, "accepted": 0, "by_sealed": 0}
+
+    @settings(max_examples=1000, derandomize=True, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        pair = pairs[data.draw(st.sampled_from(lanes), label="lane")]
+        document = copy.deepcopy(pair.document)
+        path = data.draw(st.sampled_from(_leaves(document)), label="leaf")
+        parent = _get(document, path[:-1])
+        value = parent[path[-1]]
+        if isinstance(value, bool):
+            changed: Any = not value
+        elif isinstance(value, int):
+            changed = value + data.draw(st.integers(min_value=1, max_value=4096), label="delta")
+        elif isinstance(value, float):
+            changed = value * data.draw(st.floats(min_value=1.0 + 1e-9, max_value=8.0), label="factor")
+            changed = changed if changed != value else math.nextafter(value, math.inf)
+        elif isinstance(value, str) and len(value) == 64:
+            changed = data.draw(st.binary(min_size=32, max_size=32).map(bytes.hex).filter(lambda d: d != value))
+        else:
+            changed = value + data.draw(st.sampled_from(["-2", "x", ".1", "_b"]), label="suffix")
+        parent[path[-1]] = changed
+        stats["mutants"] += 1
+        pair.path.write_text(json.dumps(document), encoding="utf-8")
+        try:
+            load_identity(pair.path, sealed_identities=pair.table, archive_dir=pair.archive)
+        except Refused as exc:
+            stats["by_sealed"] += ", sealed " in str(exc)
+            return
+        stats["accepted"] += 1
+
+    run()
+    with capsys.disabled():
+        print(
+            f"\nhypothesis well-formed leaf mutations: {stats['mutants']} mutants, "
+            f"{stats['accepted']} accepted, {stats['by_sealed']} refused by the sealed constants"
+        )
+    assert stats["mutants"] >= 1000
+    assert stats["accepted"] == 0
+    assert stats["by_sealed"] > stats["mutants"] // 2
 
 
 def _get(document: Any, path: tuple[str, ...]) -> Any:

@@ -575,3 +575,56 @@ def test_parity_from_samples():
 def test_parity_refuses_incomplete_cells(cell, reason):
     verdict = parity_verdict(cell, {"name": "b", "mean": 10.0, "cv": 0.1})
     assert not verdict.passed and verdict.reasons == [reason]
+
+
+# --------------------------------------------------------------------------- record builder
+
+
+def _comparison_with_divergence():
+    rng = np.random.default_rng(5)
+    cold_logits = rng.standard_normal((256, 64)).astype(np.float32)
+    handoff_logits = (cold_logits + rng.standard_normal((256, 64)).astype(np.float32) * 0.3).astype(np.float32)
+    cold = DecodeResult(cold_logits.argmax(axis=1), cold_logits)
+    handoff = DecodeResult(handoff_logits.argmax(axis=1), handoff_logits)
+    kv = ([np.zeros((2, 10, 4), np.float32)], [np.zeros((2, 10, 4), np.float32)])
+    own = ([np.zeros((2, 11, 4), np.float32)], [np.full((2, 11, 4), 0.5, np.float32)])
+    return compare_branches(
+        handoff, cold, "raw", maximum_absolute=11.0, maximum_mean_absolute=1.25,
+        teacher_forced_logits=handoff_logits, handoff_kv=kv, own_kv=own,
+    )
+
+
+def test_sample_record_builder_carries_localisation_and_round_trips():
+    comparison = _comparison_with_divergence()
+    assert comparison.first_divergence is not None
+    model = sample_record(
+        repetition=2, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
+        payload_gbit_per_s=1.0, handed_off_positions=10, recomputed_positions=1,
+        phases={name: 0.25 for name in PHASE_FIELDS}, kv_threshold=0.1,
+    )
+    where = model.localisation
+    assert where is not None
+    assert where.first_divergence_position == comparison.first_divergence
+    assert where.cold_margin_at_divergence == comparison.cold_margin_at_divergence
+    assert where.divergence_class == comparison.divergence_class
+    assert where.teacher_forced.top1_flips == comparison.teacher_forced.top1_flips
+    assert [(item.layer, item.k, item.v) for item in where.kv_layer_max_abs] == [(0, 0.0, 0.5)]
+    assert where.kv_first_position_over_threshold == 0
+    assert SampleRecord.model_validate_json(model.model_dump_json(by_alias=True)) == model
+    verdict = judge_sample(record_json(model), RULE2)
+    assert not verdict.passed
+    assert any(r.startswith("tokens diverge") and f"first divergence at token {comparison.first_divergence}" in r
+               for r in verdict.reasons)
+
+
+def test_sample_record_builder_refuses_missing_or_unknown_phases():
+    comparison = _comparison_with_divergence()
+    phases = {name: 0.0 for name in PHASE_FIELDS}
+    del phases["verify_s"]
+    with pytest.raises(ValueError, match="sample omits verify_s"):
+        sample_record(repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=1,
+                      payload_gbit_per_s=1.0, handed_off_positions=1, recomputed_positions=0, phases=phases)
+    with pytest.raises(ValueError, match="unknown phase 'warmup_s'"):
+        sample_record(repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=1,
+                      payload_gbit_per_s=1.0, handed_off_positions=1, recomputed_positions=0,
+                      phases={**{name: 0.0 for name in PHASE_FIELDS}, "warmup_s": 1.0})

@@ -298,3 +298,48 @@ def test_loader_refuses_missing_truncated_and_foreign_files(tmp_path: Path) -> N
         load_target_gguf(truncated, CONFIG)
     with pytest.raises(Refused, match="general.architecture"):
         load_target_gguf(DRAFT, CONFIG)  # the draft file is not a llama target
+
+
+# --- the k-quant target model ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    from qualify.engines.kquant import load_kquant_model
+
+    return load_kquant_model()
+
+
+def test_model_rows_do_not_depend_on_how_many_are_fed_together(target_model) -> None:
+    """Rows fed in one batched forward equal rows fed one at a time, K/V included, and one-row
+    hidden states equal the reference engine's own decode_row path with the same linears."""
+    from qualify import assets
+
+    prompt = assets.load_prompt()
+    kv = target_model.reference.prefill(prompt[:160])
+    rows = prompt[160:169]
+    batched_cache = target_model.reference.new_cache(kv, 16)
+    single_cache = target_model.reference.new_cache(kv, 16)
+    reference_cache = target_model.reference.new_cache(kv, 16)
+    batched = target_model.forward_rows(batched_cache, rows)
+    singles = [target_model.forward_rows(single_cache, rows[i:i + 1]) for i in range(len(rows))]
+    np.testing.assert_array_equal(batched.logits, np.concatenate([s.logits for s in singles]))
+    np.testing.assert_array_equal(batched.hidden, np.concatenate([s.hidden for s in singles]))
+    for mine, theirs in zip(batched_cache.keys + batched_cache.values,
+                            single_cache.keys + single_cache.values, strict=True):
+        np.testing.assert_array_equal(mine[:, :169], theirs[:, :169])
+    by_reference = target_model.reference.forward_rows(reference_cache, rows)
+    np.testing.assert_array_equal(batched.hidden, by_reference.hidden)
+
+
+def test_native_mode_keeps_operands_but_not_bits() -> None:
+    from qualify import assets
+    from qualify.engines.kquant import build_kquant_engine
+    from qualify.lanes import ProducerMode
+
+    prompt = assets.load_prompt()[:96]
+    exact = build_kquant_engine(ProducerMode.EXACT).prefill(prompt)
+    native = build_kquant_engine(ProducerMode.NATIVE).prefill(prompt)
+    assert any(not np.array_equal(a, b) for a, b in zip(exact.values, native.values, strict=True))
+    for a, b in zip(exact.values, native.values, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-3 * float(np.abs(a).max()))

@@ -8,6 +8,7 @@ plus pending tokens reproduces the full handoff; agreement with Hugging Face tra
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -205,6 +206,11 @@ def test_engine_speaks_the_protocol(engine: ReferenceEngine) -> None:
     assert engine.abi == f"{ABI_VERSION}+{DenseLinear.kind}"
 
 
+def keep_as_is(x: np.ndarray) -> np.ndarray:
+    """A materialize hook without a declared kind (its function name stands for it)."""
+    return x
+
+
 def test_abi_names_the_arithmetic(engine: ReferenceEngine) -> None:
     f16 = ReferenceEngine.from_model_dir(materialize=RoundTripFloat16())
     assert f16.abi != engine.abi and RoundTripFloat16.kind in f16.abi
@@ -216,10 +222,14 @@ def test_abi_names_the_arithmetic(engine: ReferenceEngine) -> None:
         def __call__(self, x: np.ndarray) -> np.ndarray:
             return x
 
-    with pytest.raises(Refused, match="kind"):
+    # Without a declared kind, a module-level function or class name stands for the arithmetic;
+    # names that do not identify one (lambdas, nested classes, partials, ufuncs) are refused.
+    assert ReferenceEngine.from_model_dir(materialize=keep_as_is).abi == f"{engine.abi}+keep_as_is"
+    for bad_hook in (lambda x: x, functools.partial(keep_as_is), np.positive):
+        with pytest.raises(Refused, match="kind"):
+            ReferenceEngine.from_model_dir(materialize=bad_hook)
+    with pytest.raises(Refused, match="make_linear"):
         ReferenceEngine.from_model_dir(make_linear=lambda name, weight: Undeclared(weight))
-    with pytest.raises(Refused, match="kind"):
-        ReferenceEngine.from_model_dir(materialize=lambda x: x)
 
 
 def test_prefill_kv_is_canonical(engine: ReferenceEngine, prompt: np.ndarray, handoff_kv: KVCache) -> None:
@@ -247,12 +257,14 @@ def test_decode_refuses_bad_inputs(engine: ReferenceEngine, handoff_kv: KVCache,
     pending = prompt[HANDOFF:]
     short = KVCache(handoff_kv.keys[:-1], handoff_kv.values[:-1])
     wrong_dtype = KVCache([k.astype(np.float16) for k in handoff_kv.keys], handoff_kv.values)
+    transposed = KVCache(handoff_kv.keys, [np.ascontiguousarray(v.transpose(1, 0, 2)) for v in handoff_kv.values])
     poisoned_kv = KVCache([k.copy() for k in handoff_kv.keys], handoff_kv.values)
     poisoned_kv.keys[2][1, 5, 3] = np.nan
     cases = [
         (lambda: engine.decode(short, pending, 4), "layers"),
         (lambda: engine.decode(wrong_dtype, pending, 4), "layers.0.k"),
         (lambda: engine.decode(poisoned_kv, pending, 4), "layers.2.k"),
+        (lambda: engine.decode(transposed, pending, 4), "layers.0.v"),
         (lambda: engine.decode(handoff_kv, np.array([], dtype=np.int64), 4), "pending"),
         (lambda: engine.decode(handoff_kv, np.array([4096]), 4), "pending"),
         (lambda: engine.decode(handoff_kv, np.array([1.5]), 4), "pending"),

@@ -114,6 +114,7 @@ def test_structure_is_closed_and_duplicates_refused(tmp_path: Path) -> None:
         ("[" * 5000, "nesting deeper"),
         ('{"schema": "trust-ladder.lane-registry.v1", "entries": [NaN]}', "expected a finite number"),
     ],
+    ids=["not-json", "duplicate-key", "nesting", "nan"],
 )
 def test_malformed_registry_files_are_refused(tmp_path: Path, content: str, fragment: str) -> None:
     assert fragment in refusal(tmp_path, content)

@@ -136,19 +136,23 @@ def quantize_activations_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Bit-for-bit llama.cpp's ``quantize_row_q8_0_ref`` (and ``gguf.quants`` Q8_0): ``d = amax/127``,
     ``id = d ? 1/d : 0``, ``q = roundf(x * id)`` half away from zero, scale kept as float16.
     """
+    quants, scales = _quantize_activations(x)
+    return quants.astype(np.int8), scales
+
+
+def _quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`quantize_activations_q8_0` with the integer quants left as float32 values."""
     rows, n_in = x.shape
     blocks = x.reshape(rows, n_in // BLOCK, BLOCK)
     amax = np.abs(blocks).max(axis=2)  # [T, blocks]
     d = amax / np.float32(Q8_MAX)
     with np.errstate(divide="ignore"):
         inverse = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    scaled = blocks * inverse[:, :, None]
+    scaled = blocks * inverse[:, :, None]  # [T, blocks, 32]
     magnitude = np.abs(scaled)
     floor = np.floor(magnitude)
-    rounded = np.copysign(floor + (magnitude - floor >= np.float32(0.5)), scaled)
-    quants = rounded.astype(np.int8)
-    scales = d.astype(np.float16).astype(np.float32)
-    return quants, scales
+    rounded = np.copysign(floor + (magnitude - floor >= np.float32(0.5)), scaled)  # roundf
+    return rounded, d.astype(np.float16).astype(np.float32)
 
 
 def check_block_sum_bound(max_abs_weight_quant: int, max_abs_activation_quant: int) -> None:
@@ -189,17 +193,16 @@ class ExactQ8Linear:
         return out
 
     def _contract(self, x: np.ndarray) -> np.ndarray:
-        act_quants, act_scales = quantize_activations_q8_0(x)  # [T, blocks, 32], [T, blocks]
-        if int(np.abs(act_quants.astype(np.int16)).max(initial=0)) > Q8_MAX:
+        act_quants, act_scales = _quantize_activations(x)  # [T, blocks, 32] ints as float32, [T, blocks]
+        if float(np.abs(act_quants).max(initial=0)) > Q8_MAX:
             raise Refused(f"kquant: {self.name}: activation quant outside [-127, 127]")
-        act_by_block = np.ascontiguousarray(act_quants.astype(np.float32).transpose(1, 0, 2))
         # Exact integer block dots: [blocks, T, 32] @ [blocks, 32, n_out] -> [blocks, T, n_out].
-        block_sums = np.matmul(act_by_block, self._quants_by_block)
-        acc = np.zeros((x.shape[0], self.n_out), dtype=np.float32)
-        for block in range(self.blocks):  # pinned order: block 0, 1, ..., blocks-1
-            scale = self._scales_by_block[block][None, :] * act_scales[:, block][:, None]
-            acc = acc + block_sums[block] * scale
-        return acc
+        terms = np.matmul(act_quants.transpose(1, 0, 2), self._quants_by_block)
+        # Epilogue, per block: float32(isum) * (d_w * d_a), then a left-to-right float32 sum over
+        # blocks starting from +0.0 (add.accumulate is strictly sequential: s_b = s_{b-1} + t_b).
+        terms *= self._scales_by_block[:, None, :] * act_scales.T[:, :, None]
+        terms[0] += np.float32(0)
+        return np.add.accumulate(terms, axis=0)[-1]
 
 
 class NativeQ8Linear:

@@ -82,7 +82,8 @@ def e2m1_round(values_f32: np.ndarray) -> np.ndarray:
         raise Refused("e2m1_round: NaN value; E2M1 has no NaN")
     magnitude = np.abs(values)
     index = np.searchsorted(E2M1_MIDPOINTS, magnitude, side="left").astype(np.uint8)
-    index += np.isin(magnitude, _E2M1_MIDPOINTS_ROUNDING_UP).astype(np.uint8)
+    for midpoint in _E2M1_MIDPOINTS_ROUNDING_UP:
+        index += magnitude == midpoint
     return index | ((values < 0).astype(np.uint8) << 3)
 
 

@@ -130,6 +130,7 @@ class ExactA16Q8Linear:
     [S, 256, n_out] so each super-block's integer sum is one exact BLAS matmul."""
 
     arithmetic = "exact"
+    kind = "nvfp4-exact-a16q8-v1"
 
     def __init__(self, tensor: Nvfp4Tensor) -> None:
         validate_nvfp4_tensor(tensor)
@@ -167,6 +168,7 @@ class SplitKLinear:
     products over 64-wide K chunks summed as a pairwise tree; float16 output rounding."""
 
     arithmetic = "splitk"
+    kind = "nvfp4-native-splitk64-tree-v1"
     operands_in_f16 = False
 
     def __init__(self, tensor: Nvfp4Tensor) -> None:
@@ -193,6 +195,7 @@ class F16Linear(SplitKLinear):
     """Native ``f16``: ``splitk`` with weight and activation operands materialized in float16."""
 
     arithmetic = "f16"
+    kind = "nvfp4-native-f16-operands-splitk64-tree-v1"
     operands_in_f16 = True
 
 
@@ -201,6 +204,7 @@ class W4A4Linear:
     a global activation scale; one exact integer sum per row (units 2^-20), float32 epilogue."""
 
     arithmetic = "w4a4"
+    kind = "nvfp4-native-w4a4-v1"
 
     def __init__(self, tensor: Nvfp4Tensor) -> None:
         validate_nvfp4_tensor(tensor)
@@ -259,13 +263,14 @@ def make_nvfp4_linear_factory(
     _require_arithmetic(arithmetic)
     if not isinstance(checkpoint, Nvfp4Checkpoint):
         checkpoint = load_nvfp4_checkpoint(checkpoint)
+    where = checkpoint.path or "nvfp4 checkpoint"
     if checkpoint.activation_precision == "nvfp4" and arithmetic != "w4a4":
-        raise Refused(f"{checkpoint.path}: activation_precision 'nvfp4' (W4A4) does not admit arithmetic {arithmetic!r}")
+        raise Refused(f"{where}: activation_precision 'nvfp4' (W4A4) does not admit arithmetic {arithmetic!r}")
 
     def make_linear(name: str, weight_f32: np.ndarray | None = None) -> Linear:
         tensor = checkpoint.nvfp4.get(name)
         if tensor is None:
-            raise Refused(f"{checkpoint.path}: no NVFP4 tensor named {name!r}")
+            raise Refused(f"{where}: no NVFP4 tensor named {name!r}")
         if weight_f32 is not None and tuple(np.shape(weight_f32)) != (tensor.n_out, tensor.n_in):
             raise Refused(f"{name}: float weight shape {list(np.shape(weight_f32))} does not match NVFP4 "
                           f"[{tensor.n_out}, {tensor.n_in}]")
@@ -274,17 +279,29 @@ def make_nvfp4_linear_factory(
     return make_linear
 
 
-def materialize_identity(x: np.ndarray) -> np.ndarray:
-    """Intermediates stay float32 (exact, splitk, w4a4)."""
-    return x
+class KeepFloat32:
+    """``materialize`` hook for exact, splitk and w4a4: intermediates stay float32 (identity)."""
+
+    kind = "f32"  # the same arithmetic, and name, as the reference engine's default hook
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x
 
 
-def materialize_f16(x: np.ndarray) -> np.ndarray:
-    """Round an intermediate through float16 and back to float32 (the ``f16`` variant)."""
-    return round_through_f16(np.asarray(x, dtype=np.float32))
+class RoundTripFloat16:
+    """``materialize`` hook for ``f16``: round an intermediate through float16 (ties to even,
+    overflow to inf), bit-identical to ``astype(float16).astype(float32)``."""
+
+    kind = "f16-round-trip"  # the same arithmetic, and name, as the reference engine's f16 hook
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return round_through_f16(x)
 
 
 def materialize_hook(arithmetic: Arithmetic) -> Callable[[np.ndarray], np.ndarray]:
     """The engine's ``materialize(x)`` hook for an arithmetic: float16 round trip for ``f16``."""
     _require_arithmetic(arithmetic)
-    return materialize_f16 if arithmetic == "f16" else materialize_identity
+    return RoundTripFloat16() if arithmetic == "f16" else KeepFloat32()
+
+
+materialize_f16 = RoundTripFloat16()  # the f16 variant's hook, as a ready instance

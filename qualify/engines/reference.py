@@ -35,6 +35,8 @@ and the SwiGLU product (before ``down_proj``). KV stays float32 (the canonical l
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -57,6 +59,9 @@ ABI_VERSION = "numpy-llama-abi-1"
 # [kv_heads, group, block, keys] float32 (~17 MB at 2047 positions) instead of the whole
 # [heads, T, T] matrix, and keys after the block are never computed.
 PREFILL_QUERY_BLOCK = 256
+# Additive causal mask of one diagonal block: -inf where key > query, else 0 (adding 0 is exact).
+CAUSAL_SQUARE = np.triu(np.full((PREFILL_QUERY_BLOCK, PREFILL_QUERY_BLOCK), -np.inf, dtype=np.float32), k=1)
+CAUSAL_SQUARE.flags.writeable = False
 
 Materialize = Callable[[np.ndarray], np.ndarray]
 MakeLinear = Callable[[str, np.ndarray], Linear]
@@ -234,9 +239,9 @@ class DecoderLayer:
             scores = q_block @ k[:, :stop].transpose(0, 2, 1)  # [kv, group * rows, stop]
             scores *= self.scale
             scores = scores.reshape(kv_heads, group, rows, stop)
-            # Query at position i sees keys j <= i: mask the rest with -inf before softmax.
-            future = np.arange(stop)[None, :] > np.arange(start, stop)[:, None]  # [rows, stop]
-            scores += np.where(future, np.float32(-np.inf), np.float32(0.0))
+            # Query at position i sees keys j <= i. Keys before the block are visible to every
+            # row, so only the block's diagonal square needs -inf above its diagonal.
+            scores[..., start:stop] += CAUSAL_SQUARE[:rows, :rows]
             probs = self.materialize(softmax_(scores))  # [kv, group, rows, stop]
             block = probs.reshape(kv_heads, group * rows, stop) @ v[:, :stop]  # [kv, g*rows, hd]
             out[:, :, start:stop] = block.reshape(kv_heads, group, rows, head_dim)
@@ -267,18 +272,34 @@ class DecoderLayer:
         return self._mlp_residual(x)
 
 
+def arithmetic_kind(hook: object, what: str) -> str:
+    """The name of a projection's or materialize hook's arithmetic, for the engine abi: its
+    ``kind`` string when it declares one, else its module-level class or function name. A name
+    that does not identify the arithmetic (lambda, nested or partial function) is refused,
+    because two different arithmetics must never share an abi (and so a cache identity)."""
+    kind = getattr(hook, "kind", None)
+    if isinstance(kind, str) and kind:
+        return kind
+    if isinstance(hook, (functools.partial, np.ufunc)):
+        raise Refused(f"{what}: a {type(hook).__name__} does not name its arithmetic; "
+                      "declare a 'kind' string")
+    named = hook if inspect.isfunction(hook) or inspect.isbuiltin(hook) else type(hook)
+    name = getattr(named, "__qualname__", "")
+    if not name or "<" in name:
+        raise Refused(f"{what}: {name or type(hook).__name__} does not name its arithmetic; "
+                      "declare a 'kind' string")
+    return name
+
+
 def make_engine_linear(make_linear: MakeLinear, name: str, weight_f32: np.ndarray) -> Linear:
-    """Call the factory and refuse a projection whose shape or declared ``kind`` is missing:
-    the engine abi names every arithmetic, so an undeclared one would alias cache identities."""
+    """Call the factory and refuse a projection whose shape disagrees with the weight or whose
+    arithmetic has no name (see :func:`arithmetic_kind`)."""
     linear = make_linear(name, weight_f32)
     n_out, n_in = weight_f32.shape
     if getattr(linear, "n_in", None) != n_in or getattr(linear, "n_out", None) != n_out:
         raise Refused(f"make_linear: {name}: n_in/n_out {getattr(linear, 'n_in', None)}/"
                       f"{getattr(linear, 'n_out', None)}, expected {n_in}/{n_out}")
-    kind = getattr(linear, "kind", None)
-    if not isinstance(kind, str) or not kind:
-        raise Refused(f"make_linear: {name}: {type(linear).__name__} declares no 'kind' string "
-                      "(needed in the engine abi)")
+    arithmetic_kind(linear, f"make_linear: {name}")
     return linear
 
 
@@ -342,16 +363,16 @@ class ReferenceEngine:
         if not isinstance(gate, np.ndarray) or gate.ndim != 2:
             raise Refused("weights: model.layers.0.mlp.gate_proj.weight: missing or not a matrix")
         check_weights(weights, geometry, gate.shape[0], "weights")
-        if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and rms_norm_eps > 0):
-            raise Refused(f"rms_norm_eps: expected a positive finite float, found {rms_norm_eps!r}")
+        if isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, (int, float, np.floating)) \
+                or not math.isfinite(rms_norm_eps) or rms_norm_eps <= 0:
+            raise Refused(f"rms_norm_eps: expected a positive finite number, found {rms_norm_eps!r}")
+        rms_norm_eps = float(rms_norm_eps)
         self.geometry = geometry
         self.intermediate = int(gate.shape[0])
         self.rms_norm_eps = rms_norm_eps
         make_linear = dense_linear if make_linear is None else make_linear
         self.materialize: Materialize = KeepFloat32() if materialize is None else materialize
-        materialize_kind = getattr(self.materialize, "kind", None)
-        if not isinstance(materialize_kind, str) or not materialize_kind:
-            raise Refused("materialize: hook declares no 'kind' string (needed in the engine abi)")
+        materialize_kind = arithmetic_kind(self.materialize, "materialize")
 
         self.rope = rope_tables(geometry.max_positions, geometry.head_dim, geometry.rope_theta)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden] float32
@@ -363,7 +384,8 @@ class ReferenceEngine:
         self.final_norm = weights["model.norm.weight"]  # [hidden]
         self.eps = np.float32(rms_norm_eps)
 
-        linear_kinds = sorted({linear.kind for layer in self.layers for linear in layer.linears})
+        linear_kinds = sorted({arithmetic_kind(linear, "make_linear")
+                               for layer in self.layers for linear in layer.linears})
         abi = f"{ABI_VERSION}+{','.join(linear_kinds)}"
         if materialize_kind != KeepFloat32.kind:
             abi += f"+{materialize_kind}"
@@ -446,10 +468,12 @@ class ReferenceEngine:
                 if not isinstance(array, np.ndarray) or array.dtype != np.float32:
                     found = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
                     raise Refused(f"{where}: expected float32, found {found}")
-                positions = array.shape[1] if positions is None and array.ndim == 3 else positions
-                if array.shape != (kv_heads, positions, head_dim):
+                if positions is None and array.ndim == 3:
+                    positions = array.shape[1]  # layer 0's K sets the position count for all
+                if array.ndim != 3 or array.shape != (kv_heads, positions, head_dim):
                     raise Refused(f"{where}: shape {list(array.shape)}, expected "
-                                  f"[{kv_heads}, {positions}, {head_dim}]")
+                                  f"[{kv_heads}, {positions if positions is not None else 'positions'}, "
+                                  f"{head_dim}]")
                 if not np.isfinite(array).all():
                     raise Refused(f"{where}: non-finite values")
         assert positions is not None

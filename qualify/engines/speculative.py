@@ -106,7 +106,7 @@ class SpeculativeEngine:
             raise Refused("kv: draft: missing; the speculative lane hands off the draft's KV with the target's")
         cache = self.target.reference.new_cache(kv, extra_positions=pending.size + n + k)
         handed_off = cache.length
-        if kv.draft.geometry.positions != handed_off - 1 and not getattr(self, "_allow_gap_free", False):
+        if kv.draft.geometry.positions != handed_off - 1:
             raise Refused(f"kv: draft: {kv.draft.geometry.positions} positions, expected {handed_off - 1} "
                           f"(one fewer than the target's {handed_off})")
         draft_cache = self.draft.new_cache(kv.draft, extra_positions=pending.size + n + k)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import mmap
 import os
 import select
 import shutil
@@ -56,6 +57,24 @@ DEFAULT_READY_TIMEOUT_S = 600.0
 DEFAULT_MAX_PAYLOAD_BYTES = 16 << 30
 MAX_MANIFEST_BYTES = 16 << 20
 OUTPUT_TAIL_LINES = 40
+# Payloads at least this large are received into huge-page-advised anonymous memory.
+HUGE_PAGE_MIN_BYTES = 4 << 20
+
+
+def receive_buffer(size: int) -> memoryview:
+    """A writable buffer for a payload: large ones are anonymous memory advised for huge pages.
+
+    Faulting in 4 KiB pages one by one costs about as much as a SHA-256 pass over the same bytes
+    on a virtual machine; transparent huge pages cut that to a small fraction.
+    """
+    if size < HUGE_PAGE_MIN_BYTES:
+        return memoryview(bytearray(size))
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass  # no transparent huge pages here: plain pages still work
+    return memoryview(region)
 
 
 def _seconds(value: object) -> float | None:
@@ -346,7 +365,11 @@ class ProducerProcess:
         if self._sock is None:
             raise ProducerFailure("producer: not connected", exit_status=self.exit_status,
                                   producer_message="")
-        token_list = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        token_array = np.asarray(tokens)
+        if token_array.ndim != 1 or token_array.dtype.kind not in "iu":
+            raise Refused(f"prefill tokens: found {token_array.dtype} {list(token_array.shape)}, "
+                          f"expected a 1-D array of integer token ids")
+        token_list = token_array.tolist()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.request_timeout_s)
         try:
             sent = time.perf_counter()
@@ -373,8 +396,8 @@ class ProducerProcess:
                 raise _Dead(f"handoff frame: sizes {blobs} exceed limits", stuck=True)
             manifest_bytes = bytes(self._read_exact(manifest_size, deadline))
             mac = bytes(self._read_exact(mac_size, deadline))
-            payload = bytearray(payload_size)
-            self._read_into(memoryview(payload), deadline)
+            payload = receive_buffer(payload_size)
+            self._read_into(payload, deadline)
             done = time.perf_counter()
         except _Dead as dead:
             self._raise_failure(dead.reason, kill_now=dead.stuck,

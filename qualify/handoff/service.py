@@ -323,6 +323,11 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
         raise StartRefused(f"--port: found {args.port}, expected 0-65535")
     if args.port is not None:
         _check_tcp_host(args.host, args.allow_non_loopback)
+    if args.ready_fd is not None:
+        try:
+            os.fstat(args.ready_fd)
+        except OSError:
+            raise StartRefused(f"--ready-fd: {args.ready_fd} is not an open descriptor") from None
     if args.warmup_tokens < 1:
         raise StartRefused(f"--warmup-tokens: found {args.warmup_tokens}, expected >= 1")
     sources = [(kind, value) for kind, value in (("fd", args.key_fd), ("file", args.key_file),

@@ -509,6 +509,12 @@ def _geometry_from(document: Mapping[str, Any]) -> KVGeometry:
     )
 
 
+def _tensor_bytes(geometry: KVGeometry) -> int:
+    """Bytes of all K and V tensors of ``geometry`` (arithmetic only, nothing allocated)."""
+    itemsize = np.dtype(geometry.dtype).itemsize
+    return 2 * geometry.layers * geometry.kv_heads * geometry.positions * geometry.head_dim * itemsize
+
+
 def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
     """Canonical JSON, schema, then self-consistency; returns the typed view."""
     document = _strict_json(manifest_bytes, "handoff manifest")
@@ -532,6 +538,13 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
                 f"handoff manifest: seams[{index}] is for layer {seam.layer}, expected layer {index}"
             )
     draft = document.get("draft_geometry")
+    draft_geometry = None if draft is None else _geometry_from(draft)
+    implied = _tensor_bytes(geometry) + (0 if draft_geometry is None else _tensor_bytes(draft_geometry))
+    if implied > document["payload"]["bytes"] - 8:
+        raise HandoffRefused(
+            f"handoff manifest: geometry implies {implied} tensor bytes, payload.bytes is "
+            f"{document['payload']['bytes']}"
+        )
     timings = document["timings"]
     return HandoffManifest(
         schema=document["schema"],
@@ -548,7 +561,7 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
         payload_sha256=document["payload"]["sha256"],
         payload_size=document["payload"]["bytes"],
         seams=seams,
-        draft_geometry=None if draft is None else _geometry_from(draft),
+        draft_geometry=draft_geometry,
         draft_context_sha256=document.get("draft_context_sha256"),
         compute_s=float(timings["compute_s"]),
         serialize_s=float(timings["serialize_s"]),
