@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import jsonschema
 from jsonschema.exceptions import ValidationError as SchemaError
@@ -340,7 +340,8 @@ class NamedDigest(_Frozen):
 
 
 class Checkpoint(_Frozen):
-    """Per-file SHA-256 map (paths relative to ``model/``, immutable) and total bytes."""
+    """Per-file SHA-256 map (repository-relative paths, e.g. ``model/config.json``; immutable)
+    and total bytes; the same map the producer service compares its engine against."""
 
     files: FileDigests
     total_bytes: PositiveInt
@@ -516,14 +517,14 @@ def _receipt_resolver(context: str) -> Callable[[str, Path], Any] | None:
     if not present:
         return None
     try:
-        resolver = importlib.import_module(name).resolve_receipt_uri
+        resolver: object = importlib.import_module(name).resolve_receipt_uri
     except Exception as exc:  # a broken verifier must not be skipped: fail closed
         raise Refused(
             f"{context}: {name} is unusable ({type(exc).__name__}: {one_line(str(exc))[:120]})"
         ) from None
     if not callable(resolver):
         raise Refused(f"{context}: {name}.resolve_receipt_uri is not callable")
-    return resolver
+    return cast(Callable[[str, Path], Any], resolver)
 
 
 def resolve_basis(uri: str, archive_dir: Path, sealed_sha256: str, where: str) -> Path:

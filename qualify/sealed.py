@@ -105,7 +105,8 @@ class SealedNamedDigest:
 
 @dataclass(frozen=True, slots=True)
 class SealedCheckpoint:
-    """Per-file digest map (paths relative to ``model/``) and total byte count."""
+    """Per-file digest map (repository-relative paths, e.g. ``model/config.json``) and total
+    byte count: the map ``qualify.engines.factory.checkpoint_digests`` derives."""
 
     files: Mapping[str, str]
     total_bytes: int

@@ -20,11 +20,13 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from qualify.assets import REPO_ROOT, prompt_sha256
+from qualify.digests import canonical_sha256
 from qualify.engines.base import ModelGeometry
 from qualify.errors import HandoffRefused, ProducerFailed, Refused
 from qualify.handoff import client
@@ -37,6 +39,7 @@ from qualify.handoff.service import (
     client_auth_mac,
     decode_frame_header,
     encode_frame_header,
+    expectation_from_identity,
     parse_config,
 )
 from qualify.handoff.wire import mint_run_key, open_handoff
@@ -319,6 +322,30 @@ def test_start_arguments_refused_in_one_line(tmp_path: Path) -> None:
         del document["geometry"]["rope_theta"]
         ProducerExpectation.from_document(document)
     assert ProducerExpectation.from_document(EXPECTATION.to_document()) == EXPECTATION
+
+
+def test_expectation_from_identity_pins_engine_digests_and_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import qualify.identity
+
+    # a stand-in identity (a real one needs sealed constants and a basis receipt)
+    monkeypatch.setattr(qualify.identity, "identity_sha256",
+                        lambda identity: canonical_sha256(identity.document()))
+    document = {"lane": "stub-ok", "n": 1}
+    identity = SimpleNamespace(
+        producer_engine=SimpleNamespace(name="stub", version="stub-1", abi="stub-abi-1"),
+        checkpoint=SimpleNamespace(files=STUB_DIGESTS),
+        context_policy=SimpleNamespace(max_positions=STUB_GEOMETRY.max_positions),
+        rope=SimpleNamespace(theta=STUB_GEOMETRY.rope_theta),
+        document=lambda: document,
+    )
+    expectation = expectation_from_identity(identity, STUB_GEOMETRY)
+    assert expectation == replace(EXPECTATION, identity_sha256=canonical_sha256(document))
+    with pytest.raises(Refused, match="rope.theta"):
+        expectation_from_identity(identity, replace(STUB_GEOMETRY, rope_theta=1.0))
+    with pytest.raises(Refused, match="max_positions"):
+        expectation_from_identity(identity, replace(STUB_GEOMETRY, max_positions=8))
 
 
 def test_stale_socket_is_replaced_and_live_socket_refused(tmp_path: Path) -> None:

@@ -97,7 +97,9 @@ def make_sealed(
 ) -> SealedIdentity:
     """A self-consistent sealed identity for ``lane`` with synthetic digests."""
     spec = LANES[lane]
-    files = overrides.pop("files", {"config.json": digest("config"), "nvfp4/model.safetensors": digest("weights")})
+    files = overrides.pop(
+        "files", {"model/config.json": digest("config"), "model/nvfp4/model.safetensors": digest("weights")}
+    )
     producer = SealedEngine("qualify-reference", "0.1.0", f"{lane}-abi-v1")
     draft = None
     if spec.speculative_draft:
@@ -223,7 +225,7 @@ def test_identity_model_is_frozen(pair: Pair) -> None:
     with pytest.raises(ValidationError):
         identity.onboarding_qualification.full_logits.maximum_absolute = 12.0  # type: ignore[union-attr,misc]
     with pytest.raises(TypeError):
-        identity.checkpoint.files["config.json"] = digest("other")  # type: ignore[index]
+        identity.checkpoint.files["model/config.json"] = digest("other")  # type: ignore[index]
 
 
 def test_no_lane_is_sealed_by_default_until_the_lead_freezes(pair: Pair) -> None:
@@ -340,9 +342,9 @@ def test_structural_mutations_are_refused_naming_the_field(
 
 def test_checkpoint_file_digest_is_named_by_relpath(pair: Pair) -> None:
     document = copy.deepcopy(pair.document)
-    document["checkpoint"]["files"]["nvfp4/model.safetensors"] = digest("tampered")
+    document["checkpoint"]["files"]["model/nvfp4/model.safetensors"] = digest("tampered")
     message = refused(pair, document)
-    assert 'checkpoint.files["nvfp4/model.safetensors"]: found "' in message
+    assert 'checkpoint.files["model/nvfp4/model.safetensors"]: found "' in message
     document["checkpoint"]["files"]["../model.safetensors"] = digest("x")
     assert "without '.' or '..' segments" in refused(pair, document)
 
@@ -469,7 +471,7 @@ def test_placeholder_digests_never_seal(placeholder: Any) -> None:
     with pytest.raises(Refused, match="tokenizer_sha256"):
         make_sealed(tokenizer_sha256=placeholder)
     with pytest.raises(Refused, match="checkpoint"):
-        make_sealed(files={"config.json": placeholder})
+        make_sealed(files={"model/config.json": placeholder})
 
 
 @pytest.mark.parametrize(
@@ -512,7 +514,7 @@ def test_sealed_constants_are_immutable() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         sealed.qualification.maximum_absolute = 12.0  # type: ignore[misc]
     with pytest.raises(TypeError):
-        sealed.checkpoint.files["config.json"] = digest("x")  # type: ignore[index]
+        sealed.checkpoint.files["model/config.json"] = digest("x")  # type: ignore[index]
     table = sealed_table(sealed)
     with pytest.raises(TypeError):
         table["nvfp4-native-f16"] = sealed  # type: ignore[index]
@@ -793,3 +795,55 @@ def _get(document: Any, path: tuple[str, ...]) -> Any:
     for part in path:
         node = node[part]
     return node
+
+
+# --- tools/freeze_identity.py -------------------------------------------------------------------
+
+
+def _freeze_tool() -> types.ModuleType:
+    path = Path(__file__).resolve().parents[1] / "tools" / "freeze_identity.py"
+    spec = importlib.util.spec_from_file_location("freeze_identity", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_freeze_tool_writes_an_identity_and_a_pasteable_sealed_block(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("qualify.engines.reference")
+    freeze = _freeze_tool()
+    archive = tmp_path / "receipts"
+    basis = make_basis_receipt(archive)
+    out = tmp_path / "nvfp4-native-splitk-identity-v1.json"
+    argv = [
+        "--lane", "nvfp4-native-splitk",
+        "--producer-engine", "reference-numpy", "0.1.0", "abi-native",
+        "--consumer-engine", "reference-numpy", "0.1.0", "abi-exact",
+        "--checkpoint", "model/config.json", "--checkpoint", "model/model.safetensors",
+        "--adapter", "qualify-lanes=qualify/lanes.py",
+        "--maximum-absolute", "11.0", "--maximum-mean-absolute", "1.25",
+        "--basis", BASIS_URI, "--archive-dir", str(archive), "--out", str(out),
+    ]
+    assert freeze.main(argv) == 0
+    printed = capsys.readouterr().out
+    namespace = dict(vars(sealed_module))
+    exec(printed, namespace)  # the block is valid Python against qualify.sealed's names
+    sealed = namespace["SEALED_NVFP4_NATIVE_SPLITK"]
+    assert isinstance(sealed, SealedIdentity)
+    assert sealed.qualification.basis_sha256 == sha256_file(basis)
+    assert sealed.qualification.maximum_absolute == 11.0
+    identity = load_identity(out, sealed_identities=sealed_table(sealed), archive_dir=archive)
+    assert identity_sha256(identity) == sealed.identity_sha256
+    assert sealed.identity_sha256 in printed
+    assert identity.prompt.tokens == 2048 and identity.context_policy.handoff_positions == 2047
+
+    # Never over an existing file (unless --replace), and placeholders never freeze.
+    before = out.read_bytes()
+    assert freeze.main(argv) == 2
+    assert out.read_bytes() == before
+    assert "exists; pass --replace" in capsys.readouterr().err
+    assert freeze.main([*argv[:-2], "--out", str(tmp_path / "x.json"), "--basis", "receipt://nope/x"]) == 2
+    assert "does not resolve" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -129,9 +129,20 @@ def test_qk_permutation_round_trips(weight: np.ndarray, heads: int) -> None:
                   elements=st.floats(-1e4, 1e4, width=32)))
 def test_activation_quantizer_is_llama_cpp_reference(x: np.ndarray) -> None:
     quants, scales = quantize_activations_q8_0(x)
-    expected_quants, expected_scales = gguf_q8_0(x)
+    with np.errstate(all="ignore"):
+        expected_quants, expected_scales = gguf_q8_0(x)
+        d = np.abs(x.reshape(x.shape[0], -1, BLOCK)).max(axis=2) / np.float32(127)
+        undefined = ~np.isfinite(np.float32(1) / d)  # llama.cpp casts inf/NaN to int8 there
+    expected_quants = np.where(undefined[:, :, None], 0, expected_quants)
     np.testing.assert_array_equal(quants, expected_quants)
     np.testing.assert_array_equal(scales, expected_scales)
+
+
+def test_activation_quantizer_pins_subnormal_blocks_to_zero() -> None:
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = np.float32(1e-44)  # d = amax / 127 is subnormal; 1 / d overflows
+    quants, scales = quantize_activations_q8_0(x)
+    assert not quants.any() and scales[0, 0] == 0.0
 
 
 def test_activation_quantizer_rounds_ties_away_from_zero() -> None:
@@ -341,5 +352,7 @@ def test_native_mode_keeps_operands_but_not_bits() -> None:
     exact = build_kquant_engine(ProducerMode.EXACT).prefill(prompt)
     native = build_kquant_engine(ProducerMode.NATIVE).prefill(prompt)
     assert any(not np.array_equal(a, b) for a, b in zip(exact.values, native.values, strict=True))
-    for a, b in zip(exact.values, native.values, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-3 * float(np.abs(a).max()))
+    # Layer 0's V reads identical quantized operands: only the accumulation order differs.
+    np.testing.assert_allclose(native.values[0], exact.values[0], atol=1e-5 * float(np.abs(exact.values[0]).max()))
+    for a, b in zip(exact.values, native.values, strict=True):  # later layers: requantization flips
+        np.testing.assert_allclose(b, a, atol=1e-2 * float(np.abs(a).max()))

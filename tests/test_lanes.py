@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-from itertools import combinations
+import os
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -254,3 +255,21 @@ def test_lanes_module_exports_typed_api() -> None:
                  "DEFAULT_NATIVE_TEXT_LANE", "recipe_for", "target_cache_identity", "lane_spec",
                  "check_speculative_draft"):
         assert hasattr(lanes, name)
+
+
+def test_type_checker_rejects_a_lane_kind_without_a_recipe(tmp_path: Path) -> None:
+    """Adds a LaneKind member to a copy of lanes.py and type-checks it (needs mypy installed)."""
+    mypy_api = pytest.importorskip("mypy.api", reason="mypy is not installed in this environment")
+    source = Path(lanes.__file__).read_text(encoding="utf-8")
+    package = tmp_path / "qualify"
+    package.mkdir()
+    for name in ("__init__.py", "digests.py", "errors.py"):
+        (package / name).write_text((Path(lanes.__file__).parent / name).read_text(encoding="utf-8"))
+    (package / "lanes.py").write_text(source, encoding="utf-8")
+    clean = mypy_api.run([str(package / "lanes.py"), "--no-incremental", "--cache-dir", os.devnull])
+    assert clean[2] == 0, clean[0]
+    extended = source.replace('    KQUANT = "kquant"\n', '    KQUANT = "kquant"\n    VLLM = "vllm"\n', 1)
+    assert extended != source
+    (package / "lanes.py").write_text(extended, encoding="utf-8")
+    report, _, status = mypy_api.run([str(package / "lanes.py"), "--no-incremental", "--cache-dir", os.devnull])
+    assert status != 0 and "assert_never" in report, report

@@ -258,7 +258,8 @@ def test_quantize_matches_a_torch_modelopt_style_recipe() -> None:
     except ImportError:  # pragma: no cover
         pytest.skip("torch is not importable")
     rng = np.random.default_rng(6)
-    weight = (rng.standard_normal((16, 128)) * np.exp(rng.uniform(-3, 3, (16, 8)).repeat(16, 1))).astype(np.float32)
+    block_magnitudes = np.exp(rng.uniform(-3, 3, (16, 8))).repeat(16, axis=1)  # [16, 128]
+    weight = (rng.standard_normal((16, 128)) * block_magnitudes).astype(np.float32)
     w = torch.from_numpy(weight)
     scale2 = w.abs().amax().float() / (6.0 * 448.0)
     block_amax = w.view(16, 8, 16).abs().amax(dim=-1)
@@ -293,7 +294,8 @@ def small_checkpoint(path: Path, input_scale_inv: bool = False) -> dict[str, Nvf
         K_NAME: quantize_nvfp4(rng.standard_normal((16, 64)).astype(np.float32), K_NAME),
     }
     if input_scale_inv:
-        tensors = {n: Nvfp4Tensor(t.packed, t.scale_bytes, t.scale2, np.float32(20.0), n) for n, t in tensors.items()}
+        tensors = {n: Nvfp4Tensor(t.packed, t.scale_bytes, t.scale2, np.float32(20.0), n)
+                   for n, t in tensors.items()}
     dense = {EMBED: rng.standard_normal((10, 64)).astype(np.float16)}
     write_nvfp4_checkpoint(path, tensors, dense, {"source_sha256": "test"})
     return tensors
@@ -315,7 +317,8 @@ def test_checkpoint_round_trip_names_dtypes_and_shapes(tmp_path: Path) -> None:
     loaded = load_nvfp4_checkpoint(path)
     assert sorted(loaded.nvfp4) == sorted(written) and list(loaded.dense_f16) == [EMBED]
     for name, tensor in written.items():
-        np.testing.assert_array_equal(bits(dequantize_nvfp4(loaded.nvfp4[name])), bits(dequantize_nvfp4(tensor)))
+        np.testing.assert_array_equal(bits(dequantize_nvfp4(loaded.nvfp4[name])),
+                                      bits(dequantize_nvfp4(tensor)))
         np.testing.assert_array_equal(loaded.nvfp4[name].scale_bytes, tensor.scale_bytes)
         assert loaded.nvfp4[name].input_scale_inv is None
     # Element [b, o] of the stored scale is block b of row o.
@@ -377,28 +380,39 @@ def nan_scale_byte(entries: dict, metadata: dict) -> None:
 SCALE = Q_NAME + SCALE_SUFFIX
 SCALE2 = Q_NAME + SCALE2_SUFFIX
 INPUT = Q_NAME + INPUT_SCALE_INV_SUFFIX
-FAIL_CLOSED_CASES = {
+POSITIVE = "must be finite and positive"
+FAIL_CLOSED_CASES = {  # case -> (change to a valid checkpoint, refusal that must name the tensor)
     "missing scale": (drop_entry(SCALE), f"tensor {SCALE}: missing"),
     "missing scale2": (drop_entry(SCALE2), f"tensor {SCALE2}: missing"),
     "missing payload": (drop_entry(Q_NAME), f"tensor {Q_NAME}: missing NVFP4 payload"),
-    "scale wrong dtype": (set_entry(SCALE, "U8", np.zeros((4, 32), np.uint8)), f"tensor {SCALE}: dtype U8, expected F8_E4M3"),
-    "scale transposed": (set_entry(SCALE, "F8_E4M3", np.zeros((32, 4), np.uint8)), rf"tensor {SCALE}: shape \[32, 4\], expected \[4, 32\]"),
+    "scale wrong dtype": (set_entry(SCALE, "U8", np.zeros((4, 32), np.uint8)),
+                          f"tensor {SCALE}: dtype U8, expected F8_E4M3"),
+    "scale transposed": (set_entry(SCALE, "F8_E4M3", np.zeros((32, 4), np.uint8)),
+                         rf"tensor {SCALE}: shape \[32, 4\], expected \[4, 32\]"),
     "scale NaN byte": (nan_scale_byte, f"tensor {SCALE}: E4M3FN NaN byte 0x7f"),
-    "scale2 zero": (set_entry(SCALE2, "F32", np.array(0.0, np.float32)), f"tensor {SCALE2}: must be finite and positive"),
-    "scale2 negative": (set_entry(SCALE2, "F32", np.array(-1.0, np.float32)), f"tensor {SCALE2}: must be finite and positive"),
-    "scale2 inf": (set_entry(SCALE2, "F32", np.array(np.inf, np.float32)), f"tensor {SCALE2}: must be finite and positive"),
-    "scale2 nan": (set_entry(SCALE2, "F32", np.array(np.nan, np.float32)), f"tensor {SCALE2}: must be finite and positive"),
-    "scale2 not scalar": (set_entry(SCALE2, "F32", np.array([0.5], np.float32)), f"tensor {SCALE2}: must be an F32 scalar"),
-    "scale2 f16": (set_entry(SCALE2, "F16", np.array(0.5, np.float16)), f"tensor {SCALE2}: must be an F32 scalar"),
-    "payload wrong dtype": (set_entry(Q_NAME, "F16", np.zeros((32, 64), np.float16)), f"tensor {Q_NAME}: payload must be U8"),
+    "scale2 zero": (set_entry(SCALE2, "F32", np.array(0.0, np.float32)), f"tensor {SCALE2}: {POSITIVE}"),
+    "scale2 negative": (set_entry(SCALE2, "F32", np.array(-1.0, np.float32)), f"tensor {SCALE2}: {POSITIVE}"),
+    "scale2 inf": (set_entry(SCALE2, "F32", np.array(np.inf, np.float32)), f"tensor {SCALE2}: {POSITIVE}"),
+    "scale2 nan": (set_entry(SCALE2, "F32", np.array(np.nan, np.float32)), f"tensor {SCALE2}: {POSITIVE}"),
+    "scale2 not scalar": (set_entry(SCALE2, "F32", np.array([0.5], np.float32)),
+                          f"tensor {SCALE2}: must be an F32 scalar"),
+    "scale2 f16": (set_entry(SCALE2, "F16", np.array(0.5, np.float16)),
+                   f"tensor {SCALE2}: must be an F32 scalar"),
+    "payload wrong dtype": (set_entry(Q_NAME, "F16", np.zeros((32, 64), np.float16)),
+                            f"tensor {Q_NAME}: payload must be U8"),
     "orphan companion": (set_entry("model.norm.weight" + SCALE2_SUFFIX, "F32", np.array(1.0, np.float32)),
                          "tensor model.norm.weight: missing NVFP4 payload"),
-    "dense not f16": (set_entry(EMBED, "F32", np.zeros((10, 64), np.float32)), f"tensor {EMBED}: dtype F32, expected F16"),
+    "dense not f16": (set_entry(EMBED, "F32", np.zeros((10, 64), np.float32)),
+                      f"tensor {EMBED}: dtype F32, expected F16"),
     "input_scale_inv without nvfp4 activations": (
-        set_entry(INPUT, "F32", np.array(2.0, np.float32)), f"tensor {INPUT}: present but metadata activation_precision='a16'"),
-    "weight precision absent": (set_metadata("weight_precision", None), "weight_precision=None but NVFP4 tensors are present"),
-    "weight precision other": (set_metadata("weight_precision", "q4_k_xl"), "weight_precision='q4_k_xl' but NVFP4 tensors"),
-    "activation precision unknown": (set_metadata("activation_precision", "fp8"), "activation_precision='fp8', expected one of"),
+        set_entry(INPUT, "F32", np.array(2.0, np.float32)),
+        f"tensor {INPUT}: present but metadata activation_precision='a16'"),
+    "weight precision absent": (set_metadata("weight_precision", None),
+                                "weight_precision=None but NVFP4 tensors are present"),
+    "weight precision other": (set_metadata("weight_precision", "q4_k_xl"),
+                               "weight_precision='q4_k_xl' but NVFP4 tensors"),
+    "activation precision unknown": (set_metadata("activation_precision", "fp8"),
+                                     "activation_precision='fp8', expected one of"),
 }
 
 

@@ -148,7 +148,9 @@ def test_exact_matches_scalar_oracle_bit_for_bit() -> None:
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 2), n_out=st.integers(1, 3),
        super_blocks=st.integers(1, 2))
-def test_exact_matches_scalar_oracle_on_random_shapes(seed: int, rows: int, n_out: int, super_blocks: int) -> None:
+def test_exact_matches_scalar_oracle_on_random_shapes(
+    seed: int, rows: int, n_out: int, super_blocks: int
+) -> None:
     tensor, x = random_case(np.random.default_rng(seed), rows, n_out, 256 * super_blocks)
     np.testing.assert_array_equal(bits(ExactA16Q8Linear(tensor)(x)), bits(exact_oracle(tensor, x)))
 
@@ -165,7 +167,8 @@ def float64_reference(tensor: Nvfp4Tensor, x: np.ndarray) -> tuple[np.ndarray, n
     magnitude = np.zeros_like(reference)
     for s in range(q8_scale.shape[1]):
         cols = slice(256 * s, 256 * (s + 1))
-        contribution = (q8[:, cols].astype(np.float64) @ weight[:, cols].T) * q8_scale[:, s:s + 1].astype(np.float64)
+        integer_part = q8[:, cols].astype(np.float64) @ weight[:, cols].T
+        contribution = integer_part * q8_scale[:, s:s + 1].astype(np.float64)
         reference += contribution
         magnitude += np.abs(contribution)
     return reference, magnitude
@@ -174,7 +177,9 @@ def float64_reference(tensor: Nvfp4Tensor, x: np.ndarray) -> tuple[np.ndarray, n
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 9), n_out=st.integers(1, 40),
        super_blocks=st.integers(1, 3))
-def test_exact_equals_float64_reference_to_rounding(seed: int, rows: int, n_out: int, super_blocks: int) -> None:
+def test_exact_equals_float64_reference_to_rounding(
+    seed: int, rows: int, n_out: int, super_blocks: int
+) -> None:
     tensor, x = random_case(np.random.default_rng(seed), rows, n_out, 256 * super_blocks)
     y = ExactA16Q8Linear(tensor)(x).astype(np.float64)
     reference, magnitude = float64_reference(tensor, x)
@@ -316,7 +321,8 @@ def test_w4a4_matches_scalar_oracle_dynamic_and_static_scale() -> None:
 def test_w4a4_is_batch_invariant() -> None:
     tensor, x = random_case(np.random.default_rng(25), rows=11, n_out=16, n_in=512)
     linear = W4A4Linear(tensor)
-    np.testing.assert_array_equal(bits(linear(x)), bits(np.concatenate([linear(x[t:t + 1]) for t in range(11)])))
+    one_by_one = np.concatenate([linear(x[t:t + 1]) for t in range(11)])
+    np.testing.assert_array_equal(bits(linear(x)), bits(one_by_one))
 
 
 def test_native_variants_stay_near_exact_and_order_by_harshness() -> None:
@@ -344,9 +350,10 @@ def test_round_through_f16_equals_numpy_cast() -> None:
     every_f16 = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
     finite = np.sort(every_f16[np.isfinite(every_f16)].astype(np.float64))
     midpoints = ((finite[:-1] + finite[1:]) / 2).astype(np.float32)  # exact: 12 significant bits
+    random_bits = np.random.default_rng(27).integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32)
     probes = [every_f16, midpoints, np.nextafter(midpoints, np.float32(np.inf)),
-              np.nextafter(midpoints, np.float32(-np.inf)), np.array([65519.996, 65520.0, 1e38, -1e38], np.float32),
-              np.random.default_rng(27).integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32).view(np.float32)]
+              np.nextafter(midpoints, np.float32(-np.inf)),
+              np.array([65519.996, 65520.0, 1e38, -1e38], np.float32), random_bits.view(np.float32)]
     values = np.concatenate(probes).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         expected = values.astype(np.float16).astype(np.float32)
@@ -388,7 +395,8 @@ def test_w4a4_checkpoint_admits_only_w4a4(tmp_path: Path) -> None:
     write_nvfp4_checkpoint(tmp_path / "w.safetensors", {"p": static}, {})
     with pytest.raises(Refused, match="does not admit arithmetic 'exact'"):
         make_nvfp4_linear_factory(tmp_path / "w.safetensors", "exact")
-    assert make_nvfp4_linear_factory(tmp_path / "w.safetensors", "w4a4")("p", None).input_scale_inv == np.float32(3.0)
+    w4a4 = make_nvfp4_linear_factory(tmp_path / "w.safetensors", "w4a4")("p", None)
+    assert w4a4.input_scale_inv == np.float32(3.0)
 
 
 def test_materialize_hooks() -> None:

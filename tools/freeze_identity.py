@@ -40,7 +40,7 @@ from qualify.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, p
 from qualify.digests import canonical_json_bytes, canonical_sha256, sha256_bytes, sha256_file  # noqa: E402
 from qualify.errors import Refused, one_line  # noqa: E402
 from qualify.identity import DEFAULT_ARCHIVE_DIR, validate_identity_document  # noqa: E402
-from qualify.lanes import LaneKind, LaneSpec, lane_spec, target_cache_identity  # noqa: E402
+from qualify.lanes import LANES, LaneKind, LaneSpec, lane_spec, target_cache_identity  # noqa: E402
 from qualify.sealed import (  # noqa: E402
     RECEIPT_URI,
     RELPATH,
@@ -58,17 +58,14 @@ from qualify.sealed import (  # noqa: E402
     sealed_table,
 )
 
-DEFAULT_CHECKPOINT_PATTERNS: Mapping[LaneKind, tuple[str, ...]] = {
-    LaneKind.NVFP4: ("config.json", "model.safetensors", "nvfp4/**"),
-    LaneKind.KQUANT: ("config.json", "model.safetensors", "kquant/**"),
-}
-"""Checkpoint files pinned per lane kind, relative to ``model/`` (``dir/**``: every file under)."""
-
 DEFAULT_ADAPTERS: Mapping[LaneKind, tuple[str, str]] = {
     LaneKind.NVFP4: ("qualify-nvfp4-linear", "qualify/engines/nvfp4_linear.py"),
     LaneKind.KQUANT: ("qualify-kquant", "qualify/engines/kquant.py"),
 }
 """The producer adapter per lane kind: name and the source file whose SHA-256 pins it."""
+
+DEFAULT_DRAFT = "model/gguf/eagle1-draft-q8_0.gguf"
+"""The k-quant lane's EAGLE-1 draft weights (what ``speculative_draft.draft_sha256`` pins)."""
 
 RAW_TOKEN_TEMPLATE_NAME = "raw-token-ids"
 RAW_TOKEN_TEMPLATE_RULE = {
@@ -79,38 +76,66 @@ RAW_TOKEN_TEMPLATE_RULE = {
 
 
 def rope_cache_sha256(theta: float, head_dim: int, max_positions: int) -> str:
-    """SHA-256 of the RoPE cache: float32 little-endian cos then sin tables
-    ``[max_positions, head_dim // 2]`` of ``position * theta ** (-2i / head_dim)`` (float64 math)."""
-    if head_dim < 2 or head_dim % 2 or max_positions < 1 or not theta > 0:
-        raise Refused(f"rope: theta {theta}, head_dim {head_dim}, max_positions {max_positions} invalid")
-    inverse = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inverse[None, :]
-    cos = np.cos(angles).astype("<f4")
-    sin = np.sin(angles).astype("<f4")
-    return sha256_bytes(cos.tobytes() + sin.tobytes())
+    """SHA-256 of the RoPE cache the reference engine builds (``rope_tables``): float32
+    little-endian cos then sin, ``[max_positions, head_dim]``."""
+    try:
+        from qualify.engines.reference import rope_tables
+    except ImportError as exc:
+        raise Refused(f"rope: qualify.engines.reference.rope_tables unavailable ({exc})") from None
+    cos, sin = rope_tables(max_positions, head_dim, theta)
+    return sha256_bytes(np.asarray(cos, dtype="<f4").tobytes() + np.asarray(sin, dtype="<f4").tobytes())
 
 
-def collect_checkpoint(model_dir: Path, patterns: Sequence[str]) -> tuple[dict[str, str], int]:
-    """Relative path -> SHA-256 of every file the patterns name, and their total size."""
-    files: dict[str, str] = {}
+def collect_checkpoint(spec: LaneSpec, override: Sequence[str] | None) -> tuple[dict[str, str], int]:
+    """Repository-relative path -> SHA-256 of the lane's checkpoint files, and their total size.
+
+    Default: ``qualify.engines.factory.checkpoint_digests`` (the map the producer service
+    compares its engine against); ``override`` names repository-relative files instead.
+    """
+    if override:
+        files = {}
+        for relpath in override:
+            if not RELPATH.fullmatch(relpath) or not (REPO_ROOT / relpath).is_file():
+                raise Refused(f"--checkpoint {relpath}: not a repository-relative file")
+            files[relpath] = sha256_file(REPO_ROOT / relpath)
+    else:
+        try:
+            from qualify.engines.factory import checkpoint_digests
+
+            files = dict(checkpoint_digests(spec.kind))
+        except Refused:
+            raise
+        except Exception as exc:
+            raise Refused(
+                f"checkpoint: qualify.engines.factory.checkpoint_digests failed "
+                f"({type(exc).__name__}: {one_line(str(exc))}); pass --checkpoint RELPATH"
+            ) from None
     total = 0
-    for pattern in patterns:
-        if pattern.endswith("/**"):
-            base = model_dir / pattern[:-3]
-            matched = sorted(p for p in base.rglob("*") if p.is_file()) if base.is_dir() else []
-        else:
-            candidate = model_dir / pattern
-            matched = [candidate] if candidate.is_file() else []
-        if not matched:
-            raise Refused(f"checkpoint: {pattern}: no file under {model_dir}")
-        for path in matched:
-            relpath = path.relative_to(model_dir).as_posix()
-            if not RELPATH.fullmatch(relpath):
-                raise Refused(f"checkpoint: {relpath}: not a plain relative path")
-            if relpath not in files:
-                files[relpath] = sha256_file(path)
-                total += path.stat().st_size
+    for relpath in files:
+        if not RELPATH.fullmatch(relpath):
+            raise Refused(f"checkpoint: {relpath!r} is not a plain repository-relative path")
+        total += (REPO_ROOT / relpath).stat().st_size
     return dict(sorted(files.items())), total
+
+
+def engine_pins(spec: LaneSpec) -> tuple[SealedEngine, SealedEngine]:
+    """(producer, consumer) name/version/abi of the engines the factory builds for the lane."""
+    try:
+        from qualify.engines.factory import build_consumer, build_producer
+
+        producer = build_producer(spec.name, spec.mode.value)
+        consumer = build_consumer(spec.name)
+    except Refused:
+        raise
+    except Exception as exc:
+        raise Refused(
+            f"engines: building lane {spec.name} failed ({type(exc).__name__}: {one_line(str(exc))}); "
+            f"pass --producer-engine and --consumer-engine"
+        ) from None
+    return (
+        SealedEngine(producer.name, producer.version, producer.abi),
+        SealedEngine(consumer.name, consumer.version, consumer.abi),
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -151,10 +176,13 @@ def build_sealed(args: argparse.Namespace) -> SealedIdentity:
     archive_dir = Path(args.archive_dir)
     config = _read_json(model_dir / "config.json")
 
-    patterns = tuple(args.checkpoint) if args.checkpoint else DEFAULT_CHECKPOINT_PATTERNS[spec.kind]
-    files, total_bytes = collect_checkpoint(model_dir, patterns)
-    producer = SealedEngine(*args.producer_engine)
-    consumer = SealedEngine(*args.consumer_engine)
+    files, total_bytes = collect_checkpoint(spec, args.checkpoint)
+    if args.producer_engine and args.consumer_engine:
+        producer, consumer = SealedEngine(*args.producer_engine), SealedEngine(*args.consumer_engine)
+    else:
+        built_producer, built_consumer = engine_pins(spec)
+        producer = SealedEngine(*args.producer_engine) if args.producer_engine else built_producer
+        consumer = SealedEngine(*args.consumer_engine) if args.consumer_engine else built_consumer
 
     adapter_name, adapter_path = (
         _named_file(args.adapter, "--adapter")
@@ -181,6 +209,9 @@ def build_sealed(args: argparse.Namespace) -> SealedIdentity:
     if spec.speculative_draft:
         if args.acceptance_floor is None or args.draft_proposal_tokens is None:
             raise Refused(f"lane {spec.name}: pass --acceptance-floor and --draft-proposal-tokens")
+        draft_path = REPO_ROOT / args.draft
+        if not RELPATH.fullmatch(args.draft) or not draft_path.is_file():
+            raise Refused(f"--draft {args.draft}: not a repository-relative file")
         draft_config = _read_json(model_dir / "draft_config.json")
         draft = SealedDraft(
             geometry=SealedDraftGeometry(
@@ -193,9 +224,9 @@ def build_sealed(args: argparse.Namespace) -> SealedIdentity:
                 proposal_tokens=args.draft_proposal_tokens,
             ),
             acceptance_floor=float(args.acceptance_floor),
-            draft_sha256=sha256_file(model_dir / "draft.safetensors"),
+            draft_sha256=sha256_file(draft_path),
         )
-    elif args.acceptance_floor is not None or args.draft_proposal_tokens is not None:
+    elif args.acceptance_floor is not None or args.draft_proposal_tokens is not None or args.draft:
         raise Refused(f"lane {spec.name}: declares no speculative draft; drop the draft options")
 
     bounded = spec.recipe.full_logits_mode == "bounded-drift"
@@ -293,21 +324,43 @@ def write_new_file(path: Path, data: bytes, replace: bool) -> None:
         raise
 
 
+def lane_needs_draft(lane: str) -> bool:
+    """True for lanes that declare speculative-draft geometry (rung 3)."""
+    spec = LANES.get(lane)
+    return bool(spec is not None and spec.speculative_draft)
+
+
+def default_proposal_tokens() -> int | None:
+    """Draft tokens per step the speculative engine uses, if that module says."""
+    try:
+        from qualify.engines.speculative import DEFAULT_PROPOSAL_TOKENS
+    except Exception:
+        return None
+    return int(DEFAULT_PROPOSAL_TOKENS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="freeze_identity", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
     parser.add_argument("--lane", required=True, help="lane identity name (qualify/lanes.py)")
-    parser.add_argument("--producer-engine", nargs=3, required=True, metavar=("NAME", "VERSION", "ABI"))
-    parser.add_argument("--consumer-engine", nargs=3, required=True, metavar=("NAME", "VERSION", "ABI"))
+    parser.add_argument("--producer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
+                        help="default: what qualify.engines.factory.build_producer reports")
+    parser.add_argument("--consumer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
+                        help="default: what qualify.engines.factory.build_consumer reports")
     parser.add_argument("--basis", required=True, help="receipt://<run-id>/<file> of the calibration")
     parser.add_argument("--maximum-absolute", type=float, help="rung-2 bound (max abs logit delta)")
     parser.add_argument("--maximum-mean-absolute", type=float, help="rung-2 bound (mean abs delta)")
     parser.add_argument("--acceptance-floor", type=float, help="rung-3 draft acceptance floor")
-    parser.add_argument("--draft-proposal-tokens", type=int, help="rung-3 draft tokens per step")
+    parser.add_argument("--draft-proposal-tokens", type=int,
+                        help="rung-3 draft tokens per step (default: the speculative engine's)")
     parser.add_argument("--adapter", help="NAME=PATH of the producer adapter source (default per kind)")
     parser.add_argument("--checkpoint", action="append", metavar="RELPATH",
-                        help="checkpoint file or DIR/** under model/ (repeatable; default per kind)")
+                        help="repository-relative checkpoint file (repeatable; default: "
+                        "qualify.engines.factory.checkpoint_digests of the lane kind)")
+    parser.add_argument("--draft", metavar="RELPATH",
+                        help="rung-3 draft weights, repository-relative "
+                        f"(default {DEFAULT_DRAFT})")
     parser.add_argument("--prompt", default=MAIN_PROMPT, help="held-out prompt name")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--output-tokens", type=int, default=256)
@@ -323,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Freeze one identity: 0 written, 2 refused (one line on stderr)."""
     args = build_parser().parse_args(argv)
+    if lane_needs_draft(args.lane):
+        args.draft = args.draft or DEFAULT_DRAFT
+        if args.draft_proposal_tokens is None:
+            args.draft_proposal_tokens = default_proposal_tokens()
     try:
         sealed = build_sealed(args)
         document = sealed.identity_document()

@@ -30,7 +30,9 @@ from qualify.engines.nvfp4 import (  # noqa: E402
 )
 from qualify.errors import Refused  # noqa: E402
 
-QUANTIZED_NAME = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+QUANTIZED_NAME = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+)
 RECIPE = "nvfp4-modelopt-w4a16-v1"  # scale2 = amax/2688; E4M3FN(block amax/(6*scale2)); RNE E2M1
 
 

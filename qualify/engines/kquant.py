@@ -134,7 +134,8 @@ def quantize_activations_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 [T, n_in] -> (quants int8 [T, blocks, 32], scales float32 [T, blocks]).
 
     Bit-for-bit llama.cpp's ``quantize_row_q8_0_ref`` (and ``gguf.quants`` Q8_0): ``d = amax/127``,
-    ``id = d ? 1/d : 0``, ``q = roundf(x * id)`` half away from zero, scale kept as float16.
+    ``id = d ? 1/d : 0``, ``q = roundf(x * id)`` half away from zero, scale kept as float16; except
+    that where 1/d overflows (amax < 127 * 2^-128, undefined behaviour there) ``id`` is 0.
     """
     quants, scales = _quantize_activations(x)
     return quants.astype(np.int8), scales
@@ -146,8 +147,12 @@ def _quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = x.reshape(rows, n_in // BLOCK, BLOCK)
     amax = np.abs(blocks).max(axis=2)  # [T, blocks]
     d = amax / np.float32(Q8_MAX)
-    with np.errstate(divide="ignore"):
-        inverse = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        inverse = np.float32(1) / d
+    # d == 0 -> id = 0 (as llama.cpp). A subnormal d whose reciprocal overflows would make
+    # llama.cpp cast inf/NaN to int8 (undefined); we pin id = 0 there: its float16 scale is 0,
+    # so the block contributes 0 either way.
+    inverse = np.where(np.isfinite(inverse), inverse, np.float32(0)).astype(np.float32)
     scaled = blocks * inverse[:, :, None]  # [T, blocks, 32]
     magnitude = np.abs(scaled)
     floor = np.floor(magnitude)

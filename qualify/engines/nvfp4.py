@@ -134,11 +134,12 @@ def _refuse_nan_scale_bytes(scale_bytes: np.ndarray, what: str) -> None:
     nan_mask = (scale_bytes & 0x7F) == 0x7F
     if nan_mask.any():
         where = tuple(int(i) for i in np.argwhere(nan_mask)[0])
-        raise Refused(f"{what}: E4M3FN NaN byte 0x{int(scale_bytes[where]):02x} at index {list(where)}")
+        byte = int(scale_bytes[where])
+        raise Refused(f"{what}: E4M3FN NaN byte 0x{byte:02x} at index {list(where)}")
 
 
 def e4m3fn_decode(scale_bytes: np.ndarray, what: str = "e4m3fn") -> np.ndarray:
-    """E4M3FN bytes -> float32 values; refuses the NaN bytes 0x7f/0xff (``what`` names the source)."""
+    """E4M3FN bytes -> float32 values; refuses NaN bytes 0x7f/0xff (``what`` names the source)."""
     scale_bytes = np.asarray(scale_bytes, dtype=np.uint8)
     _refuse_nan_scale_bytes(scale_bytes, what)
     return E4M3FN_VALUES[scale_bytes]
@@ -174,7 +175,7 @@ def e4m3fn_encode(values_f32: np.ndarray) -> np.ndarray:
 # --- one quantized tensor -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Nvfp4Tensor:
     """One NVFP4 weight: packed codes uint8 [n_out, n_in/2], E4M3FN scale bytes uint8
     [n_out, n_in/16] (row-contiguous, block b of row o at [o, b]), float32 ``scale2``, and the
@@ -222,18 +223,20 @@ class Nvfp4Tensor:
 
 
 def validate_nvfp4_tensor(tensor: Nvfp4Tensor) -> None:
-    """Refuse (one line naming the tensor) unless dtypes, shapes, scale bytes and scalars are sane."""
+    """Refuse (one line naming the tensor) unless dtypes, shapes, scale bytes and scalars hold."""
     name = tensor.name
     packed, scale_bytes = tensor.packed, tensor.scale_bytes
     if not isinstance(packed, np.ndarray) or packed.dtype != np.uint8 or packed.ndim != 2:
         raise Refused(f"{name}: payload must be uint8 [n_out, n_in/2]")
     if packed.shape[0] < 1 or packed.shape[1] < 1 or packed.shape[1] % (BLOCK_SIZE // 2):
-        raise Refused(f"{name}: payload shape {list(packed.shape)} is not [n_out, n_in/2] with n_in % 16 == 0")
+        raise Refused(f"{name}: payload shape {list(packed.shape)} is not [n_out, n_in/2] "
+                      "with n_in % 16 == 0")
     expected_scale = (packed.shape[0], packed.shape[1] * 2 // BLOCK_SIZE)
     if not isinstance(scale_bytes, np.ndarray) or scale_bytes.dtype != np.uint8:
         raise Refused(f"{name}{SCALE_SUFFIX}: must be E4M3FN bytes (uint8)")
     if scale_bytes.shape != expected_scale:
-        raise Refused(f"{name}{SCALE_SUFFIX}: shape {list(scale_bytes.shape)}, expected {list(expected_scale)}")
+        raise Refused(f"{name}{SCALE_SUFFIX}: shape {list(scale_bytes.shape)}, "
+                      f"expected {list(expected_scale)}")
     _refuse_nan_scale_bytes(scale_bytes, f"{name}{SCALE_SUFFIX}")
     _require_positive_scalar(tensor.scale2, f"{name}{SCALE2_SUFFIX}")
     if tensor.input_scale_inv is not None:
@@ -253,7 +256,7 @@ def quantize_blocks_e2m1(
     """ModelOpt block recipe for rows [R, n] under global scales scale2 [R, 1] (or scalar):
     block scale = E4M3FN(block amax / (6 * scale2)) (zero -> 1.0), codes = round_e2m1(v / (scale *
     scale2)). Returns codes uint8 [R, n] and scale bytes uint8 [R, n/16]. A zero divisor (all-zero
-    row, or a scale that underflows E4M3FN) yields code 0, which is the value any code decodes to."""
+    row, or a scale that underflows E4M3FN) yields code 0: any code would decode to 0 there."""
     values = np.asarray(values_f32, dtype=np.float32)
     rows, n = values.shape
     blocks = values.reshape(rows, n // BLOCK_SIZE, BLOCK_SIZE)
@@ -275,7 +278,8 @@ def quantize_nvfp4(weight_f32: np.ndarray, name: str = "nvfp4") -> Nvfp4Tensor:
     scale2 = amax / (6 * 448); per-16 scale = E4M3FN(block amax / (6 * scale2)); E2M1 codes."""
     weight = np.asarray(weight_f32)
     if weight.dtype != np.float32 or weight.ndim != 2:
-        raise Refused(f"{name}: quantize_nvfp4 needs float32 [n_out, n_in], got {weight.dtype} {list(weight.shape)}")
+        raise Refused(f"{name}: quantize_nvfp4 needs float32 [n_out, n_in], "
+                      f"got {weight.dtype} {list(weight.shape)}")
     if weight.shape[0] < 1 or weight.shape[1] < BLOCK_SIZE or weight.shape[1] % BLOCK_SIZE:
         raise Refused(f"{name}: n_in {weight.shape[1]} must be a positive multiple of {BLOCK_SIZE}")
     if not np.isfinite(weight).all():
@@ -308,7 +312,7 @@ _ST_DTYPES: dict[str, np.dtype] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StoredTensor:
     """One safetensors entry: header dtype (``F16``, ``F32``, ``U8``, ``F8_E4M3``) and its array
     (F8_E4M3 held as raw uint8 bytes)."""
@@ -317,7 +321,9 @@ class StoredTensor:
     array: np.ndarray
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, StoredTensor], metadata: Mapping[str, str]) -> None:
+def write_safetensors(
+    path: str | Path, tensors: Mapping[str, StoredTensor], metadata: Mapping[str, str]
+) -> None:
     """Write entries with exact header dtypes (F8_E4M3 included), byte-deterministically.
 
     safetensors' own writer orders metadata keys by a hash map, so equal inputs gave different
@@ -332,7 +338,8 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, StoredTensor], met
             raise Refused(f"{name}: cannot write safetensors dtype {stored.dtype!r}")
         array = np.asarray(stored.array).astype(_ST_DTYPES[stored.dtype], copy=False)
         data = array.tobytes(order="C")
-        header[name] = {"dtype": stored.dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {"dtype": stored.dtype, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(data)]}
         chunks.append(data)
         offset += len(data)
     header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
@@ -358,7 +365,8 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, StoredTensor], dict[st
         header = json.loads(data[8 : 8 + header_len].decode("utf-8"))
         entries = deserialize(data)
     except Exception as exc:  # noqa: BLE001 - any parse failure is one refusal
-        raise Refused(one_line(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})")) from None
+        reason = f"{type(exc).__name__}: {exc}"
+        raise Refused(one_line(f"{path}: not a readable safetensors file ({reason})")) from None
     metadata = header.get("__metadata__") or {}
     tensors: dict[str, StoredTensor] = {}
     for name, entry in entries:
@@ -370,7 +378,7 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, StoredTensor], dict[st
     return tensors, dict(metadata)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Nvfp4Checkpoint:
     """A loaded, validated NVFP4 checkpoint: quantized projections by name, F16 tensors
     (embeddings/tied head, norms) by name, and the safetensors metadata."""
@@ -393,8 +401,9 @@ def nvfp4_checkpoint_entries(
     for name, tensor in nvfp4.items():
         validate_nvfp4_tensor(tensor)
         entries[name] = StoredTensor("U8", tensor.packed)
-        entries[name + SCALE_SUFFIX] = StoredTensor("F8_E4M3", tensor.scale_bytes.T)  # [n_in/16, n_out]
-        entries[name + SCALE2_SUFFIX] = StoredTensor("F32", np.array(tensor.scale2, dtype=np.float32))
+        # The scale is stored [n_in/16, n_out] (seed order): element [b, o] is block b of row o.
+        entries[name + SCALE_SUFFIX] = StoredTensor("F8_E4M3", tensor.scale_bytes.T)
+        entries[name + SCALE2_SUFFIX] = StoredTensor("F32", np.array(tensor.scale2, np.float32))
         if tensor.input_scale_inv is not None:
             entries[name + INPUT_SCALE_INV_SUFFIX] = StoredTensor(
                 "F32", np.array(tensor.input_scale_inv, dtype=np.float32)
@@ -436,7 +445,8 @@ def _companion_base(name: str) -> str | None:
 def _scalar_f32(tensors: Mapping[str, StoredTensor], name: str, path: Path) -> np.float32:
     stored = tensors[name]
     if stored.dtype != "F32" or stored.array.shape != ():
-        raise Refused(f"{path}: tensor {name}: must be an F32 scalar, got {stored.dtype} {list(stored.array.shape)}")
+        raise Refused(f"{path}: tensor {name}: must be an F32 scalar, "
+                      f"got {stored.dtype} {list(stored.array.shape)}")
     value = np.float32(stored.array[()])
     if not (np.isfinite(value) and value > 0):
         raise Refused(f"{path}: tensor {name}: must be finite and positive, got {float(value)!r}")
@@ -448,8 +458,10 @@ def _load_one_nvfp4(tensors: Mapping[str, StoredTensor], name: str, path: Path) 
     if name not in tensors:
         raise Refused(f"{path}: tensor {name}: missing NVFP4 payload for its companions")
     payload = tensors[name]
-    if payload.dtype != "U8" or payload.array.ndim != 2 or payload.array.shape[1] % (BLOCK_SIZE // 2):
-        raise Refused(f"{path}: tensor {name}: payload must be U8 [n_out, n_in/2] with n_in % 16 == 0, "
+    shape = payload.array.shape
+    if payload.dtype != "U8" or len(shape) != 2 or shape[1] % (BLOCK_SIZE // 2):
+        raise Refused(f"{path}: tensor {name}: payload must be U8 [n_out, n_in/2] "
+                      "with n_in % 16 == 0, "
                       f"got {payload.dtype} {list(payload.array.shape)}")
     n_out, n_in = payload.array.shape[0], payload.array.shape[1] * 2
     scale_name = name + SCALE_SUFFIX
@@ -469,7 +481,8 @@ def _load_one_nvfp4(tensors: Mapping[str, StoredTensor], name: str, path: Path) 
     input_name = name + INPUT_SCALE_INV_SUFFIX
     input_scale_inv = _scalar_f32(tensors, input_name, path) if input_name in tensors else None
     tensor = Nvfp4Tensor(
-        np.ascontiguousarray(payload.array), np.ascontiguousarray(scale.array.T), scale2, input_scale_inv, name
+        np.ascontiguousarray(payload.array), np.ascontiguousarray(scale.array.T), scale2,
+        input_scale_inv, name,
     )
     validate_nvfp4_tensor(tensor)
     return tensor
@@ -485,11 +498,13 @@ def load_nvfp4_checkpoint(path: str | Path) -> Nvfp4Checkpoint:
     weight_precision = metadata.get(WEIGHT_PRECISION_KEY)
     if weight_precision != WEIGHT_PRECISION_NVFP4:
         if nvfp4_names:
-            raise Refused(f"{path}: metadata {WEIGHT_PRECISION_KEY}={weight_precision!r} but NVFP4 tensors "
-                          f"are present (e.g. {nvfp4_names[0]}); expected 'nvfp4'")
-        raise Refused(f"{path}: not an NVFP4 checkpoint (metadata {WEIGHT_PRECISION_KEY}={weight_precision!r})")
+            raise Refused(f"{path}: metadata {WEIGHT_PRECISION_KEY}={weight_precision!r} but NVFP4 "
+                          f"tensors are present (e.g. {nvfp4_names[0]}); expected 'nvfp4'")
+        raise Refused(f"{path}: not an NVFP4 checkpoint "
+                      f"(metadata {WEIGHT_PRECISION_KEY}={weight_precision!r})")
     if not nvfp4_names:
-        raise Refused(f"{path}: metadata {WEIGHT_PRECISION_KEY}='nvfp4' but no NVFP4 tensors are present")
+        raise Refused(f"{path}: metadata {WEIGHT_PRECISION_KEY}='nvfp4' "
+                      "but no NVFP4 tensors are present")
     activation_precision = metadata.get(ACTIVATION_PRECISION_KEY)
     if activation_precision not in ACTIVATION_PRECISIONS:
         raise Refused(f"{path}: metadata {ACTIVATION_PRECISION_KEY}={activation_precision!r}, "
@@ -506,6 +521,7 @@ def load_nvfp4_checkpoint(path: str | Path) -> Nvfp4Checkpoint:
         if name in nvfp4 or _companion_base(name) in nvfp4:
             continue
         if stored.dtype != "F16":
-            raise Refused(f"{path}: tensor {name}: dtype {stored.dtype}, expected F16 for unquantized tensors")
+            raise Refused(f"{path}: tensor {name}: dtype {stored.dtype}, "
+                          "expected F16 for unquantized tensors")
         dense_f16[name] = stored.array
     return Nvfp4Checkpoint(nvfp4, dense_f16, metadata, path)

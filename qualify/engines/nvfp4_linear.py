@@ -57,7 +57,8 @@ def _require_float64_exact(max_row_abs_q: int, operand_max: int, name: str) -> N
     """Refuse unless every partial sum of a row contraction is an integer below 2^53."""
     bound = int(max_row_abs_q) * int(operand_max)
     if bound >= FLOAT64_EXACT_LIMIT:
-        raise Refused(f"{name}: integer row bound {bound} >= 2^53; a float64 contraction would not be exact")
+        raise Refused(f"{name}: integer row bound {bound} >= 2^53; "
+                      "a float64 contraction would not be exact")
 
 
 def _activations_f32(x: np.ndarray, n_in: int, name: str) -> np.ndarray:
@@ -70,14 +71,15 @@ def _activations_f32(x: np.ndarray, n_in: int, name: str) -> np.ndarray:
     return x
 
 
-F16_MIN_NORMAL = np.float32(2.0**-14)
-F16_OVERFLOW_MIDPOINT = np.float32(65520.0)  # at or above: float16 rounds to inf
+F16_MIN_NORMAL_BITS = np.uint32(0x38800000)  # float32 bits of 2^-14, the least float16 normal
+F16_OVERFLOW_BITS = np.uint32(0x477FF000)  # float32 bits of 65520: at or above, float16 is inf
 
 
 def round_through_f16(values_f32: np.ndarray) -> np.ndarray:
     """float32 -> nearest float16 (ties to even) -> float32; bit-identical to
-    ``astype(float16).astype(float32)`` but faster: float16-normal values round their float32 bit
-    pattern to 10 mantissa bits; the rare rest (zero, subnormal, overflow, NaN) take ``astype``."""
+    ``astype(float16).astype(float32)`` but faster: zeros and float16-normal values round their
+    float32 bit pattern to 10 mantissa bits; the rare rest (float16 subnormals, overflow, NaN)
+    take ``astype``."""
     values = np.ascontiguousarray(values_f32, dtype=np.float32)
     bits = values.view(np.uint32)
     rounded = bits >> np.uint32(13)
@@ -86,8 +88,11 @@ def round_through_f16(values_f32: np.ndarray) -> np.ndarray:
     rounded += bits
     rounded &= np.uint32(0xFFFFE000)
     out = rounded.view(np.float32)
-    magnitude = np.abs(values)
-    special = ~((magnitude >= F16_MIN_NORMAL) & (magnitude < F16_OVERFLOW_MIDPOINT))
+    magnitude_bits = bits & np.uint32(0x7FFFFFFF)
+    # Special unless F16_MIN_NORMAL_BITS <= magnitude < F16_OVERFLOW_BITS (one unsigned compare
+    # after the shift) or the value is a zero.
+    special = magnitude_bits - F16_MIN_NORMAL_BITS >= F16_OVERFLOW_BITS - F16_MIN_NORMAL_BITS
+    special &= magnitude_bits != 0
     if special.any():
         with np.errstate(over="ignore"):
             out[special] = values[special].astype(np.float16).astype(np.float32)
@@ -98,6 +103,12 @@ def quantize_activations_q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_K per 256-value super-block: signed first absolute maximum m, iscale = -127/m (float32),
     q = min(127, round-half-even(iscale * x)); the block scale is 1/iscale (0 for an all-zero
     block, whose codes are 0). x float32 [T, n_in] -> q8 int8 [T, n_in], q8_scale float32 [T, S]."""
+    q8_values, q8_scale = _q8k_values(x)
+    return q8_values.astype(np.int8), q8_scale
+
+
+def _q8k_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_activations_q8k`` with the codes left as integer-valued float32 [T, n_in]."""
     rows, n_in = x.shape
     blocks = x.reshape(rows, n_in // SUPER_BLOCK, SUPER_BLOCK)
     first_max_index = np.argmax(np.abs(blocks), axis=2)[:, :, None]  # argmax keeps the first
@@ -106,21 +117,24 @@ def quantize_activations_q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(divide="ignore"):
         iscale = np.where(zero_block, np.float32(0.0), np.float32(-Q8_MAX) / signed_max)
         q8_scale = np.where(zero_block, np.float32(0.0), np.float32(1.0) / iscale)
-    q8 = np.minimum(np.rint(blocks * iscale[:, :, None]), Q8_MAX).astype(np.int8)
+    q8 = blocks * iscale[:, :, None]
+    np.rint(q8, out=q8)
+    np.minimum(q8, Q8_MAX, out=q8)
     return q8.reshape(rows, n_in), q8_scale.astype(np.float32)
 
 
 def _dequantized_q8_activations(x: np.ndarray) -> np.ndarray:
     """Q8_K round trip in float32 [T, n_in]: q8 * (1/iscale), the operand native lanes contract."""
-    q8, q8_scale = quantize_activations_q8k(x)
+    q8, q8_scale = _q8k_values(x)
     rows, n_in = x.shape
-    blocks = q8.astype(np.float32).reshape(rows, -1, SUPER_BLOCK) * q8_scale[:, :, None]
+    blocks = q8.reshape(rows, -1, SUPER_BLOCK) * q8_scale[:, :, None]
     return blocks.reshape(rows, n_in)
 
 
 def _require_super_blocks(tensor: Nvfp4Tensor) -> None:
     if tensor.n_in % SUPER_BLOCK:
-        raise Refused(f"{tensor.name}: n_in {tensor.n_in} is not a multiple of the Q8_K super-block {SUPER_BLOCK}")
+        raise Refused(f"{tensor.name}: n_in {tensor.n_in} is not a multiple of the Q8_K "
+                      f"super-block {SUPER_BLOCK}")
 
 
 class ExactA16Q8Linear:
@@ -136,21 +150,23 @@ class ExactA16Q8Linear:
         validate_nvfp4_tensor(tensor)
         _require_super_blocks(tensor)
         _require_float64_exact(tensor.max_row_abs_weight_q10(), Q8_MAX, tensor.name)
-        self.name, self.n_in, self.n_out, self.scale2 = tensor.name, tensor.n_in, tensor.n_out, tensor.scale2
-        super_blocks = self.n_in // SUPER_BLOCK
-        weight_q10_t = tensor.weight_q10().T.astype(np.float64)  # [n_in, n_out]
-        self._weight_q10_t_by_super_block = weight_q10_t.reshape(super_blocks, SUPER_BLOCK, self.n_out)
+        self.name, self.n_in, self.n_out = tensor.name, tensor.n_in, tensor.n_out
+        self.scale2 = tensor.scale2
+        weight_q10_t = np.ascontiguousarray(tensor.weight_q10().T, np.float64)  # [n_in, n_out]
+        # [S, 256, n_out]: one exact integer matmul per activation super-block
+        self._weight_q10_t_by_super_block = weight_q10_t.reshape(-1, SUPER_BLOCK, self.n_out)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x float32 [T, n_in] -> float32 [T, n_out] (values exactly representable in float16)."""
         x = _activations_f32(x, self.n_in, self.name)
-        q8, q8_scale = quantize_activations_q8k(x)  # int8 [T, n_in], float32 [T, S]
+        q8, q8_scale = _q8k_values(x)  # integer-valued [T, n_in], float32 [T, S]
         q8_f64 = q8.astype(np.float64)
         total = np.zeros((x.shape[0], self.n_out), dtype=np.float32)
         for s, weight_q10_t in enumerate(self._weight_q10_t_by_super_block):
             columns = slice(s * SUPER_BLOCK, (s + 1) * SUPER_BLOCK)
             integer_total = q8_f64[:, columns] @ weight_q10_t  # [T, n_out], exact integers
-            contribution = integer_total.astype(np.float32) * TWO_POW_M10  # 1. x 2^-10
+            contribution = integer_total.astype(np.float32)  # exact integer, rounded once
+            contribution *= TWO_POW_M10  # 1. x 2^-10
             contribution *= q8_scale[:, s : s + 1]  # 2. x activation scale 1/iscale
             contribution *= self.scale2  # 3. x tensor scale2
             total += contribution  # 4. sequential accumulation over super-blocks
@@ -159,7 +175,8 @@ class ExactA16Q8Linear:
 
 def _pairwise_tree_sum(parts: list[np.ndarray]) -> np.ndarray:
     while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+        pairs = range(0, len(parts) - 1, 2)
+        parts = [parts[i] + parts[i + 1] for i in pairs] + ([parts[-1]] if len(parts) % 2 else [])
     return parts[0]
 
 
@@ -185,8 +202,9 @@ class SplitKLinear:
         activations = _dequantized_q8_activations(x)  # float32 [T, n_in]
         if self.operands_in_f16:
             activations = round_through_f16(activations)
-        partials = [
-            activations[:, k : k + SPLIT_K] @ self._weight_t[k : k + SPLIT_K] for k in range(0, self.n_in, SPLIT_K)
+        partials = [  # float32 [T, n_out] per 64-wide K chunk
+            activations[:, k : k + SPLIT_K] @ self._weight_t[k : k + SPLIT_K]
+            for k in range(0, self.n_in, SPLIT_K)
         ]
         return round_through_f16(_pairwise_tree_sum(partials))
 
@@ -209,8 +227,8 @@ class W4A4Linear:
     def __init__(self, tensor: Nvfp4Tensor) -> None:
         validate_nvfp4_tensor(tensor)
         _require_float64_exact(tensor.max_row_abs_weight_q10(), W4A4_ACT_Q10_MAX, tensor.name)
-        self.name, self.n_in, self.n_out, self.scale2 = tensor.name, tensor.n_in, tensor.n_out, tensor.scale2
-        self.input_scale_inv = tensor.input_scale_inv
+        self.name, self.n_in, self.n_out = tensor.name, tensor.n_in, tensor.n_out
+        self.scale2, self.input_scale_inv = tensor.scale2, tensor.input_scale_inv
         self._weight_q10_t = tensor.weight_q10().T.astype(np.float64)  # [n_in, n_out]
 
     def quantize_activations(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -218,7 +236,8 @@ class W4A4Linear:
         activation scale float32 [T, 1] (static 1/input_scale_inv, else dynamic row amax/2688)."""
         rows = x.shape[0]
         if self.input_scale_inv is not None:
-            act_scale2 = np.full((rows, 1), np.float32(1.0) / self.input_scale_inv, dtype=np.float32)
+            static_scale = np.float32(1.0) / self.input_scale_inv
+            act_scale2 = np.full((rows, 1), static_scale, dtype=np.float32)
         else:
             act_scale2 = np.abs(x).max(axis=1, keepdims=True) / np.float32(E2M1_MAX * E4M3FN_MAX)
         codes, scale_bytes = quantize_blocks_e2m1(x, act_scale2)
@@ -259,21 +278,22 @@ def make_nvfp4_linear_factory(
 ) -> Callable[[str, np.ndarray | None], Linear]:
     """``make_linear(name, weight_f32) -> Linear`` for the reference engine. It ignores the float
     weight's values (the NVFP4 tensors of ``name`` are the weight) but refuses a shape mismatch or
-    a name the checkpoint lacks. A W4A4 checkpoint (input_scale_inv present) only admits ``w4a4``."""
+    a name the checkpoint lacks. A W4A4 checkpoint (input_scale_inv present) admits only w4a4."""
     _require_arithmetic(arithmetic)
     if not isinstance(checkpoint, Nvfp4Checkpoint):
         checkpoint = load_nvfp4_checkpoint(checkpoint)
     where = checkpoint.path or "nvfp4 checkpoint"
     if checkpoint.activation_precision == "nvfp4" and arithmetic != "w4a4":
-        raise Refused(f"{where}: activation_precision 'nvfp4' (W4A4) does not admit arithmetic {arithmetic!r}")
+        raise Refused(f"{where}: activation_precision 'nvfp4' (W4A4) does not admit "
+                      f"arithmetic {arithmetic!r}")
 
     def make_linear(name: str, weight_f32: np.ndarray | None = None) -> Linear:
         tensor = checkpoint.nvfp4.get(name)
         if tensor is None:
             raise Refused(f"{where}: no NVFP4 tensor named {name!r}")
         if weight_f32 is not None and tuple(np.shape(weight_f32)) != (tensor.n_out, tensor.n_in):
-            raise Refused(f"{name}: float weight shape {list(np.shape(weight_f32))} does not match NVFP4 "
-                          f"[{tensor.n_out}, {tensor.n_in}]")
+            raise Refused(f"{name}: float weight shape {list(np.shape(weight_f32))} does not "
+                          f"match NVFP4 [{tensor.n_out}, {tensor.n_in}]")
         return make_nvfp4_linear(tensor, arithmetic)
 
     return make_linear

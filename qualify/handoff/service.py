@@ -197,6 +197,36 @@ class ProducerExpectation:
         )
 
 
+def expectation_from_identity(identity: Any, model_geometry: ModelGeometry) -> ProducerExpectation:
+    """Build the start expectation from a loaded ``qualify.identity.Identity``.
+
+    The identity pins the producer engine (name, version, ABI), the checkpoint file digests,
+    the context length and the RoPE base; the rest of the model geometry comes from the model's
+    config (``model_geometry``), which must agree with the identity on those two numbers.
+    """
+    from qualify.identity import identity_sha256
+
+    if model_geometry.max_positions != identity.context_policy.max_positions:
+        raise Refused(
+            f"identity context_policy.max_positions {identity.context_policy.max_positions} "
+            f"disagrees with the model's max_positions {model_geometry.max_positions}"
+        )
+    if model_geometry.rope_theta != identity.rope.theta:
+        raise Refused(
+            f"identity rope.theta {identity.rope.theta} disagrees with the model's rope_theta "
+            f"{model_geometry.rope_theta}"
+        )
+    engine = identity.producer_engine
+    return ProducerExpectation(
+        engine_version=engine.version,
+        geometry=model_geometry,
+        identity_sha256=identity_sha256(identity),
+        engine_name=engine.name,
+        engine_abi=engine.abi,
+        digests=dict(identity.checkpoint.files),
+    )
+
+
 def check_engine(engine: object, *, mode: str, expectation: ProducerExpectation) -> str:
     """Compare the built engine with the expectation; returns its target cache identity.
 
@@ -638,6 +668,13 @@ class ProducerService:
 
     def _serve_connection(self, conn: socket.socket) -> bool:
         """One client: hello/auth, then requests. Returns True after ``shutdown``."""
+        try:
+            return self._converse(conn)
+        except OSError as exc:  # the client vanished between requests: wait for the next one
+            _log(f"connection lost ({type(exc).__name__})")
+            return False
+
+    def _converse(self, conn: socket.socket) -> bool:
         nonce = secrets.token_bytes(32)
         try:
             self._send(conn, {"op": "hello", "protocol": PROTOCOL, "nonce": nonce.hex(),

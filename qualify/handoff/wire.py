@@ -358,6 +358,8 @@ def seal_handoff_parts(
     ):
         if not is_sha256_hex(digest):
             raise Refused(f"{field_name}: found {digest!r}, expected 64 lowercase hex characters")
+    if not (isinstance(compute_s, (int, float)) and 0 <= compute_s < float("inf")):
+        raise Refused(f"compute_s: found {compute_s!r}, expected a finite number >= 0")
     started = time.perf_counter()
     keys = [_wire_array(a) for a in kv.keys]
     values = [_wire_array(a) for a in kv.values]

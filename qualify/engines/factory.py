@@ -1,0 +1,134 @@
+"""Builds the producer and consumer engines of a lane, and names the files each depends on.
+
+Every engine built here carries ``producer_mode``, ``digests`` (repo-relative path -> SHA-256 of
+each checkpoint file it read) and ``target_cache_identity_sha256`` derived from the lane's kind,
+its mode, its variant, those digests and the engine ABI, so a KV entry made in one mode can never
+be installed where the other is expected.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+from qualify import assets
+from qualify.digests import sha256_file
+from qualify.engines.base import Engine
+from qualify.errors import Refused
+from qualify.lanes import LaneKind, LaneSpec, ProducerMode, lane_spec, target_cache_identity
+
+NVFP4_CHECKPOINT = assets.MODEL_DIR / "nvfp4" / "model.safetensors"
+
+Role = Literal["producer", "consumer"]
+
+
+def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
+    """The checkpoint files a lane kind's engines read (what the identity pins)."""
+    if kind is LaneKind.NVFP4:
+        return (assets.MODEL_DIR / "config.json", assets.MODEL_DIR / "model.safetensors",
+                NVFP4_CHECKPOINT)
+    if kind is LaneKind.KQUANT:
+        from qualify.engines import speculative
+
+        return (assets.MODEL_DIR / "config.json", *speculative.checkpoint_paths())
+    raise Refused(f"lane kind {kind.value}: no engine in this harness builds it")
+
+
+@cache
+def _digest(path: Path) -> str:
+    return sha256_file(path)
+
+
+def checkpoint_digests(kind: LaneKind) -> dict[str, str]:
+    """Repo-relative path -> SHA-256 of every checkpoint file the lane kind reads."""
+    digests = {}
+    for path in checkpoint_files(kind):
+        if not path.is_file():
+            raise Refused(f"checkpoint file {path.relative_to(assets.REPO_ROOT)}: missing")
+        digests[str(path.relative_to(assets.REPO_ROOT))] = _digest(path)
+    return digests
+
+
+def _nvfp4_engine(arithmetic: str) -> Engine:
+    from qualify.engines.nvfp4_linear import make_nvfp4_linear_factory
+    from qualify.engines.reference import KeepFloat32, ReferenceEngine, RoundTripFloat16
+
+    materialize = RoundTripFloat16() if arithmetic == "f16" else KeepFloat32()
+    return ReferenceEngine.from_model_dir(
+        assets.MODEL_DIR,
+        make_linear=make_nvfp4_linear_factory(NVFP4_CHECKPOINT, arithmetic),
+        materialize=materialize,
+    )
+
+
+def _build(spec: LaneSpec, mode: ProducerMode) -> Engine:
+    if spec.kind is LaneKind.NVFP4:
+        # The consumer and the exact anchor decode with the integer-exact a16-q8 contraction.
+        arithmetic = "exact" if mode is ProducerMode.EXACT else spec.variant.value  # type: ignore[union-attr]
+        if mode is ProducerMode.NATIVE and spec.variant is None:
+            raise Refused(f"lane {spec.name}: native mode needs a variant")
+        return _nvfp4_engine(arithmetic)
+    if spec.kind is LaneKind.KQUANT:
+        from qualify.engines import speculative
+
+        return speculative.build_engine(mode)
+    raise Refused(f"lane kind {spec.kind.value}: no engine in this harness builds it")
+
+
+def _stamp(engine: Engine, spec: LaneSpec, mode: ProducerMode) -> Engine:
+    """Attach mode, checkpoint digests and the mode-separated target cache identity."""
+    digests = checkpoint_digests(spec.kind)
+    engine.producer_mode = mode.value  # type: ignore[attr-defined]
+    engine.digests = digests  # type: ignore[attr-defined]
+    engine.target_cache_identity_sha256 = target_cache_identity(  # type: ignore[attr-defined]
+        _mode_spec(spec, mode), digests, engine.abi)
+    return engine
+
+
+def _mode_spec(spec: LaneSpec, mode: ProducerMode) -> LaneSpec:
+    """The lane whose cache identity an engine built in ``mode`` carries (its own mode's)."""
+    if mode is spec.mode:
+        return spec
+    for other in _lanes_of_kind(spec.kind):
+        if other.mode is mode:
+            return other
+    raise Refused(f"lane {spec.name}: no lane of kind {spec.kind.value} runs in {mode.value} mode")
+
+
+def _lanes_of_kind(kind: LaneKind) -> list[LaneSpec]:
+    from qualify.lanes import LANES
+
+    return [spec for spec in LANES.values() if spec.kind is kind]
+
+
+def build_producer(lane: str, mode: str) -> Engine:
+    """The producer engine of ``lane`` in ``mode`` (``exact`` | ``native``; nothing else).
+
+    A producer started in the other mode than its lane declares is built as that mode's lane
+    (e.g. the exact anchor), so its handoffs carry that mode's cache identity and are refused.
+    """
+    spec = lane_spec(lane)
+    try:
+        producer_mode = ProducerMode(mode)
+    except ValueError:
+        raise Refused(f"producer mode: found {mode!r}, expected exact or native") from None
+    return _stamp(_build(spec, producer_mode), _mode_spec(spec, producer_mode), producer_mode)
+
+
+def build_consumer(lane: str) -> Engine:
+    """The consumer engine for ``lane``: always the exact arithmetic of the lane's kind."""
+    spec = lane_spec(lane)
+    return _stamp(_build(spec, ProducerMode.EXACT), spec, spec.mode)
+
+
+def expected_cache_identity(lane: str) -> str:
+    """The target cache identity a handoff of ``lane`` must carry (its declared mode)."""
+    spec = lane_spec(lane)
+    return build_cache_identity(spec)
+
+
+def build_cache_identity(spec: LaneSpec) -> str:
+    """Derive a lane's cache identity from its producer engine's ABI and checkpoint digests."""
+    producer = _build(spec, spec.mode)
+    return target_cache_identity(spec, checkpoint_digests(spec.kind), producer.abi)
