@@ -287,35 +287,42 @@ from qualify import assets
 from qualify.engines.reference import ReferenceEngine
 engine = ReferenceEngine.from_model_dir()
 prompt = assets.load_prompt()
-kv = engine.prefill(prompt[:{handoff}])
-result = engine.decode(kv, prompt[{handoff}:], {steps})
-kv_digest = hashlib.sha256()
-for array in [*kv.keys, *kv.values]:
-    kv_digest.update(array.tobytes())
-print(json.dumps({{"kv": kv_digest.hexdigest(),
-                  "logits": hashlib.sha256(result.logits.tobytes()).hexdigest(),
-                  "tokens": hashlib.sha256(result.tokens.tobytes()).hexdigest()}}))
+digests = {{}}
+for handed_off in {handoffs}:
+    kv = engine.prefill(prompt[:handed_off])
+    result = engine.decode(kv, prompt[handed_off:], {steps})
+    kv_digest = hashlib.sha256()
+    for array in [*kv.keys, *kv.values]:
+        kv_digest.update(array.tobytes())
+    digests[handed_off] = {{"kv": kv_digest.hexdigest(),
+                           "logits": hashlib.sha256(result.logits.tobytes()).hexdigest(),
+                           "tokens": hashlib.sha256(result.tokens.tobytes()).hexdigest()}}
+print(json.dumps(digests))
 """
 DETERMINISM_STEPS = 48
+# The full handoff, a whole-block handoff, and a short one (reductions of many lengths).
+DETERMINISM_HANDOFFS = (HANDOFF, 2032, 600)
 
 
-def digests_in_subprocess(blas_threads: int) -> dict[str, str]:
+def digests_in_subprocess(blas_threads: int) -> dict[str, dict[str, str]]:
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(blas_threads), OMP_NUM_THREADS=str(blas_threads),
                PYTHONPATH=str(assets.REPO_ROOT))
-    script = DETERMINISM_SCRIPT.format(handoff=HANDOFF, steps=DETERMINISM_STEPS)
+    script = DETERMINISM_SCRIPT.format(handoffs=DETERMINISM_HANDOFFS, steps=DETERMINISM_STEPS)
     completed = subprocess.run([sys.executable, "-c", script], env=env, cwd=assets.REPO_ROOT,
                                capture_output=True, text=True, timeout=120, check=False)
     assert completed.returncode == 0, completed.stderr[-2000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def test_deterministic_across_processes_and_blas_threads(
-        engine: ReferenceEngine, prompt: np.ndarray, handoff_kv: KVCache) -> None:
+def test_deterministic_across_processes_and_blas_threads(engine: ReferenceEngine, prompt: np.ndarray) -> None:
     one_thread = digests_in_subprocess(1)
     two_threads = digests_in_subprocess(2)
-    in_process = engine.decode(handoff_kv, prompt[HANDOFF:], DETERMINISM_STEPS)
-    here = {"kv": sha256_of(*handoff_kv.keys, *handoff_kv.values),
-            "logits": sha256_of(in_process.logits), "tokens": sha256_of(in_process.tokens)}
+    here = {}
+    for handed_off in DETERMINISM_HANDOFFS:
+        kv = engine.prefill(prompt[:handed_off])
+        result = engine.decode(kv, prompt[handed_off:], DETERMINISM_STEPS)
+        here[str(handed_off)] = {"kv": sha256_of(*kv.keys, *kv.values),
+                                 "logits": sha256_of(result.logits), "tokens": sha256_of(result.tokens)}
     assert one_thread == two_threads == here
 
 

@@ -24,8 +24,11 @@ Two forward paths share the layer weights and arithmetic kinds but not reduction
   T (gemv for one row, gemm kernels for several, measured on OpenBLAS 0.3.30), so a block of rows
   is always computed as consecutive single-row steps. A speculative verifier that feeds k+1 rows
   at once, or a consumer that gets several pending tokens, therefore reproduces plain one-token
-  decode bit for bit. Determinism does not depend on the BLAS thread count either: OpenBLAS splits
-  matmuls over output rows/columns, never over the reduction dimension (tested in subprocesses).
+  decode bit for bit.
+
+Every matmul goes through ``matmul``, which never hands BLAS a reduction longer than
+REDUCTION_CHUNK and sums the chunks in a fixed order, so results are the same bits whatever
+OPENBLAS_NUM_THREADS is (the tests compare 1 and 2 threads in subprocesses).
 
 The ``materialize`` hook stands in for intermediates a fast producer stores in a narrower type.
 It is applied, in both paths, to: the residual stream after each add, every RMSNorm output
@@ -54,7 +57,13 @@ from qualify.kv import KVCache
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
 # the abi is part of every lane's cache identity, so old KV never aliases new arithmetic.
-ABI_VERSION = "numpy-llama-abi-1"
+ABI_VERSION = "numpy-llama-abi-2"
+# The longest reduction any single BLAS call performs (see ``matmul``). OpenBLAS splits the
+# reduction dimension K into blocks of GEMM_Q (>= 256 for its x86-64 sgemm kernels) and rounds the
+# split point differently in its threaded and single-threaded drivers, so for K > GEMM_Q the bits
+# depend on OPENBLAS_NUM_THREADS (measured: attention's probs @ V at 2032 keys). Chunks no longer
+# than this are never split, and the chunks are summed here in a fixed order.
+REDUCTION_CHUNK = 256
 # Prefill attention runs over query blocks of this many rows: scores for one block are
 # [kv_heads, group, block, keys] float32 (~17 MB at 2047 positions) instead of the whole
 # [heads, T, T] matrix, and keys after the block are never computed.
@@ -68,12 +77,28 @@ MakeLinear = Callable[[str, np.ndarray], Linear]
 
 
 # --------------------------------------------------------------------------------------------
+# The one matmul
+# --------------------------------------------------------------------------------------------
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a [..., M, K] @ b [..., K, N] in float32 with a pinned reduction order: K is cut into
+    REDUCTION_CHUNK pieces, each one BLAS call, accumulated left to right. Every matmul of the
+    engine goes through here, so results do not depend on the BLAS thread count."""
+    reduction = a.shape[-1]
+    out = a[..., :REDUCTION_CHUNK] @ b[..., :REDUCTION_CHUNK, :]
+    for start in range(REDUCTION_CHUNK, reduction, REDUCTION_CHUNK):
+        out += a[..., start:start + REDUCTION_CHUNK] @ b[..., start:start + REDUCTION_CHUNK, :]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # Pluggable pieces: projections and materialization
 # --------------------------------------------------------------------------------------------
 
 
 class DenseLinear:
-    """The default projection: float32 ``x @ W.T`` through numpy's BLAS."""
+    """The default projection: float32 ``x @ W.T`` through numpy's BLAS (pinned reduction)."""
 
     kind = "dense-f32"
 
@@ -82,7 +107,7 @@ class DenseLinear:
         self.n_out, self.n_in = self.weight.shape
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return x @ self.weight.T  # [T, n_in] @ [n_in, n_out] -> [T, n_out]
+        return matmul(x, self.weight.T)  # [T, n_in] @ [n_in, n_out] -> [T, n_out]
 
 
 def dense_linear(name: str, weight_f32: np.ndarray) -> DenseLinear:
@@ -236,14 +261,14 @@ class DecoderLayer:
             rows = stop - start
             q_block = grouped[:, :, start:stop].reshape(kv_heads, group * rows, head_dim)
             # Only keys 0..stop-1 can be visible to this block.
-            scores = q_block @ k[:, :stop].transpose(0, 2, 1)  # [kv, group * rows, stop]
+            scores = matmul(q_block, k[:, :stop].transpose(0, 2, 1))  # [kv, group * rows, stop]
             scores *= self.scale
             scores = scores.reshape(kv_heads, group, rows, stop)
             # Query at position i sees keys j <= i. Keys before the block are visible to every
             # row, so only the block's diagonal square needs -inf above its diagonal.
             scores[..., start:stop] += CAUSAL_SQUARE[:rows, :rows]
             probs = self.materialize(softmax_(scores))  # [kv, group, rows, stop]
-            block = probs.reshape(kv_heads, group * rows, stop) @ v[:, :stop]  # [kv, g*rows, hd]
+            block = matmul(probs.reshape(kv_heads, group * rows, stop), v[:, :stop])  # [kv, g*rows, hd]
             out[:, :, start:stop] = block.reshape(kv_heads, group, rows, head_dim)
         # [kv, group, T, hd] -> [heads, T, hd] -> [T, heads * hd] (heads concatenated per row)
         merged = out.reshape(self.heads, positions, head_dim).transpose(1, 0, 2)
@@ -263,10 +288,10 @@ class DecoderLayer:
         values[:, position] = self.v_proj(h).reshape(self.kv_heads, self.head_dim)
         visible = position + 1
         grouped = q.reshape(self.kv_heads, self.group, self.head_dim)  # [kv, group, hd]
-        scores = grouped @ keys[:, :visible].transpose(0, 2, 1)  # [kv, group, visible]
+        scores = matmul(grouped, keys[:, :visible].transpose(0, 2, 1))  # [kv, group, visible]
         scores *= self.scale
         probs = self.materialize(softmax_(scores))
-        attended = probs @ values[:, :visible]  # [kv, group, hd]
+        attended = matmul(probs, values[:, :visible])  # [kv, group, hd]
         attended = self.materialize(attended.reshape(1, self.heads * self.head_dim))
         x = self.materialize(x + self.o_proj(attended))
         return self._mlp_residual(x)
@@ -418,7 +443,7 @@ class ReferenceEngine:
         """Final norm then the tied LM head: x [T, hidden] -> float32 [T, vocab], always dense
         float32 whatever the projections are (the embedding upcast from float16)."""
         normed = self.materialize(rms_norm(x, self.final_norm, self.eps))
-        return normed @ self.embed.T
+        return matmul(normed, self.embed.T)
 
     # ---- producer --------------------------------------------------------------------------
 

@@ -1,0 +1,429 @@
+"""One qualification run: the recipe's seven ordered steps, from sealed identity to verdict.
+
+The same :class:`QualificationRun` backs the pytest recipe modules (one test per step) and
+``qualify --recipe`` (which drives the steps in-process with progress). Each handoff sample is a
+real producer process handing KV across a Unix socket under a fresh run key; the consumer
+verifies and installs it, decodes 256 greedy tokens keeping every full logit row, and compares
+against its own cold local recompute. Judging happens in :mod:`qualify.judge`; this module only
+gathers evidence and writes it to the receipt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from qualify import __version__, assets, faults
+from qualify.compare import compare_branches, transform_between
+from qualify.engines.base import DecodeResult, Engine
+from qualify.errors import HandoffRefused, ProducerFailed, Refused, one_line
+from qualify.judge import Verdict, judge_sample, judge_summary
+from qualify.kv import KVCache
+from qualify.records import BitExactRule, BoundedDriftRule, failed_sample_record, record_json, sample_record
+
+STEP_LABELS: tuple[str, ...] = (
+    "identity sealed",
+    "producer ready",
+    "reference computed",
+    "handoff 1/3",
+    "handoff 2/3",
+    "handoff 3/3",
+    "verdict",
+)
+HANDOFF_STEPS = STEP_LABELS[3:6]
+
+
+def default_identity_path(recipe: str) -> Path:
+    """The shipped identity a recipe qualifies when ``--identity`` is not given."""
+    from qualify.lanes import DEFAULT_NATIVE_TEXT_LANE, KQUANT_EXACT_DFLASH_LANE
+
+    lanes = {"native-text": DEFAULT_NATIVE_TEXT_LANE, "kquant-target-plus-dflash": KQUANT_EXACT_DFLASH_LANE}
+    if recipe not in lanes:
+        raise Refused(f"--recipe: found {recipe!r}, expected one of {', '.join(lanes)}")
+    return identity_path_for_lane(lanes[recipe])
+
+
+def identity_path_for_lane(lane: str) -> Path:
+    """Where a lane's frozen identity lives in ``contracts/``."""
+    return assets.CONTRACTS_DIR / "identities" / f"{lane}.v1.json"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What an operator or CI chose for one run."""
+
+    recipe: str
+    identity: Path | None = None
+    producer: str = "reference"
+    reference_once: bool = False
+    drift_graded: bool = False
+    fault: str | None = None
+    receipts: Path | None = None
+    command_line: list[str] = field(default_factory=list)
+    watchdog_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """How one step ended: ``passed``, a one-line message, and its wall time."""
+
+    label: str
+    passed: bool
+    message: str
+    seconds: float
+    refused: bool = False
+
+
+@dataclass
+class Contract:
+    """Everything the run checks against, taken from a loaded identity (or, for calibration,
+    derived from the lane and its artifacts, with no rule)."""
+
+    lane: str
+    recipe: str
+    rung: int
+    producer_mode: str
+    identity_document: Any
+    identity_sha256: str
+    target_cache_identity: str
+    logit_units: str
+    prompt_name: str
+    prompt: np.ndarray
+    prompt_sha256: str
+    handoff_positions: int
+    output_tokens: int
+    repetitions: int
+    rule: BoundedDriftRule | BitExactRule | None
+    expectation: Any
+
+
+def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer_geometry) -> Contract:
+    """Load and seal the identity (schema, strict models, sealed constants) and derive the run's
+    contract; refuses an identity of another recipe or whose artifacts no longer match."""
+    from qualify.handoff.service import expectation_from_identity
+    from qualify.identity import identity_sha256, load_identity, logit_units_label
+    from qualify.records import rule_from_identity
+
+    identity = load_identity(identity_path)
+    if identity.recipe != recipe:
+        raise Refused(f"identity {identity_path}: recipe: found {identity.recipe}, the run is --recipe {recipe}")
+    prompt = assets.load_prompt(identity.prompt.name)
+    if assets.prompt_sha256(prompt) != identity.onboarding_qualification.prompt_sha256:
+        raise Refused(f"prompt {identity.prompt.name}: sha256 {assets.prompt_sha256(prompt)} differs from "
+                      f"the identity's prompt_sha256 {identity.onboarding_qualification.prompt_sha256}")
+    qualification = identity.onboarding_qualification
+    # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
+    graded = drift_graded or identity.rung == 2
+    return Contract(
+        lane=identity.lane,
+        recipe=identity.recipe,
+        rung=identity.rung,
+        producer_mode=identity.producer_mode,
+        identity_document=identity_path,
+        identity_sha256=identity_sha256(identity),
+        target_cache_identity=identity.target_cache_identity_sha256,
+        logit_units=logit_units_label(identity.logit_units),
+        prompt_name=identity.prompt.name,
+        prompt=prompt,
+        prompt_sha256=qualification.prompt_sha256,
+        handoff_positions=identity.context_policy.handoff_positions,
+        output_tokens=qualification.output_tokens,
+        repetitions=qualification.repetitions,
+        rule=rule_from_identity(identity, drift_graded=graded),
+        expectation=expectation_from_identity(identity, consumer_geometry),
+    )
+
+
+class QualificationRun:
+    """One run of a recipe. Call :meth:`step` with each label in order (or :meth:`run_all`);
+    a step whose predecessor failed fails too. :meth:`close` stops the producer and seals the
+    receipt (a failing one if the run did not reach its verdict)."""
+
+    def __init__(self, options: RunOptions, contract: Contract | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.options = options
+        self.contract = contract
+        self._echo = log
+        self.outcomes: dict[str, StepOutcome] = {}
+        self.records: list[dict[str, Any]] = []
+        self.sample_verdicts: list[Verdict] = []
+        self.verdict: Verdict | None = None
+        self.receipt = None
+        self.receipt_path: Path | None = None
+        self.consumer: Engine | None = None
+        self.producer = None
+        self._key: bytes | None = None
+        self._cold: tuple[KVCache, DecodeResult, float] | None = None
+        self._transform = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def log(self, line: str) -> None:
+        if self.receipt is not None:
+            self.receipt.log(line)
+        if self._echo is not None:
+            self._echo(line)
+
+    def step(self, label: str) -> StepOutcome:
+        """Run the step called ``label``; refuses out-of-order or unknown labels."""
+        if label not in STEP_LABELS:
+            raise Refused(f"step: found {label!r}, expected one of {', '.join(STEP_LABELS)}")
+        index = STEP_LABELS.index(label)
+        for earlier in STEP_LABELS[:index]:
+            previous = self.outcomes.get(earlier)
+            if previous is None or not previous.passed:
+                reason = "did not run" if previous is None else "failed"
+                outcome = StepOutcome(label, False, f"blocked: step '{earlier}' {reason}", 0.0)
+                self.outcomes[label] = outcome
+                return outcome
+        started = time.perf_counter()
+        try:
+            message = self._run(label)
+            outcome = StepOutcome(label, True, message, time.perf_counter() - started)
+        except Refused as exc:
+            outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started,
+                                  refused=label == "identity sealed")
+        except (ProducerFailed, StepFailed) as exc:
+            outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started)
+        self.outcomes[label] = outcome
+        self.log(f"step {label}: {'ok' if outcome.passed else 'FAILED'} ({outcome.seconds:.2f} s) {outcome.message}")
+        if not outcome.passed and label != "verdict":
+            self._finish_failed(f"{label}: {outcome.message}")
+        return outcome
+
+    def run_all(self, on_step: Callable[[StepOutcome], None] | None = None) -> list[StepOutcome]:
+        """Every step in order, stopping at the first failure (later steps are reported blocked)."""
+        outcomes = []
+        for label in STEP_LABELS:
+            outcome = self.step(label)
+            outcomes.append(outcome)
+            if on_step is not None:
+                on_step(outcome)
+        return outcomes
+
+    @property
+    def refused(self) -> bool:
+        """True when the contract itself was refused (CLI exit 2)."""
+        first = self.outcomes.get(STEP_LABELS[0])
+        return first is not None and first.refused
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+        if self.receipt is not None and not self.receipt.finalized:
+            self._finish_failed("run ended before its verdict")
+
+    def _finish_failed(self, reason: str) -> None:
+        if self.receipt is None or self.receipt.finalized:
+            return
+        if self.verdict is None:
+            self.verdict = Verdict(False, f"not qualified: {reason}", [reason])
+        self.receipt_path = self.receipt.finalize(self.verdict)
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+
+    # -- the steps --------------------------------------------------------------------------
+
+    def _run(self, label: str) -> str:
+        if label == "identity sealed":
+            return self._seal_identity()
+        if label == "producer ready":
+            return self._start_producer()
+        if label == "reference computed":
+            return self._compute_reference()
+        if label in HANDOFF_STEPS:
+            return self._handoff(HANDOFF_STEPS.index(label))
+        return self._judge_summary()
+
+    def _seal_identity(self) -> str:
+        from qualify.engines.factory import build_consumer
+        from qualify.identity import check_engine_units
+        from qualify.receipts import ReceiptWriter, archive_dir
+
+        options = self.options
+        if options.producer != "reference":
+            raise Refused(f"--producer: found {options.producer!r}, expected reference "
+                          "(the embedded engine; other engines are not installed in this harness)")
+        if options.fault is not None:
+            faults.fault_named(options.fault)
+        if self.contract is None:
+            identity_path = options.identity or default_identity_path(options.recipe)
+            from qualify.identity import load_identity
+
+            lane = load_identity(identity_path).lane
+            self.consumer = build_consumer(lane)
+            self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
+                                                   self.consumer.geometry)
+        else:
+            self.consumer = build_consumer(self.contract.lane)
+        contract = self.contract
+        if contract.repetitions != len(HANDOFF_STEPS):
+            raise Refused(f"identity repetitions: found {contract.repetitions}, this recipe runs "
+                          f"{len(HANDOFF_STEPS)} ordered handoffs")
+        if contract.rule is not None:
+            check_engine_units(self._identity_for_units(), self.consumer.logit_units)
+        self._transform = transform_between(self.consumer.logit_units, contract.logit_units)
+        self.receipt = ReceiptWriter(
+            archive_dir(options.receipts),
+            command_line=options.command_line or ["qualify", "--recipe", options.recipe],
+            identity=contract.identity_document,
+            recipe=contract.recipe,
+            lane=contract.lane,
+            rule=contract.rule,
+            identity_sha256=contract.identity_sha256,
+            versions={"harness": __version__, "consumer": self._engine_facts(self.consumer)},
+        )
+        self.receipt_path = self.receipt.path
+        self.log(f"lane {contract.lane} (rung {contract.rung}, producer mode {contract.producer_mode}); "
+                 f"identity sha256 {contract.identity_sha256}; fault {options.fault or 'none'}")
+        return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
+
+    def _identity_for_units(self):
+        from qualify.identity import load_identity
+
+        return load_identity(self.contract.identity_document)
+
+    @staticmethod
+    def _engine_facts(engine: Engine) -> dict[str, Any]:
+        return {"name": engine.name, "version": engine.version, "abi": engine.abi,
+                "digests": dict(getattr(engine, "digests", {}))}
+
+    def _start_producer(self) -> str:
+        from qualify.handoff.client import ProducerProcess
+        from qualify.handoff.wire import key_id, mint_run_key
+
+        contract = self.contract
+        mode = contract.producer_mode
+        extra_args: list[str] = []
+        if self.options.fault == "other-mode":
+            mode = "native" if mode == "exact" else "exact"
+        elif self.options.fault is not None:
+            extra_args = ["--fault", self.options.fault]
+        self._key = mint_run_key()
+        self.producer = ProducerProcess(
+            lane=contract.lane, mode=mode, key=self._key, run_id=self.receipt.run_id,
+            expectation=contract.expectation, watchdog_s=self.options.watchdog_s,
+            extra_args=extra_args,
+        )
+        self.producer.start()
+        self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode}, "
+                 f"run key {key_id(self._key)}")
+        return f"mode {mode}, warm-up prefill done"
+
+    def _cold_recompute(self) -> tuple[KVCache, DecodeResult, float]:
+        contract = self.contract
+        started = time.perf_counter()
+        kv = self.consumer.prefill(contract.prompt[:contract.handoff_positions])
+        result = self.consumer.decode(kv, contract.prompt[contract.handoff_positions:], contract.output_tokens)
+        return kv, result, time.perf_counter() - started
+
+    def _compute_reference(self) -> str:
+        self._cold = self._cold_recompute()
+        _, result, seconds = self._cold
+        return f"cold local recompute: {len(result.tokens)} tokens in {seconds:.2f} s"
+
+    def _handoff(self, index: int) -> str:
+        from qualify.handoff.wire import open_handoff
+
+        contract = self.contract
+        repetition = index + 1
+        request_id = f"sample-{repetition}"
+        measured: dict[str, Any] = {}
+        try:
+            handoff = self.producer.request_prefill(contract.prompt[:contract.handoff_positions], request_id)
+            transport = handoff.transport
+            measured = {"payload_bytes": transport.payload_bytes, "payload_gbit_per_s": transport.gbit_per_s}
+            geometry = self.consumer.geometry.kv_geometry(contract.handoff_positions)
+            opened = open_handoff(
+                handoff, key=self._key,
+                expected_identity_sha256=contract.identity_sha256,
+                expected_cache_identity=contract.target_cache_identity,
+                expected_geometry=geometry,
+                expected_prompt_sha256=contract.prompt_sha256,
+                expected_draft_geometry=getattr(self.consumer, "draft_kv_geometry", lambda p: None)(
+                    contract.handoff_positions),
+                expected_run_id=self.receipt.run_id,
+                expected_request_id=request_id,
+            )
+        except (ProducerFailed, HandoffRefused) as exc:
+            kind = "handoff refused" if isinstance(exc, HandoffRefused) else "producer failed"
+            record = failed_sample_record(repetition, f"{kind}: {one_line(str(exc))}", **measured)
+            return self._keep(record, repetition)
+        manifest = opened.manifest
+        pending = contract.prompt[manifest.handed_off_positions:]
+        started = time.perf_counter()
+        result = self.consumer.decode(opened.kv, pending, contract.output_tokens)
+        decode_s = time.perf_counter() - started
+        if self.options.reference_once:
+            cold_kv, cold, recompute_s = self._cold
+        else:
+            cold_kv, cold, recompute_s = self._cold_recompute()
+        teacher_forced = None
+        if not np.array_equal(result.tokens, cold.tokens):
+            # Rows after a divergence compare like with like only when the handoff branch is fed
+            # the cold tokens.
+            teacher_forced = self.consumer.teacher_forced(opened.kv, pending, cold.tokens)
+        rule = contract.rule
+        comparison = compare_branches(
+            result, cold, self._transform,
+            maximum_absolute=getattr(rule, "maximum_absolute", 0.0),
+            maximum_mean_absolute=getattr(rule, "maximum_mean_absolute", 0.0),
+            teacher_forced_logits=teacher_forced,
+            handoff_kv=(opened.kv.keys, opened.kv.values),
+            own_kv=(cold_kv.keys, cold_kv.values),
+        )
+        timings = opened.timings
+        record = sample_record(
+            repetition=repetition,
+            comparison=comparison,
+            payload_sha256=manifest.payload_sha256,
+            payload_bytes=manifest.payload_size,
+            payload_gbit_per_s=handoff.transport.gbit_per_s,
+            handed_off_positions=manifest.handed_off_positions,
+            recomputed_positions=len(contract.prompt) - manifest.handed_off_positions,
+            phases={
+                "producer_compute_s": manifest.compute_s,
+                "serialize_s": manifest.serialize_s,
+                "transport_s": handoff.transport.transfer_s,
+                "verify_s": timings.verify_s,
+                "install_s": timings.install_s,
+                "decode_s": decode_s,
+                "recompute_s": recompute_s,
+            },
+        )
+        return self._keep(record, repetition)
+
+    def _keep(self, record, repetition: int) -> str:
+        document = record_json(record)
+        self.records.append(document)
+        self.receipt.add_sample(record)
+        if self.contract.rule is None:  # calibration: measure, do not judge
+            return f"max_abs {document.get('max_abs')}, mean_abs {document.get('mean_abs')}"
+        verdict = judge_sample(document, self.contract.rule)
+        self.sample_verdicts.append(verdict)
+        self.log(f"sample {repetition}: {verdict.headline}")
+        if not verdict.passed:
+            raise StepFailed(verdict.headline)
+        return verdict.headline
+
+    def _judge_summary(self) -> str:
+        if self.contract.rule is None:
+            raise StepFailed("calibration runs have no verdict step")
+        self.verdict = judge_summary(self.records, self.contract.rule)
+        self.receipt_path = self.receipt.finalize(self.verdict)
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+        if not self.verdict.passed:
+            raise StepFailed(self.verdict.headline)
+        return self.verdict.headline
+
+
+class StepFailed(Exception):
+    """A step ran and its evidence failed the contract (the run is not qualified)."""
