@@ -116,3 +116,31 @@ def kv_transform(name: str, rope_theta: float) -> Callable[[KVCache], KVCache] |
         "block-order": swap_blocks,
         "v-scale": scale_one_layer_v,
     }.get(name)
+
+
+OTHER_PROMPT = "prose-email-architecture"
+
+
+class FaultyProducer:
+    """A producer engine whose handoffs carry one named fault; everything else is the wrapped
+    engine's (name, version, ABI, geometry, digests, mode and cache identity), so the producer
+    starts, seals and authenticates exactly as an honest one would."""
+
+    def __init__(self, engine, name: str) -> None:
+        fault_named(name)
+        if name == "other-mode":
+            raise Refused("fault other-mode: start the producer in the other --mode instead")
+        self._engine = engine
+        self.fault = name
+        self._transform = kv_transform(name, engine.geometry.rope_theta)
+
+    def __getattr__(self, attribute: str):
+        return getattr(self._engine, attribute)
+
+    def prefill(self, tokens: np.ndarray) -> KVCache:
+        if self.fault == "other-prompt":
+            from qualify.assets import load_prompt
+
+            tokens = load_prompt(OTHER_PROMPT)[: len(tokens)]
+        kv = self._engine.prefill(tokens)
+        return self._transform(kv) if self._transform is not None else kv

@@ -227,7 +227,7 @@ RELPATHS = st.sampled_from(
 ABIS = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-._", min_size=1, max_size=16)
 
 
-@settings(max_examples=500, derandomize=True, deadline=None)
+@settings(max_examples=500, derandomize=True, deadline=None, database=None)
 @given(
     digests=st.dictionaries(RELPATHS, HEX, min_size=1, max_size=5),
     other_digests=st.dictionaries(RELPATHS, HEX, min_size=1, max_size=5),

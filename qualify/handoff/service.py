@@ -46,6 +46,7 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 
 from qualify.assets import prompt_sha256
+from qualify.faults import FAULTS, FaultyProducer
 from qualify.digests import canonical_json_bytes, is_sha256_hex
 from qualify.engines.base import Engine, ModelGeometry
 from qualify.errors import Refused, one_line
@@ -313,6 +314,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-fd", type=int, help="write the ready line here (default stdout)")
     parser.add_argument("--exit-with-stdin", action="store_true",
                         help="exit when stdin reaches EOF (the parent is gone)")
+    parser.add_argument("--fault", default=None,
+                        help="serve a named fault lane (qualify.faults; self-tests and operators)")
     return parser
 
 
@@ -334,6 +337,7 @@ class ServiceConfig:
     ready_fd: int | None
     exit_with_stdin: bool
     key_source: tuple[str, str] = field(repr=False)
+    fault: str | None = None
 
 
 def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
@@ -341,6 +345,8 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
     args = _parser().parse_args(argv)
     if args.mode not in PRODUCER_MODES:
         raise StartRefused(f"--mode: found {args.mode!r}, expected exact or native")
+    if args.fault is not None and args.fault not in FAULTS:
+        raise StartRefused(f"--fault: found {args.fault!r}, expected one of {', '.join(sorted(FAULTS))}")
     if not LANE_PATTERN.fullmatch(args.lane):
         raise StartRefused(f"--lane: found {args.lane!r}, expected a lane name")
     if not ID_PATTERN.fullmatch(args.run_id):
@@ -374,7 +380,7 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
         allow_non_loopback=args.allow_non_loopback, watchdog_s=float(args.watchdog_s),
         engine_factory=args.engine_factory, warmup_tokens=args.warmup_tokens,
         ready_fd=args.ready_fd, exit_with_stdin=args.exit_with_stdin,
-        key_source=(kind, str(value)),
+        key_source=(kind, str(value)), fault=args.fault,
     )
 
 
@@ -829,6 +835,8 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
         build = factory if factory is not None else load_factory(config.engine_factory)
         try:
             engine = build(config.lane, config.mode)
+            if config.fault is not None:
+                engine = FaultyProducer(engine, config.fault)
         except Refused as exc:
             raise StartRefused(one_line(f"engine build for lane {config.lane}: {exc}")) from None
         except Exception as exc:
