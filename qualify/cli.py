@@ -11,11 +11,11 @@ exits 2 with a one-line "not available".
 =====================  =========================================================
 command                handler
 =====================  =========================================================
-``--recipe NAME ...``  ``qualify.qualifier.run_cli``
+``--recipe NAME ...``  ``qualify.operator.run_cli``
 ``receipts verify``    ``qualify.receipts.verify_cli(path)`` (PATH parsed here)
 ``enroll``             ``qualify.enroll.enroll_cli``
-``calibrate``          ``qualify.qualifier.calibrate_cli``
-``selftest``           ``qualify.qualifier.selftest_cli``
+``calibrate``          ``qualify.operator.calibrate_cli``
+``selftest``           ``qualify.operator.selftest_cli``
 ``producer serve``     ``qualify.handoff.service.main``
 =====================  =========================================================
 """
@@ -73,14 +73,14 @@ DELEGATES: tuple[Delegate, ...] = (
              _call_receipts_verify),
     Delegate(("enroll",), "qualify.enroll", "enroll_cli",
              "enroll a qualified lane and mint its handoff key"),
-    Delegate(("calibrate",), "qualify.qualifier", "calibrate_cli",
+    Delegate(("calibrate",), "qualify.operator", "calibrate_cli",
              "measure a lane's drift envelope over repeated handoffs (the basis receipt)"),
-    Delegate(("selftest",), "qualify.qualifier", "selftest_cli",
+    Delegate(("selftest",), "qualify.operator", "selftest_cli",
              "run the harness's own end-to-end self checks"),
     Delegate(("producer", "serve"), "qualify.handoff.service", "main",
              "run a producer service process (Unix socket)"),
 )
-RECIPE_DELEGATE = Delegate(("--recipe",), "qualify.qualifier", "run_cli",
+RECIPE_DELEGATE = Delegate(("--recipe",), "qualify.operator", "run_cli",
                            "run a qualification recipe")
 
 _OUT = Console(highlight=False, soft_wrap=True)

@@ -49,7 +49,7 @@ def default_identity_path(recipe: str) -> Path:
 
 def identity_path_for_lane(lane: str) -> Path:
     """Where a lane's frozen identity lives in ``contracts/``."""
-    return assets.CONTRACTS_DIR / "identities" / f"{lane}.v1.json"
+    return assets.CONTRACTS_DIR / f"{lane}-identity-v1.json"
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,6 @@ class QualificationRun:
 
     def _seal_identity(self) -> str:
         from qualify.engines.factory import build_consumer
-        from qualify.identity import check_engine_units
         from qualify.receipts import ReceiptWriter, archive_dir
 
         options = self.options
@@ -266,8 +265,8 @@ class QualificationRun:
         if contract.repetitions != len(HANDOFF_STEPS):
             raise Refused(f"identity repetitions: found {contract.repetitions}, this recipe runs "
                           f"{len(HANDOFF_STEPS)} ordered handoffs")
-        if contract.rule is not None:
-            check_engine_units(self._identity_for_units(), self.consumer.logit_units)
+        # Both sides are compared in the contract's units; an engine emitting other units is
+        # refused here (a soft cap cannot be undone).
         self._transform = transform_between(self.consumer.logit_units, contract.logit_units)
         self.receipt = ReceiptWriter(
             archive_dir(options.receipts),
@@ -283,11 +282,6 @@ class QualificationRun:
         self.log(f"lane {contract.lane} (rung {contract.rung}, producer mode {contract.producer_mode}); "
                  f"identity sha256 {contract.identity_sha256}; fault {options.fault or 'none'}")
         return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
-
-    def _identity_for_units(self):
-        from qualify.identity import load_identity
-
-        return load_identity(self.contract.identity_document)
 
     @staticmethod
     def _engine_facts(engine: Engine) -> dict[str, Any]:
@@ -345,7 +339,8 @@ class QualificationRun:
                 expected_identity_sha256=contract.identity_sha256,
                 expected_cache_identity=contract.target_cache_identity,
                 expected_geometry=geometry,
-                expected_prompt_sha256=contract.prompt_sha256,
+                # The manifest names the tokens whose KV it carries: the handed-off prefix.
+                expected_prompt_sha256=assets.prompt_sha256(contract.prompt[:contract.handoff_positions]),
                 expected_draft_geometry=getattr(self.consumer, "draft_kv_geometry", lambda p: None)(
                     contract.handoff_positions),
                 expected_run_id=self.receipt.run_id,
@@ -427,3 +422,117 @@ class QualificationRun:
 
 class StepFailed(Exception):
     """A step ran and its evidence failed the contract (the run is not qualified)."""
+
+
+# -- calibration --------------------------------------------------------------------------------
+
+CALIBRATION_SCHEMA = "trust-ladder.calibration.v1"
+# A bound is proposed "a hair above" the observed envelope: 1 % above it, rounded up to three
+# significant digits (the seed's 10.884401 -> 11.0 and 1.233789 -> 1.25 follow this rule).
+CALIBRATION_HEADROOM = 1.01
+CALIBRATION_SIGNIFICANT_DIGITS = 3
+
+
+def propose_bound(observed: float) -> float | None:
+    """The bound a calibration proposes for an observed maximum; None when nothing was observed
+    (a lane with no drift is a bit-exact lane: a bounded-drift rule cannot be proposed for it)."""
+    import math
+
+    if not math.isfinite(observed) or observed <= 0:
+        return None
+    scaled = observed * CALIBRATION_HEADROOM
+    exponent = math.floor(math.log10(scaled)) - (CALIBRATION_SIGNIFICANT_DIGITS - 1)
+    step = 10.0 ** exponent
+    return round(math.ceil(scaled / step - 1e-9) * step, max(0, -exponent))
+
+
+def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_PROMPT,
+                         output_tokens: int = 256) -> Contract:
+    """A contract for measuring a lane before its identity exists: the lane's real artifacts and
+    cache identity, a calibration document in place of the identity, and no rule."""
+    from qualify.digests import canonical_sha256
+    from qualify.engines.factory import build_cache_identity, build_producer, checkpoint_digests
+    from qualify.handoff.service import ProducerExpectation
+    from qualify.lanes import lane_spec
+
+    spec = lane_spec(lane)
+    if spec.recipe.value != recipe:
+        raise Refused(f"lane {lane}: recipe: found {spec.recipe.value}, the run is --recipe {recipe}")
+    producer = build_producer(lane, spec.mode.value)
+    prompt = assets.load_prompt(prompt_name)
+    handoff_positions = len(prompt) - 1
+    document = {
+        "schema": CALIBRATION_SCHEMA,
+        "lane": lane,
+        "recipe": recipe,
+        "producer_mode": spec.mode.value,
+        "producer_engine": {"name": producer.name, "version": producer.version, "abi": producer.abi},
+        "checkpoint": checkpoint_digests(spec.kind),
+        "prompt": {"name": prompt_name, "sha256": assets.prompt_sha256(prompt)},
+        "handoff_positions": handoff_positions,
+        "output_tokens": output_tokens,
+        "target_cache_identity_sha256": build_cache_identity(spec),
+    }
+    digest = canonical_sha256(document)
+    return Contract(
+        lane=lane, recipe=recipe, rung=spec.recipe.rung, producer_mode=spec.mode.value,
+        identity_document=document, identity_sha256=digest,
+        target_cache_identity=document["target_cache_identity_sha256"], logit_units="raw",
+        prompt_name=prompt_name, prompt=prompt, prompt_sha256=document["prompt"]["sha256"],
+        handoff_positions=handoff_positions, output_tokens=output_tokens,
+        repetitions=len(HANDOFF_STEPS), rule=None,
+        expectation=ProducerExpectation(
+            engine_version=producer.version, geometry=producer.geometry, identity_sha256=digest,
+            engine_name=producer.name, engine_abi=producer.abi, digests=producer.digests),
+    )
+
+
+@dataclass
+class Calibration:
+    """A calibration's measured envelope and the rule it proposes (never applied by itself)."""
+
+    lane: str
+    records: list[dict[str, Any]]
+    observed_max_abs: float
+    observed_mean_abs: float
+    tokens_exact: bool
+    proposed_maximum_absolute: float | None
+    proposed_maximum_mean_absolute: float | None
+    receipt_path: Path | None
+    failures: list[str]
+
+
+def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
+              log: Callable[[str], None] | None = None) -> Calibration:
+    """Measure ``repetitions`` handoffs of ``lane`` against the cold recompute, archive the run as
+    a receipt (the basis a frozen identity cites), and propose bounds a hair above the envelope."""
+    if repetitions < 1:
+        raise Refused(f"--repetitions: found {repetitions}, expected at least 1")
+    run = QualificationRun(options, calibration_contract(lane, recipe), log=log)
+    failures: list[str] = []
+    try:
+        for label in STEP_LABELS[:3]:
+            outcome = run.step(label)
+            if not outcome.passed:
+                raise Refused(f"calibration {label}: {outcome.message}")
+        for index in range(repetitions):
+            message = run._handoff(index)
+            run.log(f"calibration handoff {index + 1}/{repetitions}: {message}")
+        measured = [r for r in run.records if not r.get("error")]
+        failures = [r["error"] for r in run.records if r.get("error")]
+        tokens_exact = bool(measured) and all(r["token_agreement_rate"] == 1.0 for r in measured)
+        observed_max = max((r["max_abs"] for r in measured), default=float("nan"))
+        observed_mean = max((r["mean_abs"] for r in measured), default=float("nan"))
+        proposal = (propose_bound(observed_max), propose_bound(observed_mean))
+        headline = (f"calibration of {lane} over {repetitions} handoffs: observed max abs {observed_max!r}, "
+                    f"max mean abs {observed_mean!r}, tokens exact in every handoff: {tokens_exact}; "
+                    f"proposed rule maximum_absolute {proposal[0]}, maximum_mean_absolute {proposal[1]}")
+        reasons = [f"handoff failed: {failure}" for failure in failures]
+        if not tokens_exact:
+            reasons.append("greedy tokens diverged: no bounded-drift rule can qualify this lane on this prompt")
+        run.verdict = Verdict(not failures and tokens_exact, headline, reasons or [headline])
+        run.receipt_path = run.receipt.finalize(run.verdict)
+    finally:
+        run.close()
+    return Calibration(lane, run.records, observed_max, observed_mean, tokens_exact,
+                       proposal[0], proposal[1], run.receipt_path, failures)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from qualify.engines import nvfp4
 from qualify.engines.nvfp4 import (
     E2M1_MIDPOINTS,
     E2M1_VALUES,
@@ -479,7 +478,3 @@ def test_shipped_checkpoint_quantizes_projections_and_keeps_f16_head_and_norms()
         assert error < 0.15, name  # 4-bit: about 0.1 relative error on a trained weight
     assert checkpoint.metadata["weight_precision"] == "nvfp4"
     assert checkpoint.activation_precision == "a16"
-
-
-def test_module_exports_nan_bytes() -> None:
-    assert nvfp4.E4M3FN_NAN_BYTES == (0x7F, 0xFF)

@@ -20,18 +20,18 @@ Usage: python tools/make_gguf.py [--model-dir model] [--out-dir model/gguf]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qualify.digests import sha256_file  # noqa: E402
+from qualify.engines.checkpoint import LlamaConfig, load_config, load_weights  # noqa: E402
+from qualify.engines.draft import DRAFT_FILE, load_draft_safetensors  # noqa: E402
 from qualify.engines.kquant import (  # noqa: E402
     DRAFT_ARCH,
     DRAFT_GGUF_NAME,
@@ -52,12 +52,6 @@ LAYER_TENSORS: dict[str, str] = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-
-
-def read_float16_tensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of a safetensors file as float32 (exact widening of float16)."""
-    with safe_open(str(path), "np") as handle:
-        return {name: handle.get_tensor(name).astype(np.float32) for name in handle.keys()}
 
 
 def add_weight(writer: gguf.GGUFWriter, name: str, weight_f32: np.ndarray) -> None:
@@ -81,51 +75,54 @@ def add_layer(writer: gguf.GGUFWriter, block: str, hf_layer: dict[str, np.ndarra
         add_weight(writer, f"{block}.{gguf_suffix}", weight)
 
 
-def add_hparams(writer: gguf.GGUFWriter, config: dict, source_sha256: str) -> None:
+def add_hparams(writer: gguf.GGUFWriter, config: LlamaConfig, source_sha256: str) -> None:
+    geometry = config.geometry
     writer.add_name("trust-ladder shipped model" if writer.arch == "llama" else "trust-ladder EAGLE-1 draft")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_rope_freq_base(float(config["rope_theta"]))
-    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_vocab_size(config["vocab_size"])
+    writer.add_context_length(geometry.max_positions)
+    writer.add_embedding_length(geometry.hidden)
+    writer.add_feed_forward_length(config.intermediate)
+    writer.add_head_count(geometry.heads)
+    writer.add_head_count_kv(geometry.kv_heads)
+    writer.add_key_length(geometry.head_dim)
+    writer.add_value_length(geometry.head_dim)
+    writer.add_rope_dimension_count(geometry.head_dim)
+    writer.add_rope_freq_base(geometry.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(geometry.vocab)
     writer.add_string("trust_ladder.source_sha256", source_sha256)
 
 
 def write_target(model_dir: Path, out: Path) -> None:
-    config = json.loads((model_dir / "config.json").read_text())
-    source = model_dir / "model.safetensors"
-    tensors = read_float16_tensors(source)
+    """The shipped model (checked by the reference engine's fail-closed loader) as Q8_0 GGUF."""
+    config = load_config(model_dir)
+    tensors = load_weights(model_dir, config)  # float32, exact widening of float16
+    geometry = config.geometry
     writer = gguf.GGUFWriter(out, "llama")
-    add_hparams(writer, config, sha256_file(source))
-    writer.add_block_count(config["num_hidden_layers"])
+    add_hparams(writer, config, sha256_file(model_dir / "model.safetensors"))
+    writer.add_block_count(geometry.layers)
     add_weight(writer, "token_embd.weight", tensors["model.embed_tokens.weight"])
-    for index in range(config["num_hidden_layers"]):
+    for index in range(geometry.layers):
         prefix = f"model.layers.{index}."
         layer = {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
-        add_layer(writer, f"blk.{index}", layer, config["num_attention_heads"], config["num_key_value_heads"])
+        add_layer(writer, f"blk.{index}", layer, geometry.heads, geometry.kv_heads)
     add_weight(writer, "output_norm.weight", tensors["model.norm.weight"])
     finish(writer)
 
 
 def write_draft(model_dir: Path, out: Path) -> None:
-    config = json.loads((model_dir / "config.json").read_text())
-    source = model_dir / "draft.safetensors"
-    tensors = read_float16_tensors(source)
+    """The EAGLE-1 draft (checked by its fail-closed loader) as Q8_0 GGUF."""
+    config = load_config(model_dir)
+    source = model_dir / DRAFT_FILE
+    tensors = load_draft_safetensors(source, config.geometry, config.intermediate)
     writer = gguf.GGUFWriter(out, DRAFT_ARCH)
     add_hparams(writer, config, sha256_file(source))
     writer.add_block_count(1)
     writer.add_string("trust_ladder.draft_kind", "eagle-1")
     add_weight(writer, "fc.weight", tensors["fc.weight"])
     layer = {name[len("layer."):]: value for name, value in tensors.items() if name.startswith("layer.")}
-    add_layer(writer, "blk.0", layer, config["num_attention_heads"], config["num_key_value_heads"])
+    add_layer(writer, "blk.0", layer, config.geometry.heads, config.geometry.kv_heads)
     finish(writer)
 
 

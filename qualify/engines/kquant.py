@@ -20,8 +20,9 @@ output depends only on row t of the input, so results do not depend on BLAS, thr
 shape.
 
 Native arithmetic (``NativeQ8Linear``): the same quantized operands, dequantized to float32 and
-contracted by one float32 BLAS GEMM over the whole row (another accumulation order). It is the
-``kquant-native`` producer for fault tests: rung 3 must refuse its cache entries.
+contracted by float32 BLAS GEMM over the whole row (another accumulation order; the reference
+engine's ``matmul`` keeps it independent of the thread count). It is the ``kquant-native``
+producer for fault tests: rung 3 must refuse its cache entries.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from qualify.engines.reference import (
     ReferenceEngine,
     RowsOutput,
     apply_rope,
+    matmul,
     rms_norm,
     softmax_,
 )
@@ -211,8 +213,9 @@ class ExactQ8Linear:
 
 
 class NativeQ8Linear:
-    """The same Q8_0 operands, dequantized and contracted by one float32 GEMM over the whole row
-    (BLAS accumulation order): the kquant ``native`` producer arithmetic, for fault tests."""
+    """The same Q8_0 operands, dequantized and contracted by float32 GEMM over the whole row
+    (BLAS accumulation order, deterministic but not row-invariant): the kquant ``native`` producer
+    arithmetic, for fault tests."""
 
     kind = "q8_0-native"
 
@@ -226,7 +229,7 @@ class NativeQ8Linear:
         x = _check_input(self.name, x, self.n_in)
         act_quants, act_scales = quantize_activations_q8_0(x)
         act = (act_quants.astype(np.float32) * act_scales[:, :, None]).reshape(x.shape)
-        return act @ self._dequantized_t
+        return matmul(act, self._dequantized_t)  # the reference's thread-count-proof GEMM
 
 
 def _check_input(name: str, x: np.ndarray, n_in: int) -> np.ndarray:
@@ -510,10 +513,10 @@ def decode_rows(layer: DecoderLayer, x: np.ndarray, positions: np.ndarray, keys:
     for row in range(rows):  # the decode_row attention, row by row
         visible = first_slot + row + 1
         grouped = np.ascontiguousarray(q[row]).reshape(kv_heads, group, head_dim)  # [kv, group, hd]
-        scores = grouped @ keys[:, :visible].transpose(0, 2, 1)  # [kv, group, visible]
+        scores = matmul(grouped, keys[:, :visible].transpose(0, 2, 1))  # [kv, group, visible]
         scores *= layer.scale
         probs = layer.materialize(softmax_(scores))
-        attended[row] = (probs @ values[:, :visible]).reshape(heads * head_dim)
+        attended[row] = matmul(probs, values[:, :visible]).reshape(heads * head_dim)  # [kv, group, hd]
     attended = layer.materialize(attended)
     x = layer.materialize(x + layer.o_proj(attended))
     return layer._mlp_residual(x)  # noqa: SLF001 - the layer's own SwiGLU block (row-wise)

@@ -58,11 +58,12 @@ from qualify.kv import KVCache
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
 # the abi is part of every lane's cache identity, so old KV never aliases new arithmetic.
 ABI_VERSION = "numpy-llama-abi-2"
-# The longest reduction any single BLAS call performs (see ``matmul``). OpenBLAS splits the
-# reduction dimension K into blocks of GEMM_Q (>= 256 for its x86-64 sgemm kernels) and rounds the
-# split point differently in its threaded and single-threaded drivers, so for K > GEMM_Q the bits
-# depend on OPENBLAS_NUM_THREADS (measured: attention's probs @ V at 2032 keys). Chunks no longer
-# than this are never split, and the chunks are summed here in a fixed order.
+# The longest reduction any single BLAS call performs (see ``matmul``). OpenBLAS cuts a long
+# reduction dimension K into blocks of its GEMM_Q and places the last cut differently in its
+# threaded and single-threaded drivers, so for long K the bits depend on OPENBLAS_NUM_THREADS
+# (measured on 0.3.30: attention's probs @ V over 2032 keys). A chunk of 256 is below GEMM_Q here
+# and is never cut (the 1-vs-2-thread subprocess test re-checks this on every machine it runs on);
+# the chunks are summed in a fixed order.
 REDUCTION_CHUNK = 256
 # Prefill attention runs over query blocks of this many rows: scores for one block are
 # [kv_heads, group, block, keys] float32 (~17 MB at 2047 positions) instead of the whole

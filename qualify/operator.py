@@ -1,0 +1,195 @@
+"""What an operator sees: ``qualify --recipe``, ``qualify calibrate`` and ``qualify selftest``.
+
+Drives :class:`qualify.qualifier.QualificationRun` in-process with rich progress (one line per
+progress label), prints the per-sample table, the verdict in the judgement's own words and the
+receipt path. Exit codes: 0 qualified, 1 not qualified, 2 refused contract or bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from qualify.errors import Refused
+from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
+
+EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors become one-line refusals (exit 2) instead of a usage block."""
+
+    def error(self, message: str):
+        raise Refused(f"{self.prog}: {message}")
+
+
+def _recipe_parser(prog: str) -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=prog, description="Run a qualification recipe.")
+    parser.add_argument("--recipe", required=True, choices=["native-text", "kquant-target-plus-dflash"])
+    parser.add_argument("--identity", type=Path, help="frozen identity JSON (default: the recipe's shipped lane)")
+    parser.add_argument("--producer", default="reference", help="producer engine (default: reference)")
+    parser.add_argument("--reference-once", action="store_true",
+                        help="compute the cold local recompute once per run instead of per sample")
+    parser.add_argument("--drift-graded", action="store_true",
+                        help="rung 3: grade deltas instead of refusing at the first logit digest mismatch")
+    parser.add_argument("--fault", help="run against a named fault lane (see qualify selftest)")
+    parser.add_argument("--receipts", type=Path,
+                        help="receipt archive (default $QUALIFY_RECEIPTS, else the user data dir)")
+    return parser
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.{digits}g}" if abs(value) < 1e-3 and value != 0 else f"{value:.{digits}f}"
+    return str(value)
+
+
+def sample_table(records: Sequence[dict[str, Any]]) -> Table:
+    """The per-sample table: tokens agreed, drift, payload and phase times."""
+    table = Table(title="handoff samples", header_style="bold")
+    for column in ("sample", "tokens agreed", "max abs", "mean abs", "payload MB", "Gbit/s",
+                   "producer s", "transport s", "verify s", "install s", "decode s", "recompute s"):
+        table.add_column(column, justify="right")
+    for record in records:
+        if record.get("error"):
+            table.add_row(str(record.get("repetition")), Text("failed", style="red"), *["-"] * 10)
+            continue
+        agreed = round(record["token_agreement_rate"] * record["output_tokens"])
+        table.add_row(
+            str(record["repetition"]), f"{agreed}/{record['output_tokens']}",
+            _fmt(record["max_abs"], 6), _fmt(record["mean_abs"], 6),
+            _fmt(record["payload_bytes"] / 1e6, 2), _fmt(record["payload_gbit_per_s"], 2),
+            *(_fmt(record[name], 3) for name in ("producer_compute_s", "transport_s", "verify_s",
+                                                  "install_s", "decode_s", "recompute_s")),
+        )
+    return table
+
+
+def _localisation_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    lines = []
+    for record in records:
+        where = record.get("localisation")
+        if not where:
+            continue
+        parts = [f"sample {record['repetition']}:"]
+        if where.get("first_divergence_position") is not None:
+            parts.append(f"first token divergence at step {where['first_divergence_position']} "
+                         f"(cold top-1/top-2 margin {_fmt(where.get('cold_margin_at_divergence'), 4)}, "
+                         f"{where.get('divergence_class')})")
+        if where.get("first_rule_breaking_row") is not None:
+            parts.append(f"first logit row over the rule: {where['first_rule_breaking_row']}")
+        teacher = where.get("teacher_forced")
+        if teacher:
+            parts.append(f"teacher-forced drift max {_fmt(teacher['max_abs'], 4)} mean "
+                         f"{_fmt(teacher['mean_abs'], 4)}, top-1 flips {teacher['top1_flips']}")
+        layers = where.get("kv_layer_max_abs") or []
+        if layers:
+            parts.append("KV max abs delta per layer (K/V): " + ", ".join(
+                f"L{item['layer']} {_fmt(item['k'], 4)}/{_fmt(item['v'], 4)}" for item in layers))
+        lines.append(" ".join(parts))
+    for record in records:
+        if record.get("error"):
+            lines.append(f"sample {record.get('repetition')}: {record['error']}")
+    return lines
+
+
+def operator_console() -> Console:
+    """Rich console for operator output; wide enough for the sample table in logs and pipes."""
+    import sys
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _print_step(console: Console, outcome: StepOutcome) -> None:
+    mark, style = ("✓", "green") if outcome.passed else ("✗", "red")
+    console.print(Text.assemble((f" {mark} ", style), (f"{outcome.label:<20}", "bold"),
+                                f" {outcome.seconds:6.2f} s  ", outcome.message))
+
+
+def drive(run: QualificationRun, console: Console) -> int:
+    """Run every step with progress, then the table, verdict and receipt path; the exit code."""
+    for label in STEP_LABELS:
+        with console.status(f"{label} …"):
+            outcome = run.step(label)
+        _print_step(console, outcome)
+    run.close()
+    if run.refused:
+        return EXIT_REFUSED
+    if run.records:
+        console.print(sample_table(run.records))
+        for line in _localisation_lines(run.records):
+            console.print(Text(line, style="yellow"))
+    verdict = run.verdict
+    if verdict is not None:
+        style = "bold green" if verdict.passed else "bold red"
+        console.print(Text(("QUALIFIED: " if verdict.passed else "NOT QUALIFIED: ") + verdict.headline, style=style))
+        for reason in verdict.reasons:
+            console.print(f"  - {reason}")
+    if run.receipt_path is not None:
+        console.print(f"receipt: {run.receipt_path}")
+    return EXIT_PASS if verdict is not None and verdict.passed else EXIT_FAILED
+
+
+def run_cli(argv: Sequence[str]) -> int:
+    """``qualify --recipe NAME [...]``."""
+    args = _recipe_parser("qualify").parse_args(list(argv))
+    options = RunOptions(
+        recipe=args.recipe, identity=args.identity, producer=args.producer,
+        reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
+        receipts=args.receipts, command_line=["qualify", *argv],
+    )
+    console = operator_console()
+    console.print(Text(f"qualify --recipe {args.recipe}", style="bold"))
+    return drive(QualificationRun(options), console)
+
+
+def calibrate_cli(argv: Sequence[str]) -> int:
+    """``qualify calibrate --recipe R --lane L --repetitions N``: measure, archive, propose."""
+    from qualify.qualifier import calibrate
+
+    parser = _OneLineParser(prog="qualify calibrate",
+                            description="Measure a lane's drift envelope and propose its sealed bounds.")
+    parser.add_argument("--recipe", required=True, choices=["native-text", "kquant-target-plus-dflash"])
+    parser.add_argument("--lane", required=True, help="lane name (qualify/lanes.py)")
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--receipts", type=Path, help="receipt archive for the calibration receipt")
+    args = parser.parse_args(list(argv))
+    console = operator_console()
+    options = RunOptions(recipe=args.recipe, receipts=args.receipts,
+                         command_line=["qualify", "calibrate", *argv])
+    result = calibrate(args.lane, args.recipe, args.repetitions, options,
+                       log=lambda line: console.print(Text(line, style="dim")))
+    console.print(sample_table(result.records))
+    for line in _localisation_lines(result.records):
+        console.print(Text(line, style="yellow"))
+    console.print(f"observed envelope: max abs {result.observed_max_abs!r}, "
+                  f"mean abs {result.observed_mean_abs!r}; tokens exact in every handoff: {result.tokens_exact}")
+    if result.failures or not result.tokens_exact:
+        console.print(Text("no rule proposed: the lane does not keep exact tokens (or a handoff failed) "
+                           "on this prompt; publish this receipt as its result", style="bold red"))
+    elif result.proposed_maximum_absolute is None:
+        console.print(Text("no drift observed: this lane is bit-exact here; a bounded-drift rule needs "
+                           "positive bounds, so qualify it under an exact rule instead", style="yellow"))
+    else:
+        console.print(Text(
+            f"proposed rule (1 % above the envelope, 3 significant digits): maximum_absolute "
+            f"{result.proposed_maximum_absolute}, maximum_mean_absolute "
+            f"{result.proposed_maximum_mean_absolute}", style="bold"))
+        console.print(
+            "sealed-constant change it needs (made by a reviewed code change, never by this command):\n"
+            f"  tools/freeze_identity.py --lane {args.lane} --maximum-absolute "
+            f"{result.proposed_maximum_absolute} --maximum-mean-absolute "
+            f"{result.proposed_maximum_mean_absolute} --basis receipt://{result.receipt_path.name}/command.log\n"
+            "  then paste the printed block into qualify/sealed.py and copy the receipt into receipts/")
+    console.print(f"receipt: {result.receipt_path}")
+    return EXIT_PASS if result.tokens_exact and not result.failures else EXIT_FAILED
