@@ -193,3 +193,39 @@ def calibrate_cli(argv: Sequence[str]) -> int:
             "  then paste the printed block into qualify/sealed.py and copy the receipt into receipts/")
     console.print(f"receipt: {result.receipt_path}")
     return EXIT_PASS if result.tokens_exact and not result.failures else EXIT_FAILED
+
+
+def selftest_cli(argv: Sequence[str]) -> int:
+    """``qualify selftest [--fault NAME] [--receipts DIR]``: every fault lane must fail, localised."""
+    import tempfile
+
+    from qualify.selftest import all_fault_runs, run_fault
+
+    parser = _OneLineParser(prog="qualify selftest",
+                            description="Run the recipes against the fault lanes; each must fail where it was injected.")
+    parser.add_argument("--fault", action="append", help="only this fault (repeatable)")
+    parser.add_argument("--receipts", type=Path,
+                        help="archive for the self-test's failing receipts (default: a temporary directory)")
+    args = parser.parse_args(list(argv))
+    pairs = [(name, rung) for name, rung in all_fault_runs() if not args.fault or name in args.fault]
+    if not pairs:
+        raise Refused(f"selftest --fault: found {args.fault}, expected names from qualify.faults")
+    console = operator_console()
+    table = Table(title="fault lanes", header_style="bold")
+    for column in ("fault", "recipe", "caught", "localised", "finding"):
+        table.add_column(column)
+    all_passed = True
+    with tempfile.TemporaryDirectory(prefix="qualify-selftest-") as scratch:
+        receipts = args.receipts or Path(scratch)
+        for name, rung in pairs:
+            with console.status(f"fault {name} (rung {rung}) …"):
+                result = run_fault(name, rung, receipts)
+            all_passed &= result.passed
+            table.add_row(name, result.recipe, "yes" if result.caught else Text("NO", style="red"),
+                          "yes" if result.localised else Text("NO", style="red"), result.finding)
+            console.print(f"{'✓' if result.passed else '✗'} {name} ({result.recipe}): {result.finding}")
+    console.print(table)
+    console.print(Text("selftest passed: every fault lane failed where it was injected" if all_passed
+                       else "selftest FAILED: a fault lane was not caught or not localised",
+                       style="bold green" if all_passed else "bold red"))
+    return EXIT_PASS if all_passed else EXIT_FAILED

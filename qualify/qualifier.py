@@ -65,6 +65,9 @@ class RunOptions:
     receipts: Path | None = None
     command_line: list[str] = field(default_factory=list)
     watchdog_s: float = 900.0
+    # module:function building the producer engine in the producer process (tests inject faults
+    # the fault lanes do not cover, e.g. a producer that dies mid-handoff).
+    engine_factory: str | None = None
 
 
 @dataclass(frozen=True)
@@ -303,7 +306,7 @@ class QualificationRun:
         self.producer = ProducerProcess(
             lane=contract.lane, mode=mode, key=self._key, run_id=self.receipt.run_id,
             expectation=contract.expectation, watchdog_s=self.options.watchdog_s,
-            extra_args=extra_args,
+            extra_args=extra_args, engine_factory=self.options.engine_factory,
         )
         self.producer.start()
         self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode}, "

@@ -205,11 +205,13 @@ class ExactQ8Linear:
             raise Refused(f"kquant: {self.name}: activation quant outside [-127, 127]")
         # Exact integer block dots: [blocks, T, 32] @ [blocks, 32, n_out] -> [blocks, T, n_out].
         terms = np.matmul(act_quants.transpose(1, 0, 2), self._quants_by_block)
-        # Epilogue, per block: float32(isum) * (d_w * d_a), then a left-to-right float32 sum over
-        # blocks starting from +0.0 (add.accumulate is strictly sequential: s_b = s_{b-1} + t_b).
+        # Epilogue, per block: float32(isum) * (d_w * d_a); then a left-to-right float32 sum over
+        # blocks starting from +0.0: acc = ((0 + t_0) + t_1) + ... (each add one IEEE rounding).
         terms *= self._scales_by_block[:, None, :] * act_scales.T[:, :, None]
-        terms[0] += np.float32(0)
-        return np.add.accumulate(terms, axis=0)[-1]
+        acc = terms[0] + np.float32(0)
+        for block in range(1, self.blocks):
+            acc += terms[block]
+        return acc
 
 
 class NativeQ8Linear:

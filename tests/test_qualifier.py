@@ -1,0 +1,80 @@
+"""The qualification run end to end: real producer process, real consumer, receipts.
+
+These run the shipped model through the whole pipeline, so they are marked slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from qualify.engines.factory import build_producer
+from qualify.qualifier import (
+    STEP_LABELS, QualificationRun, RunOptions, calibration_contract, propose_bound,
+)
+from qualify.receipts import read_receipt_json, verify_receipt
+from qualify.records import BoundedDriftRule
+
+LANE = "nvfp4-native-splitk"
+DIES_ON_REQUEST = 2  # the warm-up prefill is request 1; the first handoff is request 2
+
+
+def build_dying_producer(lane: str, mode: str):
+    """A real producer engine whose process is SIGKILLed inside the first handoff's prefill."""
+    engine = build_producer(lane, mode)
+    real_prefill = engine.prefill
+    calls = []
+
+    def prefill(tokens):
+        calls.append(len(tokens))
+        if len(calls) >= DIES_ON_REQUEST:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_prefill(tokens)
+
+    engine.prefill = prefill
+    return engine
+
+
+def _contract_with_rule():
+    contract = calibration_contract(LANE, "native-text")
+    return dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1))
+
+
+def test_steps_refuse_to_run_out_of_order(tmp_path: Path):
+    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path), _contract_with_rule())
+    outcome = run.step("handoff 1/3")
+    assert not outcome.passed
+    assert "blocked: step 'identity sealed' did not run" in outcome.message
+    run.close()
+
+
+@pytest.mark.slow
+def test_producer_killed_mid_handoff_leaves_complete_failing_receipt(tmp_path: Path):
+    options = RunOptions(recipe="native-text", receipts=tmp_path, reference_once=True,
+                         engine_factory="tests.test_qualifier:build_dying_producer")
+    run = QualificationRun(options, _contract_with_rule())
+    outcomes = [run.step(label) for label in STEP_LABELS]
+    run.close()
+    assert [o.passed for o in outcomes[:3]] == [True, True, True]
+    assert not outcomes[3].passed and "producer failed" in outcomes[3].message
+    assert all(not o.passed and "blocked" in o.message for o in outcomes[4:])
+    receipt = run.receipt_path
+    assert receipt is not None and verify_receipt(receipt) == []
+    summary = read_receipt_json(receipt, "validation-summary.json")
+    assert summary["passed"] is False
+    sample = read_receipt_json(receipt, "samples/sample-1.json")
+    assert "producer failed" in sample["error"] and "killed by signal 9" in sample["error"]
+
+
+@pytest.mark.parametrize(("observed", "proposed"), [
+    (10.884401, 11.0), (1.233789, 1.25), (0.2097764, 0.212), (0.0231992, 0.0235), (0.0, None),
+    (float("nan"), None),
+])
+def test_calibration_proposes_a_bound_a_hair_above_the_envelope(observed, proposed):
+    assert propose_bound(observed) == proposed
+    if proposed is not None:
+        assert proposed > observed
