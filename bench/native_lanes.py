@@ -19,6 +19,7 @@ from qualify import assets
 from qualify.compare import compare_branches
 from qualify.engines.factory import build_consumer, build_producer
 from qualify.lanes import LANES, LaneKind, ProducerMode
+from qualify.qualifier import comparison_bounds
 
 
 def main() -> int:
@@ -40,8 +41,9 @@ def main() -> int:
             kv = producer.prefill(prefix)
             handoff = consumer.decode(kv, pending, 256)
             forced = consumer.teacher_forced(kv, pending, cold.tokens)
-            comparison = compare_branches(handoff, cold, "raw", maximum_absolute=0.0,
-                                          maximum_mean_absolute=0.0, teacher_forced_logits=forced,
+            unbounded, _ = comparison_bounds(None)
+            comparison = compare_branches(handoff, cold, "raw", maximum_absolute=unbounded,
+                                          maximum_mean_absolute=unbounded, teacher_forced_logits=forced,
                                           handoff_kv=(kv.keys, kv.values),
                                           own_kv=(cold_kv.keys, cold_kv.values))
             row = {

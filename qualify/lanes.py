@@ -199,7 +199,7 @@ _LANE_LIST: tuple[LaneSpec, ...] = (
 LANES: Mapping[str, LaneSpec] = MappingProxyType({spec.name: spec for spec in _LANE_LIST})
 """Every lane the harness knows, by identity name (immutable)."""
 
-DEFAULT_NATIVE_TEXT_LANE = "nvfp4-native-splitk"
+DEFAULT_NATIVE_TEXT_LANE = "nvfp4-native-w4a4"
 """The lane ``qualify --recipe native-text`` qualifies by default (placeholder: the lead sets it
 after measuring every variant)."""
 

@@ -10,6 +10,7 @@ gathers evidence and writes it to the receipt.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,16 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         rule=rule_from_identity(identity, drift_graded=graded),
         expectation=expectation_from_identity(identity, consumer_geometry),
     )
+
+
+def comparison_bounds(rule: BoundedDriftRule | BitExactRule | None) -> tuple[float, float]:
+    """The bounds a comparison localises against: rung 2's declared bounds, 0 for rung 3 (any
+    difference breaks it), and no bound at all for a calibration, which only measures."""
+    if isinstance(rule, BoundedDriftRule):
+        return rule.maximum_absolute, rule.maximum_mean_absolute
+    if isinstance(rule, BitExactRule):
+        return 0.0, 0.0
+    return sys.float_info.max, sys.float_info.max
 
 
 class QualificationRun:
@@ -367,11 +378,11 @@ class QualificationRun:
             # Rows after a divergence compare like with like only when the handoff branch is fed
             # the cold tokens.
             teacher_forced = self.consumer.teacher_forced(opened.kv, pending, cold.tokens)
-        rule = contract.rule
+        maximum_absolute, maximum_mean_absolute = comparison_bounds(contract.rule)
         comparison = compare_branches(
             result, cold, self._transform,
-            maximum_absolute=getattr(rule, "maximum_absolute", 0.0),
-            maximum_mean_absolute=getattr(rule, "maximum_mean_absolute", 0.0),
+            maximum_absolute=maximum_absolute,
+            maximum_mean_absolute=maximum_mean_absolute,
             teacher_forced_logits=teacher_forced,
             handoff_kv=(opened.kv.keys, opened.kv.values),
             own_kv=(cold_kv.keys, cold_kv.values),

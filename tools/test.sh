@@ -21,3 +21,7 @@ run_pytest() {
 mkdir -p out
 # The harness's own tests: spread over both cores; slow and torch-marked tests included.
 run_pytest tests -n 2 -q --junitxml=out/tests.xml
+# Both qualification recipes as CI gates (independent runs spread over the two cores), with JUnit XML.
+run_pytest recipes -n 2 -q --junitxml=out/recipes.xml --receipts out/receipts
+# Every fault lane must fail where it was injected.
+"$VENV/bin/qualify" selftest --receipts out/selftest-receipts

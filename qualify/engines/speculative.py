@@ -25,8 +25,9 @@ producer's, which the canonical KV does not carry. So the handed-off draft KV co
 0..P-2 (one fewer than the target's), and the consumer's draft context skips position P-1: the
 draft's first decode row is position P (RoPE P) in cache slot P-1, and so on. The gap is the same
 on the handoff and cold-recompute paths (both start from ``prefill``), so draft tokens and trace
-are reproducible; it can only cost acceptance, which ``tools/measure_draft.py`` measures against
-a gap-free context.
+are reproducible. It can only cost acceptance; measured against a gap-free context (draft KV of
+0..P-1 computed with the pending token, a diagnostic only a producer that knew that token could
+build), acceptance was identical at every k from 1 to 6 on all three held-out documents.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import qualify
 from qualify import assets
 from qualify.engines.base import DecodeResult
 from qualify.engines.draft import EagleDraft
+from qualify.engines.reference import DecodeCache
 from qualify.engines.kquant import (
     DRAFT_GGUF_NAME,
     KQuantModel,
@@ -55,8 +57,10 @@ from qualify.errors import Refused
 from qualify.kv import KVCache
 from qualify.lanes import ProducerMode
 
-DEFAULT_PROPOSAL_TOKENS = 4
-"""Draft tokens proposed per step (k). Measured by ``bench/speculative.py``; see its output."""
+DEFAULT_PROPOSAL_TOKENS = 1
+"""Draft tokens proposed per step (k). k = 1 measured best on this engine for both acceptance
+(pooled 0.77 vs 0.53 at k = 3) and decode CPU time (``bench/speculative.py``): a target row costs
+~45% of a one-row forward here, so deeper guesses (conditional acceptance ~0.3 on prose) lose."""
 SPECULATIVE_ABI = "eagle1-spec-abi-1"
 
 DraftTrace = list[tuple[tuple[int, ...], int]]
@@ -104,12 +108,13 @@ class SpeculativeEngine:
         pending = self.target.reference._tokens(pending, "pending tokens")  # noqa: SLF001
         if kv.draft is None:
             raise Refused("kv: draft: missing; the speculative lane hands off the draft's KV with the target's")
+        # Room for every row fed after the handoff, the k rows a last verify may feed included.
         cache = self.target.reference.new_cache(kv, extra_positions=pending.size + n + k)
-        handed_off = cache.length
-        if kv.draft.geometry.positions != handed_off - 1:
-            raise Refused(f"kv: draft: {kv.draft.geometry.positions} positions, expected {handed_off - 1} "
-                          f"(one fewer than the target's {handed_off})")
         draft_cache = self.draft.new_cache(kv.draft, extra_positions=pending.size + n + k)
+        handed_off = cache.length
+        if draft_cache.length != handed_off - 1:
+            raise Refused(f"kv: draft: {draft_cache.length} positions, expected {handed_off - 1} "
+                          f"(one fewer than the target's {handed_off})")
 
         out = self.target.forward_rows(cache, pending)  # positions P..P+m-1
         emitted_tokens = [int(np.argmax(out.logits[-1]))]
@@ -155,12 +160,12 @@ class SpeculativeEngine:
             tokens=np.asarray(emitted_tokens, dtype=np.int32), logits=logits, draft_trace=trace,
             seconds=time.perf_counter() - began,
             meta={"handed_off_positions": float(handed_off), "pending_tokens": float(pending.size),
-                  "draft_positions": float(kv.draft.geometry.positions),
+                  "draft_positions": float(handed_off - 1),
                   "proposal_tokens": float(k), "proposed": float(proposed),
                   "accepted": float(accepted_total), "steps": float(len(trace)),
                   "draft_seconds": draft_seconds, "verify_seconds": verify_seconds})
 
-    def _propose(self, draft_cache, owed_positions: np.ndarray, owed_next: np.ndarray,
+    def _propose(self, draft_cache: DecodeCache, owed_positions: np.ndarray, owed_next: np.ndarray,
                  owed_hidden: np.ndarray, count: int) -> list[int]:
         """Feed the owed true-input rows (kept), then guess ``count`` tokens; guessed rows are
         dropped from the draft cache before returning."""
@@ -168,14 +173,15 @@ class SpeculativeEngine:
                                             owed_positions)
         kept = draft_cache.length
         guess_hidden = predicted[-1:]  # ĥ for the position after the last owed one, [1, hidden]
+        position = int(owed_positions[-1]) + 1  # the position the next guessed row sits at
         proposals = [int(np.argmax(self.target.logits(guess_hidden)[0]))]
-        position = int(owed_positions[-1]) + 1
         while len(proposals) < count:
+            # EAGLE-1 feature feedback: the guessed hidden state stands in for the target's.
             guess_hidden = self.draft.forward_rows(
                 draft_cache, self.target.embed(np.array(proposals[-1:])), guess_hidden, np.array([position]))
             proposals.append(int(np.argmax(self.target.logits(guess_hidden)[0])))
             position += 1
-        draft_cache.truncate(kept)
+        draft_cache.truncate(kept)  # guessed rows never stay in the draft's context
         return proposals
 
     def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
