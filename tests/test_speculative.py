@@ -261,3 +261,15 @@ def test_numpy_draft_matches_the_training_code(spec: SpeculativeEngine) -> None:
     numpy_draft = EagleDraft(weights, spec.geometry, 1e-5, spec.target.reference.rope)
     predicted, _, _ = numpy_draft.layer.prefill(numpy_draft.layer_inputs(embeddings, hidden))
     np.testing.assert_allclose(predicted, expected, atol=2e-5 * float(np.abs(expected).max()))
+
+
+def test_lane_builders_name_their_files_and_modes() -> None:
+    from qualify.engines import speculative
+
+    target, draft = speculative.checkpoint_paths()
+    assert target.is_file() and draft.is_file() and target.suffix == draft.suffix == ".gguf"
+    exact = speculative.build_engine(ProducerMode.EXACT)
+    native = speculative.build_engine(ProducerMode.NATIVE)
+    assert isinstance(exact, SpeculativeEngine) and exact.target.mode is ProducerMode.EXACT
+    assert isinstance(native, KQuantEngine) and native.model.mode is ProducerMode.NATIVE
+    assert native.prefill(assets.load_prompt()[:40]).draft is None  # a native lane carries no draft

@@ -27,7 +27,7 @@ draft's first decode row is position P (RoPE P) in cache slot P-1, and so on. Th
 on the handoff and cold-recompute paths (both start from ``prefill``), so draft tokens and trace
 are reproducible. It can only cost acceptance; measured against a gap-free context (draft KV of
 0..P-1 computed with the pending token, a diagnostic only a producer that knew that token could
-build), acceptance was identical at every k from 1 to 6 on all three held-out documents.
+build), acceptance was identical at k = 1, 2, 3, 4 and 6 on all three held-out documents.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ from qualify.engines.draft import EagleDraft
 from qualify.engines.reference import DecodeCache
 from qualify.engines.kquant import (
     DRAFT_GGUF_NAME,
+    TARGET_GGUF_NAME,
+    KQuantEngine,
     KQuantModel,
+    build_kquant_engine,
     check_decode_count,
     check_finite_logits,
     config_from_json,
@@ -213,3 +216,21 @@ def build_speculative_engine(proposal_tokens: int = DEFAULT_PROPOSAL_TOKENS,
     tests; a native lane never declares a draft (``qualify.lanes.check_speculative_draft``)."""
     target = load_kquant_model(mode, model_dir)
     return SpeculativeEngine(target, load_kquant_draft(target, model_dir), proposal_tokens)
+
+
+def checkpoint_paths(model_dir: Path = assets.MODEL_DIR) -> tuple[Path, Path]:
+    """The GGUF files the kquant lane's engines read: (target, draft). ``config.json`` is read too."""
+    return (Path(model_dir) / "gguf" / TARGET_GGUF_NAME, Path(model_dir) / "gguf" / DRAFT_GGUF_NAME)
+
+
+def build_engine(mode: ProducerMode, model_dir: Path = assets.MODEL_DIR,
+                 proposal_tokens: int = DEFAULT_PROPOSAL_TOKENS) -> SpeculativeEngine | KQuantEngine:
+    """The kquant lane engine for ``mode``: ``EXACT`` -> the ``kquant-exact-dflash`` speculative
+    engine (producer and consumer; ``proposal_tokens`` must be the identity's sealed k);
+    ``NATIVE`` -> the ``kquant-native`` producer, plain k-quant with float accumulation and no
+    draft (a native lane never carries draft context)."""
+    if mode is ProducerMode.EXACT:
+        return build_speculative_engine(proposal_tokens, ProducerMode.EXACT, model_dir)
+    if mode is ProducerMode.NATIVE:
+        return build_kquant_engine(ProducerMode.NATIVE, model_dir)
+    raise Refused(f"kquant: producer mode: found {mode!r}, expected exact or native")
