@@ -173,6 +173,11 @@ class QualificationRun:
         self._key: bytes | None = None
         self._cold: tuple[KVCache, DecodeResult, float] | None = None
         self._transform = None
+        # Wall seconds per activity over the whole run, for bench/qualify.py's overhead split.
+        self.seconds: dict[str, float] = {}
+
+    def _add_seconds(self, activity: str, started: float) -> None:
+        self.seconds[activity] = self.seconds.get(activity, 0.0) + time.perf_counter() - started
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -334,7 +339,13 @@ class QualificationRun:
     def _compute_reference(self) -> str:
         self._cold = self._cold_recompute()
         _, result, seconds = self._cold
+        self.seconds["recompute"] = self.seconds.get("recompute", 0.0) + seconds
         return f"cold local recompute: {len(result.tokens)} tokens in {seconds:.2f} s"
+
+    def _expected_draft_geometry(self):
+        """A speculative consumer expects the draft's own context beside the target KV."""
+        geometry_of = getattr(self.consumer, "draft_kv_geometry", None)
+        return None if geometry_of is None else geometry_of(self.contract.handoff_positions)
 
     def _handoff(self, index: int) -> str:
         from qualify.handoff.wire import open_handoff
@@ -355,8 +366,7 @@ class QualificationRun:
                 expected_geometry=geometry,
                 # The manifest names the tokens whose KV it carries: the handed-off prefix.
                 expected_prompt_sha256=assets.prompt_sha256(contract.prompt[:contract.handoff_positions]),
-                expected_draft_geometry=getattr(self.consumer, "draft_kv_geometry", lambda p: None)(
-                    contract.handoff_positions),
+                expected_draft_geometry=self._expected_draft_geometry(),
                 expected_run_id=self.receipt.run_id,
                 expected_request_id=request_id,
             )
@@ -369,16 +379,21 @@ class QualificationRun:
         started = time.perf_counter()
         result = self.consumer.decode(opened.kv, pending, contract.output_tokens)
         decode_s = time.perf_counter() - started
+        self._add_seconds("decode", started)
         if self.options.reference_once:
             cold_kv, cold, recompute_s = self._cold
         else:
             cold_kv, cold, recompute_s = self._cold_recompute()
+            self.seconds["recompute"] = self.seconds.get("recompute", 0.0) + recompute_s
         teacher_forced = None
         if not np.array_equal(result.tokens, cold.tokens):
             # Rows after a divergence compare like with like only when the handoff branch is fed
             # the cold tokens.
+            started = time.perf_counter()
             teacher_forced = self.consumer.teacher_forced(opened.kv, pending, cold.tokens)
+            self._add_seconds("teacher_forced", started)
         maximum_absolute, maximum_mean_absolute = comparison_bounds(contract.rule)
+        started = time.perf_counter()
         comparison = compare_branches(
             result, cold, self._transform,
             maximum_absolute=maximum_absolute,
@@ -387,6 +402,7 @@ class QualificationRun:
             handoff_kv=(opened.kv.keys, opened.kv.values),
             own_kv=(cold_kv.keys, cold_kv.values),
         )
+        self._add_seconds("compare", started)
         timings = opened.timings
         record = sample_record(
             repetition=repetition,
@@ -409,9 +425,11 @@ class QualificationRun:
         return self._keep(record, repetition)
 
     def _keep(self, record, repetition: int) -> str:
+        started = time.perf_counter()
         document = record_json(record)
         self.records.append(document)
         self.receipt.add_sample(record)
+        self._add_seconds("receipt", started)
         if self.contract.rule is None:  # calibration: measure, do not judge
             return f"max_abs {document.get('max_abs')}, mean_abs {document.get('mean_abs')}"
         verdict = judge_sample(document, self.contract.rule)

@@ -57,7 +57,7 @@ from qualify.engines.kquant import (
     load_kquant_model,
 )
 from qualify.errors import Refused
-from qualify.kv import KVCache
+from qualify.kv import KVCache, KVGeometry
 from qualify.lanes import ProducerMode
 
 DEFAULT_PROPOSAL_TOKENS = 1
@@ -99,6 +99,12 @@ class SpeculativeEngine:
         kv.draft = self.draft.prefill(self.target.embed(tokens[1:]), hidden[:-1])
         kv.meta["prefill_seconds"] = time.perf_counter() - began
         return kv
+
+    def draft_kv_geometry(self, positions: int) -> KVGeometry:
+        """The draft context a handoff of ``positions`` target positions carries: one draft
+        layer over positions 0..P-2 (see :meth:`prefill`)."""
+        first = self.draft.geometry if hasattr(self.draft, "geometry") else self.geometry
+        return KVGeometry(1, first.kv_heads, first.head_dim, positions - 1, "float32")
 
     # ---- consumer --------------------------------------------------------------------------
 
