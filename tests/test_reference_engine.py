@@ -299,7 +299,7 @@ for handed_off in {handoffs}:
                            "tokens": hashlib.sha256(result.tokens.tobytes()).hexdigest()}}
 print(json.dumps(digests))
 """
-DETERMINISM_STEPS = 48
+DETERMINISM_STEPS = 16
 # The full handoff, a whole-block handoff, and a short one (reductions of many lengths).
 DETERMINISM_HANDOFFS = (HANDOFF, 2032, 600)
 

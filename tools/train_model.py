@@ -179,6 +179,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--draft-steps", type=int, default=600)
     parser.add_argument("--seed", type=int, default=20261129)
+    parser.add_argument("--draft-only", action="store_true",
+                        help="keep the shipped target (model/model.safetensors) and train only the draft")
+    parser.add_argument("--distill", action="store_true",
+                        help="draft token targets are the target's own greedy choices (self-distillation)")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -189,6 +193,12 @@ def main() -> int:
     log: dict = {"config": CONFIG, "corpus_tokens": int(len(tokens)), "device": str(device), "stages": []}
 
     model = Llama(CONFIG).to(device)
+    if args.draft_only:
+        from safetensors.torch import load_file
+
+        shipped = load_file(str(ROOT / "model" / "model.safetensors"))
+        model.load_state_dict({k.removeprefix("model."): v.float() for k, v in shipped.items()})
+        args.steps = 0
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     short_steps = int(args.steps * 0.7)
     for step in range(args.steps):
@@ -207,6 +217,7 @@ def main() -> int:
             print(f"target step {step} seq {seq} loss {loss.item():.4f}", flush=True)
             log["stages"].append({"stage": "target", "step": step, "loss": loss.item()})
     model.eval()
+    log["draft_only"], log["distill"] = args.draft_only, args.distill
     log["held_out_loss"] = held_out_loss(model, device)
     print("held-out loss", log["held_out_loss"], flush=True)
 
@@ -220,13 +231,16 @@ def main() -> int:
         chunk = batches(tokens, 1024, 64, rng, device)
         with torch.no_grad(), torch.autocast(**autocast):
             hidden = model.hidden(chunk[:, :-1]).float()
+            # Self-distillation: the draft must predict what the target will emit, not the data.
+            greedy = model.logits(hidden).float().argmax(-1) if args.distill else None
         with torch.autocast(**autocast):
             # position t: (embed(token t+1), hidden t) -> predicted hidden t+1, scored on token t+2
             predicted = draft(model.embed_tokens(chunk[:, 1:-1]), hidden[:, :-1]).float()
             feature_loss = F.smooth_l1_loss(predicted, hidden[:, 1:])
             logits = model.logits(predicted).float()
-            token_loss = F.cross_entropy(logits.reshape(-1, CONFIG["vocab_size"]), chunk[:, 2:].reshape(-1))
-            loss = feature_loss + 0.1 * token_loss
+            token_targets = greedy[:, 1:] if args.distill else chunk[:, 2:]
+            token_loss = F.cross_entropy(logits.reshape(-1, CONFIG["vocab_size"]), token_targets.reshape(-1))
+            loss = feature_loss + (1.0 if args.distill else 0.1) * token_loss
         dopt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -238,13 +252,16 @@ def main() -> int:
     log["seconds"] = round(time.perf_counter() - began, 1)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    state = {f"model.{k}": v.detach().to(torch.float16).cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
+    if not args.draft_only:
+        state = {f"model.{k}": v.detach().to(torch.float16).cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
     draft_state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in draft.state_dict().items()}
     save_file(draft_state, str(args.out / "draft.safetensors"), metadata={"format": "pt"})
-    (args.out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    if not args.draft_only:
+        (args.out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
     (args.out / "draft_config.json").write_text(json.dumps(DRAFT_CONFIG, indent=2) + "\n")
-    (args.out / "training-log.json").write_text(json.dumps(log, indent=1) + "\n")
+    log_name = "draft-training-log.json" if args.draft_only else "training-log.json"
+    (args.out / log_name).write_text(json.dumps(log, indent=1) + "\n")
     print(f"trained in {log['seconds']} s", flush=True)
     return 0
 
