@@ -442,7 +442,201 @@ def sealed_table(*identities: SealedIdentity) -> Mapping[str, SealedIdentity]:
 # and calibration receipts exist, and adds each constant to SEALED_IDENTITIES. Until then no lane
 # is sealed and every identity file is refused ("no lane is sealed yet").
 
-SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table()
+# nvfp4-native-w4a4: frozen by tools/freeze_identity.py; identity_sha256 f9c10e901002111b5f48f92572060d8f2e33531eac3d59a8cef40557f8ae52ac
+SEALED_NVFP4_NATIVE_W4A4 = SealedIdentity(
+    lane='nvfp4-native-w4a4',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+            'model/nvfp4/model.safetensors': '20d75b445acceeeb544039aa0820976e59ce615d16e7eda40996bd773a5f7105',
+        },
+        total_bytes=10264651,
+    ),
+    producer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+nvfp4-native-w4a4-v1',
+    ),
+    consumer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+nvfp4-exact-a16q8-v1',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-nvfp4-linear',
+        sha256='f3de471d7069b144b7df66dac3fd4b9b40208d4108debf1b89548abbfc33b8cd',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='c9c4f57fc0d0a5671350cb815c85d0a2653b6425109bde29c2ad9d5e3ca659fd',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=1.28,
+        maximum_mean_absolute=0.0849,
+        basis='receipt://20261129T093019Z-c50fc1d0dc7915c8/command.log',
+        basis_sha256='e320f5739ad4cf152da417cf65ee638857f866743add0091775c7df4c43f788f',
+    ),
+)
+
+# nvfp4-native-splitk: frozen by tools/freeze_identity.py; identity_sha256 b5449afbbed337c2d0be43f044b2d5fd32f4547214f025de199fbd6a73eaade3
+SEALED_NVFP4_NATIVE_SPLITK = SealedIdentity(
+    lane='nvfp4-native-splitk',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+            'model/nvfp4/model.safetensors': '20d75b445acceeeb544039aa0820976e59ce615d16e7eda40996bd773a5f7105',
+        },
+        total_bytes=10264651,
+    ),
+    producer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+nvfp4-native-splitk64-tree-v1',
+    ),
+    consumer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+nvfp4-exact-a16q8-v1',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-nvfp4-linear',
+        sha256='f3de471d7069b144b7df66dac3fd4b9b40208d4108debf1b89548abbfc33b8cd',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='ed17612427d90304dd3220d37dbdff2278275fa93c447049d851d8fff7e96e06',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=0.212,
+        maximum_mean_absolute=0.0235,
+        basis='receipt://20261129T093054Z-2f45f0f21f9014d4/command.log',
+        basis_sha256='21a542cbe43eb69253e2220b612b704f62f5dd11ef361ac512013dd7ea1a884d',
+    ),
+)
+
+# nvfp4-native-f16: frozen by tools/freeze_identity.py; identity_sha256 355edb29e22da8ce8ed4803f40a79d3a5f77e959bf637d7b4a87dd95a9cf7967
+SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
+    lane='nvfp4-native-f16',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+            'model/nvfp4/model.safetensors': '20d75b445acceeeb544039aa0820976e59ce615d16e7eda40996bd773a5f7105',
+        },
+        total_bytes=10264651,
+    ),
+    producer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+nvfp4-native-f16-operands-splitk64-tree-v1+f16-round-trip',
+    ),
+    consumer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+nvfp4-exact-a16q8-v1',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-nvfp4-linear',
+        sha256='f3de471d7069b144b7df66dac3fd4b9b40208d4108debf1b89548abbfc33b8cd',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='d873f3a3e01490f7b63799ce24dc859bc32b6e493c4ef7e11587cc7897de706a',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=0.322,
+        maximum_mean_absolute=0.0378,
+        basis='receipt://20261129T093119Z-db9ab4ec2231237a/command.log',
+        basis_sha256='41ae4b8393a1a61d5013a1b36620c8afb4900b4f38973e16387166aea88897c1',
+    ),
+)
+
+
+SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(
+    SEALED_NVFP4_NATIVE_W4A4,
+    SEALED_NVFP4_NATIVE_SPLITK,
+    SEALED_NVFP4_NATIVE_F16,
+)
 """Shipped lane -> sealed identity (immutable)."""
 
 __all__ = [

@@ -105,6 +105,8 @@ def main() -> int:
     parser.add_argument("--proposal-tokens", type=int, default=DEFAULT_PROPOSAL_TOKENS)
     parser.add_argument("--sweep", default="", help="comma-separated extra k values (diagnostic)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--receipts", type=Path, default=None,
+                        help="archive the measurement as a receipt here (the acceptance floor's basis)")
     args = parser.parse_args()
     sweep = [int(k) for k in args.sweep.split(",") if k.strip()]
 
@@ -144,8 +146,34 @@ def main() -> int:
     text = json.dumps(report, indent=1, sort_keys=True) + "\n"
     if args.out is not None:
         args.out.write_text(text, encoding="utf-8")
+    if args.receipts is not None:
+        print(f"receipt: {archive_receipt(report, args.receipts)}", file=sys.stderr)
     sys.stdout.write(text)
     return 0
+
+
+def archive_receipt(report: dict[str, Any], archive: Path) -> Path:
+    """Write the measurement as a receipt: the measured lane facts stand in the identity's place,
+    one sample per document, and the summary states the pooled acceptance it measured."""
+    from qualify.judge import Verdict
+    from qualify.receipts import ReceiptWriter
+
+    lane = report["lane"]
+    facts = {key: report[key] for key in ("schema", "engine", "checkpoint_sha256", "prompt_sha256", "split")}
+    facts["proposal_tokens"] = lane["proposal_tokens"]
+    writer = ReceiptWriter(archive, command_line=report["command"].split(), identity=facts,
+                           recipe="kquant-target-plus-dflash", lane="kquant-exact-dflash",
+                           versions={"engine": report["engine"], "host": report["host"]})
+    for name, document in sorted(lane["documents"].items()):
+        writer.add_sample({"document": name, **document})
+        writer.log(f"{name}: acceptance {document['acceptance_rate']:.6f}")
+    for block in report["sweep"]:
+        writer.log(f"sweep k={block['proposal_tokens']}: pooled acceptance {block['pooled']['acceptance_rate']:.6f}")
+    pooled = lane["pooled"]
+    headline = (f"draft acceptance measured at k={lane['proposal_tokens']}: pooled "
+                f"{pooled['acceptance_rate']:.6f} over {len(lane['documents'])} documents, minimum "
+                f"document {pooled['minimum_document_acceptance_rate']:.6f}")
+    return writer.finalize(Verdict(True, headline, [headline]))
 
 
 if __name__ == "__main__":
