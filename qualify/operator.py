@@ -75,13 +75,17 @@ def sample_table(records: Sequence[dict[str, Any]]) -> Table:
     return table
 
 
-def _localisation_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+def _localisation_lines(records: Sequence[dict[str, Any]], kv_only: bool = False) -> list[str]:
+    """Where each sample diverged (first token, first rule-breaking row, teacher-forced drift,
+    per-layer KV deltas); ``kv_only`` keeps just the KV deltas, for passing runs."""
     lines = []
     for record in records:
         where = record.get("localisation")
         if not where:
             continue
         parts = [f"sample {record['repetition']}:"]
+        if kv_only:
+            where = {"kv_layer_max_abs": where.get("kv_layer_max_abs")}
         if where.get("first_divergence_position") is not None:
             parts.append(f"first token divergence at step {where['first_divergence_position']} "
                          f"(cold top-1/top-2 margin {_fmt(where.get('cold_margin_at_divergence'), 4)}, "
@@ -127,8 +131,9 @@ def drive(run: QualificationRun, console: Console) -> int:
         return EXIT_REFUSED
     if run.records:
         console.print(sample_table(run.records))
-        for line in _localisation_lines(run.records):
-            console.print(Text(line, style="yellow"))
+        failed = run.verdict is None or not run.verdict.passed
+        for line in _localisation_lines(run.records, kv_only=not failed):
+            console.print(Text(line, style="yellow" if failed else "dim"))
     verdict = run.verdict
     if verdict is not None:
         style = "bold green" if verdict.passed else "bold red"

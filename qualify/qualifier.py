@@ -182,7 +182,7 @@ class QualificationRun:
     # -- plumbing ---------------------------------------------------------------------------
 
     def log(self, line: str) -> None:
-        if self.receipt is not None:
+        if self.receipt is not None and not self.receipt.finalized:
             self.receipt.log(line)
         if self._echo is not None:
             self._echo(line)
@@ -312,7 +312,7 @@ class QualificationRun:
         from qualify.handoff.wire import key_id, mint_run_key
 
         contract = self.contract
-        mode = contract.producer_mode
+        mode = getattr(contract.producer_mode, "value", contract.producer_mode)
         extra_args: list[str] = []
         if self.options.fault == "other-mode":
             mode = "native" if mode == "exact" else "exact"
@@ -443,6 +443,7 @@ class QualificationRun:
         if self.contract.rule is None:
             raise StepFailed("calibration runs have no verdict step")
         self.verdict = judge_summary(self.records, self.contract.rule)
+        self.log(f"verdict: {self.verdict.headline}")
         self.receipt_path = self.receipt.finalize(self.verdict)
         if self.producer is not None:
             self.producer.close()

@@ -631,11 +631,87 @@ SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
     ),
 )
 
+# kquant-exact-dflash: frozen by tools/freeze_identity.py; identity_sha256 d52e1cbb7641e2b135215413073eeb107cc0791c727b5159d86ab642c38605d3
+SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
+    lane='kquant-exact-dflash',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/gguf/eagle1-draft-q8_0.gguf': 'ef13002dfcc342097ae6c61997430dad31b910a5783889cde1f51892629b5a19',
+            'model/gguf/target-q8_0.gguf': 'aa7bb4c8ebd604fd523c14dff91a44fd40791488f53280754140aee45bb97162',
+        },
+        total_bytes=4403259,
+    ),
+    producer_engine=SealedEngine(
+        name='kquant-eagle1-numpy',
+        version='0.1.0',
+        abi='eagle1-spec-abi-1+kquant-q8_0-abi-1+numpy-llama-abi-2+q8_0-exact+lm_head-q8_0-exact+draft-q8_0-exact',
+    ),
+    consumer_engine=SealedEngine(
+        name='kquant-eagle1-numpy',
+        version='0.1.0',
+        abi='eagle1-spec-abi-1+kquant-q8_0-abi-1+numpy-llama-abi-2+q8_0-exact+lm_head-q8_0-exact+draft-q8_0-exact',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-kquant',
+        sha256='ea6aa443d9846880c6dab67968aa291666b0ae4f2c9092eb5eb15fbc6d6f81f7',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='3f3e8644599e9447ccbec60e3fa039ac4129f7621fc71d4c8755aa508f3081eb',
+    speculative_draft=SealedDraft(
+        geometry=SealedDraftGeometry(
+            kind='eagle-1',
+            layers=1,
+            hidden_size=256,
+            heads=8,
+            kv_heads=4,
+            head_dim=32,
+            proposal_tokens=1,
+        ),
+        acceptance_floor=0.82,
+        draft_sha256='ef13002dfcc342097ae6c61997430dad31b910a5783889cde1f51892629b5a19',
+    ),
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=None,
+        maximum_mean_absolute=None,
+        basis='receipt://20261129T093331Z-b429ca001ed8768a/validation-summary.json',
+        basis_sha256='4d09d70d63b4a95339a4e6cfd50733f941b47c4abc1407ed350c7eea6e7b1d93',
+    ),
+)
+
 
 SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(
     SEALED_NVFP4_NATIVE_W4A4,
     SEALED_NVFP4_NATIVE_SPLITK,
     SEALED_NVFP4_NATIVE_F16,
+    SEALED_KQUANT_EXACT_DFLASH,
 )
 """Shipped lane -> sealed identity (immutable)."""
 
