@@ -25,9 +25,11 @@ FAULT_DIM = 5
 # Positions per block for the block-order fault (vLLM's CPU block size is 128).
 BLOCK_POSITIONS = 128
 SWAPPED_BLOCKS = (3, 4)
-# V scale for the bound-breaking fault: see V_SCALE_NOTE.
-V_SCALE_FACTOR = 1.05
-V_SCALE_NOTE = "layer 2 V scaled by 1.05"
+# V scale for the bound-breaking fault, chosen on the default lane (nvfp4-native-w4a4) as the
+# smallest of 1.005, 1.01, 1.02, 1.03, 1.05 that breaks its sealed bounds: at 1.02 the full-logit
+# max delta is 1.2898 against the sealed 1.28 while all 256 tokens stay exact (1.01 gave 1.2256).
+V_SCALE_FACTOR = 1.02
+V_SCALE_NOTE = f"layer {FAULT_LAYER} V scaled by {V_SCALE_FACTOR}"
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,13 @@ FAULTS: dict[str, Fault] = {
         Fault("kv-ulp", (3,), f"one K element at layer {FAULT_LAYER} nudged by one ULP",
               f"layer {FAULT_LAYER} K"),
         Fault("rope-offset", (2,), "keys rotated with RoPE positions offset by one", "layer 0 K"),
-        Fault("block-order", (2,), f"KV blocks {SWAPPED_BLOCKS} of {BLOCK_POSITIONS} positions swapped",
-              f"position {SWAPPED_BLOCKS[0] * BLOCK_POSITIONS}"),
+        Fault("block-order", (2,), f"K blocks {SWAPPED_BLOCKS} of {BLOCK_POSITIONS} positions handed off "
+              "in each other's place while V blocks stay (K and V block tables disagree)",
+              f"positions {SWAPPED_BLOCKS[0] * BLOCK_POSITIONS}..{(SWAPPED_BLOCKS[1] + 1) * BLOCK_POSITIONS - 1}"),
         Fault("other-prompt", (2,), "KV of another held-out prompt", "position 0"),
         Fault("v-scale", (2,), V_SCALE_NOTE, f"layer {FAULT_LAYER} V"),
-        Fault("other-mode", (2, 3), "producer runs in the other producer mode", "cache identity"),
+        Fault("other-mode", (2, 3), "a cache entry from the other producer mode (its cache identity)",
+              "cache identity"),
     )
 }
 
@@ -87,7 +91,9 @@ def rotate_keys_one_position(kv: KVCache, rope_theta: float) -> KVCache:
 
 
 def swap_blocks(kv: KVCache) -> KVCache:
-    """Two whole KV blocks handed off in each other's place (a wrong block table)."""
+    """Two K blocks handed off in each other's place while V stays: the K and V block tables
+    disagree. (Swapping K and V blocks together only permutes whole key/value pairs, which
+    attention cannot see, since each key carries its own RoPE rotation.)"""
     first, second = (b * BLOCK_POSITIONS for b in SWAPPED_BLOCKS)
 
     def swapped(t: np.ndarray) -> np.ndarray:  # t: [kv_heads, positions, head_dim]
@@ -96,8 +102,7 @@ def swap_blocks(kv: KVCache) -> KVCache:
         out[:, second:second + BLOCK_POSITIONS] = t[:, first:first + BLOCK_POSITIONS]
         return out
 
-    return KVCache([swapped(k) for k in kv.keys], [swapped(v) for v in kv.values],
-                   draft=kv.draft, meta=kv.meta)
+    return KVCache([swapped(k) for k in kv.keys], kv.values, draft=kv.draft, meta=kv.meta)
 
 
 def scale_one_layer_v(kv: KVCache) -> KVCache:
@@ -126,13 +131,20 @@ class FaultyProducer:
     engine's (name, version, ABI, geometry, digests, mode and cache identity), so the producer
     starts, seals and authenticates exactly as an honest one would."""
 
-    def __init__(self, engine, name: str) -> None:
+    def __init__(self, engine, name: str, other_mode_engine=None) -> None:
         fault_named(name)
-        if name == "other-mode":
-            raise Refused("fault other-mode: start the producer in the other --mode instead")
+        if (name == "other-mode") != (other_mode_engine is not None):
+            raise Refused("fault other-mode: needs the lane's engine built in the other producer mode")
         self._engine = engine
         self.fault = name
         self._transform = kv_transform(name, engine.geometry.rope_theta)
+        if other_mode_engine is not None:
+            # The entry was made in the other mode: its KV and its cache identity are that mode's,
+            # while the producer passes its start checks as the declared mode.
+            self.prefill_engine = other_mode_engine
+            self.target_cache_identity_sha256 = other_mode_engine.target_cache_identity_sha256
+        else:
+            self.prefill_engine = engine
 
     def __getattr__(self, attribute: str):
         return getattr(self._engine, attribute)
@@ -142,5 +154,5 @@ class FaultyProducer:
             from qualify.assets import load_prompt
 
             tokens = load_prompt(OTHER_PROMPT)[: len(tokens)]
-        kv = self._engine.prefill(tokens)
+        kv = self.prefill_engine.prefill(tokens)
         return self._transform(kv) if self._transform is not None else kv

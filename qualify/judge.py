@@ -414,6 +414,7 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
                 else f"logit digest mismatch at row {row}" if row is not None else "logit block digests differ",
             )
 
+    _check_kv_bit_exact(record, judgement)
     if draft_declared:
         for what, left, right in (
             ("draft tokens", "handoff_draft_tokens_sha256", "cold_draft_tokens_sha256"),
@@ -437,6 +438,32 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
         f"bit-exact: tokens {tokens}/{tokens}, full-logit digests equal, deltas 0"
         + ("; draft tokens and trace equal, acceptance at or above the floor" if draft_declared else "")
     )
+
+
+def _check_kv_bit_exact(record: Mapping[str, Any], judgement: _Judgement) -> None:
+    """Rung 3: the handed-off KV must equal the consumer's own prefill in every layer, K and V.
+
+    A one-ULP change can vanish downstream (activation quantization absorbs it) and leave the
+    logits bit-exact; the handoff is still not the consumer's computation. Missing KV evidence
+    is refused, never read as zero.
+    """
+    layers = (record.get("localisation") or {}).get("kv_layer_max_abs")
+    if not isinstance(layers, list) or not layers:
+        judgement.check("kv", False, "sample omits kv_layer_max_abs (per-layer KV deltas against the consumer's own prefill)")
+        return
+    for item in layers:
+        for tensor in ("k", "v"):
+            delta = item.get(tensor) if isinstance(item, Mapping) else None
+            if not isinstance(delta, (int, float)) or isinstance(delta, bool) or not math.isfinite(delta) or delta != 0:
+                position = item.get(f"{tensor}_position") if isinstance(item, Mapping) else None
+                judgement.check(
+                    "kv", False,
+                    f"handed-off KV differs from the consumer's own prefill at layer {item.get('layer') if isinstance(item, Mapping) else '?'} "
+                    f"{tensor.upper()} (max abs delta {_num(delta) if isinstance(delta, (int, float)) else delta!r}"
+                    + (f" at position {position})" if position is not None else ")"),
+                )
+                return
+    judgement.check("kv", True, "handed-off KV equals the consumer's own prefill in every layer (K and V)")
 
 
 def _check_row_digest_lists(record: Mapping[str, Any], values: Mapping[str, Any], judgement: _Judgement) -> None:

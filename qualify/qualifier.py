@@ -103,6 +103,26 @@ class Contract:
     repetitions: int
     rule: BoundedDriftRule | BitExactRule | None
     expectation: Any
+    # Per layer (K, V): the largest handed-off KV delta the lane's basis receipt measured; a
+    # sample's layers above it are where a fault sits. Rung 3's envelope is zero everywhere.
+    kv_envelope: list[tuple[float, float]] | None = None
+
+
+def kv_envelope_from_receipt(receipt_dir: Path, layers: int) -> list[tuple[float, float]] | None:
+    """Per-layer max K and V deltas over a calibration receipt's samples (None if it has none)."""
+    import json
+
+    envelope = [(0.0, 0.0)] * layers
+    found = False
+    for path in sorted((receipt_dir / "samples").glob("*.json")):
+        localisation = json.loads(path.read_text(encoding="utf-8")).get("localisation") or {}
+        for item in localisation.get("kv_layer_max_abs") or []:
+            layer = item["layer"]
+            if layer < layers:
+                k, v = envelope[layer]
+                envelope[layer] = (max(k, item["k"]), max(v, item["v"]))
+                found = True
+    return envelope if found else None
 
 
 def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer_geometry) -> Contract:
@@ -122,6 +142,14 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     qualification = identity.onboarding_qualification
     # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
     graded = drift_graded or identity.rung == 2
+    if identity.rung == 3:
+        kv_envelope = [(0.0, 0.0)] * consumer_geometry.layers
+    else:
+        from qualify.identity import DEFAULT_ARCHIVE_DIR
+        from qualify.receipts import resolve_receipt_uri
+
+        basis = resolve_receipt_uri(qualification.basis, DEFAULT_ARCHIVE_DIR)
+        kv_envelope = kv_envelope_from_receipt(basis.parent, consumer_geometry.layers)
     return Contract(
         lane=identity.lane,
         recipe=identity.recipe,
@@ -139,6 +167,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         repetitions=qualification.repetitions,
         rule=rule_from_identity(identity, drift_graded=graded),
         expectation=expectation_from_identity(identity, consumer_geometry),
+        kv_envelope=kv_envelope,
     )
 
 
@@ -313,11 +342,7 @@ class QualificationRun:
 
         contract = self.contract
         mode = getattr(contract.producer_mode, "value", contract.producer_mode)
-        extra_args: list[str] = []
-        if self.options.fault == "other-mode":
-            mode = "native" if mode == "exact" else "exact"
-        elif self.options.fault is not None:
-            extra_args = ["--fault", self.options.fault]
+        extra_args = ["--fault", self.options.fault] if self.options.fault is not None else []
         self._key = mint_run_key()
         self.producer = ProducerProcess(
             lane=contract.lane, mode=mode, key=self._key, run_id=self.receipt.run_id,
@@ -412,6 +437,7 @@ class QualificationRun:
             payload_gbit_per_s=handoff.transport.gbit_per_s,
             handed_off_positions=manifest.handed_off_positions,
             recomputed_positions=len(contract.prompt) - manifest.handed_off_positions,
+            kv_envelope=contract.kv_envelope,
             phases={
                 "producer_compute_s": manifest.compute_s,
                 "serialize_s": manifest.serialize_s,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
@@ -183,6 +183,17 @@ class KVLayerMaxAbs(_Frozen):
     v_position: Position | None = None
 
 
+class KVOverEnvelope(_Frozen):
+    """A handed-off tensor whose max abs delta exceeds the lane's calibrated KV envelope (the
+    largest delta that layer's K or V showed in the basis receipt's samples)."""
+
+    layer: Count
+    tensor: Literal["K", "V"]
+    delta: float
+    envelope: float
+    position: Position | None = None
+
+
 class Localisation(_Frozen):
     """Where and why a sample disagrees (present on failures); null means not applicable."""
 
@@ -196,6 +207,7 @@ class Localisation(_Frozen):
     kv_layer_max_abs: tuple[KVLayerMaxAbs, ...] | None = None
     kv_first_position_over_threshold: Position | None = None
     kv_threshold: float | None = None
+    kv_over_envelope: tuple[KVOverEnvelope, ...] | None = None
 
 
 # --------------------------------------------------------------------------- sample record
@@ -268,6 +280,7 @@ def sample_record(
     recomputed_positions: int,
     phases: Mapping[str, float],
     kv_threshold: float | None = None,
+    kv_envelope: Sequence[tuple[float, float]] | None = None,
     include_localisation: bool | None = None,
     include_row_digests: bool = True,
 ) -> SampleRecord:
@@ -317,6 +330,7 @@ def sample_record(
                 kv.first_position_over(kv_threshold) if kv is not None and kv_threshold is not None else None
             ),
             kv_threshold=kv_threshold if kv is not None else None,
+            kv_over_envelope=None if kv is None or kv_envelope is None else kv_over_envelope(kv, kv_envelope),
         )
     return SampleRecord(
         repetition=repetition,
@@ -345,6 +359,19 @@ def sample_record(
         draft_acceptance_rate=comparison.draft_acceptance_rate,
         localisation=localisation,
     )
+
+
+def kv_over_envelope(kv: Any, envelope: Sequence[tuple[float, float]]) -> tuple[KVOverEnvelope, ...]:
+    """The layers and tensors whose max abs delta exceeds the calibrated (K, V) envelope per layer."""
+    over = []
+    for item in kv.layers:
+        k_envelope, v_envelope = envelope[item.layer] if item.layer < len(envelope) else (0.0, 0.0)
+        for tensor, delta, bound, position in (("K", item.k, k_envelope, item.k_position),
+                                               ("V", item.v, v_envelope, item.v_position)):
+            if not (delta <= bound):  # NaN counts as over (fail closed)
+                over.append(KVOverEnvelope(layer=item.layer, tensor=tensor, delta=float(delta),
+                                           envelope=float(bound), position=position))
+    return tuple(over)
 
 
 def failed_sample_record(repetition: int, error: str, **measured: Any) -> SampleRecord:

@@ -42,59 +42,58 @@ def _failed_record(run: QualificationRun) -> dict[str, Any] | None:
     return None
 
 
-def _kv_layers(record: dict[str, Any]) -> list[dict[str, Any]]:
-    return list((record.get("localisation") or {}).get("kv_layer_max_abs") or [])
+def _over_envelope(record: dict[str, Any]) -> list[tuple[int, str, int | None]]:
+    """(layer, tensor, position) of every handed-off tensor above the lane's calibrated envelope."""
+    items = (record.get("localisation") or {}).get("kv_over_envelope") or []
+    return [(item["layer"], item["tensor"], item.get("position")) for item in items]
+
+
+def _sites(over: list[tuple[int, str, int | None]]) -> str:
+    return ", ".join(f"layer {layer} {tensor}" for layer, tensor, _ in over) or "none"
 
 
 def _check_kv_ulp(record: dict[str, Any]) -> tuple[bool, str]:
-    layers = _kv_layers(record)
-    touched = [(item["layer"], tensor) for item in layers for tensor in ("k", "v") if item[tensor] > 0]
-    site = next((item for item in layers if item["layer"] == faults.FAULT_LAYER), None)
-    position = None if site is None else site.get("k_position")
-    ok = touched == [(faults.FAULT_LAYER, "k")] and position == faults.FAULT_POSITION
-    return ok, f"KV differs only at {touched}, K max delta at position {position}"
+    over = _over_envelope(record)
+    ok = [(layer, tensor) for layer, tensor, _ in over] == [(faults.FAULT_LAYER, "K")] \
+        and over[0][2] == faults.FAULT_POSITION
+    position = over[0][2] if over else None
+    return ok, f"KV differs from the consumer's prefill at: {_sites(over)} (position {position})"
 
 
 def _check_rope_offset(record: dict[str, Any]) -> tuple[bool, str]:
-    layers = _kv_layers(record)
-    if not layers:
-        return False, "no KV localisation"
-    first = layers[0]
-    # Every layer's K moves by a rotation while V keeps only the lane's own drift.
-    ok = all(item["k"] > 10 * max(item["v"], 1e-6) for item in layers)
-    return ok, f"layer 0 K delta {first['k']:.4g} vs V {first['v']:.4g}; K dominates in every layer: {ok}"
+    over = _over_envelope(record)
+    tensors = {tensor for _, tensor, _ in over}
+    ok = tensors == {"K"} and (0, "K") in {(layer, tensor) for layer, tensor, _ in over}
+    return ok, f"over the calibrated KV envelope: {_sites(over)} (keys only, from layer 0)"
 
 
 def _check_block_order(record: dict[str, Any]) -> tuple[bool, str]:
     low = faults.SWAPPED_BLOCKS[0] * faults.BLOCK_POSITIONS
     high = (faults.SWAPPED_BLOCKS[1] + 1) * faults.BLOCK_POSITIONS
-    positions = [item.get("k_position") for item in _kv_layers(record)]
-    ok = bool(positions) and all(p is not None and low <= p < high for p in positions)
-    return ok, f"K max-delta positions per layer {positions} (swapped range {low}..{high - 1})"
+    over = _over_envelope(record)
+    positions = [position for _, _, position in over]
+    ok = bool(over) and {tensor for _, tensor, _ in over} == {"K"} \
+        and all(p is not None and low <= p < high for p in positions)
+    return ok, f"over the envelope: {_sites(over)} at positions {positions} (swapped {low}..{high - 1})"
 
 
 def _check_other_prompt(record: dict[str, Any]) -> tuple[bool, str]:
     where = record.get("localisation") or {}
-    layers = _kv_layers(record)
-    layer0_v = layers[0]["v"] if layers else 0.0
-    ok = where.get("divergence_class") == "decisive" and layer0_v > 0.1
-    return ok, (f"first divergence at step {where.get('first_divergence_position')} "
-                f"({where.get('divergence_class')}); layer 0 V delta {layer0_v:.4g}")
+    over = _over_envelope(record)
+    ok = {(0, "K"), (0, "V")} <= {(layer, tensor) for layer, tensor, _ in over}
+    return ok, (f"first token divergence at step {where.get('first_divergence_position')}; over the "
+                f"envelope: {_sites(over)}")
 
 
 def _check_v_scale(record: dict[str, Any]) -> tuple[bool, str]:
-    layers = _kv_layers(record)
-    if not layers:
-        return False, "no KV localisation"
-    worst = max(layers, key=lambda item: item["v"])
-    others = max((item["v"] for item in layers if item["layer"] != worst["layer"]), default=0.0)
-    ok = worst["layer"] == faults.FAULT_LAYER and worst["v"] > 10 * others
-    return ok, f"largest V delta at layer {worst['layer']} ({worst['v']:.4g}; other layers <= {others:.4g})"
+    over = _over_envelope(record)
+    ok = [(layer, tensor) for layer, tensor, _ in over] == [(faults.FAULT_LAYER, "V")]
+    return ok, f"over the calibrated KV envelope: {_sites(over)}; max abs {record.get('max_abs')}"
 
 
 def _check_other_mode(record: dict[str, Any]) -> tuple[bool, str]:
     error = record.get("error") or ""
-    return "cache identity" in error, error or "no refusal recorded"
+    return "target_cache_identity" in error, error or "no refusal recorded"
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], tuple[bool, str]]] = {

@@ -79,6 +79,9 @@ def rung3_record(repetition: int = 1, **changes) -> dict:
         handoff_draft_trace_sha256=TRACE_SHA,
         cold_draft_trace_sha256=TRACE_SHA,
         draft_acceptance_rate=0.97,
+        localisation={"kv_layer_max_abs": [
+            {"layer": layer, "k": 0.0, "v": 0.0, "k_position": None, "v_position": None} for layer in range(4)
+        ]},
     )
     record.update(changes)
     return record
@@ -628,3 +631,18 @@ def test_sample_record_builder_refuses_missing_or_unknown_phases():
         sample_record(repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=1,
                       payload_gbit_per_s=1.0, handed_off_positions=1, recomputed_positions=0,
                       phases={**{name: 0.0 for name in PHASE_FIELDS}, "warmup_s": 1.0})
+
+
+def test_rung3_refuses_kv_that_differs_from_the_consumers_prefill_even_with_exact_logits():
+    record = rung3_record()
+    record["localisation"]["kv_layer_max_abs"][2] = {"layer": 2, "k": 5e-8, "v": 0.0, "k_position": 1000, "v_position": None}
+    verdict = judge_rung3_sample(record, RULE3)
+    assert not verdict.passed
+    assert any("layer 2 K" in reason and "position 1000" in reason for reason in verdict.reasons)
+
+
+def test_rung3_refuses_a_sample_without_kv_evidence():
+    record = rung3_record(localisation=None)
+    verdict = judge_rung3_sample(record, RULE3)
+    assert not verdict.passed
+    assert any("omits kv_layer_max_abs" in reason for reason in verdict.reasons)

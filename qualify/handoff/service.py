@@ -835,7 +835,10 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
         build = factory if factory is not None else load_factory(config.engine_factory)
         try:
             engine = build(config.lane, config.mode)
-            if config.fault is not None:
+            if config.fault == "other-mode":
+                other_mode = "native" if config.mode == "exact" else "exact"
+                engine = FaultyProducer(engine, config.fault, other_mode_engine=build(config.lane, other_mode))
+            elif config.fault is not None:
                 engine = FaultyProducer(engine, config.fault)
         except Refused as exc:
             raise StartRefused(one_line(f"engine build for lane {config.lane}: {exc}")) from None
