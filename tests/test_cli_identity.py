@@ -151,7 +151,7 @@ def test_delegated_commands_receive_their_arguments(
     calls: list[tuple[str, object]] = []
     _fake_module(monkeypatch, "qualify.enroll", enroll_cli=lambda argv: calls.append(("enroll", argv)) or 0)
     _fake_module(
-        monkeypatch, "qualify.qualifier",
+        monkeypatch, "qualify.operator",
         run_cli=lambda argv: calls.append(("run", argv)) or 1,
         calibrate_cli=lambda argv: calls.append(("calibrate", argv)) or 0,
         selftest_cli=lambda argv: calls.append(("selftest", argv)) or 0,
