@@ -16,9 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+# This file is named like the package it measures; drop its own folder from the import path so
+# ``import qualify`` finds the package, not this script.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
-from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions
+import numpy as np  # noqa: E402
+
+from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
 
 
 def copy_seconds(nbytes: int, repeats: int = 20) -> float:
