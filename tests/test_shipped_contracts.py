@@ -1,0 +1,78 @@
+"""The shipped identities, sealed constants and artifacts agree with each other and with the files.
+
+If a model file, prompt, tokenizer or engine ABI changes without a re-freeze, these fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qualify import assets
+from qualify.digests import sha256_bytes, sha256_file
+from qualify.engines.factory import build_cache_identity, build_consumer, build_producer
+from qualify.identity import load_identity
+from qualify.lanes import lane_spec
+from qualify.sealed import SEALED_IDENTITIES
+
+SHIPPED = sorted(assets.CONTRACTS_DIR.glob("*-identity-v1.json"))
+
+
+def test_every_sealed_lane_ships_an_identity_and_every_identity_is_sealed():
+    shipped_lanes = {json.loads(path.read_text())["lane"] for path in SHIPPED}
+    assert shipped_lanes == set(SEALED_IDENTITIES)
+    assert {"native-text", "kquant-target-plus-dflash"} <= {
+        json.loads(path.read_text())["recipe"] for path in SHIPPED}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_identity_validates_and_pins_the_real_artifacts(path: Path):
+    identity = load_identity(path)
+    for relpath, digest in identity.checkpoint.files.items():
+        assert sha256_file(assets.REPO_ROOT / relpath) == digest, relpath
+    assert sha256_file(assets.MODEL_DIR / "tokenizer.json") == identity.tokenizer_sha256
+    prompt = assets.load_prompt(identity.prompt.name)
+    assert len(prompt) == identity.onboarding_qualification.prompt_tokens
+    assert assets.prompt_sha256(prompt) == identity.onboarding_qualification.prompt_sha256
+    # The cache identity is derived, not asserted: the lane's producer ABI and checkpoint digests.
+    assert build_cache_identity(lane_spec(identity.lane)) == identity.target_cache_identity_sha256
+
+
+def test_prompt_digest_is_over_little_endian_uint32_token_ids():
+    prompt = assets.load_prompt()
+    assert assets.prompt_sha256(prompt) == sha256_bytes(b"".join(int(t).to_bytes(4, "little") for t in prompt))
+
+
+_KV_DIGEST = """
+import sys, numpy as np
+from qualify import assets
+from qualify.digests import sha256_bytes
+from qualify.engines.factory import build_producer
+kv = build_producer("nvfp4-exact", "exact").prefill(assets.load_prompt()[:2047])
+print(sha256_bytes(b"".join(np.ascontiguousarray(t).tobytes() for t in kv.tensors().values())))
+"""
+
+
+@pytest.mark.slow
+def test_exact_mode_prefill_is_bit_identical_to_the_consumers_across_processes_and_thread_counts():
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    producer_digest = subprocess.run([sys.executable, "-c", _KV_DIGEST], env=env, check=True,
+                                     capture_output=True, text=True, timeout=600).stdout.strip()
+    consumer = build_consumer("nvfp4-native-w4a4")
+    kv = consumer.prefill(assets.load_prompt()[:2047])
+    consumer_digest = sha256_bytes(b"".join(np.ascontiguousarray(t).tobytes() for t in kv.tensors().values()))
+    assert producer_digest == consumer_digest
+
+
+def test_native_producer_is_not_the_consumer():
+    """The native lanes really differ from the consumer (otherwise rung 2 would test nothing)."""
+    prompt = assets.load_prompt()[:300]
+    consumer_kv = build_consumer("nvfp4-native-splitk").prefill(prompt)
+    native_kv = build_producer("nvfp4-native-splitk", "native").prefill(prompt)
+    assert any(not np.array_equal(a, b) for a, b in zip(consumer_kv.keys, native_kv.keys))
