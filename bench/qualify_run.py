@@ -6,7 +6,7 @@ producer-side serialize and hashing, transport, MAC and digest verification, ins
 full-logit comparison, and writing the receipt. Also prints the full-logit comparison's
 throughput against a plain memory copy of the same bytes, measured in the same run.
 
-Usage: python bench/qualify.py
+Usage: python bench/qualify_run.py (named so that it never shadows the ``qualify`` package)
 """
 
 from __future__ import annotations
@@ -16,13 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# This file is named like the package it measures; drop its own folder from the import path so
-# ``import qualify`` finds the package, not this script.
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
+from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions
 
 
 def copy_seconds(nbytes: int, repeats: int = 20) -> float:
@@ -40,13 +36,13 @@ def copy_seconds(nbytes: int, repeats: int = 20) -> float:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-qualify-") as archive:
         run = QualificationRun(RunOptions(recipe="native-text", receipts=Path(archive),
-                                          command_line=["python", "bench/qualify.py"]))
+                                          command_line=["python", "bench/qualify_run.py"]))
         started = time.perf_counter()
         outcomes = [run.step(label) for label in STEP_LABELS]
         wall = time.perf_counter() - started
         run.close()
     if not all(outcome.passed for outcome in outcomes):
-        print("bench/qualify.py: the qualification did not pass: "
+        print("bench/qualify_run.py: the qualification did not pass: "
               + "; ".join(f"{o.label}: {o.message}" for o in outcomes if not o.passed), file=sys.stderr)
         return 1
     records = run.records
