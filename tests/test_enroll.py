@@ -283,3 +283,26 @@ def test_enroll_a_loaded_identity(tmp_path, places, lane):
         assert rule.acceptance_floor == identity.speculative_draft.acceptance_floor
     else:
         assert (rule.maximum_absolute, rule.maximum_mean_absolute) == (11.0, 1.25)
+
+
+def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_key(places):
+    import numpy as np
+
+    from qualify.errors import HandoffRefused
+    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff
+    from qualify.kv import KVCache
+
+    identity = FakeIdentity()
+    enroll(identity, qualify_receipt(places.archive, identity), places.registry, places.keys)
+    enrolled_key = key_for(identity.lane, places.registry, places.keys)
+    rng = np.random.default_rng(7)
+    kv = KVCache([rng.standard_normal((2, 8, 4), dtype=np.float32) for _ in range(2)],
+                 [rng.standard_normal((2, 8, 4), dtype=np.float32) for _ in range(2)])
+    facts = dict(identity_sha256="a" * 64, target_cache_identity="b" * 64, producer_mode="native",
+                 lane=identity.lane, prompt_sha256="c" * 64, run_id="serve", request_id="r1", compute_s=0.0)
+    expected = dict(expected_identity_sha256="a" * 64, expected_cache_identity="b" * 64,
+                    expected_geometry=kv.geometry, expected_prompt_sha256="c" * 64)
+    opened = open_handoff(seal_handoff(kv, key=enrolled_key, **facts), key=enrolled_key, **expected)
+    assert all(np.array_equal(a, b) for a, b in zip(opened.kv.keys, kv.keys))
+    with pytest.raises(HandoffRefused, match="MAC does not verify"):
+        open_handoff(seal_handoff(kv, key=mint_run_key(), **facts), key=enrolled_key, **expected)
