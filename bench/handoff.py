@@ -10,7 +10,9 @@ the per-phase breakdown and ratios. Last line: ``handoff_path_over_sha256: <medi
     .venv/bin/python bench/handoff.py [--layers 16 --kv-heads 8 --head-dim 128 --positions 2048]
 
 The path is everything but the engine's compute: producer serialize + digests + MAC, frame
-wait, transfer, consumer MAC + manifest + digests + checks + install.
+wait, transfer, consumer MAC + manifest + digests + checks + install. Each side hashes each
+payload byte once (one SHA-256 per tensor, over two threads, then the payload tree digest over
+the header and the 32-byte tensor digests; see ``qualify.handoff.wire.payload_tree_sha256``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from qualify.engines.base import ModelGeometry  # noqa: E402
 from qualify.kv import KVCache, KVGeometry  # noqa: E402
 
 GEOMETRY_ENV = "BENCH_HANDOFF_GEOMETRY"
+TARGET_RATIO = 1.5  # whole path / one SHA-256 pass
 BENCH_CACHE_IDENTITY = hashlib.sha256(b"bench cache identity").hexdigest()
 BENCH_IDENTITY = hashlib.sha256(b"bench identity").hexdigest()
 BENCH_DIGESTS = {"bench.safetensors": hashlib.sha256(b"bench checkpoint").hexdigest()}
@@ -90,7 +93,10 @@ def build_bench_engine(lane: str, mode: str) -> BenchEngine:
 
 
 def hash_split_over_two_threads(views: list[memoryview]) -> None:
-    """SHA-256 of every tensor, the tensors shared between two threads (GIL released)."""
+    """SHA-256 of every tensor, the tensors shared between two threads (GIL released).
+
+    A plain reference for what one side's digest phase costs at best, next to the measured one.
+    """
     halves = (views[0::2], views[1::2])
     helper = threading.Thread(target=lambda: [hashlib.sha256(v).digest() for v in halves[1]])
     helper.start()
@@ -126,20 +132,21 @@ def measure_repeat(handoff, opened) -> dict:
     wait_s = max(transport.request_s - compute_s - seal_s - transport.transfer_s, 0.0)
     phases = {
         "producer serialize (header, zero-copy)": manifest.serialize_s,
-        "producer digests (payload || seams, 2 threads)": manifest.digest_s,
+        "producer digests (tensor SHA-256s, 2 threads; tree)": manifest.digest_s,
         "producer schema + MAC": max(seal_s - manifest.serialize_s - manifest.digest_s, 0.0),
         "request + frame latency": wait_s,
         "transfer (Unix socket, into one buffer)": transport.transfer_s,
         "consumer MAC": verify.mac_s,
         "consumer manifest (canonical + schema)": verify.manifest_s,
-        "consumer digests (payload || seams, 2 threads)": verify.digest_s,
+        "consumer digests (tensor SHA-256s, 2 threads; tree)": verify.digest_s,
         "consumer checks": verify.checks_s,
         "consumer install (zero-copy views)": verify.install_s,
     }
     path_s = sum(phases.values())
     return dict(phases=phases, path_s=path_s, sha_s=sha_s, fresh_copy_s=fresh_copy_s,
                 warm_copy_s=warm_copy_s, bytes=payload.nbytes, gbit=transport.gbit_per_s,
-                ratio=path_s / sha_s, projected_s=2 * seam_split_s + transport.transfer_s)
+                ratio=path_s / sha_s, split_s=seam_split_s,
+                floor_s=2 * seam_split_s + transport.transfer_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,12 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  path / sha256           {median['path_s'] / sha_s:.2f}  (all repeats: {all_ratios})")
     print(f"  path / copy (new)       {median['path_s'] / median['fresh_copy_s']:.2f}")
     print(f"  transfer rate           {median['gbit']:.1f} Gbit/s")
-    print("floor: the contract hashes every byte twice on each side (payload SHA-256 and seam "
-          "SHA-256s), 4 SHA passes of CPU; on 2 cores that is >= 2.0 x one pass before any copy")
-    print(f"projection (not measured end to end): if each byte were hashed once per side (seam "
-          f"digests only, split over 2 threads), path ~ {median['projected_s']:.3f} s = "
-          f"{median['projected_s'] / sha_s:.2f} x sha256")
-    print(f"handoff_path_over_sha256: {statistics.median(row['ratio'] for row in rows):.2f}")
+    print(f"  tensor SHA-256s over 2 threads {median['split_s']:.4f} s  "
+          f"({median['split_s'] / sha_s:.2f} x one pass)")
+    print("floor: the contract hashes every byte once on each side (tensor SHA-256s, the tree "
+          "over their digests), 2 SHA passes of CPU; split over 2 threads per side, plus the "
+          f"transfer: ~ {median['floor_s']:.3f} s = {median['floor_s'] / sha_s:.2f} x sha256")
+    ratio = statistics.median(row["ratio"] for row in rows)
+    print(f"target: path / sha256 <= {TARGET_RATIO:.2f}: "
+          f"{'met' if ratio <= TARGET_RATIO else 'NOT met'}")
+    print(f"handoff_path_over_sha256: {ratio:.2f}")
     return 0
 
 

@@ -151,6 +151,12 @@ def open_stub_handoff(handoff, *, mode: str = "exact", request_id: str, tokens=T
     )
 
 
+def sorted_by_layout(tensors: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Tensors in safetensors layout order (larger dtype first, then name), as the payload holds them."""
+    return [tensors[name] for name in sorted(
+        tensors, key=lambda name: (-tensors[name].dtype.itemsize, name.encode()))]
+
+
 def run_service(*args: str, key_hex: str | None = None, expect: Path | None = None,
                 tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """Run the service directly (for start refusals); the key travels in the environment."""
@@ -200,6 +206,14 @@ def test_prefill_round_trip_across_process_boundary() -> None:
                 assert np.array_equal(found, wanted)
             assert manifest.producer_mode == "exact"
             assert manifest.lane == "stub-ok"
+            assert manifest.schema == "trust-ladder.handoff-manifest.v2"
+            payload = bytes(handoff.payload_bytes)
+            header_end = 8 + int.from_bytes(payload[:8], "little")
+            leaves = b"".join(hashlib.sha256(a.tobytes()).digest()
+                              for a in sorted_by_layout(expected.tensors()))
+            assert manifest.payload_tree_sha256 == hashlib.sha256(
+                payload[:header_end] + leaves).hexdigest()
+            assert manifest.seams[1].k_sha256 == hashlib.sha256(expected.keys[1].tobytes()).hexdigest()
             assert manifest.handed_off_positions == len(TOKENS)
             assert handoff.transport is not None
             assert handoff.transport.payload_bytes == manifest.payload_size

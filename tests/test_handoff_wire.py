@@ -1,15 +1,19 @@
 """The handoff wire format: sealing, the consumer's verify order, and refusal of tampering.
 
 One small random KV is sealed once; every test derives handoffs from it. A *compromised
-producer* (it holds the key) is modelled by :func:`reseal`, which recomputes the payload digest
-and the MAC around a changed payload, so only the checks after them can catch the change.
+producer* (it holds the key) is modelled by :func:`reseal`, which recomputes the payload tree
+digest and the MAC around a changed payload, so only the checks after them can catch the change.
+The tree digest is recomputed here independently of the module (:func:`tree_digest`), from the
+construction the manifest schema documents.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
+import threading
 from collections import Counter
 from dataclasses import replace
 
@@ -21,12 +25,15 @@ from hypothesis import strategies as st
 
 from qualify.digests import canonical_json_bytes
 from qualify.errors import HandoffRefused, Refused
+from qualify.handoff import wire
 from qualify.handoff.wire import (
+    MANIFEST_SCHEMA,
     Handoff,
     key_id,
     manifest_mac,
     mint_run_key,
     open_handoff,
+    payload_tree_sha256,
     seal_handoff,
 )
 from qualify.kv import KVCache, KVGeometry
@@ -68,6 +75,25 @@ def open_(handoff: Handoff, **overrides):
     return open_handoff(handoff, **expected)
 
 
+def tensor_spans_of(payload: bytes) -> list[tuple[str, int, int]]:
+    """``(name, begin, end)`` of every tensor in payload layout order (ascending data_offsets)."""
+    header_end = 8 + struct.unpack_from("<Q", payload)[0]
+    header = json.loads(payload[8:header_end])
+    spans = [(name, header_end + entry["data_offsets"][0], header_end + entry["data_offsets"][1])
+             for name, entry in header.items()]
+    return sorted(spans, key=lambda span: (span[1], span[2]))
+
+
+def leaves_of(payload: bytes) -> list[bytes]:
+    return [hashlib.sha256(payload[begin:end]).digest() for _, begin, end in tensor_spans_of(payload)]
+
+
+def tree_digest(payload: bytes) -> str:
+    """SHA-256(prefix || SHA-256(t_1) || ... || SHA-256(t_n)), written out independently."""
+    header_end = 8 + struct.unpack_from("<Q", payload)[0]
+    return hashlib.sha256(payload[:header_end] + b"".join(leaves_of(payload))).hexdigest()
+
+
 SEALED = seal()
 PAYLOAD = bytes(SEALED.payload_bytes)
 MANIFEST = json.loads(SEALED.manifest_bytes)
@@ -76,9 +102,9 @@ TENSOR_BYTES = GEOMETRY.kv_heads * GEOMETRY.positions * GEOMETRY.head_dim * 4
 
 
 def reseal(payload: bytes, *, key: bytes = KEY, **manifest_changes) -> Handoff:
-    """What a compromised producer sends: payload digest, byte count and MAC made to match."""
+    """What a compromised producer sends: tree digest, byte count and MAC made to match."""
     document = json.loads(SEALED.manifest_bytes)
-    document["payload"] = {"format": "safetensors", "sha256": hashlib.sha256(payload).hexdigest(),
+    document["payload"] = {"format": "safetensors", "tree_sha256": tree_digest(payload),
                            "bytes": len(payload)}
     document.update(manifest_changes)
     manifest_bytes = canonical_json_bytes(document)
@@ -126,8 +152,11 @@ def test_round_trip_installs_identical_kv_and_reports_manifest() -> None:
         assert found.dtype == wanted.dtype and np.array_equal(found, wanted)
     assert manifest.geometry == GEOMETRY and manifest.handed_off_positions == 6
     assert manifest.producer_mode == "exact" and manifest.key_id == key_id(KEY)
+    assert manifest.schema == MANIFEST_SCHEMA == "trust-ladder.handoff-manifest.v2"
     assert manifest.payload_size == len(PAYLOAD)
-    assert manifest.payload_sha256 == hashlib.sha256(PAYLOAD).hexdigest()
+    assert manifest.payload_tree_sha256 == tree_digest(PAYLOAD) == MANIFEST["payload"]["tree_sha256"]
+    assert manifest.payload_sha256 == manifest.payload_tree_sha256  # what sample records store
+    assert manifest.payload_tree_sha256 != hashlib.sha256(PAYLOAD).hexdigest()
     assert manifest.seams[3].v_sha256 == hashlib.sha256(KV.values[3].tobytes()).hexdigest()
     assert manifest.compute_s == 0.25
     assert timings.verify_s >= 0 and timings.install_s >= 0
@@ -152,8 +181,10 @@ def test_draft_context_round_trip_and_expectation() -> None:
     assert opened.kv.draft is not None
     assert np.array_equal(opened.kv.draft.values[1], kv.draft.values[1])
     assert opened.manifest.draft_context_sha256 == hashlib.sha256(
-        b"".join(a.tobytes() for a in (kv.draft.keys[0], kv.draft.values[0], kv.draft.keys[1],
-                                       kv.draft.values[1]))).hexdigest()
+        b"".join(hashlib.sha256(a.tobytes()).digest()
+                 for a in (kv.draft.keys[0], kv.draft.values[0], kv.draft.keys[1],
+                           kv.draft.values[1]))).hexdigest()
+    assert opened.manifest.payload_tree_sha256 == tree_digest(bytes(handoff.payload_bytes))
     with pytest.raises(HandoffRefused, match="draft_geometry: draft context present"):
         open_(handoff)
     with pytest.raises(HandoffRefused, match="draft_geometry: draft context absent"):
@@ -173,6 +204,107 @@ def test_big_endian_and_strided_input_is_sealed_as_canonical_little_endian() -> 
     odd = KVCache([np.asfortranarray(a).astype(">f4") for a in KV.keys],
                   [a.astype(">f4") for a in KV.values])
     assert bytes(seal(odd).payload_bytes) == PAYLOAD
+
+
+# ------------------------------------------------------------------------------------------
+# the payload tree digest
+
+
+def test_tree_digest_is_the_documented_construction_and_its_leaves_are_the_seams() -> None:
+    spans = tensor_spans_of(PAYLOAD)
+    assert spans[0][1] == HEADER_END and spans[-1][2] == len(PAYLOAD)
+    leaves = leaves_of(PAYLOAD)
+    assert payload_tree_sha256(PAYLOAD[:HEADER_END], leaves) == MANIFEST["payload"]["tree_sha256"]
+    by_name = {name: leaf.hex() for (name, _, _), leaf in zip(spans, leaves, strict=True)}
+    for seam in MANIFEST["seams"]:
+        assert seam["k_sha256"] == by_name[f"layers.{seam['layer']}.k"]
+        assert seam["v_sha256"] == by_name[f"layers.{seam['layer']}.v"]
+    with pytest.raises(ValueError, match="tensor digest 1: 31 bytes"):
+        payload_tree_sha256(PAYLOAD[:HEADER_END], [leaves[0], leaves[1][:31]])
+
+
+def test_tree_digest_changes_when_any_single_tensor_or_header_byte_changes() -> None:
+    """Every byte of the payload, every single-bit flip: the tree digest differs each time."""
+    original = MANIFEST["payload"]["tree_sha256"]
+    leaves = leaves_of(PAYLOAD)
+    spans = tensor_spans_of(PAYLOAD)
+    seen = {original}
+    flips = 0
+    for position in range(HEADER_END):  # the length field and the JSON header
+        for bit in range(8):
+            prefix = bytearray(PAYLOAD[:HEADER_END])
+            prefix[position] ^= 1 << bit
+            digest = payload_tree_sha256(bytes(prefix), leaves)
+            assert digest != original, (position, bit)
+            seen.add(digest)
+            flips += 1
+    for index, (name, begin, end) in enumerate(spans):  # every byte of every tensor
+        for position in range(begin, end):
+            for bit in range(8):
+                data = bytearray(PAYLOAD[begin:end])
+                data[position - begin] ^= 1 << bit
+                changed = [*leaves[:index], hashlib.sha256(data).digest(), *leaves[index + 1:]]
+                digest = payload_tree_sha256(PAYLOAD[:HEADER_END], changed)
+                assert digest != original, (name, position, bit)
+                seen.add(digest)
+                flips += 1
+    assert flips == 8 * len(PAYLOAD) and len(seen) == flips + 1  # all distinct, too
+    # and the consumer, under the producer's own MAC, stops at the tree digest
+    tampered = bytearray(PAYLOAD)
+    tampered[tensor_span("layers.2.k")[0] + 7] ^= 0x10
+    with pytest.raises(HandoffRefused, match="^handoff payload tree digest mismatch: found "):
+        open_(Handoff(SEALED.manifest_bytes, SEALED.mac, bytes(tampered)))
+    tampered = bytearray(PAYLOAD)
+    shape_digit = PAYLOAD.index(b'"shape":[2,6,4]') + len(b'"shape":[2,')
+    tampered[shape_digit] ^= 0x01  # a header that still parses: "6" becomes "7"
+    with pytest.raises(HandoffRefused, match="^handoff payload tree digest mismatch: found "):
+        open_(Handoff(SEALED.manifest_bytes, SEALED.mac, bytes(tampered)))
+
+
+def test_each_side_hashes_each_payload_byte_once_over_two_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seal and open a payload above the threading threshold, counting bytes fed to SHA-256."""
+    geometry = KVGeometry(layers=5, kv_heads=2, head_dim=64, positions=1024, dtype="float32")
+    kv = random_kv(geometry, seed=11)
+    hashed: list[int] = []
+    threads: set[str] = set()
+    real_sha256 = hashlib.sha256
+
+    class CountingSha256:
+        def __init__(self, data: bytes | memoryview = b"") -> None:
+            self._inner = real_sha256()
+            self.update(data)
+
+        def update(self, data: bytes | memoryview) -> None:
+            hashed.append(memoryview(data).nbytes)
+            threads.add(threading.current_thread().name)
+            self._inner.update(data)
+
+        def __getattr__(self, name: str):
+            return getattr(self._inner, name)
+
+    class CountingHashlib:
+        sha256 = CountingSha256
+
+    monkeypatch.setattr(wire, "hashlib", CountingHashlib)
+    # The MAC and key name hash the manifest and key, not the payload: keep them off the count.
+    monkeypatch.setattr(wire, "manifest_mac",
+                        lambda key, data: hmac.new(key, data, real_sha256).digest())
+    monkeypatch.setattr(wire, "key_id", lambda key: real_sha256(key).hexdigest()[:16])
+    handoff = seal(kv)
+    size = len(handoff.payload_bytes)
+    assert size > wire._PARALLEL_DIGEST_MIN_BYTES
+    leaves = 32 * 2 * geometry.layers
+    assert sum(hashed) == size + leaves, "the producer hashes each payload byte exactly once"
+    assert len(threads) == 2, threads
+    hashed.clear()
+    threads.clear()
+    opened = open_(handoff, expected_geometry=geometry)
+    assert sum(hashed) == size + leaves, "the consumer hashes each payload byte exactly once"
+    assert len(threads) == 2, threads
+    assert opened.manifest.payload_tree_sha256 == tree_digest(bytes(handoff.payload_bytes))
+    assert np.array_equal(opened.kv.keys[4], kv.keys[4])
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,6 +355,25 @@ def test_seam_mismatch_names_layer_and_part_when_producer_reseals() -> None:
         open_(reseal(bytes(tampered)))
 
 
+def test_verify_order_mac_then_tree_then_seams_then_cache_identity_then_geometry() -> None:
+    """With several faults at once, the refusal names the earliest check in the documented order."""
+    flipped = bytearray(PAYLOAD)
+    flipped[tensor_span("layers.1.k")[0]] ^= 0x01
+    flipped = bytes(flipped)
+    wrong = dict(expected_cache_identity=CACHE_NATIVE,
+                 expected_geometry=replace(GEOMETRY, positions=7))
+    with pytest.raises(HandoffRefused, match="^handoff MAC does not verify"):
+        open_(reseal(flipped, key=mint_run_key()), **wrong)
+    with pytest.raises(HandoffRefused, match="^handoff payload tree digest mismatch"):
+        open_(Handoff(SEALED.manifest_bytes, SEALED.mac, flipped), **wrong)
+    with pytest.raises(HandoffRefused, match="^seam digest mismatch at layer 1 K$"):
+        open_(reseal(flipped), **wrong)
+    with pytest.raises(HandoffRefused, match="^target_cache_identity_sha256 is"):
+        open_(SEALED, **wrong)
+    with pytest.raises(HandoffRefused, match="^geometry positions: handoff has 6, expected 7"):
+        open_(SEALED, expected_geometry=wrong["expected_geometry"])
+
+
 def test_draft_context_mismatch_when_producer_reseals() -> None:
     kv = random_kv(GEOMETRY, seed=6)
     kv.draft = random_kv(DRAFT_GEOMETRY, seed=7)
@@ -232,7 +383,7 @@ def test_draft_context_mismatch_when_producer_reseals() -> None:
     header_end = 8 + struct.unpack_from("<Q", payload)[0]
     begin, _ = json.loads(payload[8:header_end])["draft.layers.1.k"]["data_offsets"]
     payload[header_end + begin] ^= 0x01
-    document["payload"]["sha256"] = hashlib.sha256(payload).hexdigest()
+    document["payload"]["tree_sha256"] = tree_digest(bytes(payload))
     manifest_bytes = canonical_json_bytes(document)
     forged = Handoff(manifest_bytes, manifest_mac(KEY, manifest_bytes), bytes(payload))
     with pytest.raises(HandoffRefused, match="draft context digest mismatch"):
@@ -354,6 +505,7 @@ def tampered(kind: str, a: int, b: int) -> Handoff:
 
 
 def test_every_tampered_handoff_is_refused() -> None:
+    """1,000 tampered handoffs; each refused, and one changed tensor byte at the right check."""
     TAMPER_COUNTS.clear()
 
     @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
@@ -362,8 +514,15 @@ def test_every_tampered_handoff_is_refused() -> None:
     def check(tamper: tuple[str, int, int]) -> None:
         kind, a, b = tamper
         TAMPER_COUNTS["examples"] += 1
-        with pytest.raises(HandoffRefused):
+        with pytest.raises(HandoffRefused) as refusal:
             open_(tampered(kind, a, b))
+        message = str(refusal.value)
+        if kind == "payload-byte" and a >= HEADER_END:
+            assert message.startswith("handoff payload tree digest mismatch"), message
+        if kind == "payload-byte-resealed":
+            span = next(s for s in tensor_spans_of(PAYLOAD) if s[1] <= a < s[2])
+            layer, part = span[0].split(".")[1:]
+            assert message == f"seam digest mismatch at layer {layer} {part.upper()}", message
         TAMPER_COUNTS["refused"] += 1
         TAMPER_COUNTS[kind] += 1
 

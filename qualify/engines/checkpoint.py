@@ -154,11 +154,10 @@ def expected_tensor_shapes(geometry: ModelGeometry, intermediate: int) -> dict[s
     return shapes
 
 
-def check_weights(weights: dict[str, np.ndarray], geometry: ModelGeometry, intermediate: int,
-                  source: str) -> None:
-    """Refuse (one line naming ``source`` and the tensor) missing, unexpected, mis-shaped,
-    non-float32 or non-finite weights."""
-    expected = expected_tensor_shapes(geometry, intermediate)
+def check_tensors(weights: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]], source: str,
+                  unexpected_note: str = "") -> None:
+    """Refuse (one line naming ``source`` and the tensor) a missing, unexpected, mis-shaped,
+    non-float32 or non-finite tensor against the ``expected`` name -> shape table."""
     for name, shape in expected.items():
         if name not in weights:
             raise Refused(f"{source}: {name}: tensor missing; expected shape {list(shape)}")
@@ -173,8 +172,15 @@ def check_weights(weights: dict[str, np.ndarray], geometry: ModelGeometry, inter
             raise Refused(f"{source}: {name}: {count} non-finite values")
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
-        raise Refused(f"{source}: {unexpected[0]}: unexpected tensor ({len(unexpected)} unexpected; "
-                      "an untied lm_head or other extras are not implemented)")
+        raise Refused(f"{source}: {unexpected[0]}: unexpected tensor ({len(unexpected)} unexpected"
+                      f"{unexpected_note})")
+
+
+def check_weights(weights: dict[str, np.ndarray], geometry: ModelGeometry, intermediate: int,
+                  source: str) -> None:
+    """The model's tensors, checked with :func:`check_tensors` against its geometry."""
+    check_tensors(weights, expected_tensor_shapes(geometry, intermediate), source,
+                  "; an untied lm_head or other extras are not implemented")
 
 
 def load_checkpoint(model_dir: Path) -> tuple[ModelGeometry, dict[str, np.ndarray]]:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from qualify.engines.base import ModelGeometry
+from qualify.engines.checkpoint import check_tensors
 from qualify.engines.kquant import decode_rows
 from qualify.engines.reference import DecodeCache, DecoderLayer, KeepFloat32, MakeLinear, dense_linear
 from qualify.errors import Refused
@@ -54,24 +55,8 @@ def draft_tensor_shapes(geometry: ModelGeometry, intermediate: int) -> dict[str,
 
 def check_draft_weights(weights: dict[str, np.ndarray], geometry: ModelGeometry, intermediate: int,
                         source: str) -> None:
-    """Refuse (one line naming ``source`` and the tensor) a missing, unexpected, mis-shaped,
-    non-float32 or non-finite draft tensor."""
-    expected = draft_tensor_shapes(geometry, intermediate)
-    for name, shape in expected.items():
-        if name not in weights:
-            raise Refused(f"{source}: {name}: tensor missing; expected shape {list(shape)}")
-        tensor = weights[name]
-        if not isinstance(tensor, np.ndarray) or tensor.dtype != np.float32:
-            found = tensor.dtype if isinstance(tensor, np.ndarray) else type(tensor).__name__
-            raise Refused(f"{source}: {name}: expected a float32 array, found {found}")
-        if tensor.shape != shape:
-            raise Refused(f"{source}: {name}: shape {list(tensor.shape)}, expected {list(shape)}")
-        if not np.isfinite(tensor).all():
-            count = int(tensor.size - np.count_nonzero(np.isfinite(tensor)))
-            raise Refused(f"{source}: {name}: {count} non-finite values")
-    unexpected = sorted(set(weights) - set(expected))
-    if unexpected:
-        raise Refused(f"{source}: {unexpected[0]}: unexpected tensor ({len(unexpected)} unexpected)")
+    """The draft's tensors, checked with :func:`check_tensors` against its geometry."""
+    check_tensors(weights, draft_tensor_shapes(geometry, intermediate), source)
 
 
 def load_draft_safetensors(path: Path, geometry: ModelGeometry, intermediate: int) -> dict[str, np.ndarray]:

@@ -3,13 +3,22 @@
 A producer seals a :class:`~qualify.kv.KVCache` into a :class:`Handoff`: the payload is the
 safetensors encoding of ``KVCache.tensors()`` (byte-identical to ``safetensors.numpy.save``, built
 without copying the tensors), the manifest names what the payload is (per-layer seam digests,
-payload digest and size, identity, cache identity, producer mode, geometry, prompt digest,
+payload tree digest and size, identity, cache identity, producer mode, geometry, prompt digest,
 producer phase times), and the MAC covers the manifest's canonical JSON bytes, which in turn
-cover the payload through its SHA-256. The consumer opens a handoff in a fixed order and refuses
-on the first difference with one line naming it:
+cover the payload through its tree digest (:func:`payload_tree_sha256`).
+
+Each side hashes every payload byte exactly once: one SHA-256 per tensor (over two threads;
+hashlib releases the GIL). Those tensor digests are at once the seam digests of
+``layers.{i}.k`` / ``layers.{i}.v``, the leaves of the payload tree digest, and the inputs of the
+draft context digest (:func:`draft_context_sha256`).
+
+The consumer opens a handoff in a fixed order and refuses on the first difference with one line
+naming it:
 
 1. MAC (under the run key), 2. manifest (canonical JSON, JSON Schema, self-consistency),
-3. payload byte count and SHA-256, 4. payload layout (tensor names, order, dtypes, shapes),
+3. payload byte count and tree digest (recomputed from freshly computed tensor digests; a payload
+that does not split into a safetensors header and contiguous tensors has none and is refused
+here), 4. payload layout (tensor names, order, dtypes, shapes, canonical header),
 5. every seam digest (``seam digest mismatch at layer 3 V``) and the draft context digest,
 6. identity digest and target cache identity, 7. geometry against the consumer model,
 8. prompt digest, 9. run and request ids (no replay of another request's handoff).
@@ -40,8 +49,8 @@ from qualify.digests import canonical_json_bytes, is_sha256_hex
 from qualify.errors import HandoffRefused, Refused, one_line
 from qualify.kv import KVCache, KVGeometry
 
-MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v1"
-MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v1.schema.json"
+MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v2"
+MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v2.schema.json"
 PRODUCER_MODES: tuple[str, ...] = ("exact", "native")
 PAYLOAD_FORMAT = "safetensors"
 RUN_KEY_BYTES = 32
@@ -59,6 +68,10 @@ _TAG_TO_DTYPE = {tag: name for name, (tag, _) in _SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 16 << 20
 # Below this many payload bytes, hashing runs on one thread (a thread costs more than it saves).
 _PARALLEL_DIGEST_MIN_BYTES = 4 << 20
+# Threads that hash tensors (the calling thread plus helpers); hashlib releases the GIL.
+_DIGEST_THREADS = 2
+# A payload tree leaf: one tensor's raw SHA-256 digest.
+_LEAF_BYTES = 32
 
 Buffer = bytes | bytearray | memoryview
 _T = TypeVar("_T")
@@ -141,7 +154,7 @@ class SealedHandoff:
 
 @dataclass(frozen=True)
 class SeamDigest:
-    """SHA-256 of one layer's K and V raw C-order bytes."""
+    """SHA-256 of one layer's K and V raw C-order bytes (the payload tree's leaves for them)."""
 
     layer: int
     k_sha256: str
@@ -163,7 +176,7 @@ class HandoffManifest:
     prompt_sha256: str
     handed_off_positions: int
     geometry: KVGeometry
-    payload_sha256: str
+    payload_tree_sha256: str
     payload_size: int
     seams: tuple[SeamDigest, ...]
     draft_geometry: KVGeometry | None
@@ -172,10 +185,19 @@ class HandoffManifest:
     serialize_s: float
     digest_s: float
 
+    @property
+    def payload_sha256(self) -> str:
+        """The payload digest a sample record stores: since manifest v2, the tree digest.
+
+        Kept so callers that record ``payload_sha256`` keep working; it is
+        :func:`payload_tree_sha256`, not a flat SHA-256 of the payload bytes.
+        """
+        return self.payload_tree_sha256
+
 
 @dataclass(frozen=True)
 class VerifyTimings:
-    """Consumer phase times in seconds; payload and seam digests run concurrently (``digest_s``)."""
+    """Consumer phase times in seconds; ``digest_s`` is the tensor digests (two threads) + tree."""
 
     mac_s: float
     manifest_s: float
@@ -292,11 +314,67 @@ def _byte_view(array: np.ndarray) -> memoryview:
 # hashing
 
 
-def _sha256_parts(parts: Sequence[Buffer]) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)
+def payload_tree_sha256(prefix: Buffer, tensor_digests: Sequence[bytes]) -> str:
+    """The payload digest the manifest carries as ``payload.tree_sha256`` (hex).
+
+    A two-level hash tree over a safetensors payload ``prefix || t_1 || ... || t_n``, where
+    ``prefix`` is the 8-byte little-endian header length plus the JSON header and ``t_1 .. t_n``
+    are the tensors' data in payload layout order (ascending ``data_offsets``)::
+
+        tree_sha256 = SHA-256(prefix || SHA-256(t_1) || ... || SHA-256(t_n))
+
+    with each ``SHA-256(t_i)`` the 32 raw digest bytes. ``tensor_digests`` are those raw digests,
+    in that order. The input is unambiguous: the prefix states its own length and the header
+    fixes ``n`` and every tensor's span, so equal trees mean equal prefixes and equal tensor
+    digests (short of a SHA-256 collision), and the tree binds every payload byte, as the flat
+    SHA-256 did, while each byte is hashed once.
+    """
+    digest = hashlib.sha256(prefix)
+    for index, leaf in enumerate(tensor_digests):
+        if len(leaf) != _LEAF_BYTES:
+            raise ValueError(f"tensor digest {index}: {len(leaf)} bytes, expected 32 raw bytes")
+        digest.update(leaf)
     return digest.hexdigest()
+
+
+def draft_context_sha256(draft_tensor_digests: Sequence[bytes]) -> str:
+    """The manifest's ``draft_context_sha256`` (hex): SHA-256 over the draft tensors' digests.
+
+    ``draft_tensor_digests`` are the 32-byte raw SHA-256s of ``draft.layers.{i}.k`` and
+    ``draft.layers.{i}.v`` in wire order (layer by layer, K before V); they are the same leaves
+    the payload tree uses, so no draft byte is hashed twice.
+    """
+    return hashlib.sha256(b"".join(draft_tensor_digests)).hexdigest()
+
+
+def _tensor_digests(views: Sequence[Buffer]) -> list[bytes]:
+    """The raw SHA-256 of each view, hashed once each over ``_DIGEST_THREADS`` threads.
+
+    The threads take tensors from a shared queue, largest first, so a busy core slows the
+    split rather than stalling it. Small payloads are hashed on the calling thread alone.
+    """
+    sizes = [memoryview(view).nbytes for view in views]
+    if len(views) < 2 or sum(sizes) < _PARALLEL_DIGEST_MIN_BYTES:
+        return [hashlib.sha256(view).digest() for view in views]
+    digests: list[bytes] = [b""] * len(views)
+    pending = iter(sorted(range(len(views)), key=lambda index: -sizes[index]))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                index = next(pending, None)
+            if index is None:
+                return
+            digests[index] = hashlib.sha256(views[index]).digest()
+
+    helpers = [_Concurrent(work, threaded=True) for _ in range(_DIGEST_THREADS - 1)]
+    try:
+        work()
+    finally:
+        for helper in helpers:
+            helper.result()
+    return digests
 
 
 class _Concurrent:
@@ -380,27 +458,27 @@ def seal_handoff_parts(
             named[f"{DRAFT_PREFIX}layers.{index}.v"] = value_array
     layout = _layout_order(_slots(geometry, draft_geometry))
     prefix = _payload_prefix(layout)
-    parts = (memoryview(prefix), *(_byte_view(named[slot.name]) for slot in layout))
+    tensor_views = [_byte_view(named[slot.name]) for slot in layout]
+    parts = (memoryview(prefix), *tensor_views)
     payload_size = sum(part.nbytes for part in parts)
     serialized = time.perf_counter()
 
-    payload_digest = _Concurrent(
-        lambda: _sha256_parts(parts), threaded=payload_size >= _PARALLEL_DIGEST_MIN_BYTES
-    )
+    leaves = _tensor_digests(tensor_views)
+    tree_sha256 = payload_tree_sha256(prefix, leaves)
+    leaf_by_name = {slot.name: leaf for slot, leaf in zip(layout, leaves, strict=True)}
     seams = [
         {
             "layer": index,
-            "k_sha256": hashlib.sha256(_byte_view(named[f"layers.{index}.k"])).hexdigest(),
-            "v_sha256": hashlib.sha256(_byte_view(named[f"layers.{index}.v"])).hexdigest(),
+            "k_sha256": leaf_by_name[f"layers.{index}.k"].hex(),
+            "v_sha256": leaf_by_name[f"layers.{index}.v"].hex(),
         }
         for index in range(geometry.layers)
     ]
     draft_context = None
     if draft_geometry is not None:
-        draft_context = _sha256_parts(
-            [_byte_view(named[name]) for name in _wire_names(draft_geometry.layers, DRAFT_PREFIX)]
+        draft_context = draft_context_sha256(
+            [leaf_by_name[name] for name in _wire_names(draft_geometry.layers, DRAFT_PREFIX)]
         )
-    payload_sha256 = payload_digest.result()
     digested = time.perf_counter()
 
     manifest: dict[str, Any] = {
@@ -415,7 +493,7 @@ def seal_handoff_parts(
         "prompt_sha256": prompt_sha256,
         "handed_off_positions": geometry.positions,
         "geometry": geometry.as_dict(),
-        "payload": {"format": PAYLOAD_FORMAT, "sha256": payload_sha256, "bytes": payload_size},
+        "payload": {"format": PAYLOAD_FORMAT, "tree_sha256": tree_sha256, "bytes": payload_size},
         "seams": seams,
         "timings": {
             "compute_s": float(compute_s),
@@ -560,7 +638,7 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
         prompt_sha256=document["prompt_sha256"],
         handed_off_positions=document["handed_off_positions"],
         geometry=geometry,
-        payload_sha256=document["payload"]["sha256"],
+        payload_tree_sha256=document["payload"]["tree_sha256"],
         payload_size=document["payload"]["bytes"],
         seams=seams,
         draft_geometry=draft_geometry,
@@ -575,16 +653,33 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
 # payload parsing (consumer)
 
 
+class _LocatedTensor(NamedTuple):
+    name: str
+    dtype_tag: object
+    shape: object
+    begin: int  # absolute byte offsets in the payload
+    end: int
+
+
+class _LocatedPayload(NamedTuple):
+    """A payload split into its prefix and its tensors in layout (ascending offset) order."""
+
+    data_start: int
+    tensors: tuple[_LocatedTensor, ...]
+
+
 class _PayloadLayout(NamedTuple):
     data_start: int
     offsets: dict[str, tuple[int, int]]
 
 
-def _parse_payload_layout(payload: memoryview, manifest: HandoffManifest) -> _PayloadLayout:
-    """Locate every tensor, refusing names, order, dtypes or shapes the manifest does not declare.
+def _locate_tensors(payload: memoryview) -> _LocatedPayload:
+    """Split a payload into header prefix and tensors, as its own header places them.
 
-    The header must be byte-for-byte the canonical one for the declared geometry, so nothing
-    (metadata, padding, key order) can vary between two payloads with equal tensors.
+    Only structure is checked here (what the tree digest needs): a readable header of tensor
+    entries whose ``data_offsets`` tile the data area exactly, with no gap, overlap or trailing
+    byte. Whether those are the tensors the manifest declares is :func:`_check_payload_layout`'s
+    job, after the tree digest.
     """
     size = payload.nbytes
     if size < 8:
@@ -595,16 +690,8 @@ def _parse_payload_layout(payload: memoryview, manifest: HandoffManifest) -> _Pa
     header = _strict_json(bytes(payload[8 : 8 + header_size]), "handoff payload header")
     if not isinstance(header, dict):
         raise HandoffRefused("handoff payload header: not a JSON object")
-    slots = _slots(manifest.geometry, manifest.draft_geometry)
-    expected_names = {slot.name for slot in slots}
-    found_names = set(header)
-    missing = [slot.name for slot in slots if slot.name not in found_names]
-    if missing:
-        raise HandoffRefused(f"handoff payload: tensor {missing[0]} is missing")
-    extra = sorted(found_names - expected_names)
-    if extra:
-        raise HandoffRefused(f"handoff payload: unexpected tensor {extra[0]!r}")
-    entries: dict[str, tuple[str, list[int], tuple[int, int]]] = {}
+    data_start = 8 + header_size
+    found: list[_LocatedTensor] = []
     for name, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise HandoffRefused(f"handoff payload: tensor {name} header is malformed")
@@ -613,43 +700,69 @@ def _parse_payload_layout(payload: memoryview, manifest: HandoffManifest) -> _Pa
             not isinstance(offsets, list)
             or len(offsets) != 2
             or not all(type(o) is int and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
         ):
             raise HandoffRefused(f"handoff payload: tensor {name} data_offsets is malformed")
-        entries[name] = (entry["dtype"], entry["shape"], (offsets[0], offsets[1]))
-    layout = _layout_order(slots)
-    placed = sorted(entries, key=lambda name: entries[name][2])
-    for position, (found, slot) in enumerate(zip(placed, layout, strict=True)):
-        if found != slot.name:
+        found.append(_LocatedTensor(name, entry["dtype"], entry["shape"],
+                                    data_start + offsets[0], data_start + offsets[1]))
+    found.sort(key=lambda t: (t.begin, t.end, t.name.encode("utf-8", "surrogatepass")))
+    cursor = data_start
+    for tensor in found:
+        if tensor.begin != cursor:
             raise HandoffRefused(
-                f"handoff payload: tensor order: position {position} holds {found}, "
+                f"handoff payload: tensor {tensor.name} data_offsets are not contiguous"
+            )
+        cursor = tensor.end
+    if cursor != size:
+        raise HandoffRefused(f"handoff payload: tensors end at byte {cursor}, payload has {size}")
+    return _LocatedPayload(data_start, tuple(found))
+
+
+def _check_payload_layout(
+    payload: memoryview, located: _LocatedPayload, manifest: HandoffManifest
+) -> _PayloadLayout:
+    """Refuse tensor names, order, dtypes or shapes the manifest does not declare.
+
+    The header must be byte-for-byte the canonical one for the declared geometry, so nothing
+    (metadata, padding, key order) can vary between two payloads with equal tensors.
+    """
+    slots = _slots(manifest.geometry, manifest.draft_geometry)
+    expected_names = {slot.name for slot in slots}
+    found_names = {tensor.name for tensor in located.tensors}
+    missing = [slot.name for slot in slots if slot.name not in found_names]
+    if missing:
+        raise HandoffRefused(f"handoff payload: tensor {missing[0]} is missing")
+    extra = sorted(found_names - expected_names)
+    if extra:
+        raise HandoffRefused(f"handoff payload: unexpected tensor {extra[0]!r}")
+    layout = _layout_order(slots)
+    offsets_by_name: dict[str, tuple[int, int]] = {}
+    for position, (tensor, slot) in enumerate(zip(located.tensors, layout, strict=True)):
+        if tensor.name != slot.name:
+            raise HandoffRefused(
+                f"handoff payload: tensor order: position {position} holds {tensor.name}, "
                 f"expected {slot.name}"
             )
-    data_start = 8 + header_size
-    cursor = 0
-    offsets_by_name: dict[str, tuple[int, int]] = {}
-    for slot in layout:
-        dtype_tag, shape, (begin, end) = entries[slot.name]
-        if _TAG_TO_DTYPE.get(dtype_tag) != slot.dtype:
+        tag = tensor.dtype_tag
+        if not isinstance(tag, str) or _TAG_TO_DTYPE.get(tag) != slot.dtype:
             raise HandoffRefused(
-                f"handoff payload: tensor {slot.name} dtype {dtype_tag}, manifest geometry says "
-                f"{slot.dtype}"
+                f"handoff payload: tensor {slot.name} dtype {tensor.dtype_tag}, manifest "
+                f"geometry says {slot.dtype}"
             )
-        if shape != list(slot.shape):
+        if tensor.shape != list(slot.shape):
             raise HandoffRefused(
-                f"handoff payload: tensor {slot.name} shape {shape}, manifest geometry says "
+                f"handoff payload: tensor {slot.name} shape {tensor.shape}, manifest geometry says "
                 f"{list(slot.shape)}"
             )
-        if begin != cursor or end - begin != slot.nbytes:
-            raise HandoffRefused(f"handoff payload: tensor {slot.name} data_offsets are not contiguous")
-        offsets_by_name[slot.name] = (data_start + begin, data_start + end)
-        cursor = end
-    if data_start + cursor != size:
-        raise HandoffRefused(
-            f"handoff payload: tensors end at byte {data_start + cursor}, payload has {size}"
-        )
-    if bytes(payload[:data_start]) != _payload_prefix(layout):
+        if tensor.end - tensor.begin != slot.nbytes:
+            raise HandoffRefused(
+                f"handoff payload: tensor {slot.name} holds {tensor.end - tensor.begin} bytes, "
+                f"manifest geometry says {slot.nbytes}"
+            )
+        offsets_by_name[slot.name] = (tensor.begin, tensor.end)
+    if bytes(payload[: located.data_start]) != _payload_prefix(layout):
         raise HandoffRefused("handoff payload: header is not the canonical safetensors header")
-    return _PayloadLayout(data_start, offsets_by_name)
+    return _PayloadLayout(located.data_start, offsets_by_name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -697,45 +810,30 @@ def open_handoff(
             f"handoff payload: {payload.nbytes} bytes, manifest payload.bytes says "
             f"{manifest.payload_size}"
         )
-    payload_digest = _Concurrent(
-        lambda: hashlib.sha256(payload).hexdigest(),
-        threaded=payload.nbytes >= _PARALLEL_DIGEST_MIN_BYTES,
-    )
-    layout: _PayloadLayout | None = None
-    layout_refusal: HandoffRefused | None = None
-    seam_digests: dict[str, str] = {}
-    try:
-        layout = _parse_payload_layout(payload, manifest)
-        for slot in _slots(manifest.geometry, manifest.draft_geometry):
-            if slot.name.startswith(DRAFT_PREFIX):
-                continue
-            begin, end = layout.offsets[slot.name]
-            seam_digests[slot.name] = hashlib.sha256(payload[begin:end]).hexdigest()
-        if manifest.draft_geometry is not None:
-            draft_names = _wire_names(manifest.draft_geometry.layers, DRAFT_PREFIX)
-            seam_digests[DRAFT_PREFIX] = _sha256_parts(
-                [payload[slice(*layout.offsets[name])] for name in draft_names]
-            )
-    except HandoffRefused as refusal:
-        layout_refusal = refusal
-    payload_sha256 = payload_digest.result()
+    # The tree digest: each tensor hashed once (two threads), then the prefix and the leaves.
+    located = _locate_tensors(payload)
+    leaves = _tensor_digests([payload[tensor.begin : tensor.end] for tensor in located.tensors])
+    tree_sha256 = payload_tree_sha256(payload[: located.data_start], leaves)
     digest_done = time.perf_counter()
 
-    if not hmac.compare_digest(payload_sha256, manifest.payload_sha256):
+    if not hmac.compare_digest(tree_sha256, manifest.payload_tree_sha256):
         raise HandoffRefused(
-            f"handoff payload SHA-256 mismatch: found {_short(payload_sha256)}, manifest says "
-            f"{_short(manifest.payload_sha256)}"
+            f"handoff payload tree digest mismatch: found {_short(tree_sha256)}, manifest "
+            f"payload.tree_sha256 says {_short(manifest.payload_tree_sha256)}"
         )
-    if layout_refusal is not None or layout is None:
-        raise layout_refusal or HandoffRefused("handoff payload: layout unreadable")
+    layout = _check_payload_layout(payload, located, manifest)
+    leaf_by_name = {
+        tensor.name: leaf for tensor, leaf in zip(located.tensors, leaves, strict=True)
+    }
     for seam in manifest.seams:
         for part, claimed in (("k", seam.k_sha256), ("v", seam.v_sha256)):
-            if not hmac.compare_digest(seam_digests[f"layers.{seam.layer}.{part}"], claimed):
+            if not hmac.compare_digest(leaf_by_name[f"layers.{seam.layer}.{part}"].hex(), claimed):
                 raise HandoffRefused(f"seam digest mismatch at layer {seam.layer} {part.upper()}")
-    if manifest.draft_context_sha256 is not None and not hmac.compare_digest(
-        seam_digests[DRAFT_PREFIX], manifest.draft_context_sha256
-    ):
-        raise HandoffRefused("draft context digest mismatch")
+    if manifest.draft_geometry is not None and manifest.draft_context_sha256 is not None:
+        draft_names = _wire_names(manifest.draft_geometry.layers, DRAFT_PREFIX)
+        found_context = draft_context_sha256([leaf_by_name[name] for name in draft_names])
+        if not hmac.compare_digest(found_context, manifest.draft_context_sha256):
+            raise HandoffRefused("draft context digest mismatch")
 
     _check_expectations(
         manifest,
