@@ -33,10 +33,16 @@ ZERO_SHA256 = "0" * 64
 
 
 class LaneKind(str, Enum):
-    """The producer engine family of a lane (later issues add ``vllm`` and ``transformers``)."""
+    """The producer engine family of a lane (a later issue adds ``transformers``).
+
+    ``vllm`` lanes hand KV between vLLM (through the project KV connector,
+    :mod:`qualify.engines.vllm_connector`) and the reference engine; which side is which is in
+    :data:`VLLM_LANE_ENGINES`.
+    """
 
     NVFP4 = "nvfp4"
     KQUANT = "kquant"
+    VLLM = "vllm"
 
 
 class Recipe(str, Enum):
@@ -101,6 +107,8 @@ def recipe_for(kind: LaneKind) -> Recipe:
             return Recipe.NATIVE_TEXT
         case LaneKind.KQUANT:
             return Recipe.KQUANT_TARGET_PLUS_DFLASH
+        case LaneKind.VLLM:
+            return Recipe.NATIVE_TEXT
         case _:
             assert_never(kind)
 
@@ -166,6 +174,22 @@ class LaneSpec:
 
 
 KQUANT_EXACT_DFLASH_LANE = "kquant-exact-dflash"
+VLLM_TO_REFERENCE_LANE = "vllm-to-reference"
+VLLM_TO_VLLM_LANE = "vllm-to-vllm"
+REFERENCE_TO_VLLM_LANE = "reference-to-vllm"
+
+VLLM_BLOCK_SIZE = 128
+"""The KV block size the vLLM engine is started with (its CPU default, pinned): a vLLM producer
+hands off whole blocks only."""
+
+VLLM_LANE_ENGINES: Mapping[str, tuple[str, str]] = MappingProxyType({
+    VLLM_TO_REFERENCE_LANE: ("vllm", "reference"),
+    VLLM_TO_VLLM_LANE: ("vllm", "vllm"),
+    REFERENCE_TO_VLLM_LANE: ("reference", "vllm"),
+})
+"""(producer engine, consumer engine) of every ``vllm`` lane: ``vllm`` is vLLM through the project
+connector, ``reference`` the float32 numpy engine. Both sides of a vLLM lane run their own float32
+arithmetic, so every vLLM lane is ``native`` (bounded drift, rung 2)."""
 
 _LANE_LIST: tuple[LaneSpec, ...] = (
     LaneSpec(
@@ -194,6 +218,19 @@ _LANE_LIST: tuple[LaneSpec, ...] = (
         "kquant-native", LaneKind.KQUANT, Recipe.KQUANT_TARGET_PLUS_DFLASH, ProducerMode.NATIVE,
         None, speculative_draft=False, enrollable=False,
     ),
+    # Real vLLM (CPU build, float32) through the project KV connector, each way and P/D.
+    LaneSpec(
+        VLLM_TO_REFERENCE_LANE, LaneKind.VLLM, Recipe.NATIVE_TEXT, ProducerMode.NATIVE, None,
+        speculative_draft=False,
+    ),
+    LaneSpec(
+        VLLM_TO_VLLM_LANE, LaneKind.VLLM, Recipe.NATIVE_TEXT, ProducerMode.NATIVE, None,
+        speculative_draft=False,
+    ),
+    LaneSpec(
+        REFERENCE_TO_VLLM_LANE, LaneKind.VLLM, Recipe.NATIVE_TEXT, ProducerMode.NATIVE, None,
+        speculative_draft=False,
+    ),
 )
 
 LANES: Mapping[str, LaneSpec] = MappingProxyType({spec.name: spec for spec in _LANE_LIST})
@@ -218,7 +255,8 @@ def target_cache_identity(
     """Canonical SHA-256 of what a KV entry's validity depends on, mode-separated (§32.8).
 
     Hashes ``{"lane_kind", "producer_mode", "native_variant", "checkpoint_sha256": {relpath:
-    sha256}, "engine_abi"}`` with :func:`qualify.digests.canonical_sha256`.
+    sha256}, "engine_abi"}`` (plus ``"vllm_lane_engines"``: [producer, consumer] for a ``vllm``
+    lane) with :func:`qualify.digests.canonical_sha256`.
     """
     if not isinstance(spec, LaneSpec):
         raise Refused(f"target cache identity: spec: found {type(spec).__name__}, expected LaneSpec")
@@ -236,12 +274,14 @@ def target_cache_identity(
                 f"non-zero 64-character lowercase hex SHA-256"
             )
         digests[relpath] = digest
-    return canonical_sha256(
-        {
-            "lane_kind": spec.kind.value,
-            "producer_mode": spec.mode.value,
-            "native_variant": None if spec.variant is None else spec.variant.value,
-            "checkpoint_sha256": digests,
-            "engine_abi": engine_abi,
-        }
-    )
+    document: dict[str, object] = {
+        "lane_kind": spec.kind.value,
+        "producer_mode": spec.mode.value,
+        "native_variant": None if spec.variant is None else spec.variant.value,
+        "checkpoint_sha256": digests,
+        "engine_abi": engine_abi,
+    }
+    if spec.kind is LaneKind.VLLM:
+        # vLLM lanes share kind, mode and variant: their (producer, consumer) engines separate them.
+        document["vllm_lane_engines"] = list(VLLM_LANE_ENGINES[spec.name])
+    return canonical_sha256(document)

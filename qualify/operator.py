@@ -33,7 +33,11 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=prog, description="Run a qualification recipe.")
     parser.add_argument("--recipe", required=True, choices=["native-text", "kquant-target-plus-dflash"])
     parser.add_argument("--identity", type=Path, help="frozen identity JSON (default: the recipe's shipped lane)")
-    parser.add_argument("--producer", default="reference", help="producer engine (default: reference)")
+    parser.add_argument("--producer", default="reference", choices=["reference", "vllm"],
+                        help="producer engine (default: reference, the embedded engine; vllm: vLLM "
+                             "through the project KV connector, needs tools/install_vllm.sh)")
+    parser.add_argument("--consumer", default="reference", choices=["reference", "vllm"],
+                        help="consumer engine (default: reference; vllm: a second vLLM engine)")
     parser.add_argument("--reference-once", action="store_true",
                         help="compute the cold local recompute once per run instead of per sample")
     parser.add_argument("--drift-graded", action="store_true",
@@ -150,7 +154,7 @@ def run_cli(argv: Sequence[str]) -> int:
     args = _recipe_parser("qualify").parse_args(list(argv))
     options = RunOptions(
         recipe=args.recipe, identity=args.identity, producer=args.producer,
-        reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
+        consumer=args.consumer, reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
         receipts=args.receipts, command_line=["qualify", *argv],
     )
     console = operator_console()

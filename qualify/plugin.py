@@ -20,7 +20,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run only recipe modules for this recipe name (repeatable)")
     group.addoption("--identity", default=None, help="frozen onboarding identity JSON for the run")
     group.addoption("--producer", default="reference",
-                    help="producer engine: reference (embedded default)")
+                    help="producer engine: reference (embedded default) or vllm")
+    group.addoption("--consumer", default="reference",
+                    help="consumer engine: reference (embedded default) or vllm")
     group.addoption("--reference-once", action="store_true", default=False,
                     help="compute the cold local recompute once per run instead of per sample")
     group.addoption("--drift-graded", action="store_true", default=False,
@@ -67,6 +69,7 @@ def qualification(request: pytest.FixtureRequest):
         recipe=recipe,
         identity=Path(config.getoption("--identity")) if config.getoption("--identity") else None,
         producer=config.getoption("--producer"),
+        consumer=config.getoption("--consumer"),
         reference_once=config.getoption("--reference-once"),
         drift_graded=config.getoption("--drift-graded"),
         fault=config.getoption("--fault"),

