@@ -41,3 +41,23 @@ def canonical_json_bytes(obj: Any) -> bytes:
 
 def canonical_sha256(obj: Any) -> str:
     return sha256_bytes(canonical_json_bytes(obj))
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise ValueError(f"duplicate key {key!r}")
+        document[key] = value
+    return document
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json_loads(data: bytes | str) -> Any:
+    """Parse standard JSON only: duplicate keys and NaN/Infinity raise ``ValueError`` (bytes must
+    be UTF-8), so a document can never mean two things to two readers."""
+    text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+    return json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)

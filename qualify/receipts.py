@@ -45,7 +45,7 @@ import jsonschema
 from pydantic import BaseModel
 
 from qualify.assets import CONTRACTS_DIR
-from qualify.digests import canonical_sha256, is_sha256_hex
+from qualify.digests import canonical_sha256, is_sha256_hex, strict_json_loads
 from qualify.errors import Refused, one_line
 from qualify.records import CheckRecord, SampleRecord, ValidationSummary, record_json
 
@@ -125,21 +125,8 @@ def _json_bytes(document: Any) -> bytes:
     return (json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
 
 
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    document: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in document:
-            raise ValueError(f"duplicate key {key!r}")
-        document[key] = value
-    return document
-
-
-def _refuse_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not JSON")
-
-
 def _parse_json(data: bytes) -> Any:
-    return json.loads(data.decode("utf-8"), object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
+    return strict_json_loads(data)
 
 
 def _write_new(path: Path, data: bytes) -> None:

@@ -45,7 +45,7 @@ import jsonschema
 import numpy as np
 
 from qualify.assets import CONTRACTS_DIR
-from qualify.digests import canonical_json_bytes, is_sha256_hex
+from qualify.digests import canonical_json_bytes, is_sha256_hex, strict_json_loads
 from qualify.errors import HandoffRefused, Refused, one_line
 from qualify.kv import KVCache, KVGeometry
 
@@ -555,26 +555,9 @@ def _validate_manifest_schema(document: object, *, refusal: type[Refused]) -> No
         raise refusal(one_line(f"handoff manifest: {where}: {error.message}"))
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in result:
-            raise ValueError(f"duplicate key {name!r}")
-        result[name] = value
-    return result
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-finite number {name}")
-
-
 def _strict_json(data: bytes, what: str) -> Any:
     try:
-        return json.loads(
-            data.decode("utf-8"),
-            object_pairs_hook=_reject_duplicate_keys,
-            parse_constant=_reject_constant,
-        )
+        return strict_json_loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise HandoffRefused(one_line(f"{what}: not valid JSON ({exc})")) from None
 
