@@ -208,3 +208,24 @@ def load_weights(model_dir: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
         weights[name] = np.ascontiguousarray(tensor, dtype=np.float32)
     check_weights(weights, config.geometry, config.intermediate, str(path))
     return weights
+
+
+HF_MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+
+
+def model_files_view(model_dir: Path, label: str) -> Path:
+    """A private directory of symlinks to exactly ``config.json`` and ``model.safetensors``: the
+    shipped model directory also holds the draft head's safetensors, which Hugging Face-style
+    loaders (transformers, vLLM) would load as extra shards. Removed at interpreter exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    view = Path(tempfile.mkdtemp(prefix=f"qualify-{label}-model-"))
+    atexit.register(shutil.rmtree, view, True)
+    for name in HF_MODEL_FILES:
+        source = Path(model_dir).resolve() / name
+        if not source.is_file():
+            raise Refused(f"{label} model: {source} is missing")
+        (view / name).symlink_to(source)
+    return view

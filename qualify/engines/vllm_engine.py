@@ -35,6 +35,7 @@ import numpy as np
 from qualify import assets
 from qualify.digests import sha256_file
 from qualify.engines.base import DecodeResult, ModelGeometry
+from qualify.engines.checkpoint import model_files_view
 from qualify.errors import Refused
 from qualify.kv import KVCache
 from qualify.lanes import VLLM_BLOCK_SIZE
@@ -101,27 +102,6 @@ def vllm_engine_abi() -> str:
             f"+{DTYPE}+block-{VLLM_BLOCK_SIZE}+{KNOWN_LAYOUT}")
 
 
-MODEL_FILES = ("config.json", "model.safetensors")
-
-
-def model_view(model_dir: Path) -> Path:
-    """A private directory of symlinks to exactly the files the lane pins (the shipped model
-    directory also holds the draft head's safetensors, which vLLM would try to load as shards)."""
-    import tempfile
-
-    import atexit
-    import shutil
-
-    view = Path(tempfile.mkdtemp(prefix="qualify-vllm-model-"))
-    atexit.register(shutil.rmtree, view, True)
-    for name in MODEL_FILES:
-        source = Path(model_dir).resolve() / name
-        if not source.is_file():
-            raise Refused(f"vllm model: {source} is missing")
-        (view / name).symlink_to(source)
-    return view
-
-
 class VllmEngine:
     """vLLM behind the harness's Engine protocol (see the module docstring)."""
 
@@ -149,7 +129,7 @@ class VllmEngine:
         extra: dict[str, Any] = {} if connector_fault is None else {"qualify_fault": connector_fault}
         started = time.perf_counter()
         self.llm = LLM(
-            model=str(model_view(Path(model_dir))), dtype=DTYPE, skip_tokenizer_init=True, enforce_eager=True,
+            model=str(model_files_view(Path(model_dir), "vllm")), dtype=DTYPE, skip_tokenizer_init=True, enforce_eager=True,
             gpu_memory_utilization=0.2, enable_prefix_caching=False, max_model_len=4096,
             max_num_batched_tokens=4096, block_size=VLLM_BLOCK_SIZE,
             max_logprobs=-1, logprobs_mode="raw_logits", seed=0,
