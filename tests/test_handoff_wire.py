@@ -532,3 +532,27 @@ def test_every_tampered_handoff_is_refused() -> None:
     kinds = {"payload-byte", "manifest-byte", "mac-byte", "truncated-payload", "swapped-layers",
              "swapped-layers-resealed", "reordered-header-resealed", "payload-byte-resealed"}
     assert kinds <= set(TAMPER_COUNTS), TAMPER_COUNTS
+
+
+def test_a_byte_flipped_after_sealing_is_refused_naming_its_layer():
+    """A flip in transit (after the MAC) fails the tree digest, and the refusal says where."""
+    import numpy as np
+
+    from qualify.errors import HandoffRefused
+    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff
+    from qualify.kv import KVCache
+
+    rng = np.random.default_rng(3)
+    kv = KVCache([rng.standard_normal((2, 16, 8), dtype=np.float32) for _ in range(4)],
+                 [rng.standard_normal((2, 16, 8), dtype=np.float32) for _ in range(4)])
+    key = mint_run_key()
+    sealed = seal_handoff(kv, key=key, identity_sha256="a" * 64, target_cache_identity="b" * 64,
+                          producer_mode="native", lane="nvfp4-native-w4a4", prompt_sha256="c" * 64,
+                          run_id="run", request_id="req", compute_s=0.0)
+    payload = bytearray(sealed.payload_bytes)
+    offset = payload.index(kv.keys[2].tobytes())  # layer 2 K's bytes in the payload
+    payload[offset + 5] ^= 0x04
+    tampered = type(sealed)(sealed.manifest_bytes, sealed.mac, bytes(payload))
+    with pytest.raises(HandoffRefused, match="tree digest mismatch.*seam digest differs at layer 2 K"):
+        open_handoff(tampered, key=key, expected_identity_sha256="a" * 64, expected_cache_identity="b" * 64,
+                     expected_geometry=kv.geometry, expected_prompt_sha256="c" * 64)

@@ -636,6 +636,18 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
 # payload parsing (consumer)
 
 
+def _first_changed_seam(located: "_LocatedPayload", leaves: Sequence[bytes],
+                        manifest: HandoffManifest) -> str:
+    """Where bytes changed after sealing: the first layer whose K or V digest differs from the
+    (MAC-verified) manifest's seam digest, as a suffix for the refusal; empty if none does."""
+    found = {tensor.name: leaf.hex() for tensor, leaf in zip(located.tensors, leaves, strict=True)}
+    for seam in manifest.seams:
+        for part, claimed in (("k", seam.k_sha256), ("v", seam.v_sha256)):
+            if found.get(f"layers.{seam.layer}.{part}") != claimed:
+                return f"; seam digest differs at layer {seam.layer} {part.upper()}"
+    return ""
+
+
 class _LocatedTensor(NamedTuple):
     name: str
     dtype_tag: object
@@ -803,6 +815,7 @@ def open_handoff(
         raise HandoffRefused(
             f"handoff payload tree digest mismatch: found {_short(tree_sha256)}, manifest "
             f"payload.tree_sha256 says {_short(manifest.payload_tree_sha256)}"
+            + _first_changed_seam(located, leaves, manifest)
         )
     layout = _check_payload_layout(payload, located, manifest)
     leaf_by_name = {
