@@ -68,3 +68,34 @@ class KVCache:
         keys = [np.ascontiguousarray(target[f"layers.{i}.k"]) for i in range(layers)]
         values = [np.ascontiguousarray(target[f"layers.{i}.v"]) for i in range(layers)]
         return cls(keys, values, draft=cls.from_tensors(draft) if draft else None)
+
+
+def check_kv_fits(kv: "KVCache", layers: int, kv_heads: int, head_dim: int, max_positions: int,
+                  extra_positions: int) -> int:
+    """Refuse (one line naming the tensor) a KV a consumer cannot install: wrong layer count,
+    not float32, a shape other than [kv_heads, positions, head_dim], non-finite values, or no room
+    for ``extra_positions`` more within ``max_positions``. Returns the position count."""
+    from qualify.errors import Refused
+
+    if not isinstance(kv, KVCache) or len(kv.keys) != layers or len(kv.values) != layers:
+        found = (len(kv.keys), len(kv.values)) if isinstance(kv, KVCache) else type(kv).__name__
+        raise Refused(f"kv: expected {layers} layers of K and V, found {found}")
+    positions = None
+    for index in range(layers):
+        for kind, array in (("k", kv.keys[index]), ("v", kv.values[index])):
+            where = f"kv: layers.{index}.{kind}"
+            if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+                found = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+                raise Refused(f"{where}: expected float32, found {found}")
+            if positions is None and array.ndim == 3:
+                positions = array.shape[1]  # layer 0's K sets the position count for all
+            if array.ndim != 3 or array.shape != (kv_heads, positions, head_dim):
+                raise Refused(f"{where}: shape {list(array.shape)}, expected [{kv_heads}, "
+                              f"{positions if positions is not None else 'positions'}, {head_dim}]")
+            if not np.isfinite(array).all():
+                raise Refused(f"{where}: non-finite values")
+    assert positions is not None
+    if extra_positions < 0 or positions + extra_positions > max_positions:
+        raise Refused(f"kv: {positions} positions plus {extra_positions} to feed exceed "
+                      f"max_positions {max_positions}")
+    return positions

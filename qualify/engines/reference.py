@@ -53,7 +53,7 @@ from qualify import assets
 from qualify.engines.base import DecodeResult, Linear, ModelGeometry
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
 from qualify.errors import Refused
-from qualify.kv import KVCache
+from qualify.kv import KVCache, check_kv_fits
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
 # the abi is part of every lane's cache identity, so old KV never aliases new arithmetic.
@@ -483,30 +483,11 @@ class ReferenceEngine:
     def new_cache(self, kv: KVCache, extra_positions: int) -> DecodeCache:
         """Install (copy) a canonical KV into a cache with room for ``extra_positions`` more,
         refusing a KV whose geometry, dtype or values do not fit this model."""
-        layers, kv_heads, head_dim = self.geometry.layers, self.geometry.kv_heads, self.geometry.head_dim
-        if not isinstance(kv, KVCache) or len(kv.keys) != layers or len(kv.values) != layers:
-            found = (len(kv.keys), len(kv.values)) if isinstance(kv, KVCache) else type(kv).__name__
-            raise Refused(f"kv: expected {layers} layers of K and V, found {found}")
-        positions = None
-        for index in range(layers):
-            for kind, array in (("k", kv.keys[index]), ("v", kv.values[index])):
-                where = f"kv: layers.{index}.{kind}"
-                if not isinstance(array, np.ndarray) or array.dtype != np.float32:
-                    found = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
-                    raise Refused(f"{where}: expected float32, found {found}")
-                if positions is None and array.ndim == 3:
-                    positions = array.shape[1]  # layer 0's K sets the position count for all
-                if array.ndim != 3 or array.shape != (kv_heads, positions, head_dim):
-                    raise Refused(f"{where}: shape {list(array.shape)}, expected "
-                                  f"[{kv_heads}, {positions if positions is not None else 'positions'}, "
-                                  f"{head_dim}]")
-                if not np.isfinite(array).all():
-                    raise Refused(f"{where}: non-finite values")
-        assert positions is not None
+        geometry = self.geometry
+        kv_heads, head_dim = geometry.kv_heads, geometry.head_dim
+        positions = check_kv_fits(kv, geometry.layers, kv_heads, head_dim, geometry.max_positions,
+                                  extra_positions)
         capacity = positions + extra_positions
-        if extra_positions < 0 or capacity > self.geometry.max_positions:
-            raise Refused(f"kv: {positions} positions plus {extra_positions} to feed exceed "
-                          f"max_positions {self.geometry.max_positions}")
         cache_keys, cache_values = [], []
         for key, value in zip(kv.keys, kv.values, strict=True):
             cache_key = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)

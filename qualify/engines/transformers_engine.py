@@ -38,7 +38,7 @@ from qualify import assets
 from qualify.engines.base import DecodeResult, ModelGeometry
 from qualify.engines.checkpoint import WEIGHTS_FILE, load_config, model_files_view
 from qualify.errors import Refused, one_line
-from qualify.kv import KVCache
+from qualify.kv import KVCache, check_kv_fits
 
 # Bump whenever this file's numerics change (how KV is installed, how pending tokens are fed).
 ABI_VERSION = "transformers-torch-abi-1"
@@ -152,30 +152,13 @@ class TransformersEngine:
     def _check_kv(self, kv: KVCache, extra_positions: int) -> int:
         """Refuse a KV whose layers, shapes, dtype or values do not fit this model, or that leaves
         no room for ``extra_positions`` more; return its position count."""
-        layers, kv_heads, head_dim = self.geometry.layers, self.geometry.kv_heads, self.geometry.head_dim
-        if not isinstance(kv, KVCache) or len(kv.keys) != layers or len(kv.values) != layers:
-            found = (len(kv.keys), len(kv.values)) if isinstance(kv, KVCache) else type(kv).__name__
-            raise Refused(f"kv: expected {layers} layers of K and V, found {found}")
-        positions = None
-        for index in range(layers):
-            for kind, array in (("k", kv.keys[index]), ("v", kv.values[index])):
-                where = f"kv: layers.{index}.{kind}"
-                if not isinstance(array, np.ndarray) or array.dtype != np.float32:
-                    found = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
-                    raise Refused(f"{where}: expected float32, found {found}")
-                if positions is None and array.ndim == 3:
-                    positions = array.shape[1]  # layer 0's K sets the position count for all
-                if array.ndim != 3 or array.shape != (kv_heads, positions, head_dim):
-                    raise Refused(f"{where}: shape {list(array.shape)}, expected [{kv_heads}, "
-                                  f"{positions if positions is not None else 'positions'}, {head_dim}]")
-                if not np.isfinite(array).all():
-                    raise Refused(f"{where}: non-finite values")
-                if self.dtype == "float16" and np.abs(array).max(initial=0.0) > FLOAT16_MAX:
-                    raise Refused(f"{where}: values beyond float16's range for a float16 consumer")
-        assert positions is not None
-        if positions + extra_positions > self.geometry.max_positions:
-            raise Refused(f"kv: {positions} positions plus {extra_positions} to feed exceed "
-                          f"max_positions {self.geometry.max_positions}")
+        geometry = self.geometry
+        positions = check_kv_fits(kv, geometry.layers, geometry.kv_heads, geometry.head_dim,
+                                  geometry.max_positions, extra_positions)
+        if self.dtype == "float16":
+            for name, array in kv.tensors().items():
+                if np.abs(array).max(initial=0.0) > FLOAT16_MAX:
+                    raise Refused(f"kv: {name}: values beyond float16's range for a float16 consumer")
         return positions
 
     # ---- producer ----------------------------------------------------------------------------
