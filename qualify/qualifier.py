@@ -157,11 +157,13 @@ def kv_envelope_from_receipt(receipt_dir: Path, layers: int) -> list[tuple[float
 def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer_geometry) -> Contract:
     """Load and seal the identity (schema, strict models, sealed constants) and derive the run's
     contract; refuses an identity of another recipe or whose artifacts no longer match."""
+    from qualify.engines.factory import check_adapter
     from qualify.handoff.service import expectation_from_identity
     from qualify.identity import identity_sha256, load_identity, logit_units_label
     from qualify.records import rule_from_identity
 
     identity = load_identity(identity_path)
+    check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
     if identity.recipe != recipe:
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe}, the run is --recipe {recipe}")
     prompt = assets.load_prompt(identity.prompt.name)

@@ -631,7 +631,7 @@ SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
     ),
 )
 
-# kquant-exact-dflash: frozen by tools/freeze_identity.py; identity_sha256 5583f569dbcaf83062f418ffdda6d82ba841d05f1a0bf9a2e2a688a31a871a37
+# kquant-exact-dflash: frozen by tools/freeze_identity.py; identity_sha256 1522a628dfca9572835828df557a9adca433f296be292f1224ea46df70caf791
 SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
     lane='kquant-exact-dflash',
     checkpoint=SealedCheckpoint(
@@ -654,7 +654,7 @@ SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-kquant',
-        sha256='ea6aa443d9846880c6dab67968aa291666b0ae4f2c9092eb5eb15fbc6d6f81f7',
+        sha256='9a89cd19378f7205b9e4389f63a29fb6423be332c25760a48fdf788839013dd5',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(

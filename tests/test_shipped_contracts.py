@@ -18,7 +18,7 @@ import pytest
 
 from qualify import assets
 from qualify.digests import sha256_bytes, sha256_file
-from qualify.engines.factory import build_cache_identity, build_consumer, build_producer
+from qualify.engines.factory import ADAPTER_SOURCES, build_cache_identity, build_consumer, build_producer
 from qualify.identity import load_identity
 from qualify.lanes import VLLM_LANE_ENGINES, lane_spec
 from qualify.sealed import SEALED_IDENTITIES
@@ -39,6 +39,9 @@ def test_shipped_identity_validates_and_pins_the_real_artifacts(path: Path):
     for relpath, digest in identity.checkpoint.files.items():
         assert sha256_file(assets.REPO_ROOT / relpath) == digest, relpath
     assert sha256_file(assets.MODEL_DIR / "tokenizer.json") == identity.tokenizer_sha256
+    adapter_name, adapter_source = ADAPTER_SOURCES[identity.lane_kind]
+    assert (identity.adapter.name, identity.adapter.sha256) == (
+        adapter_name, sha256_file(assets.REPO_ROOT / adapter_source))
     prompt = assets.load_prompt(identity.prompt.name)
     assert len(prompt) == identity.onboarding_qualification.prompt_tokens
     assert assets.prompt_sha256(prompt) == identity.onboarding_qualification.prompt_sha256
@@ -83,3 +86,14 @@ def test_native_producer_is_not_the_consumer():
     consumer_kv = build_consumer("nvfp4-native-splitk").prefill(prompt)
     native_kv = build_producer("nvfp4-native-splitk", "native").prefill(prompt)
     assert any(not np.array_equal(a, b) for a, b in zip(consumer_kv.keys, native_kv.keys))
+
+
+def test_a_run_refuses_an_identity_whose_adapter_source_changed():
+    from qualify.engines.factory import check_adapter
+    from qualify.errors import Refused
+    from qualify.lanes import LaneKind
+
+    name, source = ADAPTER_SOURCES[LaneKind.NVFP4]
+    check_adapter(LaneKind.NVFP4, name, sha256_file(assets.REPO_ROOT / source))
+    with pytest.raises(Refused, match="re-freeze the identity"):
+        check_adapter(LaneKind.NVFP4, name, "0" * 63 + "1")

@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from qualify.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256  # noqa: E402
 from qualify.digests import canonical_json_bytes, canonical_sha256, sha256_bytes, sha256_file  # noqa: E402
+from qualify.engines.factory import ADAPTER_SOURCES  # noqa: E402
 from qualify.errors import Refused, one_line  # noqa: E402
 from qualify.identity import DEFAULT_ARCHIVE_DIR, validate_identity_document  # noqa: E402
 from qualify.lanes import LANES, LaneKind, LaneSpec, lane_spec, target_cache_identity  # noqa: E402
@@ -58,12 +59,6 @@ from qualify.sealed import (  # noqa: E402
     sealed_table,
 )
 
-DEFAULT_ADAPTERS: Mapping[LaneKind, tuple[str, str]] = {
-    LaneKind.NVFP4: ("qualify-nvfp4-linear", "qualify/engines/nvfp4_linear.py"),
-    LaneKind.KQUANT: ("qualify-kquant", "qualify/engines/kquant.py"),
-    LaneKind.VLLM: ("qualify-vllm-connector", "qualify/engines/vllm_connector.py"),
-}
-"""The producer adapter per lane kind: name and the source file whose SHA-256 pins it."""
 
 DEFAULT_DRAFT = "model/gguf/eagle1-draft-q8_0.gguf"
 """The k-quant lane's EAGLE-1 draft weights (what ``speculative_draft.draft_sha256`` pins)."""
@@ -188,7 +183,7 @@ def build_sealed(args: argparse.Namespace) -> SealedIdentity:
     adapter_name, adapter_path = (
         _named_file(args.adapter, "--adapter")
         if args.adapter
-        else (DEFAULT_ADAPTERS[spec.kind][0], REPO_ROOT / DEFAULT_ADAPTERS[spec.kind][1])
+        else (ADAPTER_SOURCES[spec.kind][0], REPO_ROOT / ADAPTER_SOURCES[spec.kind][1])
     )
     if not adapter_path.is_file():
         raise Refused(f"adapter {adapter_name}: no file {adapter_path} (pass --adapter NAME=PATH)")

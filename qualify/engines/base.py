@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from qualify.errors import Refused
 from qualify.kv import KVCache, KVGeometry
 
 
@@ -83,3 +84,48 @@ class Linear(Protocol):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x: float32 [T, n_in] -> float32 [T, n_out]."""
         ...
+
+
+def check_tokens(tokens: np.ndarray, vocab: int, what: str) -> np.ndarray:
+    """Refuse anything but a non-empty 1-D array of integer ids in 0..vocab-1; an int64 copy."""
+    array = np.asarray(tokens)
+    if array.ndim != 1 or array.size == 0:
+        raise Refused(f"{what}: expected a non-empty 1-D token array, found shape {list(array.shape)}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise Refused(f"{what}: expected integer token ids, found dtype {array.dtype}")
+    if array.min() < 0 or array.max() >= vocab:
+        raise Refused(f"{what}: token ids must lie in 0..{vocab - 1}, "
+                      f"found {int(array.min())}..{int(array.max())}")
+    return array.astype(np.int64)
+
+
+def check_decode_count(n: object) -> int:
+    """Refuse a decode length that is not a positive integer."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise Refused(f"decode n: expected a positive integer, found {n!r}")
+    return int(n)
+
+
+class GreedyDecoder:
+    """``decode`` and ``teacher_forced`` as two views of one loop, ``_run(kv, pending, steps,
+    forced)`` (greedy when ``forced`` is None), so decode equals teacher forcing on its own
+    tokens by construction. Engines mix this in and implement ``_run``."""
+
+    geometry: ModelGeometry
+
+    def _tokens(self, tokens: np.ndarray, what: str) -> np.ndarray:
+        return check_tokens(tokens, self.geometry.vocab, what)
+
+    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
+        """Install ``kv``, feed ``pending``, then generate ``n`` greedy tokens (argmax, ties to
+        the lowest id), keeping every full logit row."""
+        return self._run(kv, pending, check_decode_count(n), forced=None)
+
+    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
+        """Logits [len(forced), vocab]: row i scores the position after pending + forced[:i]."""
+        forced = self._tokens(forced, "forced tokens")
+        return self._run(kv, pending, int(forced.size), forced=forced).logits
+
+    def _run(self, kv: KVCache, pending: np.ndarray, steps: int, forced: np.ndarray | None
+             ) -> DecodeResult:
+        raise NotImplementedError

@@ -39,7 +39,7 @@ import numpy as np
 
 import qualify
 from qualify import assets
-from qualify.engines.base import DecodeResult, Linear, ModelGeometry
+from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
@@ -558,7 +558,7 @@ class KQuantModel:
     def forward_rows(self, cache: DecodeCache, tokens: np.ndarray) -> RowsOutput:
         """Feed ``tokens`` [R] at positions cache.length.. in one batched forward; append their
         K/V. Row r is bit-identical to feeding the tokens one at a time (exact mode)."""
-        tokens = self.reference._tokens(tokens, "tokens")  # noqa: SLF001 - shared id validation
+        tokens = check_tokens(tokens, self.geometry.vocab, "tokens")
         start = cache.length
         if start + tokens.size > cache.capacity:
             raise Refused(f"decode cache: {tokens.size} tokens after {start} positions exceed "
@@ -580,19 +580,13 @@ def load_kquant_model(mode: ProducerMode = ProducerMode.EXACT, model_dir: Path =
     return KQuantModel(weights, config, mode)
 
 
-def check_decode_count(n: object) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise Refused(f"decode n: expected a positive integer, found {n!r}")
-    return int(n)
-
-
 def check_finite_logits(engine_name: str, logits: np.ndarray) -> None:
     finite_rows = np.isfinite(logits).all(axis=1)
     if not finite_rows.all():
         raise Refused(f"{engine_name}: non-finite logits at decode step {int(np.argmin(finite_rows))}")
 
 
-class KQuantEngine:
+class KQuantEngine(GreedyDecoder):
     """Plain greedy engine on the k-quant target (Engine protocol), no draft: the
     ``kquant-native`` producer, and the plain-decode baseline speculative decode must equal."""
 
@@ -609,19 +603,9 @@ class KQuantEngine:
         """Target KV of exactly ``tokens`` (positions 0..len-1), canonical layout."""
         return self.model.reference.prefill(tokens)
 
-    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
-        """Install ``kv``, feed ``pending`` (one batched forward), then ``n`` greedy tokens one
-        row at a time, keeping every full logit row."""
-        return self._run(kv, pending, check_decode_count(n), forced=None)
-
-    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
-        """Logits [len(forced), vocab]: row i scores the position after pending + forced[:i]."""
-        forced = self.model.reference._tokens(forced, "forced tokens")  # noqa: SLF001
-        return self._run(kv, pending, int(forced.size), forced=forced).logits
-
     def _run(self, kv: KVCache, pending: np.ndarray, steps: int, forced: np.ndarray | None) -> DecodeResult:
         began = time.perf_counter()
-        pending = self.model.reference._tokens(pending, "pending tokens")  # noqa: SLF001
+        pending = self._tokens(pending, "pending tokens")
         cache = self.model.reference.new_cache(kv, extra_positions=pending.size + steps - 1)
         handed_off = cache.length
         logits = np.empty((steps, self.geometry.vocab), dtype=np.float32)

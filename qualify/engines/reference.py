@@ -50,7 +50,7 @@ import numpy as np
 
 import qualify
 from qualify import assets
-from qualify.engines.base import DecodeResult, Linear, ModelGeometry
+from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
 from qualify.errors import Refused
 from qualify.kv import KVCache, check_kv_fits
@@ -374,7 +374,7 @@ class RowsOutput:
 # --------------------------------------------------------------------------------------------
 
 
-class ReferenceEngine:
+class ReferenceEngine(GreedyDecoder):
     """The numpy Llama engine: producer (``prefill``) and consumer (``decode``,
     ``teacher_forced``) of the canonical KV layout, with pluggable projections."""
 
@@ -427,18 +427,6 @@ class ReferenceEngine:
                    make_linear=make_linear, materialize=materialize)
 
     # ---- shared pieces ---------------------------------------------------------------------
-
-    def _tokens(self, tokens: np.ndarray, what: str) -> np.ndarray:
-        """Refuse anything but a non-empty 1-D array of in-vocabulary integer ids; int64 copy."""
-        array = np.asarray(tokens)
-        if array.ndim != 1 or array.size == 0:
-            raise Refused(f"{what}: expected a non-empty 1-D token array, found shape {list(array.shape)}")
-        if not np.issubdtype(array.dtype, np.integer):
-            raise Refused(f"{what}: expected integer token ids, found dtype {array.dtype}")
-        if array.min() < 0 or array.max() >= self.geometry.vocab:
-            raise Refused(f"{what}: token ids must lie in 0..{self.geometry.vocab - 1}, "
-                          f"found {int(array.min())}..{int(array.max())}")
-        return array.astype(np.int64)
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm then the tied LM head: x [T, hidden] -> float32 [T, vocab], always dense
@@ -517,18 +505,6 @@ class ReferenceEngine:
             logits[row] = self._logits(x)[0]
             cache.length = position + 1
         return RowsOutput(logits=logits, hidden=hidden)
-
-    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
-        """Install ``kv``, feed ``pending``, then generate ``n`` greedy tokens (argmax, ties to
-        the lowest id), keeping every full logit row."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise Refused(f"decode n: expected a positive integer, found {n!r}")
-        return self._run(kv, pending, int(n), forced=None)
-
-    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
-        """Logits [len(forced), vocab]: row i scores the position after pending + forced[:i]."""
-        forced = self._tokens(forced, "forced tokens")
-        return self._run(kv, pending, int(forced.size), forced=forced).logits
 
     def _run(self, kv: KVCache, pending: np.ndarray, steps: int, forced: np.ndarray | None
              ) -> DecodeResult:

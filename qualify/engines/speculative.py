@@ -39,7 +39,7 @@ import numpy as np
 
 import qualify
 from qualify import assets
-from qualify.engines.base import DecodeResult
+from qualify.engines.base import DecodeResult, check_decode_count, check_tokens
 from qualify.engines.draft import EagleDraft
 from qualify.engines.reference import DecodeCache
 from qualify.engines.kquant import (
@@ -48,7 +48,6 @@ from qualify.engines.kquant import (
     KQuantEngine,
     KQuantModel,
     build_kquant_engine,
-    check_decode_count,
     check_finite_logits,
     config_from_json,
     dequantized_weights,
@@ -93,7 +92,7 @@ class SpeculativeEngine:
         """Target KV of exactly ``tokens`` (P positions) plus ``draft``: the draft KV of
         positions 0..P-2 (see module docstring for why not P-1)."""
         began = time.perf_counter()
-        tokens = self.target.reference._tokens(tokens, "prefill tokens")  # noqa: SLF001
+        tokens = check_tokens(tokens, self.geometry.vocab, "prefill tokens")
         kv, hidden = self.target.reference.prefill_with_hidden(tokens)  # hidden [P, hidden]
         # Draft row t: (embedding of token t+1, target hidden t) for t = 0..P-2.
         kv.draft = self.draft.prefill(self.target.embed(tokens[1:]), hidden[:-1])
@@ -114,7 +113,7 @@ class SpeculativeEngine:
         began = time.perf_counter()
         n = check_decode_count(n)
         k = self.proposal_tokens
-        pending = self.target.reference._tokens(pending, "pending tokens")  # noqa: SLF001
+        pending = check_tokens(pending, self.geometry.vocab, "pending tokens")
         if kv.draft is None:
             raise Refused("kv: draft: missing; the speculative lane hands off the draft's KV with the target's")
         # Room for every row fed after the handoff, the k rows a last verify may feed included.
@@ -197,8 +196,8 @@ class SpeculativeEngine:
         """Logits [len(forced), vocab]: row i scores the position after pending + forced[:i]
         (target only: one batched forward of pending + forced[:-1])."""
         reference = self.target.reference
-        pending = reference._tokens(pending, "pending tokens")  # noqa: SLF001
-        forced = reference._tokens(forced, "forced tokens")  # noqa: SLF001
+        pending = check_tokens(pending, self.geometry.vocab, "pending tokens")
+        forced = check_tokens(forced, self.geometry.vocab, "forced tokens")
         cache = reference.new_cache(kv, extra_positions=pending.size + forced.size - 1)
         logits = self.target.forward_rows(cache, np.concatenate([pending, forced[:-1]])).logits
         logits = np.ascontiguousarray(logits[pending.size - 1:])

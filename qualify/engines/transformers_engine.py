@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from qualify import assets
-from qualify.engines.base import DecodeResult, ModelGeometry
+from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry
 from qualify.engines.checkpoint import WEIGHTS_FILE, load_config, model_files_view
 from qualify.errors import Refused, one_line
 from qualify.kv import KVCache, check_kv_fits
@@ -81,7 +81,7 @@ def device_kind(torch: Any, device: str) -> str:
     return f"cuda-{torch.version.cuda}-{name}"
 
 
-class TransformersEngine:
+class TransformersEngine(GreedyDecoder):
     """``LlamaForCausalLM`` on torch behind the Engine protocol (see the module docstring)."""
 
     name = "transformers-torch"
@@ -137,18 +137,6 @@ class TransformersEngine:
 
     # ---- input checks ------------------------------------------------------------------------
 
-    def _tokens(self, tokens: np.ndarray, what: str) -> np.ndarray:
-        """Refuse anything but a non-empty 1-D array of in-vocabulary integer ids; int64 copy."""
-        array = np.asarray(tokens)
-        if array.ndim != 1 or array.size == 0:
-            raise Refused(f"{what}: expected a non-empty 1-D token array, found shape {list(array.shape)}")
-        if not np.issubdtype(array.dtype, np.integer):
-            raise Refused(f"{what}: expected integer token ids, found dtype {array.dtype}")
-        if array.min() < 0 or array.max() >= self.geometry.vocab:
-            raise Refused(f"{what}: token ids must lie in 0..{self.geometry.vocab - 1}, "
-                          f"found {int(array.min())}..{int(array.max())}")
-        return array.astype(np.int64)
-
     def _check_kv(self, kv: KVCache, extra_positions: int) -> int:
         """Refuse a KV whose layers, shapes, dtype or values do not fit this model, or that leaves
         no room for ``extra_positions`` more; return its position count."""
@@ -192,18 +180,6 @@ class TransformersEngine:
         return cache
 
     # ---- consumer ----------------------------------------------------------------------------
-
-    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
-        """Install ``kv``, feed ``pending``, then generate ``n`` greedy tokens (argmax, ties to
-        the lowest id), keeping every full logit row."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise Refused(f"decode n: expected a positive integer, found {n!r}")
-        return self._run(kv, pending, int(n), forced=None)
-
-    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
-        """Logits [len(forced), vocab]: row i scores the position after pending + forced[:i]."""
-        forced = self._tokens(forced, "forced tokens")
-        return self._run(kv, pending, int(forced.size), forced=forced).logits
 
     def _run(self, kv: KVCache, pending: np.ndarray, steps: int, forced: np.ndarray | None
              ) -> DecodeResult:
