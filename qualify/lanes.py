@@ -33,16 +33,19 @@ ZERO_SHA256 = "0" * 64
 
 
 class LaneKind(str, Enum):
-    """The producer engine family of a lane (a later issue adds ``transformers``).
+    """The producer engine family of a lane.
 
     ``vllm`` lanes hand KV between vLLM (through the project KV connector,
     :mod:`qualify.engines.vllm_connector`) and the reference engine; which side is which is in
-    :data:`VLLM_LANE_ENGINES`.
+    :data:`VLLM_LANE_ENGINES`. ``transformers`` lanes run Hugging Face ``transformers`` on an
+    NVIDIA GPU as the producer and hand KV to the CPU reference consumer; each lane's device,
+    dtype and TF32 setting is in :data:`TRANSFORMERS_LANE_SETTINGS`.
     """
 
     NVFP4 = "nvfp4"
     KQUANT = "kquant"
     VLLM = "vllm"
+    TRANSFORMERS = "transformers"
 
 
 class Recipe(str, Enum):
@@ -108,6 +111,8 @@ def recipe_for(kind: LaneKind) -> Recipe:
         case LaneKind.KQUANT:
             return Recipe.KQUANT_TARGET_PLUS_DFLASH
         case LaneKind.VLLM:
+            return Recipe.NATIVE_TEXT
+        case LaneKind.TRANSFORMERS:
             return Recipe.NATIVE_TEXT
         case _:
             assert_never(kind)
@@ -191,6 +196,30 @@ VLLM_LANE_ENGINES: Mapping[str, tuple[str, str]] = MappingProxyType({
 connector, ``reference`` the float32 numpy engine. Both sides of a vLLM lane run their own float32
 arithmetic, so every vLLM lane is ``native`` (bounded drift, rung 2)."""
 
+TRANSFORMERS_CUDA_FP32_LANE = "transformers-cuda-fp32"
+TRANSFORMERS_CUDA_TF32_LANE = "transformers-cuda-tf32"
+TRANSFORMERS_CUDA_BF16_LANE = "transformers-cuda-bf16"
+
+
+@dataclass(frozen=True, slots=True)
+class TorchSettings:
+    """How a ``transformers`` lane's producer runs: torch device, model dtype, TF32 matmuls."""
+
+    device: str
+    dtype: str
+    tf32: bool
+
+
+TRANSFORMERS_LANE_SETTINGS: Mapping[str, TorchSettings] = MappingProxyType({
+    TRANSFORMERS_CUDA_FP32_LANE: TorchSettings("cuda", "float32", tf32=False),
+    TRANSFORMERS_CUDA_TF32_LANE: TorchSettings("cuda", "float32", tf32=True),
+    TRANSFORMERS_CUDA_BF16_LANE: TorchSettings("cuda", "bfloat16", tf32=False),
+})
+"""Producer settings of every ``transformers`` lane. The producer is ``LlamaForCausalLM`` on the
+GPU (:mod:`qualify.engines.transformers_engine`); the consumer is always the float32 numpy
+reference engine on the CPU, so each lane is ``native`` (bounded drift, rung 2). The engine ABI
+names device, GPU, dtype and TF32, so each lane's cache identity differs."""
+
 _LANE_LIST: tuple[LaneSpec, ...] = (
     LaneSpec(
         "nvfp4-native-splitk", LaneKind.NVFP4, Recipe.NATIVE_TEXT, ProducerMode.NATIVE,
@@ -231,6 +260,12 @@ _LANE_LIST: tuple[LaneSpec, ...] = (
         REFERENCE_TO_VLLM_LANE, LaneKind.VLLM, Recipe.NATIVE_TEXT, ProducerMode.NATIVE, None,
         speculative_draft=False,
     ),
+    # transformers on an NVIDIA GPU (fp32 with TF32 off and on, bf16) into the CPU reference.
+    *(
+        LaneSpec(name, LaneKind.TRANSFORMERS, Recipe.NATIVE_TEXT, ProducerMode.NATIVE, None,
+                 speculative_draft=False)
+        for name in TRANSFORMERS_LANE_SETTINGS
+    ),
 )
 
 LANES: Mapping[str, LaneSpec] = MappingProxyType({spec.name: spec for spec in _LANE_LIST})
@@ -256,7 +291,8 @@ def target_cache_identity(
 
     Hashes ``{"lane_kind", "producer_mode", "native_variant", "checkpoint_sha256": {relpath:
     sha256}, "engine_abi"}`` (plus ``"vllm_lane_engines"``: [producer, consumer] for a ``vllm``
-    lane) with :func:`qualify.digests.canonical_sha256`.
+    lane, ``"torch_settings"``: {device, dtype, tf32} for a ``transformers`` lane) with
+    :func:`qualify.digests.canonical_sha256`.
     """
     if not isinstance(spec, LaneSpec):
         raise Refused(f"target cache identity: spec: found {type(spec).__name__}, expected LaneSpec")
@@ -284,4 +320,9 @@ def target_cache_identity(
     if spec.kind is LaneKind.VLLM:
         # vLLM lanes share kind, mode and variant: their (producer, consumer) engines separate them.
         document["vllm_lane_engines"] = list(VLLM_LANE_ENGINES[spec.name])
+    if spec.kind is LaneKind.TRANSFORMERS:
+        # transformers lanes too: their torch settings separate them (the ABI names them as well).
+        settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
+        document["torch_settings"] = {"device": settings.device, "dtype": settings.dtype,
+                                      "tf32": settings.tf32}
     return canonical_sha256(document)

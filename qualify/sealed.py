@@ -896,6 +896,195 @@ SEALED_REFERENCE_TO_VLLM = SealedIdentity(
 )
 
 
+# transformers-cuda-fp32: frozen by tools/freeze_identity.py; identity_sha256 f6460611161906cfc87c3d0e7bc0edfa5783720f710602d3eea21b29ac6f9b62
+SEALED_TRANSFORMERS_CUDA_FP32 = SealedIdentity(
+    lane='transformers-cuda-fp32',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+        },
+        total_bytes=6824915,
+    ),
+    producer_engine=SealedEngine(
+        name='transformers-torch',
+        version='transformers-5.17.0+torch-2.11.0+cu130',
+        abi='transformers-torch-abi-1+transformers-5.17.0+torch-2.11.0+cu130+cuda-13.0-NVIDIA-H200+float32+tf32-off+attn-sdpa',
+    ),
+    consumer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+dense-f32',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-transformers-engine',
+        sha256='433e37283c57389c05bc6bb30586434303c91f6158b05f518bfdb26a6286fc4e',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='e49d707b2041d46ff882a6840504e55d0139de2fc4fd07d7d3d0703eba1e18cc',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=1.06e-05,
+        maximum_mean_absolute=8.85e-07,
+        basis='receipt://20261129T112125Z-38992460d533a072/command.log',
+        basis_sha256='875ac73dc6a31a900a7b09daf7222344359f74f42fa8283be3ef5fad57ef6de0',
+    ),
+)
+
+
+# transformers-cuda-tf32: frozen by tools/freeze_identity.py; identity_sha256 2508ff4191cccd18d47c566270f2e7d7faba3786423d8b238a72fc6048a92fb2
+SEALED_TRANSFORMERS_CUDA_TF32 = SealedIdentity(
+    lane='transformers-cuda-tf32',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+        },
+        total_bytes=6824915,
+    ),
+    producer_engine=SealedEngine(
+        name='transformers-torch',
+        version='transformers-5.17.0+torch-2.11.0+cu130',
+        abi='transformers-torch-abi-1+transformers-5.17.0+torch-2.11.0+cu130+cuda-13.0-NVIDIA-H200+float32+tf32-on+attn-sdpa',
+    ),
+    consumer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+dense-f32',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-transformers-engine',
+        sha256='433e37283c57389c05bc6bb30586434303c91f6158b05f518bfdb26a6286fc4e',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='d2a889477beaf060d3a709a4402dba1c08f10dd275411efddcb630f96aac7220',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=0.00378,
+        maximum_mean_absolute=0.000189,
+        basis='receipt://20261129T112145Z-e326e0f2b9e73671/command.log',
+        basis_sha256='2470b3abcf17907032d6f00b0ea4c10d80650494c11b9580964716550af412b9',
+    ),
+)
+
+
+# transformers-cuda-bf16: frozen by tools/freeze_identity.py; identity_sha256 a5b281b6ba5b4a238aa84ba4f18b9b6d96c7dfac2125d9db40c5f7bc1755598f
+SEALED_TRANSFORMERS_CUDA_BF16 = SealedIdentity(
+    lane='transformers-cuda-bf16',
+    checkpoint=SealedCheckpoint(
+        files={
+            'model/config.json': '5240d840cdd76c4136d4cab2288b7e0756e8a7004b53ba1911bc7a3b9b196d9e',
+            'model/model.safetensors': '37e64b8c285288adba87119835c012ab9714749458eb179c8a4a8fcf9912bc05',
+        },
+        total_bytes=6824915,
+    ),
+    producer_engine=SealedEngine(
+        name='transformers-torch',
+        version='transformers-5.17.0+torch-2.11.0+cu130',
+        abi='transformers-torch-abi-1+transformers-5.17.0+torch-2.11.0+cu130+cuda-13.0-NVIDIA-H200+bfloat16+tf32-off+attn-sdpa',
+    ),
+    consumer_engine=SealedEngine(
+        name='reference-numpy',
+        version='0.1.0',
+        abi='numpy-llama-abi-2+dense-f32',
+    ),
+    adapter=SealedNamedDigest(
+        name='qualify-transformers-engine',
+        sha256='433e37283c57389c05bc6bb30586434303c91f6158b05f518bfdb26a6286fc4e',
+    ),
+    tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
+    prompt=SealedPrompt(
+        name='python-textwrap',
+        tokens=2048,
+        sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+    ),
+    prompt_template=SealedNamedDigest(
+        name='raw-token-ids',
+        sha256='0d154be07c48af358a0f40cc374cdb3c73f84e5d527db9242b770d699285f4b8',
+    ),
+    context_policy=SealedContextPolicy(
+        handoff_positions=2047,
+        max_positions=4096,
+    ),
+    rope=SealedRope(
+        theta=10000.0,
+        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+    ),
+    logit_units=SealedLogitUnits(
+        transform='raw',
+        cap=None,
+    ),
+    target_cache_identity_sha256='02b73cd9723d397b6c70d512b418db4950a790f1fdceadbc9d32935f238e27ec',
+    speculative_draft=None,
+    qualification=SealedQualification(
+        prompt_tokens=2048,
+        output_tokens=256,
+        repetitions=3,
+        prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
+        require_exact_tokens=True,
+        require_deterministic_remote_output=True,
+        maximum_absolute=0.0656,
+        maximum_mean_absolute=0.00348,
+        basis='receipt://20261129T112204Z-a0212d2bdff1616d/command.log',
+        basis_sha256='06613cb25515f75f35825dfdf6a9c791d5ff68b3025cf8491f7c6c211cea6266',
+    ),
+)
+
+
 SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(
     SEALED_NVFP4_NATIVE_W4A4,
     SEALED_NVFP4_NATIVE_SPLITK,
@@ -904,6 +1093,9 @@ SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(
     SEALED_VLLM_TO_REFERENCE,
     SEALED_VLLM_TO_VLLM,
     SEALED_REFERENCE_TO_VLLM,
+    SEALED_TRANSFORMERS_CUDA_FP32,
+    SEALED_TRANSFORMERS_CUDA_TF32,
+    SEALED_TRANSFORMERS_CUDA_BF16,
 )
 """Shipped lane -> sealed identity (immutable)."""
 

@@ -312,7 +312,7 @@ STRUCTURAL = [
     (f"{RULE}.basis", _REMOVE, "missing"),
     (f"{RULE}.extra", True, "found unexpected field"),
     ("schema", "trust-ladder.onboarding-identity.v2", 'expected "trust-ladder.onboarding-identity.v1"'),
-    ("lane_kind", "transformers", 'found "transformers", expected one of "nvfp4", "kquant", "vllm"'),
+    ("lane_kind", "sglang", 'found "sglang", expected one of "nvfp4", "kquant", "vllm", "transformers"'),
     ("producer_mode", "fast", "expected one of"),
     ("tokenizer_sha256", digest("tokenizer").upper(), "64 lowercase hex"),
     ("tokenizer_sha256", digest("tokenizer")[:63], "64 lowercase hex"),

@@ -47,7 +47,7 @@ def test_recipe_mapping_is_an_exhaustive_match() -> None:
     for kind in LaneKind:
         assert f"case LaneKind.{kind.name}:" in source
     with pytest.raises(AssertionError):
-        recipe_for("transformers")  # type: ignore[arg-type]
+        recipe_for("sglang")  # type: ignore[arg-type]
 
 
 def test_every_recipe_has_rung_schema_and_logit_mode() -> None:
@@ -67,7 +67,7 @@ def test_every_recipe_has_rung_schema_and_logit_mode() -> None:
 def test_enum_values_are_exactly_the_legal_ones() -> None:
     assert [mode.value for mode in ProducerMode] == ["exact", "native"]
     assert [variant.value for variant in NativeVariant] == ["splitk", "f16", "w4a4"]
-    assert [kind.value for kind in LaneKind] == ["nvfp4", "kquant", "vllm"]
+    assert [kind.value for kind in LaneKind] == ["nvfp4", "kquant", "vllm", "transformers"]
     with pytest.raises(ValueError):
         ProducerMode("fast")
 
@@ -117,8 +117,15 @@ def test_lane_table() -> None:
         "vllm-to-reference",
         "vllm-to-vllm",
         "reference-to-vllm",
+        "transformers-cuda-fp32",
+        "transformers-cuda-tf32",
+        "transformers-cuda-bf16",
     }
     assert set(lanes.VLLM_LANE_ENGINES) == {n for n, s in LANES.items() if s.kind is LaneKind.VLLM}
+    assert set(lanes.TRANSFORMERS_LANE_SETTINGS) == {
+        n for n, s in LANES.items() if s.kind is LaneKind.TRANSFORMERS}
+    assert {(s.device, s.dtype, s.tf32) for s in lanes.TRANSFORMERS_LANE_SETTINGS.values()} == {
+        ("cuda", "float32", False), ("cuda", "float32", True), ("cuda", "bfloat16", False)}
     for name, spec in LANES.items():
         assert spec.name == name
         assert spec.recipe is recipe_for(spec.kind)
@@ -190,8 +197,8 @@ def test_inconsistent_lane_specs_are_refused(kwargs: dict[str, object], fragment
 def test_cache_identities_of_all_lanes_differ() -> None:
     identities = {name: target_cache_identity(spec, CHECKPOINT, "abi-1") for name, spec in LANES.items()}
     assert len(set(identities.values())) == len(LANES)
-    kinds = [(spec.kind, spec.mode, spec.variant, lanes.VLLM_LANE_ENGINES.get(spec.name))
-             for spec in LANES.values()]
+    kinds = [(spec.kind, spec.mode, spec.variant, lanes.VLLM_LANE_ENGINES.get(spec.name),
+              lanes.TRANSFORMERS_LANE_SETTINGS.get(spec.name)) for spec in LANES.values()]
     assert len(set(kinds)) == len(kinds), "two lanes would share a cache identity"
     exact = LANES["nvfp4-exact"]
     native = LANES["nvfp4-native-splitk"]

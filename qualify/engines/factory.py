@@ -26,6 +26,7 @@ ADAPTER_SOURCES: dict[LaneKind, tuple[str, str]] = {
     LaneKind.NVFP4: ("qualify-nvfp4-linear", "qualify/engines/nvfp4_linear.py"),
     LaneKind.KQUANT: ("qualify-kquant", "qualify/engines/kquant.py"),
     LaneKind.VLLM: ("qualify-vllm-connector", "qualify/engines/vllm_connector.py"),
+    LaneKind.TRANSFORMERS: ("qualify-transformers-engine", "qualify/engines/transformers_engine.py"),
 }
 """The producer adapter per lane kind: its name and the repo-relative source file whose SHA-256
 an identity pins (the code that turns the lane's weights into its arithmetic)."""
@@ -51,8 +52,8 @@ def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
         from qualify.engines import speculative
 
         return (assets.MODEL_DIR / "config.json", *speculative.checkpoint_paths())
-    if kind is LaneKind.VLLM:
-        # vLLM and the reference engine both read exactly these (no tokenizer: raw token ids).
+    if kind in (LaneKind.VLLM, LaneKind.TRANSFORMERS):
+        # vLLM, transformers and the reference engine all read exactly these (raw token ids).
         return (assets.MODEL_DIR / "config.json", assets.MODEL_DIR / "model.safetensors")
     raise Refused(f"lane kind {kind.value}: no engine in this harness builds it")
 
@@ -127,8 +128,29 @@ class WholeBlockProducer:
         return trimmed
 
 
+def _transformers_lane_engine(spec: LaneSpec, role: Role) -> Engine:
+    """One side of a ``transformers`` lane: the GPU producer, or the float32 reference consumer."""
+    from qualify.engines.reference import ReferenceEngine
+
+    if role == "consumer":
+        return ReferenceEngine.from_model_dir(assets.MODEL_DIR)
+    from qualify.engines.transformers_engine import TransformersEngine
+    from qualify.lanes import TRANSFORMERS_LANE_SETTINGS
+
+    settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
+    return TransformersEngine(assets.MODEL_DIR, device=settings.device, dtype=settings.dtype,
+                              tf32=settings.tf32)
+
+
 def _producer_abi(spec: LaneSpec) -> str:
-    """The ABI a lane's producer engine reports, without starting vLLM when it is vLLM."""
+    """The ABI a lane's producer engine reports, without starting vLLM when it is vLLM or loading
+    the model when it is transformers (that still needs the lane's GPU: the ABI names it)."""
+    if spec.kind is LaneKind.TRANSFORMERS:
+        from qualify.engines.transformers_engine import engine_abi
+        from qualify.lanes import TRANSFORMERS_LANE_SETTINGS
+
+        settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
+        return engine_abi(settings.device, settings.dtype, settings.tf32)
     if spec.kind is LaneKind.VLLM:
         from qualify.lanes import VLLM_LANE_ENGINES
 
@@ -145,6 +167,10 @@ def _build(spec: LaneSpec, mode: ProducerMode, role: Role = "producer",
         if mode is not ProducerMode.NATIVE:
             raise Refused(f"lane {spec.name}: vLLM lanes run in native mode only, found {mode.value}")
         return _vllm_lane_engine(spec, role, vllm_fault)
+    if spec.kind is LaneKind.TRANSFORMERS:
+        if mode is not ProducerMode.NATIVE:
+            raise Refused(f"lane {spec.name}: transformers lanes run in native mode only, found {mode.value}")
+        return _transformers_lane_engine(spec, role)
     if spec.kind is LaneKind.NVFP4:
         # The consumer and the exact anchor decode with the integer-exact a16-q8 contraction.
         arithmetic = "exact" if mode is ProducerMode.EXACT else spec.variant.value  # type: ignore[union-attr]
@@ -201,10 +227,11 @@ def build_producer(lane: str, mode: str, vllm_fault: str | None = None) -> Engin
 
 def build_consumer(lane: str, vllm_fault: str | None = None) -> Engine:
     """The consumer engine for ``lane``: the exact arithmetic of the lane's kind (for a ``vllm``
-    lane, the lane's consumer side: the float32 reference engine or vLLM)."""
+    lane, the lane's consumer side: the float32 reference engine or vLLM; for a ``transformers``
+    lane, the float32 reference engine)."""
     spec = lane_spec(lane)
-    if spec.kind is LaneKind.VLLM:
-        # Both sides of a vLLM lane run their own float32 arithmetic (no exact anchor).
+    if spec.kind in (LaneKind.VLLM, LaneKind.TRANSFORMERS):
+        # Both sides run their own float32 (or lower) arithmetic: there is no exact anchor.
         return _stamp(_build(spec, spec.mode, "consumer", vllm_fault), spec, spec.mode)
     return _stamp(_build(spec, ProducerMode.EXACT), spec, spec.mode)
 

@@ -81,6 +81,26 @@ def device_kind(torch: Any, device: str) -> str:
     return f"cuda-{torch.version.cuda}-{name}"
 
 
+def engine_version() -> str:
+    """``transformers-<version>+torch-<version>`` of this process (what the identity pins)."""
+    torch = _torch()
+    import transformers
+
+    return f"transformers-{transformers.__version__}+torch-{torch.__version__}"
+
+
+def engine_abi(device: str, dtype: str, tf32: bool, attn_implementation: str = "sdpa") -> str:
+    """The ABI an engine with these options reports, without loading the model: this file's
+    numerics version, the library versions, the device (CUDA version and GPU name), the dtype,
+    TF32 and the attention implementation; each changes the producer's arithmetic."""
+    check_options(device, dtype, tf32, attn_implementation)
+    torch = _torch()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Refused("transformers engine device: 'cuda' requested but torch sees no CUDA device")
+    return (f"{ABI_VERSION}+{engine_version()}+{device_kind(torch, device)}+{dtype}"
+            f"+tf32-{'on' if tf32 else 'off'}+attn-{attn_implementation}")
+
+
 class TransformersEngine(GreedyDecoder):
     """``LlamaForCausalLM`` on torch behind the Engine protocol (see the module docstring)."""
 
@@ -89,19 +109,12 @@ class TransformersEngine(GreedyDecoder):
 
     def __init__(self, model_dir: Path = assets.MODEL_DIR, *, device: str = "cpu",
                  dtype: str = "float32", tf32: bool = False, attn_implementation: str = "sdpa") -> None:
-        check_options(device, dtype, tf32, attn_implementation)
-        torch = _torch()
-        import transformers
-
-        if device == "cuda" and not torch.cuda.is_available():
-            raise Refused("transformers engine device: 'cuda' requested but torch sees no CUDA device")
+        self.abi = engine_abi(device, dtype, tf32, attn_implementation)  # checks the options first
+        self.version = engine_version()
         self.device, self.dtype, self.tf32 = device, dtype, tf32
         self.attn_implementation = attn_implementation
-        self.torch_dtype = getattr(torch, dtype)
+        self.torch_dtype = getattr(_torch(), dtype)
         self.geometry: ModelGeometry = load_config(Path(model_dir)).geometry
-        self.version = f"transformers-{transformers.__version__}+torch-{torch.__version__}"
-        self.abi = (f"{ABI_VERSION}+{self.version}+{device_kind(torch, device)}+{dtype}"
-                    f"+tf32-{'on' if tf32 else 'off'}+attn-{attn_implementation}")
         self.model = self._load(Path(model_dir))
 
     def _load(self, model_dir: Path) -> Any:

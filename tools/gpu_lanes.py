@@ -1,0 +1,141 @@
+"""Calibrate, freeze and qualify the ``transformers`` CUDA lanes on a GPU machine, in one call.
+
+Runs on the GPU machine (``source tools/device_env.sh`` first), from the repo root. For each lane:
+``qualify calibrate`` (5 handoffs, basis receipt under ``receipts/``) -> if the tokens stayed exact,
+``tools/freeze_identity.py`` with the proposed bounds (identity JSON under ``contracts/``) and the
+printed sealed block written into *this copy's* ``qualify/sealed.py`` -> ``qualify --recipe
+native-text --identity ...`` in a fresh process. A lane whose tokens diverge is not frozen: its
+calibration receipt, with localisation, is the published result. Everything it made is packed
+into ``OUT/gpu-lanes.tar`` with a ``summary.json``; the sealed.py change comes back inside it and is
+committed as a reviewed change, like any other freeze.
+
+    python3 tools/gpu_lanes.py --out "$OUT" [--lane transformers-cuda-bf16 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from qualify.lanes import LANES, TRANSFORMERS_LANE_SETTINGS  # noqa: E402
+
+SEALED_PY = REPO / "qualify" / "sealed.py"
+TABLE_START = "SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(\n"
+
+
+def write_sealed_block(block: str, constant: str) -> None:
+    """Put ``block`` (``# comment`` + ``CONSTANT = SealedIdentity(...)``) into sealed.py, replacing
+    the constant's old block if there is one, and list the constant in ``SEALED_IDENTITIES``."""
+    source = SEALED_PY.read_text(encoding="utf-8")
+    old = re.search(rf"(?m)^# [^\n]*\n{constant} = SealedIdentity\(\n.*?^\)\n", source, flags=re.S)
+    if old is not None:
+        source = source[:old.start()] + block + source[old.end():]
+    else:
+        at = source.index(TABLE_START)
+        source = source[:at] + block + "\n\n" + source[at:]
+    table_at = source.index(TABLE_START) + len(TABLE_START)
+    table_end = source.index("\n)\n", table_at)
+    if f"    {constant},\n" not in source[table_at:table_end + 1]:
+        source = source[:table_end + 1] + f"    {constant},\n" + source[table_end + 1:]
+    SEALED_PY.write_text(source, encoding="utf-8")
+
+
+def calibrate_lane(lane: str, repetitions: int) -> dict:
+    """Run the calibration in-process; return its figures and receipt."""
+    from qualify.qualifier import RunOptions, calibrate
+
+    command = ["qualify", "calibrate", "--recipe", "native-text", "--lane", lane,
+               "--repetitions", str(repetitions), "--receipts", "receipts"]
+    options = RunOptions(recipe="native-text", receipts=REPO / "receipts", command_line=command)
+    began = time.perf_counter()
+    result = calibrate(lane, "native-text", repetitions, options, log=print)
+    return {
+        "lane": lane,
+        "calibration_receipt": result.receipt_path.name,
+        "calibration_seconds": round(time.perf_counter() - began, 2),
+        "observed_max_abs": result.observed_max_abs,
+        "observed_mean_abs": result.observed_mean_abs,
+        "tokens_exact": result.tokens_exact,
+        "failures": list(result.failures),
+        "proposed_maximum_absolute": result.proposed_maximum_absolute,
+        "proposed_maximum_mean_absolute": result.proposed_maximum_mean_absolute,
+        "token_agreement": [r.get("token_agreement_rate") for r in result.records],
+    }
+
+
+def freeze_lane(summary: dict) -> None:
+    """Freeze the lane's identity from its calibration and write the sealed block."""
+    import freeze_identity
+
+    argv = ["--lane", summary["lane"], "--basis", f"receipt://{summary['calibration_receipt']}/command.log",
+            "--maximum-absolute", repr(summary["proposed_maximum_absolute"]),
+            "--maximum-mean-absolute", repr(summary["proposed_maximum_mean_absolute"]), "--replace"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = freeze_identity.main(argv)
+    if status != 0:
+        raise SystemExit(f"gpu_lanes: freeze of {summary['lane']} refused (status {status})")
+    lines = printed.getvalue().splitlines()
+    block = "\n".join(line for line in lines if not line.startswith(("# wrote", "# then"))).strip("\n") + "\n"
+    write_sealed_block(block, freeze_identity.constant_name(summary["lane"]))
+    summary["identity"] = f"contracts/{summary['lane']}-identity-v1.json"
+
+
+def qualify_lane(summary: dict) -> None:
+    """Run ``qualify --recipe native-text`` on the frozen identity in a fresh process."""
+    before = set((REPO / "receipts").iterdir())
+    began = time.perf_counter()
+    completed = subprocess.run(
+        [sys.executable, "-m", "qualify.cli", "--recipe", "native-text", "--identity", summary["identity"],
+         "--receipts", "receipts"], cwd=REPO, capture_output=True, text=True, check=False)
+    print(completed.stdout[-4000:], completed.stderr[-2000:])
+    made = sorted(path.name for path in set((REPO / "receipts").iterdir()) - before)
+    summary.update(qualification_exit=completed.returncode, qualification_receipts=made,
+                   qualification_seconds=round(time.perf_counter() - began, 2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu-lanes.tar")
+    parser.add_argument("--lane", action="append", choices=sorted(LANES),
+                        help="default: every transformers lane (another lane: a dry run on a CPU)")
+    parser.add_argument("--repetitions", type=int, default=5)
+    args = parser.parse_args(argv)
+    receipts_before = set((REPO / "receipts").iterdir())
+    summaries = []
+    for lane in args.lane or list(TRANSFORMERS_LANE_SETTINGS):
+        summary = calibrate_lane(lane, args.repetitions)
+        if summary["tokens_exact"] and not summary["failures"] and summary["proposed_maximum_absolute"]:
+            freeze_lane(summary)
+        summaries.append(summary)
+    for summary in summaries:
+        if "identity" in summary:
+            qualify_lane(summary)
+    print(json.dumps(summaries, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (REPO / "summary.json").write_text(json.dumps(summaries, indent=1) + "\n", encoding="utf-8")
+    with tarfile.open(args.out / "gpu-lanes.tar", "w") as tar:
+        tar.add(REPO / "summary.json", arcname="summary.json")
+        tar.add(SEALED_PY, arcname="qualify/sealed.py")
+        for path in sorted(set((REPO / "receipts").iterdir()) - receipts_before):
+            tar.add(path, arcname=f"receipts/{path.name}")
+        for summary in summaries:
+            if "identity" in summary:
+                tar.add(REPO / summary["identity"], arcname=summary["identity"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
