@@ -18,12 +18,26 @@ import pytest
 
 from qualify import assets
 from qualify.digests import sha256_bytes, sha256_file
-from qualify.engines.factory import ADAPTER_SOURCES, build_cache_identity, build_consumer, build_producer
+from qualify.engines.factory import (
+    ADAPTER_SOURCES,
+    build_cache_identity,
+    build_consumer,
+    build_producer,
+    checkpoint_digests,
+)
 from qualify.identity import load_identity
-from qualify.lanes import VLLM_LANE_ENGINES, lane_spec
+from qualify.lanes import VLLM_LANE_ENGINES, LaneKind, lane_spec, target_cache_identity
 from qualify.sealed import SEALED_IDENTITIES
 
 SHIPPED = sorted(assets.CONTRACTS_DIR.glob("*-identity-v1.json"))
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def test_every_sealed_lane_ships_an_identity_and_every_identity_is_sealed():
@@ -46,11 +60,17 @@ def test_shipped_identity_validates_and_pins_the_real_artifacts(path: Path):
     assert len(prompt) == identity.onboarding_qualification.prompt_tokens
     assert assets.prompt_sha256(prompt) == identity.onboarding_qualification.prompt_sha256
     # The cache identity is derived, not asserted: the lane's producer ABI and checkpoint digests.
-    # A vLLM producer's ABI pins the installed vLLM (RECORD digest): derivable only where it is.
+    spec = lane_spec(identity.lane)
+    assert target_cache_identity(spec, checkpoint_digests(spec.kind), identity.producer_engine.abi) \
+        == identity.target_cache_identity_sha256
+    # A vLLM producer's ABI pins the installed vLLM (RECORD digest): derivable only where it is; a
+    # transformers CUDA producer's names the GPU: derivable only on one.
     if identity.lane in VLLM_LANE_ENGINES and VLLM_LANE_ENGINES[identity.lane][0] == "vllm" \
             and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM producer ABI: needs the vllm extra (tools/install_vllm.sh)")
-    assert build_cache_identity(lane_spec(identity.lane)) == identity.target_cache_identity_sha256
+    if spec.kind is LaneKind.TRANSFORMERS and not _cuda_available():
+        pytest.skip("transformers CUDA producer ABI names the GPU: needs an NVIDIA GPU")
+    assert build_cache_identity(spec) == identity.target_cache_identity_sha256
 
 
 def test_prompt_digest_is_over_little_endian_uint32_token_ids():

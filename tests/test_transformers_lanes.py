@@ -1,0 +1,126 @@
+"""The ``transformers`` CUDA lanes: a GPU producer handing KV to the CPU reference consumer.
+
+Without a GPU (CI): each lane's consumer is the float32 reference engine, its producer is refused
+with one line naming CUDA, and a qualification of its shipped identity fails closed with a
+receipt. With a GPU (``pytest -m cuda`` on the GPU machine): each shipped identity qualifies, and
+a K block-order fault in the bf16 lane's handoff is caught and localised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qualify import assets
+from qualify.engines.factory import build_consumer, build_producer, checkpoint_digests, expected_cache_identity
+from qualify.errors import Refused
+from qualify.identity import load_identity
+from qualify.lanes import TRANSFORMERS_LANE_SETTINGS, lane_spec, target_cache_identity
+from qualify.receipts import verify_receipt
+
+LANES = sorted(TRANSFORMERS_LANE_SETTINGS)
+
+
+def identity_path(lane: str) -> Path:
+    return assets.CONTRACTS_DIR / f"{lane}-identity-v1.json"
+
+
+def qualify_cli(receipts: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qualify.cli", "--recipe", "native-text",
+                           "--receipts", str(receipts), *args], cwd=assets.REPO_ROOT,
+                          env=dict(os.environ, **(env or {})), capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+def only_receipt(receipts: Path) -> Path:
+    made = sorted(path for path in receipts.iterdir() if path.is_dir())
+    assert len(made) == 1, made
+    return made[0]
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_identity_pins_the_gpu_producer_and_the_cpu_reference_consumer(lane: str) -> None:
+    identity = load_identity(identity_path(lane))
+    settings = TRANSFORMERS_LANE_SETTINGS[lane]
+    abi = identity.producer_engine.abi
+    assert identity.producer_engine.name == "transformers-torch"
+    assert f"+{settings.dtype}+tf32-{'on' if settings.tf32 else 'off'}+" in abi and "+cuda-" in abi
+    assert identity.consumer_engine.name == "reference-numpy"
+    # The cache identity follows from the pinned producer ABI; on a GPU the factory derives it too.
+    spec = lane_spec(lane)
+    assert target_cache_identity(spec, checkpoint_digests(spec.kind), abi) == identity.target_cache_identity_sha256
+
+
+def test_the_three_lanes_have_distinct_bounds_ordered_by_precision() -> None:
+    bounds = {lane: load_identity(identity_path(lane)).onboarding_qualification.full_logits for lane in LANES}
+    fp32, tf32, bf16 = (bounds[f"transformers-cuda-{name}"] for name in ("fp32", "tf32", "bf16"))
+    assert fp32.maximum_absolute < tf32.maximum_absolute < bf16.maximum_absolute
+    assert fp32.maximum_mean_absolute < tf32.maximum_mean_absolute < bf16.maximum_mean_absolute
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_consumer_is_the_float32_reference_engine(lane: str) -> None:
+    consumer = build_consumer(lane)
+    assert (consumer.name, consumer.abi) == ("reference-numpy", "numpy-llama-abi-2+dense-f32")
+    assert consumer.producer_mode == "native"
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("lane", LANES)
+def test_producer_without_a_gpu_is_refused_naming_cuda(lane: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(Refused, match="'cuda' requested but torch sees no CUDA device"):
+        build_producer(lane, "native")
+    with pytest.raises(Refused, match="'cuda' requested but torch sees no CUDA device"):
+        expected_cache_identity(lane)
+    with pytest.raises(Refused, match="transformers lanes run in native mode only"):
+        build_producer(lane, "exact")
+
+
+@pytest.mark.torch
+def test_qualification_without_a_gpu_fails_closed_with_a_receipt(tmp_path: Path) -> None:
+    lane = "transformers-cuda-bf16"
+    completed = qualify_cli(tmp_path, "--identity", str(identity_path(lane)), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert completed.returncode == 1, completed.stderr
+    assert "NOT QUALIFIED" in completed.stdout
+    receipt = only_receipt(tmp_path)
+    summary = json.loads((receipt / "validation-summary.json").read_text())
+    assert summary["passed"] is False and summary["lane"] == lane
+    assert "sees no CUDA device" in summary["verdict"]
+    assert verify_receipt(receipt) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("lane", LANES)
+def test_shipped_cuda_identity_qualifies_on_a_gpu(lane: str, tmp_path: Path) -> None:
+    completed = qualify_cli(tmp_path, "--identity", str(identity_path(lane)))
+    assert completed.returncode == 0, completed.stdout[-3000:]
+    receipt = only_receipt(tmp_path)
+    samples = [json.loads(path.read_text()) for path in sorted((receipt / "samples").glob("*.json"))]
+    assert len(samples) == 3 and all(sample["token_agreement_rate"] == 1.0 for sample in samples)
+    bounds = load_identity(identity_path(lane)).onboarding_qualification.full_logits
+    assert all(0 < sample["max_abs"] <= bounds.maximum_absolute for sample in samples)
+    assert verify_receipt(receipt) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_block_order_fault_in_the_bf16_lane_is_caught_and_localised(tmp_path: Path) -> None:
+    from qualify.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
+
+    completed = qualify_cli(tmp_path, "--identity", str(identity_path("transformers-cuda-bf16")),
+                            "--fault", "block-order")
+    assert completed.returncode == 1, completed.stdout[-3000:]
+    sample = json.loads((only_receipt(tmp_path) / "samples" / "sample-1.json").read_text())
+    over = sample["localisation"]["kv_over_envelope"]
+    assert over, sample["localisation"]
+    low, high = SWAPPED_BLOCKS[0] * BLOCK_POSITIONS, (SWAPPED_BLOCKS[1] + 1) * BLOCK_POSITIONS
+    assert all(item["tensor"] == "K" and low <= item["position"] < high for item in over), over
