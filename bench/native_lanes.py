@@ -1,12 +1,16 @@
-"""Measure every NVFP4 native variant against the exact consumer on every held-out document.
+"""Measure every native lane of a kind against its consumer on every held-out document.
 
-For each (variant, document): the producer variant prefills ``prompt[:2047]``, the exact consumer
+``--kind nvfp4`` (default): every NVFP4 native variant against the exact consumer.
+``--kind transformers`` (on the GPU machine): the CUDA fp32/TF32/bf16 producers against the CPU
+reference consumer.
+
+For each (lane, document): the producer prefills ``prompt[:2047]``, the consumer
 decodes 256 greedy tokens from that KV and from its own cold prefill. Reports per-layer K and V
 max abs deltas, 256-token agreement and the first divergence, the cold run's top-1/top-2 margin
 there, and teacher-forced logit drift (max and mean). In-process, no transport: this measures
 numerics only. Writes the table as JSON to ``--out`` when given.
 
-Usage: python bench/native_lanes.py [--out FILE]
+Usage: python bench/native_lanes.py [--kind nvfp4|transformers] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from qualify.qualifier import comparison_bounds
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the measurements as JSON here")
+    parser.add_argument("--kind", choices=["nvfp4", "transformers"], default="nvfp4")
     args = parser.parse_args()
-    lanes = [spec.name for spec in LANES.values()
-             if spec.kind is LaneKind.NVFP4 and spec.mode is ProducerMode.NATIVE]
+    kind = LaneKind(args.kind)
+    lanes = [spec.name for spec in LANES.values() if spec.kind is kind and spec.mode is ProducerMode.NATIVE]
     consumer = build_consumer(lanes[0])
     rows = []
     for document in assets.PROMPT_NAMES:
@@ -61,7 +66,7 @@ def main() -> int:
             rows.append(row)
             kv_text = " ".join(f"L{layer}:{k:.4g}/{v:.4g}" for layer, k, v in row["kv_max_abs"])
             margin = row["cold_margin_at_divergence"]
-            print(f"{document:26s} {lane:20s} tokens {row['tokens_agreed']:3d}/256 "
+            print(f"{document:26s} {lane:24s} tokens {row['tokens_agreed']:3d}/256 "
                   f"first-div {row['first_divergence']} margin {margin if margin is None else round(margin, 4)} "
                   f"({row['divergence_class']}) tf max {row['teacher_forced_max_abs']:.4g} "
                   f"mean {row['teacher_forced_mean_abs']:.4g} flips {row['teacher_forced_top1_flips']} "
@@ -70,7 +75,8 @@ def main() -> int:
         with open(args.out, "w") as handle:
             json.dump(rows, handle, indent=1)
     exact = sum(1 for row in rows if row["tokens_agreed"] == 256)
-    print(f"native_variant_documents_exact: {exact}/{len(rows)}")
+    headline = "native_variant_documents_exact" if kind is LaneKind.NVFP4 else "transformers_lane_documents_exact"
+    print(f"{headline}: {exact}/{len(rows)}")
     return 0
 
 
