@@ -26,18 +26,11 @@ from qualify.compare import BranchComparison, compare_branches, logit_digests
 from qualify.engines.base import DecodeResult
 from qualify.errors import Refused
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 ROWS, VOCAB = 48, 1500
 MEAN_RTOL = 1e-5
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)
 
 
 def _data(seed: int = 1, noise: float = 1e-3, diverge_at: int | None = None):

@@ -24,13 +24,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # a shared 2-core machine: k
 import numpy as np
 import pytest
 
-from qualify import assets
 from qualify.engines.base import DecodeResult, Engine
 from qualify.engines.reference import ReferenceEngine
 from qualify.errors import Refused
 from qualify.kv import KVCache
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 HANDOFF = 2047  # the producer prefills prompt[:2047]; the consumer feeds prompt[2047]
 DECODE = 256
@@ -41,28 +40,11 @@ LOGIT_TOLERANCE = 1e-4
 # ---- fixtures ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def reference() -> ReferenceEngine:
-    return ReferenceEngine.from_model_dir()
-
-
 @pytest.fixture(scope="module")
 def engine():
     from qualify.engines.torch_llama import TorchLlama
 
     return TorchLlama.from_model_dir(dtype="float32", device="cpu", cache_positions=HANDOFF + DECODE)
-
-
-@pytest.fixture(scope="module")
-def prompt() -> np.ndarray:
-    return assets.load_prompt()
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # a shared 2-core machine: k
 import numpy as np
 import pytest
 
-from qualify import assets
 from qualify.engines.base import DecodeResult, Engine
 from qualify.engines.reference import ReferenceEngine
 from qualify.errors import Refused
 from qualify.kv import KVCache
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 PREFIX = 512  # prefill-agreement prefix
 HANDOFF = 2047  # the producer prefills prompt[:2047]; the consumer feeds prompt[2047]
@@ -34,28 +33,11 @@ LOGIT_TOLERANCE = 1e-3  # max abs logit delta of a float32 handoff against the c
 # ---- fixtures ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def reference() -> ReferenceEngine:
-    return ReferenceEngine.from_model_dir()
-
-
 @pytest.fixture(scope="module")
 def engine():
     from qualify.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def prompt() -> np.ndarray:
-    return assets.load_prompt()
 
 
 @pytest.fixture(scope="module")
