@@ -544,6 +544,21 @@ def draft_acceptance_rate(trace: Sequence[tuple[Sequence[int], int]] | None) -> 
     return accepted / proposed
 
 
+DraftTrace = Sequence[tuple[Sequence[int], int]] | None
+
+
+def draft_fields(handoff_trace: DraftTrace, cold_trace: DraftTrace) -> dict[str, str | float | None]:
+    """The five draft fields of a :class:`BranchComparison` from both branches' draft traces
+    (all None without a draft)."""
+    return {
+        "handoff_draft_tokens_sha256": draft_tokens_sha256(handoff_trace),
+        "cold_draft_tokens_sha256": draft_tokens_sha256(cold_trace),
+        "handoff_draft_trace_sha256": draft_trace_sha256(handoff_trace),
+        "cold_draft_trace_sha256": draft_trace_sha256(cold_trace),
+        "draft_acceptance_rate": draft_acceptance_rate(handoff_trace),
+    }
+
+
 # --------------------------------------------------------------------------- one sample
 
 
@@ -695,9 +710,5 @@ def compare_branches(
         divergence_class=divergence_class,
         teacher_forced=teacher,
         kv=kv,
-        handoff_draft_tokens_sha256=draft_tokens_sha256(handoff.draft_trace),
-        cold_draft_tokens_sha256=draft_tokens_sha256(cold.draft_trace),
-        handoff_draft_trace_sha256=draft_trace_sha256(handoff.draft_trace),
-        cold_draft_trace_sha256=draft_trace_sha256(cold.draft_trace),
-        draft_acceptance_rate=draft_acceptance_rate(handoff.draft_trace),
+        **draft_fields(handoff.draft_trace, cold.draft_trace),  # type: ignore[arg-type]
     )

@@ -55,9 +55,7 @@ from qualify.compare import (
     LogitTransform,
     TeacherForcedDrift,
     classify_divergence,
-    draft_acceptance_rate,
-    draft_tokens_sha256,
-    draft_trace_sha256,
+    draft_fields,
     first_digest_mismatch,
     first_row_over_rule,
     generated_token_sha256,
@@ -485,11 +483,7 @@ def start_comparison(
         divergence_class=divergence_class,
         teacher_forced=teacher,
         kv=kv,
-        handoff_draft_tokens_sha256=draft_tokens_sha256(handoff.draft_trace),
-        cold_draft_tokens_sha256=draft_tokens_sha256(cold.draft_trace),
-        handoff_draft_trace_sha256=draft_trace_sha256(handoff.draft_trace),
-        cold_draft_trace_sha256=draft_trace_sha256(cold.draft_trace),
-        draft_acceptance_rate=draft_acceptance_rate(handoff.draft_trace),
+        **draft_fields(handoff.draft_trace, cold.draft_trace),
     )
     timings = {"logit_pass_s": timer.seconds, "logit_pass_bytes": float(passed_bytes),
                "summaries_s": time.perf_counter() - began}
