@@ -22,15 +22,15 @@ is the consumer's own prefill plus the same decode (once per run, like ``--refer
 three ordered handoffs. Per handoff:
 
 1. producer prefill -> 64 K/V tensors, 268 MB bf16, on the GPU;
-2. transport: the tensors are gathered in safetensors order into a device staging buffer and
-   copied once into a pinned host buffer that is the safetensors payload (``BF16`` tensors);
-   the producer hashes every tensor on a thread pool and seals:
-   ``qualify.handoff.wire.payload_tree_sha256`` (tree digest), seam digests, a manifest with
-   handoff-manifest v2's fields, ``manifest_mac`` (HMAC-SHA256 under a fresh run key);
-3. the consumer verifies the MAC, the manifest (canonical JSON, ids, identity and cache identity,
-   geometry, prompt digest), the payload header, re-hashes every tensor of the same host bytes
-   (thread pool) and checks the tree and seam digests; only then installs those bytes (one host
-   to device copy, then into its static cache; a non-finite value is refused);
+2. transport: the tensors are gathered, in the order :func:`qualify.handoff.wire.payload_layout`
+   gives, into a device staging buffer and copied once into a pinned host buffer that is the
+   safetensors payload (``BF16`` tensors); the producer seals those bytes in place with
+   :func:`qualify.handoff.wire.seal_handoff_parts` (tensor digests on 16 threads, tree digest,
+   seams, handoff-manifest v3, HMAC-SHA256 under a fresh run key);
+3. the consumer opens the same host bytes with :func:`qualify.handoff.wire.open_handoff` (MAC,
+   manifest schema, tree digest re-hashed on 16 threads, layout, seams, identity, cache identity,
+   geometry, prompt, ids); only then installs those bytes (one host to device copy, then into its
+   static cache; a non-finite value is refused);
 4. decode 256 tokens on the GPU (graph replays), full logits in a device buffer; if the tokens
    diverge, a teacher-forced decode on the same KV (engine time, listed apart);
 5. :func:`qualify.compare_device.start_comparison` against the cold branch, on the GPU (logit
@@ -38,11 +38,6 @@ three ordered handoffs. Per handoff:
    host (hashed on threads while the next sample decodes);
 6. :func:`qualify.records.sample_record`, :func:`qualify.judge.judge_sample`, the receipt
    (:class:`qualify.receipts.ReceiptWriter`); finally :func:`qualify.judge.judge_summary`.
-
-The handoff manifest v2 JSON Schema and ``qualify.handoff.wire`` accept float16/32/64 payloads
-only, so the bf16 payload cannot go through ``seal_handoff``/``open_handoff``; this bench builds
-the same manifest fields (``geometry.dtype`` "bfloat16") with the wire module's own digest, MAC
-and key functions, and checks it on the consumer side by hand, in the wire module's order.
 
 The rule (rung 2, bounded drift) is fixed before a measured run in
 ``bench/gpu_scale_contract.json``; each profile's ``basis`` says which ``--calibrate`` run of
@@ -68,16 +63,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import hmac
 import json
 import math
 import os
-import struct
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,14 +82,12 @@ import numpy as np  # noqa: E402
 
 from qualify import __version__  # noqa: E402
 from qualify.assets import prompt_sha256  # noqa: E402
-from qualify.digests import canonical_json_bytes, canonical_sha256, strict_json_loads  # noqa: E402
+from qualify.digests import canonical_sha256, strict_json_loads  # noqa: E402
 from qualify.errors import HandoffRefused, Refused, one_line  # noqa: E402
 
 CONTRACT_SCHEMA = "trust-ladder.gpu-scale-contract.v1"
 DEFAULT_CONTRACT = REPO_ROOT / "bench" / "gpu_scale_contract.json"
-MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v2"  # its fields; geometry.dtype is bfloat16 here
 PRODUCERS = ("transformers-sdpa", "torch-llama")
-SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float32": "F32"}
 KV_HASH_THREADS = max(2, min(16, os.cpu_count() or 2))
 LOGIT_HASH_THREADS = max(2, min(6, os.cpu_count() or 2))
 COPY_BYTES = {"cuda": 2 << 30, "cpu": 256 << 20}  # device-to-device copy bandwidth probe
@@ -184,7 +174,7 @@ def load_contract(path: Path, profile_name: str, calibrating: bool) -> Profile:
     model = _field(body, "model", where, "dict")
     mwhere = f"{where}.model"
     dtype = _field(model, "dtype", mwhere, "str")
-    if dtype not in DTYPES or dtype not in SAFETENSORS_DTYPE:
+    if dtype not in DTYPES:
         raise Refused(f"{mwhere}.dtype: found {dtype!r}, expected one of {', '.join(DTYPES)}")
     shape = LlamaShape(**{key: _field(model, key, mwhere, kind) for key, kind in (
         ("layers", "positive"), ("hidden", "positive"), ("heads", "positive"), ("kv_heads", "positive"),
@@ -339,109 +329,6 @@ def compact_producer(consumer: Any) -> tuple[Callable[[Any], tuple[list, list]],
     return prefill, {"name": engine.name, "version": engine.version, "abi": engine.abi}
 
 
-# --------------------------------------------------------------------------- the payload
-
-
-@dataclass(frozen=True)
-class PayloadLayout:
-    """Where each K/V tensor sits in the safetensors payload (safetensors' order: by name); the
-    payload is byte for byte ``safetensors.torch.save`` of the same tensors (a test checks)."""
-
-    prefix: bytes  # 8-byte little-endian header length + space-padded JSON header
-    slots: tuple[tuple[str, int, int], ...]  # (name, begin, end) in ascending offset
-    size: int
-
-    @classmethod
-    def build(cls, layers: int, kv_heads: int, positions: int, head_dim: int, dtype: str) -> "PayloadLayout":
-        itemsize = {"bfloat16": 2, "float32": 4}[dtype]
-        names = sorted((f"layers.{i}.{part}" for i in range(layers) for part in ("k", "v")),
-                       key=lambda name: name.encode())
-        nbytes = kv_heads * positions * head_dim * itemsize
-        header = {name: {"dtype": SAFETENSORS_DTYPE[dtype], "shape": [kv_heads, positions, head_dim],
-                         "data_offsets": [i * nbytes, (i + 1) * nbytes]} for i, name in enumerate(names)}
-        text = json.dumps(header, separators=(",", ":")).encode("ascii")
-        text += b" " * (-len(text) % 8)
-        prefix = struct.pack("<Q", len(text)) + text
-        start = len(prefix)
-        slots = tuple((name, start + i * nbytes, start + (i + 1) * nbytes) for i, name in enumerate(names))
-        return cls(prefix, slots, start + len(names) * nbytes)
-
-
-def tensor_digests(pool: ThreadPoolExecutor, payload: np.ndarray, layout: PayloadLayout) -> list[bytes]:
-    """Raw SHA-256 of every tensor's bytes, in layout order, hashed in parallel threads."""
-    views = [memoryview(payload[begin:end]) for _, begin, end in layout.slots]
-    return list(pool.map(lambda view: hashlib.sha256(view).digest(), views))
-
-
-@dataclass
-class Sealed:
-    manifest_bytes: bytes
-    mac: bytes
-    tree_sha256: str
-    hash_s: float
-
-
-def seal(pool: ThreadPoolExecutor, payload: np.ndarray, layout: PayloadLayout, *, key: bytes,
-         manifest_fields: dict[str, Any], compute_s: float, transport_s: float) -> Sealed:
-    """Producer side: tensor digests (threads), tree digest, seam digests, manifest, MAC."""
-    from qualify.handoff.wire import key_id, manifest_mac, payload_tree_sha256
-
-    began = time.perf_counter()
-    leaves = tensor_digests(pool, payload, layout)
-    tree = payload_tree_sha256(layout.prefix, leaves)
-    hashed = time.perf_counter()
-    by_name = {name: leaf.hex() for (name, _, _), leaf in zip(layout.slots, leaves, strict=True)}
-    layers = manifest_fields["geometry"]["layers"]
-    manifest = {
-        **manifest_fields,
-        "schema": MANIFEST_SCHEMA,
-        "key_id": key_id(key),
-        "payload": {"format": "safetensors", "tree_sha256": tree, "bytes": layout.size},
-        "seams": [{"layer": i, "k_sha256": by_name[f"layers.{i}.k"], "v_sha256": by_name[f"layers.{i}.v"]}
-                  for i in range(layers)],
-        "timings": {"compute_s": compute_s, "serialize_s": transport_s, "digest_s": hashed - began},
-    }
-    manifest_bytes = canonical_json_bytes(manifest)
-    return Sealed(manifest_bytes, manifest_mac(key, manifest_bytes), tree, time.perf_counter() - began)
-
-
-def verify(pool: ThreadPoolExecutor, payload: np.ndarray, layout: PayloadLayout, sealed: Sealed, *,
-           key: bytes, expected: dict[str, Any]) -> str:
-    """Consumer side, in the wire module's order: MAC, manifest (canonical, fields, ids,
-    identity, cache identity, geometry, prompt), payload size and canonical header, tensor
-    digests of these very bytes, tree digest, seams. Raises HandoffRefused on the first
-    difference; returns the verified tree digest."""
-    from qualify.handoff.wire import manifest_mac, payload_tree_sha256
-
-    if not hmac.compare_digest(sealed.mac, manifest_mac(key, sealed.manifest_bytes)):
-        raise HandoffRefused("handoff MAC does not verify under the run key")
-    try:
-        manifest = strict_json_loads(sealed.manifest_bytes)
-    except (ValueError, UnicodeDecodeError):
-        raise HandoffRefused("handoff manifest: not valid JSON") from None
-    if not isinstance(manifest, dict) or canonical_json_bytes(manifest) != sealed.manifest_bytes:
-        raise HandoffRefused("handoff manifest: not in canonical JSON form")
-    for name, value in expected.items():
-        if manifest.get(name) != value:
-            raise HandoffRefused(f"handoff manifest {name}: found {manifest.get(name)!r}, expected {value!r}")
-    claimed = manifest.get("payload")
-    if manifest.get("schema") != MANIFEST_SCHEMA or not isinstance(claimed, dict) \
-            or claimed.get("bytes") != payload.nbytes:
-        raise HandoffRefused("handoff manifest: schema or payload.bytes disagrees with the payload")
-    if bytes(payload[:len(layout.prefix)]) != layout.prefix:
-        raise HandoffRefused("handoff payload: header is not the canonical safetensors header")
-    leaves = tensor_digests(pool, payload, layout)
-    tree = payload_tree_sha256(layout.prefix, leaves)
-    if not hmac.compare_digest(tree, manifest["payload"]["tree_sha256"]):
-        raise HandoffRefused("handoff payload tree digest mismatch")
-    by_name = {name: leaf.hex() for (name, _, _), leaf in zip(layout.slots, leaves, strict=True)}
-    for seam in manifest["seams"]:
-        for part in ("k", "v"):
-            if not hmac.compare_digest(by_name[f"layers.{seam['layer']}.{part}"], seam[f"{part}_sha256"]):
-                raise HandoffRefused(f"seam digest mismatch at layer {seam['layer']} {part.upper()}")
-    return tree
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -484,7 +371,8 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
 
     from qualify.compare_device import DeviceBranch, LogitDigester, prepare_cold, start_comparison
     from qualify.engines.torch_llama import TorchLlama, random_weights
-    from qualify.handoff.wire import mint_run_key
+    from qualify.handoff.wire import Handoff, mint_run_key, open_handoff, payload_layout, seal_handoff_parts
+    from qualify.kv import KVCache, KVGeometry
     from qualify.judge import Verdict, judge_sample, judge_summary
     from qualify.qualifier import comparison_bounds, propose_bound
     from qualify.receipts import ReceiptWriter
@@ -528,8 +416,6 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     consumer.prefill_device(warm_prompt[:handoff])
     consumer.warm_up()
     warm_run = consumer.decode_device(warm_prompt[handoff:], min(steps, 4))
-    kv_pool = ThreadPoolExecutor(max_workers=KV_HASH_THREADS, thread_name_prefix="kv-digest")
-    list(kv_pool.map(hashlib.sha256, [b"warm"] * KV_HASH_THREADS))
     digester = LogitDigester(LOGIT_HASH_THREADS)
     # One small comparison loads the comparison's kernels (lazy CUDA module loading costs ~0.1 s
     # at the first call) and starts the digest threads, as an engine's warm-up loads its own.
@@ -544,17 +430,24 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     # ---- the qualification wall: from here to the receipt (plus the contract load above) -----
     wall_began = time.perf_counter()
     pinned = device == "cuda"
-    layout = PayloadLayout.build(shape.layers, shape.kv_heads, handoff, shape.head_dim, profile.dtype)
+    geometry = KVGeometry(shape.layers, shape.kv_heads, shape.head_dim, handoff, profile.dtype)
+    layout = payload_layout(geometry)
     payload_tensor = torch.empty(layout.size, dtype=torch.uint8, pin_memory=pinned)
     payload = payload_tensor.numpy()
     payload[:len(layout.prefix)] = np.frombuffer(layout.prefix, dtype=np.uint8)
     start = len(layout.prefix)
     payload_data = payload_tensor[start:]  # the tensors, in layout order
+    tensor_shape = (shape.kv_heads, handoff, shape.head_dim)
+    # The producer's KV as the wire sees it: numpy views of the pinned payload (sealed in place).
+    host_tensors = {name: payload[begin:end].view(np.dtype(profile.dtype)).reshape(tensor_shape)
+                    for name, (begin, end) in layout.offsets.items()}
+    host_kv = KVCache([host_tensors[f"layers.{i}.k"] for i in range(shape.layers)],
+                      [host_tensors[f"layers.{i}.v"] for i in range(shape.layers)])
     # A device staging buffer in the same layout: the producer's 64 tensors are gathered into it
     # (device copies), so the payload crosses to the host in one copy, and back in one.
     staging = torch.empty(payload_data.shape[0], dtype=torch.uint8, device=device)
-    staged = {name: staging[begin - start:end - start].view(weights.dtype).view(shape.kv_heads, handoff, shape.head_dim)
-              for name, begin, end in layout.slots}
+    staged = {name: staging[begin - start:end - start].view(weights.dtype).view(tensor_shape)
+              for name, (begin, end) in layout.offsets.items()}
     digester.reserve(steps, shape.vocab, 2, pinned=pinned)
     prompt = torch.from_numpy(make_prompt(profile.prompt_seed, profile.prompt_tokens, shape.vocab)).to(device)
     prompt_host = prompt.cpu().numpy()
@@ -622,18 +515,22 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
             engine["producer prefill"].append(compute_s)
             harness["transport (gather, device to pinned host)"].append(transport_s)
             del keys, values
-            manifest_fields = {
-                "run_id": receipt.run_id, "request_id": request_id, "lane": profile.lane, "producer_mode": "native",
-                "identity_sha256": profile.identity_sha256, "target_cache_identity_sha256": cache_identity,
-                "prompt_sha256": handed_prompt_sha256, "handed_off_positions": handoff,
-                "geometry": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
-                             "positions": handoff, "dtype": profile.dtype}}
-            sealed = seal(kv_pool, payload, layout, key=key, manifest_fields=manifest_fields,
-                          compute_s=compute_s, transport_s=transport_s)
-            harness["seal (hash, tree, manifest, MAC)"].append(sealed.hash_s)
+            began = time.perf_counter()
+            sealed = seal_handoff_parts(
+                host_kv, key=key, identity_sha256=profile.identity_sha256, target_cache_identity=cache_identity,
+                producer_mode="native", lane=profile.lane, prompt_sha256=handed_prompt_sha256,
+                run_id=receipt.run_id, request_id=request_id, compute_s=compute_s, digest_threads=KV_HASH_THREADS)
+            harness["seal (hash, tree, manifest, MAC)"].append(time.perf_counter() - began)
             began = time.perf_counter()
             try:
-                tree = verify(kv_pool, payload, layout, sealed, key=key, expected=manifest_fields)
+                # The sealed parts are views of ``payload``, so the contiguous payload is that buffer.
+                opened = open_handoff(
+                    Handoff(sealed.manifest_bytes, sealed.mac, payload), key=key,
+                    expected_identity_sha256=profile.identity_sha256, expected_cache_identity=cache_identity,
+                    expected_geometry=geometry, expected_prompt_sha256=handed_prompt_sha256,
+                    expected_run_id=receipt.run_id, expected_request_id=request_id,
+                    digest_threads=KV_HASH_THREADS)
+                tree = opened.manifest.payload_tree_sha256
             except HandoffRefused as exc:
                 if finish_previous is not None:  # keep the receipt's samples in order
                     finish_previous()
@@ -678,7 +575,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
                 own_kv=(own_keys, own_values))
             harness["compare on device (+ summaries to host)"].append(time.perf_counter() - began)
             compare_rates.append(pending.timings["logit_pass_bytes"] / pending.timings["logit_pass_s"] / 1e9)
-            phases = {"producer_compute_s": compute_s, "serialize_s": sealed.hash_s, "transport_s": transport_s,
+            phases = {"producer_compute_s": compute_s, "serialize_s": harness["seal (hash, tree, manifest, MAC)"][-1], "transport_s": transport_s,
                       "verify_s": verify_s, "install_s": install_s, "decode_s": decode_s,
                       "recompute_s": recompute_s}
 
@@ -742,7 +639,6 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     # ---- baselines measured in the same run, after the wall -----------------------------------
     d2d_gbs = copy_bandwidth(device, COPY_BYTES[device])
     sha_gbs = sha256_rate(payload)
-    kv_pool.shutdown(wait=True)
 
     engine_s = sum(sum(values) for values in engine.values())
     qualification_wall_s = contract_s + (wall_end - wall_began)

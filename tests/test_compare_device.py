@@ -282,22 +282,6 @@ def test_scale_bench_same_engine_handoff_reproduces_the_cold_run_bit_for_bit(tmp
         assert all(item["k"] == 0.0 and item["v"] == 0.0 for item in sample["localisation"]["kv_layer_max_abs"])
 
 
-def test_scale_bench_payload_is_the_safetensors_encoding() -> None:
-    """The bench's bf16 payload (header + tensors in its layout) is byte for byte what
-    safetensors.torch.save writes for the same tensors."""
-    import torch
-    from safetensors.torch import save
-
-    layout = _bench().PayloadLayout.build(12, 2, 5, 4, "bfloat16")
-    generator = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randn((2, 5, 4), generator=generator).to(torch.bfloat16) for name, _, _ in layout.slots}
-    payload = bytearray(layout.prefix)
-    for name, begin, end in layout.slots:
-        assert len(payload) == begin
-        payload += tensors[name].view(torch.uint8).numpy().tobytes()
-    assert len(payload) == layout.size and bytes(payload) == save(tensors)
-
-
 def test_scale_bench_refuses_a_tampered_contract(tmp_path: Path, capsys) -> None:
     bench = _bench()
     contract = json.loads((REPO_ROOT / "bench" / "gpu_scale_contract.json").read_text())

@@ -206,7 +206,7 @@ def test_prefill_round_trip_across_process_boundary() -> None:
                 assert np.array_equal(found, wanted)
             assert manifest.producer_mode == "exact"
             assert manifest.lane == "stub-ok"
-            assert manifest.schema == "trust-ladder.handoff-manifest.v2"
+            assert manifest.schema == "trust-ladder.handoff-manifest.v3"
             payload = bytes(handoff.payload_bytes)
             header_end = 8 + int.from_bytes(payload[:8], "little")
             leaves = b"".join(hashlib.sha256(a.tobytes()).digest()

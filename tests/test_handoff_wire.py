@@ -152,7 +152,7 @@ def test_round_trip_installs_identical_kv_and_reports_manifest() -> None:
         assert found.dtype == wanted.dtype and np.array_equal(found, wanted)
     assert manifest.geometry == GEOMETRY and manifest.handed_off_positions == 6
     assert manifest.producer_mode == "exact" and manifest.key_id == key_id(KEY)
-    assert manifest.schema == MANIFEST_SCHEMA == "trust-ladder.handoff-manifest.v2"
+    assert manifest.schema == MANIFEST_SCHEMA == "trust-ladder.handoff-manifest.v3"
     assert manifest.payload_size == len(PAYLOAD)
     assert manifest.payload_tree_sha256 == tree_digest(PAYLOAD) == MANIFEST["payload"]["tree_sha256"]
     assert manifest.payload_sha256 == manifest.payload_tree_sha256  # what sample records store
@@ -261,15 +261,23 @@ def test_tree_digest_changes_when_any_single_tensor_or_header_byte_changes() -> 
         open_(Handoff(SEALED.manifest_bytes, SEALED.mac, bytes(tampered)))
 
 
-def test_each_side_hashes_each_payload_byte_once_over_two_threads(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("digest_threads", [None, 4])
+def test_each_side_hashes_each_payload_byte_once_over_its_threads(
+    monkeypatch: pytest.MonkeyPatch, digest_threads: int | None,
 ) -> None:
-    """Seal and open a payload above the threading threshold, counting bytes fed to SHA-256."""
+    """Seal and open a payload above the threading threshold, counting bytes fed to SHA-256 and
+    the threads that fed them (two by default)."""
     geometry = KVGeometry(layers=5, kv_heads=2, head_dim=64, positions=1024, dtype="float32")
     kv = random_kv(geometry, seed=11)
     hashed: list[int] = []
-    threads: set[str] = set()
+    threads: set[int] = set()
+    helpers: list[bool] = []
     real_sha256 = hashlib.sha256
+    real_concurrent = wire._Concurrent
+
+    def counting_concurrent(work, *, threaded: bool):
+        helpers.append(threaded)
+        return real_concurrent(work, threaded=threaded)
 
     class CountingSha256:
         def __init__(self, data: bytes | memoryview = b"") -> None:
@@ -278,7 +286,7 @@ def test_each_side_hashes_each_payload_byte_once_over_two_threads(
 
         def update(self, data: bytes | memoryview) -> None:
             hashed.append(memoryview(data).nbytes)
-            threads.add(threading.current_thread().name)
+            threads.add(threading.get_ident())
             self._inner.update(data)
 
         def __getattr__(self, name: str):
@@ -288,23 +296,94 @@ def test_each_side_hashes_each_payload_byte_once_over_two_threads(
         sha256 = CountingSha256
 
     monkeypatch.setattr(wire, "hashlib", CountingHashlib)
+    monkeypatch.setattr(wire, "_Concurrent", counting_concurrent)
     # The MAC and key name hash the manifest and key, not the payload: keep them off the count.
     monkeypatch.setattr(wire, "manifest_mac",
                         lambda key, data: hmac.new(key, data, real_sha256).digest())
     monkeypatch.setattr(wire, "key_id", lambda key: real_sha256(key).hexdigest()[:16])
-    handoff = seal(kv)
+    chosen = {} if digest_threads is None else {"digest_threads": digest_threads}
+    handoff = seal_handoff(kv, key=KEY, identity_sha256=IDENTITY, target_cache_identity=CACHE_EXACT,
+                           producer_mode="exact", lane="nvfp4-exact", prompt_sha256=PROMPT,
+                           run_id="run-1", request_id="req-1", compute_s=0.25, **chosen)
     size = len(handoff.payload_bytes)
     assert size > wire._PARALLEL_DIGEST_MIN_BYTES
     leaves = 32 * 2 * geometry.layers
+    expected_threads = digest_threads or wire.DEFAULT_DIGEST_THREADS
+    # The calling thread and (threads - 1) helpers share the tensors; every helper may not win one.
     assert sum(hashed) == size + leaves, "the producer hashes each payload byte exactly once"
-    assert len(threads) == 2, threads
+    assert helpers == [True] * (expected_threads - 1) and 2 <= len(threads) <= expected_threads, threads
     hashed.clear()
     threads.clear()
-    opened = open_(handoff, expected_geometry=geometry)
+    helpers.clear()
+    opened = open_(handoff, expected_geometry=geometry, **chosen)
     assert sum(hashed) == size + leaves, "the consumer hashes each payload byte exactly once"
-    assert len(threads) == 2, threads
+    assert helpers == [True] * (expected_threads - 1) and 2 <= len(threads) <= expected_threads, threads
     assert opened.manifest.payload_tree_sha256 == tree_digest(bytes(handoff.payload_bytes))
     assert np.array_equal(opened.kv.keys[4], kv.keys[4])
+
+
+@pytest.mark.parametrize("threads", [0, 257, 1.5, True, "4"])
+def test_bad_digest_threads_are_refused(threads: object) -> None:
+    with pytest.raises(Refused, match="digest_threads: found"):
+        seal_handoff(KV, key=KEY, identity_sha256=IDENTITY, target_cache_identity=CACHE_EXACT,
+                     producer_mode="exact", lane="nvfp4-exact", prompt_sha256=PROMPT, run_id="run-1",
+                     request_id="req-1", compute_s=0.25, digest_threads=threads)  # type: ignore[arg-type]
+    with pytest.raises(Refused, match="digest_threads: found"):
+        open_(SEALED, digest_threads=threads)
+
+
+BF16_GEOMETRY = replace(GEOMETRY, dtype="bfloat16")
+
+
+def bf16_kv(seed: int) -> KVCache:
+    """bfloat16 KV (ml_dtypes' numpy dtype) with every bit pattern drawn, finite or not."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    shape = (GEOMETRY.kv_heads, GEOMETRY.positions, GEOMETRY.head_dim)
+    draw = [rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(ml_dtypes.bfloat16)
+            for _ in range(2 * GEOMETRY.layers)]
+    return KVCache(draw[:GEOMETRY.layers], draw[GEOMETRY.layers:])
+
+
+def test_bfloat16_round_trip_keeps_every_bit_and_tags_bf16() -> None:
+    kv = bf16_kv(seed=21)
+    handoff = seal(kv)
+    payload = bytes(handoff.payload_bytes)
+    header = json.loads(payload[8:8 + struct.unpack_from("<Q", payload)[0]])
+    assert {entry["dtype"] for entry in header.values()} == {"BF16"}
+    assert json.loads(handoff.manifest_bytes)["geometry"]["dtype"] == "bfloat16"
+    opened = open_(handoff, expected_geometry=BF16_GEOMETRY)
+    for found, wanted in zip(opened.kv.keys + opened.kv.values, kv.keys + kv.values, strict=True):
+        assert found.dtype == wanted.dtype
+        assert np.array_equal(found.view(np.uint16), wanted.view(np.uint16))
+    # A float32 consumer refuses a bf16 handoff on its geometry, before installing anything.
+    with pytest.raises(HandoffRefused, match="geometry dtype: handoff has bfloat16, consumer model has float32"):
+        open_(handoff)
+
+
+@pytest.mark.torch
+def test_bfloat16_payload_is_exactly_safetensors_torch_save() -> None:
+    import torch
+    from safetensors.torch import save
+
+    kv = bf16_kv(seed=22)
+    tensors = {name: torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+               for name, array in kv.tensors().items()}
+    assert bytes(seal(kv).payload_bytes) == save(tensors)
+
+
+def test_payload_layout_places_every_tensor_where_sealing_puts_it() -> None:
+    kv = random_kv(replace(GEOMETRY, layers=12), seed=23)
+    layout = wire.payload_layout(kv.geometry)
+    buffer = bytearray(layout.size)
+    buffer[:len(layout.prefix)] = layout.prefix
+    for name, array in kv.tensors().items():
+        begin, end = layout.offsets[name]
+        buffer[begin:end] = array.tobytes()
+    assert bytes(buffer) == bytes(seal(kv).payload_bytes)
+    with pytest.raises(Refused, match="geometry dtype: found 'int8'"):
+        wire.payload_layout(replace(GEOMETRY, dtype="int8"))
 
 
 # ------------------------------------------------------------------------------------------

@@ -2,13 +2,13 @@
 
 A producer seals a :class:`~qualify.kv.KVCache` into a :class:`Handoff`: the payload is the
 safetensors encoding of ``KVCache.tensors()`` (byte-identical to ``safetensors.numpy.save``, built
-without copying the tensors), the manifest names what the payload is (per-layer seam digests,
+without copying the tensors; float16/32/64, or bfloat16 as ml_dtypes' numpy dtype), the manifest names what the payload is (per-layer seam digests,
 payload tree digest and size, identity, cache identity, producer mode, geometry, prompt digest,
 producer phase times), and the MAC covers the manifest's canonical JSON bytes, which in turn
 cover the payload through its tree digest (:func:`payload_tree_sha256`).
 
-Each side hashes every payload byte exactly once: one SHA-256 per tensor (over two threads;
-hashlib releases the GIL). Those tensor digests are at once the seam digests of
+Each side hashes every payload byte exactly once: one SHA-256 per tensor (over two threads by
+default, ``digest_threads`` on a larger host; hashlib releases the GIL). Those tensor digests are at once the seam digests of
 ``layers.{i}.k`` / ``layers.{i}.v``, the leaves of the payload tree digest, and the inputs of the
 draft context digest (:func:`draft_context_sha256`).
 
@@ -42,6 +42,7 @@ from functools import lru_cache
 from typing import Any, NamedTuple, TypeVar
 
 import jsonschema
+import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, the wire's BF16 tensors)
 import numpy as np
 
 from qualify.assets import CONTRACTS_DIR
@@ -49,8 +50,8 @@ from qualify.digests import canonical_json_bytes, is_sha256_hex, strict_json_loa
 from qualify.errors import HandoffRefused, Refused, one_line
 from qualify.kv import KVCache, KVGeometry
 
-MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v2"
-MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v2.schema.json"
+MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v3"
+MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v3.schema.json"
 PRODUCER_MODES: tuple[str, ...] = ("exact", "native")
 PAYLOAD_FORMAT = "safetensors"
 RUN_KEY_BYTES = 32
@@ -59,17 +60,20 @@ KEY_ID_HEX_CHARS = 16
 DRAFT_PREFIX = "draft."
 
 # numpy dtype name -> (safetensors dtype tag, rank in safetensors' layout sort: higher first).
+# "bfloat16" is ml_dtypes' numpy dtype (imported above, which registers the name).
 _SAFETENSORS_DTYPES: Mapping[str, tuple[str, int]] = {
     "float64": ("F64", 3),
     "float32": ("F32", 2),
     "float16": ("F16", 1),
+    "bfloat16": ("BF16", 1),
 }
 _TAG_TO_DTYPE = {tag: name for name, (tag, _) in _SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 16 << 20
 # Below this many payload bytes, hashing runs on one thread (a thread costs more than it saves).
 _PARALLEL_DIGEST_MIN_BYTES = 4 << 20
-# Threads that hash tensors (the calling thread plus helpers); hashlib releases the GIL.
-_DIGEST_THREADS = 2
+# Threads that hash tensors by default (the calling thread plus helpers); hashlib releases the
+# GIL. Two suit the 2-core CI machine; a caller on a larger host passes ``digest_threads``.
+DEFAULT_DIGEST_THREADS = 2
 # A payload tree leaf: one tensor's raw SHA-256 digest.
 _LEAF_BYTES = 32
 
@@ -276,6 +280,30 @@ def _payload_prefix(layout: Sequence[_TensorSlot]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
+class PayloadLayout(NamedTuple):
+    """Where a payload of one geometry puts everything: the header prefix, each tensor's
+    ``(begin, end)`` byte offsets in the payload, and the payload's size."""
+
+    prefix: bytes
+    offsets: dict[str, tuple[int, int]]
+    size: int
+
+
+def payload_layout(geometry: KVGeometry, draft: KVGeometry | None = None) -> PayloadLayout:
+    """The payload layout :func:`seal_handoff_parts` writes for this geometry, so a producer can
+    place its tensors straight into one payload buffer (e.g. one device-to-host copy)."""
+    if geometry.dtype not in _SAFETENSORS_DTYPES:
+        raise Refused(f"geometry dtype: found {geometry.dtype!r}, expected one of {', '.join(_SAFETENSORS_DTYPES)}")
+    layout = _layout_order(_slots(geometry, draft))
+    prefix = _payload_prefix(layout)
+    offsets: dict[str, tuple[int, int]] = {}
+    cursor = len(prefix)
+    for slot in layout:
+        offsets[slot.name] = (cursor, cursor + slot.nbytes)
+        cursor += slot.nbytes
+    return PayloadLayout(prefix, offsets, cursor)
+
+
 def _geometry_of(keys: Sequence[np.ndarray], values: Sequence[np.ndarray], what: str) -> KVGeometry:
     """Check one KV's arrays agree on shape and dtype; refuse anything the wire cannot carry."""
     if len(keys) == 0 or len(keys) != len(values):
@@ -347,14 +375,20 @@ def draft_context_sha256(draft_tensor_digests: Sequence[bytes]) -> str:
     return hashlib.sha256(b"".join(draft_tensor_digests)).hexdigest()
 
 
-def _tensor_digests(views: Sequence[Buffer]) -> list[bytes]:
-    """The raw SHA-256 of each view, hashed once each over ``_DIGEST_THREADS`` threads.
+def _check_digest_threads(threads: object) -> int:
+    if type(threads) is not int or not 1 <= threads <= 256:
+        raise Refused(f"digest_threads: found {threads!r}, expected an int from 1 to 256")
+    return threads
+
+
+def _tensor_digests(views: Sequence[Buffer], threads: int = DEFAULT_DIGEST_THREADS) -> list[bytes]:
+    """The raw SHA-256 of each view, hashed once each over ``threads`` threads.
 
     The threads take tensors from a shared queue, largest first, so a busy core slows the
     split rather than stalling it. Small payloads are hashed on the calling thread alone.
     """
     sizes = [memoryview(view).nbytes for view in views]
-    if len(views) < 2 or sum(sizes) < _PARALLEL_DIGEST_MIN_BYTES:
+    if threads < 2 or len(views) < 2 or sum(sizes) < _PARALLEL_DIGEST_MIN_BYTES:
         return [hashlib.sha256(view).digest() for view in views]
     digests: list[bytes] = [b""] * len(views)
     pending = iter(sorted(range(len(views)), key=lambda index: -sizes[index]))
@@ -368,7 +402,7 @@ def _tensor_digests(views: Sequence[Buffer]) -> list[bytes]:
                 return
             digests[index] = hashlib.sha256(views[index]).digest()
 
-    helpers = [_Concurrent(work, threaded=True) for _ in range(_DIGEST_THREADS - 1)]
+    helpers = [_Concurrent(work, threaded=True) for _ in range(min(threads, len(views)) - 1)]
     try:
         work()
     finally:
@@ -421,12 +455,16 @@ def seal_handoff_parts(
     run_id: str,
     request_id: str,
     compute_s: float,
+    digest_threads: int = DEFAULT_DIGEST_THREADS,
 ) -> SealedHandoff:
     """Seal ``kv`` without copying its tensors: digests, manifest, MAC, payload as parts.
 
     Refuses (``Refused``) a producer mode other than exact/native and any malformed input, so a
-    producer can never sign something the consumer's schema would reject.
+    producer can never sign something the consumer's schema would reject. The parts are the
+    header prefix and views of ``kv``'s own arrays; when those arrays already sit in one buffer
+    in :func:`payload_layout` order, that buffer is the contiguous payload.
     """
+    _check_digest_threads(digest_threads)
     if producer_mode not in PRODUCER_MODES:
         raise Refused(f"producer_mode: found {producer_mode!r}, expected exact or native")
     for field_name, digest in (
@@ -463,7 +501,7 @@ def seal_handoff_parts(
     payload_size = sum(part.nbytes for part in parts)
     serialized = time.perf_counter()
 
-    leaves = _tensor_digests(tensor_views)
+    leaves = _tensor_digests(tensor_views, digest_threads)
     tree_sha256 = payload_tree_sha256(prefix, leaves)
     leaf_by_name = {slot.name: leaf for slot, leaf in zip(layout, leaves, strict=True)}
     seams = [
@@ -521,6 +559,7 @@ def seal_handoff(
     run_id: str,
     request_id: str,
     compute_s: float,
+    digest_threads: int = DEFAULT_DIGEST_THREADS,
 ) -> Handoff:
     """Seal ``kv`` into one contiguous :class:`Handoff` (see :func:`seal_handoff_parts`)."""
     return seal_handoff_parts(
@@ -534,6 +573,7 @@ def seal_handoff(
         run_id=run_id,
         request_id=request_id,
         compute_s=compute_s,
+        digest_threads=digest_threads,
     ).to_handoff()
 
 
@@ -779,13 +819,16 @@ def open_handoff(
     expected_draft_geometry: KVGeometry | None = None,
     expected_run_id: str | None = None,
     expected_request_id: str | None = None,
+    digest_threads: int = DEFAULT_DIGEST_THREADS,
 ) -> OpenedHandoff:
     """Verify ``handoff`` in the documented order and install it, or raise ``HandoffRefused``.
 
     ``expected_geometry`` is the consumer model's KV geometry at the expected handed-off
     positions and dtype; ``expected_draft_geometry`` is required exactly when a draft rides along.
     The installed arrays are views of ``handoff.payload_bytes`` (writable if that buffer is).
+    ``digest_threads`` threads hash the tensors.
     """
+    _check_digest_threads(digest_threads)
     started = time.perf_counter()
     mac = handoff.mac
     expected_mac = manifest_mac(key, bytes(handoff.manifest_bytes))
@@ -805,9 +848,10 @@ def open_handoff(
             f"handoff payload: {payload.nbytes} bytes, manifest payload.bytes says "
             f"{manifest.payload_size}"
         )
-    # The tree digest: each tensor hashed once (two threads), then the prefix and the leaves.
+    # The tree digest: each tensor hashed once (over the digest threads), then prefix and leaves.
     located = _locate_tensors(payload)
-    leaves = _tensor_digests([payload[tensor.begin : tensor.end] for tensor in located.tensors])
+    leaves = _tensor_digests([payload[tensor.begin : tensor.end] for tensor in located.tensors],
+                             digest_threads)
     tree_sha256 = payload_tree_sha256(payload[: located.data_start], leaves)
     digest_done = time.perf_counter()
 
