@@ -21,6 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm import LLM  # noqa: F401
 import vllm, qualify
 assert vllm.__version__ == sys.argv[1], f"vllm {vllm.__version__} != pin {sys.argv[1]}"
+import tomllib  # every base dependency at its pin (a venv made before a new pin is refreshed)
+for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    name, pin = requirement.split("==")
+    assert md.version(name) == pin, f"{name} {md.version(name)} != pin {pin}"
 for name in ("torchvision", "torchaudio", "torchcodec", "triton"):
     try:
         md.version(name)
