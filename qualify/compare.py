@@ -544,6 +544,23 @@ def draft_acceptance_rate(trace: Sequence[tuple[Sequence[int], int]] | None) -> 
     return accepted / proposed
 
 
+def localise_divergence(
+    divergence: int | None,
+    cold_margins: np.ndarray,
+    delta: LogitDelta,
+    teacher: TeacherForcedDrift | None,
+    maximum_absolute: float,
+) -> tuple[float | None, float | None, DivergenceClass | None]:
+    """The cold margin and the drift at the first divergence, and its class (see the module
+    docstring): the teacher-forced row when there is one, else the free-running row."""
+    if divergence is None:
+        return None, None, None
+    margin_at = float(cold_margins[divergence])
+    source = teacher.row_max_abs if teacher is not None else delta.row_max_abs
+    drift_at = float(source[divergence])
+    return margin_at, drift_at, classify_divergence(margin_at, drift_at, maximum_absolute)
+
+
 DraftTrace = Sequence[tuple[Sequence[int], int]] | None
 
 
@@ -679,13 +696,8 @@ def compare_branches(
         )
 
     divergence = agreement.first_divergence
-    margin_at = drift_at = None
-    divergence_class: DivergenceClass | None = None
-    if divergence is not None:
-        margin_at = float(margins[divergence])
-        source = teacher.row_max_abs if teacher is not None else delta.row_max_abs
-        drift_at = float(source[divergence])
-        divergence_class = classify_divergence(margin_at, drift_at, maximum_absolute)
+    margin_at, drift_at, divergence_class = localise_divergence(
+        divergence, margins, delta, teacher, maximum_absolute)
 
     kv = None
     if handoff_kv is not None and own_kv is not None:

@@ -5,7 +5,7 @@
 :func:`qualify.records.sample_record` and :mod:`qualify.judge` are reused unchanged. The
 definitions (contract units, digests, the divergence rule) are compare.py's; this module only
 moves the arithmetic to the device and reuses compare.py's helpers for everything else
-(``token_agreement``, ``classify_divergence``, ``first_row_over_rule``, ``first_digest_mismatch``,
+(``token_agreement``, ``localise_divergence``, ``first_row_over_rule``, ``first_digest_mismatch``,
 ``generated_token_sha256``, the result dataclasses).
 
 What crosses to the host, and why:
@@ -47,18 +47,17 @@ import torch
 
 from qualify.compare import (
     BranchComparison,
-    DivergenceClass,
     KVComparison,
     KVLayerDelta,
     LogitDelta,
     LogitDigests,
     LogitTransform,
     TeacherForcedDrift,
-    classify_divergence,
     draft_fields,
     first_digest_mismatch,
     first_row_over_rule,
     generated_token_sha256,
+    localise_divergence,
     parse_logit_transform,
     token_agreement,
 )
@@ -456,13 +455,8 @@ def start_comparison(
                                      int(host[4][0]), forced_delta.row_max_abs, forced_delta.row_mean_abs)
 
     divergence = agreement.first_divergence
-    margin_at = drift_at = None
-    divergence_class: DivergenceClass | None = None
-    if divergence is not None:
-        margin_at = float(cold.margins[divergence])
-        source = teacher.row_max_abs if teacher is not None else delta.row_max_abs
-        drift_at = float(source[divergence])
-        divergence_class = classify_divergence(margin_at, drift_at, maximum_absolute)
+    margin_at, drift_at, divergence_class = localise_divergence(
+        divergence, cold.margins, delta, teacher, maximum_absolute)
 
     kv = None
     if handoff_kv is not None and own_kv is not None:
