@@ -55,6 +55,7 @@ write) and single-thread SHA-256 are measured after the wall, on the same GPU an
     python bench/gpu_scale.py --calibrate [--repetitions 5]            # proposes the bounds
     python bench/gpu_scale.py --profile llama3-8b-transformers         # the cross-engine lane
     python bench/gpu_scale.py --profile tiny                           # CPU smoke, tiny shape
+    python bench/gpu_scale.py --fault kv-ulp|block-order               # must fail, localised
 
 Last line: ``gpu_scale_overhead_ratio: <wall / engine>``.
 """
@@ -329,6 +330,47 @@ def compact_producer(consumer: Any) -> tuple[Callable[[Any], tuple[list, list]],
     return prefill, {"name": engine.name, "version": engine.version, "abi": engine.abi}
 
 
+# --------------------------------------------------------------------------- producer faults
+
+SCALE_FAULTS = ("kv-ulp", "block-order")
+"""Producer-side faults (``--fault``), as in :mod:`qualify.faults`, applied to the producer's KV on
+the device after its prefill and before sealing: the MAC verifies, so only the comparison can
+catch them."""
+
+
+def fault_site(layers: int, positions: int) -> tuple[int, int, int, int]:
+    """(layer, head, position, dim) of the single-element fault: qualify.faults' site, clamped."""
+    from qualify.faults import FAULT_DIM, FAULT_HEAD, FAULT_LAYER, FAULT_POSITION
+
+    return min(FAULT_LAYER, layers - 1), FAULT_HEAD, min(FAULT_POSITION, positions - 1), FAULT_DIM
+
+
+def apply_fault(name: str, keys: list[Any], values: list[Any]) -> tuple[list[Any], list[Any], str]:
+    """The producer's KV with fault ``name`` applied (copies of the touched tensors), and where."""
+    import torch
+
+    from qualify.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
+
+    keys = list(keys)
+    if name == "kv-ulp":
+        layer, head, position, dim = fault_site(len(keys), keys[0].shape[1])
+        keys[layer] = keys[layer].clone()
+        bits = keys[layer].view({2: torch.int16, 4: torch.int32}[keys[layer].element_size()])
+        bits[head, position, dim] += 1  # the next representable magnitude: one ULP
+        return keys, values, f"layer {layer} K head {head} position {position} dim {dim} moved by one ULP"
+    if name == "block-order":
+        first, second = (block * BLOCK_POSITIONS for block in SWAPPED_BLOCKS)
+        if keys[0].shape[1] < second + BLOCK_POSITIONS:
+            raise Refused(f"--fault block-order: needs {second + BLOCK_POSITIONS} handed-off positions")
+        for index, key in enumerate(keys):
+            swapped = key.clone()
+            swapped[:, first:first + BLOCK_POSITIONS] = key[:, second:second + BLOCK_POSITIONS]
+            swapped[:, second:second + BLOCK_POSITIONS] = key[:, first:first + BLOCK_POSITIONS]
+            keys[index] = swapped
+        return keys, values, f"K positions {first}..{second + BLOCK_POSITIONS - 1}: blocks {SWAPPED_BLOCKS} swapped, V kept"
+    raise Refused(f"--fault: found {name!r}, expected one of {', '.join(SCALE_FAULTS)}")
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -380,6 +422,8 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
 
     figures = Figures()
     calibrating = options.calibrate
+    if calibrating and options.fault is not None:
+        raise Refused("--fault: a calibration measures a lane as it is; run the fault without --calibrate")
     total_began = time.perf_counter()
     profile = load_contract(options.contract, options.profile, calibrating)
     contract_s = time.perf_counter() - total_began
@@ -505,6 +549,9 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
             started = clock.start()
             keys, values = producer_prefill(prompt[:handoff])
             compute_s = clock.stop(started)()  # waits for the prefill, so transport times only itself
+            if options.fault is not None:
+                keys, values, where = apply_fault(options.fault, keys, values)
+                receipt.log(f"{request_id}: producer fault {options.fault}: {where}")
             began = time.perf_counter()
             for index in range(shape.layers):
                 staged[f"layers.{index}.k"].copy_(keys[index])
@@ -652,6 +699,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     figures.add("producer", producer_facts)
     figures.add("consumer", consumer_facts)
     figures.add("mode", "calibration" if calibrating else "qualification")
+    figures.add("fault", options.fault)
     figures.add("engine_seconds", {name: values for name, values in engine.items() if values})
     figures.add("engine_total_s", engine_s)
     figures.add("harness_seconds", {name: values for name, values in harness.items() if values})
@@ -674,8 +722,9 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     figures.add("kv_hash_threads", KV_HASH_THREADS)
     figures.add("logit_digest_thread_gbs", digester.hashed_bytes / max(digester.hash_seconds, 1e-9) / 1e9)
     figures.add("verdict", {"passed": verdict.passed, "headline": verdict.headline})
-    figures.add("samples", [{key: record.get(key) for key in (
-        "repetition", "token_agreement_rate", "max_abs", "mean_abs", "payload_sha256", "error")} for record in records])
+    figures.add("samples", [{**{key: record.get(key) for key in (
+        "repetition", "token_agreement_rate", "max_abs", "mean_abs", "payload_sha256", "error")},
+        "localisation": localisation_summary(record.get("localisation"))} for record in records])
     figures.add("receipt", str(receipt_path))
     return figures.values
 
@@ -683,10 +732,22 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- output
 
 
+def localisation_summary(localisation: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The part of a record's localisation a reader checks first: first divergence, first
+    rule-breaking row, and the first three K/V tensors above the lane's KV envelope."""
+    if not localisation:
+        return None
+    return {"first_divergence_position": localisation.get("first_divergence_position"),
+            "first_rule_breaking_row": localisation.get("first_rule_breaking_row"),
+            "kv_over_envelope": (localisation.get("kv_over_envelope") or [])[:3]}
+
+
 def print_report(values: dict[str, Any]) -> None:
     engine, harness = values["engine_seconds"], values["harness_seconds"]
     print(f"gpu_scale: profile {values['profile']} on {values['device']}; producer {values['producer']['name']} "
           f"({values['producer']['version']}), consumer {values['consumer']['abi']}")
+    if values["fault"] is not None:
+        print(f"producer fault: {values['fault']} (the run must fail, localised)")
     print(f"{'engine (CUDA events around the engine call)':58s} {'total s':>9s}  per call")
     for name, seconds in engine.items():
         print(f"  {name:56s} {sum(seconds):9.3f}  {' '.join(f'{s:.3f}' for s in seconds)}")
@@ -718,6 +779,12 @@ def print_report(values: dict[str, Any]) -> None:
         else:
             print(f"  sample {sample['repetition']}: tokens agreed {sample['token_agreement_rate']}, max abs "
                   f"{sample['max_abs']!r}, mean abs {sample['mean_abs']!r}, payload {sample['payload_sha256'][:16]}")
+            where = sample.get("localisation")
+            if where:
+                over = ", ".join(f"layer {item['layer']} {item['tensor']} position {item.get('position')} "
+                                 f"delta {item['delta']:.4g} > {item['envelope']:.4g}" for item in where["kv_over_envelope"])
+                print(f"    localised: first divergence {where['first_divergence_position']}, first rule-breaking "
+                      f"row {where['first_rule_breaking_row']}; KV above envelope: {over or 'none'}")
     if "calibration_proposed_full_logits" in values:
         print(f"calibration: observed max abs {values['calibration_observed_max_abs']!r}, mean abs "
               f"{values['calibration_observed_mean_abs']!r}; proposed {json.dumps(values['calibration_proposed_full_logits'])}")
@@ -734,6 +801,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--receipts", type=Path, default=None, help="receipt archive (default: a new temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here as JSON")
     parser.add_argument("--calibrate", action="store_true", help="measure and propose bounds (no rule)")
+    parser.add_argument("--fault", choices=SCALE_FAULTS,
+                        help="corrupt the producer's KV before sealing (the run must fail, localised)")
     parser.add_argument("--repetitions", type=int, default=CALIBRATION_REPETITIONS,
                         help=f"handoffs of a calibration (default {CALIBRATION_REPETITIONS}); a qualification runs 3")
     return parser

@@ -321,3 +321,40 @@ def test_on_the_gpu_the_comparison_is_compare_py_result() -> None:
         handoff_kv=([cuda(k) for k in keys[:3]], [cuda(k) for k in keys[3:]]),
         own_kv=([cuda(o) for o in own[:3]], [cuda(o) for o in own[3:]]))
     assert_same(expected, found)
+
+
+@pytest.mark.parametrize("fault", ["kv-ulp", "block-order"])
+def test_scale_bench_producer_fault_is_localised_to_where_it_was_put(tmp_path: Path, capsys, fault: str) -> None:
+    """Same compact engine on both sides, so every handed-off K/V equals the consumer's own except
+    where the fault was put: the KV localisation must name exactly that layer/tensor/position."""
+    from qualify.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
+
+    bench = _bench()
+    contract = json.loads((REPO_ROOT / "bench" / "gpu_scale_contract.json").read_text())
+    tiny = contract["profiles"]["tiny"]
+    tiny["producer"] = "torch-llama"
+    if fault == "block-order":  # the swapped blocks sit at positions 384..639: a longer prompt
+        from qualify.assets import prompt_sha256
+
+        longer = bench.make_prompt(tiny["prompt"]["seed"], 768, tiny["model"]["vocab"])
+        tiny["prompt"] = dict(tiny["prompt"], tokens=768, sha256=prompt_sha256(longer))
+        tiny["handoff_positions"] = 767
+    path = tmp_path / "contract.json"
+    path.write_text(json.dumps(contract))
+    status = bench.main(["--profile", "tiny", "--contract", str(path), "--fault", fault,
+                         "--receipts", str(tmp_path / "receipts"), "--json", str(tmp_path / "figures.json")])
+    capsys.readouterr()
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert figures["fault"] == fault and status in (0, 1)
+    sample = json.loads((Path(figures["receipt"]) / "samples" / "sample-1.json").read_text())
+    deltas = {(item["layer"], part): (item[part.lower()], item[f"{part.lower()}_position"])
+              for item in sample["localisation"]["kv_layer_max_abs"] for part in ("K", "V")}
+    if fault == "kv-ulp":
+        layer, _, position, _ = bench.fault_site(2, tiny["handoff_positions"])
+        touched = {(layer, "K")}
+        assert deltas[(layer, "K")][0] > 0 and deltas[(layer, "K")][1] == position
+    else:
+        touched = {(layer, "K") for layer in range(2)}
+        low, high = SWAPPED_BLOCKS[0] * BLOCK_POSITIONS, (SWAPPED_BLOCKS[1] + 1) * BLOCK_POSITIONS
+        assert all(deltas[site][0] > 0 and low <= deltas[site][1] < high for site in touched)
+    assert all(value == 0.0 for site, (value, _) in deltas.items() if site not in touched), deltas
