@@ -306,18 +306,26 @@ def _common_sample_checks(
     return values
 
 
-def judge_rung2_sample(record: Record, rule: Rule) -> Verdict:
-    """Rung 2, one sample: complete finite evidence, exact tokens, drift inside the identity's
-    bounds (and, when not drift-graded, no logit digest mismatch)."""
+def _open_sample(record: Record, rule: Rule, rule_type: type, judge_name: str) -> tuple[Any, Any, _Judgement, _Evidence | None]:
+    """Parse ``rule`` (a rule of another rung is a programming error) and ``record``; the
+    evidence is None, and the judgement already failed, when the record is not a mapping."""
     rule = parse_rule(rule)
-    if not isinstance(rule, BoundedDriftRule):
-        raise TypeError("judge_rung2_sample needs a rung-2 BoundedDriftRule")
+    if not isinstance(rule, rule_type):
+        raise TypeError(f"{judge_name} needs a {rule_type.__name__}")
     record = _plain(record)
     judgement = _Judgement()
     if not isinstance(record, Mapping):
         judgement.check("record", False, f"sample is not a record: {type(record).__name__}")
+        return rule, record, judgement, None
+    return rule, record, judgement, _Evidence(record)
+
+
+def judge_rung2_sample(record: Record, rule: Rule) -> Verdict:
+    """Rung 2, one sample: complete finite evidence, exact tokens, drift inside the identity's
+    bounds (and, when not drift-graded, no logit digest mismatch)."""
+    rule, record, judgement, evidence = _open_sample(record, rule, BoundedDriftRule, "judge_rung2_sample")
+    if evidence is None:
         return judgement.verdict("")
-    evidence = _Evidence(record)
     values = _common_sample_checks(evidence, judgement, rule, ())
     if values is None:
         return judgement.verdict("")
@@ -368,15 +376,9 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
     Not drift-graded (the default): the first logit digest mismatch is refused as such. Drift-
     graded: the deltas are reported and judged (they must still be exactly 0).
     """
-    rule = parse_rule(rule)
-    if not isinstance(rule, BitExactRule):
-        raise TypeError("judge_rung3_sample needs a rung-3 BitExactRule")
-    record = _plain(record)
-    judgement = _Judgement()
-    if not isinstance(record, Mapping):
-        judgement.check("record", False, f"sample is not a record: {type(record).__name__}")
+    rule, record, judgement, evidence = _open_sample(record, rule, BitExactRule, "judge_rung3_sample")
+    if evidence is None:
         return judgement.verdict("")
-    evidence = _Evidence(record)
     draft_declared = rule.acceptance_floor is not None
     values = _common_sample_checks(evidence, judgement, rule, RUNG3_DRAFT_FIELDS if draft_declared else ())
     if values is None:

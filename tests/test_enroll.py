@@ -289,7 +289,7 @@ def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_k
     import numpy as np
 
     from qualify.errors import HandoffRefused
-    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff
+    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
     from qualify.kv import KVCache
 
     identity = FakeIdentity()
@@ -302,7 +302,8 @@ def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_k
                  lane=identity.lane, prompt_sha256="c" * 64, run_id="serve", request_id="r1", compute_s=0.0)
     expected = dict(expected_identity_sha256="a" * 64, expected_cache_identity="b" * 64,
                     expected_geometry=kv.geometry, expected_prompt_sha256="c" * 64)
-    opened = open_handoff(seal_handoff(kv, key=enrolled_key, **facts), key=enrolled_key, **expected)
+    opened = open_handoff(seal_handoff_parts(kv, key=enrolled_key, **facts).to_handoff(), key=enrolled_key, **expected)
     assert all(np.array_equal(a, b) for a, b in zip(opened.kv.keys, kv.keys))
     with pytest.raises(HandoffRefused, match="MAC does not verify"):
-        open_handoff(seal_handoff(kv, key=mint_run_key(), **facts), key=enrolled_key, **expected)
+        open_handoff(seal_handoff_parts(kv, key=mint_run_key(), **facts).to_handoff(), key=enrolled_key,
+                     **expected)

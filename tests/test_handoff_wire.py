@@ -34,7 +34,7 @@ from qualify.handoff.wire import (
     mint_run_key,
     open_handoff,
     payload_tree_sha256,
-    seal_handoff,
+    seal_handoff_parts,
 )
 from qualify.kv import KVCache, KVGeometry
 
@@ -60,10 +60,12 @@ KV = random_kv(GEOMETRY, seed=1)
 
 
 def seal(kv: KVCache = KV, *, key: bytes = KEY, cache: str = CACHE_EXACT, mode: str = "exact",
-         request_id: str = "req-1") -> Handoff:
-    return seal_handoff(kv, key=key, identity_sha256=IDENTITY, target_cache_identity=cache,
-                        producer_mode=mode, lane="nvfp4-exact", prompt_sha256=PROMPT,
-                        run_id="run-1", request_id=request_id, compute_s=0.25)
+         request_id: str = "req-1", **options: object) -> Handoff:
+    """One contiguous handoff, as a producer's transport sends it (``options``: digest_threads)."""
+    return seal_handoff_parts(kv, key=key, identity_sha256=IDENTITY, target_cache_identity=cache,
+                              producer_mode=mode, lane="nvfp4-exact", prompt_sha256=PROMPT,
+                              run_id="run-1", request_id=request_id, compute_s=0.25,
+                              **options).to_handoff()  # type: ignore[arg-type]
 
 
 def open_(handoff: Handoff, **overrides):
@@ -302,9 +304,7 @@ def test_each_side_hashes_each_payload_byte_once_over_its_threads(
                         lambda key, data: hmac.new(key, data, real_sha256).digest())
     monkeypatch.setattr(wire, "key_id", lambda key: real_sha256(key).hexdigest()[:16])
     chosen = {} if digest_threads is None else {"digest_threads": digest_threads}
-    handoff = seal_handoff(kv, key=KEY, identity_sha256=IDENTITY, target_cache_identity=CACHE_EXACT,
-                           producer_mode="exact", lane="nvfp4-exact", prompt_sha256=PROMPT,
-                           run_id="run-1", request_id="req-1", compute_s=0.25, **chosen)
+    handoff = seal(kv, **chosen)
     size = len(handoff.payload_bytes)
     assert size > wire._PARALLEL_DIGEST_MIN_BYTES
     leaves = 32 * 2 * geometry.layers
@@ -325,9 +325,7 @@ def test_each_side_hashes_each_payload_byte_once_over_its_threads(
 @pytest.mark.parametrize("threads", [0, 257, 1.5, True, "4"])
 def test_bad_digest_threads_are_refused(threads: object) -> None:
     with pytest.raises(Refused, match="digest_threads: found"):
-        seal_handoff(KV, key=KEY, identity_sha256=IDENTITY, target_cache_identity=CACHE_EXACT,
-                     producer_mode="exact", lane="nvfp4-exact", prompt_sha256=PROMPT, run_id="run-1",
-                     request_id="req-1", compute_s=0.25, digest_threads=threads)  # type: ignore[arg-type]
+        seal(KV, digest_threads=threads)
     with pytest.raises(Refused, match="digest_threads: found"):
         open_(SEALED, digest_threads=threads)
 
@@ -618,16 +616,16 @@ def test_a_byte_flipped_after_sealing_is_refused_naming_its_layer():
     import numpy as np
 
     from qualify.errors import HandoffRefused
-    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff
+    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
     from qualify.kv import KVCache
 
     rng = np.random.default_rng(3)
     kv = KVCache([rng.standard_normal((2, 16, 8), dtype=np.float32) for _ in range(4)],
                  [rng.standard_normal((2, 16, 8), dtype=np.float32) for _ in range(4)])
     key = mint_run_key()
-    sealed = seal_handoff(kv, key=key, identity_sha256="a" * 64, target_cache_identity="b" * 64,
-                          producer_mode="native", lane="nvfp4-native-w4a4", prompt_sha256="c" * 64,
-                          run_id="run", request_id="req", compute_s=0.0)
+    sealed = seal_handoff_parts(kv, key=key, identity_sha256="a" * 64, target_cache_identity="b" * 64,
+                                producer_mode="native", lane="nvfp4-native-w4a4", prompt_sha256="c" * 64,
+                                run_id="run", request_id="req", compute_s=0.0).to_handoff()
     payload = bytearray(sealed.payload_bytes)
     offset = payload.index(kv.keys[2].tobytes())  # layer 2 K's bytes in the payload
     payload[offset + 5] ^= 0x04

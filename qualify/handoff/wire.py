@@ -547,36 +547,6 @@ def seal_handoff_parts(
     return SealedHandoff(manifest_bytes, manifest_mac(key, manifest_bytes), parts, payload_size)
 
 
-def seal_handoff(
-    kv: KVCache,
-    *,
-    key: bytes,
-    identity_sha256: str,
-    target_cache_identity: str,
-    producer_mode: str,
-    lane: str,
-    prompt_sha256: str,
-    run_id: str,
-    request_id: str,
-    compute_s: float,
-    digest_threads: int = DEFAULT_DIGEST_THREADS,
-) -> Handoff:
-    """Seal ``kv`` into one contiguous :class:`Handoff` (see :func:`seal_handoff_parts`)."""
-    return seal_handoff_parts(
-        kv,
-        key=key,
-        identity_sha256=identity_sha256,
-        target_cache_identity=target_cache_identity,
-        producer_mode=producer_mode,
-        lane=lane,
-        prompt_sha256=prompt_sha256,
-        run_id=run_id,
-        request_id=request_id,
-        compute_s=compute_s,
-        digest_threads=digest_threads,
-    ).to_handoff()
-
-
 # --------------------------------------------------------------------------------------------
 # manifest parsing
 
