@@ -44,6 +44,7 @@ import numpy as np
 
 from qualify.engines.base import DecodeResult
 from qualify.errors import Refused
+from qualify.numerics import tree_sum
 
 CHUNK_BYTES = 1 << 19
 """Rows are streamed in chunks of about this many bytes per branch (kept cache-resident)."""
@@ -284,13 +285,14 @@ class _DeltaStream:
         np.subtract(left, right, out=diff)
         np.abs(diff, out=diff)
         self.row_max[start:start + count] = diff.max(axis=1)
-        self.row_sum[start:start + count] = diff.sum(axis=1)
+        # A fixed-order float64 sum: the sealed mean must not depend on numpy's SIMD dispatch.
+        self.row_sum[start:start + count] = tree_sum(diff.astype(np.float64))[:, 0]
 
     def result(self, maximum_absolute: float | None, maximum_mean_absolute: float | None) -> LogitDelta:
         rows = self.row_max.shape[0]
         row_mean = self.row_sum / self.vocab
         max_abs = float(self.row_max.max()) if rows else math.nan
-        mean_abs = float(self.row_sum.sum() / (rows * self.vocab)) if rows else math.nan
+        mean_abs = float(tree_sum(self.row_sum)[0] / (rows * self.vocab)) if rows else math.nan
         return LogitDelta(
             max_abs,
             mean_abs,

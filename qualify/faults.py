@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from qualify.numerics import cos_sin
 from qualify.errors import Refused
 from qualify.kv import KVCache
 
@@ -80,7 +81,7 @@ def rotate_keys_one_position(kv: KVCache, rope_theta: float) -> KVCache:
     head_dim = kv.keys[0].shape[-1]
     inv_freq = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     angle = np.concatenate([inv_freq, inv_freq])  # one position's rotation per dim: [head_dim]
-    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    cos, sin = cos_sin(angle.astype(np.float32))  # machine-independent bits
     half = head_dim // 2
 
     def rotate(k: np.ndarray) -> np.ndarray:  # k: [kv_heads, positions, head_dim]

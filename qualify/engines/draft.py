@@ -112,7 +112,7 @@ class EagleDraft:
         if start + hidden.shape[0] > cache.capacity:
             raise Refused(f"draft cache: {hidden.shape[0]} rows after {start} exceed capacity {cache.capacity}")
         predicted = decode_rows(self.layer, self.layer_inputs(next_embeddings, hidden), positions,
-                                cache.keys[0], cache.values[0], start)
+                                cache.layers[0], start)
         cache.length = start + hidden.shape[0]
         return predicted
 
@@ -134,9 +134,4 @@ class EagleDraft:
             if not np.isfinite(array).all():
                 raise Refused(f"{where}: non-finite values")
         assert positions is not None
-        capacity = positions + extra_positions
-        keys = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
-        values = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
-        keys[:, :positions] = draft_kv.keys[0]
-        values[:, :positions] = draft_kv.values[0]
-        return DecodeCache([keys], [values], length=positions)
+        return DecodeCache.install(draft_kv, extra_positions)

@@ -20,8 +20,8 @@ output depends only on row t of the input, so results do not depend on BLAS, thr
 shape.
 
 Native arithmetic (``NativeQ8Linear``): the same quantized operands, dequantized to float32 and
-contracted by float32 BLAS GEMM over the whole row (another accumulation order; the reference
-engine's ``matmul`` keeps it independent of the thread count). It is the ``kquant-native``
+contracted over the whole row by the reference engine's machine-independent fixed-point
+contraction (another rounding than the per-block sums). It is the ``kquant-native``
 producer for fault tests: rung 3 must refuse its cache entries.
 """
 
@@ -40,16 +40,16 @@ import numpy as np
 import qualify
 from qualify import assets
 from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens
+from qualify.numerics import FixedPointRows, matmul_rows
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
+    LayerKV,
     MakeLinear,
     ReferenceEngine,
     RowsOutput,
     apply_rope,
-    matmul,
     rms_norm,
-    softmax_,
 )
 from qualify.errors import Refused, one_line
 from qualify.kv import KVCache
@@ -215,23 +215,23 @@ class ExactQ8Linear:
 
 
 class NativeQ8Linear:
-    """The same Q8_0 operands, dequantized and contracted by float32 GEMM over the whole row
-    (BLAS accumulation order, deterministic but not row-invariant): the kquant ``native`` producer
-    arithmetic, for fault tests."""
+    """The same Q8_0 operands, dequantized and contracted whole-row by the reference's fixed-point
+    contraction (another rounding than the per-block integer sums): the kquant ``native``
+    producer arithmetic, for fault tests."""
 
-    kind = "q8_0-native"
+    kind = "q8_0-native-fixed-point"
 
     def __init__(self, name: str, weight: Q8Matrix):
         self.name = name
         self.n_in = weight.n_in
         self.n_out = weight.n_out
-        self._dequantized_t = np.ascontiguousarray(weight.dequantize().T)  # [n_in, n_out]
+        self._dequantized_rows = FixedPointRows.of(weight.dequantize())  # [n_out, n_in]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = _check_input(self.name, x, self.n_in)
         act_quants, act_scales = quantize_activations_q8_0(x)
         act = (act_quants.astype(np.float32) * act_scales[:, :, None]).reshape(x.shape)
-        return matmul(act, self._dequantized_t)  # the reference's thread-count-proof GEMM
+        return matmul_rows(act, self._dequantized_rows)
 
 
 def _check_input(name: str, x: np.ndarray, n_in: int) -> np.ndarray:
@@ -489,8 +489,8 @@ def dequantized_weights(weights: KQuantWeights) -> dict[str, np.ndarray]:
     return named
 
 
-def decode_rows(layer: DecoderLayer, x: np.ndarray, positions: np.ndarray, keys: np.ndarray,
-                values: np.ndarray, first_slot: int) -> np.ndarray:
+def decode_rows(layer: DecoderLayer, x: np.ndarray, positions: np.ndarray, cache: LayerKV,
+                first_slot: int) -> np.ndarray:
     """Several new rows through one decoder layer at once: x [R, hidden] at RoPE ``positions``
     [R] -> x_out [R, hidden]; row r's K/V go to cache slot ``first_slot + r`` and it attends over
     slots 0..first_slot+r.
@@ -502,23 +502,17 @@ def decode_rows(layer: DecoderLayer, x: np.ndarray, positions: np.ndarray, keys:
     (Slots and positions differ only for a draft whose context has a gap; see speculative.py.)
     """
     rows = x.shape[0]
-    heads, kv_heads, head_dim, group = layer.heads, layer.kv_heads, layer.head_dim, layer.group
+    heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
     cos = layer.rope_cos[positions][:, None, :]  # [R, 1, head_dim]
     sin = layer.rope_sin[positions][:, None, :]
     h = layer.materialize(rms_norm(x, layer.attention_norm, layer.eps))  # [R, hidden]
     q = apply_rope(layer.q_proj(h).reshape(rows, heads, head_dim), cos, sin)  # [R, heads, hd]
     k = apply_rope(layer.k_proj(h).reshape(rows, kv_heads, head_dim), cos, sin)  # [R, kv, hd]
     v = layer.v_proj(h).reshape(rows, kv_heads, head_dim)  # [R, kv, hd]
-    keys[:, first_slot:first_slot + rows] = k.transpose(1, 0, 2)
-    values[:, first_slot:first_slot + rows] = v.transpose(1, 0, 2)
+    cache.write(first_slot, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
     attended = np.empty((rows, heads * head_dim), dtype=np.float32)
     for row in range(rows):  # the decode_row attention, row by row
-        visible = first_slot + row + 1
-        grouped = np.ascontiguousarray(q[row]).reshape(kv_heads, group, head_dim)  # [kv, group, hd]
-        scores = matmul(grouped, keys[:, :visible].transpose(0, 2, 1))  # [kv, group, visible]
-        scores *= layer.scale
-        probs = layer.materialize(softmax_(scores))
-        attended[row] = matmul(probs, values[:, :visible]).reshape(heads * head_dim)  # [kv, group, hd]
+        attended[row] = layer.attend_row(q[row], cache, visible=first_slot + row + 1)[0]
     attended = layer.materialize(attended)
     x = layer.materialize(x + layer.o_proj(attended))
     return layer._mlp_residual(x)  # noqa: SLF001 - the layer's own SwiGLU block (row-wise)
@@ -565,8 +559,8 @@ class KQuantModel:
                           f"capacity {cache.capacity}")
         positions = np.arange(start, start + tokens.size)
         x = self.embed(tokens)  # [R, hidden]
-        for layer, keys, values in zip(self.reference.layers, cache.keys, cache.values, strict=True):
-            x = decode_rows(layer, x, positions, keys, values, start)
+        for layer, layer_kv in zip(self.reference.layers, cache.layers, strict=True):
+            x = decode_rows(layer, x, positions, layer_kv, start)
         cache.length = start + tokens.size
         return RowsOutput(logits=self.logits(x), hidden=x)
 

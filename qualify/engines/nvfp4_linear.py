@@ -6,8 +6,10 @@
   because every partial sum stays below 2^53, checked at construction); a pinned float32 epilogue
   (x 2^-10, x 1/iscale, x scale2, sequential add over super-blocks); output rounded through
   float16. Row t of y depends only on row t of x, bit for bit, whatever the batch or BLAS threads.
-* ``splitk`` (native, mild): the same quantized operands dequantized to float32, contracted in
-  float32 over 64-wide K chunks summed as a pairwise tree (another reduction topology).
+* ``splitk`` (native, mild): the same quantized operands dequantized to float32, each 64-wide K
+  chunk contracted on its own and rounded to float32 (the machine-independent fixed-point
+  contraction of ``qualify.numerics``), the chunks summed as a pairwise float32 tree
+  (another reduction topology).
 * ``f16`` (native, medium): ``splitk`` with both operands materialized in float16, and the
   engine's intermediates rounded through float16 by ``materialize_f16``.
 * ``w4a4`` (native, harsh): seed section 7.4.3. Activations quantized per 16 values to E2M1 with
@@ -26,6 +28,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from qualify.engines.base import Linear
+from qualify.numerics import FixedPointRows, matmul_rows
 from qualify.engines.nvfp4 import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -181,11 +184,11 @@ def _pairwise_tree_sum(parts: list[np.ndarray]) -> np.ndarray:
 
 
 class SplitKLinear:
-    """Native ``splitk``: dequantized float32 operands (weights, Q8_K activations), float32
-    products over 64-wide K chunks summed as a pairwise tree; float16 output rounding."""
+    """Native ``splitk``: dequantized float32 operands (weights, Q8_K activations), one float32
+    partial per 64-wide K chunk, summed as a pairwise tree; float16 output rounding."""
 
     arithmetic = "splitk"
-    kind = "nvfp4-native-splitk64-tree-v1"
+    kind = "nvfp4-native-splitk64-tree-v2"
     operands_in_f16 = False
 
     def __init__(self, tensor: Nvfp4Tensor) -> None:
@@ -195,16 +198,18 @@ class SplitKLinear:
         weight = dequantize_nvfp4(tensor)  # float32 [n_out, n_in]
         if self.operands_in_f16:
             weight = round_through_f16(weight)
-        self._weight_t = np.ascontiguousarray(weight.T)  # [n_in, n_out]
+        # One fixed-point image per 64-wide K chunk: each chunk is its own contraction.
+        self._weight_chunks = [FixedPointRows.of(weight[:, k : k + SPLIT_K])
+                               for k in range(0, self.n_in, SPLIT_K)]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = _activations_f32(x, self.n_in, self.name)
         activations = _dequantized_q8_activations(x)  # float32 [T, n_in]
         if self.operands_in_f16:
             activations = round_through_f16(activations)
-        partials = [  # float32 [T, n_out] per 64-wide K chunk
-            activations[:, k : k + SPLIT_K] @ self._weight_t[k : k + SPLIT_K]
-            for k in range(0, self.n_in, SPLIT_K)
+        partials = [  # float32 [T, n_out] per 64-wide K chunk, machine-independent
+            matmul_rows(activations[:, index * SPLIT_K : (index + 1) * SPLIT_K], chunk)
+            for index, chunk in enumerate(self._weight_chunks)
         ]
         return round_through_f16(_pairwise_tree_sum(partials))
 
@@ -213,7 +218,7 @@ class F16Linear(SplitKLinear):
     """Native ``f16``: ``splitk`` with weight and activation operands materialized in float16."""
 
     arithmetic = "f16"
-    kind = "nvfp4-native-f16-operands-splitk64-tree-v1"
+    kind = "nvfp4-native-f16-operands-splitk64-tree-v2"
     operands_in_f16 = True
 
 

@@ -7,28 +7,27 @@ head_dim 32, intermediate 512, vocab 4096):
     x = embed[token]                                   # [hidden], float16 weights upcast to float32
     for each layer:
         h = RMSNorm(x)                                 # float32, weight * x / sqrt(mean(x^2) + eps)
-        q, k, v = Wq h, Wk h, Wv h                     # pluggable Linear (dense float32 by default)
+        q, k, v = Wq h, Wk h, Wv h                     # pluggable Linear (dense fixed-point by default)
         q, k = RoPE(q), RoPE(k)                        # Hugging Face rotate_half layout
         a = softmax(q k^T / sqrt(head_dim)) v          # grouped-query, causal, float32 softmax
         x = x + Wo a
         m = RMSNorm(x)
         x = x + Wdown(silu(Wgate m) * Wup m)           # SwiGLU
-    logits = RMSNorm(x) @ embed^T                      # tied LM head, always dense float32
+    logits = RMSNorm(x) @ embed^T                      # tied LM head, always dense fixed-point
 
 Two forward paths share the layer weights and arithmetic kinds but not reduction shapes:
 
 * ``prefill`` is batched over positions (one matmul per projection, attention in query blocks),
   because it only produces KV and speed matters there;
 * decode (``forward_rows``, used by ``decode`` and ``teacher_forced``) runs every new row through
-  the whole model on its own. BLAS gives different bits for row t of a [T, n] matmul depending on
-  T (gemv for one row, gemm kernels for several, measured on OpenBLAS 0.3.30), so a block of rows
-  is always computed as consecutive single-row steps. A speculative verifier that feeds k+1 rows
-  at once, or a consumer that gets several pending tokens, therefore reproduces plain one-token
-  decode bit for bit.
+  the whole model on its own, one step per token, so a speculative verifier that feeds k+1 rows
+  at once, or a consumer that gets several pending tokens, reproduces plain one-token decode bit
+  for bit.
 
-Every matmul goes through ``matmul``, which never hands BLAS a reduction longer than
-REDUCTION_CHUNK and sums the chunks in a fixed order, so results are the same bits whatever
-OPENBLAS_NUM_THREADS is (the tests compare 1 and 2 threads in subprocesses).
+Every contraction, sum and transcendental goes through ``qualify.numerics``, whose results
+are exact by construction (integer contractions, fixed-order sums, elementwise polynomials): the
+same bits on every x86-64 machine whatever BLAS kernel, thread count or numpy SIMD dispatch it
+runs with (the tests compare them in subprocesses).
 
 The ``materialize`` hook stands in for intermediates a fast producer stores in a narrower type.
 It is applied, in both paths, to: the residual stream after each add, every RMSNorm output
@@ -52,23 +51,17 @@ import qualify
 from qualify import assets
 from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
+from qualify.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
 from qualify.errors import Refused
 from qualify.kv import KVCache, check_kv_fits
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
 # the abi is part of every lane's cache identity, so old KV never aliases new arithmetic.
-ABI_VERSION = "numpy-llama-abi-2"
-# The longest reduction any single BLAS call performs (see ``matmul``). OpenBLAS cuts a long
-# reduction dimension K into blocks of its GEMM_Q and places the last cut differently in its
-# threaded and single-threaded drivers, so for long K the bits depend on OPENBLAS_NUM_THREADS
-# (measured on 0.3.30: attention's probs @ V over 2032 keys). A chunk of 256 is below GEMM_Q here
-# and is never cut (the 1-vs-2-thread subprocess test re-checks this on every machine it runs on);
-# the chunks are summed in a fixed order.
-REDUCTION_CHUNK = 256
+ABI_VERSION = "numpy-llama-abi-3"
 # Prefill attention runs over query blocks of this many rows: scores for one block are
-# [kv_heads, group, block, keys] float32 (~17 MB at 2047 positions) instead of the whole
+# [kv_heads, group, block, keys] float32 (~8 MB at 2047 positions) instead of the whole
 # [heads, T, T] matrix, and keys after the block are never computed.
-PREFILL_QUERY_BLOCK = 256
+PREFILL_QUERY_BLOCK = 128
 # Additive causal mask of one diagonal block: -inf where key > query, else 0 (adding 0 is exact).
 CAUSAL_SQUARE = np.triu(np.full((PREFILL_QUERY_BLOCK, PREFILL_QUERY_BLOCK), -np.inf, dtype=np.float32), k=1)
 CAUSAL_SQUARE.flags.writeable = False
@@ -78,41 +71,26 @@ MakeLinear = Callable[[str, np.ndarray], Linear]
 
 
 # --------------------------------------------------------------------------------------------
-# The one matmul
-# --------------------------------------------------------------------------------------------
-
-
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a [..., M, K] @ b [..., K, N] in float32 with a pinned reduction order: K is cut into
-    REDUCTION_CHUNK pieces, each one BLAS call, accumulated left to right. Every matmul of the
-    engine goes through here, so results do not depend on the BLAS thread count."""
-    reduction = a.shape[-1]
-    out = a[..., :REDUCTION_CHUNK] @ b[..., :REDUCTION_CHUNK, :]
-    for start in range(REDUCTION_CHUNK, reduction, REDUCTION_CHUNK):
-        out += a[..., start:start + REDUCTION_CHUNK] @ b[..., start:start + REDUCTION_CHUNK, :]
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # Pluggable pieces: projections and materialization
 # --------------------------------------------------------------------------------------------
 
 
 class DenseLinear:
-    """The default projection: float32 ``x @ W.T`` through numpy's BLAS (pinned reduction)."""
+    """The default projection: ``x @ W.T`` through the machine-independent :func:`matmul`."""
 
-    kind = "dense-f32"
+    kind = "dense-fixed-point-v1"
 
     def __init__(self, weight_f32: np.ndarray) -> None:
-        self.weight = np.ascontiguousarray(weight_f32, dtype=np.float32)  # [n_out, n_in]
-        self.n_out, self.n_in = self.weight.shape
+        weight = np.ascontiguousarray(weight_f32, dtype=np.float32)  # [n_out, n_in]
+        self.n_out, self.n_in = weight.shape
+        self.weight_rows = FixedPointRows.of(weight)  # [n_out, n_in], converted once
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return matmul(x, self.weight.T)  # [T, n_in] @ [n_in, n_out] -> [T, n_out]
+        return matmul_rows(x, self.weight_rows)  # [T, n_in] @ [n_in, n_out] -> [T, n_out]
 
 
 def dense_linear(name: str, weight_f32: np.ndarray) -> DenseLinear:
-    """The default ``make_linear`` factory: every projection dense float32."""
+    """The default ``make_linear`` factory: every projection dense (fixed-point contraction)."""
     del name  # every projection gets the same arithmetic
     return DenseLinear(weight_f32)
 
@@ -144,7 +122,7 @@ class RoundTripFloat16:
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     """x [T, hidden] -> weight * x / sqrt(mean(x^2) + eps), computed in float32 like HF."""
-    mean_square = np.mean(x * x, axis=-1, keepdims=True)  # [T, 1]
+    mean_square = tree_sum(x * x) / np.float32(x.shape[-1])  # [T, 1]
     return weight * (x * (np.float32(1.0) / np.sqrt(mean_square + eps)))
 
 
@@ -155,7 +133,7 @@ def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray
     # One float32 product per angle, the same rounding as HF's float32 outer product.
     freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([freqs, freqs], axis=-1)  # [positions, head_dim]
-    return np.cos(angles), np.sin(angles)
+    return cos_sin(angles)
 
 
 def rotate_half(x: np.ndarray) -> np.ndarray:
@@ -172,14 +150,14 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x) as x / (1 + exp(-x)); exp overflow for x < -88 correctly gives -0."""
     with np.errstate(over="ignore"):
-        return x / (np.float32(1.0) + np.exp(-x))
+        return x / (np.float32(1.0) + exp(-x))
 
 
 def softmax_(scores: np.ndarray) -> np.ndarray:
     """In-place float32 softmax over the last axis (max-subtracted; -inf entries become 0)."""
     scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores[...] = exp(scores)
+    scores /= tree_sum(scores)
     return scores
 
 
@@ -256,20 +234,21 @@ class DecoderLayer:
         positions = q.shape[1]
         # Query head h reads KV head h // group (HF repeat_kv order), so [heads] -> [kv, group].
         grouped = q.reshape(kv_heads, group, positions, head_dim)
+        key_rows, value_rows = FixedPointRows.of(k), FixedPointRows.of(v)  # one scale per position
         out = np.empty((kv_heads, group, positions, head_dim), dtype=np.float32)
         for start in range(0, positions, PREFILL_QUERY_BLOCK):
             stop = min(start + PREFILL_QUERY_BLOCK, positions)
             rows = stop - start
             q_block = grouped[:, :, start:stop].reshape(kv_heads, group * rows, head_dim)
             # Only keys 0..stop-1 can be visible to this block.
-            scores = matmul(q_block, k[:, :stop].transpose(0, 2, 1))  # [kv, group * rows, stop]
+            scores = matmul_rows(q_block, key_rows[:, :stop])  # [kv, group * rows, stop]
             scores *= self.scale
             scores = scores.reshape(kv_heads, group, rows, stop)
             # Query at position i sees keys j <= i. Keys before the block are visible to every
             # row, so only the block's diagonal square needs -inf above its diagonal.
             scores[..., start:stop] += CAUSAL_SQUARE[:rows, :rows]
             probs = self.materialize(softmax_(scores))  # [kv, group, rows, stop]
-            block = matmul(probs.reshape(kv_heads, group * rows, stop), v[:, :stop])  # [kv, g*rows, hd]
+            block = weighted_sum(probs.reshape(kv_heads, group * rows, stop), value_rows[:, :stop])
             out[:, :, start:stop] = block.reshape(kv_heads, group, rows, head_dim)
         # [kv, group, T, hd] -> [heads, T, hd] -> [T, heads * hd] (heads concatenated per row)
         merged = out.reshape(self.heads, positions, head_dim).transpose(1, 0, 2)
@@ -277,25 +256,28 @@ class DecoderLayer:
 
     # ---- decode: one row -------------------------------------------------------------------
 
-    def decode_row(self, x: np.ndarray, position: int, keys: np.ndarray, values: np.ndarray
-                   ) -> np.ndarray:
+    def decode_row(self, x: np.ndarray, position: int, cache: "LayerKV") -> np.ndarray:
         """x [1, hidden] at ``position`` -> x_out [1, hidden]. Writes this row's K (post-RoPE)
-        and V into ``keys``/``values`` [kv_heads, capacity, head_dim] at ``position`` and attends
-        over positions 0..position. The same code runs for every row whatever the block size."""
+        and V into ``cache`` at slot ``position`` and attends over slots 0..position. The same
+        code runs for every row whatever the block size."""
         cos, sin = self.rope_cos[position], self.rope_sin[position]  # [head_dim]
         h = self.materialize(rms_norm(x, self.attention_norm, self.eps))  # [1, hidden]
         q = apply_rope(self.q_proj(h).reshape(self.heads, self.head_dim), cos, sin)
-        keys[:, position] = apply_rope(self.k_proj(h).reshape(self.kv_heads, self.head_dim), cos, sin)
-        values[:, position] = self.v_proj(h).reshape(self.kv_heads, self.head_dim)
-        visible = position + 1
-        grouped = q.reshape(self.kv_heads, self.group, self.head_dim)  # [kv, group, hd]
-        scores = matmul(grouped, keys[:, :visible].transpose(0, 2, 1))  # [kv, group, visible]
-        scores *= self.scale
-        probs = self.materialize(softmax_(scores))
-        attended = matmul(probs, values[:, :visible])  # [kv, group, hd]
-        attended = self.materialize(attended.reshape(1, self.heads * self.head_dim))
+        k = apply_rope(self.k_proj(h).reshape(self.kv_heads, 1, self.head_dim), cos, sin)
+        cache.write(position, k, self.v_proj(h).reshape(self.kv_heads, 1, self.head_dim))
+        attended = self.materialize(self.attend_row(q, cache, visible=position + 1))
         x = self.materialize(x + self.o_proj(attended))
         return self._mlp_residual(x)
+
+    def attend_row(self, q: np.ndarray, cache: "LayerKV", visible: int) -> np.ndarray:
+        """One query row's grouped-query attention over cache slots 0..visible-1:
+        q [heads, head_dim] (post-RoPE) -> [1, heads * head_dim]."""
+        grouped = q.reshape(self.kv_heads, self.group, self.head_dim)  # [kv, group, hd]
+        scores = matmul_rows(grouped, cache.key_rows[:, :visible])  # [kv, group, visible]
+        scores *= self.scale
+        probs = self.materialize(softmax_(scores))
+        attended = weighted_sum(probs, cache.value_rows[:, :visible])  # [kv, group, hd]
+        return attended.reshape(1, self.heads * self.head_dim)
 
 
 def arithmetic_kind(hook: object, what: str) -> str:
@@ -335,18 +317,61 @@ def make_engine_linear(make_linear: MakeLinear, name: str, weight_f32: np.ndarra
 
 
 @dataclass
-class DecodeCache:
-    """Preallocated per-layer K/V ``[kv_heads, capacity, head_dim]`` float32; positions
-    0..length-1 are filled. ``truncate`` rolls back (a verifier rejecting draft tokens)."""
+class LayerKV:
+    """One layer's decode-time K/V: float32 ``[kv_heads, capacity, head_dim]`` and their
+    fixed-point images (one scale per slot), converted once when a slot is written."""
 
-    keys: list[np.ndarray]
-    values: list[np.ndarray]
+    keys: np.ndarray
+    values: np.ndarray
+    key_rows: FixedPointRows
+    value_rows: FixedPointRows
+
+    @classmethod
+    def install(cls, keys: np.ndarray, values: np.ndarray, capacity: int) -> "LayerKV":
+        """A layer with room for ``capacity`` slots, slots 0.. filled from K/V [kv, P, hd]."""
+        kv_heads, _, head_dim = keys.shape
+        empty = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
+        layer = cls(empty, empty.copy(), FixedPointRows.of(empty), FixedPointRows.of(empty))
+        layer.write(0, keys, values)
+        return layer
+
+    def write(self, slot: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """K/V [kv_heads, R, head_dim] into slots slot..slot+R-1."""
+        rows = slice(slot, slot + keys.shape[1])
+        self.keys[:, rows], self.values[:, rows] = keys, values
+        for image, tensor in ((self.key_rows, keys), (self.value_rows, values)):
+            converted = FixedPointRows.of(tensor)
+            image.integers[:, rows], image.scale[:, rows] = converted.integers, converted.scale
+
+
+@dataclass
+class DecodeCache:
+    """Preallocated per-layer K/V (:class:`LayerKV`); positions 0..length-1 are filled.
+    ``truncate`` rolls back (a verifier rejecting draft tokens)."""
+
+    layers: list[LayerKV]
     length: int
     meta: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def install(cls, kv: KVCache, extra_positions: int) -> "DecodeCache":
+        """Copy a canonical KV (already checked to fit) into a cache with ``extra_positions`` room."""
+        positions = kv.keys[0].shape[1]
+        layers = [LayerKV.install(key, value, positions + extra_positions)
+                  for key, value in zip(kv.keys, kv.values, strict=True)]
+        return cls(layers, length=positions)
+
+    @property
+    def keys(self) -> list[np.ndarray]:
+        return [layer.keys for layer in self.layers]
+
+    @property
+    def values(self) -> list[np.ndarray]:
+        return [layer.values for layer in self.layers]
+
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1]
+        return self.layers[0].keys.shape[1]
 
     def truncate(self, length: int) -> None:
         """Forget positions ``length`` onward; they are overwritten when fed again."""
@@ -402,6 +427,7 @@ class ReferenceEngine(GreedyDecoder):
 
         self.rope = rope_tables(geometry.max_positions, geometry.head_dim, geometry.rope_theta)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden] float32
+        self.lm_head_rows = FixedPointRows.of(self.embed)  # tied LM head [vocab, hidden]
         self.layers = [
             DecoderLayer(weights, f"model.layers.{index}.", geometry, rms_norm_eps, self.rope,
                          make_linear, self.materialize)
@@ -429,10 +455,10 @@ class ReferenceEngine(GreedyDecoder):
     # ---- shared pieces ---------------------------------------------------------------------
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
-        """Final norm then the tied LM head: x [T, hidden] -> float32 [T, vocab], always dense
-        float32 whatever the projections are (the embedding upcast from float16)."""
+        """Final norm then the tied LM head: x [T, hidden] -> float32 [T, vocab], always the
+        fixed-point contraction whatever the projections are (the embedding upcast from float16)."""
         normed = self.materialize(rms_norm(x, self.final_norm, self.eps))
-        return matmul(normed, self.embed.T)
+        return matmul_rows(normed, self.lm_head_rows)
 
     # ---- producer --------------------------------------------------------------------------
 
@@ -472,19 +498,9 @@ class ReferenceEngine(GreedyDecoder):
         """Install (copy) a canonical KV into a cache with room for ``extra_positions`` more,
         refusing a KV whose geometry, dtype or values do not fit this model."""
         geometry = self.geometry
-        kv_heads, head_dim = geometry.kv_heads, geometry.head_dim
-        positions = check_kv_fits(kv, geometry.layers, kv_heads, head_dim, geometry.max_positions,
-                                  extra_positions)
-        capacity = positions + extra_positions
-        cache_keys, cache_values = [], []
-        for key, value in zip(kv.keys, kv.values, strict=True):
-            cache_key = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
-            cache_value = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
-            cache_key[:, :positions] = key
-            cache_value[:, :positions] = value
-            cache_keys.append(cache_key)
-            cache_values.append(cache_value)
-        return DecodeCache(cache_keys, cache_values, length=positions)
+        check_kv_fits(kv, geometry.layers, geometry.kv_heads, geometry.head_dim,
+                      geometry.max_positions, extra_positions)
+        return DecodeCache.install(kv, extra_positions)
 
     def forward_rows(self, cache: DecodeCache, tokens: np.ndarray) -> RowsOutput:
         """Feed ``tokens`` at positions cache.length.. and append their K/V. Each row runs
@@ -499,8 +515,8 @@ class ReferenceEngine(GreedyDecoder):
         for row, token in enumerate(tokens):
             position = cache.length
             x = self.embed[token:token + 1]  # [1, hidden]
-            for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
-                x = layer.decode_row(x, position, keys, values)
+            for layer, layer_kv in zip(self.layers, cache.layers, strict=True):
+                x = layer.decode_row(x, position, layer_kv)
             hidden[row] = x[0]
             logits[row] = self._logits(x)[0]
             cache.length = position + 1
