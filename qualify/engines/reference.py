@@ -53,6 +53,7 @@ from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeome
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
 from qualify.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
 from qualify.errors import Refused
+from qualify.hostenv import check_ieee_environment, numeric_environment
 from qualify.kv import KVCache, check_kv_fits
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
@@ -441,7 +442,8 @@ class ReferenceEngine(GreedyDecoder):
         abi = f"{ABI_VERSION}+{','.join(linear_kinds)}"
         if materialize_kind != KeepFloat32.kind:
             abi += f"+{materialize_kind}"
-        self.abi = abi
+        check_ieee_environment()
+        self.abi = f"{abi}+{numeric_environment()}"
 
     @classmethod
     def from_model_dir(cls, model_dir: Path = assets.MODEL_DIR, make_linear: MakeLinear | None = None,
