@@ -619,8 +619,81 @@ def _check_equal_across(
     )
 
 
-judge_qualification = judge_summary
-"""The whole run's verdict (alias of :func:`judge_summary`)."""
+REPRODUCTION_FIELDS: tuple[tuple[str, str], ...] = (
+    ("payload_sha256", "payload tree"),
+    ("seams_sha256", "per-layer seams"),
+    ("handoff_logit_block_sha256", "handoff logit block"),
+    ("cold_logit_block_sha256", "cold logit block"),
+    ("handoff_generated_token_sha256", "generated tokens"),
+    ("cold_generated_token_sha256", "cold generated tokens"),
+)
+"""The deterministic digests a qualification must share with its basis receipt (seed 000's G3
+recheck); the draft's tokens and trace join them on a lane with a draft."""
+DRAFT_REPRODUCTION_FIELDS: tuple[tuple[str, str], ...] = (
+    ("handoff_draft_tokens_sha256", "draft tokens"),
+    ("handoff_draft_trace_sha256", "draft trace"),
+)
+
+
+def judge_reproduction(records: Sequence[Record], basis_records: Sequence[Record], *, rung: int,
+                       deterministic_producer: bool, draft: bool) -> Verdict:
+    """Did the run reproduce its calibration bit for bit? Every sample's deterministic digests
+    (:data:`REPRODUCTION_FIELDS`) must equal the basis receipt's, which must agree among
+    themselves. A difference fails rung 3, and rung 2 when the identity declares a deterministic
+    producer (its output changed since calibration); otherwise it is reported, not failed."""
+    judgement = _Judgement()
+    fields = REPRODUCTION_FIELDS + (DRAFT_REPRODUCTION_FIELDS if draft else ())
+    run = [r for r in (_plain(record) for record in records) if isinstance(r, Mapping)]
+    basis = [r for r in (_plain(record) for record in basis_records) if isinstance(r, Mapping)]
+    changed: list[str] = []
+    if not basis or len(basis) != len(basis_records):
+        judgement.check("basis samples", False, "the basis receipt has no readable samples")
+        changed.append("basis samples")
+    for name, words in fields if basis else ():
+        basis_values = {record.get(name) for record in basis}
+        if len(basis_values) != 1 or None in basis_values:
+            detail = (f"basis receipt: {words} digest missing" if None in basis_values
+                      else f"basis receipt: {words} digest differs among its own samples")
+            judgement.check(f"{words} as calibrated", False, detail)
+            changed.append(words)
+            continue
+        calibrated = next(iter(basis_values))
+        differing = [str(record.get("repetition", "?")) for record in run if record.get(name) != calibrated]
+        if not run:
+            differing = ["(no samples)"]
+        judgement.check(
+            f"{words} as calibrated", not differing,
+            f"{words} digest equal to the basis receipt's in every repetition" if not differing
+            else f"{words} digest differs from the basis receipt's (repetition {', '.join(differing)})")
+        if differing:
+            changed.append(words)
+    if not changed:
+        return Verdict(True, "reproduced its calibration bit for bit (payload tree, seams, logit blocks "
+                             "and generated tokens equal the basis receipt's)",
+                       [check.detail for check in judgement.checks], judgement.checks)
+    words = f"did not reproduce its calibration bit for bit: {', '.join(changed)} differ from the basis receipt"
+    if rung == 3:
+        return Verdict(False, f"{words}; rung 3 requires it", [words], judgement.checks)
+    if deterministic_producer:
+        return Verdict(False, f"{words}: the producer's output changed since calibration "
+                              "(the identity declares a deterministic producer)", [words], judgement.checks)
+    return Verdict(True, words, [words], judgement.checks)
+
+
+def judge_qualification(records: Sequence[Record], rule: Rule, basis_records: Sequence[Record], *,
+                        deterministic_producer: bool) -> Verdict:
+    """The whole run's verdict: :func:`judge_summary` over the repetitions, then
+    :func:`judge_reproduction` against the identity's basis receipt."""
+    parsed = parse_rule(rule)
+    summary = judge_summary(records, parsed)
+    reproduction = judge_reproduction(
+        records, basis_records, rung=parsed.rung, deterministic_producer=deterministic_producer,
+        draft=isinstance(parsed, BitExactRule) and parsed.acceptance_floor is not None)
+    passed = summary.passed and reproduction.passed
+    failing = [r for verdict in (summary, reproduction) if not verdict.passed for r in verdict.reasons]
+    return Verdict(passed, f"{summary.headline}; {reproduction.headline}",
+                   failing if not passed else summary.reasons + [reproduction.headline],
+                   summary.checks + reproduction.checks)
 
 
 # --------------------------------------------------------------------------- rung 1

@@ -191,7 +191,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
                            "positive bounds, so qualify it under an exact rule instead", style="yellow"))
     else:
         console.print(Text(
-            f"proposed rule (1 % above the envelope, 3 significant digits): maximum_absolute "
+            f"proposed rule (the envelope over every calibration environment, no margin): maximum_absolute "
             f"{result.proposed_maximum_absolute}, maximum_mean_absolute "
             f"{result.proposed_maximum_mean_absolute}", style="bold"))
         console.print(

@@ -10,7 +10,6 @@ gathers evidence and writes it to the receipt.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,9 +20,10 @@ import numpy as np
 
 from qualify import __version__, assets, faults
 from qualify.compare import compare_branches, transform_between
+from qualify.digests import canonical_sha256
 from qualify.engines.base import DecodeResult, Engine
 from qualify.errors import HandoffRefused, ProducerFailed, Refused, one_line
-from qualify.judge import Verdict, judge_sample, judge_summary
+from qualify.judge import Verdict, judge_qualification, judge_sample
 from qualify.kv import KVCache
 from qualify.records import BitExactRule, BoundedDriftRule, failed_sample_record, record_json, sample_record
 
@@ -37,7 +37,6 @@ STEP_LABELS: tuple[str, ...] = (
     "verdict",
 )
 HANDOFF_STEPS = STEP_LABELS[3:6]
-PRODUCER_BLAS_THREADS = "1"
 
 
 ENGINE_CHOICES = ("reference", "vllm")
@@ -135,16 +134,33 @@ class Contract:
     # Per layer (K, V): the largest handed-off KV delta the lane's basis receipt measured; a
     # sample's layers above it are where a fault sits. Rung 3's envelope is zero everywhere.
     kv_envelope: list[tuple[float, float]] | None = None
+    # The basis receipt's sample records (the calibration the rule came from): the run's
+    # deterministic digests are rechecked against them. None for a calibration.
+    basis_records: list[dict[str, Any]] | None = None
+    # The identity declares the producer's output deterministic (require_deterministic_remote_output).
+    deterministic_producer: bool = True
 
 
-def kv_envelope_from_receipt(receipt_dir: Path, layers: int) -> list[tuple[float, float]] | None:
-    """Per-layer max K and V deltas over a calibration receipt's samples (None if it has none)."""
+def receipt_sample_records(receipt_dir: Path) -> list[dict[str, Any]]:
+    """A receipt's sample records, in repetition order (refused when unreadable or absent)."""
     import json
 
+    paths = sorted((receipt_dir / "samples").glob("sample-*.json"),
+                   key=lambda path: int(path.stem.rpartition("-")[2]) if path.stem.rpartition("-")[2].isdigit() else 0)
+    if not paths:
+        raise Refused(f"basis receipt {receipt_dir.name}: no samples/sample-*.json to recheck against")
+    try:
+        return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
+    except (OSError, ValueError) as exc:
+        raise Refused(f"basis receipt {receipt_dir.name}: unreadable sample ({one_line(str(exc))})") from None
+
+
+def kv_envelope_from_records(records: list[dict[str, Any]], layers: int) -> list[tuple[float, float]] | None:
+    """Per-layer max K and V deltas over a calibration receipt's samples (None if it has none)."""
     envelope = [(0.0, 0.0)] * layers
     found = False
-    for path in sorted((receipt_dir / "samples").glob("*.json")):
-        localisation = json.loads(path.read_text(encoding="utf-8")).get("localisation") or {}
+    for record in records:
+        localisation = record.get("localisation") or {}
         for item in localisation.get("kv_layer_max_abs") or []:
             layer = item["layer"]
             if layer < layers:
@@ -154,10 +170,34 @@ def kv_envelope_from_receipt(receipt_dir: Path, layers: int) -> list[tuple[float
     return envelope if found else None
 
 
-def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer_geometry) -> Contract:
-    """Load and seal the identity (schema, strict models, sealed constants) and derive the run's
-    contract; refuses an identity of another recipe or whose artifacts no longer match."""
-    from qualify.engines.factory import check_adapter
+def check_engine_pins(identity: Any, consumer: Engine, producer_abi: str) -> None:
+    """Refuse (exit 2, before any handoff) a host whose built engines differ from the engines the
+    identity pins: their ABI names the numeric environment (numpy and BLAS, CPU ISA class, torch,
+    CUDA, GPU), so a host the lane was not calibrated on is refused here, never judged as drift."""
+    calibrate_hint = f"qualify calibrate --recipe {identity.recipe} --lane {identity.lane}"
+    found_engines = {
+        "producer_engine.abi": producer_abi,
+        "consumer_engine.name": consumer.name,
+        "consumer_engine.version": consumer.version,
+        "consumer_engine.abi": consumer.abi,
+    }
+    for field_name, found in found_engines.items():
+        role, part = field_name.split(".")
+        expected = getattr(getattr(identity, role), part)
+        if found == expected:
+            continue
+        differing = sorted(set(str(found).split("+")) - set(str(expected).split("+")))
+        raise Refused(
+            f"identity {identity.lane}: {field_name}: found {found!r} on this host, expected "
+            f"{expected!r} (differs in {', '.join(differing) or 'order'}); the lane is calibrated "
+            f"for another numeric environment; to calibrate it for this host: {calibrate_hint}")
+
+
+def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer: Engine) -> Contract:
+    """Load and seal the identity (schema, strict models, sealed constants), check the built
+    engines against its pins and derive the run's contract; refuses an identity of another
+    recipe or whose artifacts or numeric environment no longer match."""
+    from qualify.engines.factory import check_adapter, lane_producer_abi
     from qualify.handoff.service import expectation_from_identity
     from qualify.identity import identity_sha256, load_identity, logit_units_label
     from qualify.records import rule_from_identity
@@ -166,6 +206,8 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
     if identity.recipe != recipe:
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe}, the run is --recipe {recipe}")
+    check_engine_pins(identity, consumer, lane_producer_abi(identity.lane))
+    consumer_geometry = consumer.geometry
     prompt = assets.load_prompt(identity.prompt.name)
     if assets.prompt_sha256(prompt) != identity.onboarding_qualification.prompt_sha256:
         raise Refused(f"prompt {identity.prompt.name}: sha256 {assets.prompt_sha256(prompt)} differs from "
@@ -173,14 +215,14 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     qualification = identity.onboarding_qualification
     # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
     graded = drift_graded or identity.rung == 2
+    from qualify.identity import DEFAULT_ARCHIVE_DIR
+    from qualify.receipts import resolve_receipt_uri
+
+    basis_records = receipt_sample_records(resolve_receipt_uri(qualification.basis, DEFAULT_ARCHIVE_DIR).parent)
     if identity.rung == 3:
         kv_envelope = [(0.0, 0.0)] * consumer_geometry.layers
     else:
-        from qualify.identity import DEFAULT_ARCHIVE_DIR
-        from qualify.receipts import resolve_receipt_uri
-
-        basis = resolve_receipt_uri(qualification.basis, DEFAULT_ARCHIVE_DIR)
-        kv_envelope = kv_envelope_from_receipt(basis.parent, consumer_geometry.layers)
+        kv_envelope = kv_envelope_from_records(basis_records, consumer_geometry.layers)
     return Contract(
         lane=identity.lane,
         recipe=identity.recipe,
@@ -199,6 +241,8 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         rule=rule_from_identity(identity, drift_graded=graded),
         expectation=expectation_from_identity(identity, consumer_geometry),
         kv_envelope=kv_envelope,
+        basis_records=basis_records,
+        deterministic_producer=qualification.require_deterministic_remote_output,
     )
 
 
@@ -233,6 +277,9 @@ class QualificationRun:
         self._key: bytes | None = None
         self._cold: tuple[KVCache, DecodeResult, float] | None = None
         self._transform = None
+        # Environment variables set for the producer process on top of the operator's (a
+        # calibration varies BLAS kernels and thread counts per handoff; a qualification sets none).
+        self.producer_env: dict[str, str] = {}
         # Wall seconds per activity over the whole run, for bench/qualify.py's overhead split.
         self.seconds: dict[str, float] = {}
 
@@ -337,7 +384,7 @@ class QualificationRun:
             _check_lane_engines(lane, chosen_lane, options)
             self.consumer = build_consumer(lane)
             self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
-                                                   self.consumer.geometry)
+                                                   self.consumer)
         else:
             self.consumer = build_consumer(self.contract.lane)
         contract = self.contract
@@ -379,15 +426,22 @@ class QualificationRun:
             lane=contract.lane, mode=mode, key=self._key, run_id=self.receipt.run_id,
             expectation=contract.expectation, watchdog_s=self.options.watchdog_s,
             extra_args=extra_args, engine_factory=self.options.engine_factory,
-            # The producer runs single-threaded BLAS while the consumer keeps the default, so every
-            # bit-exact run also shows the result does not depend on the thread count.
-            env={"OPENBLAS_NUM_THREADS": PRODUCER_BLAS_THREADS},
+            env=dict(self.producer_env),
         )
         self.producer.start()
+        # What the producer process runs on (CPU, BLAS kernel and threads, GPU, commit): host.json.
+        self.receipt.set_producer_host(self.producer.host_facts, problem=self.producer.host_facts_problem)
         self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode}, "
-                 f"run key {key_id(self._key)}, producer OPENBLAS_NUM_THREADS={PRODUCER_BLAS_THREADS}, "
-                 f"consumer OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'default')}")
+                 f"run key {key_id(self._key)}, producer environment overrides {self.producer_env or 'none'}")
         return f"mode {mode}, warm-up prefill done"
+
+    def restart_producer(self, env: dict[str, str]) -> None:
+        """Stop the producer and start a fresh one with ``env`` set on top of the operator's."""
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+        self.producer_env = dict(env)
+        self._start_producer()
 
     def _cold_recompute(self) -> tuple[KVCache, DecodeResult, float]:
         contract = self.contract
@@ -469,6 +523,7 @@ class QualificationRun:
             repetition=repetition,
             comparison=comparison,
             payload_sha256=manifest.payload_sha256,
+            seams_sha256=canonical_sha256([[seam.layer, seam.k_sha256, seam.v_sha256] for seam in manifest.seams]),
             payload_bytes=manifest.payload_size,
             payload_gbit_per_s=handoff.transport.gbit_per_s,
             handed_off_positions=manifest.handed_off_positions,
@@ -505,7 +560,11 @@ class QualificationRun:
     def _judge_summary(self) -> str:
         if self.contract.rule is None:
             raise StepFailed("calibration runs have no verdict step")
-        self.verdict = judge_summary(self.records, self.contract.rule)
+        contract = self.contract
+        if contract.basis_records is None:
+            raise StepFailed("no basis receipt to recheck the run's digests against")
+        self.verdict = judge_qualification(self.records, contract.rule, contract.basis_records,
+                                           deterministic_producer=contract.deterministic_producer)
         self.log(f"verdict: {self.verdict.headline}")
         self.receipt_path = self.receipt.finalize(self.verdict)
         if self.producer is not None:
@@ -545,30 +604,57 @@ class StepFailed(Exception):
 # -- calibration --------------------------------------------------------------------------------
 
 CALIBRATION_SCHEMA = "trust-ladder.calibration.v1"
-# A bound is proposed "a hair above" the observed envelope: 1 % above it, rounded up to three
-# significant digits (the seed's 10.884401 -> 11.0 and 1.233789 -> 1.25 follow this rule).
-CALIBRATION_HEADROOM = 1.01
-CALIBRATION_SIGNIFICANT_DIGITS = 3
+# numpy's AVX-512 dispatch targets: disabling them makes numpy run its AVX2 code paths (naming a
+# feature the CPU lacks is harmless).
+NUMPY_AVX512_FAMILY = "AVX512F,AVX512CD,AVX512_SKX,AVX512_CLX,AVX512_CNL,AVX512_ICL,AVX512_SPR"
+
+
+@dataclass(frozen=True)
+class CalibrationEnvironment:
+    """Environment variables one calibration handoff's producer starts with, on top of the
+    operator's; ``requires`` names the CPU flag the setting needs (a Haswell kernel needs AVX2)."""
+
+    variables: dict[str, str]
+    requires: str | None = None
+
+
+# Each calibration handoff restarts the producer under the next of these, so the measured envelope
+# covers producer restarts, BLAS kernels, BLAS thread counts and numpy's SIMD dispatch: an engine
+# whose output moved with any of them shows it as differing digests, and the calibration fails.
+CALIBRATION_ENVIRONMENTS: tuple[CalibrationEnvironment, ...] = (
+    CalibrationEnvironment({}),
+    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "2"}, requires="avx2"),
+    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_NUM_THREADS": "1"}),
+    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Zen", "OPENBLAS_NUM_THREADS": "2",
+                            "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512_FAMILY}, requires="avx2"),
+    CalibrationEnvironment({"OPENBLAS_NUM_THREADS": "1", "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512_FAMILY}),
+)
+
+
+def calibration_environments() -> list[dict[str, str]]:
+    """The calibration environments this CPU can run, in order."""
+    from qualify.hostenv import cpu_flags
+
+    flags = cpu_flags()
+    return [dict(env.variables) for env in CALIBRATION_ENVIRONMENTS if env.requires is None or env.requires in flags]
 
 
 def propose_bound(observed: float) -> float | None:
-    """The bound a calibration proposes for an observed maximum; None when nothing was observed
-    (a lane with no drift is a bit-exact lane: a bounded-drift rule cannot be proposed for it)."""
+    """The bound a calibration proposes for an observed maximum: the maximum itself, with no
+    margin (the handoffs already ran under every calibration environment, and the engines'
+    output does not move with them); None when nothing was observed (a lane with no drift is a
+    bit-exact lane: a bounded-drift rule cannot be proposed for it)."""
     import math
 
     if not math.isfinite(observed) or observed <= 0:
         return None
-    scaled = observed * CALIBRATION_HEADROOM
-    exponent = math.floor(math.log10(scaled)) - (CALIBRATION_SIGNIFICANT_DIGITS - 1)
-    step = 10.0 ** exponent
-    return round(math.ceil(scaled / step - 1e-9) * step, max(0, -exponent))
+    return float(observed)
 
 
 def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_PROMPT,
                          output_tokens: int = 256) -> Contract:
     """A contract for measuring a lane before its identity exists: the lane's real artifacts and
     cache identity, a calibration document in place of the identity, and no rule."""
-    from qualify.digests import canonical_sha256
     from qualify.engines.factory import build_cache_identity, checkpoint_digests, producer_facts
     from qualify.handoff.service import ProducerExpectation
     from qualify.lanes import lane_spec
@@ -618,6 +704,8 @@ class Calibration:
     proposed_maximum_mean_absolute: float | None
     receipt_path: Path | None
     failures: list[str]
+    # Every deterministic digest equal across the handoffs (restarts, kernels, threads, dispatch).
+    deterministic: bool = False
 
 
 def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
@@ -626,31 +714,50 @@ def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
     a receipt (the basis a frozen identity cites), and propose bounds a hair above the envelope."""
     if repetitions < 1:
         raise Refused(f"--repetitions: found {repetitions}, expected at least 1")
+    from qualify.judge import judge_reproduction
+    from qualify.lanes import lane_spec
+
+    environments = calibration_environments()
     run = QualificationRun(options, calibration_contract(lane, recipe), log=log)
     failures: list[str] = []
+    deterministic = False
     try:
         for label in STEP_LABELS[:3]:
             outcome = run.step(label)
             if not outcome.passed:
                 raise Refused(f"calibration {label}: {outcome.message}")
         for index in range(repetitions):
+            environment = environments[index % len(environments)]
+            if index > 0:  # the first handoff uses the producer the steps started (no overrides)
+                run.restart_producer(environment)
             message = run._handoff(index)
-            run.log(f"calibration handoff {index + 1}/{repetitions}: {message}")
+            run.log(f"calibration handoff {index + 1}/{repetitions} (fresh producer, environment "
+                    f"{environment or 'as the operator set it'}): {message}")
         measured = [r for r in run.records if not r.get("error")]
         failures = [r["error"] for r in run.records if r.get("error")]
         tokens_exact = bool(measured) and all(r["token_agreement_rate"] == 1.0 for r in measured)
         observed_max = max((r["max_abs"] for r in measured), default=float("nan"))
         observed_mean = max((r["mean_abs"] for r in measured), default=float("nan"))
         proposal = (propose_bound(observed_max), propose_bound(observed_mean))
-        headline = (f"calibration of {lane} over {repetitions} handoffs: observed max abs {observed_max!r}, "
-                    f"max mean abs {observed_mean!r}, tokens exact in every handoff: {tokens_exact}; "
-                    f"proposed rule maximum_absolute {proposal[0]}, maximum_mean_absolute {proposal[1]}")
+        # The samples are each other's basis: every deterministic digest must agree across them.
+        spec = lane_spec(lane)
+        determinism = judge_reproduction(measured, measured, rung=spec.recipe.rung, deterministic_producer=True,
+                                         draft=spec.speculative_draft)
+        deterministic = determinism.passed and len(measured) == repetitions
+        headline = (f"calibration of {lane} over {repetitions} handoffs (a fresh producer each, "
+                    f"{min(repetitions, len(environments))} environments): observed max abs {observed_max!r}, "
+                    f"max mean abs {observed_mean!r}, tokens exact in every handoff: {tokens_exact}, "
+                    f"deterministic digests equal in every handoff: {deterministic}; proposed rule "
+                    f"maximum_absolute {proposal[0]}, maximum_mean_absolute {proposal[1]}")
         reasons = [f"handoff failed: {failure}" for failure in failures]
         if not tokens_exact:
             reasons.append("greedy tokens diverged: no bounded-drift rule can qualify this lane on this prompt")
-        run.verdict = Verdict(not failures and tokens_exact, headline, reasons or [headline])
+        if not deterministic:
+            reasons.append("the producer's output differs across restarts or environments: "
+                           + "; ".join(check.detail for check in determinism.checks if not check.passed))
+        run.verdict = Verdict(not reasons, headline, reasons or [headline])
         run.receipt_path = run.receipt.finalize(run.verdict)
     finally:
         run.close()
     return Calibration(lane, run.records, observed_max, observed_mean, tokens_exact,
-                       proposal[0], proposal[1], run.receipt_path, failures)
+                       proposal[0], proposal[1], run.receipt_path, failures, deterministic)

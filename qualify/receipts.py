@@ -6,9 +6,20 @@ Layout of ``<archive>/<run-id>/``::
     identity.json             the identity document, byte for byte
     identity.sha256           its canonical digest (``qualify.digests.canonical_sha256``)
     versions.json             engine and library versions
+    host.json                 what each process ran on (below); absent in receipts older than it
     samples/sample-<n>.json   one sample record per handoff (n from 1)
     validation-summary.json   the verdict over the run
     manifest.json             SHA-256 and size of every other file (written last)
+
+``host.json`` is ``{"schema": "trust-ladder.receipt-host.v1", "consumer": F, "producers": [P, ...]}``
+with one P per producer start, in order (a calibration restarts its producer for every handoff;
+an empty list: no producer reached readiness), each P ``{"facts": F or null, "note": null or why
+the facts are missing}``, each F a
+:func:`qualify.hostenv.host_facts` document: CPU model and SIMD flags, BLAS library, kernel and
+threads, the kernel-selecting environment variables, numpy's SIMD dispatch, torch threads and GPU,
+the harness's git commit. The consumer's are taken when the receipt is finalized (in the writing
+process), the producer's are what it reported when ready (:meth:`ReceiptWriter.set_producer_host`).
+Recorded, never judged: they explain why a lane calibrated on one host behaves otherwise on another.
 
 Atomicity: the run id is claimed by an exclusive ``mkdir`` of the final directory; everything is
 written into ``<archive>/.partial-<run-id>/`` and renamed over the (still empty) claimed directory
@@ -47,6 +58,7 @@ from pydantic import BaseModel
 from qualify.assets import CONTRACTS_DIR
 from qualify.digests import canonical_sha256, is_sha256_hex, strict_json_loads
 from qualify.errors import Refused, one_line
+from qualify.hostenv import host_facts, host_facts_problem
 from qualify.records import CheckRecord, SampleRecord, ValidationSummary, record_json
 
 if TYPE_CHECKING:
@@ -55,6 +67,8 @@ if TYPE_CHECKING:
 MANIFEST_SCHEMA = "trust-ladder.receipt-manifest.v1"
 MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "receipt-manifest.v1.schema.json"
 MANIFEST = "manifest.json"
+HOST = "host.json"
+HOST_SCHEMA = "trust-ladder.receipt-host.v1"
 REQUIRED_FILES: tuple[str, ...] = (
     "command.log",
     "identity.json",
@@ -190,7 +204,8 @@ class ReceiptWriter:
 
     ``identity`` is the identity file path (copied byte for byte), its document, or an Identity;
     ``identity_sha256``, when given, must equal the document's canonical digest. ``rule`` is the
-    judging rule (stored in the summary so the receipt can be re-judged).
+    judging rule (stored in the summary so the receipt can be re-judged). ``consumer_host`` is the
+    consumer's host facts for host.json; by default this process's, taken at :meth:`finalize`.
     """
 
     def __init__(
@@ -205,6 +220,7 @@ class ReceiptWriter:
         identity_sha256: str | None = None,
         versions: Mapping[str, Any] | None = None,
         run_id: str | None = None,
+        consumer_host: Mapping[str, Any] | None = None,
     ) -> None:
         self.archive = Path(archive)
         self.run_id = new_run_id() if run_id is None else run_id
@@ -224,6 +240,10 @@ class ReceiptWriter:
         self.started_utc = _utc_now()
         self.samples = 0
         self.finalized = False
+        self.consumer_host = dict(consumer_host) if consumer_host is not None else None
+        if consumer_host is None:
+            host_facts()  # its static part (git, CPU, numpy) now, so finalize only re-reads threads and env
+        self.producer_hosts: list[dict[str, Any]] = []  # one {"facts", "note"} per producer start
 
         self.archive.mkdir(parents=True, exist_ok=True)
         self.path = self.archive / self.run_id
@@ -267,6 +287,29 @@ class ReceiptWriter:
         self.log(f"sample {self.samples} recorded")
         return self.path / "samples" / name
 
+    def set_producer_host(self, facts: Mapping[str, Any] | None, *, problem: str | None = None) -> None:
+        """Record one producer start's host facts (as it reported them when ready) for host.json,
+        after any earlier start's. A document that is not well-formed host facts is recorded as
+        missing, with the reason; command.log keeps a line for each start."""
+        self._require_open()
+        found = None if facts is None else host_facts_problem(dict(facts) if isinstance(facts, Mapping) else facts)
+        if facts is not None and found is None:
+            recorded = _json_safe(dict(facts))
+            self.producer_hosts.append({"facts": recorded, "note": None})
+            cpu, blas = recorded["cpu"], recorded["blas"]
+            self.log(f"producer host: pid {recorded['pid']}, cpu {cpu.get('model')!r} "
+                     f"({cpu.get('isa_class')}), blas {blas.get('library')} kernel {blas.get('kernel')} "
+                     f"threads {blas.get('num_threads')}")
+        else:
+            reason = one_line(problem or (f"malformed host facts: {found}" if found
+                                          else "the producer reported no host facts"))
+            self.producer_hosts.append({"facts": None, "note": reason})
+            self.log(f"producer host: unknown ({reason})")
+
+    def _host_document(self) -> dict[str, Any]:
+        consumer = self.consumer_host if self.consumer_host is not None else host_facts()
+        return {"schema": HOST_SCHEMA, "consumer": _json_safe(consumer), "producers": self.producer_hosts}
+
     # -- the end
 
     def finalize(self, verdict: "Verdict | None", *, error: str | None = None) -> Path:
@@ -309,6 +352,7 @@ class ReceiptWriter:
         os.fsync(self._log.fileno())
         self._log.close()
         _write_new(self.staging / "validation-summary.json", _json_bytes(json.loads(summary.model_dump_json(by_alias=True))))
+        _write_new(self.staging / HOST, _json_bytes(self._host_document()))
         entries = []
         for path in sorted(p for p in self.staging.rglob("*") if p.is_file()):
             relative = path.relative_to(self.staging).as_posix()
@@ -499,12 +543,36 @@ def _consistency_problems(root: Path) -> list[str]:
         problems.append("validation-summary.json names another identity digest")
     if not isinstance(summary.get("passed"), bool):
         problems.append("validation-summary.json has no passed flag")
+    if (root / HOST).is_file():  # receipts from before host.json have none
+        problems.extend(_host_problems(root))
     samples = sorted(p.relative_to(root).as_posix() for p in (root / "samples").glob("*")) if (root / "samples").is_dir() else []
     if any(not _SAMPLE.fullmatch(p) for p in samples):
         problems.append("samples/ holds a file not named sample-<n>.json")
     elif summary.get("samples") != len(samples):
         problems.append(f"validation-summary.json counts {summary.get('samples')!r} samples, the receipt holds {len(samples)}")
     return problems
+
+
+def _host_problems(root: Path) -> list[str]:
+    """host.json, when present, names both sides: a consumer's facts, and per producer start its
+    facts or why they are missing."""
+    try:
+        host = _parse_json((root / HOST).read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        return [f"{HOST} is not a JSON document"]
+    if not isinstance(host, dict) or host.get("schema") != HOST_SCHEMA \
+            or set(host) != {"schema", "consumer", "producers"}:
+        return [f"{HOST} is not a {HOST_SCHEMA} document"]
+    if not isinstance(host["consumer"], dict):
+        return [f"{HOST} has no consumer facts"]
+    if not isinstance(host["producers"], list):
+        return [f"{HOST} producers is not a list"]
+    for index, start in enumerate(host["producers"]):
+        if not isinstance(start, dict) or set(start) != {"facts", "note"} \
+                or not isinstance(start["facts"], dict | None) \
+                or (start["facts"] is None) != isinstance(start["note"], str):
+            return [f"{HOST} producers[{index}] must hold facts, or a note saying why they are missing"]
+    return []
 
 
 def receipt_files(directory: str | os.PathLike[str]) -> list[str]:

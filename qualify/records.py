@@ -232,6 +232,9 @@ class SampleRecord(_Frozen):
     handoff_logit_row_sha256: tuple[Sha256Hex, ...] | None = None
     cold_logit_row_sha256: tuple[Sha256Hex, ...] | None = None
     payload_sha256: Sha256Hex | None = None
+    # SHA-256 of the manifest's per-layer seam digests (canonical JSON): which layers' K/V the
+    # producer sent, comparable with the basis receipt's (seed 000's G3 recheck).
+    seams_sha256: Sha256Hex | None = None
     payload_bytes: Count | None = None
     payload_gbit_per_s: float | None = None
     handed_off_positions: Count | None = None
@@ -279,6 +282,7 @@ def sample_record(
     handed_off_positions: int,
     recomputed_positions: int,
     phases: Mapping[str, float],
+    seams_sha256: str | None = None,
     kv_threshold: float | None = None,
     kv_envelope: Sequence[tuple[float, float]] | None = None,
     include_localisation: bool | None = None,
@@ -347,6 +351,7 @@ def sample_record(
         handoff_logit_row_sha256=comparison.handoff_digests.row_sha256 if include_row_digests else None,
         cold_logit_row_sha256=comparison.cold_digests.row_sha256 if include_row_digests else None,
         payload_sha256=payload_sha256,
+        seams_sha256=seams_sha256,
         payload_bytes=payload_bytes,
         payload_gbit_per_s=float(payload_gbit_per_s),
         handed_off_positions=handed_off_positions,

@@ -442,7 +442,7 @@ def sealed_table(*identities: SealedIdentity) -> Mapping[str, SealedIdentity]:
 # and calibration receipts exist, and adds each constant to SEALED_IDENTITIES. Until then no lane
 # is sealed and every identity file is refused ("no lane is sealed yet").
 
-# nvfp4-native-w4a4: frozen by tools/freeze_identity.py; identity_sha256 f9c10e901002111b5f48f92572060d8f2e33531eac3d59a8cef40557f8ae52ac
+# nvfp4-native-w4a4: frozen by tools/freeze_identity.py; identity_sha256 f060f5695b445ffb11e61cb02a49bce428621bd90169a57b90acd203f92fa655
 SEALED_NVFP4_NATIVE_W4A4 = SealedIdentity(
     lane='nvfp4-native-w4a4',
     checkpoint=SealedCheckpoint(
@@ -456,16 +456,16 @@ SEALED_NVFP4_NATIVE_W4A4 = SealedIdentity(
     producer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+nvfp4-native-w4a4-v1',
+        abi='numpy-llama-abi-3+nvfp4-native-w4a4-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     consumer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+nvfp4-exact-a16q8-v1',
+        abi='numpy-llama-abi-3+nvfp4-exact-a16q8-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     adapter=SealedNamedDigest(
         name='qualify-nvfp4-linear',
-        sha256='f3de471d7069b144b7df66dac3fd4b9b40208d4108debf1b89548abbfc33b8cd',
+        sha256='e1d533d1bae735cf3821a5a78d88566647096332b129e1302979ca7742d1c032',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -483,13 +483,13 @@ SEALED_NVFP4_NATIVE_W4A4 = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='c9c4f57fc0d0a5671350cb815c85d0a2653b6425109bde29c2ad9d5e3ca659fd',
+    target_cache_identity_sha256='8f71850afea92075b0376aac1b9bdb295461d7ad957d036dffbf7a846d5bda5b',
     speculative_draft=None,
     qualification=SealedQualification(
         prompt_tokens=2048,
@@ -498,14 +498,14 @@ SEALED_NVFP4_NATIVE_W4A4 = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=1.28,
-        maximum_mean_absolute=0.0849,
-        basis='receipt://20261129T093019Z-c50fc1d0dc7915c8/command.log',
-        basis_sha256='e320f5739ad4cf152da417cf65ee638857f866743add0091775c7df4c43f788f',
+        maximum_absolute=1.278604507446289,
+        maximum_mean_absolute=0.07923601299503324,
+        basis='receipt://20261130T140208Z-5967a65186cfb9b0/command.log',
+        basis_sha256='df47b120328af14cd1d176d89550b717d0a8e3a1e86de2baae488a7dbf8c484d',
     ),
 )
 
-# nvfp4-native-splitk: frozen by tools/freeze_identity.py; identity_sha256 b5449afbbed337c2d0be43f044b2d5fd32f4547214f025de199fbd6a73eaade3
+# nvfp4-native-splitk: frozen by tools/freeze_identity.py; identity_sha256 3d3775dfbd42832f1f1cb4bec096bae4c83cbd353fd8a9ba0caa7fc0ca576b7e
 SEALED_NVFP4_NATIVE_SPLITK = SealedIdentity(
     lane='nvfp4-native-splitk',
     checkpoint=SealedCheckpoint(
@@ -519,16 +519,16 @@ SEALED_NVFP4_NATIVE_SPLITK = SealedIdentity(
     producer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+nvfp4-native-splitk64-tree-v1',
+        abi='numpy-llama-abi-3+nvfp4-native-splitk64-tree-v2+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     consumer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+nvfp4-exact-a16q8-v1',
+        abi='numpy-llama-abi-3+nvfp4-exact-a16q8-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     adapter=SealedNamedDigest(
         name='qualify-nvfp4-linear',
-        sha256='f3de471d7069b144b7df66dac3fd4b9b40208d4108debf1b89548abbfc33b8cd',
+        sha256='e1d533d1bae735cf3821a5a78d88566647096332b129e1302979ca7742d1c032',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -546,13 +546,13 @@ SEALED_NVFP4_NATIVE_SPLITK = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='ed17612427d90304dd3220d37dbdff2278275fa93c447049d851d8fff7e96e06',
+    target_cache_identity_sha256='7de4880afa715afb479a41fcef621fcee883f22be2d5f7d49599cac9fdff524b',
     speculative_draft=None,
     qualification=SealedQualification(
         prompt_tokens=2048,
@@ -561,14 +561,14 @@ SEALED_NVFP4_NATIVE_SPLITK = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=0.212,
-        maximum_mean_absolute=0.0235,
-        basis='receipt://20261129T093054Z-2f45f0f21f9014d4/command.log',
-        basis_sha256='21a542cbe43eb69253e2220b612b704f62f5dd11ef361ac512013dd7ea1a884d',
+        maximum_absolute=0.2344517707824707,
+        maximum_mean_absolute=0.024274295797614587,
+        basis='receipt://20261130T140940Z-cbd1eb64e4c79106/command.log',
+        basis_sha256='36f786c8766eeff0d752965330c7278b58b3d707424260c15d8da3948857f91f',
     ),
 )
 
-# nvfp4-native-f16: frozen by tools/freeze_identity.py; identity_sha256 355edb29e22da8ce8ed4803f40a79d3a5f77e959bf637d7b4a87dd95a9cf7967
+# nvfp4-native-f16: frozen by tools/freeze_identity.py; identity_sha256 64086513dcf2227600d12556549d4b1c2b9ec8e770f12125e3599ef7cf5eac33
 SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
     lane='nvfp4-native-f16',
     checkpoint=SealedCheckpoint(
@@ -582,16 +582,16 @@ SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
     producer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+nvfp4-native-f16-operands-splitk64-tree-v1+f16-round-trip',
+        abi='numpy-llama-abi-3+nvfp4-native-f16-operands-splitk64-tree-v2+f16-round-trip+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     consumer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+nvfp4-exact-a16q8-v1',
+        abi='numpy-llama-abi-3+nvfp4-exact-a16q8-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     adapter=SealedNamedDigest(
         name='qualify-nvfp4-linear',
-        sha256='f3de471d7069b144b7df66dac3fd4b9b40208d4108debf1b89548abbfc33b8cd',
+        sha256='e1d533d1bae735cf3821a5a78d88566647096332b129e1302979ca7742d1c032',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -609,13 +609,13 @@ SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='d873f3a3e01490f7b63799ce24dc859bc32b6e493c4ef7e11587cc7897de706a',
+    target_cache_identity_sha256='d04083507d1271048b9486ec083b9a64f02cc803ccfbe004b426198a3b692aa5',
     speculative_draft=None,
     qualification=SealedQualification(
         prompt_tokens=2048,
@@ -624,14 +624,14 @@ SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=0.322,
-        maximum_mean_absolute=0.0378,
-        basis='receipt://20261129T093119Z-db9ab4ec2231237a/command.log',
-        basis_sha256='41ae4b8393a1a61d5013a1b36620c8afb4900b4f38973e16387166aea88897c1',
+        maximum_absolute=0.33895444869995117,
+        maximum_mean_absolute=0.037496715827631574,
+        basis='receipt://20261130T140554Z-6868317c64a39d6d/command.log',
+        basis_sha256='f20a3472ecf6964fff514dcc4b6b7b65f73ce845b9b54685aa5930672e70734d',
     ),
 )
 
-# kquant-exact-dflash: frozen by tools/freeze_identity.py; identity_sha256 1522a628dfca9572835828df557a9adca433f296be292f1224ea46df70caf791
+# kquant-exact-dflash: frozen by tools/freeze_identity.py; identity_sha256 2f1ee379af3d0a199762b4dea654572a91fb27e9539f5b80171282ce13e2b6cd
 SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
     lane='kquant-exact-dflash',
     checkpoint=SealedCheckpoint(
@@ -645,16 +645,16 @@ SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
     producer_engine=SealedEngine(
         name='kquant-eagle1-numpy',
         version='0.1.0',
-        abi='eagle1-spec-abi-1+kquant-q8_0-abi-1+numpy-llama-abi-2+q8_0-exact+lm_head-q8_0-exact+draft-q8_0-exact',
+        abi='eagle1-spec-abi-1+kquant-q8_0-abi-1+numpy-llama-abi-3+q8_0-exact+numpy-2.3.5+scipy-openblas-0.3.30+lm_head-q8_0-exact+draft-q8_0-exact',
     ),
     consumer_engine=SealedEngine(
         name='kquant-eagle1-numpy',
         version='0.1.0',
-        abi='eagle1-spec-abi-1+kquant-q8_0-abi-1+numpy-llama-abi-2+q8_0-exact+lm_head-q8_0-exact+draft-q8_0-exact',
+        abi='eagle1-spec-abi-1+kquant-q8_0-abi-1+numpy-llama-abi-3+q8_0-exact+numpy-2.3.5+scipy-openblas-0.3.30+lm_head-q8_0-exact+draft-q8_0-exact',
     ),
     adapter=SealedNamedDigest(
         name='qualify-kquant',
-        sha256='9a89cd19378f7205b9e4389f63a29fb6423be332c25760a48fdf788839013dd5',
+        sha256='49d06cddb50f7274e4b3da61a9112c649ae7393d787224cbc575e2c43d521a0d',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -672,13 +672,13 @@ SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='3f3e8644599e9447ccbec60e3fa039ac4129f7621fc71d4c8755aa508f3081eb',
+    target_cache_identity_sha256='c0aeb78eeabf8cbfdd92eeb624f4ca60b28681edbfe47a7ba6df037222b5892b',
     speculative_draft=SealedDraft(
         geometry=SealedDraftGeometry(
             kind='eagle-1',
@@ -701,8 +701,8 @@ SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
         require_deterministic_remote_output=True,
         maximum_absolute=None,
         maximum_mean_absolute=None,
-        basis='receipt://20261129T101346Z-1c786650cd529dc1/validation-summary.json',
-        basis_sha256='40e4b8ccb15901d6493c78da229672c1f379a5409bfab69a20f253dd96105d9a',
+        basis='receipt://20261130T141725Z-1e30dcce046c91ea/command.log',
+        basis_sha256='20d67c09288fe1c6c7d2547cc99c8bad2eceead2b542c64730059805db4f985e',
     ),
 )
 
@@ -896,7 +896,7 @@ SEALED_REFERENCE_TO_VLLM = SealedIdentity(
 )
 
 
-# transformers-cuda-fp32: frozen by tools/freeze_identity.py; identity_sha256 f6460611161906cfc87c3d0e7bc0edfa5783720f710602d3eea21b29ac6f9b62
+# transformers-cuda-fp32: frozen by tools/freeze_identity.py; identity_sha256 0cfd3277b159de2c3023c864ff3bf6290e7b069ceeeac335a0f77d53de2f86a6
 SEALED_TRANSFORMERS_CUDA_FP32 = SealedIdentity(
     lane='transformers-cuda-fp32',
     checkpoint=SealedCheckpoint(
@@ -914,7 +914,7 @@ SEALED_TRANSFORMERS_CUDA_FP32 = SealedIdentity(
     consumer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+dense-f32',
+        abi='numpy-llama-abi-3+dense-fixed-point-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     adapter=SealedNamedDigest(
         name='qualify-transformers-engine',
@@ -936,7 +936,7 @@ SEALED_TRANSFORMERS_CUDA_FP32 = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
@@ -951,15 +951,15 @@ SEALED_TRANSFORMERS_CUDA_FP32 = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=1.06e-05,
-        maximum_mean_absolute=8.85e-07,
-        basis='receipt://20261129T112125Z-38992460d533a072/command.log',
-        basis_sha256='875ac73dc6a31a900a7b09daf7222344359f74f42fa8283be3ef5fad57ef6de0',
+        maximum_absolute=1.7881393432617188e-05,
+        maximum_mean_absolute=1.7400774059643086e-06,
+        basis='receipt://20261130T141948Z-e479d8f3da3326e2/command.log',
+        basis_sha256='163b8081803f0cb23171fd7871582ec8f4b78ba6498ad2ea5d44409e84c1f2dd',
     ),
 )
 
 
-# transformers-cuda-tf32: frozen by tools/freeze_identity.py; identity_sha256 2508ff4191cccd18d47c566270f2e7d7faba3786423d8b238a72fc6048a92fb2
+# transformers-cuda-tf32: frozen by tools/freeze_identity.py; identity_sha256 268f3d3ca96a6d17f8e02ebdce9711233e5d7c384b2e3feaea7d7ce16aa60a48
 SEALED_TRANSFORMERS_CUDA_TF32 = SealedIdentity(
     lane='transformers-cuda-tf32',
     checkpoint=SealedCheckpoint(
@@ -977,7 +977,7 @@ SEALED_TRANSFORMERS_CUDA_TF32 = SealedIdentity(
     consumer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+dense-f32',
+        abi='numpy-llama-abi-3+dense-fixed-point-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     adapter=SealedNamedDigest(
         name='qualify-transformers-engine',
@@ -999,7 +999,7 @@ SEALED_TRANSFORMERS_CUDA_TF32 = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
@@ -1014,15 +1014,15 @@ SEALED_TRANSFORMERS_CUDA_TF32 = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=0.00378,
-        maximum_mean_absolute=0.000189,
-        basis='receipt://20261129T112145Z-e326e0f2b9e73671/command.log',
-        basis_sha256='2470b3abcf17907032d6f00b0ea4c10d80650494c11b9580964716550af412b9',
+        maximum_absolute=0.003729581832885742,
+        maximum_mean_absolute=0.00018701535699477793,
+        basis='receipt://20261130T142127Z-cbdfb6e14855ec88/command.log',
+        basis_sha256='51da29587592afcd09d64d1d3184db1edfe167c47fa8f173a60d6d7b3e514dd9',
     ),
 )
 
 
-# transformers-cuda-bf16: frozen by tools/freeze_identity.py; identity_sha256 a5b281b6ba5b4a238aa84ba4f18b9b6d96c7dfac2125d9db40c5f7bc1755598f
+# transformers-cuda-bf16: frozen by tools/freeze_identity.py; identity_sha256 8f2888c5fc16772f31807841732b1b15a9c0a345fe8f0c722f1844ac5c4d3b47
 SEALED_TRANSFORMERS_CUDA_BF16 = SealedIdentity(
     lane='transformers-cuda-bf16',
     checkpoint=SealedCheckpoint(
@@ -1040,7 +1040,7 @@ SEALED_TRANSFORMERS_CUDA_BF16 = SealedIdentity(
     consumer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+dense-f32',
+        abi='numpy-llama-abi-3+dense-fixed-point-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     adapter=SealedNamedDigest(
         name='qualify-transformers-engine',
@@ -1062,7 +1062,7 @@ SEALED_TRANSFORMERS_CUDA_BF16 = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
@@ -1077,10 +1077,10 @@ SEALED_TRANSFORMERS_CUDA_BF16 = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=0.0656,
-        maximum_mean_absolute=0.00348,
-        basis='receipt://20261129T112204Z-a0212d2bdff1616d/command.log',
-        basis_sha256='06613cb25515f75f35825dfdf6a9c791d5ff68b3025cf8491f7c6c211cea6266',
+        maximum_absolute=0.0649118423461914,
+        maximum_mean_absolute=0.003438846961851892,
+        basis='receipt://20261130T142303Z-8a1489213ec2e93f/command.log',
+        basis_sha256='dac1660323850e7a8276a091bb3d4c009d142708e773dfcc0172179efebb8b49',
     ),
 )
 

@@ -69,6 +69,7 @@ def calibrate_lane(lane: str, repetitions: int) -> dict:
         "observed_mean_abs": result.observed_mean_abs,
         "tokens_exact": result.tokens_exact,
         "failures": list(result.failures),
+        "deterministic": result.deterministic,
         "proposed_maximum_absolute": result.proposed_maximum_absolute,
         "proposed_maximum_mean_absolute": result.proposed_maximum_mean_absolute,
         "token_agreement": [r.get("token_agreement_rate") for r in result.records],
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     for lane in args.lane or list(TRANSFORMERS_LANE_SETTINGS):
         summary = calibrate_lane(lane, args.repetitions)
-        if summary["tokens_exact"] and not summary["failures"] and summary["proposed_maximum_absolute"]:
+        if (summary["tokens_exact"] and summary["deterministic"] and not summary["failures"]
+                and summary["proposed_maximum_absolute"]):
             freeze_lane(summary)
         summaries.append(summary)
     for summary in summaries:

@@ -242,6 +242,12 @@ def expected_cache_identity(lane: str) -> str:
     return build_cache_identity(spec)
 
 
+def lane_producer_abi(lane: str) -> str:
+    """The ABI ``lane``'s producer reports on this host in its declared mode (vLLM and
+    transformers producers are not started)."""
+    return _producer_abi(lane_spec(lane))
+
+
 def build_cache_identity(spec: LaneSpec) -> str:
     """Derive a lane's cache identity from its producer engine's ABI and checkpoint digests."""
     return target_cache_identity(spec, checkpoint_digests(spec.kind), _producer_abi(spec))

@@ -6,6 +6,11 @@ ready line (written only after a warm-up prefill), authenticates on the socket, 
 handoffs. Every wait has a deadline and watches the process, so a producer that dies (SIGKILL,
 exit 75, closed socket) or stalls becomes a :class:`ProducerFailure` carrying its last message
 and exit status within seconds, never a hang.
+
+The producer's ``ready`` answer carries its host facts (``qualify.hostenv.host_facts``);
+:attr:`ProducerProcess.host_facts` holds them once checked, or None with
+:attr:`ProducerProcess.host_facts_problem` saying why. They are informational: a producer whose
+facts are missing or malformed still serves, and the receipt records them as missing.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from qualify.handoff.service import (
     encode_frame_header,
 )
 from qualify.handoff.wire import MAC_BYTES, Handoff, TransportStats
+from qualify.hostenv import host_facts_problem
 
 # How often a blocked wait wakes to check the process and its deadline.
 POLL_S = 0.2
@@ -165,6 +171,10 @@ class ProducerProcess:
         self.cwd = cwd if cwd is not None else REPO_ROOT
         self.extra_args = tuple(extra_args)
         self.ready_info: dict[str, Any] = {}
+        # The producer's own host facts from its authenticated ``ready`` answer (None until then,
+        # or when missing or malformed; host_facts_problem then says why).
+        self.host_facts: dict[str, Any] | None = None
+        self.host_facts_problem: str | None = "the producer has not reported ready"
         self._process: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._workdir: Path | None = None
@@ -317,10 +327,25 @@ class ProducerProcess:
             self._send({"op": "auth", "mac": client_auth_mac(self._key, nonce).hex()})
             self._expect_ok(self._read_header(deadline), "auth")
             self._send({"op": "ready?"})
-            self._expect_ok(self._read_header(deadline), "ready")
+            ready = self._read_header(deadline)
+            self._expect_ok(ready, "ready")
+            self._take_host_facts(ready)
         except (_Dead, ValueError) as exc:
             self._raise_failure(str(exc), kill_now=not isinstance(exc, _Dead) or exc.stuck,
                                 producer_message=getattr(exc, "producer_message", None))
+
+    def _take_host_facts(self, ready: Mapping[str, Any]) -> None:
+        """Keep the ``host`` of a ready answer if it is a well-formed host-facts document;
+        otherwise record why not (informational: never a failure)."""
+        if "host" not in ready:
+            self.host_facts, self.host_facts_problem = None, "the producer's ready answer has no host facts"
+            return
+        problem = host_facts_problem(ready["host"])
+        if problem is None:
+            self.host_facts, self.host_facts_problem = dict(ready["host"]), None
+        else:
+            self.host_facts = None
+            self.host_facts_problem = one_line(f"the producer's host facts are malformed: {problem}")[:400]
 
     def close(self) -> None:
         """Ask the producer to shut down; stop its process group if it does not; clean up."""

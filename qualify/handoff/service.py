@@ -17,7 +17,10 @@ Protocol (Unix socket by default, loopback TCP on request): every frame is a 4-b
 length, a canonical-JSON header, then the raw blobs the header's ``blobs`` list sizes. On connect
 the producer sends ``hello`` with a nonce; the client answers ``auth`` with
 HMAC-SHA256(run key, context || nonce); then ``ready?``, ``prefill {tokens, request_id}`` (answered
-by ``handoff`` with blobs manifest, MAC, payload) and ``shutdown``.
+by ``handoff`` with blobs manifest, MAC, payload) and ``shutdown``. The ``ready`` answer carries
+``host``: this process's :func:`qualify.hostenv.host_facts` (CPU, ISA flags, BLAS kernel and
+threads, numpy SIMD dispatch, GPU, harness commit), taken once after the warm-up prefill, so the
+consumer can record in its receipt what the producer ran on.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from qualify.digests import canonical_json_bytes, is_sha256_hex
 from qualify.engines.base import Engine, ModelGeometry
 from qualify.errors import Refused, one_line
 from qualify.handoff.wire import PRODUCER_MODES, SealedHandoff, key_id, seal_handoff_parts
+from qualify.hostenv import host_facts
 
 PROTOCOL = "trust-ladder.handoff-protocol.v1"
 EXIT_OK = 0
@@ -531,6 +535,13 @@ class ProducerService:
         self.send_lock = threading.Lock()
         self.non_engine_errors = 0
         self.requests_served = 0
+        self._host_facts: dict[str, Any] | None = None
+
+    def host_facts(self) -> dict[str, Any]:
+        """This process's host facts, taken once (after the warm-up, when ``main`` asks first)."""
+        if self._host_facts is None:
+            self._host_facts = host_facts()
+        return self._host_facts
 
     # -- exits ---------------------------------------------------------------------------------
 
@@ -726,7 +737,7 @@ class ProducerService:
                     "op": "ready", "status": "ok", "ready": True, "lane": self.config.lane,
                     "producer_mode": self.config.mode, "engine": self.engine.name,
                     "engine_version": self.engine.version, "run_id": self.config.run_id,
-                    "requests_served": self.requests_served,
+                    "requests_served": self.requests_served, "host": self.host_facts(),
                 })
             elif op == "prefill":
                 self._handle_prefill(conn, request)
@@ -880,6 +891,7 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
         service.cleanup()
         _log(f"refused to start: {exc}")
         return EXIT_REFUSED
+    service.host_facts()  # after the warm-up: the BLAS pools it started, not an idle process's
     _log(f"ready on {address} (lane {config.lane}, mode {config.mode}, warm-up {warmup_s:.3f} s)")
     service.announce_ready(warmup_s)
     return service.serve()

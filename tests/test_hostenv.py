@@ -1,0 +1,295 @@
+"""Host facts: what each process of a run ran on (CPU, ISA, BLAS kernel and threads, numpy SIMD,
+GPU, harness commit), reported by the producer on its ready answer and recorded in host.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qualify.assets import REPO_ROOT
+from qualify.hostenv import (
+    HOST_ENV_VARS,
+    HOST_FACTS_KEYS,
+    HOST_FACTS_SCHEMA,
+    cpu_flags,
+    host_facts,
+    host_facts_problem,
+)
+from qualify.receipts import HOST, HOST_SCHEMA, ReceiptWriter, read_receipt_json, receipt_files, verify_receipt
+
+IDENTITY = {"schema": "test-identity", "lane": "nvfp4-native-splitk"}
+LANE = "nvfp4-native-w4a4"
+
+
+def facts_in_subprocess(env: dict[str, str]) -> dict:
+    """host_facts() of a fresh interpreter with ``env`` set on top of ours (variables we set are
+    removed first, so only ``env`` decides them)."""
+    child_env = {k: v for k, v in os.environ.items() if k not in HOST_ENV_VARS}
+    child_env.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", "import json; from qualify.hostenv import host_facts; print(json.dumps(host_facts()))"],
+        cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=120, check=True,
+    )
+    return json.loads(done.stdout)
+
+
+def assert_facts_shape(facts: dict) -> None:
+    assert set(facts) == HOST_FACTS_KEYS and facts["schema"] == HOST_FACTS_SCHEMA
+    assert host_facts_problem(facts) is None
+    assert type(facts["pid"]) is int and facts["pid"] > 0
+    assert isinstance(facts["python"], str) and isinstance(facts["machine"], str) and isinstance(facts["platform"], str)
+    cpu = facts["cpu"]
+    assert isinstance(cpu["model"], str) and cpu["isa_class"].startswith(facts["machine"])
+    assert cpu["isa_flags"] == sorted(cpu["isa_flags"]) and set(cpu["isa_flags"]) <= cpu_flags()
+    assert cpu["logical_cpus"] is None or type(cpu["logical_cpus"]) is int
+    assert set(facts["env"]) == set(HOST_ENV_VARS)
+    assert all(value is None or isinstance(value, str) for value in facts["env"].values())
+    blas = facts["blas"]
+    assert isinstance(blas["library"], str) and "-" in blas["library"]
+    assert blas["kernel"] is None or isinstance(blas["kernel"], str)
+    assert blas["num_threads"] is None or type(blas["num_threads"]) is int
+    assert isinstance(blas["pools"], list)
+    assert all("/" not in pool["library"] for pool in blas["pools"])  # no paths (user names)
+    numpy_facts = facts["numpy"]
+    assert isinstance(numpy_facts["version"], str)
+    assert set(numpy_facts["simd_dispatch_enabled"]) <= set(numpy_facts["simd_dispatch_built"])
+    assert isinstance(numpy_facts["simd_baseline"], list)
+    assert facts["torch"] is None or isinstance(facts["torch"], dict)
+    assert facts["gpu"] is None or isinstance(facts["gpu"], dict)
+    harness = facts["harness"]
+    assert set(harness) == {"commit", "dirty"}
+    assert harness["commit"] is None or (len(harness["commit"]) in (40, 64) and isinstance(harness["dirty"], (bool, type(None))))
+
+
+def test_host_facts_fields_and_types() -> None:
+    facts = host_facts()
+    assert_facts_shape(facts)
+    assert facts["pid"] == os.getpid()
+    json.dumps(facts, allow_nan=False)
+    assert facts["env"] == {name: os.environ.get(name) for name in HOST_ENV_VARS}
+    text = json.dumps(facts)
+    assert os.uname().nodename not in text.split('"')  # no hostname
+    if (REPO_ROOT / ".git").exists():
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        assert facts["harness"]["commit"] == head
+
+
+def test_host_facts_never_import_torch() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from qualify.hostenv import host_facts; f = host_facts(); "
+         "print('torch' in sys.modules, f['torch'], f['gpu'])"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True,
+    )
+    assert done.stdout.split() == ["False", "None", "None"]
+
+
+def test_host_facts_follow_the_environment_set() -> None:
+    plain = facts_in_subprocess({})
+    enabled = plain["numpy"]["simd_dispatch_enabled"]
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    if enabled:
+        env["NPY_DISABLE_CPU_FEATURES"] = enabled[-1]  # the highest target this CPU dispatches to
+    if "avx2" in cpu_flags():
+        env["OPENBLAS_CORETYPE"] = "Haswell"
+    facts = facts_in_subprocess(env)
+    assert_facts_shape(facts)
+    assert facts["env"] == {name: env.get(name) for name in HOST_ENV_VARS}
+    if plain["blas"]["kernel"] is None:
+        pytest.skip("threadpoolctl sees no BLAS pool in numpy here")
+    assert facts["blas"]["num_threads"] == 1
+    if "OPENBLAS_CORETYPE" in env:
+        assert facts["blas"]["kernel"] == env["OPENBLAS_CORETYPE"]
+    if enabled:
+        assert enabled[-1] not in facts["numpy"]["simd_dispatch_enabled"]
+        assert facts["numpy"]["simd_dispatch_enabled"] == enabled[:-1] or \
+            set(facts["numpy"]["simd_dispatch_enabled"]) < set(enabled)
+    assert facts["cpu"] == plain["cpu"] and facts["harness"] == plain["harness"]
+
+
+@pytest.mark.parametrize(("mutate", "problem"), [
+    (lambda f: "not a dict", "expected a JSON object"),
+    (lambda f: {**f, "hostname": "x"}, "keys differ"),
+    (lambda f: {k: v for k, v in f.items() if k != "blas"}, "keys differ"),
+    (lambda f: {**f, "schema": "other"}, "schema"),
+    (lambda f: {**f, "pid": "1"}, "pid"),
+    (lambda f: {**f, "cpu": ["x"]}, "cpu is not an object"),
+    (lambda f: {**f, "gpu": 3}, "gpu is neither"),
+    (lambda f: {**f, "cpu": {**f["cpu"], "model": "x" * 5000}}, "longer than"),
+    (lambda f: {**f, "blas": {**f["blas"], "x": float("nan")}}, "not finite"),
+    (lambda f: {**f, "env": {"a": [[[[[[["deep"]]]]]]]}}, "deeper"),
+    (lambda f: {**f, "numpy": {"v": list(range(1000))}}, "items"),
+])
+def test_host_facts_problem_refuses_malformed_documents(mutate, problem) -> None:
+    found = host_facts_problem(mutate(host_facts()))
+    assert found is not None and problem in found
+
+
+# ------------------------------------------------------------------------------------------
+# the producer reports its facts on the ready answer
+
+
+def test_producer_reports_its_own_host_facts(tmp_path: Path) -> None:
+    from qualify.handoff.client import ProducerProcess
+    from tests.test_handoff_service import EXPECTATION, FACTORY, HANG_GUARD_S, KEY, RUN_ID
+
+    with ProducerProcess(lane="stub-ok", mode="exact", key=KEY, run_id=RUN_ID, expectation=EXPECTATION,
+                         watchdog_s=30.0, ready_timeout_s=HANG_GUARD_S, request_timeout_s=HANG_GUARD_S,
+                         engine_factory=FACTORY, env={"OPENBLAS_NUM_THREADS": "1"}) as p:
+        facts = p.host_facts
+        assert p.host_facts_problem is None and facts is not None
+        assert_facts_shape(facts)
+        assert facts["pid"] == p.pid != os.getpid()
+        assert facts["env"]["OPENBLAS_NUM_THREADS"] == "1"
+        if facts["blas"]["kernel"] is not None:
+            assert facts["blas"]["num_threads"] == 1
+
+
+@pytest.mark.parametrize(("ready", "problem"), [
+    ({"op": "ready", "status": "ok"}, "no host facts"),
+    ({"op": "ready", "status": "ok", "host": None}, "malformed"),
+    ({"op": "ready", "status": "ok", "host": {"schema": HOST_FACTS_SCHEMA}}, "malformed"),
+    ({"op": "ready", "status": "ok", "host": ["x"] * 10}, "malformed"),
+])
+def test_client_records_missing_or_malformed_facts_as_missing(ready, problem) -> None:
+    from qualify.handoff.client import ProducerProcess
+    from tests.test_handoff_service import producer
+
+    process: ProducerProcess = producer()  # not started: only the parsing is exercised
+    process._take_host_facts(ready)
+    assert process.host_facts is None and problem in process.host_facts_problem
+    facts = host_facts()
+    process._take_host_facts({"op": "ready", "status": "ok", "host": facts})
+    assert process.host_facts == facts and process.host_facts_problem is None
+
+
+# ------------------------------------------------------------------------------------------
+# host.json in receipts
+
+
+def _writer(tmp_path: Path, **options) -> ReceiptWriter:
+    return ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", **options)
+
+
+def test_receipt_without_producer_has_host_json_with_producer_null(tmp_path: Path) -> None:
+    receipt = _writer(tmp_path).finalize(None, error="no producer")
+    assert verify_receipt(receipt) == []
+    assert HOST in receipt_files(receipt)  # covered by the manifest like every file
+    host = read_receipt_json(receipt, HOST)
+    assert host["schema"] == HOST_SCHEMA and host["producers"] == []
+    assert_facts_shape(host["consumer"])
+    assert host["consumer"]["pid"] == os.getpid()
+
+
+def test_receipt_records_producer_facts_or_why_they_are_missing(tmp_path: Path) -> None:
+    producer_facts = host_facts() | {"pid": 1}
+    writer = _writer(tmp_path)
+    writer.set_producer_host(producer_facts)
+    writer.set_producer_host(producer_facts | {"pid": 2})  # a restarted producer comes after
+    host = read_receipt_json(writer.finalize(None, error="x"), HOST)
+    assert host["producers"] == [{"facts": producer_facts, "note": None},
+                                 {"facts": producer_facts | {"pid": 2}, "note": None}]
+
+    writer = _writer(tmp_path)
+    writer.set_producer_host({"schema": "forged"})
+    receipt = writer.finalize(None, error="x")
+    host = read_receipt_json(receipt, HOST)
+    [start] = host["producers"]
+    assert start["facts"] is None and "malformed host facts" in start["note"]
+    assert verify_receipt(receipt) == []
+
+    writer = _writer(tmp_path)
+    writer.set_producer_host(None, problem="the producer's ready answer has no host facts")
+    host = read_receipt_json(writer.finalize(None, error="x"), HOST)
+    assert host["producers"] == [{"facts": None, "note": "the producer's ready answer has no host facts"}]
+
+
+def test_altered_or_unlisted_host_json_fails_verification(tmp_path: Path) -> None:
+    from tests.test_receipts import make_writable
+
+    receipt = _writer(tmp_path).finalize(None, error="x")
+    make_writable(receipt)
+    host = json.loads((receipt / HOST).read_text())
+    host["consumer"]["cpu"]["model"] = "another CPU"
+    (receipt / HOST).write_text(json.dumps(host))
+    assert any(f"altered file {HOST}" in p for p in verify_receipt(receipt))
+
+
+def test_committed_receipts_without_host_json_still_verify() -> None:
+    for receipt in sorted((REPO_ROOT / "receipts").iterdir()):
+        if receipt.is_dir() and not receipt.name.startswith("."):
+            assert verify_receipt(receipt) == [], receipt.name
+
+
+def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
+    """The qualifier's own path (identity sealed, producer ready) with the producer's environment
+    overridden: host.json records the producer as it ran, not the consumer's settings."""
+    from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions, calibration_contract
+
+    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path),
+                           calibration_contract(LANE, "native-text"))
+    run.producer_env = {"OPENBLAS_NUM_THREADS": "1"}
+    if "avx2" in cpu_flags():
+        run.producer_env["OPENBLAS_CORETYPE"] = "Haswell"
+    try:
+        outcomes = [run.step(label) for label in STEP_LABELS[:2]]
+        assert all(o.passed for o in outcomes), outcomes
+        producer_pid = run.producer.pid
+    finally:
+        run.close()
+    receipt = run.receipt_path
+    assert receipt is not None and verify_receipt(receipt) == []
+    host = read_receipt_json(receipt, HOST)
+    assert_facts_shape(host["consumer"])
+    [start] = host["producers"]
+    producer = start["facts"]
+    assert_facts_shape(producer)
+    assert host["consumer"]["pid"] == os.getpid() and producer["pid"] == producer_pid
+    for name, value in run.producer_env.items():
+        assert producer["env"][name] == value
+    if producer["blas"]["kernel"] is not None:
+        assert producer["blas"]["num_threads"] == 1
+        if "OPENBLAS_CORETYPE" in run.producer_env:
+            assert producer["blas"]["kernel"] == "Haswell"
+    assert "producer host: pid" in (receipt / "command.log").read_text()
+
+
+def test_run_without_a_producer_records_producer_null(tmp_path: Path) -> None:
+    from qualify.qualifier import QualificationRun, RunOptions, calibration_contract
+
+    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path),
+                           calibration_contract(LANE, "native-text"))
+    assert run.step("identity sealed").passed
+    run.close()
+    host = read_receipt_json(run.receipt_path, HOST)
+    assert host["producers"] == []
+    assert host["consumer"]["pid"] == os.getpid()
+
+
+@pytest.mark.slow
+def test_full_calibration_receipt_holds_both_host_facts(tmp_path: Path) -> None:
+    """One real handoff end to end (``qualify calibrate --repetitions 1``: no sealed identity needed)."""
+    from qualify.qualifier import RunOptions, calibrate, calibration_environments
+
+    calibration = calibrate(LANE, "native-text", 2, RunOptions(recipe="native-text", receipts=tmp_path))
+    receipt = calibration.receipt_path
+    assert calibration.failures == [] and receipt is not None and verify_receipt(receipt) == []
+    assert "samples/sample-2.json" in receipt_files(receipt) and HOST in receipt_files(receipt)
+    host = read_receipt_json(receipt, HOST)
+    assert_facts_shape(host["consumer"])
+    # The calibration restarts its producer for the second handoff, under the next environment.
+    first, second = (start["facts"] for start in host["producers"])
+    for producer in (first, second):
+        assert_facts_shape(producer)
+        assert producer["pid"] != host["consumer"]["pid"] == os.getpid()
+        assert producer["cpu"] == host["consumer"]["cpu"]  # one machine here
+        assert producer["harness"] == host["consumer"]["harness"]
+    assert first["pid"] != second["pid"]
+    for name, value in calibration_environments()[1].items():
+        assert second["env"][name] == value
+    assert calibration.deterministic
