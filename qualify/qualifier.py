@@ -174,7 +174,8 @@ def check_engine_pins(identity: Any, consumer: Engine, producer_abi: str) -> Non
     """Refuse (exit 2, before any handoff) a host whose built engines differ from the engines the
     identity pins: their ABI names the numeric environment (numpy and BLAS, CPU ISA class, torch,
     CUDA, GPU), so a host the lane was not calibrated on is refused here, never judged as drift."""
-    calibrate_hint = f"qualify calibrate --recipe {identity.recipe} --lane {identity.lane}"
+    recipe = getattr(identity.recipe, "value", identity.recipe)
+    calibrate_hint = f"qualify calibrate --recipe {recipe} --lane {identity.lane}"
     found_engines = {
         "producer_engine.abi": producer_abi,
         "consumer_engine.name": consumer.name,
@@ -623,10 +624,13 @@ class CalibrationEnvironment:
 # whose output moved with any of them shows it as differing digests, and the calibration fails.
 CALIBRATION_ENVIRONMENTS: tuple[CalibrationEnvironment, ...] = (
     CalibrationEnvironment({}),
-    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "2"}, requires="avx2"),
+    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"},
+                           requires="avx2"),
     CalibrationEnvironment({"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_NUM_THREADS": "1"}),
+    # VLLM_CPU_ATTN_SPLIT_KV=0 moves vLLM's decode logits unless the harness pins it (it does).
     CalibrationEnvironment({"OPENBLAS_CORETYPE": "Zen", "OPENBLAS_NUM_THREADS": "2",
-                            "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512_FAMILY}, requires="avx2"),
+                            "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512_FAMILY, "VLLM_CPU_ATTN_SPLIT_KV": "0"},
+                           requires="avx2"),
     CalibrationEnvironment({"OPENBLAS_NUM_THREADS": "1", "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512_FAMILY}),
 )
 

@@ -118,7 +118,7 @@ def test_a_host_with_another_numeric_environment_is_refused_at_the_first_step(
     text = " ".join((out + err).split())
     assert "_engine.abi: found" in text
     assert "numpy-9.9.9" in text and "numpy-2" in text
-    assert "qualify calibrate --recipe native-text --lane nvfp4-native-w4a4" in text
+    assert "to calibrate it for this host: qualify calibrate --recipe native-text --lane nvfp4-native-w4a4" in text
     assert "handoff 1/3" not in out or "blocked" in out
 
 

@@ -6,6 +6,12 @@ producer process (about 15 s) and, for a vLLM consumer, a second vLLM engine in 
 
 from __future__ import annotations
 
+import gc
+import json
+import os
+import subprocess
+import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +105,121 @@ def test_a_misread_page_layout_is_refused_at_start(monkeypatch):
     monkeypatch.setattr(vllm_connector, "decode_blocks", untransposed)
     with pytest.raises(Refused, match="layer 0 K differs .* layout not recognised"):
         vllm_engine.VllmEngine()
+
+
+# -- the ABI pins the CPU class and the numeric environment the harness fixes ------------------
+
+
+def test_abi_names_the_cpu_class_and_the_pinned_threads():
+    import torch
+
+    from qualify import hostenv
+    from qualify.engines import vllm_engine
+
+    abi = vllm_engine.vllm_engine_abi()
+    expected = (f"+cpu-{hostenv.cpu_isa_class()}+aten-{torch.backends.cpu.get_cpu_capability()}"
+                f"+threads-{vllm_engine.THREADS}+env-{vllm_engine.numeric_environment_sha256()[:12]}")
+    assert abi.endswith(expected), abi
+    assert abi.startswith(f"{vllm_engine.VLLM_DISTRIBUTION}-{vllm_engine.VLLM_PIN}+"), abi
+    assert vllm_engine.ENV["OMP_NUM_THREADS"] == str(vllm_engine.THREADS)
+    assert torch.get_num_threads() == vllm_engine.THREADS  # computing the ABI pinned this process
+
+
+def test_the_harness_overrides_the_operators_numeric_environment(monkeypatch):
+    import torch
+
+    from qualify.engines import vllm_engine
+
+    operator = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "VLLM_CPU_ATTN_SPLIT_KV": "0",
+                "VLLM_FLOAT32_MATMUL_PRECISION": "medium", "ATEN_CPU_CAPABILITY": "avx2",
+                "ONEDNN_DEFAULT_FPMATH_MODE": "BF16", "VLLM_SOMETHING_NEW": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    for key, value in operator.items():
+        monkeypatch.setenv(key, value)
+    torch._C.set_num_threads(2)
+    vllm_engine.pin_numeric_environment()
+    assert {key: os.environ.get(key) for key in vllm_engine.ENV} == vllm_engine.ENV
+    assert not [key for key in vllm_engine.ENV_REMOVED if key in os.environ]
+    assert "VLLM_SOMETHING_NEW" not in os.environ
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"  # logging is the operator's
+    assert torch.get_num_threads() == vllm_engine.THREADS
+
+
+_BITS_SCRIPT = """
+import hashlib, json, sys
+import numpy as np
+from qualify import assets
+from qualify.engines.vllm_engine import VllmEngine
+from qualify.kv import KVCache
+engine = VllmEngine()
+prompt = assets.load_prompt()
+kv = engine.prefill(prompt[:1099])  # 8 whole blocks handed off; the cold branch keeps all 1099
+handed = KVCache([k.copy() for k in kv.keys], [v.copy() for v in kv.values])
+digest = lambda arrays: hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()
+warm = engine.decode(handed, np.asarray(prompt[1024:1100]), 8)
+cold = engine.decode(kv, np.asarray(prompt[1099:1100]), 8)
+print("BITS " + json.dumps({"abi": engine.abi, "kv": digest(kv.keys + kv.values),
+      "handoff": digest([warm.tokens, warm.logits]), "cold": digest([cold.tokens, cold.logits])}))
+"""
+
+
+def test_engine_bits_do_not_depend_on_the_operators_environment():
+    """Two engine processes, one under an operator environment that changes vLLM's arithmetic
+    when honoured (2 threads: other KV and logits; split-KV attention off: other decode logits),
+    give bit-identical KV, handed-off decode and cold decode, and the same ABI."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("VLLM_", "OMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_"))}
+    operator = {"OMP_NUM_THREADS": "2", "VLLM_CPU_ATTN_SPLIT_KV": "0", "OPENBLAS_CORETYPE": "Haswell"}
+    results = []
+    for env in (base, {**base, **operator}):
+        done = subprocess.run([sys.executable, "-c", _BITS_SCRIPT], env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("BITS ")]
+        assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-2000:]
+        results.append(json.loads(lines[-1][5:]))
+    assert results[0] == results[1]
+    # One thread: the handed-off decode equals the cold recompute bit for bit.
+    assert results[0]["handoff"] == results[0]["cold"]
+
+
+# -- one vLLM engine per process ------------------------------------------------------------------
+
+
+def test_a_new_engine_shuts_the_previous_one_down(monkeypatch):
+    """vLLM keeps its distributed groups and the worker's KV connector in process globals, and an
+    engine's finalizer tears them down whenever the engine is collected. Before the fix, an engine
+    collected while the next one was starting left it without its tensor parallel group
+    ("tensor model parallel group is not initialized"), and an engine built while a fault engine
+    was alive exported through the fault engine's connector."""
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    from qualify import assets
+    from qualify.engines import vllm_connector as c
+    from qualify.engines import vllm_engine
+    from qualify.engines.reference import ReferenceEngine
+
+    prompt = assets.load_prompt()[: c.FAULT_POSITION + 100]
+    holder = [vllm_engine.VllmEngine(fault="k-bit-flip")]
+    first = weakref.ref(holder[0])
+    real = gpu_worker.ensure_kv_transfer_initialized
+
+    def previous_engine_collected_meanwhile(*args, **kwargs):
+        holder.clear()
+        gc.collect()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_worker, "ensure_kv_transfer_initialized", previous_engine_collected_meanwhile)
+    clean = vllm_engine.VllmEngine()
+    if first() is not None:  # still referenced somewhere (a logged traceback): closed all the same
+        assert first().llm is None
+        with pytest.raises(RuntimeError, match="vllm engine closed"):
+            first().prefill(prompt)
+    gc.collect()
+    kv = clean.prefill(prompt)  # works, through its own (fault-free) connector
+    site = (c.FAULT_HEAD, c.FAULT_POSITION, c.FAULT_DIM)
+    reference = ReferenceEngine.from_model_dir(assets.MODEL_DIR).prefill(prompt)
+    assert abs(kv.keys[c.FAULT_LAYER][site] - reference.keys[c.FAULT_LAYER][site]) < 1e-4
+    clean.close()
+    clean.close()  # idempotent
 
 
 # -- the three lanes pass native-text ----------------------------------------------------------

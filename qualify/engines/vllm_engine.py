@@ -17,7 +17,25 @@ measured in ``../shared/notes/vllm-on-cpu.md`` and the connector of
 
 The engine refuses to start unless the installed vLLM is exactly :data:`VLLM_PIN`; its ABI pins the
 vLLM version and the SHA-256 of its installed ``RECORD`` (which lists the SHA-256 of every file
-the wheel installed), the torch version, the dtype, the block size and the page layout.
+the wheel installed), the torch version, the dtype, the block size, the page layout, the host's CPU
+ISA class (``qualify.hostenv.cpu_isa_class``) with torch's own CPU dispatch level, and the
+numeric environment the harness pins (:data:`THREADS` and a digest of :data:`ENV`).
+
+Numeric environment. vLLM's CPU kernels are deterministic for a fixed configuration, but their
+bits depend on the OpenMP thread count (measured: 1 and 2 threads give other KV and logits; the
+work split changes the float reductions) and on switches an operator's environment can flip
+(``VLLM_CPU_ATTN_SPLIT_KV``: other decode logits; ``VLLM_FLOAT32_MATMUL_PRECISION``, ...). Exact
+arithmetic is not possible here, so every process that builds a vLLM engine or computes its ABI
+fixes the environment itself (:func:`pin_numeric_environment`): :data:`ENV` overrides whatever the
+operator set, the ISA and precision overrides of :data:`ENV_REMOVED` are dropped, every other
+``VLLM_*`` variable except logging and telemetry (:data:`VLLM_ENV_KEPT`) is dropped, and torch's
+intra-op thread count is set to :data:`THREADS`. An operator sets nothing.
+
+One engine per process. vLLM keeps its distributed groups (world, tensor parallel, ...) and the
+worker-side KV connector in process globals, and an engine's shutdown (run by a finalizer when
+its ``LLM`` is garbage-collected) tears them down for whoever uses them then. Building a
+:class:`VllmEngine` therefore first shuts down the previous one in this process
+(:func:`close_active_engine`); a closed engine refuses further requests.
 """
 
 from __future__ import annotations
@@ -26,6 +44,7 @@ import importlib.metadata
 import os
 import time
 import uuid
+import weakref
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -33,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from qualify import assets
-from qualify.digests import sha256_bytes
+from qualify.digests import canonical_json_bytes, sha256_bytes
 from qualify.engines.base import DecodeResult, ModelGeometry
 from qualify.engines.checkpoint import model_files_view
 from qualify.errors import Refused
@@ -51,11 +70,67 @@ LAYOUT_TOLERANCE = 1e-4
 """Start-up layout test: K and V decoded from vLLM's pages must match the reference engine's
 within this (measured: under 1e-5 in float32)."""
 
+THREADS = 1
+"""torch / OpenMP intra-op threads of every vLLM engine process (measured on the AVX-512 host: 1
+and 2 threads give other KV and logits; with 1 thread a handed-off decode is bit-identical to the
+cold recompute, and every host has one core)."""
+
 ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
+    # Numerics (set over any operator value; see the module docstring).
+    "OMP_NUM_THREADS": str(THREADS),
+    "MKL_NUM_THREADS": str(THREADS),
+    "VLLM_CPU_ATTN_SPLIT_KV": "1",
+    "VLLM_FLOAT32_MATMUL_PRECISION": "highest",
+    "VLLM_BATCH_INVARIANT": "0",
 }
+"""Set in every process that builds a vLLM engine or computes its ABI, overriding the operator."""
+
+ENV_REMOVED = (
+    "ATEN_CPU_CAPABILITY",  # torch's CPU dispatch level (the ABI records the level in effect)
+    "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_CPU_ISA_HINTS", "DNNL_CPU_ISA_HINTS",
+    "ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE",
+    "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DYNAMIC", "OMP_DYNAMIC", "OMP_THREAD_LIMIT",
+)
+"""Overrides of the kernels' instruction set, float precision or thread count: dropped, so the
+host's own CPU class (pinned in the ABI) decides."""
+
+VLLM_ENV_KEPT = (
+    "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_PREFIX", "VLLM_LOGGING_STREAM",
+    "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_COLOR", "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK",
+)
+"""The only ``VLLM_*`` variables an operator may set (logging and telemetry); the others are dropped."""
+
+
+def numeric_environment_sha256() -> str:
+    """Digest of what :func:`pin_numeric_environment` fixes (recorded in the ABI)."""
+    return sha256_bytes(canonical_json_bytes({
+        "threads": THREADS, "env": ENV, "removed": list(ENV_REMOVED), "vllm_kept": list(VLLM_ENV_KEPT)}))
+
+
+def pin_numeric_environment() -> None:
+    """Fix this process's numeric environment for vLLM (the module docstring says what and why).
+    Idempotent; call it before torch or vLLM start their thread pools and read their switches.
+    ``Refused`` when torch does not run :data:`THREADS` intra-op threads afterwards."""
+    for key in [k for k in os.environ if k.startswith("VLLM_") and k not in ENV and k not in VLLM_ENV_KEPT]:
+        del os.environ[key]
+    for key in ENV_REMOVED:
+        os.environ.pop(key, None)
+    os.environ.update(ENV)
+    import torch
+
+    # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the latter
+    # with a no-op for the rest of the process once an engine has started.
+    torch._C.set_num_threads(THREADS)
+    if torch.get_num_threads() != THREADS:
+        raise Refused(f"vllm numeric environment: torch runs {torch.get_num_threads()} threads after "
+                      f"pinning {THREADS}; refusing to start")
+    from vllm import envs
+
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()  # a previous engine's cached switches must not outlive the pin
 
 
 def installed_vllm_version() -> str | None:
@@ -99,13 +174,35 @@ def check_pin() -> str:
 
 @cache
 def vllm_engine_abi() -> str:
-    """What a vLLM lane's KV depends on besides the checkpoint (no engine is started)."""
+    """What a vLLM lane's KV depends on besides the checkpoint (no engine is started): the vLLM
+    and torch builds, dtype, block size and page layout, the host's CPU ISA class and torch's CPU
+    dispatch level, and the pinned numeric environment (threads and :data:`ENV` digest). Pins this
+    process's numeric environment first (:func:`pin_numeric_environment`)."""
     check_pin()
+    pin_numeric_environment()
     torch_version = importlib.metadata.version("torch")
+    import torch
+
     from qualify.engines.vllm_connector import KNOWN_LAYOUT  # imports vllm (no engine start)
+    from qualify.hostenv import cpu_isa_class
 
     return (f"{VLLM_DISTRIBUTION}-{VLLM_PIN}+files-{vllm_record_sha256()[:16]}+torch-{torch_version}"
-            f"+{DTYPE}+block-{VLLM_BLOCK_SIZE}+{KNOWN_LAYOUT}")
+            f"+{DTYPE}+block-{VLLM_BLOCK_SIZE}+{KNOWN_LAYOUT}"
+            f"+cpu-{cpu_isa_class()}+aten-{torch.backends.cpu.get_cpu_capability()}"
+            f"+threads-{THREADS}+env-{numeric_environment_sha256()[:12]}")
+
+
+_ACTIVE: "weakref.ref[VllmEngine] | None" = None
+"""The engine built last in this process (see "One engine per process" in the module docstring)."""
+
+
+def close_active_engine() -> None:
+    """Shut down the vLLM engine built last in this process, if it is still open."""
+    global _ACTIVE
+    engine = _ACTIVE() if _ACTIVE is not None else None
+    _ACTIVE = None
+    if engine is not None:
+        engine.close()
 
 
 class VllmEngine:
@@ -116,25 +213,28 @@ class VllmEngine:
 
     def __init__(self, role: str = "producer", model_dir: Path = assets.MODEL_DIR,
                  fault: str | None = None) -> None:
+        self.llm: Any = None
         self.version = check_pin()
         self.abi = vllm_engine_abi()
         self.role = role
         self.fault = fault
         self.handoff_block_size = VLLM_BLOCK_SIZE
-        for key, value in ENV.items():
-            os.environ[key] = value
         from qualify.engines.reference import load_config
 
         self.geometry: ModelGeometry = load_config(Path(model_dir)).geometry
         connector_fault = fault if fault in ("k-bit-flip", "block-order", "raise", "shift-install") else None
         if fault is not None and connector_fault is None and fault != "other-prompt":
             raise Refused(f"vllm engine fault: found {fault!r}")
+        # vLLM's process globals belong to one engine at a time: the previous one is shut down
+        # here, never by its finalizer in the middle of this engine's requests.
+        close_active_engine()
+        pin_numeric_environment()
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
         extra: dict[str, Any] = {} if connector_fault is None else {"qualify_fault": connector_fault}
         started = time.perf_counter()
-        self.llm = LLM(
+        llm = LLM(
             model=str(model_files_view(Path(model_dir), "vllm")), dtype=DTYPE, skip_tokenizer_init=True, enforce_eager=True,
             gpu_memory_utilization=0.2, enable_prefix_caching=False, max_model_len=4096,
             max_num_batched_tokens=4096, block_size=VLLM_BLOCK_SIZE,
@@ -144,10 +244,28 @@ class VllmEngine:
                 kv_connector_module_path="qualify.engines.vllm_connector",
                 kv_role="kv_both", kv_connector_extra_config=extra),
         )
+        global _ACTIVE
+        self.llm = llm
+        _ACTIVE = weakref.ref(self)
         self.start_s = time.perf_counter() - started
         # Time spent inside vLLM's generate calls (bench/vllm_lane.py's baseline).
         self.generate_s = 0.0
-        self.layout_max_abs = self._layout_self_test(Path(model_dir))
+        try:
+            self.layout_max_abs = self._layout_self_test(Path(model_dir))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Shut this engine down now: its worker, its KV connector and vLLM's distributed state
+        (idempotent). Later requests to it raise."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if client is not None:
+            # InprocClient.shutdown detaches the finalizer that would otherwise run this later.
+            client.shutdown()
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -160,6 +278,13 @@ class VllmEngine:
                        qualify: dict[str, str] | None, logits: bool) -> list[Any]:
         from vllm import SamplingParams
 
+        if self.llm is None:
+            raise RuntimeError("vllm engine closed (a later VllmEngine in this process shut it down: "
+                               "vLLM's distributed state and KV connector are per process)")
+        import torch
+
+        if torch.get_num_threads() != THREADS:  # something in this process moved it: the pin holds
+            torch._C.set_num_threads(THREADS)
         extra = None if qualify is None else {"kv_transfer_params": {"qualify": qualify}}
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, detokenize=False,
