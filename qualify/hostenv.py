@@ -74,6 +74,16 @@ def cpu_isa_class() -> str:
     return "+".join([platform.machine() or "unknown", *present])
 
 
+def numpy_narrower_dispatch() -> str:
+    """An ``NPY_DISABLE_CPU_FEATURES`` value that makes numpy run its next-narrower SIMD paths on
+    this CPU: the AVX-512 targets it uses, else AVX2 and FMA3 ("" when it uses neither)."""
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    enabled = [name for name in __cpu_dispatch__ if __cpu_features__.get(name)]
+    avx512 = [name for name in enabled if name.startswith("AVX512")]
+    return ",".join(avx512 or [name for name in ("AVX2", "FMA3") if name in enabled])
+
+
 def check_ieee_environment() -> None:
     """Refuse a process that flushes subnormal float32 results to zero (FTZ/DAZ): the engines'
     bits assume IEEE gradual underflow."""

@@ -186,10 +186,20 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     if result.failures or not result.tokens_exact:
         console.print(Text("no rule proposed: the lane does not keep exact tokens (or a handoff failed) "
                            "on this prompt; publish this receipt as its result", style="bold red"))
+    elif not result.deterministic:
+        console.print(Text("no rule proposed: the producer's output differed across restarts or "
+                           "environments (see the receipt's verdict); no sealed identity can cover it",
+                           style="bold red"))
+    elif args.recipe == "kquant-target-plus-dflash":
+        console.print(Text("rung 3 is bit-exact by its recipe: freeze with tools/freeze_identity.py "
+                           f"--lane {args.lane} --acceptance-floor F --basis "
+                           f"receipt://{result.receipt_path.name}/command.log", style="bold"))
     elif result.proposed_maximum_absolute is None:
-        console.print(Text("no drift observed: this lane is bit-exact here; a bounded-drift rule needs "
-                           "positive bounds, so qualify it under an exact rule instead", style="yellow"))
+        console.print(Text("no bound can be proposed from this envelope", style="yellow"))
     else:
+        if result.observed_max_abs == 0.0:
+            console.print(Text("no drift observed in any handoff: the proposed bound is the least positive "
+                               "double, which only a zero delta meets (a bit-exact rule)", style="bold"))
         console.print(Text(
             f"proposed rule (the envelope over every calibration environment, no margin): maximum_absolute "
             f"{result.proposed_maximum_absolute}, maximum_mean_absolute "
@@ -201,7 +211,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
             f"{result.proposed_maximum_mean_absolute} --basis receipt://{result.receipt_path.name}/command.log\n"
             "  then paste the printed block into qualify/sealed.py and copy the receipt into receipts/")
     console.print(f"receipt: {result.receipt_path}")
-    return EXIT_PASS if result.tokens_exact and not result.failures else EXIT_FAILED
+    return EXIT_PASS if result.tokens_exact and result.deterministic and not result.failures else EXIT_FAILED
 
 
 def selftest_cli(argv: Sequence[str]) -> int:

@@ -605,54 +605,67 @@ class StepFailed(Exception):
 # -- calibration --------------------------------------------------------------------------------
 
 CALIBRATION_SCHEMA = "trust-ladder.calibration.v1"
-# numpy's AVX-512 dispatch targets: disabling them makes numpy run its AVX2 code paths (naming a
-# feature the CPU lacks is harmless).
-NUMPY_AVX512_FAMILY = "AVX512F,AVX512CD,AVX512_SKX,AVX512_CLX,AVX512_CNL,AVX512_ICL,AVX512_SPR"
-
-
 @dataclass(frozen=True)
 class CalibrationEnvironment:
     """Environment variables one calibration handoff's producer starts with, on top of the
-    operator's; ``requires`` names the CPU flag the setting needs (a Haswell kernel needs AVX2)."""
+    operator's; ``requires`` names the CPU flag the setting needs (a Haswell kernel needs AVX2);
+    ``narrow_numpy`` also makes numpy run its next-narrower SIMD paths
+    (:func:`qualify.hostenv.numpy_narrower_dispatch`)."""
 
     variables: dict[str, str]
     requires: str | None = None
+    narrow_numpy: bool = False
 
 
 # Each calibration handoff restarts the producer under the next of these, so the measured envelope
-# covers producer restarts, BLAS kernels, BLAS thread counts and numpy's SIMD dispatch: an engine
-# whose output moved with any of them shows it as differing digests, and the calibration fails.
+# covers producer restarts, BLAS kernels (the pinned OpenBLAS runs Zen as Haswell, so Sandybridge
+# is the third), BLAS and OpenMP thread counts and numpy's SIMD dispatch: an engine whose output
+# moved with any of them shows it as differing digests, and the calibration fails.
 CALIBRATION_ENVIRONMENTS: tuple[CalibrationEnvironment, ...] = (
     CalibrationEnvironment({}),
     CalibrationEnvironment({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"},
                            requires="avx2"),
     CalibrationEnvironment({"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_NUM_THREADS": "1"}),
     # VLLM_CPU_ATTN_SPLIT_KV=0 moves vLLM's decode logits unless the harness pins it (it does).
-    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Zen", "OPENBLAS_NUM_THREADS": "2",
-                            "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512_FAMILY, "VLLM_CPU_ATTN_SPLIT_KV": "0"},
-                           requires="avx2"),
-    CalibrationEnvironment({"OPENBLAS_NUM_THREADS": "1", "NPY_DISABLE_CPU_FEATURES": NUMPY_AVX512_FAMILY}),
+    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Sandybridge", "OPENBLAS_NUM_THREADS": "2",
+                            "VLLM_CPU_ATTN_SPLIT_KV": "0"}, requires="avx", narrow_numpy=True),
+    CalibrationEnvironment({"OPENBLAS_NUM_THREADS": "1"}, narrow_numpy=True),
 )
 
 
 def calibration_environments() -> list[dict[str, str]]:
     """The calibration environments this CPU can run, in order."""
-    from qualify.hostenv import cpu_flags
+    from qualify.hostenv import cpu_flags, numpy_narrower_dispatch
 
     flags = cpu_flags()
-    return [dict(env.variables) for env in CALIBRATION_ENVIRONMENTS if env.requires is None or env.requires in flags]
+    narrower = numpy_narrower_dispatch()
+    environments = []
+    for environment in CALIBRATION_ENVIRONMENTS:
+        if environment.requires is not None and environment.requires not in flags:
+            continue
+        variables = dict(environment.variables)
+        if environment.narrow_numpy and narrower:
+            variables["NPY_DISABLE_CPU_FEATURES"] = narrower
+        environments.append(variables)
+    return environments
+
+
+ZERO_DRIFT_BOUND = 5e-324
+"""The least positive double: the bound of a lane that showed no drift in any calibration handoff.
+Deltas are non-negative, so only a zero delta meets it: the bit-exact rule, written in the
+positive-bound form a bounded-drift recipe's schema requires (never a margin chosen by taste)."""
 
 
 def propose_bound(observed: float) -> float | None:
     """The bound a calibration proposes for an observed maximum: the maximum itself, with no
     margin (the handoffs already ran under every calibration environment, and the engines'
-    output does not move with them); None when nothing was observed (a lane with no drift is a
-    bit-exact lane: a bounded-drift rule cannot be proposed for it)."""
+    output does not move with them); :data:`ZERO_DRIFT_BOUND` when it is exactly zero; None when
+    it is not a finite non-negative number."""
     import math
 
-    if not math.isfinite(observed) or observed <= 0:
+    if not math.isfinite(observed) or observed < 0:
         return None
-    return float(observed)
+    return float(observed) if observed > 0 else ZERO_DRIFT_BOUND
 
 
 def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_PROMPT,

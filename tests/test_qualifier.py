@@ -10,6 +10,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qualify.engines.factory import build_producer
@@ -71,9 +72,17 @@ def test_producer_killed_mid_handoff_leaves_complete_failing_receipt(tmp_path: P
 
 
 @pytest.mark.parametrize(("observed", "proposed"), [
-    (10.884401, 10.884401), (1.278604507446289, 1.278604507446289), (1e-05, 1e-05), (0.0, None),
+    (10.884401, 10.884401), (1.278604507446289, 1.278604507446289), (1e-05, 1e-05),
     (-1.0, None), (float("nan"), None), (float("inf"), None),
 ])
 def test_calibration_proposes_the_observed_envelope_itself(observed, proposed):
     """No margin is chosen: the calibration already ran under every environment it covers."""
     assert propose_bound(observed) == proposed
+
+
+def test_a_lane_without_drift_gets_a_bound_only_zero_meets():
+    bound = propose_bound(0.0)
+    assert bound is not None and bound > 0.0
+    # The smallest non-zero logit delta is a float32 subnormal; it is far above the bound.
+    assert float(np.nextafter(np.float32(0), np.float32(1))) > bound
+    assert 0.0 <= bound

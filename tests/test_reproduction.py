@@ -88,17 +88,32 @@ def test_no_samples_is_not_a_reproduction() -> None:
 def test_calibration_environments_vary_kernel_threads_and_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     from qualify import hostenv
 
-    monkeypatch.setattr(hostenv, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(hostenv, "cpu_flags", lambda: frozenset({"avx", "avx2", "avx512f"}))
+    monkeypatch.setattr(hostenv, "numpy_narrower_dispatch", lambda: "AVX512F,AVX512_SKX")
     environments = qualifier.calibration_environments()
     assert environments[0] == {}  # the first handoff runs as the operator set it
     kernels = {env.get("OPENBLAS_CORETYPE") for env in environments}
-    assert len(kernels) >= 3
+    assert {"Haswell", "Prescott", "Sandybridge"} <= kernels
     assert {env.get("OPENBLAS_NUM_THREADS") for env in environments} >= {"1", "2"}
-    assert any("NPY_DISABLE_CPU_FEATURES" in env for env in environments)
-    monkeypatch.setattr(hostenv, "cpu_flags", lambda: frozenset())
+    assert [env["NPY_DISABLE_CPU_FEATURES"] for env in environments if "NPY_DISABLE_CPU_FEATURES" in env] \
+        == ["AVX512F,AVX512_SKX"] * 2
+    monkeypatch.setattr(hostenv, "cpu_flags", lambda: frozenset({"avx"}))
+    monkeypatch.setattr(hostenv, "numpy_narrower_dispatch", lambda: "")
     without_avx2 = qualifier.calibration_environments()
-    assert all(env.get("OPENBLAS_CORETYPE") not in ("Haswell", "Zen") for env in without_avx2)
-    assert len(without_avx2) < len(environments)
+    assert all(env.get("OPENBLAS_CORETYPE") != "Haswell" for env in without_avx2)
+    assert all("NPY_DISABLE_CPU_FEATURES" not in env for env in without_avx2)
+    assert len(without_avx2) == len(environments) - 1
+
+
+def test_numpy_narrower_dispatch_names_features_numpy_uses_here() -> None:
+    from numpy._core._multiarray_umath import __cpu_features__
+
+    from qualify.hostenv import numpy_narrower_dispatch
+
+    narrower = numpy_narrower_dispatch()
+    assert all(__cpu_features__[name] for name in narrower.split(",") if name)
+    if __cpu_features__.get("AVX512F"):
+        assert "AVX512F" in narrower.split(",") and "AVX2" not in narrower.split(",")
 
 
 # ---- the host refusal ----------------------------------------------------------------------
