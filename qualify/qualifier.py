@@ -145,11 +145,11 @@ def receipt_sample_records(receipt_dir: Path) -> list[dict[str, Any]]:
     """A receipt's sample records, in repetition order (refused when unreadable or absent)."""
     import json
 
-    paths = sorted((receipt_dir / "samples").glob("sample-*.json"),
-                   key=lambda path: int(path.stem.rpartition("-")[2]) if path.stem.rpartition("-")[2].isdigit() else 0)
-    if not paths:
-        raise Refused(f"basis receipt {receipt_dir.name}: no samples/sample-*.json to recheck against")
     try:
+        paths = sorted((receipt_dir / "samples").glob("sample-*.json"),
+                       key=lambda path: int(path.stem.removeprefix("sample-")))
+        if not paths:
+            raise Refused(f"basis receipt {receipt_dir.name}: no samples/sample-*.json to recheck against")
         return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
     except (OSError, ValueError) as exc:
         raise Refused(f"basis receipt {receipt_dir.name}: unreadable sample ({one_line(str(exc))})") from None
