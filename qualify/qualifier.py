@@ -187,11 +187,15 @@ def check_engine_pins(identity: Any, consumer: Engine, producer_abi: str) -> Non
         expected = getattr(getattr(identity, role), part)
         if found == expected:
             continue
-        differing = sorted(set(str(found).split("+")) - set(str(expected).split("+")))
+        found_parts, expected_parts = set(str(found).split("+")), set(str(expected).split("+"))
+        difference = "; ".join(part for part in (
+            f"only here: {', '.join(sorted(found_parts - expected_parts))}" if found_parts - expected_parts else "",
+            f"only pinned: {', '.join(sorted(expected_parts - found_parts))}" if expected_parts - found_parts else "",
+        ) if part) or "the same parts in another order"
         raise Refused(
             f"identity {identity.lane}: {field_name}: found {found!r} on this host, expected "
-            f"{expected!r} (differs in {', '.join(differing) or 'order'}); the lane is calibrated "
-            f"for another numeric environment; to calibrate it for this host: {calibrate_hint}")
+            f"{expected!r} ({difference}); the lane is calibrated for another numeric environment; "
+            f"to calibrate it for this host: {calibrate_hint}")
 
 
 def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer: Engine) -> Contract:

@@ -2,6 +2,13 @@
 
 Skipped with a reason where vLLM is not importable (conftest). Each lane run starts a real vLLM
 producer process (about 15 s) and, for a vLLM consumer, a second vLLM engine in this process.
+
+vLLM's numbers depend on the host's CPU class, so each shipped vLLM identity pins it (in the
+engine ABIs). The tests that run a shipped identity first ask whether this host builds the engines
+it pins (:func:`host_match`): where it does, the lane qualifies; where it does not, the run must be
+refused at "identity sealed" naming the field and the calibrate command, and the fault tests,
+which need a qualifying lane, are skipped. The refusal is also tested on every host by simulating
+another CPU class, and calibrate -> freeze -> qualify runs on whatever host runs the tests.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import os
 import subprocess
 import sys
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +31,7 @@ from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions  # noqa:
 from qualify.receipts import verify_receipt  # noqa: E402
 
 HANDOFF_POSITIONS = 1920  # whole 128-token blocks of the 2047 handed-off prompt tokens
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path: Path, producer: str, consumer: str, engine_factory: str | None = None,
@@ -39,6 +48,85 @@ def _run(tmp_path: Path, producer: str, consumer: str, engine_factory: str | Non
     finally:
         run.close()
     return run
+
+
+# -- does this host build the engines a shipped identity pins? ----------------------------------
+
+
+@dataclass(frozen=True)
+class HostMatch:
+    """This host's engines against a shipped identity's pins, in the order
+    ``qualifier.check_engine_pins`` compares them; ``differing`` names the fields that differ."""
+
+    lane: str
+    found: dict[str, str]
+    pinned: dict[str, str]
+
+    @property
+    def differing(self) -> list[str]:
+        return [name for name in self.found if self.found[name] != self.pinned[name]]
+
+    @property
+    def matches(self) -> bool:
+        return not self.differing
+
+    def describe(self) -> str:
+        return "; ".join(f"{name}: this host {self.found[name]!r}, the identity pins {self.pinned[name]!r}"
+                         for name in self.differing) or "this host builds the pinned engines"
+
+
+_HOST_MATCHES: dict[str, HostMatch] = {}
+
+
+def host_match(lane: str) -> HostMatch:
+    """Compare the engines this host builds for ``lane`` with its shipped identity's pins, without
+    starting vLLM: the producer's ABI from ``factory.lane_producer_abi``; a vLLM consumer's name,
+    version and ABI from ``VllmEngine.name``, ``check_pin`` and ``vllm_engine_abi``; the numpy
+    consumer's from ``factory.build_consumer`` (cheap). Computed once per lane per session."""
+    if lane not in _HOST_MATCHES:
+        from qualify.engines import factory
+        from qualify.lanes import VLLM_LANE_ENGINES
+        from qualify.qualifier import identity_path_for_lane
+
+        document = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))
+        if VLLM_LANE_ENGINES[lane][1] == "vllm":
+            from qualify.engines.vllm_engine import VllmEngine, check_pin, vllm_engine_abi
+
+            consumer = (VllmEngine.name, check_pin(), vllm_engine_abi())
+        else:
+            engine = factory.build_consumer(lane)
+            consumer = (engine.name, engine.version, engine.abi)
+        found = {"producer_engine.abi": factory.lane_producer_abi(lane), "consumer_engine.name": consumer[0],
+                 "consumer_engine.version": consumer[1], "consumer_engine.abi": consumer[2]}
+        pinned = {name: document[name.split(".")[0]][name.split(".")[1]] for name in found}
+        _HOST_MATCHES[lane] = HostMatch(lane, found, pinned)
+    return _HOST_MATCHES[lane]
+
+
+def require_qualifying_host(lane: str) -> None:
+    """Skip a test that needs ``lane``'s shipped identity to qualify on a host it does not pin."""
+    match = host_match(lane)
+    if not match.matches:
+        pytest.skip(f"{lane}: the shipped identity is calibrated for another numeric environment "
+                    f"({match.describe()}); it is refused here at 'identity sealed' (tested by "
+                    f"test_lane_passes_native_text and test_another_cpu_class_is_refused_at_the_first_step); "
+                    f"test_calibrate_freeze_qualify_on_this_host qualifies the lane on this host")
+
+
+def assert_refused_for_this_host(run: QualificationRun, match: HostMatch) -> None:
+    """The run of a shipped identity on a host it does not pin: exit 2 at 'identity sealed', naming
+    the first differing field, both values and the calibrate command; no producer, no handoff."""
+    outcome = run.outcomes["identity sealed"]
+    assert run.refused and not outcome.passed, run.outcomes
+    field = match.differing[0]
+    assert field in ("producer_engine.abi", "consumer_engine.name", "consumer_engine.version",
+                     "consumer_engine.abi")
+    assert f"identity {match.lane}: {field}: found {match.found[field]!r} on this host, expected " \
+           f"{match.pinned[field]!r}" in outcome.message, outcome.message
+    assert outcome.message.endswith(
+        f"to calibrate it for this host: qualify calibrate --recipe native-text --lane {match.lane}"), outcome.message
+    assert list(run.outcomes) == ["identity sealed"], run.outcomes
+    assert not run.records and run.receipt_path is None
 
 
 # -- the page layout (no engine) ---------------------------------------------------------------
@@ -231,7 +319,13 @@ def test_a_new_engine_shuts_the_previous_one_down(monkeypatch):
     ("reference", "vllm", "reference-to-vllm"),
 ])
 def test_lane_passes_native_text(tmp_path, producer, consumer, lane):
+    """The shipped identity qualifies on the CPU class it pins, and is refused (exit 2 at the first
+    step, naming the calibrate command) on any other."""
+    match = host_match(lane)
     run = _run(tmp_path, producer, consumer)
+    if not match.matches:
+        assert_refused_for_this_host(run, match)
+        return
     assert run.contract.lane == lane
     assert run.verdict is not None and run.verdict.passed, run.outcomes
     for record in run.records:
@@ -256,6 +350,7 @@ def _over(record: dict) -> list[tuple[int, str, int | None]]:
 
 
 def test_k_bit_flip_after_compute_is_localised_to_its_layer(tmp_path):
+    require_qualifying_host("vllm-to-reference")
     from qualify.engines import vllm_connector as c
 
     run = _run(tmp_path, "vllm", "reference", "qualify.engines.vllm_engine:build_k_bit_flip_producer")
@@ -265,6 +360,7 @@ def test_k_bit_flip_after_compute_is_localised_to_its_layer(tmp_path):
 
 
 def test_wrong_block_order_is_localised_to_the_swapped_positions(tmp_path):
+    require_qualifying_host("vllm-to-reference")
     from qualify.engines import vllm_connector as c
 
     run = _run(tmp_path, "vllm", "reference", "qualify.engines.vllm_engine:build_block_order_producer")
@@ -275,12 +371,14 @@ def test_wrong_block_order_is_localised_to_the_swapped_positions(tmp_path):
 
 
 def test_other_prompts_kv_is_caught_from_layer_0(tmp_path):
+    require_qualifying_host("vllm-to-reference")
     run = _run(tmp_path, "vllm", "reference", "qualify.engines.vllm_engine:build_other_prompt_producer")
     record = _failed(run)
     assert {(0, "K"), (0, "V")} <= {(layer, tensor) for layer, tensor, _ in _over(record)}
 
 
 def test_engine_raising_mid_request_gives_a_failing_receipt(tmp_path):
+    require_qualifying_host("vllm-to-reference")
     run = _run(tmp_path, "vllm", "reference", "qualify.engines.vllm_engine:build_raising_producer")
     assert run.verdict is not None and not run.verdict.passed
     assert run.receipt_path is not None and verify_receipt(run.receipt_path) == []
@@ -292,6 +390,7 @@ def test_engine_raising_mid_request_gives_a_failing_receipt(tmp_path):
 def test_pd_lane_catches_kv_of_another_position_range(tmp_path, monkeypatch):
     """vLLM #52617: the consumer "retrieves all tokens", but the KV it installs belongs to another
     position range (here one block later). Every handed-off byte verified; the decode is caught."""
+    require_qualifying_host("vllm-to-vllm")
     from qualify.engines import factory
 
     real = factory.build_consumer
@@ -306,3 +405,112 @@ def test_pd_lane_catches_kv_of_another_position_range(tmp_path, monkeypatch):
     assert not _over(record)
     assert record["token_agreement_rate"] < 1.0 or record["max_abs"] > run.contract.rule.maximum_absolute
     assert "drift" in run.verdict.headline or "token" in run.verdict.headline
+
+
+# -- another CPU class is refused; this host calibrates, freezes and qualifies ------------------
+
+
+def test_another_cpu_class_is_refused_at_the_first_step(tmp_path, capsys):
+    """On a host of another CPU class (simulated: ``hostenv.cpu_isa_class`` patched, so the vLLM
+    ABI names another class), the shipped vllm-to-reference identity is refused: exit 2 at
+    'identity sealed', naming producer_engine.abi, both CPU classes and the calibrate command;
+    no producer starts, no handoff runs, no receipt is written. Runs on every host."""
+    from qualify import cli, hostenv
+    from qualify.engines import vllm_engine
+    from qualify.qualifier import identity_path_for_lane
+
+    lane = "vllm-to-reference"
+    pinned = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))["producer_engine"]["abi"]
+    # The ABI is '...+<page layout, itself cpu-...>+cpu-<ISA class>+aten-<level>+...'.
+    pinned_class = pinned.partition("+aten-")[0].rpartition("+cpu-")[2]
+    other_class = "x86_64+avx2" if pinned_class != "x86_64+avx2" else "x86_64"
+    vllm_engine.vllm_engine_abi.cache_clear()  # functools.cache: the ABI is computed once per process
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(hostenv, "cpu_isa_class", lambda: other_class)
+            assert f"+cpu-{other_class}+aten-" in vllm_engine.vllm_engine_abi()
+            code = cli.main(["--recipe", "native-text", "--producer", "vllm", "--receipts", str(tmp_path)])
+    finally:
+        vllm_engine.vllm_engine_abi.cache_clear()
+    assert f"+cpu-{hostenv.cpu_isa_class()}+aten-" in vllm_engine.vllm_engine_abi()  # the real class again
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    text = " ".join((out + err).split())
+    compact = "".join((out + err).split())  # the console folds lines longer than its width
+    assert f"identity {lane}: producer_engine.abi: found" in text, text
+    assert f"+cpu-{other_class}+aten-" in compact and repr(pinned) in compact, text
+    assert f"to calibrate it for this host: qualify calibrate --recipe native-text --lane {lane}" in text, text
+    # Nothing after the first step ran: every later step is blocked by it, and there is no receipt.
+    assert text.count("blocked: step 'identity sealed' failed") == len(STEP_LABELS) - 1, text
+    assert "sample 1" not in text and "QUALIFIED" not in text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
+    """What CI runs on whatever host it has: calibrate vllm-to-reference here (2 handoffs, the second
+    from a producer restarted under another environment), freeze an identity from that
+    calibration with tools/freeze_identity.py, seal it (in this process only: the shipped sealed
+    table and contracts are untouched) and qualify it: exit 0, reproducing the calibration bit for
+    bit. About 1.5 minutes: three producer starts, cold recompute and decodes in numpy."""
+    import contextlib
+    import io
+
+    from qualify import cli
+    from qualify import identity as identity_module
+    from qualify import sealed as sealed_module
+    from qualify.engines import factory
+    from qualify.qualifier import calibrate
+
+    lane = "vllm-to-reference"
+    receipts = tmp_path / "receipts"
+
+    # (a) calibrate: deterministic across the restart and environment, tokens exact.
+    calibration = calibrate(lane, "native-text", 2, RunOptions(
+        recipe="native-text", receipts=receipts,
+        command_line=["qualify", "calibrate", "--recipe", "native-text", "--lane", lane, "--repetitions", "2"]))
+    assert not calibration.failures, calibration.failures
+    assert calibration.tokens_exact and calibration.deterministic, calibration.records
+    assert calibration.proposed_maximum_absolute and calibration.proposed_maximum_mean_absolute
+    assert calibration.receipt_path is not None and calibration.receipt_path.parent == receipts
+    assert verify_receipt(calibration.receipt_path) == []
+
+    # (b) freeze with the tool. The engine pins are what the harness derives on this host (the
+    # producer's without starting vLLM here; the service checks it against its real engine).
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import freeze_identity
+
+    producer, consumer = factory.producer_facts(lane), factory.build_consumer(lane)
+    identity_path = tmp_path / "identity.json"
+    argv = ["--lane", lane, "--basis", f"receipt://{calibration.receipt_path.name}/command.log",
+            "--maximum-absolute", repr(calibration.proposed_maximum_absolute),
+            "--maximum-mean-absolute", repr(calibration.proposed_maximum_mean_absolute),
+            "--producer-engine", producer.name, producer.version, producer.abi,
+            "--consumer-engine", consumer.name, consumer.version, consumer.abi,
+            "--archive-dir", str(receipts), "--out", str(identity_path)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = freeze_identity.main(argv)
+    assert status == 0, capsys.readouterr().err
+    sealed = freeze_identity.build_sealed(freeze_identity.build_parser().parse_args(argv))
+    assert json.loads(identity_path.read_text(encoding="utf-8")) == sealed.identity_document()
+    assert freeze_identity.sealed_python_block(sealed) in printed.getvalue()
+    assert sealed.producer_engine.abi == factory.lane_producer_abi(lane)
+
+    # (c) seal it for this process: the lane's entry replaced, the basis resolved in tmp_path.
+    others = [entry for entry in sealed_module.SEALED_IDENTITIES.values() if entry.lane != lane]
+    monkeypatch.setattr(sealed_module, "SEALED_IDENTITIES", sealed_module.sealed_table(*others, sealed))
+    monkeypatch.setattr(identity_module, "DEFAULT_ARCHIVE_DIR", receipts)
+
+    # (d) qualify it.
+    runs = tmp_path / "runs"
+    capsys.readouterr()
+    code = cli.main(["--recipe", "native-text", "--producer", "vllm", "--identity", str(identity_path),
+                     "--receipts", str(runs), "--reference-once"])
+    out, err = capsys.readouterr()
+    assert code == 0, out[-4000:] + err[-2000:]
+    (receipt,) = list(runs.iterdir())
+    assert verify_receipt(receipt) == []
+    summary = json.loads((receipt / "validation-summary.json").read_text(encoding="utf-8"))
+    assert summary["passed"] and summary["lane"] == lane and summary["samples"] == 3, summary
+    assert "reproduced its calibration bit for bit" in summary["verdict"], summary["verdict"]
+    assert "did not reproduce" not in summary["verdict"], summary["verdict"]
