@@ -23,6 +23,7 @@ import pytest
 from qualify import assets
 from qualify.engines.base import DecodeResult, Engine
 from qualify.engines.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+from qualify.hostenv import numeric_environment
 from qualify.engines.reference import (
     ABI_VERSION,
     DenseLinear,
@@ -203,7 +204,8 @@ def test_loader_upcasts_float16_exactly(shipped_tensors: dict) -> None:
 def test_engine_speaks_the_protocol(engine: ReferenceEngine) -> None:
     assert isinstance(engine, Engine)
     assert engine.name == "reference-numpy" and engine.logit_units == "raw"
-    assert engine.abi == f"{ABI_VERSION}+{DenseLinear.kind}"
+    # The arithmetic, then the numeric environment it is pinned to (numpy and its BLAS).
+    assert engine.abi == f"{ABI_VERSION}+{DenseLinear.kind}+{numeric_environment()}"
 
 
 def keep_as_is(x: np.ndarray) -> np.ndarray:
@@ -224,7 +226,8 @@ def test_abi_names_the_arithmetic(engine: ReferenceEngine) -> None:
 
     # Without a declared kind, a module-level function or class name stands for the arithmetic;
     # names that do not identify one (lambdas, nested classes, partials, ufuncs) are refused.
-    assert ReferenceEngine.from_model_dir(materialize=keep_as_is).abi == f"{engine.abi}+keep_as_is"
+    assert ReferenceEngine.from_model_dir(materialize=keep_as_is).abi == \
+        f"{ABI_VERSION}+{DenseLinear.kind}+keep_as_is+{numeric_environment()}"
     for bad_hook in (lambda x: x, functools.partial(keep_as_is), np.positive):
         with pytest.raises(Refused, match="kind"):
             ReferenceEngine.from_model_dir(materialize=bad_hook)

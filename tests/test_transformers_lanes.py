@@ -18,6 +18,7 @@ import pytest
 
 from qualify import assets
 from qualify.engines.factory import build_consumer, build_producer, checkpoint_digests, expected_cache_identity
+from qualify.engines.reference import ReferenceEngine
 from qualify.errors import Refused
 from qualify.identity import load_identity
 from qualify.lanes import TRANSFORMERS_LANE_SETTINGS, lane_spec, target_cache_identity
@@ -64,9 +65,10 @@ def test_the_three_lanes_have_distinct_bounds_ordered_by_precision() -> None:
 
 
 @pytest.mark.parametrize("lane", LANES)
-def test_consumer_is_the_float32_reference_engine(lane: str) -> None:
+def test_consumer_is_the_default_reference_engine(lane: str) -> None:
     consumer = build_consumer(lane)
-    assert (consumer.name, consumer.abi) == ("reference-numpy", "numpy-llama-abi-2+dense-f32")
+    default = ReferenceEngine.from_model_dir()
+    assert (consumer.name, consumer.abi) == (default.name, default.abi)
     assert consumer.producer_mode == "native"
 
 
@@ -85,16 +87,14 @@ def test_producer_without_a_gpu_is_refused_naming_cuda(lane: str, monkeypatch: p
 
 
 @pytest.mark.torch
-def test_qualification_without_a_gpu_fails_closed_with_a_receipt(tmp_path: Path) -> None:
+def test_qualification_without_a_gpu_is_refused_at_the_first_step(tmp_path: Path) -> None:
+    """The identity pins a GPU this host lacks: refused (exit 2) before any producer starts."""
     lane = "transformers-cuda-bf16"
     completed = qualify_cli(tmp_path, "--identity", str(identity_path(lane)), env={"CUDA_VISIBLE_DEVICES": ""})
-    assert completed.returncode == 1, completed.stderr
-    assert "NOT QUALIFIED" in completed.stdout
-    receipt = only_receipt(tmp_path)
-    summary = json.loads((receipt / "validation-summary.json").read_text())
-    assert summary["passed"] is False and summary["lane"] == lane
-    assert "sees no CUDA device" in summary["verdict"]
-    assert verify_receipt(receipt) == []
+    assert completed.returncode == 2, completed.stdout[-2000:] + completed.stderr
+    refusal = " ".join(completed.stdout.split())
+    assert "✗ identity sealed" in refusal and "sees no CUDA device" in refusal
+    assert "producer ready" in refusal and "blocked: step 'identity sealed' failed" in refusal
 
 
 @pytest.mark.cuda
