@@ -11,7 +11,8 @@ from qualify.engines.reference import ReferenceEngine
 
 @pytest.fixture(scope="module")
 def one_torch_thread() -> None:
-    """A shared 2-core CI machine: torch on one thread, like the BLAS the tests pin."""
+    """A shared 2-core CI machine: torch on one thread (for speed; the numpy engines' bits do not
+    depend on thread counts)."""
     import torch
 
     torch.set_num_threads(1)
