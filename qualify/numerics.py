@@ -5,7 +5,7 @@ A float32 BLAS result depends on the kernel OpenBLAS picks for the CPU (or ``OPE
 and on how the work is split over threads; numpy's ``exp``, ``cos`` and reductions may dispatch
 to other SIMD code paths on another CPU. None of that may move a judged bit, so the engines use:
 
-* :func:`matmul_rows`, :func:`weighted_sum` and :func:`matmul`: contractions that are *exact by
+* :func:`matmul_rows` and :func:`weighted_sum`: contractions that are *exact by
   construction*. Each vector of an operand (a row of activations, a weight row, one position's
   K or V) is scaled by a power of two and rounded (ties to even) to integers of ``LEFT_BITS`` /
   ``RIGHT_BITS`` bits (:class:`FixedPointRows`); every ``REDUCTION_CHUNK``-long integer dot
@@ -93,12 +93,6 @@ def weighted_sum(weights: np.ndarray, values: FixedPointRows) -> np.ndarray:
     total = _integer_product(left.integers, values.integers)
     total *= left.scale
     return total.astype(np.float32)
-
-
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a [..., M, K] @ b [..., K, N] -> float32, the same bits on every machine (b converted per
-    column; see :func:`matmul_rows`)."""
-    return matmul_rows(a, FixedPointRows.of(np.swapaxes(b, -1, -2)))
 
 
 def tree_sum(x: np.ndarray) -> np.ndarray:
