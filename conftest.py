@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-pytest_plugins = ["qualify.plugin"]
+pytest_plugins = ["qualify.interfaces.plugin"]
 
 
 def _cuda_available() -> bool:

@@ -3,10 +3,10 @@
 For each block shape ([256, 4096] and [256, 128256]) it times, best of several repetitions:
 
 * ``copy``: ``np.copyto`` of the handoff block and the cold block into preallocated buffers;
-* ``compare``: :func:`qualify.compare.compare_logit_blocks` (raw units): per-row and overall max
+* ``compare``: :func:`qualify.evidence.compare.compare_logit_blocks` (raw units): per-row and overall max
   and mean abs deltas plus the first rule-breaking row, streamed in cache-sized chunks;
 * ``compare+softcap``: the same in ``tanh-softcap:30`` units (both blocks transformed);
-* ``branches``: :func:`qualify.compare.compare_branches`: deltas, cold margins, per-row and block
+* ``branches``: :func:`qualify.evidence.compare.compare_branches`: deltas, cold margins, per-row and block
   SHA-256 digests of both blocks and token digests (everything one sample records).
 
 Throughput is the bytes of both input blocks divided by the time. The last line is
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qualify.compare import compare_branches, compare_logit_blocks
+from qualify.evidence.compare import compare_branches, compare_logit_blocks
 from qualify.engines.base import DecodeResult
 
 SHAPES = ((256, 4096), (256, 128256))

@@ -1,11 +1,11 @@
 """The cost of determinism: the reference engine's machine-independent numerics against today's
 float32 BLAS path, measured in the same run.
 
-``qualify.numerics`` makes every contraction exact by construction (fixed-point integers in
+``qualify.core.numerics`` makes every contraction exact by construction (fixed-point integers in
 float64, chunked), every sum a fixed pairwise tree and exp/cos/sin elementwise polynomials, so the
 engines' bits do not depend on the BLAS kernel, thread count or numpy's SIMD dispatch. The BLAS
 path is the engine's arithmetic before that change, reconstructed here without touching the
-engine: the names ``qualify.engines.reference`` imports from ``qualify.numerics`` are patched
+engine: the names ``qualify.engines.reference`` imports from ``qualify.core.numerics`` are patched
 with float32 stand-ins for the duration of each timed call:
 
 * ``FixedPointRows.of`` keeps float32 rows as they are (no integer conversion);
@@ -76,7 +76,7 @@ class Float32Rows:
 
 def chunked_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """float32 a [..., M, K] @ b [..., K, N] through BLAS, K cut into REDUCTION_CHUNK pieces
-    summed left to right (the engine's ``matmul`` before qualify.numerics)."""
+    summed left to right (the engine's ``matmul`` before qualify.core.numerics)."""
     out = a[..., :REDUCTION_CHUNK] @ b[..., :REDUCTION_CHUNK, :]
     for start in range(REDUCTION_CHUNK, a.shape[-1], REDUCTION_CHUNK):
         out += a[..., start:start + REDUCTION_CHUNK] @ b[..., start:start + REDUCTION_CHUNK, :]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.reference import PREFILL_QUERY_BLOCK, ReferenceEngine
 
 HANDOFF = 2047

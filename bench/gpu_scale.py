@@ -33,16 +33,16 @@ three ordered handoffs. Per handoff:
    static cache; a non-finite value is refused);
 4. decode 256 tokens on the GPU (graph replays), full logits in a device buffer; if the tokens
    diverge, a teacher-forced decode on the same KV (engine time, listed apart);
-5. :func:`qualify.compare_device.start_comparison` against the cold branch, on the GPU (logit
+5. :func:`qualify.evidence.compare_device.start_comparison` against the cold branch, on the GPU (logit
    deltas, margins, KV deltas); only summaries and, for the digests, the logit block cross to the
    host (hashed on threads while the next sample decodes);
-6. :func:`qualify.records.sample_record`, :func:`qualify.judge.judge_sample`, the receipt
-   (:class:`qualify.receipts.ReceiptWriter`); finally :func:`qualify.judge.judge_summary`.
+6. :func:`qualify.evidence.records.sample_record`, :func:`qualify.judge.judge_sample`, the receipt
+   (:class:`qualify.archive.receipts.ReceiptWriter`); finally :func:`qualify.judge.judge_summary`.
 
 The rule (rung 2, bounded drift) is fixed before a measured run in
 ``bench/gpu_scale_contract.json``; each profile's ``basis`` says which ``--calibrate`` run of
 this script measured it (bounds 1 % above the observed envelope, three significant digits:
-:func:`qualify.qualifier.propose_bound`; a floor of 1e-6 / 1e-7 where nothing was observed).
+:func:`qualify.run.qualification.propose_bound`; a floor of 1e-6 / 1e-7 where nothing was observed).
 
 Timing, all in the same run: engine time is the producer's prefills and the consumer's decodes
 plus the reference prefill and decode, each timed with CUDA events around the pure engine call.
@@ -82,9 +82,9 @@ if str(REPO_ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from qualify import __version__  # noqa: E402
-from qualify.assets import prompt_sha256  # noqa: E402
-from qualify.digests import canonical_sha256, strict_json_loads  # noqa: E402
-from qualify.errors import HandoffRefused, Refused, one_line  # noqa: E402
+from qualify.core.assets import prompt_sha256  # noqa: E402
+from qualify.core.digests import canonical_sha256, strict_json_loads  # noqa: E402
+from qualify.core.errors import HandoffRefused, Refused, one_line  # noqa: E402
 
 CONTRACT_SCHEMA = "trust-ladder.gpu-scale-contract.v1"
 DEFAULT_CONTRACT = REPO_ROOT / "bench" / "gpu_scale_contract.json"
@@ -333,14 +333,14 @@ def compact_producer(consumer: Any) -> tuple[Callable[[Any], tuple[list, list]],
 # --------------------------------------------------------------------------- producer faults
 
 SCALE_FAULTS = ("kv-ulp", "block-order")
-"""Producer-side faults (``--fault``), as in :mod:`qualify.faults`, applied to the producer's KV on
+"""Producer-side faults (``--fault``), as in :mod:`qualify.engines.faults`, applied to the producer's KV on
 the device after its prefill and before sealing: the MAC verifies, so only the comparison can
 catch them."""
 
 
 def fault_site(layers: int, positions: int) -> tuple[int, int, int, int]:
-    """(layer, head, position, dim) of the single-element fault: qualify.faults' site, clamped."""
-    from qualify.faults import FAULT_DIM, FAULT_HEAD, FAULT_LAYER, FAULT_POSITION
+    """(layer, head, position, dim) of the single-element fault: qualify.engines.faults' site, clamped."""
+    from qualify.engines.faults import FAULT_DIM, FAULT_HEAD, FAULT_LAYER, FAULT_POSITION
 
     return min(FAULT_LAYER, layers - 1), FAULT_HEAD, min(FAULT_POSITION, positions - 1), FAULT_DIM
 
@@ -349,7 +349,7 @@ def apply_fault(name: str, keys: list[Any], values: list[Any]) -> tuple[list[Any
     """The producer's KV with fault ``name`` applied (copies of the touched tensors), and where."""
     import torch
 
-    from qualify.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
+    from qualify.engines.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
 
     keys = list(keys)
     if name == "kv-ulp":
@@ -411,14 +411,14 @@ def sha256_rate(data: np.ndarray) -> float:
 def run(options: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from qualify.compare_device import DeviceBranch, LogitDigester, prepare_cold, start_comparison
+    from qualify.evidence.compare_device import DeviceBranch, LogitDigester, prepare_cold, start_comparison
     from qualify.engines.torch_llama import TorchLlama, random_weights
     from qualify.handoff.wire import Handoff, mint_run_key, open_handoff, payload_layout, seal_handoff_parts
-    from qualify.kv import KVCache, KVGeometry
+    from qualify.core.kv import KVCache, KVGeometry
     from qualify.judge import Verdict, judge_sample, judge_summary
-    from qualify.qualifier import comparison_bounds, propose_bound
-    from qualify.receipts import ReceiptWriter
-    from qualify.records import BoundedDriftRule, failed_sample_record, record_json, sample_record
+    from qualify.run.qualification import comparison_bounds, propose_bound
+    from qualify.archive.receipts import ReceiptWriter
+    from qualify.evidence.records import BoundedDriftRule, failed_sample_record, record_json, sample_record
 
     figures = Figures()
     calibrating = options.calibrate

@@ -19,11 +19,11 @@ import argparse
 import json
 import time
 
-from qualify import assets
-from qualify.compare import compare_branches
+from qualify.core import assets
+from qualify.evidence.compare import compare_branches
 from qualify.engines.factory import build_consumer, build_producer
-from qualify.lanes import LANES, LaneKind, ProducerMode
-from qualify.qualifier import comparison_bounds
+from qualify.contract.lanes import LANES, LaneKind, ProducerMode
+from qualify.run.qualification import comparison_bounds
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
 
 def copy_seconds(nbytes: int, repeats: int = 20) -> float:

@@ -24,8 +24,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from qualify import assets  # noqa: E402
-from qualify.lanes import VLLM_LANE_ENGINES  # noqa: E402
-from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
+from qualify.contract.lanes import VLLM_LANE_ENGINES  # noqa: E402
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

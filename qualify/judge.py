@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from qualify.records import (
+from qualify.evidence.records import (
     LOGIT_DIGEST_FIELDS,
     PHASE_FIELDS,
     REQUIRED_SAMPLE_FIELDS,

@@ -9,8 +9,8 @@ same steps in-process.
 
 import pytest
 
-from qualify.plugin import run_recipe_step
-from qualify.qualifier import STEP_LABELS
+from qualify.interfaces.plugin import run_recipe_step
+from qualify.run.qualification import STEP_LABELS
 
 RECIPE = "kquant-target-plus-dflash"
 pytestmark = pytest.mark.recipe(RECIPE)

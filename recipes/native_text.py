@@ -8,8 +8,8 @@ Run: ``pytest recipes/native_text.py`` (options: --identity, --producer, --refer
 
 import pytest
 
-from qualify.plugin import run_recipe_step
-from qualify.qualifier import STEP_LABELS
+from qualify.interfaces.plugin import run_recipe_step
+from qualify.run.qualification import STEP_LABELS
 
 RECIPE = "native-text"
 pytestmark = pytest.mark.recipe(RECIPE)

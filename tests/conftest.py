@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.reference import ReferenceEngine
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from qualify import cli
-from qualify import identity as identity_module
-from qualify import sealed as sealed_module
-from qualify.identity import identity_sha256, load_identity
+from qualify.interfaces import cli
+from qualify.contract import identity as identity_module
+from qualify.contract import sealed as sealed_module
+from qualify.contract.identity import identity_sha256, load_identity
 
 from test_identity import make_pair
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_qualify(*args: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if k != "QUALIFY_DEBUG"}
     return subprocess.run(
-        [sys.executable, "-m", "qualify.cli", *args],
+        [sys.executable, "-m", "qualify.interfaces.cli", *args],
         cwd=REPO, capture_output=True, text=True, timeout=120, env=environment,
     )
 
@@ -149,14 +149,14 @@ def test_delegated_commands_receive_their_arguments(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[tuple[str, object]] = []
-    _fake_module(monkeypatch, "qualify.enroll", enroll_cli=lambda argv: calls.append(("enroll", argv)) or 0)
+    _fake_module(monkeypatch, "qualify.run.enroll", enroll_cli=lambda argv: calls.append(("enroll", argv)) or 0)
     _fake_module(
-        monkeypatch, "qualify.operator",
+        monkeypatch, "qualify.interfaces.console",
         run_cli=lambda argv: calls.append(("run", argv)) or 1,
         calibrate_cli=lambda argv: calls.append(("calibrate", argv)) or 0,
         selftest_cli=lambda argv: calls.append(("selftest", argv)) or 0,
     )
-    _fake_module(monkeypatch, "qualify.receipts", verify_cli=lambda path: calls.append(("verify", path)) or 0)
+    _fake_module(monkeypatch, "qualify.archive.receipts", verify_cli=lambda path: calls.append(("verify", path)) or 0)
     _fake_module(monkeypatch, "qualify.handoff.service", main=lambda argv: calls.append(("serve", argv)) or 75)
 
     assert _main(capsys, "enroll", "--identity", "id.json", "--receipt", "r")[0] == 0
@@ -193,7 +193,7 @@ def test_missing_delegates_are_not_available(
 def test_delegate_returning_a_non_exit_code_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _fake_module(monkeypatch, "qualify.enroll", enroll_cli=lambda argv: None)
+    _fake_module(monkeypatch, "qualify.run.enroll", enroll_cli=lambda argv: None)
     assert "expected an exit code" in one_line_refusal(_main(capsys, "enroll"))
 
 

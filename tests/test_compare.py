@@ -1,4 +1,4 @@
-"""qualify.compare against straightforward numpy on random data, localisation included."""
+"""qualify.evidence.compare against straightforward numpy on random data, localisation included."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from qualify import compare
-from qualify.compare import (
+from qualify.evidence import compare
+from qualify.evidence.compare import (
     classify_divergence,
     compare_branches,
     compare_kv,
@@ -29,7 +29,7 @@ from qualify.compare import (
     transform_between,
 )
 from qualify.engines.base import DecodeResult
-from qualify.errors import Refused
+from qualify.core.errors import Refused
 
 ROWS, VOCAB = 64, 1000
 

@@ -1,4 +1,4 @@
-"""qualify.compare_device against qualify.compare on the same data, plus the scale bench's smoke.
+"""qualify.evidence.compare_device against qualify.evidence.compare on the same data, plus the scale bench's smoke.
 
 compare_device computes the full-logit comparison with torch where the logits are; on CPU
 tensors it must give compare.py's BranchComparison: equal tokens, digests, row maxima, margins,
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qualify.compare import BranchComparison, compare_branches, logit_digests
+from qualify.evidence.compare import BranchComparison, compare_branches, logit_digests
 from qualify.engines.base import DecodeResult
-from qualify.errors import Refused
+from qualify.core.errors import Refused
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -53,7 +53,7 @@ def _data(seed: int = 1, noise: float = 1e-3, diverge_at: int | None = None):
 def _both(data, transform: str = "raw", *, teacher: bool = False, bounds=(0.03, 0.00082)):
     import torch
 
-    from qualify.compare_device import DeviceBranch, compare_branches_device
+    from qualify.evidence.compare_device import DeviceBranch, compare_branches_device
 
     cold, handoff, forced, cold_tokens, handoff_tokens, keys, own = data
     expected = compare_branches(
@@ -166,7 +166,7 @@ def test_digests_are_compare_py_digests_and_survive_buffer_reuse() -> None:
     does not change the digests, and reused host buffers give fresh, correct digests."""
     import torch
 
-    from qualify.compare_device import LogitDigester
+    from qualify.evidence.compare_device import LogitDigester
 
     cold = _data()[0]
     source = torch.from_numpy(cold.copy())
@@ -182,7 +182,7 @@ def test_digests_are_compare_py_digests_and_survive_buffer_reuse() -> None:
 def test_a_prepared_cold_reference_serves_several_samples() -> None:
     import torch
 
-    from qualify.compare_device import DeviceBranch, LogitDigester, prepare_cold, start_comparison
+    from qualify.evidence.compare_device import DeviceBranch, LogitDigester, prepare_cold, start_comparison
 
     cold, handoff, _, cold_tokens, handoff_tokens, _, _ = _data(seed=5)
     t = torch.from_numpy
@@ -203,7 +203,7 @@ def test_a_prepared_cold_reference_serves_several_samples() -> None:
 def test_refusals_name_the_field() -> None:
     import torch
 
-    from qualify.compare_device import DeviceBranch, LogitDigester, compare_branches_device, compare_kv_device
+    from qualify.evidence.compare_device import DeviceBranch, LogitDigester, compare_branches_device, compare_kv_device
 
     cold, handoff, _, cold_tokens, handoff_tokens, keys, own = _data()
     t = torch.from_numpy
@@ -241,7 +241,7 @@ def _bench():
 
 
 def test_scale_bench_tiny_profile_runs_the_recipe_and_writes_a_verified_receipt(tmp_path: Path, capsys) -> None:
-    from qualify.receipts import verify_receipt
+    from qualify.archive.receipts import verify_receipt
 
     bench = _bench()
     status = bench.main(["--profile", "tiny", "--receipts", str(tmp_path / "receipts"),
@@ -305,7 +305,7 @@ def test_scale_bench_refuses_a_tampered_contract(tmp_path: Path, capsys) -> None
 def test_on_the_gpu_the_comparison_is_compare_py_result() -> None:
     import torch
 
-    from qualify.compare_device import DeviceBranch, compare_branches_device
+    from qualify.evidence.compare_device import DeviceBranch, compare_branches_device
 
     cold, handoff, forced, cold_tokens, handoff_tokens, keys, own = _data(seed=6, diverge_at=30)
     expected = compare_branches(DecodeResult(handoff_tokens, handoff), DecodeResult(cold_tokens, cold), "raw",
@@ -327,14 +327,14 @@ def test_on_the_gpu_the_comparison_is_compare_py_result() -> None:
 def test_scale_bench_producer_fault_is_localised_to_where_it_was_put(tmp_path: Path, capsys, fault: str) -> None:
     """Same compact engine on both sides, so every handed-off K/V equals the consumer's own except
     where the fault was put: the KV localisation must name exactly that layer/tensor/position."""
-    from qualify.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
+    from qualify.engines.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
 
     bench = _bench()
     contract = json.loads((REPO_ROOT / "bench" / "gpu_scale_contract.json").read_text())
     tiny = contract["profiles"]["tiny"]
     tiny["producer"] = "torch-llama"
     if fault == "block-order":  # the swapped blocks sit at positions 384..639: a longer prompt
-        from qualify.assets import prompt_sha256
+        from qualify.core.assets import prompt_sha256
 
         longer = bench.make_prompt(tiny["prompt"]["seed"], 768, tiny["model"]["vocab"])
         tiny["prompt"] = dict(tiny["prompt"], tokens=768, sha256=prompt_sha256(longer))

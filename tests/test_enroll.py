@@ -14,22 +14,22 @@ from typing import Any
 
 import pytest
 
-from qualify import enroll as enroll_module
-from qualify.digests import canonical_sha256
-from qualify.enroll import enroll, enroll_cli, enrollment_for, key_for, load_registry
-from qualify.errors import Refused
+from qualify.run import enroll as enroll_module
+from qualify.core.digests import canonical_sha256
+from qualify.run.enroll import enroll, enroll_cli, enrollment_for, key_for, load_registry
+from qualify.core.errors import Refused
 from qualify.judge import judge_summary
-from qualify.lanes import LaneKind, Recipe
-from qualify.receipts import ReceiptWriter
-from qualify.records import rule_from_identity
-from qualify.registry import REGISTRY_SCHEMA_ID
+from qualify.contract.lanes import LaneKind, Recipe
+from qualify.archive.receipts import ReceiptWriter
+from qualify.evidence.records import rule_from_identity
+from qualify.contract.registry import REGISTRY_SCHEMA_ID
 from tests.test_judge import rung2_record, rung3_record
 from tests.test_receipts import make_writable
 
 
 @dataclass
 class FakeIdentity:
-    """Stands in for qualify.identity.Identity: the attributes enrollment reads, and document()."""
+    """Stands in for qualify.contract.identity.Identity: the attributes enrollment reads, and document()."""
 
     lane: str = "nvfp4-native-splitk"
     lane_kind: LaneKind = LaneKind.NVFP4
@@ -267,8 +267,8 @@ def test_enroll_cli(places, monkeypatch, capsys):
 
 @pytest.mark.parametrize("lane", ["nvfp4-native-splitk", "kquant-exact-dflash"])
 def test_enroll_a_loaded_identity(tmp_path, places, lane):
-    """The real qualify.identity.Identity: its digest, its rule, and a receipt of it."""
-    from qualify.identity import identity_sha256
+    """The real qualify.contract.identity.Identity: its digest, its rule, and a receipt of it."""
+    from qualify.contract.identity import identity_sha256
     from tests.test_identity import make_pair
 
     identity = make_pair(tmp_path / "pair", lane).load()
@@ -288,9 +288,9 @@ def test_enroll_a_loaded_identity(tmp_path, places, lane):
 def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_key(places):
     import numpy as np
 
-    from qualify.errors import HandoffRefused
+    from qualify.core.errors import HandoffRefused
     from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
-    from qualify.kv import KVCache
+    from qualify.core.kv import KVCache
 
     identity = FakeIdentity()
     enroll(identity, qualify_receipt(places.archive, identity), places.registry, places.keys)

@@ -25,10 +25,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qualify.assets import REPO_ROOT, prompt_sha256
-from qualify.digests import canonical_sha256
+from qualify.core.assets import REPO_ROOT, prompt_sha256
+from qualify.core.digests import canonical_sha256
 from qualify.engines.base import ModelGeometry
-from qualify.errors import HandoffRefused, ProducerFailed, Refused
+from qualify.core.errors import HandoffRefused, ProducerFailed, Refused
 from qualify.handoff import client
 from qualify.handoff.client import ProducerFailure, ProducerProcess, ProducerStartRefused
 from qualify.handoff.service import (
@@ -43,7 +43,7 @@ from qualify.handoff.service import (
     parse_config,
 )
 from qualify.handoff.wire import mint_run_key, open_handoff
-from qualify.kv import KVCache
+from qualify.core.kv import KVCache
 
 FACTORY = "tests.test_handoff_service:build_stub_engine"
 MARKER_ENV = "STUB_ENGINE_MARKER"
@@ -341,10 +341,10 @@ def test_start_arguments_refused_in_one_line(tmp_path: Path) -> None:
 def test_expectation_from_identity_pins_engine_digests_and_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import qualify.identity
+    import qualify.contract.identity
 
     # a stand-in identity (a real one needs sealed constants and a basis receipt)
-    monkeypatch.setattr(qualify.identity, "identity_sha256",
+    monkeypatch.setattr(qualify.contract.identity, "identity_sha256",
                         lambda identity: canonical_sha256(identity.document()))
     document = {"lane": "stub-ok", "n": 1}
     identity = SimpleNamespace(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from qualify.assets import REPO_ROOT
-from qualify.hostenv import (
+from qualify.core.assets import REPO_ROOT
+from qualify.core.hostenv import (
     HOST_ENV_VARS,
     HOST_FACTS_KEYS,
     HOST_FACTS_SCHEMA,
@@ -20,7 +20,7 @@ from qualify.hostenv import (
     host_facts,
     host_facts_problem,
 )
-from qualify.receipts import HOST, HOST_SCHEMA, ReceiptWriter, read_receipt_json, receipt_files, verify_receipt
+from qualify.archive.receipts import HOST, HOST_SCHEMA, ReceiptWriter, read_receipt_json, receipt_files, verify_receipt
 
 IDENTITY = {"schema": "test-identity", "lane": "nvfp4-native-splitk"}
 LANE = "nvfp4-native-w4a4"
@@ -32,7 +32,7 @@ def facts_in_subprocess(env: dict[str, str]) -> dict:
     child_env = {k: v for k, v in os.environ.items() if k not in HOST_ENV_VARS}
     child_env.update(env)
     done = subprocess.run(
-        [sys.executable, "-c", "import json; from qualify.hostenv import host_facts; print(json.dumps(host_facts()))"],
+        [sys.executable, "-c", "import json; from qualify.core.hostenv import host_facts; print(json.dumps(host_facts()))"],
         cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=120, check=True,
     )
     return json.loads(done.stdout)
@@ -82,7 +82,7 @@ def test_host_facts_fields_and_types() -> None:
 
 def test_host_facts_never_import_torch() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from qualify.hostenv import host_facts; f = host_facts(); "
+        [sys.executable, "-c", "import sys; from qualify.core.hostenv import host_facts; f = host_facts(); "
          "print('torch' in sys.modules, f['torch'], f['gpu'])"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True,
     )
@@ -229,7 +229,7 @@ def test_committed_receipts_without_host_json_still_verify() -> None:
 def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
     """The qualifier's own path (identity sealed, producer ready) with the producer's environment
     overridden: host.json records the producer as it ran, not the consumer's settings."""
-    from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions, calibration_contract
+    from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, calibration_contract
 
     run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path),
                            calibration_contract(LANE, "native-text"))
@@ -260,7 +260,7 @@ def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
 
 
 def test_run_without_a_producer_records_producer_null(tmp_path: Path) -> None:
-    from qualify.qualifier import QualificationRun, RunOptions, calibration_contract
+    from qualify.run.qualification import QualificationRun, RunOptions, calibration_contract
 
     run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path),
                            calibration_contract(LANE, "native-text"))
@@ -274,7 +274,7 @@ def test_run_without_a_producer_records_producer_null(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_full_calibration_receipt_holds_both_host_facts(tmp_path: Path) -> None:
     """One real handoff end to end (``qualify calibrate --repetitions 1``: no sealed identity needed)."""
-    from qualify.qualifier import RunOptions, calibrate, calibration_environments
+    from qualify.run.qualification import RunOptions, calibrate, calibration_environments
 
     calibration = calibrate(LANE, "native-text", 2, RunOptions(recipe="native-text", receipts=tmp_path))
     receipt = calibration.receipt_path

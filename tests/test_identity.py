@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from qualify import sealed as sealed_module
-from qualify.digests import canonical_sha256, sha256_bytes, sha256_file
-from qualify.errors import Refused
-from qualify import identity as identity_module
-from qualify.identity import (
+from qualify.contract import sealed as sealed_module
+from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
+from qualify.core.errors import Refused
+from qualify.contract import identity as identity_module
+from qualify.contract.identity import (
     MAX_DOCUMENT_BYTES,
     Identity,
     check_engine_units,
@@ -35,8 +35,8 @@ from qualify.identity import (
     logit_units_label,
     validate_identity_document,
 )
-from qualify.lanes import LANES, target_cache_identity
-from qualify.sealed import (
+from qualify.contract.lanes import LANES, target_cache_identity
+from qualify.contract.sealed import (
     SEALED_IDENTITIES,
     SealedCheckpoint,
     SealedContextPolicy,
@@ -58,14 +58,14 @@ FALLBACK_BASIS_BYTES = b"calibration run: max/mean 10.88/1.23 over 5 repetitions
 
 
 def make_basis_receipt(archive: Path) -> Path:
-    """An archived basis receipt; a real one when ``qualify.receipts`` exists (it verifies the
+    """An archived basis receipt; a real one when ``qualify.archive.receipts`` exists (it verifies the
     manifest), else a plain file (identity.py then checks the sealed file digest only)."""
-    if importlib.util.find_spec("qualify.receipts") is None:
+    if importlib.util.find_spec("qualify.archive.receipts") is None:
         path = archive / BASIS_RUN_ID / "command.log"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(FALLBACK_BASIS_BYTES)
         return path
-    from qualify.receipts import ReceiptWriter
+    from qualify.archive.receipts import ReceiptWriter
 
     archive.mkdir(parents=True, exist_ok=True)
     writer = ReceiptWriter(
@@ -410,7 +410,7 @@ def test_altered_basis_is_refused(pair: Pair) -> None:
 
 @pytest.fixture
 def without_receipts_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exercise the fallback used while ``qualify.receipts`` does not exist."""
+    """Exercise the fallback used while ``qualify.archive.receipts`` does not exist."""
     monkeypatch.setattr(identity_module, "_receipt_resolver", lambda context: None)
 
 
@@ -441,14 +441,14 @@ def test_receipts_module_resolver_is_used_when_present(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[tuple[str, Path]] = []
-    fake = types.ModuleType("qualify.receipts")
+    fake = types.ModuleType("qualify.archive.receipts")
 
     def resolve_receipt_uri(uri: str, archive_dir: Path) -> Path:
         calls.append((uri, archive_dir))
         return archive_dir / BASIS_RUN_ID / "command.log"
 
     fake.resolve_receipt_uri = resolve_receipt_uri  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "qualify.receipts", fake)
+    monkeypatch.setitem(sys.modules, "qualify.archive.receipts", fake)
     pair.load()
     assert calls == [(BASIS_URI, pair.archive)]
 
@@ -458,7 +458,7 @@ def test_receipts_module_resolver_is_used_when_present(
     fake.resolve_receipt_uri = refuse  # type: ignore[attr-defined]
     assert f"basis: receipt {BASIS_URI}: manifest" in refused(pair, pair.document)
     del fake.resolve_receipt_uri
-    assert "qualify.receipts is unusable" in refused(pair, pair.document)
+    assert "qualify.archive.receipts is unusable" in refused(pair, pair.document)
 
 
 # --- sealed constants ---------------------------------------------------------------------------
@@ -822,14 +822,14 @@ def test_freeze_tool_writes_an_identity_and_a_pasteable_sealed_block(
         "--producer-engine", "reference-numpy", "0.1.0", "abi-native",
         "--consumer-engine", "reference-numpy", "0.1.0", "abi-exact",
         "--checkpoint", "model/config.json", "--checkpoint", "model/model.safetensors",
-        "--adapter", "qualify-lanes=qualify/lanes.py",
+        "--adapter", "qualify-lanes=qualify/contract/lanes.py",
         "--maximum-absolute", "11.0", "--maximum-mean-absolute", "1.25",
         "--basis", BASIS_URI, "--archive-dir", str(archive), "--out", str(out),
     ]
     assert freeze.main(argv) == 0
     printed = capsys.readouterr().out
     namespace = dict(vars(sealed_module))
-    exec(printed, namespace)  # the block is valid Python against qualify.sealed's names
+    exec(printed, namespace)  # the block is valid Python against qualify.contract.sealed's names
     sealed = namespace["SEALED_NVFP4_NATIVE_SPLITK"]
     assert isinstance(sealed, SealedIdentity)
     assert sealed.qualification.basis_sha256 == sha256_file(basis)

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from qualify.compare import compare_branches
+from qualify.evidence.compare import compare_branches
 from qualify.engines.base import DecodeResult
 from qualify.judge import ThroughputCell, judge_rung2_sample, judge_rung3_sample, judge_sample, judge_summary, parity_verdict
-from qualify.records import (
+from qualify.evidence.records import (
     PHASE_FIELDS,
     REQUIRED_SAMPLE_FIELDS,
     RUNG3_DRAFT_FIELDS,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from safetensors.numpy import load_file
 
-from qualify.assets import MODEL_DIR, REPO_ROOT
+from qualify.core.assets import MODEL_DIR, REPO_ROOT
 from qualify.engines.kquant import (
     BLOCK,
     DRAFT_GGUF_NAME,
@@ -37,7 +37,7 @@ from qualify.engines.kquant import (
     permute_qk_rows_to_gguf,
     quantize_activations_q8_0,
 )
-from qualify.errors import Refused
+from qualify.core.errors import Refused
 
 GGUF_DIR = MODEL_DIR / "gguf"
 TARGET = GGUF_DIR / TARGET_GGUF_NAME
@@ -324,8 +324,7 @@ def target_model():
 def test_model_rows_do_not_depend_on_how_many_are_fed_together(target_model) -> None:
     """Rows fed in one batched forward equal rows fed one at a time, K/V included, and one-row
     hidden states equal the reference engine's own decode_row path with the same linears."""
-    from qualify import assets
-
+    from qualify.core import assets
     prompt = assets.load_prompt()
     kv = target_model.reference.prefill(prompt[:160])
     rows = prompt[160:169]
@@ -344,9 +343,9 @@ def test_model_rows_do_not_depend_on_how_many_are_fed_together(target_model) -> 
 
 
 def test_native_mode_keeps_operands_but_not_bits() -> None:
-    from qualify import assets
+    from qualify.core import assets
     from qualify.engines.kquant import build_kquant_engine
-    from qualify.lanes import ProducerMode
+    from qualify.contract.lanes import ProducerMode
 
     prompt = assets.load_prompt()[:96]
     exact = build_kquant_engine(ProducerMode.EXACT).prefill(prompt)

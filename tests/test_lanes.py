@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qualify import lanes
-from qualify.assets import CONTRACTS_DIR
-from qualify.digests import sha256_bytes
-from qualify.errors import Refused
-from qualify.lanes import (
+from qualify.contract import lanes
+from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.digests import sha256_bytes
+from qualify.core.errors import Refused
+from qualify.contract.lanes import (
     DEFAULT_NATIVE_TEXT_LANE,
     LANES,
     LaneKind,

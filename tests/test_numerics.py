@@ -1,11 +1,11 @@
-"""qualify.numerics: the machine-independent arithmetic is accurate, exact where it claims to be,
+"""qualify.core.numerics: the machine-independent arithmetic is accurate, exact where it claims to be,
 and row-independent."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from qualify.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
+from qualify.core.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
 
 
 def ulps(found: np.ndarray, exact: np.ndarray) -> np.ndarray:

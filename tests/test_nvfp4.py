@@ -38,7 +38,7 @@ from qualify.engines.nvfp4 import (
     write_nvfp4_checkpoint,
     write_safetensors,
 )
-from qualify.errors import Refused
+from qualify.core.errors import Refused
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_SOURCE = REPO_ROOT / "model" / "model.safetensors"

@@ -37,7 +37,7 @@ from qualify.engines.nvfp4_linear import (
     quantize_activations_q8k,
     round_through_f16,
 )
-from qualify.errors import Refused
+from qualify.core.errors import Refused
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_NVFP4 = REPO_ROOT / "model" / "nvfp4" / "model.safetensors"

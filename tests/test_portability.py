@@ -1,5 +1,5 @@
 """The embedded engines' judged outputs do not depend on the machine's BLAS kernel, BLAS thread count
-or numpy's SIMD dispatch (``qualify.numerics`` makes them exact by construction).
+or numpy's SIMD dispatch (``qualify.core.numerics`` makes them exact by construction).
 
 A matrix of child processes, each in its own environment:
 
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import pytest
 
-from qualify import assets
-from qualify.hostenv import cpu_flags
+from qualify.core import assets
+from qualify.core.hostenv import cpu_flags
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def environment_facts():
 MATRIX_CHILD = ENVIRONMENT_FACTS + r'''
 import hashlib, json
 import numpy as np
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.factory import build_consumer, build_producer
 from qualify.engines.reference import ReferenceEngine
 
@@ -143,7 +143,7 @@ CLI_CHILD = ENVIRONMENT_FACTS + r'''
 import json, sys
 with open(sys.argv[1], "w", encoding="utf-8") as facts:
     json.dump(environment_facts(), facts)
-from qualify.cli import main
+from qualify.interfaces.cli import main
 sys.exit(main(sys.argv[2:]))
 '''
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from qualify.engines.factory import build_producer
-from qualify.qualifier import (
+from qualify.run.qualification import (
     STEP_LABELS, QualificationRun, RunOptions, calibration_contract, propose_bound,
 )
-from qualify.receipts import read_receipt_json, verify_receipt
-from qualify.records import BoundedDriftRule
+from qualify.archive.receipts import read_receipt_json, verify_receipt
+from qualify.evidence.records import BoundedDriftRule
 
 LANE = "nvfp4-native-splitk"
 DIES_ON_REQUEST = 2  # the warm-up prefill is request 1; the first handoff is request 2

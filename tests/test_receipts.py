@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from qualify.assets import REPO_ROOT
-from qualify.digests import canonical_sha256
-from qualify.errors import Refused
+from qualify.core.assets import REPO_ROOT
+from qualify.core.digests import canonical_sha256
+from qualify.core.errors import Refused
 from qualify.judge import judge_summary
-from qualify.records import SAMPLE_SCHEMA, BoundedDriftRule
-from qualify.receipts import (
+from qualify.evidence.records import SAMPLE_SCHEMA, BoundedDriftRule
+from qualify.archive.receipts import (
     MANIFEST,
     PARTIAL_PREFIX,
     REQUIRED_FILES,

@@ -20,18 +20,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.base import DecodeResult, Engine
 from qualify.engines.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
-from qualify.hostenv import numeric_environment
+from qualify.core.hostenv import numeric_environment
 from qualify.engines.reference import (
     ABI_VERSION,
     DenseLinear,
     ReferenceEngine,
     RoundTripFloat16,
 )
-from qualify.errors import Refused
-from qualify.kv import KVCache
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
 
 HANDOFF = 2047  # the producer prefills prompt[:2047]; the consumer feeds prompt[2047]
 DECODE = 256
@@ -286,7 +286,7 @@ def test_decode_refuses_bad_inputs(engine: ReferenceEngine, handoff_kv: KVCache,
 
 DETERMINISM_SCRIPT = """
 import hashlib, json, numpy as np
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.reference import ReferenceEngine
 engine = ReferenceEngine.from_model_dir()
 prompt = assets.load_prompt()

@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qualify import assets, qualifier
+from qualify.core import assets
+
+from qualify.run import qualification as qualifier
 from qualify.engines.factory import build_producer
 from qualify.judge import DRAFT_REPRODUCTION_FIELDS, REPRODUCTION_FIELDS, judge_reproduction
 
@@ -86,8 +88,7 @@ def test_no_samples_is_not_a_reproduction() -> None:
 
 
 def test_calibration_environments_vary_kernel_threads_and_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qualify import hostenv
-
+    from qualify.core import hostenv
     monkeypatch.setattr(hostenv, "cpu_flags", lambda: frozenset({"avx", "avx2", "avx512f"}))
     monkeypatch.setattr(hostenv, "numpy_narrower_dispatch", lambda: "AVX512F,AVX512_SKX")
     environments = qualifier.calibration_environments()
@@ -108,7 +109,7 @@ def test_calibration_environments_vary_kernel_threads_and_dispatch(monkeypatch: 
 def test_numpy_narrower_dispatch_names_features_numpy_uses_here() -> None:
     from numpy._core._multiarray_umath import __cpu_features__
 
-    from qualify.hostenv import numpy_narrower_dispatch
+    from qualify.core.hostenv import numpy_narrower_dispatch
 
     narrower = numpy_narrower_dispatch()
     assert all(__cpu_features__[name] for name in narrower.split(",") if name)
@@ -123,7 +124,7 @@ def test_a_host_with_another_numeric_environment_is_refused_at_the_first_step(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """numpy or its BLAS other than the identity pins: exit 2 at 'identity sealed', naming the
     field, both values and the calibrate command; no handoff runs."""
-    from qualify import cli
+    from qualify.interfaces import cli
     from qualify.engines import reference
 
     monkeypatch.setattr(reference, "numeric_environment", lambda: "numpy-9.9.9+other-blas-1.0")
@@ -142,7 +143,7 @@ def test_a_host_with_another_numeric_environment_is_refused_at_the_first_step(
 PROBE = """
 import hashlib, sys
 import numpy as np
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.factory import build_producer
 prompt = assets.load_prompt()
 for lane in sys.argv[1:]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qualify import assets
-from qualify.digests import sha256_bytes, sha256_file
+from qualify.core import assets
+from qualify.core.digests import sha256_bytes, sha256_file
 from qualify.engines.factory import (
     ADAPTER_SOURCES,
     build_cache_identity,
@@ -25,9 +25,9 @@ from qualify.engines.factory import (
     build_producer,
     checkpoint_digests,
 )
-from qualify.identity import load_identity
-from qualify.lanes import VLLM_LANE_ENGINES, LaneKind, lane_spec, target_cache_identity
-from qualify.sealed import SEALED_IDENTITIES
+from qualify.contract.identity import load_identity
+from qualify.contract.lanes import VLLM_LANE_ENGINES, LaneKind, lane_spec, target_cache_identity
+from qualify.contract.sealed import SEALED_IDENTITIES
 
 SHIPPED = sorted(assets.CONTRACTS_DIR.glob("*-identity-v1.json"))
 
@@ -80,8 +80,8 @@ def test_prompt_digest_is_over_little_endian_uint32_token_ids():
 
 _KV_DIGEST = """
 import sys, numpy as np
-from qualify import assets
-from qualify.digests import sha256_bytes
+from qualify.core import assets
+from qualify.core.digests import sha256_bytes
 from qualify.engines.factory import build_consumer, build_producer
 engine = build_producer("nvfp4-exact", "exact") if sys.argv[1] == "producer" else build_consumer("nvfp4-native-w4a4")
 kv = engine.prefill(assets.load_prompt()[:2047])
@@ -114,8 +114,8 @@ def test_native_producer_is_not_the_consumer():
 
 def test_a_run_refuses_an_identity_whose_adapter_source_changed():
     from qualify.engines.factory import check_adapter
-    from qualify.errors import Refused
-    from qualify.lanes import LaneKind
+    from qualify.core.errors import Refused
+    from qualify.contract.lanes import LaneKind
 
     name, source = ADAPTER_SOURCES[LaneKind.NVFP4]
     check_adapter(LaneKind.NVFP4, name, sha256_file(assets.REPO_ROOT / source))

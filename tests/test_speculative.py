@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.base import Engine
 from qualify.engines.draft import EagleDraft, load_draft_safetensors
 from qualify.engines.kquant import KQuantEngine, build_kquant_engine
 from qualify.engines.speculative import SpeculativeEngine, build_speculative_engine
-from qualify.errors import Refused
-from qualify.kv import KVCache
-from qualify.lanes import ProducerMode
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
+from qualify.contract.lanes import ProducerMode
 
 HANDOFF = 2047
 DECODE = 256
@@ -144,7 +144,7 @@ def test_speculative_equals_plain_greedy_on_every_document(spec: SpeculativeEngi
 PRODUCER_CONSUMER = """
 import hashlib, json, sys
 import numpy as np
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.speculative import build_speculative_engine
 engine = build_speculative_engine()
 prompt = assets.load_prompt(sys.argv[1])

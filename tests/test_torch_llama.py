@@ -26,8 +26,8 @@ import pytest
 
 from qualify.engines.base import DecodeResult, Engine
 from qualify.engines.reference import ReferenceEngine
-from qualify.errors import Refused
-from qualify.kv import KVCache
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.factory import build_consumer, build_producer, checkpoint_digests, expected_cache_identity
 from qualify.engines.reference import ReferenceEngine
-from qualify.errors import Refused
-from qualify.identity import load_identity
-from qualify.lanes import TRANSFORMERS_LANE_SETTINGS, lane_spec, target_cache_identity
-from qualify.receipts import verify_receipt
+from qualify.core.errors import Refused
+from qualify.contract.identity import load_identity
+from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS, lane_spec, target_cache_identity
+from qualify.archive.receipts import verify_receipt
 
 LANES = sorted(TRANSFORMERS_LANE_SETTINGS)
 
@@ -32,7 +32,7 @@ def identity_path(lane: str) -> Path:
 
 
 def qualify_cli(receipts: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qualify.cli", "--recipe", "native-text",
+    return subprocess.run([sys.executable, "-m", "qualify.interfaces.cli", "--recipe", "native-text",
                            "--receipts", str(receipts), *args], cwd=assets.REPO_ROOT,
                           env=dict(os.environ, **(env or {})), capture_output=True, text=True,
                           timeout=600, check=False)
@@ -114,7 +114,7 @@ def test_shipped_cuda_identity_qualifies_on_a_gpu(lane: str, tmp_path: Path) -> 
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_block_order_fault_in_the_bf16_lane_is_caught_and_localised(tmp_path: Path) -> None:
-    from qualify.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
+    from qualify.engines.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
 
     completed = qualify_cli(tmp_path, "--identity", str(identity_path("transformers-cuda-bf16")),
                             "--fault", "block-order")

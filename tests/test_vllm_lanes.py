@@ -27,8 +27,8 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
-from qualify.receipts import verify_receipt  # noqa: E402
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
+from qualify.archive.receipts import verify_receipt  # noqa: E402
 
 HANDOFF_POSITIONS = 1920  # whole 128-token blocks of the 2047 handed-off prompt tokens
 REPO = Path(__file__).resolve().parents[1]
@@ -85,8 +85,8 @@ def host_match(lane: str) -> HostMatch:
     consumer's from ``factory.build_consumer`` (cheap). Computed once per lane per session."""
     if lane not in _HOST_MATCHES:
         from qualify.engines import factory
-        from qualify.lanes import VLLM_LANE_ENGINES
-        from qualify.qualifier import identity_path_for_lane
+        from qualify.contract.lanes import VLLM_LANE_ENGINES
+        from qualify.run.qualification import identity_path_for_lane
 
         document = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))
         if VLLM_LANE_ENGINES[lane][1] == "vllm":
@@ -167,7 +167,7 @@ def test_page_layout_round_trip_and_refusals():
 
 def test_version_pin_refuses_another_vllm(monkeypatch):
     from qualify.engines import vllm_engine
-    from qualify.errors import Refused
+    from qualify.core.errors import Refused
 
     monkeypatch.setattr(vllm_engine, "installed_vllm_version", lambda: "0.31.9")
     with pytest.raises(Refused, match="installed version 0.31.9, this harness pins 0.32.0"):
@@ -180,7 +180,7 @@ def test_a_misread_page_layout_is_refused_at_start(monkeypatch):
     import torch
 
     from qualify.engines import vllm_connector, vllm_engine
-    from qualify.errors import Refused
+    from qualify.core.errors import Refused
 
     def untransposed(kv_layer, block_ids, head_dim):
         _, heads, block_size, _ = kv_layer.shape
@@ -201,7 +201,7 @@ def test_a_misread_page_layout_is_refused_at_start(monkeypatch):
 def test_abi_names_the_cpu_class_and_the_pinned_threads():
     import torch
 
-    from qualify import hostenv
+    from qualify.core import hostenv
     from qualify.engines import vllm_engine
 
     abi = vllm_engine.vllm_engine_abi()
@@ -235,9 +235,9 @@ def test_the_harness_overrides_the_operators_numeric_environment(monkeypatch):
 _BITS_SCRIPT = """
 import hashlib, json, sys
 import numpy as np
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.vllm_engine import VllmEngine
-from qualify.kv import KVCache
+from qualify.core.kv import KVCache
 engine = VllmEngine()
 prompt = assets.load_prompt()
 kv = engine.prefill(prompt[:1099])  # 8 whole blocks handed off; the cold branch keeps all 1099
@@ -280,7 +280,7 @@ def test_a_new_engine_shuts_the_previous_one_down(monkeypatch):
     was alive exported through the fault engine's connector."""
     import vllm.v1.worker.gpu_worker as gpu_worker
 
-    from qualify import assets
+    from qualify.core import assets
     from qualify.engines import vllm_connector as c
     from qualify.engines import vllm_engine
     from qualify.engines.reference import ReferenceEngine
@@ -415,9 +415,10 @@ def test_another_cpu_class_is_refused_at_the_first_step(tmp_path, capsys):
     ABI names another class), the shipped vllm-to-reference identity is refused: exit 2 at
     'identity sealed', naming producer_engine.abi, both CPU classes and the calibrate command;
     no producer starts, no handoff runs, no receipt is written. Runs on every host."""
-    from qualify import cli, hostenv
+    from qualify.interfaces import cli
+    from qualify.core import hostenv
     from qualify.engines import vllm_engine
-    from qualify.qualifier import identity_path_for_lane
+    from qualify.run.qualification import identity_path_for_lane
 
     lane = "vllm-to-reference"
     pinned = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))["producer_engine"]["abi"]
@@ -455,11 +456,11 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     import contextlib
     import io
 
-    from qualify import cli
-    from qualify import identity as identity_module
-    from qualify import sealed as sealed_module
+    from qualify.interfaces import cli
+    from qualify.contract import identity as identity_module
+    from qualify.contract import sealed as sealed_module
     from qualify.engines import factory
-    from qualify.qualifier import calibrate
+    from qualify.run.qualification import calibrate
 
     lane = "vllm-to-reference"
     receipts = tmp_path / "receipts"

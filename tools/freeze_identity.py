@@ -2,11 +2,11 @@
 """Freeze one lane's onboarding identity from the real artifacts, in one command.
 
 Computes the SHA-256 of every pinned artifact (checkpoint files under ``model/``, tokenizer,
-main prompt via ``qualify.assets.prompt_sha256``, RoPE cache, adapter, draft, basis receipt),
+main prompt via ``qualify.core.assets.prompt_sha256``, RoPE cache, adapter, draft, basis receipt),
 derives the lane's target-cache identity, validates the result through the same layers as
 ``qualify identity check``, then writes the identity JSON (never over an existing file unless
 ``--replace``; written whole via a temporary file) and prints the ``SealedIdentity(...)`` block
-to paste into ``qualify/sealed.py``.
+to paste into ``qualify/contract/sealed.py``.
 
 Example (rung 2, after the calibration run archived its receipt)::
 
@@ -36,13 +36,13 @@ if str(REPO_ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from qualify.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256  # noqa: E402
-from qualify.digests import canonical_json_bytes, canonical_sha256, sha256_bytes, sha256_file  # noqa: E402
+from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256  # noqa: E402
+from qualify.core.digests import canonical_json_bytes, canonical_sha256, sha256_bytes, sha256_file  # noqa: E402
 from qualify.engines.factory import ADAPTER_SOURCES  # noqa: E402
-from qualify.errors import Refused, one_line  # noqa: E402
-from qualify.identity import DEFAULT_ARCHIVE_DIR, validate_identity_document  # noqa: E402
-from qualify.lanes import LANES, LaneKind, LaneSpec, lane_spec, target_cache_identity  # noqa: E402
-from qualify.sealed import (  # noqa: E402
+from qualify.core.errors import Refused, one_line  # noqa: E402
+from qualify.contract.identity import DEFAULT_ARCHIVE_DIR, validate_identity_document  # noqa: E402
+from qualify.contract.lanes import LANES, LaneKind, LaneSpec, lane_spec, target_cache_identity  # noqa: E402
+from qualify.contract.sealed import (  # noqa: E402
     RECEIPT_URI,
     RELPATH,
     SealedCheckpoint,
@@ -295,7 +295,7 @@ def constant_name(lane: str) -> str:
 
 
 def sealed_python_block(sealed: SealedIdentity) -> str:
-    """The Python source to paste into ``qualify/sealed.py`` for this sealed identity."""
+    """The Python source to paste into ``qualify/contract/sealed.py`` for this sealed identity."""
     name = constant_name(sealed.lane)
     return (
         f"# {sealed.lane}: frozen by tools/freeze_identity.py; identity_sha256 "
@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="freeze_identity", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
-    parser.add_argument("--lane", required=True, help="lane identity name (qualify/lanes.py)")
+    parser.add_argument("--lane", required=True, help="lane identity name (qualify/contract/lanes.py)")
     parser.add_argument("--producer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
                         help="default: what qualify.engines.factory.build_producer reports")
     parser.add_argument("--consumer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),

@@ -3,7 +3,7 @@
 Runs on the GPU machine (``source tools/device_env.sh`` first), from the repo root. For each lane:
 ``qualify calibrate`` (5 handoffs, basis receipt under ``receipts/``) -> if the tokens stayed exact,
 ``tools/freeze_identity.py`` with the proposed bounds (identity JSON under ``contracts/``) and the
-printed sealed block written into *this copy's* ``qualify/sealed.py`` -> ``qualify --recipe
+printed sealed block written into *this copy's* ``qualify/contract/sealed.py`` -> ``qualify --recipe
 native-text --identity ...`` in a fresh process. A lane whose tokens diverge is not frozen: its
 calibration receipt, with localisation, is the published result. Everything it made is packed
 into ``OUT/gpu-lanes.tar`` with a ``summary.json``; the sealed.py change comes back inside it and is
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from qualify.lanes import LANES, TRANSFORMERS_LANE_SETTINGS  # noqa: E402
+from qualify.contract.lanes import LANES, TRANSFORMERS_LANE_SETTINGS  # noqa: E402
 
 SEALED_PY = REPO / "qualify" / "sealed.py"
 TABLE_START = "SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(\n"
@@ -67,7 +67,7 @@ def printed_block(printed: str, lane: str) -> str:
 
 def calibrate_lane(lane: str, repetitions: int) -> dict:
     """Run the calibration in-process; return its figures and receipt."""
-    from qualify.qualifier import RunOptions, calibrate
+    from qualify.run.qualification import RunOptions, calibrate
 
     command = ["qualify", "calibrate", "--recipe", "native-text", "--lane", lane,
                "--repetitions", str(repetitions), "--receipts", "receipts"]
@@ -109,11 +109,11 @@ def qualify_lane(summary: dict) -> None:
     """Run ``qualify --recipe native-text`` on the frozen identity in a fresh process."""
     before = set((REPO / "receipts").iterdir())
     began = time.perf_counter()
-    from qualify.lanes import VLLM_LANE_ENGINES
+    from qualify.contract.lanes import VLLM_LANE_ENGINES
 
     producer, consumer = VLLM_LANE_ENGINES.get(summary["lane"], ("reference", "reference"))
     completed = subprocess.run(
-        [sys.executable, "-m", "qualify.cli", "--recipe", "native-text", "--identity", summary["identity"],
+        [sys.executable, "-m", "qualify.interfaces.cli", "--recipe", "native-text", "--identity", summary["identity"],
          "--producer", producer, "--consumer", consumer, "--receipts", "receipts"],
         cwd=REPO, capture_output=True, text=True, check=False)
     print(completed.stdout[-4000:], completed.stderr[-2000:])
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     (REPO / "summary.json").write_text(json.dumps(summaries, indent=1) + "\n", encoding="utf-8")
     with tarfile.open(args.out / "gpu-lanes.tar", "w") as tar:
         tar.add(REPO / "summary.json", arcname="summary.json")
-        tar.add(SEALED_PY, arcname="qualify/sealed.py")
+        tar.add(SEALED_PY, arcname="qualify/contract/sealed.py")
         for path in sorted(set((REPO / "receipts").iterdir()) - receipts_before):
             tar.add(path, arcname=f"receipts/{path.name}")
         for summary in summaries:

@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qualify.digests import sha256_file  # noqa: E402
+from qualify.core.digests import sha256_file  # noqa: E402
 from qualify.engines.checkpoint import LlamaConfig, load_config, load_weights  # noqa: E402
 from qualify.engines.draft import DRAFT_FILE, load_draft_safetensors  # noqa: E402
 from qualify.engines.kquant import (  # noqa: E402

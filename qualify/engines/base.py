@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from qualify.errors import Refused
-from qualify.kv import KVCache, KVGeometry
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache, KVGeometry
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from qualify.engines.base import ModelGeometry
-from qualify.errors import Refused, one_line
+from qualify.core.errors import Refused, one_line
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

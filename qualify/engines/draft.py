@@ -28,8 +28,8 @@ from qualify.engines.base import ModelGeometry
 from qualify.engines.checkpoint import check_tensors
 from qualify.engines.kquant import decode_rows
 from qualify.engines.reference import DecodeCache, DecoderLayer, KeepFloat32, MakeLinear, dense_linear
-from qualify.errors import Refused
-from qualify.kv import KVCache
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
 
 DRAFT_FILE = "draft.safetensors"
 LAYER_PREFIX = "layer."

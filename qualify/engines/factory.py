@@ -12,11 +12,11 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
-from qualify import assets
-from qualify.digests import sha256_file
+from qualify.core import assets
+from qualify.core.digests import sha256_file
 from qualify.engines.base import Engine
-from qualify.errors import Refused
-from qualify.lanes import LaneKind, LaneSpec, ProducerMode, lane_spec, target_cache_identity
+from qualify.core.errors import Refused
+from qualify.contract.lanes import LaneKind, LaneSpec, ProducerMode, lane_spec, target_cache_identity
 
 NVFP4_CHECKPOINT = assets.MODEL_DIR / "nvfp4" / "model.safetensors"
 
@@ -87,7 +87,7 @@ def _nvfp4_engine(arithmetic: str) -> Engine:
 
 def _vllm_lane_engine(spec: LaneSpec, role: Role, vllm_fault: str | None = None) -> Engine:
     """One side of a ``vllm`` lane: vLLM through the project connector, or the float32 reference."""
-    from qualify.lanes import VLLM_LANE_ENGINES
+    from qualify.contract.lanes import VLLM_LANE_ENGINES
 
     producer, consumer = VLLM_LANE_ENGINES[spec.name]
     if (producer if role == "producer" else consumer) == "vllm":
@@ -99,7 +99,7 @@ def _vllm_lane_engine(spec: LaneSpec, role: Role, vllm_fault: str | None = None)
     engine = ReferenceEngine.from_model_dir(assets.MODEL_DIR)
     if role == "producer":
         # vLLM installs whole blocks only: the reference producer hands off whole blocks too.
-        from qualify.lanes import VLLM_BLOCK_SIZE
+        from qualify.contract.lanes import VLLM_BLOCK_SIZE
 
         return WholeBlockProducer(engine, VLLM_BLOCK_SIZE)
     return engine
@@ -116,7 +116,7 @@ class WholeBlockProducer:
         return getattr(self._engine, attribute)
 
     def prefill(self, tokens):
-        from qualify.kv import KVCache
+        from qualify.core.kv import KVCache
 
         kv = self._engine.prefill(tokens)
         positions = (kv.geometry.positions // self.handoff_block_size) * self.handoff_block_size
@@ -135,7 +135,7 @@ def _transformers_lane_engine(spec: LaneSpec, role: Role) -> Engine:
     if role == "consumer":
         return ReferenceEngine.from_model_dir(assets.MODEL_DIR)
     from qualify.engines.transformers_engine import TransformersEngine
-    from qualify.lanes import TRANSFORMERS_LANE_SETTINGS
+    from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS
 
     settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
     return TransformersEngine(assets.MODEL_DIR, device=settings.device, dtype=settings.dtype,
@@ -147,12 +147,12 @@ def _producer_abi(spec: LaneSpec) -> str:
     the model when it is transformers (that still needs the lane's GPU: the ABI names it)."""
     if spec.kind is LaneKind.TRANSFORMERS:
         from qualify.engines.transformers_engine import engine_abi
-        from qualify.lanes import TRANSFORMERS_LANE_SETTINGS
+        from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS
 
         settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
         return engine_abi(settings.device, settings.dtype, settings.tf32)
     if spec.kind is LaneKind.VLLM:
-        from qualify.lanes import VLLM_LANE_ENGINES
+        from qualify.contract.lanes import VLLM_LANE_ENGINES
 
         if VLLM_LANE_ENGINES[spec.name][0] == "vllm":
             from qualify.engines.vllm_engine import vllm_engine_abi
@@ -205,7 +205,7 @@ def _mode_spec(spec: LaneSpec, mode: ProducerMode) -> LaneSpec:
 
 
 def _lanes_of_kind(kind: LaneKind) -> list[LaneSpec]:
-    from qualify.lanes import LANES
+    from qualify.contract.lanes import LANES
 
     return [spec for spec in LANES.values() if spec.kind is kind]
 
@@ -260,7 +260,7 @@ def producer_facts(lane: str):
 
     spec = lane_spec(lane)
     if spec.kind is LaneKind.VLLM:
-        from qualify.lanes import VLLM_LANE_ENGINES
+        from qualify.contract.lanes import VLLM_LANE_ENGINES
 
         if VLLM_LANE_ENGINES[spec.name][0] == "vllm":
             from qualify.engines.reference import load_config

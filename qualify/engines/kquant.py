@@ -38,9 +38,9 @@ import gguf
 import numpy as np
 
 import qualify
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens
-from qualify.numerics import FixedPointRows, matmul_rows
+from qualify.core.numerics import FixedPointRows, matmul_rows
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
@@ -51,9 +51,9 @@ from qualify.engines.reference import (
     apply_rope,
     rms_norm,
 )
-from qualify.errors import Refused, one_line
-from qualify.kv import KVCache
-from qualify.lanes import ProducerMode
+from qualify.core.errors import Refused, one_line
+from qualify.core.kv import KVCache
+from qualify.contract.lanes import ProducerMode
 
 QUANT_TYPE = gguf.GGMLQuantizationType.Q8_0
 BLOCK = 32  # Q8_0 quants per block (llama.cpp QK8_0)

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import deserialize
 
-from qualify.errors import Refused, one_line
+from qualify.core.errors import Refused, one_line
 
 BLOCK_SIZE = 16  # values per E4M3FN scale
 E2M1_MAX = 6.0

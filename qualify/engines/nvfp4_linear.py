@@ -8,7 +8,7 @@
   float16. Row t of y depends only on row t of x, bit for bit, whatever the batch or BLAS threads.
 * ``splitk`` (native, mild): the same quantized operands dequantized to float32, each 64-wide K
   chunk contracted on its own and rounded to float32 (the machine-independent fixed-point
-  contraction of ``qualify.numerics``), the chunks summed as a pairwise float32 tree
+  contraction of ``qualify.core.numerics``), the chunks summed as a pairwise float32 tree
   (another reduction topology).
 * ``f16`` (native, medium): ``splitk`` with both operands materialized in float16, and the
   engine's intermediates rounded through float16 by ``materialize_f16``.
@@ -28,7 +28,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from qualify.engines.base import Linear
-from qualify.numerics import FixedPointRows, matmul_rows
+from qualify.core.numerics import FixedPointRows, matmul_rows
 from qualify.engines.nvfp4 import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -42,7 +42,7 @@ from qualify.engines.nvfp4 import (
     quantize_blocks_e2m1,
     validate_nvfp4_tensor,
 )
-from qualify.errors import Refused
+from qualify.core.errors import Refused
 
 Arithmetic = Literal["exact", "splitk", "f16", "w4a4"]
 ARITHMETICS: tuple[str, ...] = get_args(Arithmetic)

@@ -24,7 +24,7 @@ Two forward paths share the layer weights and arithmetic kinds but not reduction
   at once, or a consumer that gets several pending tokens, reproduces plain one-token decode bit
   for bit.
 
-Every contraction, sum and transcendental goes through ``qualify.numerics``, whose results
+Every contraction, sum and transcendental goes through ``qualify.core.numerics``, whose results
 are exact by construction (integer contractions, fixed-order sums, elementwise polynomials): the
 same bits on every x86-64 machine whatever BLAS kernel, thread count or numpy SIMD dispatch it
 runs with (the tests compare them in subprocesses).
@@ -48,13 +48,13 @@ from pathlib import Path
 import numpy as np
 
 import qualify
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
-from qualify.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
-from qualify.errors import Refused
-from qualify.hostenv import check_ieee_environment, numeric_environment
-from qualify.kv import KVCache, check_kv_fits
+from qualify.core.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
+from qualify.core.errors import Refused
+from qualify.core.hostenv import check_ieee_environment, numeric_environment
+from qualify.core.kv import KVCache, check_kv_fits
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
 # the abi is part of every lane's cache identity, so old KV never aliases new arithmetic.

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import qualify
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.base import DecodeResult, check_decode_count, check_tokens
 from qualify.engines.draft import EagleDraft
 from qualify.engines.reference import DecodeCache
@@ -55,9 +55,9 @@ from qualify.engines.kquant import (
     load_draft_gguf,
     load_kquant_model,
 )
-from qualify.errors import Refused
-from qualify.kv import KVCache, KVGeometry
-from qualify.lanes import ProducerMode
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache, KVGeometry
+from qualify.contract.lanes import ProducerMode
 
 DEFAULT_PROPOSAL_TOKENS = 1
 """Draft tokens proposed per step (k). k = 1 measured best on this engine for both acceptance
@@ -218,7 +218,7 @@ def build_speculative_engine(proposal_tokens: int = DEFAULT_PROPOSAL_TOKENS,
                              model_dir: Path = assets.MODEL_DIR) -> SpeculativeEngine:
     """The lane ``kquant-exact-dflash`` engine (producer and consumer are both this). ``mode=
     NATIVE`` exists only to fabricate other-mode cache entries (target and draft KV) for fault
-    tests; a native lane never declares a draft (``qualify.lanes.check_speculative_draft``)."""
+    tests; a native lane never declares a draft (``qualify.contract.lanes.check_speculative_draft``)."""
     target = load_kquant_model(mode, model_dir)
     return SpeculativeEngine(target, load_kquant_draft(target, model_dir), proposal_tokens)
 

@@ -32,7 +32,7 @@ on the CPU the same step runs eagerly. Decode equals teacher forcing on its own 
 bit: both replay the same step, which only chooses what it feeds next.
 
 Two faces: the harness :class:`~qualify.engines.base.Engine` protocol (numpy in, numpy out, KV in
-the canonical float32 layout of :mod:`qualify.kv`), and device methods (``prefill_device``,
+the canonical float32 layout of :mod:`qualify.core.kv`), and device methods (``prefill_device``,
 ``install_device``, ``decode_device``, ``kv_device``) that keep KV and logits as torch tensors
 where they are, for ``bench/gpu_scale.py``.
 """
@@ -50,11 +50,11 @@ import torch
 import torch.nn.functional as F
 
 import qualify
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry, check_decode_count
 from qualify.engines.checkpoint import load_config, load_weights
-from qualify.errors import Refused
-from qualify.kv import KVCache, check_kv_fits
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache, check_kv_fits
 
 # Bump whenever the numerics of this file change (op order, fusion, dtypes, attention): the abi is
 # part of a lane's cache identity, so KV of old arithmetic never aliases new arithmetic.

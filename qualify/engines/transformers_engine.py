@@ -19,7 +19,7 @@ The loop keeps tokens and logits on the model's device (``_run_on_device``); onl
 methods copy to the host. A bf16/fp16 consumer rounds an installed float32 KV to its own dtype;
 values beyond float16's range are refused rather than turned into infinities.
 
-Every refusal is :class:`qualify.errors.Refused` with one line: unknown device, dtype or attention
+Every refusal is :class:`qualify.core.errors.Refused` with one line: unknown device, dtype or attention
 implementation, CUDA asked for where there is none, TF32 asked for off CUDA, a KV whose layers,
 shape, dtype or values do not fit this model, bad token arrays.
 """
@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from qualify import assets
+from qualify.core import assets
 from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry
 from qualify.engines.checkpoint import WEIGHTS_FILE, load_config, model_files_view
-from qualify.errors import Refused, one_line
-from qualify.kv import KVCache, check_kv_fits
+from qualify.core.errors import Refused, one_line
+from qualify.core.kv import KVCache, check_kv_fits
 
 # Bump whenever this file's numerics change (how KV is installed, how pending tokens are fed).
 ABI_VERSION = "transformers-torch-abi-1"

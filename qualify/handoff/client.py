@@ -7,7 +7,7 @@ handoffs. Every wait has a deadline and watches the process, so a producer that 
 exit 75, closed socket) or stalls becomes a :class:`ProducerFailure` carrying its last message
 and exit status within seconds, never a hang.
 
-The producer's ``ready`` answer carries its host facts (``qualify.hostenv.host_facts``);
+The producer's ``ready`` answer carries its host facts (``qualify.core.hostenv.host_facts``);
 :attr:`ProducerProcess.host_facts` holds them once checked, or None with
 :attr:`ProducerProcess.host_facts_problem` saying why. They are informational: a producer whose
 facts are missing or malformed still serves, and the receipt records them as missing.
@@ -35,8 +35,8 @@ from typing import Any, Literal, NoReturn
 
 import numpy as np
 
-from qualify.assets import REPO_ROOT
-from qualify.errors import ProducerFailed, Refused, one_line
+from qualify.core.assets import REPO_ROOT
+from qualify.core.errors import ProducerFailed, Refused, one_line
 from qualify.handoff.service import (
     DEFAULT_WARMUP_TOKENS,
     DEFAULT_WATCHDOG_S,
@@ -52,7 +52,7 @@ from qualify.handoff.service import (
     encode_frame_header,
 )
 from qualify.handoff.wire import MAC_BYTES, Handoff, TransportStats
-from qualify.hostenv import host_facts_problem
+from qualify.core.hostenv import host_facts_problem
 
 # How often a blocked wait wakes to check the process and its deadline.
 POLL_S = 0.2

@@ -18,7 +18,7 @@ length, a canonical-JSON header, then the raw blobs the header's ``blobs`` list 
 the producer sends ``hello`` with a nonce; the client answers ``auth`` with
 HMAC-SHA256(run key, context || nonce); then ``ready?``, ``prefill {tokens, request_id}`` (answered
 by ``handoff`` with blobs manifest, MAC, payload) and ``shutdown``. The ``ready`` answer carries
-``host``: this process's :func:`qualify.hostenv.host_facts` (CPU, ISA flags, BLAS kernel and
+``host``: this process's :func:`qualify.core.hostenv.host_facts` (CPU, ISA flags, BLAS kernel and
 threads, numpy SIMD dispatch, GPU, harness commit), taken once after the warm-up prefill, so the
 consumer can record in its receipt what the producer ran on.
 """
@@ -48,13 +48,13 @@ from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
-from qualify.assets import prompt_sha256
-from qualify.faults import FAULTS, FaultyProducer
-from qualify.digests import canonical_json_bytes, is_sha256_hex
+from qualify.core.assets import prompt_sha256
+from qualify.engines.faults import FAULTS, FaultyProducer
+from qualify.core.digests import canonical_json_bytes, is_sha256_hex
 from qualify.engines.base import Engine, ModelGeometry
-from qualify.errors import Refused, one_line
+from qualify.core.errors import Refused, one_line
 from qualify.handoff.wire import PRODUCER_MODES, SealedHandoff, key_id, seal_handoff_parts
-from qualify.hostenv import host_facts
+from qualify.core.hostenv import host_facts
 
 PROTOCOL = "trust-ladder.handoff-protocol.v1"
 EXIT_OK = 0
@@ -213,13 +213,13 @@ class ProducerExpectation:
 
 
 def expectation_from_identity(identity: Any, model_geometry: ModelGeometry) -> ProducerExpectation:
-    """Build the start expectation from a loaded ``qualify.identity.Identity``.
+    """Build the start expectation from a loaded ``qualify.contract.identity.Identity``.
 
     The identity pins the producer engine (name, version, ABI), the checkpoint file digests,
     the context length and the RoPE base; the rest of the model geometry comes from the model's
     config (``model_geometry``), which must agree with the identity on those two numbers.
     """
-    from qualify.identity import identity_sha256
+    from qualify.contract.identity import identity_sha256
 
     if model_geometry.max_positions != identity.context_policy.max_positions:
         raise Refused(
@@ -286,7 +286,7 @@ def check_engine(engine: object, *, mode: str, expectation: ProducerExpectation)
     if not is_sha256_hex(cache_identity):
         raise StartRefused(
             f"engine target_cache_identity_sha256: found {cache_identity!r}; the factory must "
-            f"derive it for the mode it built (qualify.lanes.target_cache_identity)"
+            f"derive it for the mode it built (qualify.contract.lanes.target_cache_identity)"
         )
     return str(cache_identity)
 
@@ -329,7 +329,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--exit-with-stdin", action="store_true",
                         help="exit when stdin reaches EOF (the parent is gone)")
     parser.add_argument("--fault", default=None,
-                        help="serve a named fault lane (qualify.faults; self-tests and operators)")
+                        help="serve a named fault lane (qualify.engines.faults; self-tests and operators)")
     return parser
 
 

@@ -1,6 +1,6 @@
 """The handoff wire format: a safetensors KV payload, a JSON manifest, and an HMAC-SHA256 over it.
 
-A producer seals a :class:`~qualify.kv.KVCache` into a :class:`Handoff`: the payload is the
+A producer seals a :class:`~qualify.core.kv.KVCache` into a :class:`Handoff`: the payload is the
 safetensors encoding of ``KVCache.tensors()`` (byte-identical to ``safetensors.numpy.save``, built
 without copying the tensors; float16/32/64, or bfloat16 as ml_dtypes' numpy dtype), the manifest names what the payload is (per-layer seam digests,
 payload tree digest and size, identity, cache identity, producer mode, geometry, prompt digest,
@@ -45,10 +45,10 @@ import jsonschema
 import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, the wire's BF16 tensors)
 import numpy as np
 
-from qualify.assets import CONTRACTS_DIR
-from qualify.digests import canonical_json_bytes, is_sha256_hex, strict_json_loads
-from qualify.errors import HandoffRefused, Refused, one_line
-from qualify.kv import KVCache, KVGeometry
+from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.digests import canonical_json_bytes, is_sha256_hex, strict_json_loads
+from qualify.core.errors import HandoffRefused, Refused, one_line
+from qualify.core.kv import KVCache, KVGeometry
 
 MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v3"
 MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v3.schema.json"

@@ -4,7 +4,7 @@ Layout of ``<archive>/<run-id>/``::
 
     command.log               command line, then one timestamped line per log entry
     identity.json             the identity document, byte for byte
-    identity.sha256           its canonical digest (``qualify.digests.canonical_sha256``)
+    identity.sha256           its canonical digest (``qualify.core.digests.canonical_sha256``)
     versions.json             engine and library versions
     host.json                 what each process ran on (below); absent in receipts older than it
     samples/sample-<n>.json   one sample record per handoff (n from 1)
@@ -15,7 +15,7 @@ Layout of ``<archive>/<run-id>/``::
 with one P per producer start, in order (a calibration restarts its producer for every handoff;
 an empty list: no producer reached readiness), each P ``{"facts": F or null, "note": null or why
 the facts are missing}``, each F a
-:func:`qualify.hostenv.host_facts` document: CPU model and SIMD flags, BLAS library, kernel and
+:func:`qualify.core.hostenv.host_facts` document: CPU model and SIMD flags, BLAS library, kernel and
 threads, the kernel-selecting environment variables, numpy's SIMD dispatch, torch threads and GPU,
 the harness's git commit. The consumer's are taken when the receipt is finalized (in the writing
 process), the producer's are what it reported when ready (:meth:`ReceiptWriter.set_producer_host`).
@@ -55,11 +55,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 import jsonschema
 from pydantic import BaseModel
 
-from qualify.assets import CONTRACTS_DIR
-from qualify.digests import canonical_sha256, is_sha256_hex, strict_json_loads
-from qualify.errors import Refused, one_line
-from qualify.hostenv import host_facts, host_facts_problem
-from qualify.records import CheckRecord, SampleRecord, ValidationSummary, record_json
+from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.digests import canonical_sha256, is_sha256_hex, strict_json_loads
+from qualify.core.errors import Refused, one_line
+from qualify.core.hostenv import host_facts, host_facts_problem
+from qualify.evidence.records import CheckRecord, SampleRecord, ValidationSummary, record_json
 
 if TYPE_CHECKING:
     from qualify.judge import Verdict

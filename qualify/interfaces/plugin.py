@@ -1,7 +1,7 @@
 """pytest plugin: recipe options, the shared ``qualification`` fixture, and ordered recipe steps.
 
 A recipe module (``recipes/native_text.py``) holds one test per progress label. All tests of a
-module share one :class:`qualify.qualifier.QualificationRun`; a step whose predecessor failed
+module share one :class:`qualify.run.qualification.QualificationRun`; a step whose predecessor failed
 fails too (never skips), so a CI gate cannot pass on a partial run. Under pytest-xdist the
 module is the unit of distribution, so one run's handoffs stay ordered on one worker while
 independent runs spread over workers.
@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def qualification(request: pytest.FixtureRequest):
     """The module's qualification run, built from its ``RECIPE`` and the command-line options."""
-    from qualify.qualifier import QualificationRun, RunOptions
+    from qualify.run.qualification import QualificationRun, RunOptions
 
     config = request.config
     recipe = getattr(request.module, "RECIPE", None)

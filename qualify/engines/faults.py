@@ -14,9 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from qualify.numerics import cos_sin
-from qualify.errors import Refused
-from qualify.kv import KVCache
+from qualify.core.numerics import cos_sin
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
 
 # Where single-site faults land; chosen once, before any run, and named in every report.
 FAULT_LAYER = 2
@@ -152,7 +152,7 @@ class FaultyProducer:
 
     def prefill(self, tokens: np.ndarray) -> KVCache:
         if self.fault == "other-prompt":
-            from qualify.assets import load_prompt
+            from qualify.core.assets import load_prompt
 
             tokens = load_prompt(OTHER_PROMPT)[: len(tokens)]
         kv = self.prefill_engine.prefill(tokens)

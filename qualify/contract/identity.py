@@ -6,13 +6,13 @@ a. bytes: a regular file of at most 1 MiB, strict UTF-8 without BOM, strict JSON
    Infinity, no duplicate keys, nesting at most 32 deep, no control characters in strings);
 b. JSON Schema ``contracts/onboarding-identity.v1.schema.json`` (draft 2020-12, closed objects);
 c. frozen strict pydantic models (the typed view the code uses, :class:`Identity`);
-d. exact equality with the sealed constants of the lane (``qualify/sealed.py``): every field of
+d. exact equality with the sealed constants of the lane (``qualify/contract/sealed.py``): every field of
    the document, type included (``11`` is not ``11.0``), and the ``basis`` receipt, which must
    resolve under ``receipts/`` and hash to the sealed ``basis_sha256``.
 
 Every refusal is one line ``identity <path>: <field>: found <value>, sealed|expected <value>``.
 The identity digest (:func:`identity_sha256`) is the canonical SHA-256
-(:func:`qualify.digests.canonical_sha256`) of the document as loaded; load_identity guarantees the
+(:func:`qualify.core.digests.canonical_sha256`) of the document as loaded; load_identity guarantees the
 typed model serialises back to exactly that document, so the digest can be taken from either.
 """
 
@@ -37,11 +37,11 @@ from jsonschema.exceptions import ValidationError as SchemaError
 from jsonschema.exceptions import best_match
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, ValidationError
 
-from qualify import sealed as sealed_module
-from qualify.assets import CONTRACTS_DIR, REPO_ROOT
-from qualify.digests import canonical_json_bytes, canonical_sha256, sha256_file
-from qualify.errors import Refused, one_line
-from qualify.lanes import (
+from qualify.contract import sealed as sealed_module
+from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
+from qualify.core.digests import canonical_json_bytes, canonical_sha256, sha256_file
+from qualify.core.errors import Refused, one_line
+from qualify.contract.lanes import (
     LANES,
     LaneKind,
     LaneSpec,
@@ -50,7 +50,7 @@ from qualify.lanes import (
     Recipe,
     check_speculative_draft,
 )
-from qualify.sealed import RECEIPT_URI, RELPATH, SealedIdentity, is_sealable_sha256
+from qualify.contract.sealed import RECEIPT_URI, RELPATH, SealedIdentity, is_sealable_sha256
 
 MAX_DOCUMENT_BYTES = 1 << 20
 """Largest identity or registry file read (1 MiB); an identity is a few kilobytes."""
@@ -348,7 +348,7 @@ class Checkpoint(_Frozen):
 
 
 class PromptRef(_Frozen):
-    """The qualification prompt: name, token count, ``qualify.assets.prompt_sha256`` digest."""
+    """The qualification prompt: name, token count, ``qualify.core.assets.prompt_sha256`` digest."""
 
     name: Name
     tokens: PositiveInt
@@ -472,7 +472,7 @@ class Identity(_Frozen):
 
 def identity_sha256(identity: Identity) -> str:
     """Canonical SHA-256 of the identity document as loaded: part of the lane identity,
-    written into every receipt (``qualify.digests.canonical_sha256``)."""
+    written into every receipt (``qualify.core.digests.canonical_sha256``)."""
     if not isinstance(identity, Identity):
         raise Refused(f"identity digest: found {type(identity).__name__}, expected Identity")
     return canonical_sha256(identity.document())
@@ -508,8 +508,8 @@ def _sealed_mismatch(found: Any, sealed: Any, path: tuple[str | int, ...]) -> st
 
 
 def _receipt_resolver(context: str) -> Callable[[str, Path], Any] | None:
-    """``qualify.receipts.resolve_receipt_uri`` if that module exists; a broken one refuses."""
-    name = "qualify.receipts"
+    """``qualify.archive.receipts.resolve_receipt_uri`` if that module exists; a broken one refuses."""
+    name = "qualify.archive.receipts"
     try:
         present = name in sys.modules or importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
@@ -530,7 +530,7 @@ def _receipt_resolver(context: str) -> Callable[[str, Path], Any] | None:
 def resolve_basis(uri: str, archive_dir: Path, sealed_sha256: str, where: str) -> Path:
     """Resolve ``receipt://<run-id>/<file>`` to an archived file whose SHA-256 is sealed.
 
-    Uses ``qualify.receipts.resolve_receipt_uri`` (which verifies the receipt manifest) when
+    Uses ``qualify.archive.receipts.resolve_receipt_uri`` (which verifies the receipt manifest) when
     that module exists; the sealed file digest is checked either way.
     """
     field = "onboarding_qualification.basis"
@@ -643,7 +643,7 @@ def load_identity(
 ) -> Identity:
     """Read and validate an identity file (layers a-d); any refusal is one-line ``Refused``.
 
-    ``sealed_identities`` defaults to the shipped ``qualify.sealed.SEALED_IDENTITIES`` and
+    ``sealed_identities`` defaults to the shipped ``qualify.contract.sealed.SEALED_IDENTITIES`` and
     ``archive_dir`` to ``receipts/`` in the checkout.
     """
     where = f"identity {os.fspath(path)}"

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from qualify import faults
-from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions
+from qualify.engines import faults
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
 RUNG_RECIPES = {2: "native-text", 3: "kquant-target-plus-dflash"}
 

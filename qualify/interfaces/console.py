@@ -1,6 +1,6 @@
 """What an operator sees: ``qualify --recipe``, ``qualify calibrate`` and ``qualify selftest``.
 
-Drives :class:`qualify.qualifier.QualificationRun` in-process with rich progress (one line per
+Drives :class:`qualify.run.qualification.QualificationRun` in-process with rich progress (one line per
 progress label), prints the per-sample table, the verdict in the judgement's own words and the
 receipt path. Exit codes: 0 qualified, 1 not qualified, 2 refused contract or bad usage.
 """
@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from qualify.errors import Refused
-from qualify.qualifier import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
+from qualify.core.errors import Refused
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
 
 EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
@@ -164,12 +164,12 @@ def run_cli(argv: Sequence[str]) -> int:
 
 def calibrate_cli(argv: Sequence[str]) -> int:
     """``qualify calibrate --recipe R --lane L --repetitions N``: measure, archive, propose."""
-    from qualify.qualifier import calibrate
+    from qualify.run.qualification import calibrate
 
     parser = _OneLineParser(prog="qualify calibrate",
                             description="Measure a lane's drift envelope and propose its sealed bounds.")
     parser.add_argument("--recipe", required=True, choices=["native-text", "kquant-target-plus-dflash"])
-    parser.add_argument("--lane", required=True, help="lane name (qualify/lanes.py)")
+    parser.add_argument("--lane", required=True, help="lane name (qualify/contract/lanes.py)")
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--receipts", type=Path, help="receipt archive for the calibration receipt")
     args = parser.parse_args(list(argv))
@@ -209,7 +209,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
             f"  tools/freeze_identity.py --lane {args.lane} --maximum-absolute "
             f"{result.proposed_maximum_absolute} --maximum-mean-absolute "
             f"{result.proposed_maximum_mean_absolute} --basis receipt://{result.receipt_path.name}/command.log\n"
-            "  then paste the printed block into qualify/sealed.py and copy the receipt into receipts/")
+            "  then paste the printed block into qualify/contract/sealed.py and copy the receipt into receipts/")
     console.print(f"receipt: {result.receipt_path}")
     return EXIT_PASS if result.tokens_exact and result.deterministic and not result.failures else EXIT_FAILED
 
@@ -218,7 +218,7 @@ def selftest_cli(argv: Sequence[str]) -> int:
     """``qualify selftest [--fault NAME] [--receipts DIR]``: every fault lane must fail, localised."""
     import tempfile
 
-    from qualify.selftest import all_fault_runs, run_fault
+    from qualify.run.selftest import all_fault_runs, run_fault
 
     parser = _OneLineParser(prog="qualify selftest",
                             description="Run the recipes against the fault lanes; each must fail where it was injected.")
@@ -228,7 +228,7 @@ def selftest_cli(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     pairs = [(name, rung) for name, rung in all_fault_runs() if not args.fault or name in args.fault]
     if not pairs:
-        raise Refused(f"selftest --fault: found {args.fault}, expected names from qualify.faults")
+        raise Refused(f"selftest --fault: found {args.fault}, expected names from qualify.engines.faults")
     console = operator_console()
     table = Table(title="fault lanes", header_style="bold")
     for column in ("fault", "recipe", "caught", "localised", "finding"):

@@ -20,9 +20,9 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from qualify.digests import canonical_sha256, is_sha256_hex
-from qualify.errors import Refused
-from qualify.lanes import (
+from qualify.core.digests import canonical_sha256, is_sha256_hex
+from qualify.core.errors import Refused
+from qualify.contract.lanes import (
     LANES,
     LaneKind,
     LaneSpec,
@@ -124,7 +124,7 @@ class SealedCheckpoint:
 
 @dataclass(frozen=True, slots=True)
 class SealedPrompt:
-    """The qualification prompt: name, token count and ``qualify.assets.prompt_sha256``."""
+    """The qualification prompt: name, token count and ``qualify.core.assets.prompt_sha256``."""
 
     name: str
     tokens: int

@@ -2,7 +2,7 @@
 
 Pinned (part of an engine's ABI, so part of the identity and the cache identity):
 * :func:`numeric_environment` for the numpy engines: the numpy version and the BLAS library and
-  version it was built with. Their arithmetic is exact by construction (``qualify.numerics``), so
+  version it was built with. Their arithmetic is exact by construction (``qualify.core.numerics``), so
   the BLAS *kernel*, the thread count and numpy's SIMD dispatch are recorded, not pinned.
 * :func:`cpu_isa_class` for engines whose kernels dispatch on the instruction set (vLLM's CPU
   build, torch on the CPU).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qualify.errors import Refused
+from qualify.core.errors import Refused
 
 # The instruction-set extensions that select other kernels in vLLM's CPU build and torch's CPU
 # backend (oneDNN / its vectorized ops): a host lacking or adding one runs other arithmetic.
@@ -256,7 +256,7 @@ def harness_checkout() -> dict[str, object]:
     """The harness's git commit and whether its tree is dirty, when the package is imported
     from a git checkout (its parent directory has ``.git``); nulls otherwise (an installed
     wheel). Computed once per process."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     facts: dict[str, object] = {"commit": None, "dirty": None}
     if not (root / ".git").exists():
         return facts

@@ -75,7 +75,7 @@ def check_kv_fits(kv: "KVCache", layers: int, kv_heads: int, head_dim: int, max_
     """Refuse (one line naming the tensor) a KV a consumer cannot install: wrong layer count,
     not float32, a shape other than [kv_heads, positions, head_dim], non-finite values, or no room
     for ``extra_positions`` more within ``max_positions``. Returns the position count."""
-    from qualify.errors import Refused
+    from qualify.core.errors import Refused
 
     if not isinstance(kv, KVCache) or len(kv.keys) != layers or len(kv.values) != layers:
         found = (len(kv.keys), len(kv.values)) if isinstance(kv, KVCache) else type(kv).__name__

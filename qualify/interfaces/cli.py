@@ -11,11 +11,11 @@ exits 2 with a one-line "not available".
 =====================  =========================================================
 command                handler
 =====================  =========================================================
-``--recipe NAME ...``  ``qualify.operator.run_cli``
-``receipts verify``    ``qualify.receipts.verify_cli(path)`` (PATH parsed here)
-``enroll``             ``qualify.enroll.enroll_cli``
-``calibrate``          ``qualify.operator.calibrate_cli``
-``selftest``           ``qualify.operator.selftest_cli``
+``--recipe NAME ...``  ``qualify.interfaces.console.run_cli``
+``receipts verify``    ``qualify.archive.receipts.verify_cli(path)`` (PATH parsed here)
+``enroll``             ``qualify.run.enroll.enroll_cli``
+``calibrate``          ``qualify.interfaces.console.calibrate_cli``
+``selftest``           ``qualify.interfaces.console.selftest_cli``
 ``producer serve``     ``qualify.handoff.service.main``
 =====================  =========================================================
 """
@@ -33,8 +33,8 @@ from rich.console import Console
 from rich.text import Text
 
 from qualify import __version__
-from qualify.errors import Refused, one_line
-from qualify.lanes import Recipe
+from qualify.core.errors import Refused, one_line
+from qualify.contract.lanes import Recipe
 
 EXIT_PASS = 0
 EXIT_FAILED = 1
@@ -68,19 +68,19 @@ class Delegate:
 
 
 DELEGATES: tuple[Delegate, ...] = (
-    Delegate(("receipts", "verify"), "qualify.receipts", "verify_cli",
+    Delegate(("receipts", "verify"), "qualify.archive.receipts", "verify_cli",
              "re-hash a receipt archive; report altered, missing or extra files",
              _call_receipts_verify),
-    Delegate(("enroll",), "qualify.enroll", "enroll_cli",
+    Delegate(("enroll",), "qualify.run.enroll", "enroll_cli",
              "enroll a qualified lane and mint its handoff key"),
-    Delegate(("calibrate",), "qualify.operator", "calibrate_cli",
+    Delegate(("calibrate",), "qualify.interfaces.console", "calibrate_cli",
              "measure a lane's drift envelope over repeated handoffs (the basis receipt)"),
-    Delegate(("selftest",), "qualify.operator", "selftest_cli",
+    Delegate(("selftest",), "qualify.interfaces.console", "selftest_cli",
              "run the harness's own end-to-end self checks"),
     Delegate(("producer", "serve"), "qualify.handoff.service", "main",
              "run a producer service process (Unix socket)"),
 )
-RECIPE_DELEGATE = Delegate(("--recipe",), "qualify.operator", "run_cli",
+RECIPE_DELEGATE = Delegate(("--recipe",), "qualify.interfaces.console", "run_cli",
                            "run a qualification recipe")
 
 _OUT = Console(highlight=False, soft_wrap=True)
@@ -167,7 +167,7 @@ def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
 
 def identity_check(path: str) -> int:
     """``qualify identity check PATH``: 0 with lane and digest when valid, 2 on refusal."""
-    from qualify.identity import identity_sha256, load_identity
+    from qualify.contract.identity import identity_sha256, load_identity
 
     identity = load_identity(path)
     _OUT.print(

@@ -1,8 +1,8 @@
 """Full-logit comparison computed where the logits are (torch, on the GPU), same result as numpy.
 
-:func:`compare_branches_device` produces the very :class:`qualify.compare.BranchComparison` that
-:func:`qualify.compare.compare_branches` produces from numpy arrays, so
-:func:`qualify.records.sample_record` and :mod:`qualify.judge` are reused unchanged. The
+:func:`compare_branches_device` produces the very :class:`qualify.evidence.compare.BranchComparison` that
+:func:`qualify.evidence.compare.compare_branches` produces from numpy arrays, so
+:func:`qualify.evidence.records.sample_record` and :mod:`qualify.judge` are reused unchanged. The
 definitions (contract units, digests, the divergence rule) are compare.py's; this module only
 moves the arithmetic to the device and reuses compare.py's helpers for everything else
 (``token_agreement``, ``localise_divergence``, ``first_row_over_rule``, ``first_digest_mismatch``,
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qualify.compare import (
+from qualify.evidence.compare import (
     BranchComparison,
     KVComparison,
     KVLayerDelta,
@@ -61,7 +61,7 @@ from qualify.compare import (
     parse_logit_transform,
     token_agreement,
 )
-from qualify.errors import Refused
+from qualify.core.errors import Refused
 
 DIGEST_THREADS = 6
 """Threads hashing logit blocks: one runs a block's sequential SHA-256, the rest its rows."""
@@ -332,7 +332,7 @@ def prepare_cold(cold: DeviceBranch, transform: LogitTransform | str,
 
 def compare_kv_device(handoff_keys: Sequence[torch.Tensor], handoff_values: Sequence[torch.Tensor],
                       own_keys: Sequence[torch.Tensor], own_values: Sequence[torch.Tensor]) -> KVComparison:
-    """compare.py's :func:`~qualify.compare.compare_kv` on the device: per layer K and V max abs
+    """compare.py's :func:`~qualify.evidence.compare.compare_kv` on the device: per layer K and V max abs
     delta of the handed-off KV ([kv_heads, positions, head_dim] each, any float dtype) against
     the consumer's own prefill (at least as many positions), with the first position of each
     maximum, and the per-position profile over all layers. Differences are taken in float32."""
@@ -496,7 +496,7 @@ def compare_branches_device(
     own_kv: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
     digester: LogitDigester | None = None,
 ) -> BranchComparison:
-    """compare.py's :func:`~qualify.compare.compare_branches` with the logits (and KV) left on
+    """compare.py's :func:`~qualify.evidence.compare.compare_branches` with the logits (and KV) left on
     their device; the arguments mean the same. Pass a prepared :class:`ColdReference` to reuse
     the cold branch's margins and digests across samples, and a :class:`LogitDigester` to share
     its threads and buffers."""

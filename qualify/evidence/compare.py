@@ -43,8 +43,8 @@ from typing import Literal
 import numpy as np
 
 from qualify.engines.base import DecodeResult
-from qualify.errors import Refused
-from qualify.numerics import tree_sum
+from qualify.core.errors import Refused
+from qualify.core.numerics import tree_sum
 
 CHUNK_BYTES = 1 << 19
 """Rows are streamed in chunks of about this many bytes per branch (kept cache-resident)."""

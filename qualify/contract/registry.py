@@ -3,7 +3,7 @@
 A registry (``contracts/lane-registry.v1.schema.json``) lists entries ``{lane, lane_kind,
 recipe, identity_sha256, receipt, key_id}``. Loading refuses, before any key could be minted: an
 unknown lane kind or recipe, a kind/recipe pair that disagrees with
-:func:`qualify.lanes.recipe_for`, a lane the harness does not know or that is not enrollable, a
+:func:`qualify.contract.lanes.recipe_for`, a lane the harness does not know or that is not enrollable, a
 lane whose kind differs from the lane table, and duplicate key ids or duplicate entries.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qualify.assets import CONTRACTS_DIR
-from qualify.errors import Refused
-from qualify.identity import check_schema, format_path, read_strict_json, render
-from qualify.lanes import LANES, LaneKind, LaneSpec, Recipe, recipe_for
+from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.errors import Refused
+from qualify.contract.identity import check_schema, format_path, read_strict_json, render
+from qualify.contract.lanes import LANES, LaneKind, LaneSpec, Recipe, recipe_for
 
 REGISTRY_SCHEMA_ID = "trust-ladder.lane-registry.v1"
 REGISTRY_SCHEMA_PATH = CONTRACTS_DIR / "lane-registry.v1.schema.json"

@@ -26,8 +26,8 @@ from enum import Enum
 from types import MappingProxyType
 from typing import assert_never
 
-from qualify.digests import canonical_sha256, is_sha256_hex
-from qualify.errors import Refused
+from qualify.core.digests import canonical_sha256, is_sha256_hex
+from qualify.core.errors import Refused
 
 ZERO_SHA256 = "0" * 64
 
@@ -144,6 +144,20 @@ class LaneSpec:
     speculative_draft: bool
     enrollable: bool = True
 
+    @property
+    def engines(self) -> tuple[EngineChoice, EngineChoice]:
+        """(producer, consumer) engine: ``vllm`` on a side a vLLM lane runs vLLM, else the
+        embedded ``reference`` (a ``transformers`` lane's producer is built by its own kind)."""
+        return VLLM_LANE_ENGINES.get(self.name, (EngineChoice.REFERENCE, EngineChoice.REFERENCE))
+
+    def handed_off_positions(self, handoff_positions: int) -> int:
+        """How many of ``handoff_positions`` the producer hands off: whole blocks on a lane with
+        vLLM on either side (vLLM exports and installs whole blocks; the consumer recomputes the
+        rest as pending tokens), else all of them."""
+        if EngineChoice.VLLM in self.engines:
+            return (handoff_positions // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
+        return handoff_positions
+
     def __post_init__(self) -> None:
         if not isinstance(self.kind, LaneKind):
             raise Refused(f"lane {self.name}: kind: found {self.kind!r}, expected a LaneKind")
@@ -187,10 +201,17 @@ VLLM_BLOCK_SIZE = 128
 """The KV block size the vLLM engine is started with (its CPU default, pinned): a vLLM producer
 hands off whole blocks only."""
 
-VLLM_LANE_ENGINES: Mapping[str, tuple[str, str]] = MappingProxyType({
-    VLLM_TO_REFERENCE_LANE: ("vllm", "reference"),
-    VLLM_TO_VLLM_LANE: ("vllm", "vllm"),
-    REFERENCE_TO_VLLM_LANE: ("reference", "vllm"),
+class EngineChoice(str, Enum):
+    """An engine an operator names with ``--producer``/``--consumer``."""
+
+    REFERENCE = "reference"
+    VLLM = "vllm"
+
+
+VLLM_LANE_ENGINES: Mapping[str, tuple[EngineChoice, EngineChoice]] = MappingProxyType({
+    VLLM_TO_REFERENCE_LANE: (EngineChoice.VLLM, EngineChoice.REFERENCE),
+    VLLM_TO_VLLM_LANE: (EngineChoice.VLLM, EngineChoice.VLLM),
+    REFERENCE_TO_VLLM_LANE: (EngineChoice.REFERENCE, EngineChoice.VLLM),
 })
 """(producer engine, consumer engine) of every ``vllm`` lane: ``vllm`` is vLLM through the project
 connector, ``reference`` the float32 numpy engine. Both sides of a vLLM lane run their own float32
@@ -272,8 +293,43 @@ LANES: Mapping[str, LaneSpec] = MappingProxyType({spec.name: spec for spec in _L
 """Every lane the harness knows, by identity name (immutable)."""
 
 DEFAULT_NATIVE_TEXT_LANE = "nvfp4-native-w4a4"
-"""The lane ``qualify --recipe native-text`` qualifies by default (placeholder: the lead sets it
-after measuring every variant)."""
+"""The lane ``qualify --recipe native-text`` qualifies by default."""
+
+DEFAULT_LANES: Mapping[Recipe, str] = MappingProxyType({
+    Recipe.NATIVE_TEXT: DEFAULT_NATIVE_TEXT_LANE,
+    Recipe.KQUANT_TARGET_PLUS_DFLASH: KQUANT_EXACT_DFLASH_LANE,
+})
+"""The lane each recipe qualifies when the operator names neither an identity nor vLLM engines."""
+
+
+def recipe_named(name: str) -> Recipe:
+    """The recipe called ``name`` (``--recipe``); an unknown name is refused, listing the known ones."""
+    try:
+        return Recipe(name)
+    except ValueError:
+        raise Refused(f"--recipe: found {name!r}, expected one of {', '.join(r.value for r in Recipe)}") from None
+
+
+def engine_named(option: str, name: str) -> EngineChoice:
+    """The engine an operator named with ``option`` (``--producer``/``--consumer``)."""
+    try:
+        return EngineChoice(name)
+    except ValueError:
+        raise Refused(f"{option}: found {name!r}, expected one of {', '.join(e.value for e in EngineChoice)}") from None
+
+
+def lane_for_engines(recipe: Recipe, producer: EngineChoice, consumer: EngineChoice) -> LaneSpec:
+    """The lane a recipe qualifies for an operator's ``--producer``/``--consumer`` choice: the
+    recipe's default lane for two reference engines, else the vLLM lane running that pair."""
+    if (producer, consumer) == (EngineChoice.REFERENCE, EngineChoice.REFERENCE):
+        return lane_spec(DEFAULT_LANES[recipe])
+    if recipe is not Recipe.NATIVE_TEXT:
+        raise Refused(f"--producer {producer.value} --consumer {consumer.value}: vLLM lanes qualify under "
+                      f"--recipe {Recipe.NATIVE_TEXT.value}, not {recipe.value}")
+    for lane, engines in VLLM_LANE_ENGINES.items():
+        if engines == (producer, consumer):
+            return lane_spec(lane)
+    raise Refused(f"--producer {producer.value} --consumer {consumer.value}: no lane runs that pair")
 
 
 def lane_spec(name: str) -> LaneSpec:
@@ -292,7 +348,7 @@ def target_cache_identity(
     Hashes ``{"lane_kind", "producer_mode", "native_variant", "checkpoint_sha256": {relpath:
     sha256}, "engine_abi"}`` (plus ``"vllm_lane_engines"``: [producer, consumer] for a ``vllm``
     lane, ``"torch_settings"``: {device, dtype, tf32} for a ``transformers`` lane) with
-    :func:`qualify.digests.canonical_sha256`.
+    :func:`qualify.core.digests.canonical_sha256`.
     """
     if not isinstance(spec, LaneSpec):
         raise Refused(f"target cache identity: spec: found {type(spec).__name__}, expected LaneSpec")

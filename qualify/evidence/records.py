@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
-from qualify.compare import BranchComparison
+from qualify.evidence.compare import BranchComparison
 
 SAMPLE_SCHEMA = "trust-ladder.sample-record.v1"
 SUMMARY_SCHEMA = "trust-ladder.validation-summary.v1"
@@ -130,7 +130,7 @@ _RULE_ADAPTER: TypeAdapter[BoundedDriftRule | BitExactRule] = TypeAdapter(Qualif
 
 
 def rule_from_identity(identity: Any, *, drift_graded: bool) -> BoundedDriftRule | BitExactRule:
-    """The judging rule an onboarding identity (``qualify.identity.Identity``) declares.
+    """The judging rule an onboarding identity (``qualify.contract.identity.Identity``) declares.
 
     Rung 2 takes the bounded-drift bounds; rung 3 the draft's sealed acceptance floor (None when
     the identity declares no draft). ``drift_graded`` is the run's ``--drift-graded`` flag.

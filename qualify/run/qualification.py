@@ -18,14 +18,18 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qualify import __version__, assets, faults
-from qualify.compare import compare_branches, transform_between
-from qualify.digests import canonical_sha256
+from qualify import __version__
+
+from qualify.core import assets
+
+from qualify.engines import faults
+from qualify.evidence.compare import compare_branches, transform_between
+from qualify.core.digests import canonical_sha256
 from qualify.engines.base import DecodeResult, Engine
-from qualify.errors import HandoffRefused, ProducerFailed, Refused, one_line
+from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
 from qualify.judge import Verdict, judge_qualification, judge_sample
-from qualify.kv import KVCache
-from qualify.records import BitExactRule, BoundedDriftRule, failed_sample_record, record_json, sample_record
+from qualify.core.kv import KVCache
+from qualify.evidence.records import BitExactRule, BoundedDriftRule, failed_sample_record, record_json, sample_record
 
 STEP_LABELS: tuple[str, ...] = (
     "identity sealed",
@@ -45,7 +49,7 @@ ENGINE_CHOICES = ("reference", "vllm")
 def lane_for_engines(recipe: str, producer: str, consumer: str) -> str | None:
     """The vLLM lane an operator's ``--producer``/``--consumer`` choice names (None: the recipe's
     embedded default, both ``reference``); refuses a choice no lane implements."""
-    from qualify.lanes import VLLM_LANE_ENGINES
+    from qualify.contract.lanes import VLLM_LANE_ENGINES
 
     for name, value in (("--producer", producer), ("--consumer", consumer)):
         if value not in ENGINE_CHOICES:
@@ -64,7 +68,7 @@ def lane_for_engines(recipe: str, producer: str, consumer: str) -> str | None:
 def default_identity_path(recipe: str, producer: str = "reference", consumer: str = "reference") -> Path:
     """The shipped identity a recipe qualifies when ``--identity`` is not given (for a vLLM
     producer or consumer, that pair's lane: ``--producer vllm`` alone is ``vllm-to-reference``)."""
-    from qualify.lanes import DEFAULT_NATIVE_TEXT_LANE, KQUANT_EXACT_DFLASH_LANE
+    from qualify.contract.lanes import DEFAULT_NATIVE_TEXT_LANE, KQUANT_EXACT_DFLASH_LANE
 
     vllm_lane = lane_for_engines(recipe, producer, consumer)
     if vllm_lane is not None:
@@ -204,8 +208,8 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     recipe or whose artifacts or numeric environment no longer match."""
     from qualify.engines.factory import check_adapter, lane_producer_abi
     from qualify.handoff.service import expectation_from_identity
-    from qualify.identity import identity_sha256, load_identity, logit_units_label
-    from qualify.records import rule_from_identity
+    from qualify.contract.identity import identity_sha256, load_identity, logit_units_label
+    from qualify.evidence.records import rule_from_identity
 
     identity = load_identity(identity_path)
     check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
@@ -220,8 +224,8 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     qualification = identity.onboarding_qualification
     # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
     graded = drift_graded or identity.rung == 2
-    from qualify.identity import DEFAULT_ARCHIVE_DIR
-    from qualify.receipts import resolve_receipt_uri
+    from qualify.contract.identity import DEFAULT_ARCHIVE_DIR
+    from qualify.archive.receipts import resolve_receipt_uri
 
     basis_records = receipt_sample_records(resolve_receipt_uri(qualification.basis, DEFAULT_ARCHIVE_DIR).parent)
     if identity.rung == 3:
@@ -374,7 +378,7 @@ class QualificationRun:
 
     def _seal_identity(self) -> str:
         from qualify.engines.factory import build_consumer
-        from qualify.receipts import ReceiptWriter, archive_dir
+        from qualify.archive.receipts import ReceiptWriter, archive_dir
 
         options = self.options
         chosen_lane = lane_for_engines(options.recipe, options.producer, options.consumer)
@@ -383,7 +387,7 @@ class QualificationRun:
         if self.contract is None:
             identity_path = options.identity or default_identity_path(
                 options.recipe, options.producer, options.consumer)
-            from qualify.identity import load_identity
+            from qualify.contract.identity import load_identity
 
             lane = load_identity(identity_path).lane
             _check_lane_engines(lane, chosen_lane, options)
@@ -582,7 +586,7 @@ class QualificationRun:
 
 def _check_lane_engines(lane: str, chosen_lane: str | None, options: RunOptions) -> None:
     """An identity whose lane runs other engines than ``--producer``/``--consumer`` is refused."""
-    from qualify.lanes import VLLM_LANE_ENGINES
+    from qualify.contract.lanes import VLLM_LANE_ENGINES
 
     engines = VLLM_LANE_ENGINES.get(lane, ("reference", "reference"))
     if chosen_lane is None and lane not in VLLM_LANE_ENGINES:
@@ -595,7 +599,7 @@ def _check_lane_engines(lane: str, chosen_lane: str | None, options: RunOptions)
 def expected_handed_off_positions(lane: str, handoff_positions: int) -> int:
     """How many positions a lane's producer hands off: whole blocks on every vLLM lane (vLLM
     installs whole blocks; the consumer recomputes the rest as pending tokens), else all of them."""
-    from qualify.lanes import VLLM_BLOCK_SIZE, VLLM_LANE_ENGINES
+    from qualify.contract.lanes import VLLM_BLOCK_SIZE, VLLM_LANE_ENGINES
 
     if lane in VLLM_LANE_ENGINES:
         return (handoff_positions // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
@@ -614,7 +618,7 @@ class CalibrationEnvironment:
     """Environment variables one calibration handoff's producer starts with, on top of the
     operator's; ``requires`` names the CPU flag the setting needs (a Haswell kernel needs AVX2);
     ``narrow_numpy`` also makes numpy run its next-narrower SIMD paths
-    (:func:`qualify.hostenv.numpy_narrower_dispatch`)."""
+    (:func:`qualify.core.hostenv.numpy_narrower_dispatch`)."""
 
     variables: dict[str, str]
     requires: str | None = None
@@ -639,7 +643,7 @@ CALIBRATION_ENVIRONMENTS: tuple[CalibrationEnvironment, ...] = (
 
 def calibration_environments() -> list[dict[str, str]]:
     """The calibration environments this CPU can run, in order."""
-    from qualify.hostenv import cpu_flags, numpy_narrower_dispatch
+    from qualify.core.hostenv import cpu_flags, numpy_narrower_dispatch
 
     flags = cpu_flags()
     narrower = numpy_narrower_dispatch()
@@ -678,7 +682,7 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
     cache identity, a calibration document in place of the identity, and no rule."""
     from qualify.engines.factory import build_cache_identity, checkpoint_digests, producer_facts
     from qualify.handoff.service import ProducerExpectation
-    from qualify.lanes import lane_spec
+    from qualify.contract.lanes import lane_spec
 
     spec = lane_spec(lane)
     if spec.recipe.value != recipe:
@@ -736,7 +740,7 @@ def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
     if repetitions < 1:
         raise Refused(f"--repetitions: found {repetitions}, expected at least 1")
     from qualify.judge import judge_reproduction
-    from qualify.lanes import lane_spec
+    from qualify.contract.lanes import lane_spec
 
     environments = calibration_environments()
     run = QualificationRun(options, calibration_contract(lane, recipe), log=log)

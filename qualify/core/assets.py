@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from qualify.digests import sha256_bytes
-from qualify.errors import Refused
+from qualify.core.digests import sha256_bytes
+from qualify.core.errors import Refused
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO_ROOT / "model"
 PROMPTS_DIR = MODEL_DIR / "prompts"
 CONTRACTS_DIR = REPO_ROOT / "contracts"

@@ -6,7 +6,7 @@ identity's digest, its validation summary passed, and its samples still pass whe
 under this identity's own rule (so a receipt judged under a looser rule cannot enroll). Anything
 else (a failing, altered or foreign receipt) is refused with one line, before any key exists.
 
-The registry is the project's one lane-registry format (:mod:`qualify.registry`,
+The registry is the project's one lane-registry format (:mod:`qualify.contract.registry`,
 ``contracts/lane-registry.v1.schema.json``): entries ``{lane, lane_kind, recipe,
 identity_sha256, receipt, key_id}``; loading it refuses unknown lanes, lane kinds and recipes
 before any key is minted, and every document is validated before it is written (atomically).
@@ -31,12 +31,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qualify.digests import canonical_sha256
-from qualify.errors import Refused, one_line
+from qualify.core.digests import canonical_sha256
+from qualify.core.errors import Refused, one_line
 from qualify.judge import judge_summary
-from qualify.lanes import LANES
-from qualify.records import parse_rule, rule_from_identity
-from qualify.receipts import (
+from qualify.contract.lanes import LANES
+from qualify.evidence.records import parse_rule, rule_from_identity
+from qualify.archive.receipts import (
     archive_dir,
     read_receipt_json,
     receipt_files,
@@ -44,8 +44,8 @@ from qualify.receipts import (
     resolve_receipt_uri,
     verify_receipt,
 )
-from qualify.registry import LaneRegistry, RegistryEntry, validate_registry_document
-from qualify.registry import load_registry as _load_registry_file
+from qualify.contract.registry import LaneRegistry, RegistryEntry, validate_registry_document
+from qualify.contract.registry import load_registry as _load_registry_file
 
 KEY_BYTES = 32
 
@@ -70,7 +70,7 @@ def default_key_dir() -> Path:
 
 def load_registry(path: str | os.PathLike[str]) -> LaneRegistry:
     """The lane registry at ``path`` (no file yet: an empty registry); anything malformed or
-    unknown is refused by :func:`qualify.registry.load_registry` before a key is minted."""
+    unknown is refused by :func:`qualify.contract.registry.load_registry` before a key is minted."""
     if not os.path.lexists(path):
         return LaneRegistry(())
     return _load_registry_file(path)
@@ -93,9 +93,9 @@ def _write_registry(path: Path, registry: LaneRegistry) -> None:
 
 
 def _identity_digest(identity: Any) -> str:
-    """The identity digest (``qualify.identity.identity_sha256``: canonical SHA-256 of its document)."""
+    """The identity digest (``qualify.contract.identity.identity_sha256``: canonical SHA-256 of its document)."""
     try:
-        from qualify.identity import Identity, identity_sha256
+        from qualify.contract.identity import Identity, identity_sha256
 
         if isinstance(identity, Identity):
             return identity_sha256(identity)
@@ -106,7 +106,7 @@ def _identity_digest(identity: Any) -> str:
 
 def _load_identity(identity: Any) -> Any:
     if isinstance(identity, (str, os.PathLike)):
-        from qualify.identity import load_identity
+        from qualify.contract.identity import load_identity
 
         return load_identity(identity)
     return identity
@@ -120,7 +120,7 @@ def enroll(
 ) -> RegistryEntry:
     """Mint and register a handoff key for ``identity``'s lane from its qualification receipt.
 
-    ``identity`` is a loaded :class:`qualify.identity.Identity` (or a path to load). Refuses, with
+    ``identity`` is a loaded :class:`qualify.contract.identity.Identity` (or a path to load). Refuses, with
     one line and before any key exists: a lane that is never enrollable, a receipt that fails
     verification, one for another identity, and one whose qualification did not pass.
     """
