@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qualify.evidence.compare import compare_branches, compare_logit_blocks
 from qualify.engines.base import DecodeResult
+from qualify.evidence.compare import compare_branches, compare_logit_blocks
 
 SHAPES = ((256, 4096), (256, 128256))
 

@@ -44,9 +44,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qualify import assets  # noqa: E402
-from qualify.engines import reference  # noqa: E402
-from qualify.engines.reference import ReferenceEngine  # noqa: E402
+from qualify import assets
+from qualify.engines import reference
+from qualify.engines.reference import ReferenceEngine
 
 HANDOFF = 2047
 DECODE = 256
@@ -65,12 +65,12 @@ class Float32Rows:
     scale: np.ndarray  # [..., N, 1] float32 ones
 
     @classmethod
-    def of(cls, values: np.ndarray, bits: int = 0, *, reuse: bool = False) -> "Float32Rows":
+    def of(cls, values: np.ndarray, bits: int = 0, *, reuse: bool = False) -> Float32Rows:
         del bits, reuse
         rows = np.array(values, dtype=np.float32)  # a copy, as the fixed-point conversion makes
         return cls(rows, np.ones((*rows.shape[:-1], 1), dtype=np.float32))
 
-    def __getitem__(self, index: tuple[slice, ...]) -> "Float32Rows":
+    def __getitem__(self, index: tuple[slice, ...]) -> Float32Rows:
         return Float32Rows(self.integers[index], self.scale[index])
 
 

@@ -79,12 +79,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from qualify import __version__  # noqa: E402
-from qualify.core.assets import prompt_sha256  # noqa: E402
-from qualify.core.digests import canonical_sha256, strict_json_loads  # noqa: E402
-from qualify.core.errors import HandoffRefused, Refused, one_line  # noqa: E402
+from qualify import __version__
+from qualify.core.assets import prompt_sha256
+from qualify.core.digests import canonical_sha256, strict_json_loads
+from qualify.core.errors import HandoffRefused, Refused, one_line
 
 CONTRACT_SCHEMA = "trust-ladder.gpu-scale-contract.v1"
 DEFAULT_CONTRACT = REPO_ROOT / "bench" / "gpu_scale_contract.json"
@@ -411,14 +411,14 @@ def sha256_rate(data: np.ndarray) -> float:
 def run(options: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from qualify.evidence.compare_device import DeviceBranch, LogitDigester, prepare_cold, start_comparison
-    from qualify.engines.torch_llama import TorchLlama, random_weights
-    from qualify.handoff.wire import Handoff, mint_run_key, open_handoff, payload_layout, seal_handoff_parts
+    from qualify.archive.receipts import ReceiptWriter
     from qualify.core.kv import KVCache, KVGeometry
+    from qualify.engines.torch_llama import TorchLlama, random_weights
+    from qualify.evidence.compare_device import DeviceBranch, LogitDigester, prepare_cold, start_comparison
+    from qualify.evidence.records import BoundedDriftRule, failed_sample_record, record_json, sample_record
+    from qualify.handoff.wire import Handoff, mint_run_key, open_handoff, payload_layout, seal_handoff_parts
     from qualify.judge import Verdict, judge_sample, judge_summary
     from qualify.run.qualification import comparison_bounds, propose_bound
-    from qualify.archive.receipts import ReceiptWriter
-    from qualify.evidence.records import BoundedDriftRule, failed_sample_record, record_json, sample_record
 
     figures = Figures()
     calibrating = options.calibrate

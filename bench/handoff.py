@@ -33,9 +33,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from qualify.core.assets import prompt_sha256  # noqa: E402
-from qualify.engines.base import ModelGeometry  # noqa: E402
-from qualify.core.kv import KVCache, KVGeometry  # noqa: E402
+from qualify.core.assets import prompt_sha256
+from qualify.core.kv import KVCache, KVGeometry
+from qualify.engines.base import ModelGeometry
 
 GEOMETRY_ENV = "BENCH_HANDOFF_GEOMETRY"
 TARGET_RATIO = 1.5  # whole path / one SHA-256 pass

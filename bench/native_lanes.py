@@ -19,10 +19,10 @@ import argparse
 import json
 import time
 
-from qualify.core import assets
-from qualify.evidence.compare import compare_branches
-from qualify.engines.factory import build_consumer, build_producer
 from qualify.contract.lanes import LANES, LaneKind, ProducerMode
+from qualify.core import assets
+from qualify.engines.factory import build_consumer, build_producer
+from qualify.evidence.compare import compare_branches
 from qualify.run.qualification import comparison_bounds
 
 

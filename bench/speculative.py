@@ -29,10 +29,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qualify import assets  # noqa: E402
-from qualify.engines.base import DecodeResult  # noqa: E402
-from qualify.engines.kquant import KQuantEngine  # noqa: E402
-from qualify.engines.speculative import DEFAULT_PROPOSAL_TOKENS, build_speculative_engine  # noqa: E402
+from qualify import assets
+from qualify.engines.base import DecodeResult
+from qualify.engines.kquant import KQuantEngine
+from qualify.engines.speculative import DEFAULT_PROPOSAL_TOKENS, build_speculative_engine
 
 HANDOFF = 2047
 

@@ -23,9 +23,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from qualify import assets  # noqa: E402
-from qualify.contract.lanes import VLLM_LANE_ENGINES  # noqa: E402
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
+from qualify import assets
+from qualify.contract.lanes import VLLM_LANE_ENGINES
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -709,7 +709,7 @@ class ThroughputCell:
     cv: float
 
     @classmethod
-    def from_samples(cls, name: str, samples: Sequence[float]) -> "ThroughputCell":
+    def from_samples(cls, name: str, samples: Sequence[float]) -> ThroughputCell:
         """Mean and sample CV (ddof 1) of repeated measurements (at least two)."""
         values = [float(x) for x in samples]
         if len(values) < 2:

@@ -10,13 +10,12 @@ import types
 from pathlib import Path
 
 import pytest
+from test_identity import make_pair
 
-from qualify.interfaces import cli
 from qualify.contract import identity as identity_module
 from qualify.contract import sealed as sealed_module
 from qualify.contract.identity import identity_sha256, load_identity
-
-from test_identity import make_pair
+from qualify.interfaces import cli
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,6 +10,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from qualify.core.errors import Refused
+from qualify.engines.base import DecodeResult
 from qualify.evidence import compare
 from qualify.evidence.compare import (
     classify_divergence,
@@ -28,8 +30,6 @@ from qualify.evidence.compare import (
     top1_top2_margins,
     transform_between,
 )
-from qualify.engines.base import DecodeResult
-from qualify.core.errors import Refused
 
 ROWS, VOCAB = 64, 1000
 

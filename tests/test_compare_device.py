@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qualify.evidence.compare import BranchComparison, compare_branches, logit_digests
-from qualify.engines.base import DecodeResult
 from qualify.core.errors import Refused
+from qualify.engines.base import DecodeResult
+from qualify.evidence.compare import BranchComparison, compare_branches, logit_digests
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 

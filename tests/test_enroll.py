@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from qualify.run import enroll as enroll_module
-from qualify.core.digests import canonical_sha256
-from qualify.run.enroll import enroll, enroll_cli, enrollment_for, key_for, load_registry
-from qualify.core.errors import Refused
-from qualify.judge import judge_summary
-from qualify.contract.lanes import LaneKind, Recipe
 from qualify.archive.receipts import ReceiptWriter
-from qualify.evidence.records import rule_from_identity
+from qualify.contract.lanes import LaneKind, Recipe
 from qualify.contract.registry import REGISTRY_SCHEMA_ID
+from qualify.core.digests import canonical_sha256
+from qualify.core.errors import Refused
+from qualify.evidence.records import rule_from_identity
+from qualify.judge import judge_summary
+from qualify.run import enroll as enroll_module
+from qualify.run.enroll import enroll, enroll_cli, enrollment_for, key_for, load_registry
 from tests.test_judge import rung2_record, rung3_record
 from tests.test_receipts import make_writable
 
@@ -289,8 +289,8 @@ def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_k
     import numpy as np
 
     from qualify.core.errors import HandoffRefused
-    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
     from qualify.core.kv import KVCache
+    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
 
     identity = FakeIdentity()
     enroll(identity, qualify_receipt(places.archive, identity), places.registry, places.keys)

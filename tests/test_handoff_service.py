@@ -27,8 +27,9 @@ import pytest
 
 from qualify.core.assets import REPO_ROOT, prompt_sha256
 from qualify.core.digests import canonical_sha256
-from qualify.engines.base import ModelGeometry
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused
+from qualify.core.kv import KVCache
+from qualify.engines.base import ModelGeometry
 from qualify.handoff import client
 from qualify.handoff.client import ProducerFailure, ProducerProcess, ProducerStartRefused
 from qualify.handoff.service import (
@@ -43,7 +44,6 @@ from qualify.handoff.service import (
     parse_config,
 )
 from qualify.handoff.wire import mint_run_key, open_handoff
-from qualify.core.kv import KVCache
 
 FACTORY = "tests.test_handoff_service:build_stub_engine"
 MARKER_ENV = "STUB_ENGINE_MARKER"

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from qualify.core.digests import canonical_json_bytes
 from qualify.core.errors import HandoffRefused, Refused
+from qualify.core.kv import KVCache, KVGeometry
 from qualify.handoff import wire
 from qualify.handoff.wire import (
     MANIFEST_SCHEMA,
@@ -36,7 +37,6 @@ from qualify.handoff.wire import (
     payload_tree_sha256,
     seal_handoff_parts,
 )
-from qualify.core.kv import KVCache, KVGeometry
 
 KEY = mint_run_key()
 IDENTITY = hashlib.sha256(b"identity").hexdigest()
@@ -616,8 +616,8 @@ def test_a_byte_flipped_after_sealing_is_refused_naming_its_layer():
     import numpy as np
 
     from qualify.core.errors import HandoffRefused
-    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
     from qualify.core.kv import KVCache
+    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
 
     rng = np.random.default_rng(3)
     kv = KVCache([rng.standard_normal((2, 16, 8), dtype=np.float32) for _ in range(4)],

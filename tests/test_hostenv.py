@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from qualify.archive.receipts import HOST, HOST_SCHEMA, ReceiptWriter, read_receipt_json, receipt_files, verify_receipt
 from qualify.core.assets import REPO_ROOT
 from qualify.core.hostenv import (
     HOST_ENV_VARS,
@@ -20,7 +21,6 @@ from qualify.core.hostenv import (
     host_facts,
     host_facts_problem,
 )
-from qualify.archive.receipts import HOST, HOST_SCHEMA, ReceiptWriter, read_receipt_json, receipt_files, verify_receipt
 
 IDENTITY = {"schema": "test-identity", "lane": "nvfp4-native-splitk"}
 LANE = "nvfp4-native-w4a4"

@@ -22,10 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from qualify.contract import sealed as sealed_module
-from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
-from qualify.core.errors import Refused
 from qualify.contract import identity as identity_module
+from qualify.contract import sealed as sealed_module
 from qualify.contract.identity import (
     MAX_DOCUMENT_BYTES,
     Identity,
@@ -51,6 +49,8 @@ from qualify.contract.sealed import (
     SealedRope,
     sealed_table,
 )
+from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
+from qualify.core.errors import Refused
 
 BASIS_RUN_ID = "calibration-20260817"
 BASIS_URI = f"receipt://{BASIS_RUN_ID}/command.log"
@@ -398,7 +398,7 @@ def test_lane_not_sealed_is_refused(pair: Pair) -> None:
 def test_unresolvable_basis_is_refused(pair: Pair) -> None:
     writable(pair.archive / BASIS_RUN_ID / "command.log").unlink()
     message = refused(pair, pair.document)
-    assert f"onboarding_qualification.basis: " in message
+    assert "onboarding_qualification.basis: " in message
     assert "command.log" in message
 
 

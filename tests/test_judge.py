@@ -9,9 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from qualify.evidence.compare import compare_branches
 from qualify.engines.base import DecodeResult
-from qualify.judge import ThroughputCell, judge_rung2_sample, judge_rung3_sample, judge_sample, judge_summary, parity_verdict
+from qualify.evidence.compare import compare_branches
 from qualify.evidence.records import (
     PHASE_FIELDS,
     REQUIRED_SAMPLE_FIELDS,
@@ -23,6 +22,14 @@ from qualify.evidence.records import (
     parse_rule,
     record_json,
     sample_record,
+)
+from qualify.judge import (
+    ThroughputCell,
+    judge_rung2_sample,
+    judge_rung3_sample,
+    judge_sample,
+    judge_summary,
+    parity_verdict,
 )
 
 RULE2 = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)

@@ -23,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 from safetensors.numpy import load_file
 
 from qualify.core.assets import MODEL_DIR, REPO_ROOT
+from qualify.core.errors import Refused
 from qualify.engines.kquant import (
     BLOCK,
     DRAFT_GGUF_NAME,
@@ -37,7 +38,6 @@ from qualify.engines.kquant import (
     permute_qk_rows_to_gguf,
     quantize_activations_q8_0,
 )
-from qualify.core.errors import Refused
 
 GGUF_DIR = MODEL_DIR / "gguf"
 TARGET = GGUF_DIR / TARGET_GGUF_NAME
@@ -343,9 +343,9 @@ def test_model_rows_do_not_depend_on_how_many_are_fed_together(target_model) -> 
 
 
 def test_native_mode_keeps_operands_but_not_bits() -> None:
+    from qualify.contract.lanes import ProducerMode
     from qualify.core import assets
     from qualify.engines.kquant import build_kquant_engine
-    from qualify.contract.lanes import ProducerMode
 
     prompt = assets.load_prompt()[:96]
     exact = build_kquant_engine(ProducerMode.EXACT).prefill(prompt)

@@ -13,9 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qualify.contract import lanes
-from qualify.core.assets import CONTRACTS_DIR
-from qualify.core.digests import sha256_bytes
-from qualify.core.errors import Refused
 from qualify.contract.lanes import (
     DEFAULT_NATIVE_TEXT_LANE,
     LANES,
@@ -29,6 +26,9 @@ from qualify.contract.lanes import (
     recipe_for,
     target_cache_identity,
 )
+from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.digests import sha256_bytes
+from qualify.core.errors import Refused
 
 CHECKPOINT = {"config.json": sha256_bytes(b"config"), "nvfp4/model.safetensors": sha256_bytes(b"w")}
 
@@ -273,15 +273,17 @@ def test_type_checker_rejects_a_lane_kind_without_a_recipe(tmp_path: Path) -> No
     """Adds a LaneKind member to a copy of lanes.py and type-checks it (needs mypy installed)."""
     mypy_api = pytest.importorskip("mypy.api", reason="mypy is not installed in this environment")
     source = Path(lanes.__file__).read_text(encoding="utf-8")
+    installed = Path(lanes.__file__).parents[1]
     package = tmp_path / "qualify"
-    package.mkdir()
-    for name in ("__init__.py", "digests.py", "errors.py"):
-        (package / name).write_text((Path(lanes.__file__).parent / name).read_text(encoding="utf-8"))
-    (package / "lanes.py").write_text(source, encoding="utf-8")
-    clean = mypy_api.run([str(package / "lanes.py"), "--no-incremental", "--cache-dir", os.devnull])
+    for relpath in ("__init__.py", "core/__init__.py", "core/digests.py", "core/errors.py", "contract/__init__.py"):
+        (package / relpath).parent.mkdir(parents=True, exist_ok=True)
+        (package / relpath).write_text((installed / relpath).read_text(encoding="utf-8"), encoding="utf-8")
+    lanes_copy = package / "contract" / "lanes.py"
+    lanes_copy.write_text(source, encoding="utf-8")
+    clean = mypy_api.run([str(lanes_copy), "--no-incremental", "--cache-dir", os.devnull])
     assert clean[2] == 0, clean[0]
-    extended = source.replace('    KQUANT = "kquant"\n', '    KQUANT = "kquant"\n    VLLM = "vllm"\n', 1)
+    extended = source.replace('    KQUANT = "kquant"\n', '    KQUANT = "kquant"\n    ONNX = "onnx"\n', 1)
     assert extended != source
-    (package / "lanes.py").write_text(extended, encoding="utf-8")
-    report, _, status = mypy_api.run([str(package / "lanes.py"), "--no-incremental", "--cache-dir", os.devnull])
+    lanes_copy.write_text(extended, encoding="utf-8")
+    report, _, status = mypy_api.run([str(lanes_copy), "--no-incremental", "--cache-dir", os.devnull])
     assert status != 0 and "assert_never" in report, report

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from qualify.core.errors import Refused
 from qualify.engines.nvfp4 import (
     E2M1_MIDPOINTS,
     E2M1_VALUES,
@@ -38,7 +39,6 @@ from qualify.engines.nvfp4 import (
     write_nvfp4_checkpoint,
     write_safetensors,
 )
-from qualify.core.errors import Refused
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_SOURCE = REPO_ROOT / "model" / "model.safetensors"

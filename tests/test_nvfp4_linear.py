@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from qualify.core.errors import Refused
 from qualify.engines.base import Linear
 from qualify.engines.nvfp4 import (
     E2M1_VALUES,
@@ -37,7 +38,6 @@ from qualify.engines.nvfp4_linear import (
     quantize_activations_q8k,
     round_through_f16,
 )
-from qualify.core.errors import Refused
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_NVFP4 = REPO_ROOT / "model" / "nvfp4" / "model.safetensors"

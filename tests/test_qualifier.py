@@ -13,12 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qualify.engines.factory import build_producer
-from qualify.run.qualification import (
-    STEP_LABELS, QualificationRun, RunOptions, calibration_contract, propose_bound,
-)
 from qualify.archive.receipts import read_receipt_json, verify_receipt
+from qualify.engines.factory import build_producer
 from qualify.evidence.records import BoundedDriftRule
+from qualify.run.qualification import (
+    STEP_LABELS,
+    QualificationRun,
+    RunOptions,
+    calibration_contract,
+    propose_bound,
+)
 
 LANE = "nvfp4-native-splitk"
 DIES_ON_REQUEST = 2  # the warm-up prefill is request 1; the first handoff is request 2

@@ -10,11 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from qualify.core.assets import REPO_ROOT
-from qualify.core.digests import canonical_sha256
-from qualify.core.errors import Refused
-from qualify.judge import judge_summary
-from qualify.evidence.records import SAMPLE_SCHEMA, BoundedDriftRule
 from qualify.archive.receipts import (
     MANIFEST,
     PARTIAL_PREFIX,
@@ -30,6 +25,11 @@ from qualify.archive.receipts import (
     verify_cli,
     verify_receipt,
 )
+from qualify.core.assets import REPO_ROOT
+from qualify.core.digests import canonical_sha256
+from qualify.core.errors import Refused
+from qualify.evidence.records import SAMPLE_SCHEMA, BoundedDriftRule
+from qualify.judge import judge_summary
 from tests.test_judge import rung2_record
 
 RULE = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)

@@ -21,17 +21,17 @@ import numpy as np
 import pytest
 
 from qualify.core import assets
+from qualify.core.errors import Refused
+from qualify.core.hostenv import numeric_environment
+from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult, Engine
 from qualify.engines.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
-from qualify.core.hostenv import numeric_environment
 from qualify.engines.reference import (
     ABI_VERSION,
     DenseLinear,
     ReferenceEngine,
     RoundTripFloat16,
 )
-from qualify.core.errors import Refused
-from qualify.core.kv import KVCache
 
 HANDOFF = 2047  # the producer prefills prompt[:2047]; the consumer feeds prompt[2047]
 DECODE = 256

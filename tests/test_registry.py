@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from qualify.core.digests import sha256_bytes
-from qualify.core.errors import Refused
 from qualify.contract.lanes import LaneKind, Recipe
 from qualify.contract.registry import LaneRegistry, load_registry, validate_registry_document
+from qualify.core.digests import sha256_bytes
+from qualify.core.errors import Refused
 
 ENTRY = {
     "lane": "nvfp4-native-splitk",

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from qualify.core import assets
-
-from qualify.run import qualification as qualifier
 from qualify.engines.factory import build_producer
 from qualify.judge import DRAFT_REPRODUCTION_FIELDS, REPRODUCTION_FIELDS, judge_reproduction
+from qualify.run import qualification as qualifier
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,8 +123,8 @@ def test_a_host_with_another_numeric_environment_is_refused_at_the_first_step(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """numpy or its BLAS other than the identity pins: exit 2 at 'identity sealed', naming the
     field, both values and the calibrate command; no handoff runs."""
-    from qualify.interfaces import cli
     from qualify.engines import reference
+    from qualify.interfaces import cli
 
     monkeypatch.setattr(reference, "numeric_environment", lambda: "numpy-9.9.9+other-blas-1.0")
     code = cli.main(["--recipe", "native-text", "--receipts", str(tmp_path)])

@@ -6,7 +6,6 @@ If a model file, prompt, tokenizer or engine ABI changes without a re-freeze, th
 from __future__ import annotations
 
 import importlib.util
-
 import json
 import os
 import subprocess
@@ -16,6 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qualify.contract.identity import load_identity
+from qualify.contract.lanes import VLLM_LANE_ENGINES, LaneKind, lane_spec, target_cache_identity
+from qualify.contract.sealed import SEALED_IDENTITIES
 from qualify.core import assets
 from qualify.core.digests import sha256_bytes, sha256_file
 from qualify.engines.factory import (
@@ -25,9 +27,6 @@ from qualify.engines.factory import (
     build_producer,
     checkpoint_digests,
 )
-from qualify.contract.identity import load_identity
-from qualify.contract.lanes import VLLM_LANE_ENGINES, LaneKind, lane_spec, target_cache_identity
-from qualify.contract.sealed import SEALED_IDENTITIES
 
 SHIPPED = sorted(assets.CONTRACTS_DIR.glob("*-identity-v1.json"))
 
@@ -113,9 +112,9 @@ def test_native_producer_is_not_the_consumer():
 
 
 def test_a_run_refuses_an_identity_whose_adapter_source_changed():
-    from qualify.engines.factory import check_adapter
-    from qualify.core.errors import Refused
     from qualify.contract.lanes import LaneKind
+    from qualify.core.errors import Refused
+    from qualify.engines.factory import check_adapter
 
     name, source = ADAPTER_SOURCES[LaneKind.NVFP4]
     check_adapter(LaneKind.NVFP4, name, sha256_file(assets.REPO_ROOT / source))

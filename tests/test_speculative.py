@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qualify.contract.lanes import ProducerMode
 from qualify.core import assets
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
 from qualify.engines.base import Engine
 from qualify.engines.draft import EagleDraft, load_draft_safetensors
 from qualify.engines.kquant import KQuantEngine, build_kquant_engine
 from qualify.engines.speculative import SpeculativeEngine, build_speculative_engine
-from qualify.core.errors import Refused
-from qualify.core.kv import KVCache
-from qualify.contract.lanes import ProducerMode
 
 HANDOFF = 2047
 DECODE = 256

@@ -16,10 +16,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # a shared 2-core machine: k
 import numpy as np
 import pytest
 
-from qualify.engines.base import DecodeResult, Engine
-from qualify.engines.reference import ReferenceEngine
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache
+from qualify.engines.base import DecodeResult, Engine
+from qualify.engines.reference import ReferenceEngine
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 

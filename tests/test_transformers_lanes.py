@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from qualify.core import assets
-from qualify.engines.factory import build_consumer, build_producer, checkpoint_digests, expected_cache_identity
-from qualify.engines.reference import ReferenceEngine
-from qualify.core.errors import Refused
+from qualify.archive.receipts import verify_receipt
 from qualify.contract.identity import load_identity
 from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS, lane_spec, target_cache_identity
-from qualify.archive.receipts import verify_receipt
+from qualify.core import assets
+from qualify.core.errors import Refused
+from qualify.engines.factory import build_consumer, build_producer, checkpoint_digests, expected_cache_identity
+from qualify.engines.reference import ReferenceEngine
 
 LANES = sorted(TRANSFORMERS_LANE_SETTINGS)
 

@@ -27,8 +27,8 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
 from qualify.archive.receipts import verify_receipt  # noqa: E402
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
 
 HANDOFF_POSITIONS = 1920  # whole 128-token blocks of the 2047 handed-off prompt tokens
 REPO = Path(__file__).resolve().parents[1]
@@ -84,8 +84,8 @@ def host_match(lane: str) -> HostMatch:
     version and ABI from ``VllmEngine.name``, ``check_pin`` and ``vllm_engine_abi``; the numpy
     consumer's from ``factory.build_consumer`` (cheap). Computed once per lane per session."""
     if lane not in _HOST_MATCHES:
-        from qualify.engines import factory
         from qualify.contract.lanes import VLLM_LANE_ENGINES
+        from qualify.engines import factory
         from qualify.run.qualification import identity_path_for_lane
 
         document = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))
@@ -136,7 +136,12 @@ def test_page_layout_round_trip_and_refusals():
     import torch
 
     from qualify.engines.vllm_connector import (
-        KNOWN_LAYOUT, LayoutRefused, check_layout, decode_blocks, encode_blocks, layer_index,
+        KNOWN_LAYOUT,
+        LayoutRefused,
+        check_layout,
+        decode_blocks,
+        encode_blocks,
+        layer_index,
     )
 
     heads, block, dim, blocks = 4, 128, 32, 6
@@ -166,8 +171,8 @@ def test_page_layout_round_trip_and_refusals():
 
 
 def test_version_pin_refuses_another_vllm(monkeypatch):
-    from qualify.engines import vllm_engine
     from qualify.core.errors import Refused
+    from qualify.engines import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "installed_vllm_version", lambda: "0.31.9")
     with pytest.raises(Refused, match="installed version 0.31.9, this harness pins 0.32.0"):
@@ -179,8 +184,8 @@ def test_a_misread_page_layout_is_refused_at_start(monkeypatch):
     without the CPU backend's per-block transpose is refused, never guessed."""
     import torch
 
-    from qualify.engines import vllm_connector, vllm_engine
     from qualify.core.errors import Refused
+    from qualify.engines import vllm_connector, vllm_engine
 
     def untransposed(kv_layer, block_ids, head_dim):
         _, heads, block_size, _ = kv_layer.shape
@@ -415,9 +420,9 @@ def test_another_cpu_class_is_refused_at_the_first_step(tmp_path, capsys):
     ABI names another class), the shipped vllm-to-reference identity is refused: exit 2 at
     'identity sealed', naming producer_engine.abi, both CPU classes and the calibrate command;
     no producer starts, no handoff runs, no receipt is written. Runs on every host."""
-    from qualify.interfaces import cli
     from qualify.core import hostenv
     from qualify.engines import vllm_engine
+    from qualify.interfaces import cli
     from qualify.run.qualification import identity_path_for_lane
 
     lane = "vllm-to-reference"
@@ -456,10 +461,10 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     import contextlib
     import io
 
-    from qualify.interfaces import cli
     from qualify.contract import identity as identity_module
     from qualify.contract import sealed as sealed_module
     from qualify.engines import factory
+    from qualify.interfaces import cli
     from qualify.run.qualification import calibrate
 
     lane = "vllm-to-reference"

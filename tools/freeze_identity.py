@@ -34,15 +34,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256  # noqa: E402
-from qualify.core.digests import canonical_json_bytes, canonical_sha256, sha256_bytes, sha256_file  # noqa: E402
-from qualify.engines.factory import ADAPTER_SOURCES  # noqa: E402
-from qualify.core.errors import Refused, one_line  # noqa: E402
-from qualify.contract.identity import DEFAULT_ARCHIVE_DIR, validate_identity_document  # noqa: E402
-from qualify.contract.lanes import LANES, LaneKind, LaneSpec, lane_spec, target_cache_identity  # noqa: E402
-from qualify.contract.sealed import (  # noqa: E402
+from qualify.contract.identity import DEFAULT_ARCHIVE_DIR, validate_identity_document
+from qualify.contract.lanes import LANES, LaneSpec, lane_spec, target_cache_identity
+from qualify.contract.sealed import (
     RECEIPT_URI,
     RELPATH,
     SealedCheckpoint,
@@ -58,7 +54,10 @@ from qualify.contract.sealed import (  # noqa: E402
     SealedRope,
     sealed_table,
 )
-
+from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256
+from qualify.core.digests import canonical_json_bytes, canonical_sha256, sha256_bytes, sha256_file
+from qualify.core.errors import Refused, one_line
+from qualify.engines.factory import ADAPTER_SOURCES
 
 DEFAULT_DRAFT = "model/gguf/eagle1-draft-q8_0.gguf"
 """The k-quant lane's EAGLE-1 draft weights (what ``speculative_draft.draft_sha256`` pins)."""

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from qualify.contract.lanes import LANES, TRANSFORMERS_LANE_SETTINGS  # noqa: E402
+from qualify.contract.lanes import LANES, TRANSFORMERS_LANE_SETTINGS
 
 SEALED_PY = REPO / "qualify" / "sealed.py"
 TABLE_START = "SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(\n"

@@ -29,10 +29,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qualify.core.digests import sha256_file  # noqa: E402
-from qualify.engines.checkpoint import LlamaConfig, load_config, load_weights  # noqa: E402
-from qualify.engines.draft import DRAFT_FILE, load_draft_safetensors  # noqa: E402
-from qualify.engines.kquant import (  # noqa: E402
+from qualify.core.digests import sha256_file
+from qualify.engines.checkpoint import LlamaConfig, load_config, load_weights
+from qualify.engines.draft import DRAFT_FILE, load_draft_safetensors
+from qualify.engines.kquant import (
     DRAFT_ARCH,
     DRAFT_GGUF_NAME,
     QUANT_TYPE,

@@ -20,15 +20,15 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from qualify.core.digests import sha256_file  # noqa: E402
-from qualify.engines.nvfp4 import (  # noqa: E402
+from qualify.core.digests import sha256_file
+from qualify.core.errors import Refused
+from qualify.engines.nvfp4 import (
     Nvfp4Tensor,
     load_nvfp4_checkpoint,
     quantize_nvfp4,
     read_safetensors,
     write_nvfp4_checkpoint,
 )
-from qualify.core.errors import Refused  # noqa: E402
 
 QUANTIZED_NAME = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"

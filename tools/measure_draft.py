@@ -33,16 +33,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qualify import assets  # noqa: E402
-from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file  # noqa: E402
-from qualify.engines.base import DecodeResult  # noqa: E402
-from qualify.engines.kquant import DRAFT_GGUF_NAME, TARGET_GGUF_NAME  # noqa: E402
-from qualify.engines.speculative import (  # noqa: E402
+from qualify import assets
+from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
+from qualify.core.kv import KVCache
+from qualify.engines.base import DecodeResult
+from qualify.engines.kquant import DRAFT_GGUF_NAME, TARGET_GGUF_NAME
+from qualify.engines.speculative import (
     DEFAULT_PROPOSAL_TOKENS,
     SpeculativeEngine,
     build_speculative_engine,
 )
-from qualify.core.kv import KVCache  # noqa: E402
 
 HANDOFF = 2047
 OUTPUT_TOKENS = 256
@@ -155,8 +155,8 @@ def main() -> int:
 def archive_receipt(report: dict[str, Any], archive: Path) -> Path:
     """Write the measurement as a receipt: the measured lane facts stand in the identity's place,
     one sample per document, and the summary states the pooled acceptance it measured."""
-    from qualify.judge import Verdict
     from qualify.archive.receipts import ReceiptWriter
+    from qualify.judge import Verdict
 
     lane = report["lane"]
     facts = {key: report[key] for key in ("schema", "engine", "checkpoint_sha256", "prompt_sha256", "split")}

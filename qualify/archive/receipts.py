@@ -107,12 +107,12 @@ def archive_dir(option: str | os.PathLike[str] | None = None) -> Path:
 
 def new_run_id(now: _dt.datetime | None = None) -> str:
     """UTC timestamp plus a random suffix, e.g. ``20261129T084512Z-3f9a0c1d2e4b5a69``."""
-    moment = (now or _dt.datetime.now(_dt.timezone.utc)).astimezone(_dt.timezone.utc)
+    moment = (now or _dt.datetime.now(_dt.UTC)).astimezone(_dt.UTC)
     return f"{moment:%Y%m%dT%H%M%SZ}-{secrets.token_hex(8)}"
 
 
 def _utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def receipt_uri(run_id: str, file: str = "validation-summary.json") -> str:
@@ -312,7 +312,7 @@ class ReceiptWriter:
 
     # -- the end
 
-    def finalize(self, verdict: "Verdict | None", *, error: str | None = None) -> Path:
+    def finalize(self, verdict: Verdict | None, *, error: str | None = None) -> Path:
         """Write the validation summary and manifest, then publish the receipt atomically.
 
         ``verdict`` is a :class:`qualify.judge.Verdict` (None when the run ended before one); the
@@ -380,7 +380,7 @@ class ReceiptWriter:
         if self.finalized:
             raise Refused(f"receipt {self.run_id}: already finalized; a receipt is never rewritten")
 
-    def __enter__(self) -> "ReceiptWriter":
+    def __enter__(self) -> ReceiptWriter:
         return self
 
     def __exit__(

@@ -38,9 +38,6 @@ from jsonschema.exceptions import best_match
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, ValidationError
 
 from qualify.contract import sealed as sealed_module
-from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
-from qualify.core.digests import canonical_json_bytes, canonical_sha256, sha256_file
-from qualify.core.errors import Refused, one_line
 from qualify.contract.lanes import (
     LANES,
     LaneKind,
@@ -51,6 +48,9 @@ from qualify.contract.lanes import (
     check_speculative_draft,
 )
 from qualify.contract.sealed import RECEIPT_URI, RELPATH, SealedIdentity, is_sealable_sha256
+from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
+from qualify.core.digests import canonical_json_bytes, canonical_sha256, sha256_file
+from qualify.core.errors import Refused, one_line
 
 MAX_DOCUMENT_BYTES = 1 << 20
 """Largest identity or registry file read (1 MiB); an identity is a few kilobytes."""

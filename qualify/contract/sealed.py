@@ -20,8 +20,6 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from qualify.core.digests import canonical_sha256, is_sha256_hex
-from qualify.core.errors import Refused
 from qualify.contract.lanes import (
     LANES,
     LaneKind,
@@ -32,6 +30,8 @@ from qualify.contract.lanes import (
     check_speculative_draft,
     target_cache_identity,
 )
+from qualify.core.digests import canonical_sha256, is_sha256_hex
+from qualify.core.errors import Refused
 
 IDENTITY_SCHEMA_ID = "trust-ladder.onboarding-identity.v1"
 """The ``schema`` string of an onboarding identity document (v1)."""
@@ -465,7 +465,7 @@ SEALED_NVFP4_NATIVE_W4A4 = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-nvfp4-linear',
-        sha256='e1d533d1bae735cf3821a5a78d88566647096332b129e1302979ca7742d1c032',
+        sha256='2b290e782366ef0f02dfaff222aa9c721fdb2e73e748305f819a2c4b6310c899',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -528,7 +528,7 @@ SEALED_NVFP4_NATIVE_SPLITK = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-nvfp4-linear',
-        sha256='e1d533d1bae735cf3821a5a78d88566647096332b129e1302979ca7742d1c032',
+        sha256='2b290e782366ef0f02dfaff222aa9c721fdb2e73e748305f819a2c4b6310c899',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -591,7 +591,7 @@ SEALED_NVFP4_NATIVE_F16 = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-nvfp4-linear',
-        sha256='e1d533d1bae735cf3821a5a78d88566647096332b129e1302979ca7742d1c032',
+        sha256='2b290e782366ef0f02dfaff222aa9c721fdb2e73e748305f819a2c4b6310c899',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -654,7 +654,7 @@ SEALED_KQUANT_EXACT_DFLASH = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-kquant',
-        sha256='49d06cddb50f7274e4b3da61a9112c649ae7393d787224cbc575e2c43d521a0d',
+        sha256='4401a8797835dde38b37c274937b563d93bbc25d3b04c28ad9e06b82f9388290',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -729,7 +729,7 @@ SEALED_VLLM_TO_REFERENCE = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-vllm-connector',
-        sha256='a209df56cb11a5be539560b7b20396dcfcc621a02149ef5f552fd20fcc800c4e',
+        sha256='4085b82298802de74cfb4b754e0b4d9adfe2cb2408a935f56617b5c792c32c34',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -792,7 +792,7 @@ SEALED_VLLM_TO_VLLM = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-vllm-connector',
-        sha256='a209df56cb11a5be539560b7b20396dcfcc621a02149ef5f552fd20fcc800c4e',
+        sha256='4085b82298802de74cfb4b754e0b4d9adfe2cb2408a935f56617b5c792c32c34',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -855,7 +855,7 @@ SEALED_REFERENCE_TO_VLLM = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-vllm-connector',
-        sha256='a209df56cb11a5be539560b7b20396dcfcc621a02149ef5f552fd20fcc800c4e',
+        sha256='4085b82298802de74cfb4b754e0b4d9adfe2cb2408a935f56617b5c792c32c34',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -918,7 +918,7 @@ SEALED_TRANSFORMERS_CUDA_FP32 = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-transformers-engine',
-        sha256='433e37283c57389c05bc6bb30586434303c91f6158b05f518bfdb26a6286fc4e',
+        sha256='e5b9dc1df491144b40e60efcc0434f5c75f26d382eb16bc1803c384cbbe6cd7d',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -981,7 +981,7 @@ SEALED_TRANSFORMERS_CUDA_TF32 = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-transformers-engine',
-        sha256='433e37283c57389c05bc6bb30586434303c91f6158b05f518bfdb26a6286fc4e',
+        sha256='e5b9dc1df491144b40e60efcc0434f5c75f26d382eb16bc1803c384cbbe6cd7d',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(
@@ -1044,7 +1044,7 @@ SEALED_TRANSFORMERS_CUDA_BF16 = SealedIdentity(
     ),
     adapter=SealedNamedDigest(
         name='qualify-transformers-engine',
-        sha256='433e37283c57389c05bc6bb30586434303c91f6158b05f518bfdb26a6286fc4e',
+        sha256='e5b9dc1df491144b40e60efcc0434f5c75f26d382eb16bc1803c384cbbe6cd7d',
     ),
     tokenizer_sha256='9008718e2da7f2914c653216e5ed0e150f7c44f3288d82c8233229418f69f231',
     prompt=SealedPrompt(

@@ -39,7 +39,7 @@ class KVCache:
 
     keys: list[np.ndarray]
     values: list[np.ndarray]
-    draft: "KVCache | None" = None
+    draft: KVCache | None = None
     # Free-form phase timings or notes an engine attaches (e.g. producer compute seconds).
     meta: dict[str, float] = field(default_factory=dict)
 
@@ -60,7 +60,7 @@ class KVCache:
         return named
 
     @classmethod
-    def from_tensors(cls, named: dict[str, np.ndarray]) -> "KVCache":
+    def from_tensors(cls, named: dict[str, np.ndarray]) -> KVCache:
         """Inverse of :meth:`tensors`; the caller has already verified names and digests."""
         target = {k: v for k, v in named.items() if not k.startswith("draft.")}
         draft = {k[len("draft."):]: v for k, v in named.items() if k.startswith("draft.")}
@@ -70,7 +70,7 @@ class KVCache:
         return cls(keys, values, draft=cls.from_tensors(draft) if draft else None)
 
 
-def check_kv_fits(kv: "KVCache", layers: int, kv_heads: int, head_dim: int, max_positions: int,
+def check_kv_fits(kv: KVCache, layers: int, kv_heads: int, head_dim: int, max_positions: int,
                   extra_positions: int) -> int:
     """Refuse (one line naming the tensor) a KV a consumer cannot install: wrong layer count,
     not float32, a shape other than [kv_heads, positions, head_dim], non-finite values, or no room

@@ -45,7 +45,7 @@ class FixedPointRows:
     scale: np.ndarray  # [..., N, 1] float64, powers of two
 
     @classmethod
-    def of(cls, values: np.ndarray, bits: int = RIGHT_BITS, *, reuse: bool = False) -> "FixedPointRows":
+    def of(cls, values: np.ndarray, bits: int = RIGHT_BITS, *, reuse: bool = False) -> FixedPointRows:
         """Scale each vector so its largest magnitude becomes an integer of ``bits`` bits, then
         round every element to the nearest integer (ties to even). Multiplying by a power of two
         is exact, so the only rounding is ``rint``'s. ``reuse`` converts a float64 ``values`` in
@@ -59,7 +59,7 @@ class FixedPointRows:
         np.rint(integers, out=integers)
         return cls(integers, np.ldexp(1.0, exponent - bits))
 
-    def __getitem__(self, index: tuple[slice, ...]) -> "FixedPointRows":
+    def __getitem__(self, index: tuple[slice, ...]) -> FixedPointRows:
         """The same rows sliced (leading axes and the row axis only)."""
         return FixedPointRows(self.integers[index], self.scale[index])
 

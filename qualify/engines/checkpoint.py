@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from qualify.engines.base import ModelGeometry
 from qualify.core.errors import Refused, one_line
+from qualify.engines.base import ModelGeometry
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

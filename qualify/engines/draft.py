@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
 from qualify.engines.base import ModelGeometry
 from qualify.engines.checkpoint import check_tensors
 from qualify.engines.kquant import decode_rows
 from qualify.engines.reference import DecodeCache, DecoderLayer, KeepFloat32, MakeLinear, dense_linear
-from qualify.core.errors import Refused
-from qualify.core.kv import KVCache
 
 DRAFT_FILE = "draft.safetensors"
 LAYER_PREFIX = "layer."

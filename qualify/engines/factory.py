@@ -12,11 +12,11 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
+from qualify.contract.lanes import LaneKind, LaneSpec, ProducerMode, lane_spec, target_cache_identity
 from qualify.core import assets
 from qualify.core.digests import sha256_file
-from qualify.engines.base import Engine
 from qualify.core.errors import Refused
-from qualify.contract.lanes import LaneKind, LaneSpec, ProducerMode, lane_spec, target_cache_identity
+from qualify.engines.base import Engine
 
 NVFP4_CHECKPOINT = assets.MODEL_DIR / "nvfp4" / "model.safetensors"
 
@@ -134,8 +134,8 @@ def _transformers_lane_engine(spec: LaneSpec, role: Role) -> Engine:
 
     if role == "consumer":
         return ReferenceEngine.from_model_dir(assets.MODEL_DIR)
-    from qualify.engines.transformers_engine import TransformersEngine
     from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS
+    from qualify.engines.transformers_engine import TransformersEngine
 
     settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
     return TransformersEngine(assets.MODEL_DIR, device=settings.device, dtype=settings.dtype,
@@ -146,8 +146,8 @@ def _producer_abi(spec: LaneSpec) -> str:
     """The ABI a lane's producer engine reports, without starting vLLM when it is vLLM or loading
     the model when it is transformers (that still needs the lane's GPU: the ABI names it)."""
     if spec.kind is LaneKind.TRANSFORMERS:
-        from qualify.engines.transformers_engine import engine_abi
         from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS
+        from qualify.engines.transformers_engine import engine_abi
 
         settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
         return engine_abi(settings.device, settings.dtype, settings.tf32)

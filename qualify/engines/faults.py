@@ -9,14 +9,14 @@ identity before any decode.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from qualify.core.numerics import cos_sin
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache
+from qualify.core.numerics import cos_sin
 
 # Where single-site faults land; chosen once, before any run, and named in every report.
 FAULT_LAYER = 2

@@ -38,9 +38,12 @@ import gguf
 import numpy as np
 
 import qualify
+from qualify.contract.lanes import ProducerMode
 from qualify.core import assets
-from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens
+from qualify.core.errors import Refused, one_line
+from qualify.core.kv import KVCache
 from qualify.core.numerics import FixedPointRows, matmul_rows
+from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
@@ -51,9 +54,6 @@ from qualify.engines.reference import (
     apply_rope,
     rms_norm,
 )
-from qualify.core.errors import Refused, one_line
-from qualify.core.kv import KVCache
-from qualify.contract.lanes import ProducerMode
 
 QUANT_TYPE = gguf.GGMLQuantizationType.Q8_0
 BLOCK = 32  # Q8_0 quants per block (llama.cpp QK8_0)
@@ -110,14 +110,14 @@ class Q8Matrix:
         return int(self.quants.shape[1] * BLOCK)
 
     @classmethod
-    def from_gguf_bytes(cls, raw: np.ndarray, n_out: int, n_in: int) -> "Q8Matrix":
+    def from_gguf_bytes(cls, raw: np.ndarray, n_out: int, n_in: int) -> Q8Matrix:
         """Split raw Q8_0 bytes ``uint8 [n_out, blocks * 34]`` into quants and scales."""
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n_out, n_in // BLOCK, 2 + BLOCK)
         scales = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
         quants = blocks[:, :, 2:].copy().view(np.int8)
         return cls(quants=np.ascontiguousarray(quants), scales=np.ascontiguousarray(scales))
 
-    def permute_rows_from_gguf(self, heads: int) -> "Q8Matrix":
+    def permute_rows_from_gguf(self, heads: int) -> Q8Matrix:
         """Undo the q/k row permutation (quant blocks run along n_in, so rows move whole)."""
         return Q8Matrix(np.ascontiguousarray(permute_qk_rows_from_gguf(self.quants, heads)),
                         np.ascontiguousarray(permute_qk_rows_from_gguf(self.scales, heads)))
@@ -515,7 +515,7 @@ def decode_rows(layer: DecoderLayer, x: np.ndarray, positions: np.ndarray, cache
         attended[row] = layer.attend_row(q[row], cache, visible=first_slot + row + 1)[0]
     attended = layer.materialize(attended)
     x = layer.materialize(x + layer.o_proj(attended))
-    return layer._mlp_residual(x)  # noqa: SLF001 - the layer's own SwiGLU block (row-wise)
+    return layer._mlp_residual(x)
 
 
 class KQuantModel:

@@ -364,7 +364,7 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, StoredTensor], dict[st
         (header_len,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + header_len].decode("utf-8"))
         entries = deserialize(data)
-    except Exception as exc:  # noqa: BLE001 - any parse failure is one refusal
+    except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise Refused(one_line(f"{path}: not a readable safetensors file ({reason})")) from None
     metadata = header.get("__metadata__") or {}

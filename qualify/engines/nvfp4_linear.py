@@ -27,8 +27,9 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from qualify.engines.base import Linear
+from qualify.core.errors import Refused
 from qualify.core.numerics import FixedPointRows, matmul_rows
+from qualify.engines.base import Linear
 from qualify.engines.nvfp4 import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -42,7 +43,6 @@ from qualify.engines.nvfp4 import (
     quantize_blocks_e2m1,
     validate_nvfp4_tensor,
 )
-from qualify.core.errors import Refused
 
 Arithmetic = Literal["exact", "splitk", "f16", "w4a4"]
 ARITHMETICS: tuple[str, ...] = get_args(Arithmetic)

@@ -49,12 +49,12 @@ import numpy as np
 
 import qualify
 from qualify.core import assets
-from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry
-from qualify.engines.checkpoint import check_weights, load_config, load_weights
-from qualify.core.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
 from qualify.core.errors import Refused
 from qualify.core.hostenv import check_ieee_environment, numeric_environment
 from qualify.core.kv import KVCache, check_kv_fits
+from qualify.core.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
+from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry
+from qualify.engines.checkpoint import check_weights, load_config, load_weights
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
 # the abi is part of every lane's cache identity, so old KV never aliases new arithmetic.
@@ -257,7 +257,7 @@ class DecoderLayer:
 
     # ---- decode: one row -------------------------------------------------------------------
 
-    def decode_row(self, x: np.ndarray, position: int, cache: "LayerKV") -> np.ndarray:
+    def decode_row(self, x: np.ndarray, position: int, cache: LayerKV) -> np.ndarray:
         """x [1, hidden] at ``position`` -> x_out [1, hidden]. Writes this row's K (post-RoPE)
         and V into ``cache`` at slot ``position`` and attends over slots 0..position. The same
         code runs for every row whatever the block size."""
@@ -270,7 +270,7 @@ class DecoderLayer:
         x = self.materialize(x + self.o_proj(attended))
         return self._mlp_residual(x)
 
-    def attend_row(self, q: np.ndarray, cache: "LayerKV", visible: int) -> np.ndarray:
+    def attend_row(self, q: np.ndarray, cache: LayerKV, visible: int) -> np.ndarray:
         """One query row's grouped-query attention over cache slots 0..visible-1:
         q [heads, head_dim] (post-RoPE) -> [1, heads * head_dim]."""
         grouped = q.reshape(self.kv_heads, self.group, self.head_dim)  # [kv, group, hd]
@@ -328,7 +328,7 @@ class LayerKV:
     value_rows: FixedPointRows
 
     @classmethod
-    def install(cls, keys: np.ndarray, values: np.ndarray, capacity: int) -> "LayerKV":
+    def install(cls, keys: np.ndarray, values: np.ndarray, capacity: int) -> LayerKV:
         """A layer with room for ``capacity`` slots, slots 0.. filled from K/V [kv, P, hd]."""
         kv_heads, _, head_dim = keys.shape
         empty = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
@@ -355,7 +355,7 @@ class DecodeCache:
     meta: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def install(cls, kv: KVCache, extra_positions: int) -> "DecodeCache":
+    def install(cls, kv: KVCache, extra_positions: int) -> DecodeCache:
         """Copy a canonical KV (already checked to fit) into a cache with ``extra_positions`` room."""
         positions = kv.keys[0].shape[1]
         layers = [LayerKV.install(key, value, positions + extra_positions)
@@ -447,7 +447,7 @@ class ReferenceEngine(GreedyDecoder):
 
     @classmethod
     def from_model_dir(cls, model_dir: Path = assets.MODEL_DIR, make_linear: MakeLinear | None = None,
-                       materialize: Materialize | None = None) -> "ReferenceEngine":
+                       materialize: Materialize | None = None) -> ReferenceEngine:
         """Load ``config.json`` + ``model.safetensors`` from ``model_dir`` (refusing bad ones)."""
         config = load_config(Path(model_dir))
         weights = load_weights(Path(model_dir), config)

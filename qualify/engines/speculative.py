@@ -38,10 +38,12 @@ from pathlib import Path
 import numpy as np
 
 import qualify
+from qualify.contract.lanes import ProducerMode
 from qualify.core import assets
+from qualify.core.errors import Refused
+from qualify.core.kv import KVCache, KVGeometry
 from qualify.engines.base import DecodeResult, check_decode_count, check_tokens
 from qualify.engines.draft import EagleDraft
-from qualify.engines.reference import DecodeCache
 from qualify.engines.kquant import (
     DRAFT_GGUF_NAME,
     TARGET_GGUF_NAME,
@@ -55,9 +57,7 @@ from qualify.engines.kquant import (
     load_draft_gguf,
     load_kquant_model,
 )
-from qualify.core.errors import Refused
-from qualify.core.kv import KVCache, KVGeometry
-from qualify.contract.lanes import ProducerMode
+from qualify.engines.reference import DecodeCache
 
 DEFAULT_PROPOSAL_TOKENS = 1
 """Draft tokens proposed per step (k). k = 1 measured best on this engine for both acceptance

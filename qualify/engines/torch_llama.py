@@ -51,10 +51,10 @@ import torch.nn.functional as F
 
 import qualify
 from qualify.core import assets
-from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry, check_decode_count
-from qualify.engines.checkpoint import load_config, load_weights
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache, check_kv_fits
+from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry, check_decode_count
+from qualify.engines.checkpoint import load_config, load_weights
 
 # Bump whenever the numerics of this file change (op order, fusion, dtypes, attention): the abi is
 # part of a lane's cache identity, so KV of old arithmetic never aliases new arithmetic.
@@ -388,17 +388,17 @@ class TorchLlama(GreedyDecoder):
 
     @classmethod
     def from_model_dir(cls, model_dir: Path = assets.MODEL_DIR, *, dtype: str = "float32",
-                       device: str = "cpu", **options) -> "TorchLlama":
+                       device: str = "cpu", **options) -> TorchLlama:
         """The shipped (or another tied-embedding Llama) checkpoint; see :func:`checkpoint_weights`."""
         return cls(checkpoint_weights(model_dir, dtype=dtype, device=device), **options)
 
     @classmethod
     def random(cls, shape: LlamaShape, *, seed: int, dtype: str = "bfloat16", device: str = "cuda",
-               **options) -> "TorchLlama":
+               **options) -> TorchLlama:
         """Random weights of ``shape`` drawn on ``device``; see :func:`random_weights`."""
         return cls(random_weights(shape, seed=seed, dtype=dtype, device=device), **options)
 
-    def sharing_weights(self, **options) -> "TorchLlama":
+    def sharing_weights(self, **options) -> TorchLlama:
         """Another engine on the same (read-only) weight tensors, with its own cache and graph."""
         settings = {"cache_positions": self.cache_positions, "max_decode_steps": self.max_decode_steps,
                     "cuda_graph": self.use_graph, **options}

@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 
 from qualify.core import assets
-from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry
-from qualify.engines.checkpoint import WEIGHTS_FILE, load_config, model_files_view
 from qualify.core.errors import Refused, one_line
 from qualify.core.kv import KVCache, check_kv_fits
+from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry
+from qualify.engines.checkpoint import WEIGHTS_FILE, load_config, model_files_view
 
 # Bump whenever this file's numerics change (how KV is installed, how pending tokens are fed).
 ABI_VERSION = "transformers-torch-abi-1"

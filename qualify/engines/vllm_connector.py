@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -198,8 +197,8 @@ class QualifyConnectorMetadata(KVConnectorMetadata):
 class QualifyKVConnector(KVConnectorBase_V1):
     """Exports a request's prompt KV in the canonical layout, or installs a verified handoff."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
         model = vllm_config.model_config
@@ -214,7 +213,7 @@ class QualifyKVConnector(KVConnectorBase_V1):
 
     # -- scheduler side ---------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = _qualify_params(request)
         if params is None or params.get("op") != "import":
             return 0, False
@@ -228,13 +227,13 @@ class QualifyKVConnector(KVConnectorBase_V1):
             return 0, False
         return max(positions - num_computed_tokens, 0), False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         params = _qualify_params(request)
         if num_external_tokens > 0 and params is not None:
             self._pending_import[request.request_id] = (params["key"], num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = QualifyConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             pending = self._pending_import.pop(new.req_id, None)
@@ -258,7 +257,7 @@ class QualifyKVConnector(KVConnectorBase_V1):
                                                 block_ids[:count], positions))
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pending_import.pop(request.request_id, None)
         return False, None
 
@@ -277,7 +276,7 @@ class QualifyKVConnector(KVConnectorBase_V1):
                                           head_dim=self._head_dim, isa=self._isa())
             self._layout_checked = True
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         imports = [t for t in metadata.transfers if t.op == "import"]
         if not imports:

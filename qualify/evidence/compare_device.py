@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qualify.core.errors import Refused
 from qualify.evidence.compare import (
     BranchComparison,
     KVComparison,
@@ -61,7 +62,6 @@ from qualify.evidence.compare import (
     parse_logit_transform,
     token_agreement,
 )
-from qualify.core.errors import Refused
 
 DIGEST_THREADS = 6
 """Threads hashing logit blocks: one runs a block's sequential SHA-256, the rest its rows."""
@@ -214,7 +214,7 @@ class LogitDigester:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> "LogitDigester":
+    def __enter__(self) -> LogitDigester:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -97,7 +97,7 @@ class BoundedDriftRule(_Frozen):
     drift_graded: bool = True
 
     @model_validator(mode="after")
-    def _bounds_finite(self) -> "BoundedDriftRule":
+    def _bounds_finite(self) -> BoundedDriftRule:
         _finite_positive(self.maximum_absolute, "maximum_absolute")
         _finite_positive(self.maximum_mean_absolute, "maximum_mean_absolute")
         return self
@@ -118,7 +118,7 @@ class BitExactRule(_Frozen):
     drift_graded: bool = False
 
     @model_validator(mode="after")
-    def _floor_in_range(self) -> "BitExactRule":
+    def _floor_in_range(self) -> BitExactRule:
         floor = self.acceptance_floor
         if floor is not None and not (math.isfinite(floor) and 0 < floor <= 1):
             raise ValueError(f"acceptance_floor must be in (0, 1], found {floor!r}")
@@ -257,7 +257,7 @@ class SampleRecord(_Frozen):
     model_config = ConfigDict(populate_by_name=True)
 
     @model_validator(mode="after")
-    def _complete_unless_failed(self) -> "SampleRecord":
+    def _complete_unless_failed(self) -> SampleRecord:
         if self.error is None:
             for name in REQUIRED_SAMPLE_FIELDS:
                 if getattr(self, name) is None:

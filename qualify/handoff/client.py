@@ -37,6 +37,7 @@ import numpy as np
 
 from qualify.core.assets import REPO_ROOT
 from qualify.core.errors import ProducerFailed, Refused, one_line
+from qualify.core.hostenv import host_facts_problem
 from qualify.handoff.service import (
     DEFAULT_WARMUP_TOKENS,
     DEFAULT_WATCHDOG_S,
@@ -52,7 +53,6 @@ from qualify.handoff.service import (
     encode_frame_header,
 )
 from qualify.handoff.wire import MAC_BYTES, Handoff, TransportStats
-from qualify.core.hostenv import host_facts_problem
 
 # How often a blocked wait wakes to check the process and its deadline.
 POLL_S = 0.2

@@ -49,12 +49,12 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 
 from qualify.core.assets import prompt_sha256
-from qualify.engines.faults import FAULTS, FaultyProducer
 from qualify.core.digests import canonical_json_bytes, is_sha256_hex
-from qualify.engines.base import Engine, ModelGeometry
 from qualify.core.errors import Refused, one_line
-from qualify.handoff.wire import PRODUCER_MODES, SealedHandoff, key_id, seal_handoff_parts
 from qualify.core.hostenv import host_facts
+from qualify.engines.base import Engine, ModelGeometry
+from qualify.engines.faults import FAULTS, FaultyProducer
+from qualify.handoff.wire import PRODUCER_MODES, SealedHandoff, key_id, seal_handoff_parts
 
 PROTOCOL = "trust-ladder.handoff-protocol.v1"
 EXIT_OK = 0

@@ -646,7 +646,7 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
 # payload parsing (consumer)
 
 
-def _first_changed_seam(located: "_LocatedPayload", leaves: Sequence[bytes],
+def _first_changed_seam(located: _LocatedPayload, leaves: Sequence[bytes],
                         manifest: HandoffManifest) -> str:
     """Where bytes changed after sealing: the first layer whose K or V digest differs from the
     (MAC-verified) manifest's seam digest, as a suffix for the refusal; empty if none does."""

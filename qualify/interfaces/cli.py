@@ -33,8 +33,8 @@ from rich.console import Console
 from rich.text import Text
 
 from qualify import __version__
-from qualify.core.errors import Refused, one_line
 from qualify.contract.lanes import Recipe
+from qualify.core.errors import Refused, one_line
 
 EXIT_PASS = 0
 EXIT_FAILED = 1

@@ -31,11 +31,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qualify.core.digests import canonical_sha256
-from qualify.core.errors import Refused, one_line
-from qualify.judge import judge_summary
-from qualify.contract.lanes import LANES
-from qualify.evidence.records import parse_rule, rule_from_identity
 from qualify.archive.receipts import (
     archive_dir,
     read_receipt_json,
@@ -44,8 +39,13 @@ from qualify.archive.receipts import (
     resolve_receipt_uri,
     verify_receipt,
 )
+from qualify.contract.lanes import LANES
 from qualify.contract.registry import LaneRegistry, RegistryEntry, validate_registry_document
 from qualify.contract.registry import load_registry as _load_registry_file
+from qualify.core.digests import canonical_sha256
+from qualify.core.errors import Refused, one_line
+from qualify.evidence.records import parse_rule, rule_from_identity
+from qualify.judge import judge_summary
 
 KEY_BYTES = 32
 

@@ -12,24 +12,23 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from qualify import __version__
-
 from qualify.core import assets
-
-from qualify.engines import faults
-from qualify.evidence.compare import compare_branches, transform_between
 from qualify.core.digests import canonical_sha256
-from qualify.engines.base import DecodeResult, Engine
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
-from qualify.judge import Verdict, judge_qualification, judge_sample
 from qualify.core.kv import KVCache
+from qualify.engines import faults
+from qualify.engines.base import DecodeResult, Engine
+from qualify.evidence.compare import compare_branches, transform_between
 from qualify.evidence.records import BitExactRule, BoundedDriftRule, failed_sample_record, record_json, sample_record
+from qualify.judge import Verdict, judge_qualification, judge_sample
 
 STEP_LABELS: tuple[str, ...] = (
     "identity sealed",
@@ -206,10 +205,10 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     """Load and seal the identity (schema, strict models, sealed constants), check the built
     engines against its pins and derive the run's contract; refuses an identity of another
     recipe or whose artifacts or numeric environment no longer match."""
-    from qualify.engines.factory import check_adapter, lane_producer_abi
-    from qualify.handoff.service import expectation_from_identity
     from qualify.contract.identity import identity_sha256, load_identity, logit_units_label
+    from qualify.engines.factory import check_adapter, lane_producer_abi
     from qualify.evidence.records import rule_from_identity
+    from qualify.handoff.service import expectation_from_identity
 
     identity = load_identity(identity_path)
     check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
@@ -224,8 +223,8 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     qualification = identity.onboarding_qualification
     # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
     graded = drift_graded or identity.rung == 2
-    from qualify.contract.identity import DEFAULT_ARCHIVE_DIR
     from qualify.archive.receipts import resolve_receipt_uri
+    from qualify.contract.identity import DEFAULT_ARCHIVE_DIR
 
     basis_records = receipt_sample_records(resolve_receipt_uri(qualification.basis, DEFAULT_ARCHIVE_DIR).parent)
     if identity.rung == 3:
@@ -377,8 +376,8 @@ class QualificationRun:
         return self._judge_summary()
 
     def _seal_identity(self) -> str:
-        from qualify.engines.factory import build_consumer
         from qualify.archive.receipts import ReceiptWriter, archive_dir
+        from qualify.engines.factory import build_consumer
 
         options = self.options
         chosen_lane = lane_for_engines(options.recipe, options.producer, options.consumer)
@@ -680,9 +679,9 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
                          output_tokens: int = 256) -> Contract:
     """A contract for measuring a lane before its identity exists: the lane's real artifacts and
     cache identity, a calibration document in place of the identity, and no rule."""
+    from qualify.contract.lanes import lane_spec
     from qualify.engines.factory import build_cache_identity, checkpoint_digests, producer_facts
     from qualify.handoff.service import ProducerExpectation
-    from qualify.contract.lanes import lane_spec
 
     spec = lane_spec(lane)
     if spec.recipe.value != recipe:
@@ -739,8 +738,8 @@ def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
     a receipt (the basis a frozen identity cites), and propose bounds a hair above the envelope."""
     if repetitions < 1:
         raise Refused(f"--repetitions: found {repetitions}, expected at least 1")
-    from qualify.judge import judge_reproduction
     from qualify.contract.lanes import lane_spec
+    from qualify.judge import judge_reproduction
 
     environments = calibration_environments()
     run = QualificationRun(options, calibration_contract(lane, recipe), log=log)

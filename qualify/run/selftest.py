@@ -9,9 +9,10 @@ for an unrelated reason, fails the self-test.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from qualify.engines import faults
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
