@@ -229,7 +229,8 @@ def test_committed_receipts_without_host_json_still_verify() -> None:
 def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
     """The qualifier's own path (identity sealed, producer ready) with the producer's environment
     overridden: host.json records the producer as it ran, not the consumer's settings."""
-    from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, calibration_contract
+    from qualify.run.contract import calibration_contract
+    from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
     run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path),
                            calibration_contract(LANE, "native-text"))
@@ -260,7 +261,8 @@ def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
 
 
 def test_run_without_a_producer_records_producer_null(tmp_path: Path) -> None:
-    from qualify.run.qualification import QualificationRun, RunOptions, calibration_contract
+    from qualify.run.contract import calibration_contract
+    from qualify.run.qualification import QualificationRun, RunOptions
 
     run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path),
                            calibration_contract(LANE, "native-text"))
@@ -274,7 +276,8 @@ def test_run_without_a_producer_records_producer_null(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_full_calibration_receipt_holds_both_host_facts(tmp_path: Path) -> None:
     """One real handoff end to end (``qualify calibrate --repetitions 1``: no sealed identity needed)."""
-    from qualify.run.qualification import RunOptions, calibrate, calibration_environments
+    from qualify.run.calibrate import calibrate, calibration_environments
+    from qualify.run.qualification import RunOptions
 
     calibration = calibrate(LANE, "native-text", 2, RunOptions(recipe="native-text", receipts=tmp_path))
     receipt = calibration.receipt_path

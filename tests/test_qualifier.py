@@ -16,13 +16,9 @@ import pytest
 from qualify.archive.receipts import read_receipt_json, verify_receipt
 from qualify.engines.factory import build_producer
 from qualify.evidence.records import BoundedDriftRule
-from qualify.run.qualification import (
-    STEP_LABELS,
-    QualificationRun,
-    RunOptions,
-    calibration_contract,
-    propose_bound,
-)
+from qualify.run.calibrate import propose_bound
+from qualify.run.contract import calibration_contract
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
 LANE = "nvfp4-native-splitk"
 DIES_ON_REQUEST = 2  # the warm-up prefill is request 1; the first handoff is request 2

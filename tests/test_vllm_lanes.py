@@ -86,7 +86,7 @@ def host_match(lane: str) -> HostMatch:
     if lane not in _HOST_MATCHES:
         from qualify.contract.lanes import VLLM_LANE_ENGINES
         from qualify.engines import factory
-        from qualify.run.qualification import identity_path_for_lane
+        from qualify.run.contract import identity_path_for_lane
 
         document = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))
         if VLLM_LANE_ENGINES[lane][1] == "vllm":
@@ -423,7 +423,7 @@ def test_another_cpu_class_is_refused_at_the_first_step(tmp_path, capsys):
     from qualify.core import hostenv
     from qualify.engines import vllm_engine
     from qualify.interfaces import cli
-    from qualify.run.qualification import identity_path_for_lane
+    from qualify.run.contract import identity_path_for_lane
 
     lane = "vllm-to-reference"
     pinned = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))["producer_engine"]["abi"]
@@ -465,7 +465,7 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     from qualify.contract import sealed as sealed_module
     from qualify.engines import factory
     from qualify.interfaces import cli
-    from qualify.run.qualification import calibrate
+    from qualify.run.calibrate import calibrate
 
     lane = "vllm-to-reference"
     receipts = tmp_path / "receipts"

@@ -67,7 +67,8 @@ def printed_block(printed: str, lane: str) -> str:
 
 def calibrate_lane(lane: str, repetitions: int) -> dict:
     """Run the calibration in-process; return its figures and receipt."""
-    from qualify.run.qualification import RunOptions, calibrate
+    from qualify.run.calibrate import calibrate
+    from qualify.run.qualification import RunOptions
 
     command = ["qualify", "calibrate", "--recipe", "native-text", "--lane", lane,
                "--repetitions", str(repetitions), "--receipts", "receipts"]

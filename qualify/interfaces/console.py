@@ -165,7 +165,7 @@ def run_cli(argv: Sequence[str]) -> int:
 
 def calibrate_cli(argv: Sequence[str]) -> int:
     """``qualify calibrate --recipe R --lane L --repetitions N``: measure, archive, propose."""
-    from qualify.run.qualification import calibrate
+    from qualify.run.calibrate import calibrate
 
     parser = _OneLineParser(prog="qualify calibrate",
                             description="Measure a lane's drift envelope and propose its sealed bounds.")

@@ -10,7 +10,6 @@ gathers evidence and writes it to the receipt.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from qualify import __version__
+from qualify.contract.lanes import lane_spec
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
@@ -27,8 +27,17 @@ from qualify.core.kv import KVCache
 from qualify.engines import faults
 from qualify.engines.base import DecodeResult, Engine
 from qualify.evidence.compare import compare_branches, transform_between
-from qualify.evidence.records import BitExactRule, BoundedDriftRule, failed_sample_record, record_json, sample_record
+from qualify.evidence.records import failed_sample_record, record_json, sample_record
 from qualify.judge import Verdict, judge_qualification, judge_sample
+from qualify.run.contract import (
+    ORDERED_HANDOFFS,
+    Contract,
+    check_lane_engines,
+    chosen_lane,
+    comparison_bounds,
+    contract_from_identity,
+    default_identity_path,
+)
 
 STEP_LABELS: tuple[str, ...] = (
     "identity sealed",
@@ -41,46 +50,6 @@ STEP_LABELS: tuple[str, ...] = (
 )
 HANDOFF_STEPS = STEP_LABELS[3:6]
 
-
-ENGINE_CHOICES = ("reference", "vllm")
-
-
-def lane_for_engines(recipe: str, producer: str, consumer: str) -> str | None:
-    """The vLLM lane an operator's ``--producer``/``--consumer`` choice names (None: the recipe's
-    embedded default, both ``reference``); refuses a choice no lane implements."""
-    from qualify.contract.lanes import VLLM_LANE_ENGINES
-
-    for name, value in (("--producer", producer), ("--consumer", consumer)):
-        if value not in ENGINE_CHOICES:
-            raise Refused(f"{name}: found {value!r}, expected one of {', '.join(ENGINE_CHOICES)}")
-    if producer == "reference" and consumer == "reference":
-        return None
-    if recipe != "native-text":
-        raise Refused(f"--producer {producer} --consumer {consumer}: vLLM lanes qualify under "
-                      f"--recipe native-text, not {recipe}")
-    for lane, engines in VLLM_LANE_ENGINES.items():
-        if engines == (producer, consumer):
-            return lane
-    raise Refused(f"--producer {producer} --consumer {consumer}: no lane runs that pair")
-
-
-def default_identity_path(recipe: str, producer: str = "reference", consumer: str = "reference") -> Path:
-    """The shipped identity a recipe qualifies when ``--identity`` is not given (for a vLLM
-    producer or consumer, that pair's lane: ``--producer vllm`` alone is ``vllm-to-reference``)."""
-    from qualify.contract.lanes import DEFAULT_NATIVE_TEXT_LANE, KQUANT_EXACT_DFLASH_LANE
-
-    vllm_lane = lane_for_engines(recipe, producer, consumer)
-    if vllm_lane is not None:
-        return identity_path_for_lane(vllm_lane)
-    lanes = {"native-text": DEFAULT_NATIVE_TEXT_LANE, "kquant-target-plus-dflash": KQUANT_EXACT_DFLASH_LANE}
-    if recipe not in lanes:
-        raise Refused(f"--recipe: found {recipe!r}, expected one of {', '.join(lanes)}")
-    return identity_path_for_lane(lanes[recipe])
-
-
-def identity_path_for_lane(lane: str) -> Path:
-    """Where a lane's frozen identity lives in ``contracts/``."""
-    return assets.CONTRACTS_DIR / f"{lane}-identity-v1.json"
 
 
 @dataclass(frozen=True)
@@ -112,156 +81,6 @@ class StepOutcome:
     seconds: float
     refused: bool = False
 
-
-@dataclass
-class Contract:
-    """Everything the run checks against, taken from a loaded identity (or, for calibration,
-    derived from the lane and its artifacts, with no rule)."""
-
-    lane: str
-    recipe: str
-    rung: int
-    producer_mode: str
-    identity_document: Any
-    identity_sha256: str
-    target_cache_identity: str
-    logit_units: str
-    prompt_name: str
-    prompt: np.ndarray
-    prompt_sha256: str
-    handoff_positions: int
-    output_tokens: int
-    repetitions: int
-    rule: BoundedDriftRule | BitExactRule | None
-    expectation: Any
-    # Per layer (K, V): the largest handed-off KV delta the lane's basis receipt measured; a
-    # sample's layers above it are where a fault sits. Rung 3's envelope is zero everywhere.
-    kv_envelope: list[tuple[float, float]] | None = None
-    # The basis receipt's sample records (the calibration the rule came from): the run's
-    # deterministic digests are rechecked against them. None for a calibration.
-    basis_records: list[dict[str, Any]] | None = None
-    # The identity declares the producer's output deterministic (require_deterministic_remote_output).
-    deterministic_producer: bool = True
-
-
-def receipt_sample_records(receipt_dir: Path) -> list[dict[str, Any]]:
-    """A receipt's sample records, in repetition order (refused when unreadable or absent)."""
-    import json
-
-    try:
-        paths = sorted((receipt_dir / "samples").glob("sample-*.json"),
-                       key=lambda path: int(path.stem.removeprefix("sample-")))
-        if not paths:
-            raise Refused(f"basis receipt {receipt_dir.name}: no samples/sample-*.json to recheck against")
-        return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
-    except (OSError, ValueError) as exc:
-        raise Refused(f"basis receipt {receipt_dir.name}: unreadable sample ({one_line(str(exc))})") from None
-
-
-def kv_envelope_from_records(records: list[dict[str, Any]], layers: int) -> list[tuple[float, float]] | None:
-    """Per-layer max K and V deltas over a calibration receipt's samples (None if it has none)."""
-    envelope = [(0.0, 0.0)] * layers
-    found = False
-    for record in records:
-        localisation = record.get("localisation") or {}
-        for item in localisation.get("kv_layer_max_abs") or []:
-            layer = item["layer"]
-            if layer < layers:
-                k, v = envelope[layer]
-                envelope[layer] = (max(k, item["k"]), max(v, item["v"]))
-                found = True
-    return envelope if found else None
-
-
-def check_engine_pins(identity: Any, consumer: Engine, producer_abi: str) -> None:
-    """Refuse (exit 2, before any handoff) a host whose built engines differ from the engines the
-    identity pins: their ABI names the numeric environment (numpy and BLAS, CPU ISA class, torch,
-    CUDA, GPU), so a host the lane was not calibrated on is refused here, never judged as drift."""
-    recipe = getattr(identity.recipe, "value", identity.recipe)
-    calibrate_hint = f"qualify calibrate --recipe {recipe} --lane {identity.lane}"
-    found_engines = {
-        "producer_engine.abi": producer_abi,
-        "consumer_engine.name": consumer.name,
-        "consumer_engine.version": consumer.version,
-        "consumer_engine.abi": consumer.abi,
-    }
-    for field_name, found in found_engines.items():
-        role, part = field_name.split(".")
-        expected = getattr(getattr(identity, role), part)
-        if found == expected:
-            continue
-        found_parts, expected_parts = set(str(found).split("+")), set(str(expected).split("+"))
-        difference = "; ".join(part for part in (
-            f"only here: {', '.join(sorted(found_parts - expected_parts))}" if found_parts - expected_parts else "",
-            f"only pinned: {', '.join(sorted(expected_parts - found_parts))}" if expected_parts - found_parts else "",
-        ) if part) or "the same parts in another order"
-        raise Refused(
-            f"identity {identity.lane}: {field_name}: found {found!r} on this host, expected "
-            f"{expected!r} ({difference}); the lane is calibrated for another numeric environment; "
-            f"to calibrate it for this host: {calibrate_hint}")
-
-
-def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer: Engine) -> Contract:
-    """Load and seal the identity (schema, strict models, sealed constants), check the built
-    engines against its pins and derive the run's contract; refuses an identity of another
-    recipe or whose artifacts or numeric environment no longer match."""
-    from qualify.contract.identity import identity_sha256, load_identity, logit_units_label
-    from qualify.engines.factory import check_adapter, lane_producer_abi
-    from qualify.evidence.records import rule_from_identity
-    from qualify.handoff.service import expectation_from_identity
-
-    identity = load_identity(identity_path)
-    check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
-    if identity.recipe != recipe:
-        raise Refused(f"identity {identity_path}: recipe: found {identity.recipe}, the run is --recipe {recipe}")
-    check_engine_pins(identity, consumer, lane_producer_abi(identity.lane))
-    consumer_geometry = consumer.geometry
-    prompt = assets.load_prompt(identity.prompt.name)
-    if assets.prompt_sha256(prompt) != identity.onboarding_qualification.prompt_sha256:
-        raise Refused(f"prompt {identity.prompt.name}: sha256 {assets.prompt_sha256(prompt)} differs from "
-                      f"the identity's prompt_sha256 {identity.onboarding_qualification.prompt_sha256}")
-    qualification = identity.onboarding_qualification
-    # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
-    graded = drift_graded or identity.rung == 2
-    from qualify.archive.receipts import resolve_receipt_uri
-    from qualify.contract.identity import DEFAULT_ARCHIVE_DIR
-
-    basis_records = receipt_sample_records(resolve_receipt_uri(qualification.basis, DEFAULT_ARCHIVE_DIR).parent)
-    if identity.rung == 3:
-        kv_envelope = [(0.0, 0.0)] * consumer_geometry.layers
-    else:
-        kv_envelope = kv_envelope_from_records(basis_records, consumer_geometry.layers)
-    return Contract(
-        lane=identity.lane,
-        recipe=identity.recipe,
-        rung=identity.rung,
-        producer_mode=identity.producer_mode,
-        identity_document=identity_path,
-        identity_sha256=identity_sha256(identity),
-        target_cache_identity=identity.target_cache_identity_sha256,
-        logit_units=logit_units_label(identity.logit_units),
-        prompt_name=identity.prompt.name,
-        prompt=prompt,
-        prompt_sha256=qualification.prompt_sha256,
-        handoff_positions=identity.context_policy.handoff_positions,
-        output_tokens=qualification.output_tokens,
-        repetitions=qualification.repetitions,
-        rule=rule_from_identity(identity, drift_graded=graded),
-        expectation=expectation_from_identity(identity, consumer_geometry),
-        kv_envelope=kv_envelope,
-        basis_records=basis_records,
-        deterministic_producer=qualification.require_deterministic_remote_output,
-    )
-
-
-def comparison_bounds(rule: BoundedDriftRule | BitExactRule | None) -> tuple[float, float]:
-    """The bounds a comparison localises against: rung 2's declared bounds, 0 for rung 3 (any
-    difference breaks it), and no bound at all for a calibration, which only measures."""
-    if isinstance(rule, BoundedDriftRule):
-        return rule.maximum_absolute, rule.maximum_mean_absolute
-    if isinstance(rule, BitExactRule):
-        return 0.0, 0.0
-    return sys.float_info.max, sys.float_info.max
 
 
 class QualificationRun:
@@ -380,7 +199,7 @@ class QualificationRun:
         from qualify.engines.factory import build_consumer
 
         options = self.options
-        chosen_lane = lane_for_engines(options.recipe, options.producer, options.consumer)
+        chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
         if options.fault is not None:
             faults.fault_named(options.fault)
         if self.contract is None:
@@ -389,14 +208,14 @@ class QualificationRun:
             from qualify.contract.identity import load_identity
 
             lane = load_identity(identity_path).lane
-            _check_lane_engines(lane, chosen_lane, options)
+            check_lane_engines(lane, options.producer, options.consumer)
             self.consumer = build_consumer(lane)
             self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
                                                    self.consumer)
         else:
             self.consumer = build_consumer(self.contract.lane)
         contract = self.contract
-        if contract.repetitions != len(HANDOFF_STEPS):
+        if contract.repetitions != ORDERED_HANDOFFS:
             raise Refused(f"identity repetitions: found {contract.repetitions}, this recipe runs "
                           f"{len(HANDOFF_STEPS)} ordered handoffs")
         # Both sides are compared in the contract's units; an engine emitting other units is
@@ -480,7 +299,7 @@ class QualificationRun:
             handoff = self.producer.request_prefill(contract.prompt[:contract.handoff_positions], request_id)
             transport = handoff.transport
             measured = {"payload_bytes": transport.payload_bytes, "payload_gbit_per_s": transport.gbit_per_s}
-            handed_off = expected_handed_off_positions(contract.lane, contract.handoff_positions)
+            handed_off = lane_spec(contract.lane).handed_off_positions(contract.handoff_positions)
             geometry = self.consumer.geometry.kv_geometry(handed_off)
             opened = open_handoff(
                 handoff, key=self._key,
@@ -583,205 +402,8 @@ class QualificationRun:
         return self.verdict.headline
 
 
-def _check_lane_engines(lane: str, chosen_lane: str | None, options: RunOptions) -> None:
-    """An identity whose lane runs other engines than ``--producer``/``--consumer`` is refused."""
-    from qualify.contract.lanes import VLLM_LANE_ENGINES
-
-    engines = VLLM_LANE_ENGINES.get(lane, ("reference", "reference"))
-    if chosen_lane is None and lane not in VLLM_LANE_ENGINES:
-        return
-    if engines != (options.producer, options.consumer):
-        raise Refused(f"identity lane {lane} runs producer {engines[0]} and consumer {engines[1]}, "
-                      f"the run asked for --producer {options.producer} --consumer {options.consumer}")
-
-
-def expected_handed_off_positions(lane: str, handoff_positions: int) -> int:
-    """How many positions a lane's producer hands off: whole blocks on every vLLM lane (vLLM
-    installs whole blocks; the consumer recomputes the rest as pending tokens), else all of them."""
-    from qualify.contract.lanes import VLLM_BLOCK_SIZE, VLLM_LANE_ENGINES
-
-    if lane in VLLM_LANE_ENGINES:
-        return (handoff_positions // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
-    return handoff_positions
-
 
 class StepFailed(Exception):
     """A step ran and its evidence failed the contract (the run is not qualified)."""
 
 
-# -- calibration --------------------------------------------------------------------------------
-
-CALIBRATION_SCHEMA = "trust-ladder.calibration.v1"
-@dataclass(frozen=True)
-class CalibrationEnvironment:
-    """Environment variables one calibration handoff's producer starts with, on top of the
-    operator's; ``requires`` names the CPU flag the setting needs (a Haswell kernel needs AVX2);
-    ``narrow_numpy`` also makes numpy run its next-narrower SIMD paths
-    (:func:`qualify.core.hostenv.numpy_narrower_dispatch`)."""
-
-    variables: dict[str, str]
-    requires: str | None = None
-    narrow_numpy: bool = False
-
-
-# Each calibration handoff restarts the producer under the next of these, so the measured envelope
-# covers producer restarts, BLAS kernels (the pinned OpenBLAS runs Zen as Haswell, so Sandybridge
-# is the third), BLAS and OpenMP thread counts and numpy's SIMD dispatch: an engine whose output
-# moved with any of them shows it as differing digests, and the calibration fails.
-CALIBRATION_ENVIRONMENTS: tuple[CalibrationEnvironment, ...] = (
-    CalibrationEnvironment({}),
-    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"},
-                           requires="avx2"),
-    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Prescott", "OPENBLAS_NUM_THREADS": "1"}),
-    # VLLM_CPU_ATTN_SPLIT_KV=0 moves vLLM's decode logits unless the harness pins it (it does).
-    CalibrationEnvironment({"OPENBLAS_CORETYPE": "Sandybridge", "OPENBLAS_NUM_THREADS": "2",
-                            "VLLM_CPU_ATTN_SPLIT_KV": "0"}, requires="avx", narrow_numpy=True),
-    CalibrationEnvironment({"OPENBLAS_NUM_THREADS": "1"}, narrow_numpy=True),
-)
-
-
-def calibration_environments() -> list[dict[str, str]]:
-    """The calibration environments this CPU can run, in order."""
-    from qualify.core.hostenv import cpu_flags, numpy_narrower_dispatch
-
-    flags = cpu_flags()
-    narrower = numpy_narrower_dispatch()
-    environments = []
-    for environment in CALIBRATION_ENVIRONMENTS:
-        if environment.requires is not None and environment.requires not in flags:
-            continue
-        variables = dict(environment.variables)
-        if environment.narrow_numpy and narrower:
-            variables["NPY_DISABLE_CPU_FEATURES"] = narrower
-        environments.append(variables)
-    return environments
-
-
-ZERO_DRIFT_BOUND = 5e-324
-"""The least positive double: the bound of a lane that showed no drift in any calibration handoff.
-Deltas are non-negative, so only a zero delta meets it: the bit-exact rule, written in the
-positive-bound form a bounded-drift recipe's schema requires (never a margin chosen by taste)."""
-
-
-def propose_bound(observed: float) -> float | None:
-    """The bound a calibration proposes for an observed maximum: the maximum itself, with no
-    margin (the handoffs already ran under every calibration environment, and the engines'
-    output does not move with them); :data:`ZERO_DRIFT_BOUND` when it is exactly zero; None when
-    it is not a finite non-negative number."""
-    import math
-
-    if not math.isfinite(observed) or observed < 0:
-        return None
-    return float(observed) if observed > 0 else ZERO_DRIFT_BOUND
-
-
-def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_PROMPT,
-                         output_tokens: int = 256) -> Contract:
-    """A contract for measuring a lane before its identity exists: the lane's real artifacts and
-    cache identity, a calibration document in place of the identity, and no rule."""
-    from qualify.contract.lanes import lane_spec
-    from qualify.engines.factory import build_cache_identity, checkpoint_digests, producer_facts
-    from qualify.handoff.service import ProducerExpectation
-
-    spec = lane_spec(lane)
-    if spec.recipe.value != recipe:
-        raise Refused(f"lane {lane}: recipe: found {spec.recipe.value}, the run is --recipe {recipe}")
-    producer = producer_facts(lane)
-    prompt = assets.load_prompt(prompt_name)
-    handoff_positions = len(prompt) - 1
-    document = {
-        "schema": CALIBRATION_SCHEMA,
-        "lane": lane,
-        "recipe": recipe,
-        "producer_mode": spec.mode.value,
-        "producer_engine": {"name": producer.name, "version": producer.version, "abi": producer.abi},
-        "checkpoint": checkpoint_digests(spec.kind),
-        "prompt": {"name": prompt_name, "sha256": assets.prompt_sha256(prompt)},
-        "handoff_positions": handoff_positions,
-        "output_tokens": output_tokens,
-        "target_cache_identity_sha256": build_cache_identity(spec),
-    }
-    digest = canonical_sha256(document)
-    return Contract(
-        lane=lane, recipe=recipe, rung=spec.recipe.rung, producer_mode=spec.mode.value,
-        identity_document=document, identity_sha256=digest,
-        target_cache_identity=document["target_cache_identity_sha256"], logit_units="raw",
-        prompt_name=prompt_name, prompt=prompt, prompt_sha256=document["prompt"]["sha256"],
-        handoff_positions=handoff_positions, output_tokens=output_tokens,
-        repetitions=len(HANDOFF_STEPS), rule=None,
-        expectation=ProducerExpectation(
-            engine_version=producer.version, geometry=producer.geometry, identity_sha256=digest,
-            engine_name=producer.name, engine_abi=producer.abi, digests=producer.digests),
-    )
-
-
-@dataclass
-class Calibration:
-    """A calibration's measured envelope and the rule it proposes (never applied by itself)."""
-
-    lane: str
-    records: list[dict[str, Any]]
-    observed_max_abs: float
-    observed_mean_abs: float
-    tokens_exact: bool
-    proposed_maximum_absolute: float | None
-    proposed_maximum_mean_absolute: float | None
-    receipt_path: Path | None
-    failures: list[str]
-    # Every deterministic digest equal across the handoffs (restarts, kernels, threads, dispatch).
-    deterministic: bool = False
-
-
-def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
-              log: Callable[[str], None] | None = None) -> Calibration:
-    """Measure ``repetitions`` handoffs of ``lane`` against the cold recompute, archive the run as
-    a receipt (the basis a frozen identity cites), and propose bounds a hair above the envelope."""
-    if repetitions < 1:
-        raise Refused(f"--repetitions: found {repetitions}, expected at least 1")
-    from qualify.contract.lanes import lane_spec
-    from qualify.judge import judge_reproduction
-
-    environments = calibration_environments()
-    run = QualificationRun(options, calibration_contract(lane, recipe), log=log)
-    failures: list[str] = []
-    deterministic = False
-    try:
-        for label in STEP_LABELS[:3]:
-            outcome = run.step(label)
-            if not outcome.passed:
-                raise Refused(f"calibration {label}: {outcome.message}")
-        for index in range(repetitions):
-            environment = environments[index % len(environments)]
-            if index > 0:  # the first handoff uses the producer the steps started (no overrides)
-                run.restart_producer(environment)
-            message = run._handoff(index)
-            run.log(f"calibration handoff {index + 1}/{repetitions} (fresh producer, environment "
-                    f"{environment or 'as the operator set it'}): {message}")
-        measured = [r for r in run.records if not r.get("error")]
-        failures = [r["error"] for r in run.records if r.get("error")]
-        tokens_exact = bool(measured) and all(r["token_agreement_rate"] == 1.0 for r in measured)
-        observed_max = max((r["max_abs"] for r in measured), default=float("nan"))
-        observed_mean = max((r["mean_abs"] for r in measured), default=float("nan"))
-        proposal = (propose_bound(observed_max), propose_bound(observed_mean))
-        # The samples are each other's basis: every deterministic digest must agree across them.
-        spec = lane_spec(lane)
-        determinism = judge_reproduction(measured, measured, rung=spec.recipe.rung, deterministic_producer=True,
-                                         draft=spec.speculative_draft)
-        deterministic = determinism.passed and len(measured) == repetitions
-        headline = (f"calibration of {lane} over {repetitions} handoffs (a fresh producer each, "
-                    f"{min(repetitions, len(environments))} environments): observed max abs {observed_max!r}, "
-                    f"max mean abs {observed_mean!r}, tokens exact in every handoff: {tokens_exact}, "
-                    f"deterministic digests equal in every handoff: {deterministic}; proposed rule "
-                    f"maximum_absolute {proposal[0]}, maximum_mean_absolute {proposal[1]}")
-        reasons = [f"handoff failed: {failure}" for failure in failures]
-        if not tokens_exact:
-            reasons.append("greedy tokens diverged: no bounded-drift rule can qualify this lane on this prompt")
-        if not deterministic:
-            reasons.append("the producer's output differs across restarts or environments: "
-                           + "; ".join(check.detail for check in determinism.checks if not check.passed))
-        run.verdict = Verdict(not reasons, headline, reasons or [headline])
-        run.receipt_path = run.receipt.finalize(run.verdict)
-    finally:
-        run.close()
-    return Calibration(lane, run.records, observed_max, observed_mean, tokens_exact,
-                       proposal[0], proposal[1], run.receipt_path, failures, deterministic)
