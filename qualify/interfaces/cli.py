@@ -3,10 +3,11 @@
 Exit codes: 0 pass, 1 failed qualification, 2 refused contract or bad usage. Every refusal or
 unexpected error is one line on stderr, never a traceback (set ``QUALIFY_DEBUG=1`` to see one).
 
-Commands whose work lives in other modules are *delegated*: the handler is imported when the
-command runs and called as ``handler(argv) -> int`` with the arguments after the command words
-(for ``--recipe``, the whole argument list). If the module or function is missing the command
-exits 2 with a one-line "not available".
+Commands whose work lives in other modules are *delegated*: each has a loader function whose
+plain import runs only when the command runs (so ``qualify --help`` never imports torch or the
+engines), and the handler is called as ``handler(argv) -> int`` with the arguments after the
+command words (for ``--recipe``, the whole argument list). A handler that cannot be imported makes
+the command exit 2 with a one-line "not available".
 
 =====================  =========================================================
 command                handler
@@ -23,7 +24,6 @@ command                handler
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -55,33 +55,67 @@ def _call_receipts_verify(handler: Callable[..., object], argv: list[str]) -> ob
     return handler(parser.parse_args(argv).path)
 
 
+Handler = Callable[..., object]
+
+
+def _load_verify() -> Handler:
+    from qualify.archive.receipts import verify_cli
+
+    return verify_cli
+
+
+def _load_enroll() -> Handler:
+    from qualify.run.enroll import enroll_cli
+
+    return enroll_cli
+
+
+def _load_calibrate() -> Handler:
+    from qualify.interfaces.console import calibrate_cli
+
+    return calibrate_cli
+
+
+def _load_selftest() -> Handler:
+    from qualify.interfaces.console import selftest_cli
+
+    return selftest_cli
+
+
+def _load_producer_serve() -> Handler:
+    from qualify.handoff.service import main
+
+    return main
+
+
+def _load_recipe() -> Handler:
+    from qualify.interfaces.console import run_cli
+
+    return run_cli
+
+
 @dataclass(frozen=True, slots=True)
 class Delegate:
-    """A command implemented elsewhere: its words, module, function, help line, and how the
-    handler is called (default ``handler(argv)``)."""
+    """A command implemented elsewhere: its words, the loader importing its handler, a help line,
+    and how the handler is called (default ``handler(argv)``)."""
 
     words: tuple[str, ...]
-    module: str
-    function: str
+    load: Callable[[], Handler]
     help: str
-    call: Callable[[Callable[..., object], list[str]], object] = _call_with_argv
+    call: Callable[[Handler, list[str]], object] = _call_with_argv
 
 
 DELEGATES: tuple[Delegate, ...] = (
-    Delegate(("receipts", "verify"), "qualify.archive.receipts", "verify_cli",
+    Delegate(("receipts", "verify"), _load_verify,
              "re-hash a receipt archive; report altered, missing or extra files",
              _call_receipts_verify),
-    Delegate(("enroll",), "qualify.run.enroll", "enroll_cli",
-             "enroll a qualified lane and mint its handoff key"),
-    Delegate(("calibrate",), "qualify.interfaces.console", "calibrate_cli",
+    Delegate(("enroll",), _load_enroll, "enroll a qualified lane and mint its handoff key"),
+    Delegate(("calibrate",), _load_calibrate,
              "measure a lane's drift envelope over repeated handoffs (the basis receipt)"),
-    Delegate(("selftest",), "qualify.interfaces.console", "selftest_cli",
-             "run the harness's own end-to-end self checks"),
-    Delegate(("producer", "serve"), "qualify.handoff.service", "main",
-             "run a producer service process (Unix socket)"),
+    Delegate(("selftest",), _load_selftest, "run the harness's own end-to-end self checks"),
+    Delegate(("producer", "serve"), _load_producer_serve, "run a producer service process (Unix socket)"),
 )
-RECIPE_DELEGATE = Delegate(("--recipe",), "qualify.interfaces.console", "run_cli",
-                           "run a qualification recipe")
+RECIPE_DELEGATE = Delegate(("--recipe",), _load_recipe, "run a qualification recipe")
 
 _OUT = Console(highlight=False, soft_wrap=True)
 _ERR = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -149,18 +183,14 @@ def _exit_code(label: str, code: object) -> int:
 
 
 def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
-    """Import and call a delegated handler; a missing one is "not available" (exit 2)."""
+    """Load and call a delegated handler; one that cannot be imported is "not available" (exit 2)."""
     label = " ".join(delegate.words)
     try:
-        module = importlib.import_module(delegate.module)
-        handler: Callable[..., object] = getattr(module, delegate.function)
+        handler = delegate.load()
     except Exception as exc:
         if _debug():
             raise
-        _say_error(
-            f"qualify {label}: not available ({delegate.module}.{delegate.function}: "
-            f"{type(exc).__name__}: {one_line(str(exc))[:160]})"
-        )
+        _say_error(f"qualify {label}: not available ({type(exc).__name__}: {one_line(str(exc))[:160]})")
         return EXIT_REFUSED
     return _exit_code(label, delegate.call(handler, list(argv)))
 
