@@ -198,8 +198,8 @@ def main() -> int:
         order = list(engines) if repetition % 2 == 0 else list(reversed(engines))
         for path in order:
             engine, patched = engines[path]
-            kv = timed(lambda: engine.prefill(prompt[:HANDOFF]), timings[path, "prefill"], patched)
-            results[path] = timed(lambda: engine.decode(kv, prompt[HANDOFF:], DECODE),
+            kv = timed(lambda engine=engine: engine.prefill(prompt[:HANDOFF]), timings[path, "prefill"], patched)
+            results[path] = timed(lambda engine=engine, kv=kv: engine.decode(kv, prompt[HANDOFF:], DECODE),
                                   timings[path, "decode"], patched)
 
     exact, blas = results["numerics"], results["blas"]

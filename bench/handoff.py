@@ -25,7 +25,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,9 +35,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from qualify.contract.lanes import ProducerMode
 from qualify.core.assets import prompt_sha256
 from qualify.core.kv import KVCache, KVGeometry
-from qualify.engines.base import ModelGeometry
+from qualify.engines.base import DecodeResult, ModelGeometry
+from qualify.handoff.wire import Handoff, OpenedHandoff
 
 GEOMETRY_ENV = "BENCH_HANDOFF_GEOMETRY"
 TARGET_RATIO = 1.5  # whole path / one SHA-256 pass
@@ -61,7 +65,7 @@ class BenchEngine:
     digests = BENCH_DIGESTS
     target_cache_identity_sha256 = BENCH_CACHE_IDENTITY
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, positions: int, mode: str) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, positions: int, mode: ProducerMode) -> None:
         self.geometry = bench_model_geometry(layers, kv_heads, head_dim, positions)
         self.producer_mode = mode
         self.positions = positions
@@ -79,14 +83,14 @@ class BenchEngine:
         return KVCache([np.ascontiguousarray(k[:, :count]) for k in self.kv.keys],
                        [np.ascontiguousarray(v[:, :count]) for v in self.kv.values])
 
-    def decode(self, kv: KVCache, pending: np.ndarray, n: int):  # pragma: no cover
+    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:  # pragma: no cover
         raise NotImplementedError
 
-    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray):  # pragma: no cover
+    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:  # pragma: no cover
         raise NotImplementedError
 
 
-def build_bench_engine(lane: str, mode: str) -> BenchEngine:
+def build_bench_engine(lane: str, mode: ProducerMode) -> BenchEngine:
     """Engine factory for the producer process; the geometry travels in the environment."""
     layers, kv_heads, head_dim, positions = (int(x) for x in os.environ[GEOMETRY_ENV].split(","))
     return BenchEngine(layers, kv_heads, head_dim, positions, mode)
@@ -105,7 +109,7 @@ def hash_split_over_two_threads(views: list[memoryview]) -> None:
     helper.join()
 
 
-def best_of(repeats: int, work) -> float:
+def best_of(repeats: int, work: Callable[[], object]) -> float:
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -114,7 +118,7 @@ def best_of(repeats: int, work) -> float:
     return min(times)
 
 
-def measure_repeat(handoff, opened) -> dict:
+def measure_repeat(handoff: Handoff, opened: OpenedHandoff) -> dict[str, Any]:
     """Phases of one handoff, then the baselines over the same payload bytes (paired)."""
     transport, manifest, verify = handoff.transport, opened.manifest, opened.timings
     assert transport is not None
@@ -124,7 +128,7 @@ def measure_repeat(handoff, opened) -> dict:
     target = np.empty(payload.nbytes, dtype=np.uint8)
     source = np.frombuffer(payload, dtype=np.uint8)
     warm_copy_s = best_of(2, lambda: np.copyto(target, source))
-    layer_views = [memoryview(a.reshape(-1).view(np.uint8))
+    layer_views = [a.reshape(-1).view(np.uint8).data
                    for a in opened.kv.keys + opened.kv.values]
     seam_split_s = best_of(2, lambda: hash_split_over_two_threads(layer_views))
     seal_s = transport.producer_seal_s or (manifest.serialize_s + manifest.digest_s)
@@ -151,8 +155,8 @@ def measure_repeat(handoff, opened) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from qualify.handoff.client import ProducerProcess
-    from qualify.handoff.service import ProducerExpectation
-    from qualify.handoff.wire import mint_run_key, open_handoff
+    from qualify.handoff.protocol import ProducerExpectation
+    from qualify.handoff.wire import HandoffExpectation, mint_run_key, open_handoff
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16)
@@ -175,18 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"handoff bench: KV {args.layers} layers x {args.kv_heads} kv heads x {args.positions} "
           f"positions x {args.head_dim} dims float32, {len(os.sched_getaffinity(0))} CPUs usable")
     rows = []
-    with ProducerProcess(lane="bench", mode="exact", key=key, run_id="bench",
+    with ProducerProcess(lane="bench", mode=ProducerMode.EXACT, key=key, run_id="bench",
                          expectation=expectation, engine_factory="bench.handoff:build_bench_engine",
                          env=env, watchdog_s=300.0, ready_timeout_s=300.0) as producer:
         for repeat in range(args.repeats):
             request_id = f"bench-{repeat}"
             handoff = producer.request_prefill(tokens, request_id)
-            opened = open_handoff(
-                handoff, key=key, expected_identity_sha256=BENCH_IDENTITY,
-                expected_cache_identity=BENCH_CACHE_IDENTITY, expected_geometry=kv_geometry,
-                expected_prompt_sha256=prompt_sha256(tokens), expected_run_id="bench",
-                expected_request_id=request_id,
-            )
+            opened = open_handoff(handoff, key=key, expectation=HandoffExpectation(
+                identity_sha256=BENCH_IDENTITY, cache_identity=BENCH_CACHE_IDENTITY, geometry=kv_geometry,
+                prompt_sha256=prompt_sha256(tokens), run_id="bench", request_id=request_id,
+            ))
             rows.append(measure_repeat(handoff, opened))
             row = rows[-1]
             print(f"  repeat {repeat}: path {row['path_s']:.3f} s, sha256 {row['sha_s']:.3f} s, "

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from qualify.engines.vllm_engine import VllmEngine
 
-    engine = run.consumer if isinstance(run.consumer, VllmEngine) else VllmEngine(role="consumer")
+    consumer = run.consumer.engine if run.consumer is not None else None
+    engine = consumer if isinstance(consumer, VllmEngine) else VllmEngine(role="consumer")
     prompt = [int(t) for t in assets.load_prompt()]
     works = 1 + len(STEP_LABELS[3:6])  # the cold recompute and three handoff decodes
     engine._generate(prompt, 8, None, logits=False)  # warm the path once, untimed

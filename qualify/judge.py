@@ -6,7 +6,12 @@ Where is each rung judged?
   :func:`judge_summary` over the repetitions;
 * rung 3 (``kquant-target-plus-dflash``, bit-exact): :func:`judge_rung3_sample` per sample,
   :func:`judge_summary` over the repetitions;
-* rung 1 (throughput parity within noise): :func:`parity_verdict`.
+* the whole run: :func:`judge_qualification` (summary, then :func:`judge_reproduction` against
+  the basis receipt); a run that stopped before its verdict: :func:`judge_incomplete`;
+* a calibration (measure, propose bounds): :func:`judge_calibration`; a draft-acceptance
+  measurement (the sealed floor's basis): :func:`judge_draft_acceptance`.
+
+No module outside this one builds a :class:`Verdict`.
 
 Records are judged as plain dicts (a sample read back from its receipt JSON); a pydantic record
 is dumped to that form first, so the judge never relies on a model's defaults. A field that is
@@ -14,8 +19,7 @@ absent or null is refused as ``sample omits <field>``: absent evidence is failed
 read as zero. Non-finite numbers are refused. Nothing here does I/O.
 
 Wording discipline (seed §32.2, §32.5): a rung-2 verdict says "bounded drift: max X <= A, mean
-Y <= M" and never "zero drift"; only rung 3 may say "bit-exact"; a throughput split inside the
-cells' noise is "parity" and no output calls either lane faster.
+Y <= M" and never "zero drift"; only rung 3 may say "bit-exact".
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from qualify.core.errors import one_line
 from qualify.evidence.records import (
     LOGIT_DIGEST_FIELDS,
     PHASE_FIELDS,
@@ -44,6 +49,7 @@ _NON_FINITE_TEXT = {"nan", "infinity", "-infinity", "inf", "-inf", "+infinity", 
 
 Rule = BoundedDriftRule | BitExactRule | Mapping[str, Any]
 Record = Mapping[str, Any] | BaseModel
+_RuleT = TypeVar("_RuleT", BoundedDriftRule, BitExactRule)
 
 
 @dataclass(frozen=True)
@@ -58,16 +64,14 @@ class Check:
 @dataclass(frozen=True)
 class Verdict:
     """A judgement: ``passed``; ``headline`` (one line); ``reasons`` in plain words (what failed
-    when failed, what held when passed); ``checks`` with per-check details."""
+    when failed, what held when passed); ``checks`` with per-check details; ``error`` says why the
+    run ended before it could be judged (only :func:`judge_incomplete` sets it)."""
 
     passed: bool
     headline: str
     reasons: list[str]
     checks: list[Check] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain-dict form (for a validation summary)."""
-        return asdict(self)
+    error: str | None = None
 
 
 def _num(value: float | int | None, against: float | None = None) -> str:
@@ -89,6 +93,13 @@ def _plain(record: Record) -> Any:
     if isinstance(record, BaseModel):
         return record.model_dump(mode="python", by_alias=True)
     return record
+
+
+def _finite(value: object) -> float | int | None:
+    """``value`` itself when it is a finite number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
 
 
 class _Evidence:
@@ -275,7 +286,8 @@ def _common_sample_checks(
     if tokens is not None:
         judgement.check(
             "output tokens", tokens == rule.output_tokens,
-            f"decoded {tokens} tokens" + ("" if tokens == rule.output_tokens else f", rule requires {rule.output_tokens}"),
+            f"decoded {tokens} tokens"
+            + ("" if tokens == rule.output_tokens else f", rule requires {rule.output_tokens}"),
         )
     rate = values["token_agreement_rate"]
     if rate is not None:
@@ -295,7 +307,8 @@ def _common_sample_checks(
         )
     payload = values["payload_bytes"]
     if payload is not None:
-        judgement.check("payload", payload > 0, f"payload {payload} bytes" if payload > 0 else "payload is empty (0 bytes)")
+        judgement.check("payload", payload > 0,
+                        f"payload {payload} bytes" if payload > 0 else "payload is empty (0 bytes)")
     handed_off = values["handed_off_positions"]
     if handed_off is not None:
         judgement.check(
@@ -306,43 +319,51 @@ def _common_sample_checks(
     return values
 
 
-def _open_sample(record: Record, rule: Rule, rule_type: type, judge_name: str) -> tuple[Any, Any, _Judgement, _Evidence | None]:
-    """Parse ``rule`` (a rule of another rung is a programming error) and ``record``; the
-    evidence is None, and the judgement already failed, when the record is not a mapping."""
-    rule = parse_rule(rule)
-    if not isinstance(rule, rule_type):
+def _rule_of(rule: Rule, rule_type: type[_RuleT], judge_name: str) -> _RuleT:
+    """``rule`` parsed; a rule of another rung is a programming error."""
+    parsed = parse_rule(rule)
+    if not isinstance(parsed, rule_type):
         raise TypeError(f"{judge_name} needs a {rule_type.__name__}")
-    record = _plain(record)
+    return parsed
+
+
+def _open_sample(record: Record) -> tuple[_Judgement, _Evidence | None]:
+    """A fresh judgement and ``record``'s evidence; the evidence is None, and the judgement
+    already failed, when the record is not a mapping."""
+    plain = _plain(record)
     judgement = _Judgement()
-    if not isinstance(record, Mapping):
-        judgement.check("record", False, f"sample is not a record: {type(record).__name__}")
-        return rule, record, judgement, None
-    return rule, record, judgement, _Evidence(record)
+    if not isinstance(plain, Mapping):
+        judgement.check("record", False, f"sample is not a record: {type(plain).__name__}")
+        return judgement, None
+    return judgement, _Evidence(plain)
 
 
 def judge_rung2_sample(record: Record, rule: Rule) -> Verdict:
     """Rung 2, one sample: complete finite evidence, exact tokens, drift inside the identity's
     bounds (and, when not drift-graded, no logit digest mismatch)."""
-    rule, record, judgement, evidence = _open_sample(record, rule, BoundedDriftRule, "judge_rung2_sample")
+    parsed = _rule_of(rule, BoundedDriftRule, "judge_rung2_sample")
+    judgement, evidence = _open_sample(record)
     if evidence is None:
         return judgement.verdict("")
-    values = _common_sample_checks(evidence, judgement, rule, ())
+    values = _common_sample_checks(evidence, judgement, parsed, ())
     if values is None:
         return judgement.verdict("")
     maximum, mean = values["max_abs"], values["mean_abs"]
-    bound, mean_bound = rule.maximum_absolute, rule.maximum_mean_absolute
+    bound, mean_bound = parsed.maximum_absolute, parsed.maximum_mean_absolute
     if maximum is not None and mean is not None:
         inside = maximum <= bound and mean <= mean_bound
         if inside:
-            detail = f"bounded drift: max {_num(maximum, bound)} <= {_num(bound)}, mean {_num(mean, mean_bound)} <= {_num(mean_bound)}"
+            detail = (f"bounded drift: max {_num(maximum, bound)} <= {_num(bound)}, "
+                      f"mean {_num(mean, mean_bound)} <= {_num(mean_bound)}")
         else:
-            where = _localisation_words(record, tokens=False)
+            where = _localisation_words(evidence.record, tokens=False)
             detail = (
-                f"native full-logit drift exceeds its identity rule: max={_num(maximum, bound)}, mean={_num(mean, mean_bound)} "
-                f"(rule: max <= {_num(bound)}, mean <= {_num(mean_bound)})" + (f"; {where}" if where else "")
+                f"native full-logit drift exceeds its identity rule: max={_num(maximum, bound)}, "
+                f"mean={_num(mean, mean_bound)} (rule: max <= {_num(bound)}, mean <= {_num(mean_bound)})"
+                + (f"; {where}" if where else "")
             )
         judgement.check("bounded drift", inside, detail)
-    if not rule.drift_graded:
+    if not parsed.drift_graded:
         _check_logit_digests_refuse_first(values, judgement)
     tokens = values["output_tokens"]
     return judgement.verdict(
@@ -376,17 +397,18 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
     Not drift-graded (the default): the first logit digest mismatch is refused as such. Drift-
     graded: the deltas are reported and judged (they must still be exactly 0).
     """
-    rule, record, judgement, evidence = _open_sample(record, rule, BitExactRule, "judge_rung3_sample")
+    parsed = _rule_of(rule, BitExactRule, "judge_rung3_sample")
+    judgement, evidence = _open_sample(record)
     if evidence is None:
         return judgement.verdict("")
-    draft_declared = rule.acceptance_floor is not None
-    values = _common_sample_checks(evidence, judgement, rule, RUNG3_DRAFT_FIELDS if draft_declared else ())
+    draft_declared = parsed.acceptance_floor is not None
+    values = _common_sample_checks(evidence, judgement, parsed, RUNG3_DRAFT_FIELDS if draft_declared else ())
     if values is None:
         return judgement.verdict("")
 
-    _check_row_digest_lists(record, values, judgement)
+    _check_row_digest_lists(evidence.record, values, judgement)
     maximum, mean = values["max_abs"], values["mean_abs"]
-    if not rule.drift_graded:
+    if not parsed.drift_graded:
         digests_equal = _check_logit_digests_refuse_first(values, judgement)
         if digests_equal and maximum is not None and mean is not None:
             exact = maximum == 0 and mean == 0
@@ -416,7 +438,7 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
                 else f"logit digest mismatch at row {row}" if row is not None else "logit block digests differ",
             )
 
-    _check_kv_bit_exact(record, judgement)
+    _check_kv_bit_exact(evidence.record, judgement)
     if draft_declared:
         for what, left, right in (
             ("draft tokens", "handoff_draft_tokens_sha256", "cold_draft_tokens_sha256"),
@@ -424,9 +446,10 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
         ):
             if values[left] is not None and values[right] is not None:
                 same = values[left] == values[right]
-                judgement.check(what, same, f"{what} equal to the cold run's" if same else f"{what} differ from the cold run's")
+                judgement.check(what, same,
+                                f"{what} equal to the cold run's" if same else f"{what} differ from the cold run's")
         acceptance = values["draft_acceptance_rate"]
-        floor = rule.acceptance_floor
+        floor = parsed.acceptance_floor
         if acceptance is not None and floor is not None:
             judgement.check(
                 "draft acceptance", acceptance >= floor,
@@ -449,18 +472,22 @@ def _check_kv_bit_exact(record: Mapping[str, Any], judgement: _Judgement) -> Non
     logits bit-exact; the handoff is still not the consumer's computation. Missing KV evidence
     is refused, never read as zero.
     """
-    layers = (record.get("localisation") or {}).get("kv_layer_max_abs")
-    if not isinstance(layers, list) or not layers:
-        judgement.check("kv", False, "sample omits kv_layer_max_abs (per-layer KV deltas against the consumer's own prefill)")
+    where = record.get("localisation")
+    # A model dumped in Python mode holds tuples where the JSON form holds lists.
+    layers = where.get("kv_layer_max_abs") if isinstance(where, Mapping) else None
+    if not isinstance(layers, (list, tuple)) or not layers:
+        judgement.check("kv", False,
+                        "sample omits kv_layer_max_abs (per-layer KV deltas against the consumer's own prefill)")
         return
     for item in layers:
+        entry: Mapping[str, Any] = item if isinstance(item, Mapping) else {}
         for tensor in ("k", "v"):
-            delta = item.get(tensor) if isinstance(item, Mapping) else None
-            if not isinstance(delta, (int, float)) or isinstance(delta, bool) or not math.isfinite(delta) or delta != 0:
-                position = item.get(f"{tensor}_position") if isinstance(item, Mapping) else None
+            delta = entry.get(tensor)
+            if _finite(delta) is None or delta != 0:
+                position = entry.get(f"{tensor}_position")
                 judgement.check(
                     "kv", False,
-                    f"handed-off KV differs from the consumer's own prefill at layer {item.get('layer') if isinstance(item, Mapping) else '?'} "
+                    f"handed-off KV differs from the consumer's own prefill at layer {entry.get('layer', '?')} "
                     f"{tensor.upper()} (max abs delta {_num(delta) if isinstance(delta, (int, float)) else delta!r}"
                     + (f" at position {position})" if position is not None else ")"),
                 )
@@ -476,7 +503,8 @@ def _check_row_digest_lists(record: Mapping[str, Any], values: Mapping[str, Any]
     if not (isinstance(handoff_rows, Sequence) and isinstance(cold_rows, Sequence)) or isinstance(handoff_rows, str):
         judgement.check("row digests", False, "sample row digests are malformed")
         return
-    first = next((i for i, (a, b) in enumerate(zip(handoff_rows, cold_rows)) if a != b), None)
+    # Lists of unequal length are evidence too: the shorter one ends at the first mismatch.
+    first = next((i for i, (a, b) in enumerate(zip(handoff_rows, cold_rows, strict=False)) if a != b), None)
     if first is None and len(handoff_rows) != len(cold_rows):
         first = min(len(handoff_rows), len(cold_rows))
     consistent = first == values["first_logit_digest_mismatch_row"] and (
@@ -528,7 +556,7 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
     )
 
     sample_verdicts = [judge_sample(record, rule) for record in plain]
-    failing = []
+    failing: list[str] = []
     for position, verdict in enumerate(sample_verdicts):
         label = indices[position] if isinstance(indices[position], int) else f"#{position + 1}"
         if not verdict.passed:
@@ -536,7 +564,8 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
     judgement.check(
         "samples", not failing and count > 0,
         f"every sample passes its rung-{rule.rung} judgement" if not failing and count > 0
-        else ("no samples" if count == 0 else f"{sum(not v.passed for v in sample_verdicts)} of {count} samples refused"),
+        else "no samples" if count == 0
+        else f"{sum(not v.passed for v in sample_verdicts)} of {count} samples refused",
         reasons=failing or (["no samples"] if count == 0 else []),
     )
 
@@ -552,22 +581,19 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
     )
 
     if isinstance(rule, BoundedDriftRule):
-        maxima = [r.get("max_abs") for r in mappings]
-        means = [r.get("mean_abs") for r in mappings]
-        numeric = count > 0 and len(maxima) == count and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in maxima + means
-        )
-        inside = numeric and all(x <= rule.maximum_absolute for x in maxima) and all(
-            y <= rule.maximum_mean_absolute for y in means
-        )
+        maxima = [x for x in (_finite(r.get("max_abs")) for r in mappings) if x is not None]
+        means = [y for y in (_finite(r.get("mean_abs")) for r in mappings) if y is not None]
+        numeric = count > 0 and len(maxima) == count and len(means) == count
+        bound, mean_bound = rule.maximum_absolute, rule.maximum_mean_absolute
+        inside = numeric and all(x <= bound for x in maxima) and all(y <= mean_bound for y in means)
         worst_max = max(maxima) if numeric else None
         worst_mean = max(means) if numeric else None
         judgement.check(
             "bounded drift in every repetition", inside,
-            f"bounded drift: max {_num(worst_max, rule.maximum_absolute)} <= {_num(rule.maximum_absolute)}, "
-            f"mean {_num(worst_mean, rule.maximum_mean_absolute)} <= {_num(rule.maximum_mean_absolute)} in every repetition"
+            f"bounded drift: max {_num(worst_max, bound)} <= {_num(bound)}, "
+            f"mean {_num(worst_mean, mean_bound)} <= {_num(mean_bound)} in every repetition"
             if inside else "full-logit drift is not inside the identity rule in every repetition"
-            + (f": worst max={_num(worst_max, rule.maximum_absolute)}, mean={_num(worst_mean, rule.maximum_mean_absolute)}" if numeric else ""),
+            + (f": worst max={_num(worst_max, bound)}, mean={_num(worst_mean, mean_bound)}" if numeric else ""),
         )
 
     for name, words in (
@@ -578,7 +604,8 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
         ("cold_generated_token_sha256", "cold generated-token digest"),
         ("cold_logit_block_sha256", "cold logit block digest"),
         *(
-            (("handoff_draft_tokens_sha256", "draft tokens digest"), ("handoff_draft_trace_sha256", "draft trace digest"))
+            (("handoff_draft_tokens_sha256", "draft tokens digest"),
+             ("handoff_draft_trace_sha256", "draft trace digest"))
             if isinstance(rule, BitExactRule) and rule.acceptance_floor is not None else ()
         ),
     ):
@@ -593,7 +620,8 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
     else:
         headline = (
             f"{count}/{rule.repetitions} handoffs bit-exact: tokens, full logits (digests equal, deltas 0)"
-            + (", draft tokens and trace equal, acceptance at or above the floor" if rule.acceptance_floor is not None else "")
+            + (", draft tokens and trace equal, acceptance at or above the floor"
+               if rule.acceptance_floor is not None else "")
             + "; digests equal across repetitions"
         )
     return judgement.verdict(headline)
@@ -614,8 +642,8 @@ def _check_equal_across(
     judgement.check(
         f"{words} across repetitions", not differing,
         f"{words} equal across {count} repetitions" if not differing
-        else f"{words} differs across repetitions (repetition {', '.join(differing)} vs {records[0].get('repetition', 1)}): "
-        "output is not deterministic",
+        else f"{words} differs across repetitions (repetition {', '.join(differing)} "
+        f"vs {records[0].get('repetition', 1)}): output is not deterministic",
     )
 
 
@@ -696,81 +724,142 @@ def judge_qualification(records: Sequence[Record], rule: Rule, basis_records: Se
                    summary.checks + reproduction.checks)
 
 
-# --------------------------------------------------------------------------- rung 1
+
+
+# --------------------------------------------------------------------------- a run that stopped early
+
+
+def judge_incomplete(reason: str) -> Verdict:
+    """A run that ended before its verdict (a failed step, an exception, no verdict given): not
+    qualified, whatever its samples showed; ``reason`` says why, in one line."""
+    line = one_line(reason) or "run ended before its verdict without a reason"
+    return Verdict(False, f"not qualified: {line}", [line], [Check("verdict reached", False, line)], error=line)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+ZERO_DRIFT_BOUND = 5e-324
+"""The least positive double: the bound of a lane that showed no drift in any calibration handoff.
+Deltas are non-negative, so only a zero delta meets it: the bit-exact rule, written in the
+positive-bound form a bounded-drift recipe's schema requires (never a margin chosen by taste)."""
+
+
+def propose_bound(observed: float) -> float | None:
+    """The bound a calibration proposes for an observed maximum: the maximum itself, with no
+    margin (the handoffs already ran under every calibration environment, and the engines'
+    output does not move with them); :data:`ZERO_DRIFT_BOUND` when it is exactly zero; None when
+    it is not a finite non-negative number."""
+    if not math.isfinite(observed) or observed < 0:
+        return None
+    return float(observed) if observed > 0 else ZERO_DRIFT_BOUND
 
 
 @dataclass(frozen=True)
-class ThroughputCell:
-    """One throughput cell: a lane's mean tokens per second and coefficient of variation
-    (a fraction: 0.0013 is 0.13 %)."""
+class CalibrationJudgement:
+    """A calibration's measured envelope over its successful handoffs, the bounds it proposes
+    (never applied by itself), and its verdict. ``failures`` are the failed handoffs' errors."""
 
-    name: str
-    mean: float
-    cv: float
-
-    @classmethod
-    def from_samples(cls, name: str, samples: Sequence[float]) -> ThroughputCell:
-        """Mean and sample CV (ddof 1) of repeated measurements (at least two)."""
-        values = [float(x) for x in samples]
-        if len(values) < 2:
-            raise ValueError(f"cell {name}: at least two measurements are needed for a CV")
-        mean = sum(values) / len(values)
-        variance = sum((x - mean) ** 2 for x in values) / (len(values) - 1)
-        return cls(name, mean, math.sqrt(variance) / mean if mean else math.inf)
+    observed_max_abs: float
+    observed_mean_abs: float
+    tokens_exact: bool
+    deterministic: bool
+    proposed_maximum_absolute: float | None
+    proposed_maximum_mean_absolute: float | None
+    failures: list[str]
+    verdict: Verdict
 
 
-def _cell(cell: ThroughputCell | Mapping[str, Any], label: str) -> tuple[ThroughputCell | None, str | None]:
-    if isinstance(cell, ThroughputCell):
-        name, mean, cv = cell.name, cell.mean, cell.cv
-    elif isinstance(cell, Mapping):
-        name = cell.get("name", label)
-        if cell.get("samples") is not None and cell.get("mean") is None:
-            try:
-                built = ThroughputCell.from_samples(str(name), cell["samples"])
-            except (TypeError, ValueError) as exc:
-                return None, f"cell {name}: {exc}"
-            name, mean, cv = built.name, built.mean, built.cv
-        else:
-            mean, cv = cell.get("mean"), cell.get("cv")
-    else:
-        return None, f"cell {label} is not a throughput cell"
-    for what, value in (("mean", mean), ("cv", cv)):
-        if value is None:
-            return None, f"cell {name} omits {what}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None, f"cell {name} {what} is not a finite number: {value!r}"
-    if mean <= 0 or cv < 0:
-        return None, f"cell {name}: mean must be positive and cv non-negative (mean {_num(mean)}, cv {_num(cv)})"
-    return ThroughputCell(str(name), float(mean), float(cv)), None
+def _worst(records: Sequence[Mapping[str, Any]], name: str, problems: list[str]) -> float:
+    """The largest finite ``name`` over ``records``; NaN (and one problem line) when any record
+    lacks a finite value, or when there are no records."""
+    values = [_finite(record.get(name)) for record in records]
+    missing = [str(record.get("repetition", "?")) for record, value in zip(records, values, strict=True)
+               if value is None]
+    if missing:
+        problems.append(f"{name} is missing or not finite in handoff {', '.join(missing)}")
+        return math.nan
+    return float(max((value for value in values if value is not None), default=math.nan))
 
 
-def parity_verdict(cell_a: ThroughputCell | Mapping[str, Any], cell_b: ThroughputCell | Mapping[str, Any]) -> Verdict:
-    """Rung 1: is the throughput split between two cells inside their noise? ``passed`` means
-    parity.
+def judge_calibration(records: Sequence[Record], *, lane: str, rung: int, draft: bool, repetitions: int,
+                      environments: int) -> CalibrationJudgement:
+    """Judge a calibration of ``lane``: ``repetitions`` handoffs, each under a fresh producer in the
+    next of ``environments`` numeric environments, measured (not judged) against the cold recompute.
 
-    Rule: parity when ``|mean_a / mean_b - 1| <= cv_a + cv_b`` (each cell's mean is uncertain by
-    about its CV, so a split inside their sum is not resolved). A split inside the noise is
-    reported as parity, and no output calls either lane faster (seed §32.5).
+    It passes when every handoff succeeded, tokens were exact in every one (else no bounded-drift
+    rule can qualify the lane), and every deterministic digest agreed across them
+    (:func:`judge_reproduction` with the samples as each other's basis). The proposed bounds are
+    :func:`propose_bound` of the worst observed max and mean abs delta.
     """
-    a, problem_a = _cell(cell_a, "a")
-    b, problem_b = _cell(cell_b, "b")
-    problems = [p for p in (problem_a, problem_b) if p]
-    if problems or a is None or b is None:
-        return Verdict(False, f"failed: {problems[0]}", problems, [Check("cells", False, "; ".join(problems))])
-    split = a.mean / b.mean - 1.0
-    noise = a.cv + b.cv
-    cells = (
-        f"{a.name} {a.mean:.6g} tok/s (CV {a.cv:.3%}) vs {b.name} {b.mean:.6g} tok/s (CV {b.cv:.3%})"
-    )
-    if abs(split) <= noise:
-        detail = (
-            f"parity within noise: {cells}: a {split:+.4%} split inside the cells' combined CV "
-            f"({noise:.3%}); no throughput claim may lean on it"
-        )
-        return Verdict(True, detail, [detail], [Check("parity", True, detail)])
-    higher, lower = (a, b) if split > 0 else (b, a)
-    detail = (
-        f"not parity: {cells}: a {split:+.4%} split outside the cells' combined CV ({noise:.3%}); "
-        f"{higher.name} measured higher throughput than {lower.name} in these cells"
-    )
-    return Verdict(False, detail, [detail], [Check("parity", False, detail)])
+    plain = [_plain(record) for record in records]
+    mappings = [record for record in plain if isinstance(record, Mapping)]
+    failures = [f"sample is not a record: {type(record).__name__}" for record in plain
+                if not isinstance(record, Mapping)]
+    failures += [one_line(str(record["error"])) for record in mappings if record.get("error")]
+    measured = [record for record in mappings if not record.get("error")]
+    tokens_exact = bool(measured) and all(_finite(r.get("token_agreement_rate")) == 1.0 for r in measured)
+    drift_problems: list[str] = []
+    observed_max = _worst(measured, "max_abs", drift_problems)
+    observed_mean = _worst(measured, "mean_abs", drift_problems)
+    proposal = (propose_bound(observed_max), propose_bound(observed_mean))
+    determinism = judge_reproduction(measured, measured, rung=rung, deterministic_producer=True, draft=draft)
+    deterministic = determinism.passed and len(measured) == repetitions
+    headline = (f"calibration of {lane} over {repetitions} handoffs (a fresh producer each, "
+                f"{min(repetitions, environments)} environments): observed max abs {observed_max!r}, "
+                f"max mean abs {observed_mean!r}, tokens exact in every handoff: {tokens_exact}, "
+                f"deterministic digests equal in every handoff: {deterministic}; proposed rule "
+                f"maximum_absolute {proposal[0]}, maximum_mean_absolute {proposal[1]}")
+    judgement = _Judgement()
+    judgement.check("handoffs", not failures,
+                    f"{len(measured)}/{repetitions} handoffs measured" if not failures
+                    else f"{len(failures)} of {len(plain)} handoffs failed",
+                    reasons=[f"handoff failed: {failure}" for failure in failures])
+    if measured:
+        judgement.check("drift measured", not drift_problems,
+                        "max and mean abs deltas finite in every handoff" if not drift_problems
+                        else "; ".join(drift_problems), reasons=drift_problems)
+    judgement.check("tokens exact", tokens_exact,
+                    "greedy tokens exact in every handoff" if tokens_exact
+                    else "greedy tokens diverged: no bounded-drift rule can qualify this lane on this prompt")
+    judgement.check("deterministic", deterministic,
+                    "every deterministic digest equal across the handoffs" if deterministic
+                    else "the producer's output differs across restarts or environments: "
+                    + "; ".join(check.detail for check in determinism.checks if not check.passed))
+    reasons = judgement.failures
+    verdict = Verdict(not reasons, headline, list(reasons) or [headline], judgement.checks + determinism.checks)
+    return CalibrationJudgement(observed_max, observed_mean, tokens_exact, deterministic,
+                                proposal[0], proposal[1], failures, verdict)
+
+
+# --------------------------------------------------------------------------- draft acceptance
+
+
+def judge_draft_acceptance(documents: Mapping[str, Mapping[str, Any]], *, proposal_tokens: int) -> Verdict:
+    """A measurement of the speculative draft's acceptance (the basis a sealed floor is taken from):
+    per document ``proposed`` and ``accepted`` drafted-token counts. It holds when every document
+    proposed at least one token and accepted no more than it proposed; the headline states the
+    pooled rate (sum accepted / sum proposed) and the lowest document's."""
+    judgement = _Judgement()
+    rates: dict[str, float] = {}
+    proposed_total = accepted_total = 0
+    for name, document in sorted(documents.items()):
+        proposed, accepted = document.get("proposed"), document.get("accepted")
+        if (not isinstance(proposed, int) or not isinstance(accepted, int) or isinstance(proposed, bool)
+                or isinstance(accepted, bool) or not 0 <= accepted <= proposed or proposed == 0):
+            judgement.check(f"document {name}", False,
+                            f"document {name}: found proposed {proposed!r}, accepted {accepted!r}; expected whole "
+                            "counts with 0 <= accepted <= proposed and at least one proposed token")
+            continue
+        rates[name] = accepted / proposed
+        proposed_total += proposed
+        accepted_total += accepted
+        judgement.check(f"document {name}", True, f"document {name}: acceptance {rates[name]:.6f}")
+    if not documents:
+        judgement.check("documents", False, "no documents measured")
+    if judgement.failures:
+        return judgement.verdict("")
+    pooled = accepted_total / proposed_total
+    headline = (f"draft acceptance measured at k={proposal_tokens}: pooled {pooled:.6f} over {len(rates)} "
+                f"documents, minimum document {min(rates.values()):.6f}")
+    return Verdict(True, headline, [headline], judgement.checks)

@@ -12,11 +12,12 @@ import types
 from pathlib import Path
 
 import pytest
-from test_identity import make_pair
+from test_identity import BASIS_RUN_ID, make_pair, writable
 
 from qualify.contract import identity as identity_module
-from qualify.contract import sealed as sealed_module
+from qualify.contract import sealed_data
 from qualify.contract.identity import identity_sha256, load_identity
+from qualify.core.digests import canonical_sha256
 from qualify.interfaces import cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +97,8 @@ def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 def sealed_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """A valid identity whose lane is sealed for this test only (the shipped table is untouched)."""
     pair = make_pair(tmp_path)
-    monkeypatch.setattr(sealed_module, "SEALED_IDENTITIES", pair.table)
+    monkeypatch.setattr(sealed_data, "SEALED_IDENTITIES", pair.table)
+    monkeypatch.setattr(sealed_data, "SEALED_BASIS_RECEIPTS", pair.bases)
     monkeypatch.setattr(identity_module, "DEFAULT_ARCHIVE_DIR", pair.archive)
     return pair
 
@@ -109,12 +111,21 @@ def test_valid_identity_exits_0_with_lane_and_digest(sealed_pair, capsys: pytest
     assert len(out.strip().splitlines()) == 1
 
 
-def test_relaxed_bound_exits_2_naming_field_found_and_sealed(sealed_pair, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_relaxed_bound_exits_2_naming_lane_and_digests(sealed_pair, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     document = json.loads(sealed_pair.path.read_text())
     document["onboarding_qualification"]["full_logits"]["maximum_absolute"] = 12.0
     sealed_pair.path.write_text(json.dumps(document))
     line = one_line_refusal(_main(capsys, "identity", "check", str(sealed_pair.path)))
-    assert "onboarding_qualification.full_logits.maximum_absolute: found 12.0, sealed 11.0" in line
+    assert (f"identity {sealed_pair.path}: lane nvfp4-native-splitk: identity sha256 found "
+            f"{canonical_sha256(document)}, sealed {sealed_pair.sealed_sha256}") in line
+    assert "tools/freeze_identity.py" in line
+
+
+def test_identity_check_verifies_the_basis_receipt(sealed_pair, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    basis = writable(sealed_pair.archive / BASIS_RUN_ID / "command.log")
+    basis.write_bytes(basis.read_bytes() + b"edited\n")
+    line = one_line_refusal(_main(capsys, "identity", "check", str(sealed_pair.path)))
+    assert f"identity {sealed_pair.path}: onboarding_qualification.basis: " in line
 
 
 @pytest.mark.parametrize(
@@ -157,7 +168,7 @@ def test_delegated_commands_receive_their_arguments(
         calibrate_cli=lambda argv: calls.append(("calibrate", argv)) or 0,
         selftest_cli=lambda argv: calls.append(("selftest", argv)) or 0,
     )
-    _fake_module(monkeypatch, "qualify.archive.receipts", verify_cli=lambda path: calls.append(("verify", path)) or 0)
+    _fake_module(monkeypatch, "qualify.archive.verify", verify_cli=lambda path: calls.append(("verify", path)) or 0)
     _fake_module(monkeypatch, "qualify.handoff.service", main=lambda argv: calls.append(("serve", argv)) or 75)
 
     assert _main(capsys, "enroll", "--identity", "id.json", "--receipt", "r")[0] == 0

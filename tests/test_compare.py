@@ -30,6 +30,9 @@ from qualify.evidence.compare import (
     top1_top2_margins,
     transform_between,
 )
+from qualify.evidence.records import PHASE_FIELDS, BoundedDriftRule, SampleRecord, record_json
+from qualify.evidence.sample import kv_over_envelope, sample_record
+from qualify.judge import judge_sample
 
 ROWS, VOCAB = 64, 1000
 
@@ -97,7 +100,8 @@ def test_non_finite_logits_propagate_and_break_the_rule():
     assert result.first_row_over_rule == 5
     handoff[5, 7] = cold[5, 7]
     handoff[9, 1] = np.inf
-    assert compare_logit_blocks(handoff, cold, maximum_absolute=100.0, maximum_mean_absolute=100.0).first_row_over_rule == 9
+    delta = compare_logit_blocks(handoff, cold, maximum_absolute=100.0, maximum_mean_absolute=100.0)
+    assert delta.first_row_over_rule == 9
 
 
 def test_digests_are_of_little_endian_float32_rows_and_block(chunk_bytes):
@@ -192,7 +196,8 @@ def test_compare_branches_matches_numpy_including_localisation(spec, chunk_bytes
     np.testing.assert_array_equal(result.cold_margins, ordered[:, -1] - ordered[:, -2])
     assert result.cold_margin_at_divergence == result.cold_margins[first]
     assert result.drift_at_divergence == float(delta[first].max())
-    assert result.divergence_class == classify_divergence(result.cold_margin_at_divergence, result.drift_at_divergence, 1.5)
+    assert result.divergence_class == classify_divergence(
+        result.cold_margin_at_divergence, result.drift_at_divergence, 1.5)
     assert result.handoff_digests == logit_digests(handoff.logits)
     assert result.cold_digests == logit_digests(cold.logits)
     assert result.first_logit_digest_mismatch == 0 and not result.logit_row_digests_equal
@@ -277,7 +282,8 @@ def test_kv_layer_deltas_match_numpy():
         assert item.k_position == int(k_delta.max(axis=(0, 2)).argmax())
         assert item.v_position == int(v_delta.max(axis=(0, 2)).argmax()) if item.v > 0 else True
     assert result.layers[1].k_position == 30 and result.layers[2].v_position == 7
-    profile = np.max([np.abs(h - o[:, :48]).max(axis=(0, 2)) for h, o in zip(handed_keys + handed_values, own_keys + own_values)], axis=0)
+    pairs = zip(handed_keys + handed_values, own_keys + own_values, strict=True)
+    profile = np.max([np.abs(h - o[:, :48]).max(axis=(0, 2)) for h, o in pairs], axis=0)
     np.testing.assert_array_equal(result.position_max_abs, profile)
     assert result.first_position_over(1.0) == 7
 
@@ -300,13 +306,15 @@ def test_kv_refusals_and_nan():
 def test_draft_digests():
     trace = [((5, 6, 7), 2), ((8,), 0)]
     assert draft_tokens_sha256(trace) == hashlib.sha256(np.array([5, 6, 7, 8], "<u4").tobytes()).hexdigest()
-    assert draft_trace_sha256(trace) == hashlib.sha256(json.dumps([[[5, 6, 7], 2], [[8], 0]], separators=(",", ":")).encode()).hexdigest()
+    canonical = json.dumps([[[5, 6, 7], 2], [[8], 0]], separators=(",", ":")).encode()
+    assert draft_trace_sha256(trace) == hashlib.sha256(canonical).hexdigest()
     assert draft_trace_sha256(trace) != draft_trace_sha256([((5, 6, 7), 3), ((8,), 0)])
     assert draft_acceptance_rate(trace) == 0.5
     assert draft_tokens_sha256(None) is None and draft_acceptance_rate([]) is None
 
 
-@pytest.mark.parametrize("spec", ["", "softcap:30", "tanh-softcap:0", "tanh-softcap:-1", "tanh-softcap:nan", "tanh-softcap:inf", "RAW"])
+@pytest.mark.parametrize(
+    "spec", ["", "softcap:30", "tanh-softcap:0", "tanh-softcap:-1", "tanh-softcap:nan", "tanh-softcap:inf", "RAW"])
 def test_parse_logit_transform_refuses(spec):
     with pytest.raises(Refused, match="logit transform"):
         parse_logit_transform(spec)
@@ -324,7 +332,8 @@ def test_compare_branches_memory_is_per_chunk_not_per_block():
     """A [256, 32768] comparison (32 MiB per block) must not allocate a block-sized delta."""
     rows, vocab = 256, 32768
     handoff, cold = _decode_pair(rows=rows, noise=0.01)
-    handoff = DecodeResult(handoff.tokens, np.ascontiguousarray(np.broadcast_to(handoff.logits[:, :1], (rows, vocab)) + np.zeros((rows, vocab), np.float32)))
+    wide = np.broadcast_to(handoff.logits[:, :1], (rows, vocab)) + np.zeros((rows, vocab), np.float32)
+    handoff = DecodeResult(handoff.tokens, np.ascontiguousarray(wide))
     cold = DecodeResult(handoff.tokens.copy(), handoff.logits + np.float32(0.001))
     forced = cold.logits.copy()
     tracemalloc.start()
@@ -336,3 +345,109 @@ def test_compare_branches_memory_is_per_chunk_not_per_block():
         tracemalloc.stop()
     block = rows * vocab * 4
     assert peak < block / 4, f"peak {peak} bytes against a {block}-byte block"
+
+
+# --------------------------------------------------------------------------- judged from a comparison
+
+
+PAYLOAD_SHA = "4" * 64
+RULE2 = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)
+
+
+def test_kv_over_envelope_lists_only_tensors_above_their_layers_envelope():
+    kv = compare_kv([np.zeros((1, 3, 2), np.float32)] * 2, [np.zeros((1, 3, 2), np.float32)] * 2,
+                    [np.zeros((1, 3, 2), np.float32), np.full((1, 3, 2), 0.25, np.float32)],
+                    [np.full((1, 3, 2), 0.5, np.float32), np.full((1, 3, 2), np.nan, np.float32)])
+    over = kv_over_envelope(kv, [(0.0, 1.0)])
+    # layer 0: K 0 and V 0.5 inside (0, 1); layer 1 has no envelope (0) and a NaN V: both over
+    assert [(item.layer, item.tensor) for item in over] == [(1, "K"), (1, "V")]
+    assert over[0].delta == 0.25 and over[0].envelope == 0.0 and math.isnan(over[1].delta)
+
+
+def test_model_records_and_json_round_trips_judge_alike():
+    handoff_logits = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    tokens = handoff_logits.argmax(axis=1)
+    cold = DecodeResult(tokens, handoff_logits + np.float32(0.5))
+    handoff = DecodeResult(tokens.copy(), handoff_logits)
+    comparison = compare_branches(handoff, cold, "raw", maximum_absolute=11.0, maximum_mean_absolute=1.25)
+    model = sample_record(
+        repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
+        payload_gbit_per_s=1.0, handed_off_positions=2047, recomputed_positions=0,
+        phases={name: 0.0 for name in PHASE_FIELDS},
+    )
+    as_json = json.loads(json.dumps(record_json(model)))
+    assert judge_sample(model, RULE2).passed
+    assert judge_sample(as_json, RULE2).passed
+    assert judge_sample(model, RULE2).headline == judge_sample(as_json, RULE2).headline
+
+
+def test_a_nan_measured_by_compare_reaches_the_judge_through_json():
+    logits = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    tokens = logits.argmax(axis=1)
+    broken = logits.copy()
+    broken[3, 3] = np.nan
+    comparison = compare_branches(DecodeResult(tokens, broken), DecodeResult(tokens, logits), "raw",
+                                  maximum_absolute=11.0, maximum_mean_absolute=1.25)
+    model = sample_record(
+        repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
+        payload_gbit_per_s=1.0, handed_off_positions=2047, recomputed_positions=0,
+        phases={name: 0.0 for name in PHASE_FIELDS},
+    )
+    as_json = record_json(model)
+    assert as_json["max_abs"] == "NaN"
+    verdict = judge_sample(as_json, RULE2)
+    assert "sample max_abs is not finite: NaN" in verdict.reasons
+    assert "sample mean_abs is not finite: NaN" in verdict.reasons
+
+
+# --------------------------------------------------------------------------- records built from a comparison
+
+
+def _comparison_with_divergence():
+    rng = np.random.default_rng(5)
+    cold_logits = rng.standard_normal((256, 64)).astype(np.float32)
+    handoff_logits = (cold_logits + rng.standard_normal((256, 64)).astype(np.float32) * 0.3).astype(np.float32)
+    cold = DecodeResult(cold_logits.argmax(axis=1), cold_logits)
+    handoff = DecodeResult(handoff_logits.argmax(axis=1), handoff_logits)
+    kv = ([np.zeros((2, 10, 4), np.float32)], [np.zeros((2, 10, 4), np.float32)])
+    own = ([np.zeros((2, 11, 4), np.float32)], [np.full((2, 11, 4), 0.5, np.float32)])
+    return compare_branches(
+        handoff, cold, "raw", maximum_absolute=11.0, maximum_mean_absolute=1.25,
+        teacher_forced_logits=handoff_logits, handoff_kv=kv, own_kv=own,
+    )
+
+
+def test_sample_record_builder_carries_localisation_and_round_trips():
+    comparison = _comparison_with_divergence()
+    assert comparison.first_divergence is not None
+    model = sample_record(
+        repetition=2, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
+        payload_gbit_per_s=1.0, handed_off_positions=10, recomputed_positions=1,
+        phases={name: 0.25 for name in PHASE_FIELDS}, kv_threshold=0.1,
+    )
+    where = model.localisation
+    assert where is not None
+    assert where.first_divergence_position == comparison.first_divergence
+    assert where.cold_margin_at_divergence == comparison.cold_margin_at_divergence
+    assert where.divergence_class == comparison.divergence_class
+    assert where.teacher_forced.top1_flips == comparison.teacher_forced.top1_flips
+    assert [(item.layer, item.k, item.v) for item in where.kv_layer_max_abs] == [(0, 0.0, 0.5)]
+    assert where.kv_first_position_over_threshold == 0
+    assert SampleRecord.model_validate_json(model.model_dump_json(by_alias=True)) == model
+    verdict = judge_sample(record_json(model), RULE2)
+    assert not verdict.passed
+    assert any(r.startswith("tokens diverge") and f"first divergence at token {comparison.first_divergence}" in r
+               for r in verdict.reasons)
+
+
+def test_sample_record_builder_refuses_missing_or_unknown_phases():
+    comparison = _comparison_with_divergence()
+    phases = {name: 0.0 for name in PHASE_FIELDS}
+    del phases["verify_s"]
+    with pytest.raises(Refused, match="sample phases: omits verify_s"):
+        sample_record(repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=1,
+                      payload_gbit_per_s=1.0, handed_off_positions=1, recomputed_positions=0, phases=phases)
+    with pytest.raises(Refused, match="unknown phase 'warmup_s'"):
+        sample_record(repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=1,
+                      payload_gbit_per_s=1.0, handed_off_positions=1, recomputed_positions=0,
+                      phases={**{name: 0.0 for name in PHASE_FIELDS}, "warmup_s": 1.0})

@@ -241,7 +241,7 @@ def _bench():
 
 
 def test_scale_bench_tiny_profile_runs_the_recipe_and_writes_a_verified_receipt(tmp_path: Path, capsys) -> None:
-    from qualify.archive.receipts import verify_receipt
+    from qualify.archive.verify import verify_receipt
 
     bench = _bench()
     status = bench.main(["--profile", "tiny", "--receipts", str(tmp_path / "receipts"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from qualify.archive.receipts import ReceiptWriter
+from qualify.archive.writer import ReceiptWriter
 from qualify.contract.lanes import LaneKind, Recipe
 from qualify.contract.registry import REGISTRY_SCHEMA_ID
 from qualify.core.digests import canonical_sha256
@@ -290,7 +290,7 @@ def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_k
 
     from qualify.core.errors import HandoffRefused
     from qualify.core.kv import KVCache
-    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
+    from qualify.handoff.wire import HandoffExpectation, mint_run_key, open_handoff, seal_handoff_parts
 
     identity = FakeIdentity()
     enroll(identity, qualify_receipt(places.archive, identity), places.registry, places.keys)
@@ -300,10 +300,11 @@ def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_k
                  [rng.standard_normal((2, 8, 4), dtype=np.float32) for _ in range(2)])
     facts = dict(identity_sha256="a" * 64, target_cache_identity="b" * 64, producer_mode="native",
                  lane=identity.lane, prompt_sha256="c" * 64, run_id="serve", request_id="r1", compute_s=0.0)
-    expected = dict(expected_identity_sha256="a" * 64, expected_cache_identity="b" * 64,
-                    expected_geometry=kv.geometry, expected_prompt_sha256="c" * 64)
-    opened = open_handoff(seal_handoff_parts(kv, key=enrolled_key, **facts).to_handoff(), key=enrolled_key, **expected)
-    assert all(np.array_equal(a, b) for a, b in zip(opened.kv.keys, kv.keys))
+    expected = HandoffExpectation(identity_sha256="a" * 64, cache_identity="b" * 64, geometry=kv.geometry,
+                                  prompt_sha256="c" * 64, run_id="serve", request_id="r1")
+    opened = open_handoff(seal_handoff_parts(kv, key=enrolled_key, **facts).to_handoff(), key=enrolled_key,
+                          expectation=expected)
+    assert all(np.array_equal(a, b) for a, b in zip(opened.kv.keys, kv.keys, strict=False))
     with pytest.raises(HandoffRefused, match="MAC does not verify"):
         open_handoff(seal_handoff_parts(kv, key=mint_run_key(), **facts).to_handoff(), key=enrolled_key,
-                     **expected)
+                     expectation=expected)

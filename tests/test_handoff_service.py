@@ -4,7 +4,9 @@ The stub engine factory lives in this module (``--engine-factory
 tests.test_handoff_service:build_stub_engine``); its lane name picks a behaviour: ``stub-ok``,
 ``stub-raise`` (raises on the first real request), ``stub-hang`` and ``stub-slow`` (block on the
 first real request after touching a marker file, so a test knows the request is inside the
-engine). Watchdogs are short here; client timeouts are generous and only guard against hangs.
+engine). On a lane of the table it hands off every position, or with ``STUB_ENGINE_BLOCKS`` set
+the lane's own count. Watchdogs are short here; client timeouts are generous and only guard
+against hangs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from qualify.contract.lanes import LANES, VLLM_TO_REFERENCE_LANE, ProducerMode, lane_spec
 from qualify.core.assets import REPO_ROOT, prompt_sha256
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused
@@ -32,27 +35,26 @@ from qualify.core.kv import KVCache
 from qualify.engines.base import ModelGeometry
 from qualify.handoff import client
 from qualify.handoff.client import ProducerFailure, ProducerProcess, ProducerStartRefused
-from qualify.handoff.service import (
+from qualify.handoff.protocol import (
     FRAME_LENGTH,
     ProducerExpectation,
     StartRefused,
-    bind_unix,
     client_auth_mac,
     decode_frame_header,
     encode_frame_header,
     expectation_from_identity,
-    parse_config,
 )
-from qualify.handoff.wire import mint_run_key, open_handoff
+from qualify.handoff.service import bind_unix, parse_config
+from qualify.handoff.wire import HandoffExpectation, mint_run_key, open_handoff
 
 FACTORY = "tests.test_handoff_service:build_stub_engine"
 MARKER_ENV = "STUB_ENGINE_MARKER"
+BLOCKS_ENV = "STUB_ENGINE_BLOCKS"
 STUB_GEOMETRY = ModelGeometry(layers=3, hidden=32, heads=4, kv_heads=2, head_dim=8, vocab=64,
                               max_positions=256, rope_theta=10000.0)
 STUB_DIGESTS = {"model.safetensors": hashlib.sha256(b"stub checkpoint").hexdigest()}
 STUB_CACHE_IDENTITY = {
-    mode: hashlib.sha256(f"stub cache identity {mode}".encode()).hexdigest()
-    for mode in ("exact", "native")
+    mode: hashlib.sha256(f"stub cache identity {mode.value}".encode()).hexdigest() for mode in ProducerMode
 }
 IDENTITY_SHA256 = hashlib.sha256(b"stub identity").hexdigest()
 EXPECTATION = ProducerExpectation(
@@ -91,8 +93,9 @@ class StubEngine:
     geometry = STUB_GEOMETRY
     digests = STUB_DIGESTS
 
-    def __init__(self, behaviour: str, mode: str) -> None:
+    def __init__(self, behaviour: str, mode: ProducerMode, lane: str = "stub-ok") -> None:
         self.behaviour = behaviour
+        self.lane = lane
         self.producer_mode = mode
         self.target_cache_identity_sha256 = STUB_CACHE_IDENTITY[mode]
         self.calls = 0
@@ -106,6 +109,8 @@ class StubEngine:
                 Path(os.environ[MARKER_ENV]).write_text("inside prefill")
                 while True:
                     time.sleep(0.05)
+        if self.behaviour == "blocks":  # the lane's whole blocks, as a vLLM-side producer hands off
+            return stub_kv(tokens[:lane_spec(self.lane).handed_off_positions(len(tokens))])
         return stub_kv(tokens)
 
     def decode(self, kv: KVCache, pending: np.ndarray, n: int):  # pragma: no cover
@@ -115,21 +120,25 @@ class StubEngine:
         raise NotImplementedError
 
 
-def build_stub_engine(lane: str, mode: str) -> StubEngine:
+def build_stub_engine(lane: str, mode: ProducerMode) -> StubEngine:
+    if lane in LANES:
+        return StubEngine("blocks" if os.environ.get(BLOCKS_ENV) else "ok", mode, lane)
     behaviour = lane.removeprefix("stub-")
     if behaviour not in ("ok", "raise", "hang", "slow"):
         raise ValueError(f"unknown stub lane {lane}")
-    return StubEngine(behaviour, mode)
+    return StubEngine(behaviour, mode, lane)
 
 
 # ------------------------------------------------------------------------------------------
 # helpers
 
 
-def producer(lane: str = "stub-ok", mode: str = "exact", *, key: bytes | None = None,
+def producer(lane: str = "stub-ok", mode: ProducerMode = ProducerMode.EXACT, *, key: bytes | None = None,
              expectation: ProducerExpectation = EXPECTATION, watchdog_s: float = 30.0,
-             marker: Path | None = None, **options) -> ProducerProcess:
+             marker: Path | None = None, whole_blocks: bool = False, **options) -> ProducerProcess:
     env = {MARKER_ENV: str(marker)} if marker is not None else {}
+    if whole_blocks:
+        env[BLOCKS_ENV] = "1"
     return ProducerProcess(
         lane=lane, mode=mode, key=key if key is not None else KEY, run_id=RUN_ID,
         expectation=expectation, watchdog_s=watchdog_s, ready_timeout_s=HANG_GUARD_S,
@@ -141,14 +150,19 @@ def producer(lane: str = "stub-ok", mode: str = "exact", *, key: bytes | None = 
 KEY = mint_run_key()
 
 
-def open_stub_handoff(handoff, *, mode: str = "exact", request_id: str, tokens=TOKENS):
-    return open_handoff(
-        handoff, key=KEY, expected_identity_sha256=IDENTITY_SHA256,
-        expected_cache_identity=STUB_CACHE_IDENTITY[mode],
-        expected_geometry=STUB_GEOMETRY.kv_geometry(len(tokens)),
-        expected_prompt_sha256=prompt_sha256(tokens), expected_run_id=RUN_ID,
-        expected_request_id=request_id,
+def stub_expectation(*, mode: ProducerMode = ProducerMode.EXACT, request_id: str,
+                     tokens: np.ndarray = TOKENS) -> HandoffExpectation:
+    """What the consumer expects of a stub handoff of (all of) ``tokens``."""
+    return HandoffExpectation(
+        identity_sha256=IDENTITY_SHA256, cache_identity=STUB_CACHE_IDENTITY[mode],
+        geometry=STUB_GEOMETRY.kv_geometry(len(tokens)), prompt_sha256=prompt_sha256(tokens), run_id=RUN_ID,
+        request_id=request_id,
     )
+
+
+def open_stub_handoff(handoff, *, mode: ProducerMode = ProducerMode.EXACT, request_id: str, tokens=TOKENS):
+    return open_handoff(handoff, key=KEY, expectation=stub_expectation(mode=mode, request_id=request_id,
+                                                                       tokens=tokens))
 
 
 def sorted_by_layout(tensors: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -244,12 +258,34 @@ def test_client_refuses_non_integer_tokens() -> None:
 
 
 def test_native_producer_handoff_refused_where_exact_expected() -> None:
-    with producer(mode="native") as p:
+    with producer(mode=ProducerMode.NATIVE) as p:
         handoff = p.request_prefill(TOKENS, "req-native")
-        _, manifest, _ = open_stub_handoff(handoff, mode="native", request_id="req-native")
-        assert manifest.producer_mode == "native"
+        _, manifest, _ = open_stub_handoff(handoff, mode=ProducerMode.NATIVE, request_id="req-native")
+        assert manifest.producer_mode is ProducerMode.NATIVE
         with pytest.raises(HandoffRefused, match="target_cache_identity_sha256.*producer mode native"):
-            open_stub_handoff(handoff, mode="exact", request_id="req-native")
+            open_stub_handoff(handoff, mode=ProducerMode.EXACT, request_id="req-native")
+
+
+def test_a_whole_block_lane_hands_off_its_whole_blocks_and_names_their_tokens() -> None:
+    """On a lane with vLLM on a side the producer hands off the lane's count (whole blocks) of a
+    prompt, and its manifest names exactly those tokens; the consumer recomputes the rest."""
+    tokens = np.arange(200, dtype=np.int64) * 5 % STUB_GEOMETRY.vocab
+    handed_off = lane_spec(VLLM_TO_REFERENCE_LANE).handed_off_positions(len(tokens))
+    assert handed_off == 128
+    with producer(VLLM_TO_REFERENCE_LANE, ProducerMode.NATIVE, whole_blocks=True) as p:
+        handoff = p.request_prefill(tokens, "req-blocks")
+        kv, manifest, _ = open_stub_handoff(handoff, mode=ProducerMode.NATIVE, request_id="req-blocks",
+                                            tokens=tokens[:handed_off])
+    assert manifest.handed_off_positions == handed_off and manifest.lane == VLLM_TO_REFERENCE_LANE
+    assert np.array_equal(kv.keys[0], stub_kv(tokens[:handed_off]).keys[0])
+
+
+def test_an_engine_handing_off_other_than_its_lanes_count_is_refused_at_start() -> None:
+    """A whole-block lane's producer whose engine hands off every position fails its warm-up."""
+    with pytest.raises(ProducerStartRefused, match="engine prefill geometry.*'positions': 128") as refused:
+        with producer(VLLM_TO_REFERENCE_LANE, ProducerMode.NATIVE):
+            pass
+    assert refused.value.exit_status == 2
 
 
 def test_client_with_wrong_key_is_turned_away() -> None:
@@ -286,10 +322,8 @@ def test_bad_mode_refuses_to_start(tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--mode" in lines[0] and "'fast'" in lines[0]
-    with pytest.raises(ProducerStartRefused, match="--mode") as refused:
-        with producer(mode="turbo"):
-            pass
-    assert refused.value.exit_status == 2
+    with pytest.raises(Refused, match="producer mode: found 'turbo', expected exact or native"):
+        producer(mode="turbo")  # the harness refuses it before any process starts
 
 
 def test_non_loopback_address_needs_explicit_flag(tmp_path: Path) -> None:
@@ -336,6 +370,11 @@ def test_start_arguments_refused_in_one_line(tmp_path: Path) -> None:
         del document["geometry"]["rope_theta"]
         ProducerExpectation.from_document(document)
     assert ProducerExpectation.from_document(EXPECTATION.to_document()) == EXPECTATION
+    # Every KV dtype the wire carries (bfloat16 for the torch-llama lanes), and nothing else.
+    bf16 = ProducerExpectation.from_document({**EXPECTATION.to_document(), "kv_dtype": "bfloat16"})
+    assert bf16.kv_dtype == "bfloat16"
+    with pytest.raises(StartRefused, match="kv_dtype 'int8' is not a KV dtype"):
+        ProducerExpectation.from_document({**EXPECTATION.to_document(), "kv_dtype": "int8"})
 
 
 def test_expectation_from_identity_pins_engine_digests_and_context(
@@ -348,6 +387,7 @@ def test_expectation_from_identity_pins_engine_digests_and_context(
                         lambda identity: canonical_sha256(identity.document()))
     document = {"lane": "stub-ok", "n": 1}
     identity = SimpleNamespace(
+        lane="nvfp4-exact",  # a float32 lane: the expectation's KV dtype is the lane's
         producer_engine=SimpleNamespace(name="stub", version="stub-1", abi="stub-abi-1"),
         checkpoint=SimpleNamespace(files=STUB_DIGESTS),
         context_policy=SimpleNamespace(max_positions=STUB_GEOMETRY.max_positions),

@@ -23,6 +23,7 @@ import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from qualify.contract.lanes import ProducerMode
 from qualify.core.digests import canonical_json_bytes
 from qualify.core.errors import HandoffRefused, Refused
 from qualify.core.kv import KVCache, KVGeometry
@@ -30,6 +31,7 @@ from qualify.handoff import wire
 from qualify.handoff.wire import (
     MANIFEST_SCHEMA,
     Handoff,
+    HandoffExpectation,
     key_id,
     manifest_mac,
     mint_run_key,
@@ -59,7 +61,7 @@ def random_kv(geometry: KVGeometry, seed: int) -> KVCache:
 KV = random_kv(GEOMETRY, seed=1)
 
 
-def seal(kv: KVCache = KV, *, key: bytes = KEY, cache: str = CACHE_EXACT, mode: str = "exact",
+def seal(kv: KVCache = KV, *, key: bytes = KEY, cache: str = CACHE_EXACT, mode: str = ProducerMode.EXACT,
          request_id: str = "req-1", **options: object) -> Handoff:
     """One contiguous handoff, as a producer's transport sends it (``options``: digest_threads)."""
     return seal_handoff_parts(kv, key=key, identity_sha256=IDENTITY, target_cache_identity=cache,
@@ -68,13 +70,15 @@ def seal(kv: KVCache = KV, *, key: bytes = KEY, cache: str = CACHE_EXACT, mode: 
                               **options).to_handoff()  # type: ignore[arg-type]
 
 
-def open_(handoff: Handoff, **overrides):
-    expected = dict(key=KEY, expected_identity_sha256=IDENTITY,
-                    expected_cache_identity=CACHE_EXACT, expected_geometry=GEOMETRY,
-                    expected_prompt_sha256=PROMPT, expected_run_id="run-1",
-                    expected_request_id="req-1")
-    expected.update(overrides)
-    return open_handoff(handoff, **expected)
+EXPECTATION = HandoffExpectation(identity_sha256=IDENTITY, cache_identity=CACHE_EXACT, geometry=GEOMETRY,
+                                 prompt_sha256=PROMPT, run_id="run-1", request_id="req-1")
+
+
+def open_(handoff: Handoff, *, key: bytes = KEY, digest_threads: int = wire.DEFAULT_DIGEST_THREADS,
+          **changes: object):
+    """Open ``handoff`` against :data:`EXPECTATION` with ``changes`` (HandoffExpectation fields)."""
+    return open_handoff(handoff, key=key, expectation=replace(EXPECTATION, **changes),
+                        digest_threads=digest_threads)
 
 
 def tensor_spans_of(payload: bytes) -> list[tuple[str, int, int]]:
@@ -179,7 +183,7 @@ def test_draft_context_round_trip_and_expectation() -> None:
     kv = random_kv(GEOMETRY, seed=4)
     kv.draft = random_kv(DRAFT_GEOMETRY, seed=5)
     handoff = seal(kv)
-    opened = open_(handoff, expected_draft_geometry=DRAFT_GEOMETRY)
+    opened = open_(handoff, draft_geometry=DRAFT_GEOMETRY)
     assert opened.kv.draft is not None
     assert np.array_equal(opened.kv.draft.values[1], kv.draft.values[1])
     assert opened.manifest.draft_context_sha256 == hashlib.sha256(
@@ -190,9 +194,9 @@ def test_draft_context_round_trip_and_expectation() -> None:
     with pytest.raises(HandoffRefused, match="draft_geometry: draft context present"):
         open_(handoff)
     with pytest.raises(HandoffRefused, match="draft_geometry: draft context absent"):
-        open_(SEALED, expected_draft_geometry=DRAFT_GEOMETRY)
+        open_(SEALED, draft_geometry=DRAFT_GEOMETRY)
     with pytest.raises(HandoffRefused, match="draft_geometry kv_heads"):
-        open_(handoff, expected_draft_geometry=replace(DRAFT_GEOMETRY, kv_heads=2))
+        open_(handoff, draft_geometry=replace(DRAFT_GEOMETRY, kv_heads=2))
 
 
 def test_installed_arrays_are_views_of_the_received_buffer() -> None:
@@ -315,7 +319,7 @@ def test_each_side_hashes_each_payload_byte_once_over_its_threads(
     hashed.clear()
     threads.clear()
     helpers.clear()
-    opened = open_(handoff, expected_geometry=geometry, **chosen)
+    opened = open_(handoff, geometry=geometry, **chosen)
     assert sum(hashed) == size + leaves, "the consumer hashes each payload byte exactly once"
     assert helpers == [True] * (expected_threads - 1) and 2 <= len(threads) <= expected_threads, threads
     assert opened.manifest.payload_tree_sha256 == tree_digest(bytes(handoff.payload_bytes))
@@ -351,7 +355,7 @@ def test_bfloat16_round_trip_keeps_every_bit_and_tags_bf16() -> None:
     header = json.loads(payload[8:8 + struct.unpack_from("<Q", payload)[0]])
     assert {entry["dtype"] for entry in header.values()} == {"BF16"}
     assert json.loads(handoff.manifest_bytes)["geometry"]["dtype"] == "bfloat16"
-    opened = open_(handoff, expected_geometry=BF16_GEOMETRY)
+    opened = open_(handoff, geometry=BF16_GEOMETRY)
     for found, wanted in zip(opened.kv.keys + opened.kv.values, kv.keys + kv.values, strict=True):
         assert found.dtype == wanted.dtype
         assert np.array_equal(found.view(np.uint16), wanted.view(np.uint16))
@@ -397,11 +401,11 @@ def test_wrong_key_is_refused() -> None:
 
 
 def test_other_producer_mode_is_refused_on_cache_identity() -> None:
-    native = seal(cache=CACHE_NATIVE, mode="native")
+    native = seal(cache=CACHE_NATIVE, mode=ProducerMode.NATIVE)
     with pytest.raises(HandoffRefused,
                        match="target_cache_identity_sha256 .* \\(producer mode native\\), expected"):
         open_(native)
-    assert open_(native, expected_cache_identity=CACHE_NATIVE).manifest.producer_mode == "native"
+    assert open_(native, cache_identity=CACHE_NATIVE).manifest.producer_mode is ProducerMode.NATIVE
 
 
 @pytest.mark.parametrize(
@@ -417,7 +421,7 @@ def test_other_producer_mode_is_refused_on_cache_identity() -> None:
 )
 def test_geometry_mismatch_names_the_field(expected: KVGeometry, message: str) -> None:
     with pytest.raises(HandoffRefused, match=message):
-        open_(SEALED, expected_geometry=expected)
+        open_(SEALED, geometry=expected)
 
 
 def test_seam_mismatch_names_layer_and_part_when_producer_reseals() -> None:
@@ -437,8 +441,8 @@ def test_verify_order_mac_then_tree_then_seams_then_cache_identity_then_geometry
     flipped = bytearray(PAYLOAD)
     flipped[tensor_span("layers.1.k")[0]] ^= 0x01
     flipped = bytes(flipped)
-    wrong = dict(expected_cache_identity=CACHE_NATIVE,
-                 expected_geometry=replace(GEOMETRY, positions=7))
+    wrong = dict(cache_identity=CACHE_NATIVE,
+                 geometry=replace(GEOMETRY, positions=7))
     with pytest.raises(HandoffRefused, match="^handoff MAC does not verify"):
         open_(reseal(flipped, key=mint_run_key()), **wrong)
     with pytest.raises(HandoffRefused, match="^handoff payload tree digest mismatch"):
@@ -448,7 +452,7 @@ def test_verify_order_mac_then_tree_then_seams_then_cache_identity_then_geometry
     with pytest.raises(HandoffRefused, match="^target_cache_identity_sha256 is"):
         open_(SEALED, **wrong)
     with pytest.raises(HandoffRefused, match="^geometry positions: handoff has 6, expected 7"):
-        open_(SEALED, expected_geometry=wrong["expected_geometry"])
+        open_(SEALED, geometry=wrong["geometry"])
 
 
 def test_draft_context_mismatch_when_producer_reseals() -> None:
@@ -464,16 +468,16 @@ def test_draft_context_mismatch_when_producer_reseals() -> None:
     manifest_bytes = canonical_json_bytes(document)
     forged = Handoff(manifest_bytes, manifest_mac(KEY, manifest_bytes), bytes(payload))
     with pytest.raises(HandoffRefused, match="draft context digest mismatch"):
-        open_(forged, expected_draft_geometry=DRAFT_GEOMETRY)
+        open_(forged, draft_geometry=DRAFT_GEOMETRY)
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"expected_identity_sha256": "e" * 64}, "^identity_sha256 is"),
-        ({"expected_prompt_sha256": "f" * 64}, "^prompt_sha256 is"),
-        ({"expected_request_id": "req-2"}, "^request_id is 'req-1', expected 'req-2'"),
-        ({"expected_run_id": "run-2"}, "^run_id is 'run-1', expected 'run-2'"),
+        ({"identity_sha256": "e" * 64}, "^identity_sha256 is"),
+        ({"prompt_sha256": "f" * 64}, "^prompt_sha256 is"),
+        ({"request_id": "req-2"}, "^request_id is 'req-1', expected 'req-2'"),
+        ({"run_id": "run-2"}, "^run_id is 'run-1', expected 'run-2'"),
     ],
     ids=["identity", "prompt", "replayed-request", "other-run"],
 )
@@ -617,19 +621,43 @@ def test_a_byte_flipped_after_sealing_is_refused_naming_its_layer():
 
     from qualify.core.errors import HandoffRefused
     from qualify.core.kv import KVCache
-    from qualify.handoff.wire import mint_run_key, open_handoff, seal_handoff_parts
+    from qualify.handoff.wire import HandoffExpectation, mint_run_key, open_handoff, seal_handoff_parts
 
     rng = np.random.default_rng(3)
     kv = KVCache([rng.standard_normal((2, 16, 8), dtype=np.float32) for _ in range(4)],
                  [rng.standard_normal((2, 16, 8), dtype=np.float32) for _ in range(4)])
     key = mint_run_key()
     sealed = seal_handoff_parts(kv, key=key, identity_sha256="a" * 64, target_cache_identity="b" * 64,
-                                producer_mode="native", lane="nvfp4-native-w4a4", prompt_sha256="c" * 64,
+                                producer_mode=ProducerMode.NATIVE, lane="nvfp4-native-w4a4", prompt_sha256="c" * 64,
                                 run_id="run", request_id="req", compute_s=0.0).to_handoff()
     payload = bytearray(sealed.payload_bytes)
     offset = payload.index(kv.keys[2].tobytes())  # layer 2 K's bytes in the payload
     payload[offset + 5] ^= 0x04
     tampered = type(sealed)(sealed.manifest_bytes, sealed.mac, bytes(payload))
     with pytest.raises(HandoffRefused, match="tree digest mismatch.*seam digest differs at layer 2 K"):
-        open_handoff(tampered, key=key, expected_identity_sha256="a" * 64, expected_cache_identity="b" * 64,
-                     expected_geometry=kv.geometry, expected_prompt_sha256="c" * 64)
+        open_handoff(tampered, key=key, expectation=HandoffExpectation(
+            identity_sha256="a" * 64, cache_identity="b" * 64, geometry=kv.geometry, prompt_sha256="c" * 64,
+            run_id="run", request_id="req"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"identity_sha256": "A" * 64}, "handoff expectation identity_sha256: found 'AAAA"),
+        ({"cache_identity": ""}, "handoff expectation cache_identity: found ''"),
+        ({"prompt_sha256": None}, "handoff expectation prompt_sha256: found None"),
+        ({"run_id": ""}, "handoff expectation run_id: found '', expected a non-empty id"),
+        ({"request_id": 7}, "handoff expectation request_id: found 7"),
+        ({"geometry": GEOMETRY.as_dict()}, "handoff expectation geometry: found dict, expected KVGeometry"),
+        ({"draft_geometry": "none"}, "handoff expectation draft_geometry: found str, expected KVGeometry"),
+    ],
+    ids=["identity", "cache", "prompt", "run_id", "request_id", "geometry", "draft"],
+)
+def test_a_malformed_expectation_is_refused_before_anything_is_opened(change: dict, message: str) -> None:
+    with pytest.raises(Refused, match=message):
+        replace(EXPECTATION, **change)
+
+
+def test_open_handoff_takes_only_an_expectation_object() -> None:
+    with pytest.raises(Refused, match="open_handoff expectation: found dict, expected HandoffExpectation"):
+        open_handoff(SEALED, key=KEY, expectation={"identity_sha256": IDENTITY})  # type: ignore[arg-type]  # the wrong type is the point

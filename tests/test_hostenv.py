@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from qualify.archive.receipts import HOST, HOST_SCHEMA, ReceiptWriter, read_receipt_json, receipt_files, verify_receipt
+from qualify.archive.layout import HOST, HOST_SCHEMA
+from qualify.archive.reader import read_receipt_json, receipt_files
+from qualify.archive.verify import verify_receipt
+from qualify.archive.writer import ReceiptWriter
 from qualify.core.assets import REPO_ROOT
 from qualify.core.hostenv import (
     HOST_ENV_VARS,
@@ -21,6 +24,7 @@ from qualify.core.hostenv import (
     host_facts,
     host_facts_problem,
 )
+from qualify.judge import judge_incomplete
 
 IDENTITY = {"schema": "test-identity", "lane": "nvfp4-native-splitk"}
 LANE = "nvfp4-native-w4a4"
@@ -177,7 +181,7 @@ def _writer(tmp_path: Path, **options) -> ReceiptWriter:
 
 
 def test_receipt_without_producer_has_host_json_with_producer_null(tmp_path: Path) -> None:
-    receipt = _writer(tmp_path).finalize(None, error="no producer")
+    receipt = _writer(tmp_path).finalize(judge_incomplete("no producer"))
     assert verify_receipt(receipt) == []
     assert HOST in receipt_files(receipt)  # covered by the manifest like every file
     host = read_receipt_json(receipt, HOST)
@@ -191,13 +195,13 @@ def test_receipt_records_producer_facts_or_why_they_are_missing(tmp_path: Path) 
     writer = _writer(tmp_path)
     writer.set_producer_host(producer_facts)
     writer.set_producer_host(producer_facts | {"pid": 2})  # a restarted producer comes after
-    host = read_receipt_json(writer.finalize(None, error="x"), HOST)
+    host = read_receipt_json(writer.finalize(judge_incomplete("x")), HOST)
     assert host["producers"] == [{"facts": producer_facts, "note": None},
                                  {"facts": producer_facts | {"pid": 2}, "note": None}]
 
     writer = _writer(tmp_path)
     writer.set_producer_host({"schema": "forged"})
-    receipt = writer.finalize(None, error="x")
+    receipt = writer.finalize(judge_incomplete("x"))
     host = read_receipt_json(receipt, HOST)
     [start] = host["producers"]
     assert start["facts"] is None and "malformed host facts" in start["note"]
@@ -205,14 +209,14 @@ def test_receipt_records_producer_facts_or_why_they_are_missing(tmp_path: Path) 
 
     writer = _writer(tmp_path)
     writer.set_producer_host(None, problem="the producer's ready answer has no host facts")
-    host = read_receipt_json(writer.finalize(None, error="x"), HOST)
+    host = read_receipt_json(writer.finalize(judge_incomplete("x")), HOST)
     assert host["producers"] == [{"facts": None, "note": "the producer's ready answer has no host facts"}]
 
 
 def test_altered_or_unlisted_host_json_fails_verification(tmp_path: Path) -> None:
     from tests.test_receipts import make_writable
 
-    receipt = _writer(tmp_path).finalize(None, error="x")
+    receipt = _writer(tmp_path).finalize(judge_incomplete("x"))
     make_writable(receipt)
     host = json.loads((receipt / HOST).read_text())
     host["consumer"]["cpu"]["model"] = "another CPU"

@@ -1,7 +1,7 @@
-"""Identity loading: every layer refuses, one line naming the field, found and sealed values.
+"""Identity loading: every layer refuses in one line naming the field; the seal refuses any edit.
 
-``make_pair`` builds a consistent (identity file, sealed table, receipt archive) triple from
-synthetic digests; other test modules import it.
+``make_pair`` builds a consistent (identity file, sealed digests, receipt archive with the basis)
+triple from synthetic digests; other test modules import it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,50 +24,31 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from qualify.contract import identity as identity_module
-from qualify.contract import sealed as sealed_module
+from qualify.archive.reader import resolve_receipt_uri
+from qualify.contract import sealed_data
 from qualify.contract.identity import (
-    MAX_DOCUMENT_BYTES,
     Identity,
-    check_engine_units,
+    check_basis_receipt,
     identity_sha256,
     load_identity,
-    logit_units_label,
+    parse_identity_document,
     validate_identity_document,
 )
 from qualify.contract.lanes import LANES, target_cache_identity
-from qualify.contract.sealed import (
-    SEALED_IDENTITIES,
-    SealedCheckpoint,
-    SealedContextPolicy,
-    SealedDraft,
-    SealedDraftGeometry,
-    SealedEngine,
-    SealedIdentity,
-    SealedLogitUnits,
-    SealedNamedDigest,
-    SealedPrompt,
-    SealedQualification,
-    SealedRope,
-    sealed_table,
-)
+from qualify.contract.units import RawLogitUnits, SoftcapLogitUnits, logit_units_label, parse_logit_units
 from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
 from qualify.core.errors import Refused
+from qualify.core.strict_json import MAX_DOCUMENT_BYTES
 
+REPO = Path(__file__).resolve().parents[1]
 BASIS_RUN_ID = "calibration-20260817"
 BASIS_URI = f"receipt://{BASIS_RUN_ID}/command.log"
-FALLBACK_BASIS_BYTES = b"calibration run: max/mean 10.88/1.23 over 5 repetitions\n"
 
 
 def make_basis_receipt(archive: Path) -> Path:
-    """An archived basis receipt; a real one when ``qualify.archive.receipts`` exists (it verifies the
-    manifest), else a plain file (identity.py then checks the sealed file digest only)."""
-    if importlib.util.find_spec("qualify.archive.receipts") is None:
-        path = archive / BASIS_RUN_ID / "command.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(FALLBACK_BASIS_BYTES)
-        return path
-    from qualify.archive.receipts import ReceiptWriter
+    """An archived, verifiable basis receipt; returns its ``command.log``."""
+    from qualify.archive.writer import ReceiptWriter
+    from qualify.judge import judge_incomplete
 
     archive.mkdir(parents=True, exist_ok=True)
     writer = ReceiptWriter(
@@ -77,7 +60,7 @@ def make_basis_receipt(archive: Path) -> Path:
         run_id=BASIS_RUN_ID,
     )
     writer.log("measured max/mean 10.88/1.23 over 5 repetitions")
-    return writer.finalize(None, error="calibration fixture (no verdict)") / "command.log"
+    return writer.finalize(judge_incomplete("calibration fixture (no verdict)")) / "command.log"
 
 
 def writable(path: Path) -> Path:
@@ -92,61 +75,74 @@ def digest(label: str) -> str:
     return sha256_bytes(label.encode())
 
 
-def make_sealed(
-    lane: str = "nvfp4-native-splitk", basis_sha256: str | None = None, **overrides: Any
-) -> SealedIdentity:
-    """A self-consistent sealed identity for ``lane`` with synthetic digests."""
+def make_document(
+    lane: str = "nvfp4-native-splitk",
+    *,
+    files: Mapping[str, str] | None = None,
+    logit_units: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A self-consistent identity document for ``lane`` with synthetic digests (report order)."""
     spec = LANES[lane]
-    files = overrides.pop(
-        "files", {"model/config.json": digest("config"), "model/nvfp4/model.safetensors": digest("weights")}
-    )
-    producer = SealedEngine("qualify-reference", "0.1.0", f"{lane}-abi-v1")
+    files = dict(files or {"model/config.json": digest("config"), "model/nvfp4/model.safetensors": digest("weights")})
+    abi = f"{lane}-abi-v1"
+    full_logits: dict[str, Any] = {"mode": spec.recipe.full_logits_mode}
+    if spec.recipe.full_logits_mode == "bounded-drift":
+        full_logits |= {"maximum_absolute": 11.0, "maximum_mean_absolute": 1.25}
     draft = None
     if spec.speculative_draft:
-        draft = SealedDraft(
-            SealedDraftGeometry("eagle-1", 1, 256, 8, 4, 32, 4), 0.6, digest("draft")
-        )
-    bounded = spec.recipe.full_logits_mode == "bounded-drift"
-    fields: dict[str, Any] = dict(
-        lane=lane,
-        checkpoint=SealedCheckpoint(files, 10_265_158),
-        producer_engine=producer,
-        consumer_engine=SealedEngine("qualify-reference", "0.1.0", "nvfp4-exact-v1"),
-        adapter=SealedNamedDigest("qualify-nvfp4-linear", digest("adapter")),
-        tokenizer_sha256=digest("tokenizer"),
-        prompt=SealedPrompt("python-textwrap", 2048, digest("prompt")),
-        prompt_template=SealedNamedDigest("raw-token-ids", digest("template")),
-        context_policy=SealedContextPolicy(2047, 4096),
-        rope=SealedRope(10000.0, digest("rope")),
-        logit_units=SealedLogitUnits("tanh-softcap", 30.0),
-        target_cache_identity_sha256=target_cache_identity(spec, files, producer.abi),
-        speculative_draft=draft,
-        qualification=SealedQualification(
-            prompt_tokens=2048,
-            output_tokens=256,
-            repetitions=3,
-            prompt_sha256=digest("prompt"),
-            require_exact_tokens=True,
-            require_deterministic_remote_output=True,
-            maximum_absolute=11.0 if bounded else None,
-            maximum_mean_absolute=1.25 if bounded else None,
-            basis=BASIS_URI,
-            basis_sha256=basis_sha256 or digest("basis"),
-        ),
-    )
-    fields.update(overrides)
-    return SealedIdentity(**fields)
+        draft = {
+            "geometry": {"kind": "eagle-1", "layers": 1, "hidden_size": 256, "heads": 8, "kv_heads": 4,
+                         "head_dim": 32, "proposal_tokens": 4},
+            "acceptance_floor": 0.6,
+            "draft_sha256": digest("draft"),
+        }
+    return {
+        "schema": "trust-ladder.onboarding-identity.v1",
+        "lane": lane,
+        "lane_kind": spec.kind.value,
+        "recipe": spec.recipe.value,
+        "rung": spec.recipe.rung,
+        "producer_mode": spec.mode.value,
+        "native_variant": None if spec.variant is None else spec.variant.value,
+        "onboarding_qualification": {
+            "schema": spec.recipe.onboarding_schema,
+            "prompt_tokens": 2048,
+            "output_tokens": 256,
+            "repetitions": 3,
+            "prompt_sha256": digest("prompt"),
+            "require_exact_tokens": True,
+            "require_deterministic_remote_output": True,
+            "full_logits": full_logits,
+            "basis": BASIS_URI,
+        },
+        "target_cache_identity_sha256": target_cache_identity(spec, files, abi),
+        "checkpoint": {"files": files, "total_bytes": 10_265_158},
+        "producer_engine": {"name": "qualify-reference", "version": "0.1.0", "abi": abi},
+        "consumer_engine": {"name": "qualify-reference", "version": "0.1.0", "abi": "nvfp4-exact-v1"},
+        "adapter": {"name": "qualify-nvfp4-linear", "sha256": digest("adapter")},
+        "tokenizer_sha256": digest("tokenizer"),
+        "prompt": {"name": "python-textwrap", "tokens": 2048, "sha256": digest("prompt")},
+        "prompt_template": {"name": "raw-token-ids", "sha256": digest("template")},
+        "context_policy": {"handoff_positions": 2047, "max_positions": 4096},
+        "rope": {"theta": 10000.0, "cache_sha256": digest("rope")},
+        "logit_units": dict(logit_units or {"transform": "tanh-softcap", "cap": 30.0}),
+        "speculative_draft": draft,
+    }
 
 
 @dataclasses.dataclass
 class Pair:
-    """An identity file, the sealed table it matches, and the receipt archive of its basis."""
+    """An identity file, the sealed digests it matches, and the receipt archive of its basis."""
 
     path: Path
     document: dict[str, Any]
-    sealed: SealedIdentity
-    table: Any
+    table: Mapping[str, str]
+    bases: Mapping[str, str]
     archive: Path
+
+    @property
+    def sealed_sha256(self) -> str:
+        return self.table[self.document["lane"]]
 
     def write(self, document: Any) -> Path:
         self.path.write_text(json.dumps(document, allow_nan=True), encoding="utf-8")
@@ -155,15 +151,21 @@ class Pair:
     def load(self, document: Any | None = None) -> Identity:
         if document is not None:
             self.write(document)
-        return load_identity(self.path, sealed_identities=self.table, archive_dir=self.archive)
+        return load_identity(self.path, sealed_identities=self.table)
+
+    def check_basis(self, identity: Identity) -> Path:
+        return check_basis_receipt(identity, resolve_receipt_uri, where=f"identity {self.path}",
+                                   archive_dir=self.archive, sealed_basis_receipts=self.bases)
 
 
 def make_pair(root: Path, lane: str = "nvfp4-native-splitk", **overrides: Any) -> Pair:
-    """A consistent (identity file, sealed table, archive with the basis receipt) for ``lane``."""
+    """A consistent (identity file, sealed digests, archive with the basis receipt) for ``lane``."""
     archive = root / "receipts"
     basis = make_basis_receipt(archive)
-    sealed = make_sealed(lane, basis_sha256=sha256_file(basis), **overrides)
-    pair = Pair(root / f"{lane}.json", sealed.identity_document(), sealed, sealed_table(sealed), archive)
+    document = make_document(lane, **overrides)
+    lane_name = document["lane"]
+    pair = Pair(root / f"{lane}.json", document, {lane_name: canonical_sha256(document)},
+                {lane_name: sha256_file(basis)}, archive)
     pair.write(pair.document)
     return pair
 
@@ -209,13 +211,19 @@ def test_every_lane_has_a_loadable_pair(tmp_path: Path, lane: str) -> None:
     assert identity.spec is LANES[lane]
     assert identity.rung == LANES[lane].recipe.rung
     assert identity_sha256(identity) == canonical_sha256(json.loads(pair.path.read_text()))
-    assert identity_sha256(identity) == pair.sealed.identity_sha256
+    assert identity_sha256(identity) == pair.sealed_sha256
+    assert pair.check_basis(identity) == (pair.archive / BASIS_RUN_ID / "command.log").resolve()
 
 
 def test_identity_digest_is_independent_of_formatting(pair: Pair) -> None:
     first = identity_sha256(pair.load())
     pair.path.write_text(json.dumps(pair.document, indent=4, sort_keys=True))
     assert identity_sha256(pair.load()) == first
+
+
+def test_the_typed_model_serialises_to_the_document_in_report_order(pair: Pair) -> None:
+    assert list(pair.load().document()) == list(pair.document)
+    assert json.dumps(pair.load().document()) == json.dumps(pair.document)
 
 
 def test_identity_model_is_frozen(pair: Pair) -> None:
@@ -228,69 +236,148 @@ def test_identity_model_is_frozen(pair: Pair) -> None:
         identity.checkpoint.files["model/config.json"] = digest("other")  # type: ignore[index]
 
 
-def test_no_lane_is_sealed_by_default_until_the_lead_freezes(pair: Pair) -> None:
-    for lane, sealed in SEALED_IDENTITIES.items():
-        assert sealed.lane == lane
-    if "nvfp4-native-splitk" not in SEALED_IDENTITIES:
-        with pytest.raises(Refused, match="lane: found \"nvfp4-native-splitk\", sealed lanes"):
-            load_identity(pair.path, archive_dir=pair.archive)
+def test_the_shipped_sealed_tables_are_immutable() -> None:
+    with pytest.raises(TypeError):
+        sealed_data.SEALED_IDENTITIES["nvfp4-native-splitk"] = digest("x")  # type: ignore[index]
+    with pytest.raises(TypeError):
+        del sealed_data.SEALED_BASIS_RECEIPTS["nvfp4-native-splitk"]  # type: ignore[attr-defined]
 
 
-# --- one field at a time ------------------------------------------------------------------------
+# --- the seal: any edit of a sealed identity is refused, naming lane and digests -----------------
 
 RULE = "onboarding_qualification"
 BOUNDS = f"{RULE}.full_logits"
 
-SEALED_MISMATCHES = [
-    (f"{BOUNDS}.maximum_absolute", 12.0, "found 12.0, sealed 11.0"),
-    (f"{BOUNDS}.maximum_absolute", 10.5, "found 10.5, sealed 11.0"),
-    (f"{BOUNDS}.maximum_absolute", 11, "found 11, sealed 11.0"),
-    (f"{BOUNDS}.maximum_mean_absolute", 1.5, "found 1.5, sealed 1.25"),
-    (f"{BOUNDS}.maximum_mean_absolute", 1.0, "found 1.0, sealed 1.25"),
-    (f"{RULE}.prompt_tokens", 2047, "found 2047, sealed 2048"),
-    (f"{RULE}.output_tokens", 255, "found 255, sealed 256"),
-    (f"{RULE}.repetitions", 2, "found 2, sealed 3"),
-    (f"{RULE}.require_exact_tokens", False, "found false, sealed true"),
-    (f"{RULE}.require_deterministic_remote_output", False, "found false, sealed true"),
-    (f"{RULE}.prompt_sha256", digest("other prompt"), "sealed \"" + digest("prompt")),
-    (f"{RULE}.basis", "receipt://other-run/command.log", f"sealed \"{BASIS_URI}\""),
-    (
-        f"{RULE}.schema",
-        "trust-ladder.kquant-target-plus-dflash-onboarding.v1",
-        'sealed "trust-ladder.native-text-onboarding.v1"',
-    ),
-    ("target_cache_identity_sha256", digest("other cache"), "sealed \""),
-    ("tokenizer_sha256", digest("other tokenizer"), "sealed \""),
-    ("adapter.sha256", digest("other adapter"), "sealed \""),
-    ("prompt.sha256", digest("other"), "sealed \""),
-    ("prompt.tokens", 2047, "found 2047, sealed 2048"),
-    ("prompt_template.sha256", digest("other"), "sealed \""),
-    ("rope.cache_sha256", digest("other"), "sealed \""),
-    ("rope.theta", 500000.0, "found 500000.0, sealed 10000.0"),
-    ("producer_engine.version", "0.2.0", 'found "0.2.0", sealed "0.1.0"'),
-    ("producer_engine.abi", "other-abi", 'found "other-abi"'),
-    ("consumer_engine.name", "vllm", 'found "vllm", sealed "qualify-reference"'),
-    ("checkpoint.total_bytes", 1, "found 1, sealed 10265158"),
-    ("context_policy.handoff_positions", 2032, "found 2032, sealed 2047"),
-    ("context_policy.max_positions", 8192, "found 8192, sealed 4096"),
-    ("logit_units.cap", 50.0, "found 50.0, sealed 30.0"),
-    ("native_variant", "f16", 'found "f16", sealed "splitk"'),
-    ("native_variant", None, 'found null, sealed "splitk"'),
-    ("producer_mode", "exact", 'found "exact", sealed "native"'),
-    ("rung", 3, "found 3, sealed 2"),
-    ("recipe", "kquant-target-plus-dflash", 'found "kquant-target-plus-dflash", sealed "native-text"'),
-    ("lane_kind", "kquant", 'found "kquant", sealed "nvfp4"'),
+SEALED_EDITS = [
+    (f"{BOUNDS}.maximum_absolute", 12.0),
+    (f"{BOUNDS}.maximum_absolute", 10.5),
+    (f"{BOUNDS}.maximum_mean_absolute", 1.5),
+    (f"{BOUNDS}.maximum_mean_absolute", 1.0),
+    (f"{RULE}.output_tokens", 255),
+    (f"{RULE}.repetitions", 2),
+    (f"{RULE}.basis", "receipt://other-run/command.log"),
+    ("tokenizer_sha256", digest("other tokenizer")),
+    ("adapter.sha256", digest("other adapter")),
+    ("prompt_template.sha256", digest("other")),
+    ("rope.cache_sha256", digest("other")),
+    ("rope.theta", 500000.0),
+    ("producer_engine.version", "0.2.0"),
+    ("consumer_engine.name", "vllm"),
+    ("checkpoint.total_bytes", 1),
+    ("context_policy.handoff_positions", 2032),
+    ("context_policy.max_positions", 8192),
+    ("logit_units.cap", 50.0),
+    ("logit_units", {"transform": "raw"}),
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "expected"), SEALED_MISMATCHES)
-def test_each_sealed_field_is_refused_when_changed(
-    pair: Pair, field: str, value: Any, expected: str
-) -> None:
-    message = refused(pair, mutated(pair.document, field, value))
-    assert f": {field}: " in message
-    assert expected in message
+@pytest.mark.parametrize(("field", "value"), SEALED_EDITS)
+def test_an_edited_field_is_refused_by_the_seal_naming_lane_and_digests(pair: Pair, field: str, value: Any) -> None:
+    edited = mutated(pair.document, field, value)
+    message = refused(pair, edited)
+    assert (f"lane nvfp4-native-splitk: identity sha256 found {canonical_sha256(edited)}, "
+            f"sealed {pair.sealed_sha256}") in message
+    assert "re-freezing it with tools/freeze_identity.py in a reviewed commit" in message
 
+
+def test_an_unsealed_lane_is_refused(tmp_path: Path) -> None:
+    splitk, f16 = make_pair(tmp_path / "splitk"), make_pair(tmp_path / "f16", "nvfp4-native-f16")
+    with pytest.raises(Refused, match='lane: found "nvfp4-native-f16", sealed lanes: nvfp4-native-splitk$'):
+        load_identity(f16.path, sealed_identities=splitk.table)
+    with pytest.raises(Refused, match="sealed lanes: none yet"):
+        load_identity(f16.path, sealed_identities={})
+
+
+def test_the_shipped_seal_is_the_default(pair: Pair) -> None:
+    with pytest.raises(Refused, match=f"sealed {sealed_data.SEALED_IDENTITIES['nvfp4-native-splitk']}"):
+        load_identity(pair.path)
+
+
+# --- the model's rules: they hold for every identity, sealed or not ------------------------------
+
+MODEL_RULES = [
+    (f"{RULE}.prompt_tokens", 2047, "prompt.tokens: found 2048, expected onboarding_qualification.prompt_tokens 2047"),
+    (f"{RULE}.prompt_sha256", digest("other prompt"), "prompt.sha256: found"),
+    ("prompt.sha256", digest("other"), "prompt.sha256: found"),
+    ("prompt.tokens", 2047, "prompt.tokens: found 2047, expected"),
+    (f"{RULE}.schema", "trust-ladder.kquant-target-plus-dflash-onboarding.v1",
+     'onboarding_qualification.schema: found "trust-ladder.kquant-target-plus-dflash-onboarding.v1", recipe '
+     'native-text uses "trust-ladder.native-text-onboarding.v1"'),
+    (f"{BOUNDS}.maximum_mean_absolute", 12.0,
+     "onboarding_qualification.full_logits.maximum_mean_absolute: found 12.0, expected at most maximum_absolute (11.0)"),
+    ("target_cache_identity_sha256", digest("other cache"), "target_cache_identity_sha256: found"),
+    ("producer_engine.abi", "other-abi", "target_cache_identity_sha256: found"),
+    ("checkpoint.files", {"model/config.json": digest("other")}, "target_cache_identity_sha256: found"),
+    ("native_variant", "f16", 'native_variant: found "f16", lane nvfp4-native-splitk is "splitk"'),
+    ("native_variant", None, 'native_variant: found null, lane nvfp4-native-splitk is "splitk"'),
+    ("producer_mode", "exact", 'producer_mode: found "exact", lane nvfp4-native-splitk is "native"'),
+    ("rung", 3, "rung: found 3, lane nvfp4-native-splitk is 2"),
+    ("recipe", "kquant-target-plus-dflash", 'recipe: found "kquant-target-plus-dflash", lane nvfp4-native-splitk'),
+    ("lane_kind", "kquant", 'lane_kind: found "kquant", lane nvfp4-native-splitk is "nvfp4"'),
+    ("lane", "nvfp4-native-f16", 'native_variant: found "splitk", lane nvfp4-native-f16 is "f16"'),
+    ("lane", "no-such-lane", 'lane: found "no-such-lane", expected one of nvfp4-native-splitk'),
+    ("context_policy.handoff_positions", 2048, "context_policy.handoff_positions: found 2048, expected fewer than"),
+    ("context_policy.max_positions", 2100, "context_policy.max_positions: found 2100, expected at least"),
+    (f"{BOUNDS}.maximum_absolute", 11, "maximum_absolute: found 11, expected 11.0 (its typed form)"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), MODEL_RULES)
+def test_model_rules_refuse_naming_the_field(pair: Pair, field: str, value: Any, expected: str) -> None:
+    message = refused(pair, mutated(pair.document, field, value))
+    assert expected in message
+    assert ", sealed " not in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("tokenizer_sha256", "0" * 64, "placeholder"),
+        ("checkpoint.files", {"model/config.json": "0" * 64}, "placeholder"),
+        ("tokenizer_sha256", "TODO", "should match pattern"),
+        ("tokenizer_sha256", digest("x").upper(), "should match pattern"),
+        ("producer_engine.name", "two  spaces", "should match pattern"),
+        (f"{RULE}.require_exact_tokens", False, "Input should be True"),
+        (f"{RULE}.require_deterministic_remote_output", False, "Input should be True"),
+        (f"{RULE}.basis", "receipt://run/../x", "should match pattern"),
+        (f"{BOUNDS}.maximum_absolute", 0.0, "greater than 0"),
+        ("speculative_draft", None, ""),
+    ],
+)
+def test_the_model_itself_refuses_what_the_schema_also_refuses(
+    field: str, value: Any, expected: str
+) -> None:
+    """The schema is generated from the model, but the model does not lean on it: a document
+    that skips the schema layer meets the same constraints."""
+    lane = "kquant-exact-dflash" if field == "speculative_draft" else "nvfp4-native-splitk"
+    document = mutated(make_document(lane), field, value)
+    with pytest.raises(ValidationError) as caught:
+        Identity.model_validate_json(json.dumps(document), strict=True)
+    assert expected in str(caught.value)
+
+
+def test_native_lane_with_draft_geometry_is_refused_with_routing_advice(pair: Pair) -> None:
+    draft = make_document("kquant-exact-dflash")["speculative_draft"]
+    message = refused(pair, mutated(pair.document, "speculative_draft", draft))
+    assert "native-mode lane cannot declare speculative-draft geometry" in message
+    assert "drop the draft" in message and "kquant" in message
+
+
+def test_rung3_identity_edits(tmp_path: Path) -> None:
+    pair = make_pair(tmp_path, "kquant-exact-dflash")
+    assert pair.load().onboarding_qualification.full_logits.mode == "exact"
+    for field, value in (("speculative_draft.acceptance_floor", 0.5),
+                         ("speculative_draft.geometry.proposal_tokens", 8)):
+        assert f"sealed {pair.sealed_sha256}" in refused(pair, mutated(pair.document, field, value))
+    drift = mutated(pair.document, BOUNDS, {"mode": "bounded-drift", "maximum_absolute": 1.0,
+                                            "maximum_mean_absolute": 0.1})
+    assert ('full_logits.mode: found "bounded-drift", recipe kquant-target-plus-dflash judges "exact"'
+            in refused(pair, drift))
+    no_draft = mutated(pair.document, "speculative_draft", None)
+    assert "speculative_draft: found null, expected a draft" in refused(pair, no_draft)
+
+
+# --- the schema layer (generated from the model) ------------------------------------------------
 
 STRUCTURAL = [
     (f"{BOUNDS}.maximum_absolute", -1.0, "expected a number > 0"),
@@ -301,8 +388,9 @@ STRUCTURAL = [
     (f"{BOUNDS}.maximum_absolute", _REMOVE, "missing"),
     (f"{BOUNDS}.mode", "exact", "found unexpected field"),
     (f"{BOUNDS}.mode", "loose", 'found "loose", expected one of "bounded-drift", "exact"'),
-    (f"{RULE}.require_exact_tokens", "true", "expected type boolean"),
-    (f"{RULE}.require_exact_tokens", 1, "expected type boolean"),
+    (f"{RULE}.require_exact_tokens", "true", "expected true"),
+    (f"{RULE}.require_exact_tokens", 1, "expected true"),
+    (f"{RULE}.require_exact_tokens", False, "expected true"),
     (f"{RULE}.repetitions", 3.0, "valid integer"),
     (f"{RULE}.repetitions", "3", "expected type integer"),
     (f"{RULE}.basis", "", "expected receipt://<run-id>/<file>"),
@@ -322,12 +410,14 @@ STRUCTURAL = [
     ("tokenizer_sha256", "0" * 64, "found the placeholder"),
     ("target_cache_identity_sha256", "0" * 64, "found the placeholder"),
     ("adapter.sha256", " " + digest("adapter")[1:], "64 lowercase hex"),
+    ("producer_engine.version", "", "printable ASCII name"),
     ("rope", _REMOVE, "rope: missing"),
     ("speculative_draft", _REMOVE, "speculative_draft: missing"),
     ("unexpected", 1, "unexpected: found unexpected field"),
     ("checkpoint.files", {}, "checkpoint.files"),
     ("logit_units", {"transform": "softcap", "cap": 30.0}, "expected one of \"raw\", \"tanh-softcap\""),
     ("logit_units", {"transform": "raw", "cap": 30.0}, "logit_units.cap: found unexpected field"),
+    ("logit_units", {"cap": 30.0}, "logit_units.transform: missing"),
 ]
 
 
@@ -342,9 +432,9 @@ def test_structural_mutations_are_refused_naming_the_field(
 
 def test_checkpoint_file_digest_is_named_by_relpath(pair: Pair) -> None:
     document = copy.deepcopy(pair.document)
-    document["checkpoint"]["files"]["model/nvfp4/model.safetensors"] = digest("tampered")
+    document["checkpoint"]["files"]["model/nvfp4/model.safetensors"] = "0" * 64
     message = refused(pair, document)
-    assert 'checkpoint.files["model/nvfp4/model.safetensors"]: found "' in message
+    assert 'checkpoint.files["model/nvfp4/model.safetensors"]: found the placeholder' in message
     document["checkpoint"]["files"]["../model.safetensors"] = digest("x")
     assert "without '.' or '..' segments" in refused(pair, document)
 
@@ -361,191 +451,69 @@ def test_non_finite_bounds_are_refused_naming_the_field(pair: Pair, constant: st
     assert "expected a finite number" in message
 
 
-def test_native_lane_with_draft_geometry_is_refused_with_routing_advice(pair: Pair) -> None:
-    draft = {
-        "geometry": {"kind": "eagle-1", "layers": 1, "hidden_size": 256, "heads": 8,
-                     "kv_heads": 4, "head_dim": 32, "proposal_tokens": 4},
-        "acceptance_floor": 0.6,
-        "draft_sha256": digest("draft"),
-    }
-    message = refused(pair, mutated(pair.document, "speculative_draft", draft))
-    assert "native-mode lane cannot declare speculative-draft geometry" in message
-    assert "drop the draft" in message and "kquant" in message
+# --- the basis receipt: resolved by the archive layer, checked against the sealed digest ---------
 
 
-def test_rung3_identity_mutations(tmp_path: Path) -> None:
-    pair = make_pair(tmp_path, "kquant-exact-dflash")
-    assert pair.load().onboarding_qualification.full_logits.mode == "exact"
-    floor = mutated(pair.document, "speculative_draft.acceptance_floor", 0.5)
-    assert "speculative_draft.acceptance_floor: found 0.5, sealed 0.6" in refused(pair, floor)
-    geometry = mutated(pair.document, "speculative_draft.geometry.proposal_tokens", 8)
-    assert "found 8, sealed 4" in refused(pair, geometry)
-    drift = mutated(pair.document, f"{BOUNDS}", {"mode": "bounded-drift", "maximum_absolute": 1.0,
-                                                  "maximum_mean_absolute": 0.1})
-    assert "full_logits.mode: found \"bounded-drift\", sealed \"exact\"" in refused(pair, drift)
-    no_draft = mutated(pair.document, "speculative_draft", None)
-    assert "speculative_draft: found null, sealed {" in refused(pair, no_draft)
-
-
-def test_lane_not_sealed_is_refused(pair: Pair) -> None:
-    message = refused(pair, mutated(pair.document, "lane", "nvfp4-native-f16"))
-    assert 'lane: found "nvfp4-native-f16", sealed lanes: nvfp4-native-splitk' in message
-
-
-# --- the basis receipt --------------------------------------------------------------------------
+def test_loading_checks_the_basis_uri_shape_only_and_never_imports_the_archive(pair: Pair) -> None:
+    writable(pair.archive / BASIS_RUN_ID / "command.log").unlink()
+    assert pair.load().onboarding_qualification.basis == BASIS_URI
+    code = ("import sys, qualify.contract.identity, qualify.contract.registry; "
+            "print(sorted(m for m in sys.modules if m.startswith('qualify.archive')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_unresolvable_basis_is_refused(pair: Pair) -> None:
+    identity = pair.load()
     writable(pair.archive / BASIS_RUN_ID / "command.log").unlink()
-    message = refused(pair, pair.document)
-    assert "onboarding_qualification.basis: " in message
-    assert "command.log" in message
+    with pytest.raises(Refused) as caught:
+        pair.check_basis(identity)
+    message = str(caught.value)
+    assert message.startswith(f"identity {pair.path}: onboarding_qualification.basis: ")
+    assert "command.log" in message and "\n" not in message
 
 
-def test_altered_basis_is_refused(pair: Pair) -> None:
+def test_altered_basis_is_refused_by_the_receipt_manifest(pair: Pair) -> None:
+    identity = pair.load()
     basis = writable(pair.archive / BASIS_RUN_ID / "command.log")
     basis.write_bytes(basis.read_bytes() + b"edited\n")
-    assert "onboarding_qualification.basis: " in refused(pair, pair.document)
+    with pytest.raises(Refused, match=f"identity {pair.path}: onboarding_qualification.basis: .*verification"):
+        pair.check_basis(identity)
 
 
-@pytest.fixture
-def without_receipts_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exercise the fallback used while ``qualify.archive.receipts`` does not exist."""
-    monkeypatch.setattr(identity_module, "_receipt_resolver", lambda context: None)
-
-
-@pytest.mark.usefixtures("without_receipts_module")
-def test_fallback_basis_checks_existence_and_sealed_digest(pair: Pair) -> None:
-    pair.load()
-    basis = writable(pair.archive / BASIS_RUN_ID / "command.log")
-    original = basis.read_bytes()
-    basis.write_bytes(original + b"edited\n")
-    message = refused(pair, pair.document)
-    assert f"onboarding_qualification.basis: {BASIS_URI}: sha256 found" in message
-    assert f"sealed {pair.sealed.qualification.basis_sha256}" in message
-    basis.unlink()
-    assert f"onboarding_qualification.basis: {BASIS_URI} does not resolve" in refused(pair, pair.document)
-
-
-@pytest.mark.usefixtures("without_receipts_module")
-def test_fallback_basis_symlink_out_of_archive_is_refused(pair: Pair, tmp_path: Path) -> None:
-    target = writable(pair.archive / BASIS_RUN_ID / "command.log")
-    outside = tmp_path / "outside.log"
-    outside.write_bytes(target.read_bytes())
-    target.unlink()
-    target.symlink_to(outside)
-    assert "outside the receipt archive" in refused(pair, pair.document)
-
-
-def test_receipts_module_resolver_is_used_when_present(
-    pair: Pair, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls: list[tuple[str, Path]] = []
-    fake = types.ModuleType("qualify.archive.receipts")
-
-    def resolve_receipt_uri(uri: str, archive_dir: Path) -> Path:
-        calls.append((uri, archive_dir))
-        return archive_dir / BASIS_RUN_ID / "command.log"
-
-    fake.resolve_receipt_uri = resolve_receipt_uri  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "qualify.archive.receipts", fake)
-    pair.load()
-    assert calls == [(BASIS_URI, pair.archive)]
-
-    def refuse(uri: str, archive_dir: Path) -> Path:
-        raise Refused(f"receipt {uri}: manifest: command.log altered")
-
-    fake.resolve_receipt_uri = refuse  # type: ignore[attr-defined]
-    assert f"basis: receipt {BASIS_URI}: manifest" in refused(pair, pair.document)
-    del fake.resolve_receipt_uri
-    assert "qualify.archive.receipts is unusable" in refused(pair, pair.document)
-
-
-# --- sealed constants ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "placeholder", ["0" * 64, "TODO", "", digest("x").upper(), digest("x")[:63], "z" * 64, None]
-)
-def test_placeholder_digests_never_seal(placeholder: Any) -> None:
-    with pytest.raises(Refused, match="tokenizer_sha256"):
-        make_sealed(tokenizer_sha256=placeholder)
-    with pytest.raises(Refused, match="checkpoint"):
-        make_sealed(files={"model/config.json": placeholder})
-
-
-@pytest.mark.parametrize(
-    ("overrides", "field"),
-    [
-        ({"maximum_absolute": math.nan}, "maximum_absolute"),
-        ({"maximum_absolute": math.inf}, "maximum_absolute"),
-        ({"maximum_absolute": -11.0}, "maximum_absolute"),
-        ({"maximum_absolute": 0.0}, "maximum_absolute"),
-        ({"maximum_absolute": 11}, "maximum_absolute"),
-        ({"maximum_mean_absolute": 0.0}, "maximum_mean_absolute"),
-        ({"maximum_mean_absolute": 12.0}, "maximum_mean_absolute"),
-        ({"require_exact_tokens": False}, "require_exact_tokens"),
-        ({"require_deterministic_remote_output": False}, "require_deterministic_remote_output"),
-        ({"basis": ""}, "basis"),
-        ({"basis": "receipt://run/../x"}, "basis"),
-        ({"basis_sha256": "0" * 64}, "basis_sha256"),
-        ({"prompt_sha256": digest("other")}, "prompt.sha256"),
-        ({"prompt_tokens": 2047}, "prompt.tokens"),
-    ],
-)
-def test_inconsistent_sealed_rules_fail_at_construction(overrides: dict[str, Any], field: str) -> None:
-    base = make_sealed()
-    rule = dataclasses.replace(base.qualification, **overrides)
-    with pytest.raises(Refused, match=field):
-        make_sealed(qualification=rule)
-
-
-def test_sealed_cache_identity_must_be_derived() -> None:
-    with pytest.raises(Refused, match="target_cache_identity_sha256"):
-        make_sealed(target_cache_identity_sha256=digest("made up"))
-    with pytest.raises(Refused, match="speculative-draft"):
-        make_sealed(speculative_draft=SealedDraft(SealedDraftGeometry("eagle-1", 1, 1, 1, 1, 1, 1), 0.5, digest("d")))
-
-
-def test_sealed_constants_are_immutable() -> None:
-    sealed = make_sealed()
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        sealed.lane = "nvfp4-native-f16"  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        sealed.qualification.maximum_absolute = 12.0  # type: ignore[misc]
-    with pytest.raises(TypeError):
-        sealed.checkpoint.files["model/config.json"] = digest("x")  # type: ignore[index]
-    table = sealed_table(sealed)
-    with pytest.raises(TypeError):
-        table["nvfp4-native-f16"] = sealed  # type: ignore[index]
-    with pytest.raises(TypeError):
-        SEALED_IDENTITIES["nvfp4-native-splitk"] = sealed  # type: ignore[index]
-    with pytest.raises(TypeError):
-        del sealed_module.SEALED_IDENTITIES["nvfp4-native-splitk"]  # type: ignore[attr-defined]
-    with pytest.raises(Refused, match="sealed twice"):
-        sealed_table(sealed, sealed)
-    # The document a sealed constant hands out is a copy: editing it changes nothing sealed.
-    document = sealed.identity_document()
-    document["onboarding_qualification"]["full_logits"]["maximum_absolute"] = 12.0
-    assert sealed.identity_document()["onboarding_qualification"]["full_logits"]["maximum_absolute"] == 11.0
+def test_another_intact_basis_is_refused_by_the_sealed_digest(pair: Pair) -> None:
+    identity = pair.load()
+    found = sha256_file(pair.archive / BASIS_RUN_ID / "command.log")
+    other = {identity.lane: digest("another calibration")}
+    with pytest.raises(Refused) as caught:
+        check_basis_receipt(identity, resolve_receipt_uri, where="identity x", archive_dir=pair.archive,
+                            sealed_basis_receipts=other)
+    assert str(caught.value) == (f"identity x: onboarding_qualification.basis: {BASIS_URI}: sha256 found {found}, "
+                                 f"sealed {other[identity.lane]} (lane nvfp4-native-splitk)")
+    with pytest.raises(Refused, match="lane nvfp4-native-splitk has no sealed basis receipt digest"):
+        check_basis_receipt(identity, resolve_receipt_uri, where="identity x", archive_dir=pair.archive,
+                            sealed_basis_receipts={})
 
 
 # --- logit units (seed §32.6) -------------------------------------------------------------------
 
 
-def test_engine_units_must_match_the_contract(pair: Pair, tmp_path: Path) -> None:
-    identity = pair.load()
-    assert logit_units_label(identity.logit_units) == "tanh-softcap:30.0"
-    check_engine_units(identity, "tanh-softcap:30.0")
-    check_engine_units(identity, "tanh-softcap:30")
-    for other in ("raw", "tanh-softcap:20.0", "tanh-softcap:nan", "softcap:30", "", "TANH-SOFTCAP:30"):
-        with pytest.raises(Refused, match="compares in 'tanh-softcap:30.0'"):
-            check_engine_units(identity, other)
-    raw = make_pair(tmp_path / "raw", "kquant-exact-dflash", logit_units=SealedLogitUnits("raw"))
-    raw_identity = raw.load()
-    check_engine_units(raw_identity, "raw")
-    with pytest.raises(Refused, match="engine reports \"tanh-softcap:30.0\""):
-        check_engine_units(raw_identity, "tanh-softcap:30.0")
+def test_logit_units_labels_round_trip() -> None:
+    softcap = SoftcapLogitUnits(transform="tanh-softcap", cap=30.0)
+    assert logit_units_label(softcap) == "tanh-softcap:30.0"
+    assert logit_units_label(RawLogitUnits(transform="raw")) == "raw"
+    assert parse_logit_units("tanh-softcap:30") == softcap
+    assert parse_logit_units("raw") == RawLogitUnits(transform="raw")
+    for label in ("tanh-softcap:nan", "tanh-softcap:-1", "tanh-softcap:inf", "softcap:30", "", "TANH-SOFTCAP:30"):
+        with pytest.raises(Refused, match="expected raw or tanh-softcap:<finite positive cap>"):
+            parse_logit_units(label)
+
+
+def test_identity_logit_units_are_typed(tmp_path: Path) -> None:
+    softcap = make_pair(tmp_path / "softcap").load()
+    assert logit_units_label(softcap.logit_units) == "tanh-softcap:30.0"
+    raw = make_pair(tmp_path / "raw", "kquant-exact-dflash", logit_units={"transform": "raw"}).load()
+    assert logit_units_label(raw.logit_units) == "raw"
 
 
 # --- malformed files ----------------------------------------------------------------------------
@@ -598,14 +566,11 @@ def test_directory_and_missing_file_are_refused(tmp_path: Path) -> None:
 
 def test_in_memory_documents_get_the_same_checks(pair: Pair) -> None:
     with pytest.raises(Refused, match="finite"):
-        validate_identity_document(
-            mutated(pair.document, f"{BOUNDS}.maximum_absolute", math.nan),
-            where="identity (memory)", sealed_identities=pair.table, archive_dir=pair.archive,
-        )
-    identity = validate_identity_document(
-        pair.document, where="identity (memory)", sealed_identities=pair.table, archive_dir=pair.archive
-    )
-    assert identity_sha256(identity) == pair.sealed.identity_sha256
+        validate_identity_document(mutated(pair.document, f"{BOUNDS}.maximum_absolute", math.nan),
+                                   where="identity (memory)", sealed_identities=pair.table)
+    identity = validate_identity_document(pair.document, where="identity (memory)", sealed_identities=pair.table)
+    assert identity_sha256(identity) == pair.sealed_sha256
+    assert identity_sha256(parse_identity_document(pair.document, where="identity (memory)")) == pair.sealed_sha256
 
 
 # --- property: no mutant is ever accepted -------------------------------------------------------
@@ -634,8 +599,8 @@ def _paths(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
 
 
 def _near_miss(value: Any) -> st.SearchStrategy[Any]:
-    """Half same-type perturbations (which pass the schema and reach the sealed layer), half
-    type confusions."""
+    """Half same-type perturbations (which pass the schema and reach the seal), half type
+    confusions."""
     confusions = st.one_of(
         st.just(str(value)), st.just([value]), st.just({"value": value}), st.none(), JSON_VALUES
     )
@@ -713,7 +678,7 @@ def test_hypothesis_no_mutant_is_accepted(tmp_path: Path, capsys: pytest.Capture
         stats["mutants"] += 1
         pair.path.write_text(text, encoding="utf-8")
         try:
-            load_identity(pair.path, sealed_identities=pair.table, archive_dir=pair.archive)
+            load_identity(pair.path, sealed_identities=pair.table)
         except Refused as exc:
             assert "\n" not in str(exc)
             stats["by_sealed"] += ", sealed " in str(exc)
@@ -727,7 +692,7 @@ def test_hypothesis_no_mutant_is_accepted(tmp_path: Path, capsys: pytest.Capture
         print(
             f"\nhypothesis identity mutations: {examples} examples run ({stats['calls']} calls), "
             f"{stats['mutants']} mutants, {stats['accepted']} accepted; "
-            f"{stats['by_sealed']} refused at the sealed-constant layer, the rest earlier"
+            f"{stats['by_sealed']} refused by the seal, the rest earlier"
         )
     assert examples >= 2000
     assert stats["accepted"] == 0, accepted[:3]
@@ -740,11 +705,11 @@ def _leaves(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
 
 
 @pytest.mark.slow
-def test_hypothesis_schema_valid_mutants_stop_at_the_sealed_layer(
+def test_hypothesis_schema_valid_mutants_stop_at_the_seal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Same-type, well-formed changes of any leaf (another real digest, a bigger bound, a
-    flipped flag, a renamed engine) pass the schema and must be refused by the sealed constants."""
+    flipped flag, a renamed engine) pass the schema and most reach the seal, which refuses them."""
     lanes = ("nvfp4-native-splitk", "kquant-exact-dflash")
     pairs = {lane: make_pair(tmp_path / lane, lane) for lane in lanes}
     stats = {"mutants": 0, "accepted": 0, "by_sealed": 0}
@@ -773,7 +738,7 @@ def test_hypothesis_schema_valid_mutants_stop_at_the_sealed_layer(
         stats["mutants"] += 1
         pair.path.write_text(json.dumps(document), encoding="utf-8")
         try:
-            load_identity(pair.path, sealed_identities=pair.table, archive_dir=pair.archive)
+            load_identity(pair.path, sealed_identities=pair.table)
         except Refused as exc:
             stats["by_sealed"] += ", sealed " in str(exc)
             return
@@ -783,7 +748,7 @@ def test_hypothesis_schema_valid_mutants_stop_at_the_sealed_layer(
     with capsys.disabled():
         print(
             f"\nhypothesis well-formed leaf mutations: {stats['mutants']} mutants, "
-            f"{stats['accepted']} accepted, {stats['by_sealed']} refused by the sealed constants"
+            f"{stats['accepted']} accepted, {stats['by_sealed']} refused by the seal"
         )
     assert stats["mutants"] >= 1000
     assert stats["accepted"] == 0
@@ -801,7 +766,7 @@ def _get(document: Any, path: tuple[str, ...]) -> Any:
 
 
 def _freeze_tool() -> types.ModuleType:
-    path = Path(__file__).resolve().parents[1] / "tools" / "freeze_identity.py"
+    path = REPO / "tools" / "freeze_identity.py"
     spec = importlib.util.spec_from_file_location("freeze_identity", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -809,7 +774,7 @@ def _freeze_tool() -> types.ModuleType:
     return module
 
 
-def test_freeze_tool_writes_an_identity_and_a_pasteable_sealed_block(
+def test_freeze_tool_writes_an_identity_and_prints_its_sealed_lines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("qualify.engines.reference")
@@ -828,18 +793,14 @@ def test_freeze_tool_writes_an_identity_and_a_pasteable_sealed_block(
     ]
     assert freeze.main(argv) == 0
     printed = capsys.readouterr().out
-    namespace = dict(vars(sealed_module))
-    exec(printed, namespace)  # the block is valid Python against qualify.contract.sealed's names
-    sealed = namespace["SEALED_NVFP4_NATIVE_SPLITK"]
-    assert isinstance(sealed, SealedIdentity)
-    assert sealed.qualification.basis_sha256 == sha256_file(basis)
-    assert sealed.qualification.maximum_absolute == 11.0
-    identity = load_identity(out, sealed_identities=sealed_table(sealed), archive_dir=archive)
-    assert identity_sha256(identity) == sealed.identity_sha256
-    assert sealed.identity_sha256 in printed
+    sealed = canonical_sha256(json.loads(out.read_bytes()))
+    assert freeze.sealed_lines("nvfp4-native-splitk", freeze.Seal(sealed, sha256_file(basis))) in printed
+    identity = load_identity(out, sealed_identities={"nvfp4-native-splitk": sealed})
+    assert identity.onboarding_qualification.full_logits.maximum_absolute == 11.0  # type: ignore[union-attr]
     assert identity.prompt.tokens == 2048 and identity.context_policy.handoff_positions == 2047
+    assert out.read_bytes() == freeze.identity_bytes(identity)
 
-    # Never over an existing file (unless --replace), and placeholders never freeze.
+    # Never over an existing file (unless --replace), and an unresolvable basis never freezes.
     before = out.read_bytes()
     assert freeze.main(argv) == 2
     assert out.read_bytes() == before
@@ -847,3 +808,26 @@ def test_freeze_tool_writes_an_identity_and_a_pasteable_sealed_block(
     assert freeze.main([*argv[:-2], "--out", str(tmp_path / "x.json"), "--basis", "receipt://nope/x"]) == 2
     assert "does not resolve" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_refreeze_recomputes_the_artifact_digests_and_keeps_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An identity that pins an old adapter digest (the adapter was edited since): --refreeze
+    rewrites exactly the shipped identity, and prints its shipped seal."""
+    freeze = _freeze_tool()
+    shipped = REPO / "contracts" / "nvfp4-native-splitk-identity-v1.json"
+    stale = json.loads(shipped.read_bytes())
+    stale["adapter"]["sha256"] = digest("the adapter before a reviewed edit")
+    copy_path = tmp_path / shipped.name
+    copy_path.write_text(json.dumps(stale, indent=2) + "\n", encoding="utf-8")
+    assert freeze.main(["--refreeze", str(copy_path)]) == 0, capsys.readouterr().err
+    assert copy_path.read_bytes() == shipped.read_bytes()
+    lane = "nvfp4-native-splitk"
+    seal = freeze.Seal(sealed_data.SEALED_IDENTITIES[lane], sealed_data.SEALED_BASIS_RECEIPTS[lane])
+    assert freeze.sealed_lines(lane, seal) in capsys.readouterr().out
+
+
+def test_freeze_tool_needs_something_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _freeze_tool().main([]) == 2
+    assert "expected --lane, --refreeze, --write-sealed or --write-schema" in capsys.readouterr().err

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
+import subprocess
+import sys
 
-import numpy as np
 import pytest
 
-from qualify.engines.base import DecodeResult
-from qualify.evidence.compare import compare_branches
 from qualify.evidence.records import (
     PHASE_FIELDS,
     REQUIRED_SAMPLE_FIELDS,
@@ -18,18 +16,18 @@ from qualify.evidence.records import (
     SAMPLE_SCHEMA,
     BitExactRule,
     BoundedDriftRule,
-    SampleRecord,
     parse_rule,
-    record_json,
-    sample_record,
 )
 from qualify.judge import (
-    ThroughputCell,
+    ZERO_DRIFT_BOUND,
+    judge_calibration,
+    judge_draft_acceptance,
+    judge_incomplete,
     judge_rung2_sample,
     judge_rung3_sample,
     judge_sample,
     judge_summary,
-    parity_verdict,
+    propose_bound,
 )
 
 RULE2 = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)
@@ -108,7 +106,8 @@ def assert_never_zero_drift(verdict) -> None:
 def test_good_rung2_sample_passes_with_bounded_drift_wording():
     verdict = judge_sample(rung2_record(), RULE2)
     assert verdict.passed, verdict.reasons
-    assert verdict.headline == "passed: tokens exact (256/256) and bounded drift: max 10.884401 <= 11, mean 1.233789 <= 1.25"
+    assert verdict.headline == ("passed: tokens exact (256/256) and bounded drift: max 10.884401 <= 11, "
+                                "mean 1.233789 <= 1.25")
     assert_never_zero_drift(verdict)
     assert not any("bit-exact" in text for text in texts(verdict))
 
@@ -208,7 +207,8 @@ def test_token_divergence_is_refused_with_its_localisation():
     )
     verdict = judge_sample(record, RULE2)
     assert not verdict.passed
-    assert "tokens diverge: agreement 0.75 (192/256); first divergence at token 64, cold margin 0.02 (near-tie)" in verdict.reasons
+    assert ("tokens diverge: agreement 0.75 (192/256); first divergence at token 64, cold margin 0.02 (near-tie)"
+            in verdict.reasons)
     assert "generated-token digest differs from the cold run's" in verdict.reasons
 
 
@@ -249,48 +249,6 @@ def test_rung2_without_drift_graded_refuses_the_first_logit_digest_mismatch():
     record = rung2_record()
     del record["first_logit_digest_mismatch_row"]
     assert "sample omits first_logit_digest_mismatch_row" in judge_sample(record, rule).reasons
-
-
-def test_model_records_and_json_round_trips_judge_alike():
-    handoff_logits = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
-    tokens = handoff_logits.argmax(axis=1)
-    cold = DecodeResult(tokens, handoff_logits + np.float32(0.5))
-    handoff = DecodeResult(tokens.copy(), handoff_logits)
-    comparison = compare_branches(handoff, cold, "raw", maximum_absolute=11.0, maximum_mean_absolute=1.25)
-    model = sample_record(
-        repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
-        payload_gbit_per_s=1.0, handed_off_positions=2047, recomputed_positions=0,
-        phases={name: 0.0 for name in PHASE_FIELDS},
-    )
-    as_json = json.loads(json.dumps(record_json(model)))
-    assert judge_sample(model, RULE2).passed
-    assert judge_sample(as_json, RULE2).passed
-    assert judge_sample(model, RULE2).headline == judge_sample(as_json, RULE2).headline
-
-
-def test_a_nan_measured_by_compare_reaches_the_judge_through_json():
-    logits = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
-    tokens = logits.argmax(axis=1)
-    broken = logits.copy()
-    broken[3, 3] = np.nan
-    comparison = compare_branches(DecodeResult(tokens, broken), DecodeResult(tokens, logits), "raw",
-                                  maximum_absolute=11.0, maximum_mean_absolute=1.25)
-    model = sample_record(
-        repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
-        payload_gbit_per_s=1.0, handed_off_positions=2047, recomputed_positions=0,
-        phases={name: 0.0 for name in PHASE_FIELDS},
-    )
-    as_json = record_json(model)
-    assert as_json["max_abs"] == "NaN"
-    verdict = judge_sample(as_json, RULE2)
-    assert "sample max_abs is not finite: NaN" in verdict.reasons
-    assert "sample mean_abs is not finite: NaN" in verdict.reasons
-
-
-def test_record_model_refuses_incomplete_samples_without_an_error():
-    with pytest.raises(ValueError, match="sample omits output_tokens"):
-        SampleRecord(repetition=1)
-    assert SampleRecord(repetition=1, error="producer died").error == "producer died"
 
 
 # --------------------------------------------------------------------------- rung 2, summary
@@ -358,8 +316,10 @@ def test_summary_refuses_drift_outside_the_rule_in_one_repetition():
     records[0]["max_abs"] = 11.5
     verdict = judge_summary(records, RULE2)
     assert not verdict.passed
-    assert any(r.startswith("repetition 1: native full-logit drift exceeds its identity rule: max=11.5") for r in verdict.reasons)
-    assert "full-logit drift is not inside the identity rule in every repetition: worst max=11.5, mean=1.233789" in verdict.reasons
+    assert any(r.startswith("repetition 1: native full-logit drift exceeds its identity rule: max=11.5")
+               for r in verdict.reasons)
+    assert ("full-logit drift is not inside the identity rule in every repetition: worst max=11.5, mean=1.233789"
+            in verdict.reasons)
 
 
 @pytest.mark.parametrize(
@@ -382,7 +342,8 @@ def test_summary_requires_equal_generated_token_digests_across_repetitions():
     records = three()
     records[1]["handoff_generated_token_sha256"] = records[1]["cold_generated_token_sha256"] = "8" * 64
     verdict = judge_summary(records, RULE2)
-    assert "generated-token digest differs across repetitions (repetition 2 vs 1): output is not deterministic" in verdict.reasons
+    assert ("generated-token digest differs across repetitions (repetition 2 vs 1): output is not deterministic"
+            in verdict.reasons)
 
 
 def test_summary_refuses_a_missing_generated_token_digest():
@@ -395,28 +356,14 @@ def test_summary_refuses_a_missing_generated_token_digest():
 def test_summary_refuses_payload_size_changes():
     records = three()
     records[1]["payload_bytes"] = 1
-    assert "payload size differs across repetitions (repetition 2 vs 1): output is not deterministic" in judge_summary(records, RULE2).reasons
+    assert ("payload size differs across repetitions (repetition 2 vs 1): output is not deterministic"
+            in judge_summary(records, RULE2).reasons)
 
 
 def test_summary_accepts_models_and_rule_dicts():
     verdict = judge_summary(three(), RULE2.model_dump())
     assert verdict.passed
     assert parse_rule({"rung": 2, "maximum_absolute": 1.0, "maximum_mean_absolute": 0.5}).repetitions == 3
-
-
-@pytest.mark.parametrize(
-    "rule",
-    [
-        {"rung": 2, "maximum_absolute": 0.0, "maximum_mean_absolute": 1.0},
-        {"rung": 2, "maximum_absolute": math.inf, "maximum_mean_absolute": 1.0},
-        {"rung": 2, "maximum_absolute": 1.0, "maximum_mean_absolute": math.nan},
-        {"rung": 3, "acceptance_floor": 1.5},
-        {"rung": 4},
-    ],
-)
-def test_invalid_rules_are_refused(rule):
-    with pytest.raises(ValueError):
-        parse_rule(rule)
 
 
 # --------------------------------------------------------------------------- rung 3
@@ -447,7 +394,8 @@ def test_rung3_drift_graded_reports_the_deltas():
     rule = BitExactRule(acceptance_floor=0.95, drift_graded=True)
     verdict = judge_rung3_sample(record, rule)
     assert not verdict.passed
-    assert "full logits differ: max=0.001, mean=1e-07 (bit-exact requires 0); logit digest mismatch at row 5" in verdict.reasons
+    assert ("full logits differ: max=0.001, mean=1e-07 (bit-exact requires 0); logit digest mismatch at row 5"
+            in verdict.reasons)
     assert "logit digest mismatch at row 5" in verdict.reasons
 
 
@@ -519,9 +467,11 @@ def test_rung3_summary():
     records = three(rung3_record)
     records[2]["handoff_draft_trace_sha256"] = records[2]["cold_draft_trace_sha256"] = "e" * 64
     verdict = judge_summary(records, RULE3)
-    assert "draft trace digest differs across repetitions (repetition 3 vs 1): output is not deterministic" in verdict.reasons
+    assert ("draft trace digest differs across repetitions (repetition 3 vs 1): output is not deterministic"
+            in verdict.reasons)
     records = three(rung3_record)
-    records[0].update(logit_row_digests_equal=False, first_logit_digest_mismatch_row=0, handoff_logit_block_sha256=LOGITS_HANDOFF_SHA)
+    records[0].update(logit_row_digests_equal=False, first_logit_digest_mismatch_row=0,
+                      handoff_logit_block_sha256=LOGITS_HANDOFF_SHA)
     assert "repetition 1: logit digest mismatch at row 0" in judge_summary(records, RULE3).reasons
 
 
@@ -539,110 +489,10 @@ def test_judging_does_not_mutate_records():
     assert records == before
 
 
-# --------------------------------------------------------------------------- rung 1
-
-
-def test_parity_inside_noise_is_parity_and_never_faster():
-    verdict = parity_verdict(
-        ThroughputCell("nvfp4", 35.490711722, 0.00130), ThroughputCell("kquant", 35.439527527, 0.00037)
-    )
-    assert verdict.passed
-    assert verdict.headline.startswith("parity within noise: nvfp4 35.4907 tok/s (CV 0.130%) vs kquant 35.4395 tok/s (CV 0.037%)")
-    assert "+0.1444% split inside the cells' combined CV (0.167%)" in verdict.headline
-    assert not any("faster" in text.lower() for text in texts(verdict))
-
-
-def test_parity_is_symmetric():
-    a = {"name": "a", "mean": 100.0, "cv": 0.01}
-    b = {"name": "b", "mean": 101.0, "cv": 0.005}
-    assert parity_verdict(a, b).passed and parity_verdict(b, a).passed
-
-
-def test_split_outside_noise_is_not_parity_and_still_not_called_faster():
-    verdict = parity_verdict({"name": "a", "mean": 110.0, "cv": 0.01}, {"name": "b", "mean": 100.0, "cv": 0.01})
-    assert not verdict.passed
-    assert "outside the cells' combined CV" in verdict.headline
-    assert "a measured higher throughput than b" in verdict.headline
-    assert not any("faster" in text.lower() for text in texts(verdict))
-
-
-def test_parity_from_samples():
-    cell = ThroughputCell.from_samples("a", [10.0, 10.2, 9.8])
-    assert cell.mean == pytest.approx(10.0) and cell.cv == pytest.approx(0.02)
-    assert parity_verdict({"name": "a", "samples": [10.0, 10.2, 9.8]}, {"name": "b", "samples": [10.1, 10.0, 10.2]}).passed
-
-
-@pytest.mark.parametrize(
-    ("cell", "reason"),
-    [
-        ({"name": "a", "mean": 10.0}, "cell a omits cv"),
-        ({"name": "a", "cv": 0.1}, "cell a omits mean"),
-        ({"name": "a", "mean": math.nan, "cv": 0.1}, "cell a mean is not a finite number: nan"),
-        ({"name": "a", "mean": 10.0, "cv": -0.1}, "cell a: mean must be positive and cv non-negative (mean 10, cv -0.1)"),
-        ({"name": "a", "samples": [10.0]}, "cell a: cell a: at least two measurements are needed for a CV"),
-    ],
-)
-def test_parity_refuses_incomplete_cells(cell, reason):
-    verdict = parity_verdict(cell, {"name": "b", "mean": 10.0, "cv": 0.1})
-    assert not verdict.passed and verdict.reasons == [reason]
-
-
-# --------------------------------------------------------------------------- record builder
-
-
-def _comparison_with_divergence():
-    rng = np.random.default_rng(5)
-    cold_logits = rng.standard_normal((256, 64)).astype(np.float32)
-    handoff_logits = (cold_logits + rng.standard_normal((256, 64)).astype(np.float32) * 0.3).astype(np.float32)
-    cold = DecodeResult(cold_logits.argmax(axis=1), cold_logits)
-    handoff = DecodeResult(handoff_logits.argmax(axis=1), handoff_logits)
-    kv = ([np.zeros((2, 10, 4), np.float32)], [np.zeros((2, 10, 4), np.float32)])
-    own = ([np.zeros((2, 11, 4), np.float32)], [np.full((2, 11, 4), 0.5, np.float32)])
-    return compare_branches(
-        handoff, cold, "raw", maximum_absolute=11.0, maximum_mean_absolute=1.25,
-        teacher_forced_logits=handoff_logits, handoff_kv=kv, own_kv=own,
-    )
-
-
-def test_sample_record_builder_carries_localisation_and_round_trips():
-    comparison = _comparison_with_divergence()
-    assert comparison.first_divergence is not None
-    model = sample_record(
-        repetition=2, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
-        payload_gbit_per_s=1.0, handed_off_positions=10, recomputed_positions=1,
-        phases={name: 0.25 for name in PHASE_FIELDS}, kv_threshold=0.1,
-    )
-    where = model.localisation
-    assert where is not None
-    assert where.first_divergence_position == comparison.first_divergence
-    assert where.cold_margin_at_divergence == comparison.cold_margin_at_divergence
-    assert where.divergence_class == comparison.divergence_class
-    assert where.teacher_forced.top1_flips == comparison.teacher_forced.top1_flips
-    assert [(item.layer, item.k, item.v) for item in where.kv_layer_max_abs] == [(0, 0.0, 0.5)]
-    assert where.kv_first_position_over_threshold == 0
-    assert SampleRecord.model_validate_json(model.model_dump_json(by_alias=True)) == model
-    verdict = judge_sample(record_json(model), RULE2)
-    assert not verdict.passed
-    assert any(r.startswith("tokens diverge") and f"first divergence at token {comparison.first_divergence}" in r
-               for r in verdict.reasons)
-
-
-def test_sample_record_builder_refuses_missing_or_unknown_phases():
-    comparison = _comparison_with_divergence()
-    phases = {name: 0.0 for name in PHASE_FIELDS}
-    del phases["verify_s"]
-    with pytest.raises(ValueError, match="sample omits verify_s"):
-        sample_record(repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=1,
-                      payload_gbit_per_s=1.0, handed_off_positions=1, recomputed_positions=0, phases=phases)
-    with pytest.raises(ValueError, match="unknown phase 'warmup_s'"):
-        sample_record(repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=1,
-                      payload_gbit_per_s=1.0, handed_off_positions=1, recomputed_positions=0,
-                      phases={**{name: 0.0 for name in PHASE_FIELDS}, "warmup_s": 1.0})
-
-
 def test_rung3_refuses_kv_that_differs_from_the_consumers_prefill_even_with_exact_logits():
     record = rung3_record()
-    record["localisation"]["kv_layer_max_abs"][2] = {"layer": 2, "k": 5e-8, "v": 0.0, "k_position": 1000, "v_position": None}
+    record["localisation"]["kv_layer_max_abs"][2] = {"layer": 2, "k": 5e-8, "v": 0.0, "k_position": 1000,
+                                                     "v_position": None}
     verdict = judge_rung3_sample(record, RULE3)
     assert not verdict.passed
     assert any("layer 2 K" in reason and "position 1000" in reason for reason in verdict.reasons)
@@ -653,3 +503,136 @@ def test_rung3_refuses_a_sample_without_kv_evidence():
     verdict = judge_rung3_sample(record, RULE3)
     assert not verdict.passed
     assert any("omits kv_layer_max_abs" in reason for reason in verdict.reasons)
+
+
+# --------------------------------------------------------------------------- a run that stopped early
+
+
+def test_an_incomplete_run_is_not_qualified_and_says_why_in_one_line():
+    verdict = judge_incomplete("handoff 1/3: producer failed:\n  killed by signal 9")
+    assert not verdict.passed
+    assert verdict.headline == "not qualified: handoff 1/3: producer failed: killed by signal 9"
+    assert verdict.reasons == ["handoff 1/3: producer failed: killed by signal 9"]
+    assert verdict.error == "handoff 1/3: producer failed: killed by signal 9"
+    assert [check.passed for check in verdict.checks] == [False]
+
+
+def test_an_incomplete_run_without_a_reason_still_fails_with_words():
+    verdict = judge_incomplete("   ")
+    assert not verdict.passed and verdict.error and verdict.reasons == [verdict.error]
+
+
+def test_only_the_incomplete_judgement_carries_an_error():
+    assert judge_summary(three(), RULE2).error is None
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+@pytest.mark.parametrize(("observed", "proposed"), [
+    (10.884401, 10.884401), (1.278604507446289, 1.278604507446289), (1e-05, 1e-05),
+    (-1.0, None), (float("nan"), None), (float("inf"), None),
+])
+def test_calibration_proposes_the_observed_envelope_itself(observed, proposed):
+    """No margin is chosen: the calibration already ran under every environment it covers."""
+    assert propose_bound(observed) == proposed
+
+
+def test_a_lane_without_drift_gets_a_bound_only_zero_meets():
+    bound = propose_bound(0.0)
+    assert bound == ZERO_DRIFT_BOUND and bound > 0.0
+    # The smallest non-zero logit delta is a float32 subnormal; it is far above the bound.
+    assert math.ldexp(1.0, -149) > bound
+
+
+def measured(repetition, **changes):
+    """A calibration handoff's record: a rung-2 sample with the per-layer seams digest the recheck reads."""
+    return rung2_record(repetition, **({"seams_sha256": "7" * 64} | changes))
+
+
+def calibrate_judged(records, repetitions=None, **overrides):
+    options = {"lane": "nvfp4-native-splitk", "rung": 2, "draft": False,
+               "repetitions": len(records) if repetitions is None else repetitions, "environments": 5}
+    return judge_calibration(records, **(options | overrides))
+
+
+def test_a_calibration_of_exact_deterministic_handoffs_passes_and_proposes_the_worst_drift():
+    records = [measured(1, max_abs=9.5, mean_abs=1.1), measured(2, max_abs=10.25, mean_abs=1.0),
+               measured(3, max_abs=10.0, mean_abs=1.2)]
+    judged = calibrate_judged(records)
+    assert judged.verdict.passed, judged.verdict.reasons
+    assert (judged.observed_max_abs, judged.observed_mean_abs) == (10.25, 1.2)
+    assert (judged.proposed_maximum_absolute, judged.proposed_maximum_mean_absolute) == (10.25, 1.2)
+    assert judged.tokens_exact and judged.deterministic and judged.failures == []
+    assert judged.verdict.headline.startswith(
+        "calibration of nvfp4-native-splitk over 3 handoffs (a fresh producer each, 3 environments): "
+        "observed max abs 10.25, max mean abs 1.2")
+
+
+def test_a_calibration_with_diverging_tokens_fails_but_still_reports_the_envelope():
+    judged = calibrate_judged([measured(1), measured(2, token_agreement_rate=0.5)])
+    assert not judged.verdict.passed and not judged.tokens_exact
+    assert ("greedy tokens diverged: no bounded-drift rule can qualify this lane on this prompt"
+            in judged.verdict.reasons)
+    assert judged.proposed_maximum_absolute == 10.884401
+
+
+def test_a_calibration_whose_digests_move_across_restarts_is_not_deterministic():
+    judged = calibrate_judged([measured(1), measured(2, payload_sha256="9" * 64)])
+    assert not judged.verdict.passed and not judged.deterministic
+    assert any(reason.startswith("the producer's output differs across restarts or environments")
+               and "payload tree digest differs" in reason for reason in judged.verdict.reasons)
+
+
+def test_a_calibration_with_a_failed_handoff_fails_and_names_it():
+    failed = {"schema": SAMPLE_SCHEMA, "repetition": 2, "error": "producer failed: killed by signal 9"}
+    judged = calibrate_judged([measured(1), failed, measured(3)])
+    assert not judged.verdict.passed and not judged.deterministic
+    assert judged.failures == ["producer failed: killed by signal 9"]
+    assert "handoff failed: producer failed: killed by signal 9" in judged.verdict.reasons
+
+
+def test_a_calibration_refuses_drift_it_could_not_read_as_a_finite_number():
+    judged = calibrate_judged([measured(1), measured(2, max_abs="NaN")])
+    assert not judged.verdict.passed
+    assert math.isnan(judged.observed_max_abs) and judged.proposed_maximum_absolute is None
+    assert "max_abs is missing or not finite in handoff 2" in judged.verdict.reasons
+
+
+def test_a_calibration_without_samples_fails():
+    judged = calibrate_judged([], repetitions=3)
+    assert not judged.verdict.passed and judged.proposed_maximum_absolute is None
+
+
+# --------------------------------------------------------------------------- draft acceptance
+
+
+def test_draft_acceptance_states_the_pooled_and_the_lowest_document_rate():
+    verdict = judge_draft_acceptance({"a": {"proposed": 100, "accepted": 90}, "b": {"proposed": 300, "accepted": 240}},
+                                     proposal_tokens=4)
+    assert verdict.passed
+    assert verdict.headline == ("draft acceptance measured at k=4: pooled 0.825000 over 2 documents, "
+                                "minimum document 0.800000")
+
+
+@pytest.mark.parametrize("document", [
+    {"proposed": 0, "accepted": 0}, {"proposed": 10, "accepted": 11}, {"proposed": 10},
+    {"proposed": 10.0, "accepted": 5}, {"proposed": True, "accepted": 1},
+])
+def test_draft_acceptance_refuses_counts_that_are_not_a_measurement(document):
+    verdict = judge_draft_acceptance({"a": {"proposed": 10, "accepted": 9}, "b": document}, proposal_tokens=4)
+    assert not verdict.passed and verdict.reasons[0].startswith("document b: found proposed")
+
+
+def test_draft_acceptance_of_no_documents_fails():
+    assert not judge_draft_acceptance({}, proposal_tokens=4).passed
+
+
+# --------------------------------------------------------------------------- purity
+
+
+def test_the_judge_imports_no_numpy_engines_or_comparison_code():
+    code = ("import qualify.judge, sys; print(sorted(m for m in sys.modules "
+            "if m.startswith(('numpy', 'torch', 'qualify.engines', 'qualify.evidence.compare', 'qualify.handoff'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"

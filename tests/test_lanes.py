@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -67,33 +68,42 @@ def test_every_recipe_has_rung_schema_and_logit_mode() -> None:
 def test_enum_values_are_exactly_the_legal_ones() -> None:
     assert [mode.value for mode in ProducerMode] == ["exact", "native"]
     assert [variant.value for variant in NativeVariant] == ["splitk", "f16", "w4a4"]
-    assert [kind.value for kind in LaneKind] == ["nvfp4", "kquant", "vllm", "transformers"]
+    assert [kind.value for kind in LaneKind] == ["nvfp4", "kquant", "vllm", "transformers", "torch-llama"]
     with pytest.raises(ValueError):
         ProducerMode("fast")
 
 
+def _resolved(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """``node``, or the ``$defs`` entry it references."""
+    ref = node.get("$ref")
+    return schema["$defs"][ref.split("/")[-1]] if isinstance(ref, str) else node
+
+
 def test_identity_schema_enums_match_the_python_enums() -> None:
+    """The committed schema (generated from the identity model) lists exactly the lane table's values."""
     schema = json.loads((CONTRACTS_DIR / "onboarding-identity.v1.schema.json").read_text())
     properties = schema["properties"]
-    assert properties["lane_kind"]["enum"] == [kind.value for kind in LaneKind]
-    assert properties["recipe"]["enum"] == [recipe.value for recipe in Recipe]
-    assert properties["producer_mode"]["enum"] == [mode.value for mode in ProducerMode]
-    assert properties["native_variant"]["enum"] == [v.value for v in NativeVariant] + [None]
-    assert properties["onboarding_qualification"]["properties"]["schema"]["enum"] == [
-        recipe.onboarding_schema for recipe in Recipe
-    ]
-    assert properties["rung"]["enum"] == [recipe.rung for recipe in Recipe]
+    assert _resolved(schema, properties["lane_kind"])["enum"] == [kind.value for kind in LaneKind]
+    assert _resolved(schema, properties["recipe"])["enum"] == [recipe.value for recipe in Recipe]
+    assert _resolved(schema, properties["producer_mode"])["enum"] == [mode.value for mode in ProducerMode]
+    variant, null = properties["native_variant"]["anyOf"]
+    assert _resolved(schema, variant)["enum"] == [v.value for v in NativeVariant] and null == {"type": "null"}
+    rule = _resolved(schema, properties["onboarding_qualification"])
+    assert rule["properties"]["schema"]["enum"] == [recipe.onboarding_schema for recipe in Recipe]
+    assert properties["rung"]["enum"] == sorted({recipe.rung for recipe in Recipe})
 
 
 def test_every_schema_object_is_closed() -> None:
-    """additionalProperties false everywhere; a discriminated union is closed by its branches."""
+    """additionalProperties false on every object with properties; a union is closed by its branches."""
     for path in ("onboarding-identity.v1.schema.json", "lane-registry.v1.schema.json"):
         schema = json.loads((CONTRACTS_DIR / path).read_text())
-        stack = [("", schema)]
+        stack: list[tuple[str, Any]] = [("", schema)]
+        objects = 0
         while stack:
             where, node = stack.pop()
             if isinstance(node, dict):
                 if "properties" in node and "allOf" not in node:
+                    objects += 1
                     assert node.get("additionalProperties") is False, f"{path}{where}"
                 if "allOf" in node:
                     branches = [branch["then"]["$ref"].split("/")[-1] for branch in node["allOf"]]
@@ -104,6 +114,7 @@ def test_every_schema_object_is_closed() -> None:
                 )
             elif isinstance(node, list):
                 stack.extend((f"{where}[{i}]", value) for i, value in enumerate(node))
+        assert objects > 1, path
 
 
 def test_lane_table() -> None:
@@ -120,6 +131,7 @@ def test_lane_table() -> None:
         "transformers-cuda-fp32",
         "transformers-cuda-tf32",
         "transformers-cuda-bf16",
+        "llama3-8b-shape-pd",
     }
     assert set(lanes.VLLM_LANE_ENGINES) == {n for n, s in LANES.items() if s.kind is LaneKind.VLLM}
     assert set(lanes.TRANSFORMERS_LANE_SETTINGS) == {

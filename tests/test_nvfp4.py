@@ -145,7 +145,7 @@ def test_e4m3fn_all_finite_bytes_match_formula_and_q9_twin() -> None:
     decoded = e4m3fn_decode(FINITE_E4M3FN_BYTES)
     q9 = e4m3fn_q9(FINITE_E4M3FN_BYTES)
     assert len(FINITE_E4M3FN_BYTES) == 254
-    for byte, value, units in zip(FINITE_E4M3FN_BYTES, decoded, q9):
+    for byte, value, units in zip(FINITE_E4M3FN_BYTES, decoded, q9, strict=False):
         expected = formula_e4m3fn(int(byte))
         assert bits(value) == bits(np.float32(expected)), hex(byte)
         assert math.ldexp(int(units), -9) == expected, hex(byte)

@@ -10,26 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from qualify.archive.receipts import (
+from qualify.archive.layout import (
     MANIFEST,
     PARTIAL_PREFIX,
     REQUIRED_FILES,
     RUN_ID,
-    ReceiptWriter,
     archive_dir,
     default_archive_dir,
     new_run_id,
-    read_receipt_json,
-    receipt_files,
-    resolve_receipt_uri,
-    verify_cli,
-    verify_receipt,
 )
+from qualify.archive.reader import read_receipt_json, receipt_files, resolve_receipt_uri
+from qualify.archive.verify import verify_cli, verify_receipt
+from qualify.archive.writer import ReceiptWriter
 from qualify.core.assets import REPO_ROOT
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import Refused
 from qualify.evidence.records import SAMPLE_SCHEMA, BoundedDriftRule
-from qualify.judge import judge_summary
+from qualify.judge import judge_incomplete, judge_summary
 from tests.test_judge import rung2_record
 
 RULE = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)
@@ -55,7 +52,7 @@ def write_receipt(archive: Path, records=None, *, run_id: str | None = None, ide
 
 def make_writable(path: Path) -> None:
     """Finalized receipts are read-only; tests that tamper with them lift that first."""
-    for current, dirs, files in os.walk(path):
+    for current, _dirs, files in os.walk(path):
         os.chmod(current, 0o755)
         for name in files:
             os.chmod(Path(current) / name, 0o644)
@@ -96,7 +93,8 @@ def test_identity_file_is_copied_byte_for_byte(tmp_path):
     identity_path.write_bytes(b'{"lane": "nvfp4-native-splitk",   "bound": 11.0}\n')
     path = write_receipt(tmp_path / "archive", identity=identity_path)
     assert (path / "identity.json").read_bytes() == identity_path.read_bytes()
-    assert (path / "identity.sha256").read_text().strip() == canonical_sha256({"lane": "nvfp4-native-splitk", "bound": 11.0})
+    expected = canonical_sha256({"lane": "nvfp4-native-splitk", "bound": 11.0})
+    assert (path / "identity.sha256").read_text().strip() == expected
     assert verify_receipt(path) == []
 
 
@@ -172,8 +170,9 @@ def test_a_receipt_directory_is_never_rewritten(tmp_path):
 
 def test_a_finalized_writer_refuses_further_writes(tmp_path):
     writer = ReceiptWriter(tmp_path, command_line=["x"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
-    writer.finalize(None, error="stopped")
-    for action in (lambda: writer.log("x"), lambda: writer.add_sample(rung2_record()), lambda: writer.finalize(None)):
+    writer.finalize(judge_incomplete("stopped"))
+    for action in (lambda: writer.log("x"), lambda: writer.add_sample(rung2_record()),
+                   lambda: writer.finalize(judge_incomplete("again"))):
         with pytest.raises(Refused, match="already finalized"):
             action()
 
@@ -190,24 +189,42 @@ def test_a_run_that_raises_still_gets_a_complete_failing_receipt(tmp_path):
     summary = read_receipt_json(path, "validation-summary.json")
     assert summary["passed"] is False
     assert summary["error"] == "RuntimeError: producer died with a traceback"
-    assert summary["verdict"] == "failed: run ended before a verdict: RuntimeError: producer died with a traceback"
+    assert summary["verdict"] == "not qualified: RuntimeError: producer died with a traceback"
+    assert summary["reasons"] == ["RuntimeError: producer died with a traceback"]
     assert summary["samples"] == 1
 
 
 def test_a_run_without_a_verdict_fails(tmp_path):
-    with ReceiptWriter(tmp_path, command_line=["qualify"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE) as writer:
+    with ReceiptWriter(tmp_path, command_line=["qualify"], identity=IDENTITY, recipe="native-text", lane="l",
+                       rule=RULE) as writer:
         pass
-    assert read_receipt_json(writer.path, "validation-summary.json")["passed"] is False
+    summary = read_receipt_json(writer.path, "validation-summary.json")
+    assert summary["passed"] is False and summary["error"] == "run ended without a verdict"
 
 
-def test_an_error_overrides_a_passing_verdict(tmp_path):
+def test_finalize_takes_only_the_judges_verdict(tmp_path):
     writer = ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
     records = [rung2_record(i) for i in (1, 2, 3)]
     for record in records:
         writer.add_sample(record)
-    path = writer.finalize(judge_summary(records, RULE), error="receipt upload failed")
+    with pytest.raises(TypeError, match="finalize needs a qualify.judge.Verdict"):
+        writer.finalize(None)  # type: ignore[arg-type]  # the old "no verdict" call is the point
+    path = writer.finalize(judge_summary(records, RULE))  # the writer stayed open
     summary = read_receipt_json(path, "validation-summary.json")
-    assert summary["passed"] is False and summary["verdict"] == "failed: receipt upload failed"
+    assert summary["passed"] is True and summary["error"] is None
+    assert summary["verdict"].startswith("passed: 3/3 handoffs")
+
+
+def test_a_run_that_stopped_early_records_why_and_fails(tmp_path):
+    writer = ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
+    writer.add_sample(rung2_record(1))
+    path = writer.finalize(judge_incomplete("handoff 2/3: producer failed: killed by signal 9"))
+    summary = read_receipt_json(path, "validation-summary.json")
+    assert summary["passed"] is False
+    assert summary["verdict"] == "not qualified: handoff 2/3: producer failed: killed by signal 9"
+    assert summary["error"] == "handoff 2/3: producer failed: killed by signal 9"
+    assert [check["passed"] for check in summary["checks"]] == [False]
+    assert verify_receipt(path) == []
 
 
 def test_a_crash_never_leaves_a_receipt_that_looks_complete(tmp_path):
@@ -228,7 +245,7 @@ def test_non_finite_sample_values_are_kept_as_strings(tmp_path):
     record = rung2_record(1, max_abs=float("nan"), mean_abs=float("inf"))
     writer = ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
     writer.add_sample(record)
-    path = writer.finalize(None, error="stopped")
+    path = writer.finalize(judge_incomplete("stopped"))
     stored = read_receipt_json(path, "samples/sample-1.json")
     assert stored["max_abs"] == "NaN" and stored["mean_abs"] == "Infinity"
     assert stored["schema"] == SAMPLE_SCHEMA

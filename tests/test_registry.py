@@ -71,7 +71,7 @@ def test_valid_registry_loads(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "fragment"),
     [
-        ("lane_kind", "sglang", 'entries[0].lane_kind: found "sglang", expected one of nvfp4, kquant, vllm, transformers (unknown lane kinds are refused before any key is minted)'),
+        ("lane_kind", "sglang", 'entries[0].lane_kind: found "sglang", expected one of nvfp4, kquant, vllm, transformers, torch-llama (unknown lane kinds are refused before any key is minted)'),
         ("lane_kind", "sglang", "unknown lane kinds are refused before any key is minted"),
         ("recipe", "native-text-v2", 'entries[0].recipe: found "native-text-v2", expected one of native-text, kquant-target-plus-dflash'),
         ("recipe", "kquant-target-plus-dflash", 'entries[0].recipe: found "kquant-target-plus-dflash", lane kind nvfp4 qualifies under native-text'),

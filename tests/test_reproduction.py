@@ -14,7 +14,7 @@ import pytest
 from qualify.core import assets
 from qualify.engines.factory import build_producer
 from qualify.judge import DRAFT_REPRODUCTION_FIELDS, REPRODUCTION_FIELDS, judge_reproduction
-from qualify.run import qualification as qualifier
+from qualify.run import calibrate as calibration
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_calibration_environments_vary_kernel_threads_and_dispatch(monkeypatch: 
     from qualify.core import hostenv
     monkeypatch.setattr(hostenv, "cpu_flags", lambda: frozenset({"avx", "avx2", "avx512f"}))
     monkeypatch.setattr(hostenv, "numpy_narrower_dispatch", lambda: "AVX512F,AVX512_SKX")
-    environments = qualifier.calibration_environments()
+    environments = calibration.calibration_environments()
     assert environments[0] == {}  # the first handoff runs as the operator set it
     kernels = {env.get("OPENBLAS_CORETYPE") for env in environments}
     assert {"Haswell", "Prescott", "Sandybridge"} <= kernels
@@ -99,7 +99,7 @@ def test_calibration_environments_vary_kernel_threads_and_dispatch(monkeypatch: 
         == ["AVX512F,AVX512_SKX"] * 2
     monkeypatch.setattr(hostenv, "cpu_flags", lambda: frozenset({"avx"}))
     monkeypatch.setattr(hostenv, "numpy_narrower_dispatch", lambda: "")
-    without_avx2 = qualifier.calibration_environments()
+    without_avx2 = calibration.calibration_environments()
     assert all(env.get("OPENBLAS_CORETYPE") != "Haswell" for env in without_avx2)
     assert all("NPY_DISABLE_CPU_FEATURES" not in env for env in without_avx2)
     assert len(without_avx2) == len(environments) - 1

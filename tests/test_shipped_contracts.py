@@ -1,6 +1,8 @@
-"""The shipped identities, sealed constants and artifacts agree with each other and with the files.
+"""The shipped identities, their seal, the generated schema and the artifacts agree with each other.
 
-If a model file, prompt, tokenizer or engine ABI changes without a re-freeze, these fail.
+If a model file, prompt, tokenizer or engine ABI changes without a re-freeze, these fail; so do an
+identity model change without ``tools/freeze_identity.py --write-schema`` and an identity edit
+without ``--write-sealed``.
 """
 
 from __future__ import annotations
@@ -10,16 +12,26 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 
-from qualify.contract.identity import load_identity
+from qualify.archive.reader import resolve_receipt_uri
+from qualify.contract.identity import (
+    DEFAULT_ARCHIVE_DIR,
+    IDENTITY_SCHEMA_PATH,
+    check_basis_receipt,
+    identity_json_schema,
+    identity_schema_text,
+    load_identity,
+)
 from qualify.contract.lanes import VLLM_LANE_ENGINES, LaneKind, lane_spec, target_cache_identity
-from qualify.contract.sealed import SEALED_IDENTITIES
+from qualify.contract.sealed_data import SEALED_BASIS_RECEIPTS, SEALED_IDENTITIES
 from qualify.core import assets
-from qualify.core.digests import sha256_bytes, sha256_file
+from qualify.core.digests import canonical_json_bytes, sha256_bytes, sha256_file
 from qualify.engines.factory import (
     ADAPTER_SOURCES,
     build_cache_identity,
@@ -41,14 +53,40 @@ def _cuda_available() -> bool:
 
 def test_every_sealed_lane_ships_an_identity_and_every_identity_is_sealed():
     shipped_lanes = {json.loads(path.read_text())["lane"] for path in SHIPPED}
-    assert shipped_lanes == set(SEALED_IDENTITIES)
+    assert shipped_lanes == set(SEALED_IDENTITIES) == set(SEALED_BASIS_RECEIPTS)
     assert {"native-text", "kquant-target-plus-dflash"} <= {
         json.loads(path.read_text())["recipe"] for path in SHIPPED}
 
 
+def test_the_committed_schema_is_the_one_generated_from_the_identity_model():
+    committed = IDENTITY_SCHEMA_PATH.read_bytes()
+    assert canonical_json_bytes(json.loads(committed)) == canonical_json_bytes(identity_json_schema()), (
+        "regenerate it: .venv/bin/python tools/freeze_identity.py --write-schema")
+    assert committed == identity_schema_text().encode("utf-8")
+    jsonschema.Draft202012Validator.check_schema(identity_json_schema())
+
+
+def _freeze_tool() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("freeze_identity", assets.REPO_ROOT / "tools" / "freeze_identity.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_sealed_data_is_what_the_freeze_tool_generates():
+    freeze = _freeze_tool()
+    seals = freeze.shipped_seals(assets.CONTRACTS_DIR, DEFAULT_ARCHIVE_DIR)
+    assert freeze.SEALED_DATA_PATH.read_text(encoding="utf-8") == freeze.sealed_data_source(seals), (
+        "regenerate it: .venv/bin/python tools/freeze_identity.py --write-sealed")
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_identity_validates_and_pins_the_real_artifacts(path: Path):
+    jsonschema.Draft202012Validator(identity_json_schema()).validate(json.loads(path.read_bytes()))
     identity = load_identity(path)
+    basis = check_basis_receipt(identity, resolve_receipt_uri, where=f"identity {path}")
+    assert sha256_file(basis) == SEALED_BASIS_RECEIPTS[identity.lane]
     for relpath, digest in identity.checkpoint.files.items():
         assert sha256_file(assets.REPO_ROOT / relpath) == digest, relpath
     assert sha256_file(assets.MODEL_DIR / "tokenizer.json") == identity.tokenizer_sha256
@@ -108,7 +146,7 @@ def test_native_producer_is_not_the_consumer():
     prompt = assets.load_prompt()[:300]
     consumer_kv = build_consumer("nvfp4-native-splitk").prefill(prompt)
     native_kv = build_producer("nvfp4-native-splitk", "native").prefill(prompt)
-    assert any(not np.array_equal(a, b) for a, b in zip(consumer_kv.keys, native_kv.keys))
+    assert any(not np.array_equal(a, b) for a, b in zip(consumer_kv.keys, native_kv.keys, strict=False))
 
 
 def test_a_run_refuses_an_identity_whose_adapter_source_changed():

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from qualify.archive.receipts import verify_receipt
+from qualify.archive.verify import verify_receipt
 from qualify.contract.identity import load_identity
-from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS, lane_spec, target_cache_identity
+from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS, ProducerMode, lane_spec, target_cache_identity
 from qualify.core import assets
 from qualify.core.errors import Refused
-from qualify.engines.factory import build_consumer, build_producer, checkpoint_digests, expected_cache_identity
+from qualify.engines.factory import build_cache_identity, build_consumer, build_producer, checkpoint_digests
 from qualify.engines.reference import ReferenceEngine
 
 LANES = sorted(TRANSFORMERS_LANE_SETTINGS)
@@ -69,7 +69,7 @@ def test_consumer_is_the_default_reference_engine(lane: str) -> None:
     consumer = build_consumer(lane)
     default = ReferenceEngine.from_model_dir()
     assert (consumer.name, consumer.abi) == (default.name, default.abi)
-    assert consumer.producer_mode == "native"
+    assert consumer.mode is ProducerMode.NATIVE
 
 
 @pytest.mark.torch
@@ -79,11 +79,11 @@ def test_producer_without_a_gpu_is_refused_naming_cuda(lane: str, monkeypatch: p
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(Refused, match="'cuda' requested but torch sees no CUDA device"):
-        build_producer(lane, "native")
+        build_producer(lane, ProducerMode.NATIVE)
     with pytest.raises(Refused, match="'cuda' requested but torch sees no CUDA device"):
-        expected_cache_identity(lane)
+        build_cache_identity(lane_spec(lane))
     with pytest.raises(Refused, match="transformers lanes run in native mode only"):
-        build_producer(lane, "exact")
+        build_producer(lane, ProducerMode.EXACT)
 
 
 @pytest.mark.torch

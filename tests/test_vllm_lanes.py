@@ -27,7 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-from qualify.archive.receipts import verify_receipt  # noqa: E402
+from qualify.archive.verify import verify_receipt  # noqa: E402
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
 
 HANDOFF_POSITIONS = 1920  # whole 128-token blocks of the 2047 handed-off prompt tokens
@@ -358,7 +358,7 @@ def test_k_bit_flip_after_compute_is_localised_to_its_layer(tmp_path):
     require_qualifying_host("vllm-to-reference")
     from qualify.engines import vllm_connector as c
 
-    run = _run(tmp_path, "vllm", "reference", "qualify.engines.vllm_engine:build_k_bit_flip_producer")
+    run = _run(tmp_path, "vllm", "reference", "qualify.engines.fault_factories:build_k_bit_flip_producer")
     over = _over(_failed(run))
     assert [(layer, tensor) for layer, tensor, _ in over] == [(c.FAULT_LAYER, "K")], over
     assert over[0][2] == c.FAULT_POSITION
@@ -368,7 +368,7 @@ def test_wrong_block_order_is_localised_to_the_swapped_positions(tmp_path):
     require_qualifying_host("vllm-to-reference")
     from qualify.engines import vllm_connector as c
 
-    run = _run(tmp_path, "vllm", "reference", "qualify.engines.vllm_engine:build_block_order_producer")
+    run = _run(tmp_path, "vllm", "reference", "qualify.engines.fault_factories:build_block_order_producer")
     over = _over(_failed(run))
     low, high = c.SWAPPED_BLOCKS[0] * 128, (c.SWAPPED_BLOCKS[1] + 1) * 128
     assert over and {layer for layer, _, _ in over} == {0, 1, 2, 3}, over
@@ -377,14 +377,14 @@ def test_wrong_block_order_is_localised_to_the_swapped_positions(tmp_path):
 
 def test_other_prompts_kv_is_caught_from_layer_0(tmp_path):
     require_qualifying_host("vllm-to-reference")
-    run = _run(tmp_path, "vllm", "reference", "qualify.engines.vllm_engine:build_other_prompt_producer")
+    run = _run(tmp_path, "vllm", "reference", "qualify.engines.fault_factories:build_other_prompt_producer")
     record = _failed(run)
     assert {(0, "K"), (0, "V")} <= {(layer, tensor) for layer, tensor, _ in _over(record)}
 
 
 def test_engine_raising_mid_request_gives_a_failing_receipt(tmp_path):
     require_qualifying_host("vllm-to-reference")
-    run = _run(tmp_path, "vllm", "reference", "qualify.engines.vllm_engine:build_raising_producer")
+    run = _run(tmp_path, "vllm", "reference", "qualify.engines.fault_factories:build_raising_producer")
     assert run.verdict is not None and not run.verdict.passed
     assert run.receipt_path is not None and verify_receipt(run.receipt_path) == []
     assert run.outcomes["producer ready"].passed  # the warm-up request was served
@@ -462,7 +462,7 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     import io
 
     from qualify.contract import identity as identity_module
-    from qualify.contract import sealed as sealed_module
+    from qualify.contract import sealed_data
     from qualify.engines import factory
     from qualify.interfaces import cli
     from qualify.run.calibrate import calibrate
@@ -497,14 +497,17 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     with contextlib.redirect_stdout(printed):
         status = freeze_identity.main(argv)
     assert status == 0, capsys.readouterr().err
-    sealed = freeze_identity.build_sealed(freeze_identity.build_parser().parse_args(argv))
-    assert json.loads(identity_path.read_text(encoding="utf-8")) == sealed.identity_document()
-    assert freeze_identity.sealed_python_block(sealed) in printed.getvalue()
-    assert sealed.producer_engine.abi == factory.lane_producer_abi(lane)
+    document = freeze_identity.build_document(freeze_identity.build_parser().parse_args(argv))
+    assert json.loads(identity_path.read_text(encoding="utf-8")) == document
+    frozen = identity_module.parse_identity_document(document, where=f"identity {identity_path}")
+    seal = freeze_identity.seal_of(frozen, receipts)
+    assert freeze_identity.sealed_lines(lane, seal) in printed.getvalue()
+    assert frozen.producer_engine.abi == factory.lane_producer_abi(lane)
 
     # (c) seal it for this process: the lane's entry replaced, the basis resolved in tmp_path.
-    others = [entry for entry in sealed_module.SEALED_IDENTITIES.values() if entry.lane != lane]
-    monkeypatch.setattr(sealed_module, "SEALED_IDENTITIES", sealed_module.sealed_table(*others, sealed))
+    monkeypatch.setattr(sealed_data, "SEALED_IDENTITIES", {**sealed_data.SEALED_IDENTITIES, lane: seal.identity_sha256})
+    monkeypatch.setattr(sealed_data, "SEALED_BASIS_RECEIPTS",
+                        {**sealed_data.SEALED_BASIS_RECEIPTS, lane: seal.basis_sha256})
     monkeypatch.setattr(identity_module, "DEFAULT_ARCHIVE_DIR", receipts)
 
     # (d) qualify it.

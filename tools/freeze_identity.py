@@ -1,34 +1,38 @@
 #!/usr/bin/env python3
-"""Freeze one lane's onboarding identity from the real artifacts, in one command.
+"""Freeze a lane's onboarding identity from the real artifacts, and keep the sealed data in step.
 
-Computes the SHA-256 of every pinned artifact (checkpoint files under ``model/``, tokenizer,
-main prompt via ``qualify.core.assets.prompt_sha256``, RoPE cache, adapter, draft, basis receipt),
-derives the lane's target-cache identity, validates the result through the same layers as
-``qualify identity check``, then writes the identity JSON (never over an existing file unless
-``--replace``; written whole via a temporary file) and prints the ``SealedIdentity(...)`` block
-to paste into ``qualify/contract/sealed.py``.
+Freeze (``--lane``): computes the SHA-256 of every pinned artifact (checkpoint files under
+``model/``, tokenizer, main prompt via ``qualify.core.assets.prompt_sha256``, RoPE cache, adapter,
+draft, basis receipt), derives the lane's target-cache identity, validates the document through the
+identity model, writes the identity JSON (never over an existing file unless ``--replace``; written
+whole via a temporary file) and prints its sealed-data lines.
+
+Re-freeze (``--refreeze PATH...``): recomputes those artifact digests of existing identities,
+keeping their engines, rules and basis URIs, and rewrites them -- for a reviewed change (an adapter
+edit) that moves no number: ``--refreeze contracts/*-identity-v1.json --write-sealed``.
+
+``--write-sealed`` regenerates ``qualify/contract/sealed_data.py`` whole from
+``contracts/*-identity-v1.json`` and their basis receipts; ``--write-schema`` regenerates
+``contracts/onboarding-identity.v1.schema.json`` from the identity model. Both are committed in a
+reviewed change.
 
 Example (rung 2, after the calibration run archived its receipt)::
 
     .venv/bin/python tools/freeze_identity.py --lane nvfp4-native-splitk \\
-        --producer-engine qualify-reference 0.1.0 nvfp4-splitk-v1 \\
-        --consumer-engine qualify-reference 0.1.0 nvfp4-exact-v1 \\
         --maximum-absolute 11.0 --maximum-mean-absolute 1.25 \\
-        --basis receipt://<run-id>/command.log
+        --basis receipt://<run-id>/command.log --write-sealed
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -36,31 +40,30 @@ if str(REPO_ROOT) not in sys.path:
 
 import numpy as np
 
-from qualify.contract.identity import DEFAULT_ARCHIVE_DIR, validate_identity_document
-from qualify.contract.lanes import LANES, LaneSpec, lane_spec, target_cache_identity
-from qualify.contract.sealed import (
-    RECEIPT_URI,
+from qualify.archive.reader import resolve_receipt_uri
+from qualify.contract.identity import (
+    DEFAULT_ARCHIVE_DIR,
+    IDENTITY_SCHEMA_ID,
+    IDENTITY_SCHEMA_PATH,
     RELPATH,
-    SealedCheckpoint,
-    SealedContextPolicy,
-    SealedDraft,
-    SealedDraftGeometry,
-    SealedEngine,
-    SealedIdentity,
-    SealedLogitUnits,
-    SealedNamedDigest,
-    SealedPrompt,
-    SealedQualification,
-    SealedRope,
-    sealed_table,
+    Identity,
+    identity_schema_text,
+    identity_sha256,
+    parse_identity_document,
 )
+from qualify.contract.lanes import LaneSpec, lane_spec, target_cache_identity
+from qualify.contract.units import parse_logit_units
 from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256
-from qualify.core.digests import canonical_json_bytes, canonical_sha256, sha256_bytes, sha256_file
+from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
 from qualify.core.errors import Refused, one_line
+from qualify.core.strict_json import read_strict_json, schema_validator
 from qualify.engines.factory import ADAPTER_SOURCES
 
 DEFAULT_DRAFT = "model/gguf/eagle1-draft-q8_0.gguf"
 """The k-quant lane's EAGLE-1 draft weights (what ``speculative_draft.draft_sha256`` pins)."""
+
+SEALED_DATA_PATH = REPO_ROOT / "qualify" / "contract" / "sealed_data.py"
+SHIPPED_IDENTITIES = "*-identity-v1.json"
 
 RAW_TOKEN_TEMPLATE_NAME = "raw-token-ids"
 RAW_TOKEN_TEMPLATE_RULE = {
@@ -70,55 +73,65 @@ RAW_TOKEN_TEMPLATE_RULE = {
 """The harness applies no chat template; its template digest is the canonical SHA-256 of this."""
 
 
+class Seal(NamedTuple):
+    """What ``qualify/contract/sealed_data.py`` holds for one lane."""
+
+    identity_sha256: str
+    basis_sha256: str
+
+
 def rope_cache_sha256(theta: float, head_dim: int, max_positions: int) -> str:
     """SHA-256 of the RoPE cache the reference engine builds (``rope_tables``): float32
     little-endian cos then sin, ``[max_positions, head_dim]``."""
-    try:
-        from qualify.engines.reference import rope_tables
-    except ImportError as exc:
-        raise Refused(f"rope: qualify.engines.reference.rope_tables unavailable ({exc})") from None
+    from qualify.engines.reference import rope_tables
+
     cos, sin = rope_tables(max_positions, head_dim, theta)
     return sha256_bytes(np.asarray(cos, dtype="<f4").tobytes() + np.asarray(sin, dtype="<f4").tobytes())
 
 
-def collect_checkpoint(spec: LaneSpec, override: Sequence[str] | None) -> tuple[dict[str, str], int]:
-    """Repository-relative path -> SHA-256 of the lane's checkpoint files, and their total size.
-
-    Default: ``qualify.engines.factory.checkpoint_digests`` (the map the producer service
-    compares its engine against); ``override`` names repository-relative files instead.
-    """
-    if override:
-        files = {}
-        for relpath in override:
-            if not RELPATH.fullmatch(relpath) or not (REPO_ROOT / relpath).is_file():
-                raise Refused(f"--checkpoint {relpath}: not a repository-relative file")
-            files[relpath] = sha256_file(REPO_ROOT / relpath)
-    else:
-        try:
-            from qualify.engines.factory import checkpoint_digests
-
-            files = dict(checkpoint_digests(spec.kind))
-        except Refused:
-            raise
-        except Exception as exc:
-            raise Refused(
-                f"checkpoint: qualify.engines.factory.checkpoint_digests failed "
-                f"({type(exc).__name__}: {one_line(str(exc))}); pass --checkpoint RELPATH"
-            ) from None
+def file_digests(relpaths: Sequence[str], what: str) -> tuple[dict[str, str], int]:
+    """Repository-relative path -> SHA-256 (sorted), and the files' total size."""
+    files: dict[str, str] = {}
     total = 0
-    for relpath in files:
-        if not RELPATH.fullmatch(relpath):
-            raise Refused(f"checkpoint: {relpath!r} is not a plain repository-relative path")
-        total += (REPO_ROOT / relpath).stat().st_size
+    for relpath in relpaths:
+        path = REPO_ROOT / relpath
+        if not RELPATH.fullmatch(relpath) or not path.is_file():
+            raise Refused(f"{what} {relpath}: not a repository-relative file")
+        files[relpath] = sha256_file(path)
+        total += path.stat().st_size
     return dict(sorted(files.items())), total
 
 
-def engine_pins(spec: LaneSpec) -> tuple[SealedEngine, SealedEngine]:
+def repo_file_sha256(relpath: str, what: str) -> str:
+    """SHA-256 of one repository-relative file."""
+    return file_digests([relpath], what)[0][relpath]
+
+
+def collect_checkpoint(spec: LaneSpec, override: Sequence[str] | None) -> tuple[dict[str, str], int]:
+    """The lane's checkpoint files: ``override`` (repository-relative), else the map
+    ``qualify.engines.factory.checkpoint_digests`` derives (what the producer service compares)."""
+    if override:
+        return file_digests(override, "--checkpoint")
+    try:
+        from qualify.engines.factory import checkpoint_digests
+
+        relpaths = list(checkpoint_digests(spec.kind))
+    except Refused:
+        raise
+    except Exception as exc:
+        raise Refused(
+            f"checkpoint: qualify.engines.factory.checkpoint_digests failed "
+            f"({type(exc).__name__}: {one_line(str(exc))}); pass --checkpoint RELPATH"
+        ) from None
+    return file_digests(relpaths, "checkpoint")
+
+
+def engine_pins(spec: LaneSpec) -> tuple[dict[str, str], dict[str, str]]:
     """(producer, consumer) name/version/abi of the engines the factory builds for the lane."""
     try:
         from qualify.engines.factory import build_consumer, build_producer
 
-        producer = build_producer(spec.name, spec.mode.value)
+        producer = build_producer(spec.name, spec.mode)
         consumer = build_consumer(spec.name)
     except Refused:
         raise
@@ -127,20 +140,30 @@ def engine_pins(spec: LaneSpec) -> tuple[SealedEngine, SealedEngine]:
             f"engines: building lane {spec.name} failed ({type(exc).__name__}: {one_line(str(exc))}); "
             f"pass --producer-engine and --consumer-engine"
         ) from None
-    return (
-        SealedEngine(producer.name, producer.version, producer.abi),
-        SealedEngine(consumer.name, consumer.version, consumer.abi),
-    )
+    return (_engine(producer.name, producer.version, producer.abi),
+            _engine(consumer.name, consumer.version, consumer.abi))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise Refused(f"{path}: cannot read JSON ({type(exc).__name__})") from None
+def _engine(name: str, version: str, abi: str) -> dict[str, str]:
+    return {"name": name, "version": version, "abi": abi}
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    document = read_strict_json(path, "model config")
     if not isinstance(document, dict):
-        raise Refused(f"{path}: expected a JSON object")
+        raise Refused(f"model config {path}: found {type(document).__name__}, expected a JSON object")
     return document
+
+
+def _geometry(config: Mapping[str, Any], where: Path) -> tuple[float, int, int]:
+    """(rope theta, head dim, max positions) of the model config."""
+    try:
+        theta = float(config["rope_theta"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        max_positions = int(config["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise Refused(f"model config {where}: missing rope_theta/head_dim/max_position_embeddings") from None
+    return theta, head_dim, max_positions
 
 
 def _named_file(value: str, what: str) -> tuple[str, Path]:
@@ -150,34 +173,37 @@ def _named_file(value: str, what: str) -> tuple[str, Path]:
     return name, (REPO_ROOT / path if not os.path.isabs(path) else Path(path))
 
 
-def _logit_units(value: str) -> SealedLogitUnits:
-    if value == "raw":
-        return SealedLogitUnits("raw")
-    prefix = "tanh-softcap:"
-    if value.startswith(prefix):
-        try:
-            cap = float(value[len(prefix):])
-        except ValueError:
-            cap = math.nan
-        if math.isfinite(cap) and cap > 0:
-            return SealedLogitUnits("tanh-softcap", cap)
-    raise Refused(f"--logit-units: found {value!r}, expected raw or tanh-softcap:<positive cap>")
+def _prompt(name: str, tokens: int) -> tuple[int, str]:
+    """(token count, ``prompt_sha256``) of the first ``tokens`` tokens of the named prompt."""
+    ids = load_prompt(name)
+    if len(ids) < tokens:
+        raise Refused(f"prompt {name}: {len(ids)} tokens, expected at least {tokens}")
+    return tokens, prompt_sha256(ids[:tokens])
 
 
-def build_sealed(args: argparse.Namespace) -> SealedIdentity:
-    """The sealed identity of ``args.lane`` computed from the artifacts on disk."""
+def _basis_file(uri: str, archive_dir: Path) -> Path:
+    """The basis receipt file, resolved and verified by the archive layer."""
+    try:
+        return resolve_receipt_uri(uri, archive_dir)
+    except Refused as exc:
+        raise Refused(f"--basis: {uri} does not resolve under {archive_dir} ({one_line(str(exc))})") from None
+
+
+def build_document(args: argparse.Namespace) -> dict[str, Any]:
+    """The identity document of ``args.lane`` computed from the artifacts on disk (not yet
+    validated: :func:`freeze` runs it through the identity model)."""
     spec: LaneSpec = lane_spec(args.lane)
     model_dir = Path(args.model_dir)
-    archive_dir = Path(args.archive_dir)
-    config = _read_json(model_dir / "config.json")
+    config_path = model_dir / "config.json"
+    config = _read_config(config_path)
 
     files, total_bytes = collect_checkpoint(spec, args.checkpoint)
     if args.producer_engine and args.consumer_engine:
-        producer, consumer = SealedEngine(*args.producer_engine), SealedEngine(*args.consumer_engine)
+        producer, consumer = _engine(*args.producer_engine), _engine(*args.consumer_engine)
     else:
         built_producer, built_consumer = engine_pins(spec)
-        producer = SealedEngine(*args.producer_engine) if args.producer_engine else built_producer
-        consumer = SealedEngine(*args.consumer_engine) if args.consumer_engine else built_consumer
+        producer = _engine(*args.producer_engine) if args.producer_engine else built_producer
+        consumer = _engine(*args.consumer_engine) if args.consumer_engine else built_consumer
 
     adapter_name, adapter_path = (
         _named_file(args.adapter, "--adapter")
@@ -186,123 +212,173 @@ def build_sealed(args: argparse.Namespace) -> SealedIdentity:
     )
     if not adapter_path.is_file():
         raise Refused(f"adapter {adapter_name}: no file {adapter_path} (pass --adapter NAME=PATH)")
+    prompt_tokens, prompt_digest = _prompt(args.prompt, args.prompt_tokens)
+    theta, head_dim, max_positions = _geometry(config, config_path)
 
-    tokens = load_prompt(args.prompt)
-    if len(tokens) < args.prompt_tokens:
-        raise Refused(f"prompt {args.prompt}: {len(tokens)} tokens, expected {args.prompt_tokens}")
-    tokens = tokens[: args.prompt_tokens]
-    prompt_digest = prompt_sha256(tokens)
-
-    try:
-        theta = float(config["rope_theta"])
-        head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-        max_positions = int(config["max_position_embeddings"])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        raise Refused(f"{model_dir / 'config.json'}: missing rope_theta/head_dim/max positions") from None
-
-    draft: SealedDraft | None = None
+    draft: dict[str, Any] | None = None
     if spec.speculative_draft:
         if args.acceptance_floor is None or args.draft_proposal_tokens is None:
             raise Refused(f"lane {spec.name}: pass --acceptance-floor and --draft-proposal-tokens")
-        draft_path = REPO_ROOT / args.draft
-        if not RELPATH.fullmatch(args.draft) or not draft_path.is_file():
-            raise Refused(f"--draft {args.draft}: not a repository-relative file")
-        draft_config = _read_json(model_dir / "draft_config.json")
-        draft = SealedDraft(
-            geometry=SealedDraftGeometry(
-                kind=str(draft_config.get("kind")),
-                layers=int(draft_config.get("layers", 0)),
-                hidden_size=int(config["hidden_size"]),
-                heads=int(config["num_attention_heads"]),
-                kv_heads=int(config["num_key_value_heads"]),
-                head_dim=head_dim,
-                proposal_tokens=args.draft_proposal_tokens,
-            ),
-            acceptance_floor=float(args.acceptance_floor),
-            draft_sha256=sha256_file(draft_path),
-        )
+        draft_sha256 = repo_file_sha256(args.draft, "--draft")
+        draft_config = _read_config(model_dir / "draft_config.json")
+        draft = {
+            "geometry": {
+                "kind": draft_config.get("kind"),
+                "layers": draft_config.get("layers"),
+                "hidden_size": config.get("hidden_size"),
+                "heads": config.get("num_attention_heads"),
+                "kv_heads": config.get("num_key_value_heads"),
+                "head_dim": head_dim,
+                "proposal_tokens": args.draft_proposal_tokens,
+            },
+            "acceptance_floor": float(args.acceptance_floor),
+            "draft_sha256": draft_sha256,
+        }
     elif args.acceptance_floor is not None or args.draft_proposal_tokens is not None or args.draft:
         raise Refused(f"lane {spec.name}: declares no speculative draft; drop the draft options")
 
+    full_logits: dict[str, Any] = {"mode": spec.recipe.full_logits_mode}
     bounded = spec.recipe.full_logits_mode == "bounded-drift"
     if bounded and (args.maximum_absolute is None or args.maximum_mean_absolute is None):
         raise Refused(f"lane {spec.name}: pass --maximum-absolute and --maximum-mean-absolute")
     if not bounded and (args.maximum_absolute is not None or args.maximum_mean_absolute is not None):
         raise Refused(f"lane {spec.name}: recipe {spec.recipe.value} is exact; drop the bounds")
+    if bounded:
+        full_logits["maximum_absolute"] = float(args.maximum_absolute)
+        full_logits["maximum_mean_absolute"] = float(args.maximum_mean_absolute)
+    _basis_file(args.basis, Path(args.archive_dir))
 
-    match = RECEIPT_URI.fullmatch(args.basis)
-    if match is None:
-        raise Refused(f"--basis: found {args.basis!r}, expected receipt://<run-id>/<file>")
-    basis_path = archive_dir / match["run_id"] / match["file"]
-    if not basis_path.is_file():
-        raise Refused(f"--basis: {args.basis} does not resolve (no file {basis_path})")
-
-    return SealedIdentity(
-        lane=spec.name,
-        checkpoint=SealedCheckpoint(files=files, total_bytes=total_bytes),
-        producer_engine=producer,
-        consumer_engine=consumer,
-        adapter=SealedNamedDigest(adapter_name, sha256_file(adapter_path)),
-        tokenizer_sha256=sha256_file(model_dir / "tokenizer.json"),
-        prompt=SealedPrompt(args.prompt, int(len(tokens)), prompt_digest),
-        prompt_template=SealedNamedDigest(
-            RAW_TOKEN_TEMPLATE_NAME, canonical_sha256(RAW_TOKEN_TEMPLATE_RULE)
-        ),
-        context_policy=SealedContextPolicy(
-            handoff_positions=args.prompt_tokens - 1, max_positions=max_positions
-        ),
-        rope=SealedRope(theta, rope_cache_sha256(theta, head_dim, max_positions)),
-        logit_units=_logit_units(args.logit_units),
-        target_cache_identity_sha256=target_cache_identity(spec, files, producer.abi),
-        speculative_draft=draft,
-        qualification=SealedQualification(
-            prompt_tokens=args.prompt_tokens,
-            output_tokens=args.output_tokens,
-            repetitions=args.repetitions,
-            prompt_sha256=prompt_digest,
-            require_exact_tokens=True,
-            require_deterministic_remote_output=True,
-            maximum_absolute=None if args.maximum_absolute is None else float(args.maximum_absolute),
-            maximum_mean_absolute=(
-                None if args.maximum_mean_absolute is None else float(args.maximum_mean_absolute)
-            ),
-            basis=args.basis,
-            basis_sha256=sha256_file(basis_path),
-        ),
-    )
+    return {
+        "schema": IDENTITY_SCHEMA_ID,
+        "lane": spec.name,
+        "lane_kind": spec.kind.value,
+        "recipe": spec.recipe.value,
+        "rung": spec.recipe.rung,
+        "producer_mode": spec.mode.value,
+        "native_variant": None if spec.variant is None else spec.variant.value,
+        "onboarding_qualification": {
+            "schema": spec.recipe.onboarding_schema,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "repetitions": args.repetitions,
+            "prompt_sha256": prompt_digest,
+            "require_exact_tokens": True,
+            "require_deterministic_remote_output": True,
+            "full_logits": full_logits,
+            "basis": args.basis,
+        },
+        "target_cache_identity_sha256": target_cache_identity(spec, files, producer["abi"]),
+        "checkpoint": {"files": files, "total_bytes": total_bytes},
+        "producer_engine": producer,
+        "consumer_engine": consumer,
+        "adapter": {"name": adapter_name, "sha256": sha256_file(adapter_path)},
+        "tokenizer_sha256": sha256_file(model_dir / "tokenizer.json"),
+        "prompt": {"name": args.prompt, "tokens": prompt_tokens, "sha256": prompt_digest},
+        "prompt_template": {"name": RAW_TOKEN_TEMPLATE_NAME, "sha256": canonical_sha256(RAW_TOKEN_TEMPLATE_RULE)},
+        "context_policy": {"handoff_positions": prompt_tokens - 1, "max_positions": max_positions},
+        "rope": {"theta": theta, "cache_sha256": rope_cache_sha256(theta, head_dim, max_positions)},
+        "logit_units": parse_logit_units(args.logit_units).model_dump(mode="json"),
+        "speculative_draft": draft,
+    }
 
 
-def _python_literal(value: Any, indent: int) -> str:
-    pad = " " * indent
-    if is_dataclass(value) and not isinstance(value, type):
-        inner = ",\n".join(
-            f"{pad}    {field.name}={_python_literal(getattr(value, field.name), indent + 4)}"
-            for field in fields(value)
-        )
-        return f"{type(value).__name__}(\n{inner},\n{pad})"
-    if isinstance(value, Mapping):
-        if not value:
-            return "{}"
-        inner = ",\n".join(f"{pad}    {key!r}: {item!r}" for key, item in value.items())
-        return "{\n" + inner + f",\n{pad}}}"
-    return repr(value)
+def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str, Any]:
+    """``identity`` with every artifact digest recomputed from disk; engines, rule bounds and
+    basis URI kept. The target-cache identity is re-derived from the new checkpoint digests."""
+    spec = identity.spec
+    model_dir = Path(args.model_dir)
+    config_path = model_dir / "config.json"
+    _, head_dim, _ = _geometry(_read_config(config_path), config_path)
+    document = identity.document()
+
+    files, total_bytes = file_digests(list(identity.checkpoint.files), "checkpoint")
+    adapter_name, adapter_source = ADAPTER_SOURCES[spec.kind]
+    if identity.adapter.name != adapter_name:
+        raise Refused(f"--refreeze: adapter.name: found {identity.adapter.name!r}, the lane kind's adapter is "
+                      f"{adapter_name!r}; freeze a new identity instead")
+    if identity.prompt_template.name != RAW_TOKEN_TEMPLATE_NAME:
+        raise Refused(f"--refreeze: prompt_template.name: found {identity.prompt_template.name!r}, expected "
+                      f"{RAW_TOKEN_TEMPLATE_NAME!r}")
+    _, prompt_digest = _prompt(identity.prompt.name, identity.prompt.tokens)
+    rope = identity.rope
+    max_positions = identity.context_policy.max_positions
+
+    document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
+    document["target_cache_identity_sha256"] = target_cache_identity(spec, files, identity.producer_engine.abi)
+    document["adapter"]["sha256"] = sha256_file(REPO_ROOT / adapter_source)
+    document["tokenizer_sha256"] = sha256_file(model_dir / "tokenizer.json")
+    document["prompt"]["sha256"] = prompt_digest
+    document["onboarding_qualification"]["prompt_sha256"] = prompt_digest
+    document["prompt_template"]["sha256"] = canonical_sha256(RAW_TOKEN_TEMPLATE_RULE)
+    document["rope"]["cache_sha256"] = rope_cache_sha256(rope.theta, head_dim, max_positions)
+    if document["speculative_draft"] is not None:
+        document["speculative_draft"]["draft_sha256"] = repo_file_sha256(args.draft or DEFAULT_DRAFT, "--draft")
+    return document
 
 
-def constant_name(lane: str) -> str:
-    """``nvfp4-native-splitk`` -> ``SEALED_NVFP4_NATIVE_SPLITK``."""
-    return "SEALED_" + lane.upper().replace("-", "_")
+def seal_of(identity: Identity, archive_dir: Path) -> Seal:
+    """The identity's sealed data: its canonical digest and its verified basis receipt's digest."""
+    basis = _basis_file(identity.onboarding_qualification.basis, archive_dir)
+    return Seal(identity_sha256(identity), sha256_file(basis))
 
 
-def sealed_python_block(sealed: SealedIdentity) -> str:
-    """The Python source to paste into ``qualify/contract/sealed.py`` for this sealed identity."""
-    name = constant_name(sealed.lane)
+def _entry(lane: str, digest: str) -> str:
+    return f'    "{lane}": "{digest}",\n'
+
+
+def sealed_lines(lane: str, seal: Seal) -> str:
+    """The lane's two entries of ``qualify/contract/sealed_data.py``, as printed for review."""
     return (
-        f"# {sealed.lane}: frozen by tools/freeze_identity.py; identity_sha256 "
-        f"{sealed.identity_sha256}\n{name} = {_python_literal(sealed, 0)}\n"
+        f"# qualify/contract/sealed_data.py, SEALED_IDENTITIES:\n{_entry(lane, seal.identity_sha256)}"
+        f"# qualify/contract/sealed_data.py, SEALED_BASIS_RECEIPTS:\n{_entry(lane, seal.basis_sha256)}"
     )
 
 
-def write_new_file(path: Path, data: bytes, replace: bool) -> None:
+def sealed_data_source(seals: Mapping[str, Seal]) -> str:
+    """The whole of ``qualify/contract/sealed_data.py`` for these lanes (sorted by lane)."""
+    lanes = sorted(seals)
+    identities = "".join(_entry(lane, seals[lane].identity_sha256) for lane in lanes)
+    bases = "".join(_entry(lane, seals[lane].basis_sha256) for lane in lanes)
+    return (
+        '"""Sealed digests of the shipped onboarding identities: what each lane must present.\n'
+        "\n"
+        "Generated by ``tools/freeze_identity.py --write-sealed`` from ``contracts/*-identity-v1.json`` and\n"
+        "their basis receipts under ``receipts/``. An identity is accepted only if its canonical SHA-256\n"
+        "equals its lane's entry here, so relaxing a bound in the JSON fails onboarding: a sealed identity\n"
+        "changes only by a re-freeze, committed in front of a reviewer (seed §32.2).\n"
+        '"""\n'
+        "\n"
+        "from __future__ import annotations\n"
+        "\n"
+        "from collections.abc import Mapping\n"
+        "from types import MappingProxyType\n"
+        "\n"
+        "SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({\n"
+        f"{identities}"
+        "})\n"
+        '"""Lane -> canonical SHA-256 (``qualify.core.digests.canonical_sha256``) of its frozen identity."""\n'
+        "\n"
+        "SEALED_BASIS_RECEIPTS: Mapping[str, str] = MappingProxyType({\n"
+        f"{bases}"
+        "})\n"
+        '"""Lane -> SHA-256 of the basis receipt file (``onboarding_qualification.basis``) its rule was\n'
+        'calibrated from."""\n'
+    )
+
+
+def shipped_seals(contracts_dir: Path, archive_dir: Path) -> dict[str, Seal]:
+    """Lane -> seal of every identity file in ``contracts_dir``; a lane shipped twice is refused."""
+    seals: dict[str, Seal] = {}
+    for path in sorted(contracts_dir.glob(SHIPPED_IDENTITIES)):
+        where = f"identity {path}"
+        identity = parse_identity_document(read_strict_json(path, "identity"), where=where)
+        if identity.lane in seals:
+            raise Refused(f"{where}: lane {identity.lane} is already shipped by another identity file")
+        seals[identity.lane] = seal_of(identity, archive_dir)
+    return seals
+
+
+def write_file(path: Path, data: bytes, replace: bool) -> None:
     """Write ``data`` whole (temporary file then rename); refuse to overwrite unless asked."""
     if path.exists() and not replace:
         raise Refused(f"{path}: exists; pass --replace to overwrite it")
@@ -319,10 +395,9 @@ def write_new_file(path: Path, data: bytes, replace: bool) -> None:
         raise
 
 
-def lane_needs_draft(lane: str) -> bool:
-    """True for lanes that declare speculative-draft geometry (rung 3)."""
-    spec = LANES.get(lane)
-    return bool(spec is not None and spec.speculative_draft)
+def identity_bytes(identity: Identity) -> bytes:
+    """The committed form of an identity file: two-space indented JSON in report order, and a newline."""
+    return json.dumps(identity.document(), indent=2, ensure_ascii=False, allow_nan=False).encode("utf-8") + b"\n"
 
 
 def default_proposal_tokens() -> int | None:
@@ -338,12 +413,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="freeze_identity", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
-    parser.add_argument("--lane", required=True, help="lane identity name (qualify/contract/lanes.py)")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--lane", help="freeze a new identity of this lane (qualify/contract/lanes.py)")
+    what.add_argument("--refreeze", metavar="PATH", nargs="+",
+                      help="recompute the artifact digests of these identity files (engines, rule, basis kept)")
+    parser.add_argument("--write-sealed", action="store_true",
+                        help="then regenerate qualify/contract/sealed_data.py from contracts/*-identity-v1.json")
+    parser.add_argument("--write-schema", action="store_true",
+                        help="first regenerate contracts/onboarding-identity.v1.schema.json from the identity model")
     parser.add_argument("--producer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
                         help="default: what qualify.engines.factory.build_producer reports")
     parser.add_argument("--consumer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
                         help="default: what qualify.engines.factory.build_consumer reports")
-    parser.add_argument("--basis", required=True, help="receipt://<run-id>/<file> of the calibration")
+    parser.add_argument("--basis", help="receipt://<run-id>/<file> of the calibration (with --lane)")
     parser.add_argument("--maximum-absolute", type=float, help="rung-2 bound (max abs logit delta)")
     parser.add_argument("--maximum-mean-absolute", type=float, help="rung-2 bound (mean abs delta)")
     parser.add_argument("--acceptance-floor", type=float, help="rung-3 draft acceptance floor")
@@ -354,50 +436,80 @@ def build_parser() -> argparse.ArgumentParser:
                         help="repository-relative checkpoint file (repeatable; default: "
                         "qualify.engines.factory.checkpoint_digests of the lane kind)")
     parser.add_argument("--draft", metavar="RELPATH",
-                        help="rung-3 draft weights, repository-relative "
-                        f"(default {DEFAULT_DRAFT})")
+                        help=f"rung-3 draft weights, repository-relative (default {DEFAULT_DRAFT})")
     parser.add_argument("--prompt", default=MAIN_PROMPT, help="held-out prompt name")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--logit-units", default="raw", help="raw or tanh-softcap:<cap>")
     parser.add_argument("--model-dir", default=str(MODEL_DIR))
-    parser.add_argument("--archive-dir", default=str(DEFAULT_ARCHIVE_DIR))
+    parser.add_argument("--archive-dir", default=str(DEFAULT_ARCHIVE_DIR),
+                        help="where receipt:// URIs resolve (default receipts/ in the checkout)")
     parser.add_argument("--out", help="identity JSON to write (default contracts/<lane>-identity-v1.json)")
     parser.add_argument("--replace", action="store_true", help="overwrite an existing --out file")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Freeze one identity: 0 written, 2 refused (one line on stderr)."""
-    args = build_parser().parse_args(argv)
-    if lane_needs_draft(args.lane):
+def _freeze(args: argparse.Namespace) -> None:
+    spec = lane_spec(args.lane)
+    if args.basis is None:
+        raise Refused(f"lane {spec.name}: pass --basis receipt://<run-id>/<file> (the calibration receipt)")
+    if spec.speculative_draft:
         args.draft = args.draft or DEFAULT_DRAFT
         if args.draft_proposal_tokens is None:
             args.draft_proposal_tokens = default_proposal_tokens()
+    out = Path(args.out) if args.out else CONTRACTS_DIR / f"{spec.name}-identity-v1.json"
+    identity = parse_identity_document(build_document(args), where=f"identity {out}")
+    seal = seal_of(identity, Path(args.archive_dir))
+    write_file(out, identity_bytes(identity), args.replace)
+    print(f"# wrote {out} (identity_sha256 {seal.identity_sha256})")
+    print(sealed_lines(identity.lane, seal), end="")
+
+
+def _refreeze(path: Path, args: argparse.Namespace) -> None:
+    where = f"identity {path}"
+    old = parse_identity_document(read_strict_json(path, "identity"), where=where)
+    identity = parse_identity_document(refrozen_document(old, args), where=where)
+    seal = seal_of(identity, Path(args.archive_dir))
+    write_file(path, identity_bytes(identity), replace=True)
+    print(f"# re-froze {path}: identity_sha256 {identity_sha256(old)} -> {seal.identity_sha256}")
+    print(sealed_lines(identity.lane, seal), end="")
+
+
+def _write_sealed(args: argparse.Namespace) -> None:
+    seals = shipped_seals(CONTRACTS_DIR, Path(args.archive_dir))
+    write_file(SEALED_DATA_PATH, sealed_data_source(seals).encode("utf-8"), replace=True)
+    print(f"# wrote {SEALED_DATA_PATH} ({len(seals)} lanes: {', '.join(sorted(seals))})")
+
+
+def _write_schema() -> None:
+    write_file(IDENTITY_SCHEMA_PATH, identity_schema_text().encode("utf-8"), replace=True)
+    schema_validator.cache_clear()  # later steps in this process validate against the new file
+    print(f"# wrote {IDENTITY_SCHEMA_PATH}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Freeze, re-freeze and/or regenerate: 0 done, 2 refused (one line on stderr)."""
+    args = build_parser().parse_args(argv)
+    if not (args.lane or args.refreeze or args.write_sealed or args.write_schema):
+        print("freeze_identity: refused: expected --lane, --refreeze, --write-sealed or --write-schema",
+              file=sys.stderr)
+        return 2
     try:
-        sealed = build_sealed(args)
-        document = sealed.identity_document()
-        out = Path(args.out) if args.out else CONTRACTS_DIR / f"{sealed.lane}-identity-v1.json"
-        validate_identity_document(
-            document,
-            where=f"identity {out}",
-            sealed_identities=sealed_table(sealed),
-            archive_dir=args.archive_dir,
-        )
-        data = json.dumps(document, indent=2, ensure_ascii=False, allow_nan=False).encode("utf-8") + b"\n"
-        if json.loads(data) != document or canonical_json_bytes(json.loads(data)) != canonical_json_bytes(document):
-            raise Refused(f"{out}: the written form does not round-trip")
-        write_new_file(out, data, args.replace)
+        if args.write_schema:
+            _write_schema()
+        if args.lane:
+            _freeze(args)
+        for path in args.refreeze or ():
+            _refreeze(Path(path), args)
+        if args.write_sealed:
+            _write_sealed(args)
     except Refused as exc:
         print(f"freeze_identity: refused: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except (OSError, KeyError, TypeError, ValueError) as exc:
         print(f"freeze_identity: refused: {type(exc).__name__}: {one_line(str(exc))}", file=sys.stderr)
         return 2
-    print(f"# wrote {out} (identity_sha256 {sealed.identity_sha256})")
-    print(sealed_python_block(sealed))
-    print(f"# then: SEALED_IDENTITIES = sealed_table(..., {constant_name(sealed.lane)})")
     return 0
 
 

@@ -2,12 +2,12 @@
 
 Runs on the GPU machine (``source tools/device_env.sh`` first), from the repo root. For each lane:
 ``qualify calibrate`` (5 handoffs, basis receipt under ``receipts/``) -> if the tokens stayed exact,
-``tools/freeze_identity.py`` with the proposed bounds (identity JSON under ``contracts/``) and the
-printed sealed block written into *this copy's* ``qualify/contract/sealed.py`` -> ``qualify --recipe
+``tools/freeze_identity.py --write-sealed`` with the proposed bounds (identity JSON under
+``contracts/``, *this copy's* ``qualify/contract/sealed_data.py`` regenerated) -> ``qualify --recipe
 native-text --identity ...`` in a fresh process. A lane whose tokens diverge is not frozen: its
 calibration receipt, with localisation, is the published result. Everything it made is packed
-into ``OUT/gpu-lanes.tar`` with a ``summary.json``; the sealed.py change comes back inside it and is
-committed as a reviewed change, like any other freeze.
+into ``OUT/gpu-lanes.tar`` with a ``summary.json``; the sealed_data.py change comes back inside it
+and is committed as a reviewed change, like any other freeze.
 
     python3 tools/gpu_lanes.py --out "$OUT" [--lane transformers-cuda-bf16 ...]
 """
@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import io
 import json
-import re
 import subprocess
 import sys
 import tarfile
@@ -31,38 +30,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from qualify.contract.lanes import LANES, TRANSFORMERS_LANE_SETTINGS
 
-SEALED_PY = REPO / "qualify" / "sealed.py"
-TABLE_START = "SEALED_IDENTITIES: Mapping[str, SealedIdentity] = sealed_table(\n"
-
-
-def write_sealed_block(block: str, constant: str) -> None:
-    """Put ``block`` (``# comment`` + ``CONSTANT = SealedIdentity(...)``) into sealed.py, replacing
-    the constant's old block if there is one, and list the constant in ``SEALED_IDENTITIES``."""
-    source = SEALED_PY.read_text(encoding="utf-8")
-    old = re.search(rf"(?m)^# [^\n]*\n{constant} = SealedIdentity\(\n.*?^\)\n", source, flags=re.S)
-    if old is not None:
-        source = source[:old.start()] + block + source[old.end():]
-    else:
-        at = source.index(TABLE_START)
-        source = source[:at] + block + "\n\n" + source[at:]
-    table_at = source.index(TABLE_START) + len(TABLE_START)
-    table_end = source.index("\n)\n", table_at)
-    if f"    {constant},\n" not in source[table_at:table_end + 1]:
-        source = source[:table_end + 1] + f"    {constant},\n" + source[table_end + 1:]
-    SEALED_PY.write_text(source, encoding="utf-8")
-
-
-def printed_block(printed: str, lane: str) -> str:
-    """The ``# lane: frozen by ...`` comment and ``CONSTANT = SealedIdentity(...)`` block out of the
-    freeze tool's output (engines it builds, vLLM's among them, may log to the same stream)."""
-    import freeze_identity
-
-    constant = freeze_identity.constant_name(lane)
-    found = re.search(rf"(?m)^# {re.escape(lane)}: frozen by [^\n]*\n{constant} = SealedIdentity\(\n.*?^\)\n",
-                      printed, flags=re.S)
-    if found is None:
-        raise SystemExit(f"gpu_lanes: the freeze of {lane} printed no sealed block")
-    return found.group(0)
+SEALED_DATA = REPO / "qualify" / "contract" / "sealed_data.py"
 
 
 def calibrate_lane(lane: str, repetitions: int) -> dict:
@@ -91,18 +59,18 @@ def calibrate_lane(lane: str, repetitions: int) -> dict:
 
 
 def freeze_lane(summary: dict) -> None:
-    """Freeze the lane's identity from its calibration and write the sealed block."""
+    """Freeze the lane's identity from its calibration and regenerate the sealed data."""
     import freeze_identity
 
     argv = ["--lane", summary["lane"], "--basis", f"receipt://{summary['calibration_receipt']}/command.log",
             "--maximum-absolute", repr(summary["proposed_maximum_absolute"]),
-            "--maximum-mean-absolute", repr(summary["proposed_maximum_mean_absolute"]), "--replace"]
+            "--maximum-mean-absolute", repr(summary["proposed_maximum_mean_absolute"]), "--replace",
+            "--write-sealed"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         status = freeze_identity.main(argv)
     if status != 0:
         raise SystemExit(f"gpu_lanes: freeze of {summary['lane']} refused (status {status})")
-    write_sealed_block(printed_block(printed.getvalue(), summary["lane"]), freeze_identity.constant_name(summary["lane"]))
     summary["identity"] = f"contracts/{summary['lane']}-identity-v1.json"
 
 
@@ -146,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     (REPO / "summary.json").write_text(json.dumps(summaries, indent=1) + "\n", encoding="utf-8")
     with tarfile.open(args.out / "gpu-lanes.tar", "w") as tar:
         tar.add(REPO / "summary.json", arcname="summary.json")
-        tar.add(SEALED_PY, arcname="qualify/contract/sealed.py")
+        tar.add(SEALED_DATA, arcname="qualify/contract/sealed_data.py")
         for path in sorted(set((REPO / "receipts").iterdir()) - receipts_before):
             tar.add(path, arcname=f"receipts/{path.name}")
         for summary in summaries:

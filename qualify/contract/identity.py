@@ -1,305 +1,94 @@
-"""Load a frozen onboarding identity, fail closed, before any engine starts.
+"""The frozen onboarding identity: its one typed model, and loading it fail closed.
 
-Validation is layered (``docs/architecture.md``, DESIGN "The frozen onboarding identity"):
+The pydantic model :class:`Identity` is the only definition of an identity's shape and rules: the
+JSON Schema ``contracts/onboarding-identity.v1.schema.json`` is generated from it
+(:func:`identity_json_schema`, written by ``tools/freeze_identity.py --write-schema``) and every
+content rule (consistency with the lane table, the rule, the prompt, the derived cache identity)
+is one of its validators, so they hold for every identity, sealed or being frozen.
 
-a. bytes: a regular file of at most 1 MiB, strict UTF-8 without BOM, strict JSON (no NaN or
-   Infinity, no duplicate keys, nesting at most 32 deep, no control characters in strings);
-b. JSON Schema ``contracts/onboarding-identity.v1.schema.json`` (draft 2020-12, closed objects);
-c. frozen strict pydantic models (the typed view the code uses, :class:`Identity`);
-d. exact equality with the sealed constants of the lane (``qualify/contract/sealed.py``): every field of
-   the document, type included (``11`` is not ``11.0``), and the ``basis`` receipt, which must
-   resolve under ``receipts/`` and hash to the sealed ``basis_sha256``.
+Loading is layered (``docs/architecture.md``, DESIGN "The frozen onboarding identity"):
 
-Every refusal is one line ``identity <path>: <field>: found <value>, sealed|expected <value>``.
-The identity digest (:func:`identity_sha256`) is the canonical SHA-256
-(:func:`qualify.core.digests.canonical_sha256`) of the document as loaded; load_identity guarantees the
-typed model serialises back to exactly that document, so the digest can be taken from either.
+a. bytes: strict JSON (:func:`qualify.core.strict_json.read_strict_json`);
+b. the generated JSON Schema (draft 2020-12, closed objects);
+c. the frozen strict pydantic model, which must serialise back to exactly the document;
+d. the seal: the document's canonical SHA-256 must equal its lane's sealed digest
+   (``qualify/contract/sealed_data.py``), so a relaxed bound changes only by a re-freeze in a
+   reviewed commit.
+
+Loading checks the basis receipt URI's shape only; the archive layer resolves it, and
+:func:`check_basis_receipt` checks the resolved file against the lane's sealed basis digest.
+Every refusal is one line ``identity <path>: <field>: found <value>, expected|sealed <value>``.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import math
 import os
 import re
-import stat
-import sys
-from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, get_args
 
-import jsonschema
-from jsonschema.exceptions import ValidationError as SchemaError
-from jsonschema.exceptions import best_match
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
 
-from qualify.contract import sealed as sealed_module
+from qualify.contract import sealed_data
 from qualify.contract.lanes import (
     LANES,
+    ZERO_SHA256,
     LaneKind,
     LaneSpec,
     NativeVariant,
     ProducerMode,
     Recipe,
     check_speculative_draft,
+    target_cache_identity,
 )
-from qualify.contract.sealed import RECEIPT_URI, RELPATH, SealedIdentity, is_sealable_sha256
+from qualify.contract.units import LogitUnits
 from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
-from qualify.core.digests import canonical_json_bytes, canonical_sha256, sha256_file
+from qualify.core.digests import canonical_json_bytes, canonical_sha256, is_sha256_hex, sha256_file
 from qualify.core.errors import Refused, one_line
+from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
 
-MAX_DOCUMENT_BYTES = 1 << 20
-"""Largest identity or registry file read (1 MiB); an identity is a few kilobytes."""
-
-MAX_NESTING_DEPTH = 32
-"""Deepest array/object nesting accepted; an identity is 4 levels deep."""
+IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v1"]
+IDENTITY_SCHEMA_ID: str = get_args(IdentitySchemaId)[0]
+"""The ``schema`` string of an onboarding identity document (v1)."""
 
 IDENTITY_SCHEMA_PATH = CONTRACTS_DIR / "onboarding-identity.v1.schema.json"
+"""The committed JSON Schema, generated from :class:`Identity` (a test keeps them equal)."""
+
 DEFAULT_ARCHIVE_DIR = REPO_ROOT / "receipts"
-"""Where ``receipt://<run-id>/<file>`` resolves: ``receipts/<run-id>/<file>``."""
+"""Where a shipped identity's ``receipt://<run-id>/<file>`` basis resolves: ``receipts/<run-id>/<file>``."""
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_STRUCTURE_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
-
-
-# --- (a) strict JSON bytes ----------------------------------------------------------------------
-
-
-class _NonStandardConstant:
-    """Stands in for NaN/Infinity while parsing so the walk can name the field that held it."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+RELPATH_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$"
+RECEIPT_URI_PATTERN = r"^receipt://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)+$"
+NAME_PATTERN = r"^[\x21-\x7e]+( [\x21-\x7e]+)*$"
+LANE_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
+# The patterns are written once, in the subset both JSON Schema (ECMA-262) and Python's re read
+# alike; ``fullmatch`` keeps Python's ``$`` from accepting a trailing newline.
+RELPATH = re.compile(RELPATH_PATTERN)
+RECEIPT_URI = re.compile(RECEIPT_URI_PATTERN)
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
+def is_sealable_sha256(value: object) -> bool:
+    """True for 64 lowercase hex characters that are not the all-zero placeholder."""
+    return is_sha256_hex(value) and value != ZERO_SHA256
 
 
-def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    document: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in document:
-            raise _DuplicateKey(key)
-        document[key] = value
-    return document
+# --- the model ----------------------------------------------------------------------------------
 
 
-def format_path(parts: Sequence[str | int]) -> str:
-    """A JSON path as ``a.b["x/y"][0]``; the empty path is ``(document)``."""
-    text = ""
-    for part in parts:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        elif _IDENTIFIER.fullmatch(part):
-            text += f".{part}" if text else part
-        else:
-            text += f"[{json.dumps(part)}]"
-    return text or "(document)"
+def _rule_error(field: str, problem: str) -> PydanticCustomError:
+    """A content-rule refusal; ``field`` is the dotted path below where the validator runs."""
+    return PydanticCustomError("identity_rule", "{field}: {problem}", {"field": field, "problem": problem})
 
 
-def render(value: Any, limit: int = 96) -> str:
-    """A short one-line JSON rendering of a value for refusal messages."""
-    if isinstance(value, _NonStandardConstant):
-        return value.text
-    try:
-        text = json.dumps(value, ensure_ascii=True, sort_keys=False, allow_nan=True, default=repr)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(value)
-    text = one_line(text)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _check_nesting(text: str, where: str) -> None:
-    depth = 0
-    for match in _STRUCTURE_TOKENS.finditer(text):
-        token = match.group()
-        if token in "[{":
-            depth += 1
-            if depth > MAX_NESTING_DEPTH:
-                raise Refused(
-                    f"{where}: nesting deeper than {MAX_NESTING_DEPTH} levels at character "
-                    f"{match.start()}; expected a flat JSON document"
-                )
-        elif token in "]}":
-            depth -= 1
-
-
-def _walk_values(document: Any, where: str) -> None:
-    """Refuse NaN/Infinity, overflowing numbers, control characters and lone surrogates."""
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), document)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, _NonStandardConstant):
-            raise Refused(
-                f"{where}: {format_path(path)}: found {value.text}, expected a finite number "
-                f"(NaN and Infinity are not JSON)"
-            )
-        if isinstance(value, float) and not math.isfinite(value):
-            raise Refused(
-                f"{where}: {format_path(path)}: found a number that overflows to infinity, "
-                f"expected a finite number"
-            )
-        if isinstance(value, str):
-            _check_text(value, where, path)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                _check_text(key, where, path + (key,), is_key=True)
-                stack.append((path + (key,), item))
-        elif isinstance(value, list):
-            stack.extend((path + (index,), item) for index, item in enumerate(value))
-
-
-def _check_text(text: str, where: str, path: tuple[str | int, ...], is_key: bool = False) -> None:
-    what = "key" if is_key else "string"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise Refused(
-            f"{where}: {format_path(path)}: {what} holds a lone UTF-16 surrogate, expected text"
-        ) from None
-    control = _CONTROL.search(text)
-    if control is not None:
-        raise Refused(
-            f"{where}: {format_path(path)}: {what} holds control character "
-            f"U+{ord(control.group()):04X}, expected printable text"
-        )
-
-
-def read_strict_json(path: str | os.PathLike[str], label: str = "identity") -> Any:
-    """Parse a small JSON file strictly, refusing anything odd with one line naming the file.
-
-    ``label`` starts every refusal (``identity <path>: ...``, ``registry <path>: ...``).
-    """
-    where = f"{label} {os.fspath(path)}"
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise Refused(f"{where}: no such file") from None
-    except OSError as exc:
-        raise Refused(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise Refused(f"{where}: is a directory, expected a JSON file")
-    if not stat.S_ISREG(info.st_mode):
-        raise Refused(f"{where}: not a regular file, expected a JSON file")
-    if info.st_size > MAX_DOCUMENT_BYTES:
-        raise Refused(
-            f"{where}: file is {info.st_size} bytes, expected at most {MAX_DOCUMENT_BYTES} (1 MiB)"
-        )
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_DOCUMENT_BYTES + 1)
-    except OSError as exc:
-        raise Refused(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise Refused(f"{where}: file grew past {MAX_DOCUMENT_BYTES} bytes while reading")
-    try:
-        text = data.decode("utf-8", errors="strict")
-    except UnicodeDecodeError as exc:
-        raise Refused(
-            f"{where}: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-            f"expected a UTF-8 JSON document"
-        ) from None
-    if text.startswith("\ufeff"):
-        raise Refused(f"{where}: starts with a byte-order mark; expected UTF-8 JSON without BOM")
-    _check_nesting(text, where)
-    try:
-        document = json.loads(
-            text, object_pairs_hook=_refuse_duplicates, parse_constant=_NonStandardConstant
-        )
-    except _DuplicateKey as exc:
-        raise Refused(f"{where}: duplicate key {exc.key!r}; each key may appear once") from None
-    except json.JSONDecodeError as exc:
-        raise Refused(
-            f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
-    except RecursionError:
-        raise Refused(f"{where}: nesting too deep; expected a flat JSON document") from None
-    except ValueError as exc:
-        raise Refused(f"{where}: not JSON ({one_line(str(exc))[:120]})") from None
-    _walk_values(document, where)
-    return document
-
-
-# --- (b) JSON Schema ----------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=8)
-def schema_validator(schema_path: Path) -> jsonschema.Draft202012Validator:
-    """The draft 2020-12 validator for a contract schema file (checked once, cached)."""
-    try:
-        schema = json.loads(Path(schema_path).read_text(encoding="utf-8"))
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except (OSError, ValueError, jsonschema.SchemaError) as exc:
-        raise Refused(f"contract schema {schema_path}: unusable ({type(exc).__name__})") from None
-    return jsonschema.Draft202012Validator(schema)
-
-
-def describe_schema_error(error: SchemaError) -> str:
-    """One line naming the JSON path, what was found and what the schema expects."""
-    path = list(error.absolute_path)
-    keyword = error.validator
-    instance = error.instance
-    expected = error.schema.get("description") if isinstance(error.schema, dict) else None
-    if keyword == "required" and isinstance(instance, dict):
-        missing = [key for key in error.validator_value if key not in instance]
-        return f"{format_path(path + missing[:1])}: missing, expected this field"
-    if keyword == "additionalProperties" and isinstance(instance, dict):
-        known = error.schema.get("properties", {})
-        extra = [key for key in instance if key not in known]
-        if extra:
-            return (
-                f"{format_path(path + extra[:1])}: found unexpected field, expected only "
-                f"{', '.join(known) or 'declared fields'}"
-            )
-    if keyword == "propertyNames":
-        return f"{format_path(path)}: key {render(instance)}: expected {expected or 'a valid key'}"
-    if keyword == "type":
-        return f"{format_path(path)}: found {render(instance)}, expected type {error.validator_value}"
-    if keyword == "const":
-        return f"{format_path(path)}: found {render(instance)}, expected {render(error.validator_value)}"
-    if keyword == "enum":
-        choices = ", ".join(render(choice) for choice in error.validator_value)
-        return f"{format_path(path)}: found {render(instance)}, expected one of {choices}"
-    if keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
-        relation = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
-        return (
-            f"{format_path(path)}: found {render(instance)}, expected a number "
-            f"{relation[keyword]} {error.validator_value}"
-        )
-    if keyword == "not" and expected:
-        return f"{format_path(path)}: found the placeholder {render(instance)}, expected {expected}"
-    if expected and keyword in ("pattern", "minLength", "maxLength", "not"):
-        return f"{format_path(path)}: found {render(instance)}, expected {expected}"
-    return f"{format_path(path)}: {one_line(error.message)[:200]}"
-
-
-def check_schema(document: Any, schema_path: Path, where: str) -> None:
-    """Refuse a document that breaks its contract schema, reporting the best-matching error."""
-    error = best_match(schema_validator(schema_path).iter_errors(document))
-    if error is not None:
-        raise Refused(f"{where}: {describe_schema_error(error)}")
-
-
-# --- (c) frozen strict pydantic models ----------------------------------------------------------
-
-
-def _sha256(value: str) -> str:
-    if not is_sealable_sha256(value):
-        raise ValueError("expected a non-zero 64-character lowercase hex SHA-256")
-    return value
-
-
-def _relpath(value: str) -> str:
-    if not RELPATH.fullmatch(value):
-        raise ValueError("expected a relative path without '.' or '..' segments")
+def _not_placeholder(value: str) -> str:
+    if value == ZERO_SHA256:
+        raise _rule_error("", f"found the placeholder {render(value)}, expected a real SHA-256")
     return value
 
 
@@ -307,14 +96,63 @@ def _freeze_files(files: Mapping[str, str]) -> Mapping[str, str]:
     return MappingProxyType(dict(files))
 
 
-Sha256 = Annotated[str, AfterValidator(_sha256)]
-RelPath = Annotated[str, AfterValidator(_relpath)]
-Name = Annotated[str, Field(min_length=1, max_length=200)]
+def _known_lane(name: str) -> str:
+    if name not in LANES:
+        raise _rule_error("", f"found {render(name)}, expected one of {', '.join(LANES)}")
+    return name
+
+
+Sha256 = Annotated[
+    str,
+    Field(
+        pattern=SHA256_PATTERN,
+        description="a SHA-256: 64 lowercase hex characters, not the all-zero placeholder",
+        json_schema_extra={"not": {"const": ZERO_SHA256}},
+    ),
+    AfterValidator(_not_placeholder),
+]
+RelPath = Annotated[
+    str,
+    Field(
+        pattern=RELPATH_PATTERN,
+        min_length=1,
+        max_length=255,
+        description="a repository-relative path such as model/config.json, without '.' or '..' segments",
+    ),
+]
+ReceiptUri = Annotated[
+    str,
+    Field(
+        pattern=RECEIPT_URI_PATTERN,
+        min_length=1,
+        max_length=512,
+        description="receipt://<run-id>/<file> (resolved under receipts/)",
+    ),
+]
+Name = Annotated[
+    str,
+    Field(
+        pattern=NAME_PATTERN,
+        min_length=1,
+        max_length=200,
+        description="a printable ASCII name (single spaces allowed), at most 200 characters",
+    ),
+]
+LaneName = Annotated[
+    str,
+    Field(
+        pattern=LANE_NAME_PATTERN,
+        min_length=1,
+        max_length=64,
+        description="a lane identity name such as nvfp4-native-splitk",
+    ),
+    AfterValidator(_known_lane),
+]
 PositiveInt = Annotated[int, Field(ge=1)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 FileDigests = Annotated[
     Mapping[RelPath, Sha256],
-    Field(min_length=1),
+    Field(min_length=1, max_length=1024),
     AfterValidator(_freeze_files),
     PlainSerializer(dict, return_type=dict),
 ]
@@ -369,22 +207,6 @@ class Rope(_Frozen):
     cache_sha256: Sha256
 
 
-class RawLogitUnits(_Frozen):
-    """Bounds are in raw logits."""
-
-    transform: Literal["raw"]
-
-
-class SoftcapLogitUnits(_Frozen):
-    """Bounds are in ``cap * tanh(logit / cap)`` units, applied by both engines (seed §32.6)."""
-
-    transform: Literal["tanh-softcap"]
-    cap: PositiveFloat
-
-
-LogitUnits = Annotated[RawLogitUnits | SoftcapLogitUnits, Field(discriminator="transform")]
-
-
 class DraftGeometry(_Frozen):
     """Speculative draft head geometry (EAGLE-1) and tokens proposed per step."""
 
@@ -398,7 +220,7 @@ class DraftGeometry(_Frozen):
 
 
 class SpeculativeDraft(_Frozen):
-    """A rung-3 draft: geometry, sealed acceptance floor, draft weights digest."""
+    """A rung-3 draft: geometry, acceptance floor, draft weights digest."""
 
     geometry: DraftGeometry
     acceptance_floor: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
@@ -425,27 +247,37 @@ FullLogitsRule = Annotated[BoundedDriftLogits | ExactLogits, Field(discriminator
 class OnboardingQualification(_Frozen):
     """The qualification rule, written before the run (seed §32.2)."""
 
-    schema_id: str = Field(alias="schema")
+    schema_id: str = Field(
+        alias="schema",
+        description="the recipe's onboarding schema",
+        json_schema_extra={"enum": [recipe.onboarding_schema for recipe in Recipe]},
+    )
     prompt_tokens: PositiveInt
     output_tokens: PositiveInt
     repetitions: PositiveInt
     prompt_sha256: Sha256
-    require_exact_tokens: bool
-    require_deterministic_remote_output: bool
+    # The harness judges nothing weaker: both flags are part of every rule.
+    require_exact_tokens: Literal[True]
+    require_deterministic_remote_output: Literal[True]
     full_logits: FullLogitsRule
-    basis: Annotated[str, Field(min_length=1, max_length=512)]
+    basis: ReceiptUri
 
 
 class Identity(_Frozen):
-    """The typed, immutable view of a validated onboarding identity document."""
+    """The frozen onboarding identity of one producer lane: everything its numbers depend on,
+    pinned by SHA-256, plus the qualification rule."""
 
-    schema_id: str = Field(alias="schema")
-    lane: Name
+    model_config = ConfigDict(title="trust-ladder onboarding identity v1")
+
+    schema_id: IdentitySchemaId = Field(alias="schema")
+    lane: LaneName
     lane_kind: LaneKind
     recipe: Recipe
     rung: Literal[2, 3]
     producer_mode: ProducerMode
     native_variant: NativeVariant | None
+    onboarding_qualification: OnboardingQualification
+    target_cache_identity_sha256: Sha256
     checkpoint: Checkpoint
     producer_engine: EngineRef
     consumer_engine: EngineRef
@@ -456,9 +288,9 @@ class Identity(_Frozen):
     context_policy: ContextPolicy
     rope: Rope
     logit_units: LogitUnits
-    target_cache_identity_sha256: Sha256
-    speculative_draft: SpeculativeDraft | None
-    onboarding_qualification: OnboardingQualification
+    speculative_draft: SpeculativeDraft | None = Field(
+        description="null, or the rung-3 draft (never on a native-mode lane)"
+    )
 
     @property
     def spec(self) -> LaneSpec:
@@ -469,6 +301,132 @@ class Identity(_Frozen):
         """The JSON document (plain dicts) this identity was loaded from."""
         return self.model_dump(mode="json", by_alias=True)
 
+    @model_validator(mode="after")
+    def _follows_its_lane(self) -> Identity:
+        """The lane table fixes kind, recipe, rung, mode, variant and whether a draft is declared."""
+        spec = self.spec
+        for field, found, expected in (
+            ("lane_kind", self.lane_kind, spec.kind),
+            ("recipe", self.recipe, spec.recipe),
+            ("rung", self.rung, spec.recipe.rung),
+            ("producer_mode", self.producer_mode, spec.mode),
+            ("native_variant", self.native_variant, spec.variant),
+        ):
+            if found != expected:
+                raise _rule_error(field, f"found {_plain(found)}, lane {spec.name} is {_plain(expected)}")
+        try:
+            check_speculative_draft(spec.name, spec.mode, self.speculative_draft is not None)
+        except Refused as exc:
+            raise _rule_error("", one_line(str(exc))) from None
+        if spec.speculative_draft and self.speculative_draft is None:
+            raise _rule_error("speculative_draft", f"found null, expected a draft (lane {spec.name} declares one)")
+        if not spec.speculative_draft and self.speculative_draft is not None:
+            raise _rule_error("speculative_draft", f"found a draft, expected null (lane {spec.name} declares none)")
+        return self
+
+    @model_validator(mode="after")
+    def _rule_is_consistent(self) -> Identity:
+        """The rule matches the recipe, the prompt it names and the context it runs in."""
+        rule = self.onboarding_qualification
+        recipe = self.recipe
+        if rule.schema_id != recipe.onboarding_schema:
+            raise _rule_error("onboarding_qualification.schema",
+                              f"found {render(rule.schema_id)}, recipe {recipe.value} uses "
+                              f"{render(recipe.onboarding_schema)}")
+        if rule.full_logits.mode != recipe.full_logits_mode:
+            raise _rule_error("onboarding_qualification.full_logits.mode",
+                              f"found {render(rule.full_logits.mode)}, recipe {recipe.value} judges "
+                              f"{render(recipe.full_logits_mode)}")
+        bounds = rule.full_logits
+        if isinstance(bounds, BoundedDriftLogits) and bounds.maximum_mean_absolute > bounds.maximum_absolute:
+            raise _rule_error("onboarding_qualification.full_logits.maximum_mean_absolute",
+                              f"found {bounds.maximum_mean_absolute!r}, expected at most maximum_absolute "
+                              f"({bounds.maximum_absolute!r})")
+        if self.prompt.sha256 != rule.prompt_sha256:
+            raise _rule_error("prompt.sha256", f"found {render(self.prompt.sha256)}, expected "
+                                               f"onboarding_qualification.prompt_sha256 {render(rule.prompt_sha256)}")
+        if self.prompt.tokens != rule.prompt_tokens:
+            raise _rule_error("prompt.tokens", f"found {self.prompt.tokens}, expected "
+                                               f"onboarding_qualification.prompt_tokens {rule.prompt_tokens}")
+        context = self.context_policy
+        if context.handoff_positions >= rule.prompt_tokens:
+            raise _rule_error("context_policy.handoff_positions",
+                              f"found {context.handoff_positions}, expected fewer than prompt_tokens "
+                              f"{rule.prompt_tokens} (the consumer feeds at least one)")
+        if context.max_positions < rule.prompt_tokens + rule.output_tokens:
+            raise _rule_error("context_policy.max_positions",
+                              f"found {context.max_positions}, expected at least prompt_tokens + output_tokens "
+                              f"= {rule.prompt_tokens + rule.output_tokens}")
+        return self
+
+    @model_validator(mode="after")
+    def _cache_identity_is_derived(self) -> Identity:
+        """The target-cache identity is derived from lane, checkpoint and producer ABI, never stated."""
+        derived = target_cache_identity(self.spec, self.checkpoint.files, self.producer_engine.abi)
+        if self.target_cache_identity_sha256 != derived:
+            raise _rule_error("target_cache_identity_sha256",
+                              f"found {render(self.target_cache_identity_sha256)}, expected {derived} (derived "
+                              f"from lane kind, mode, variant, checkpoint and producer abi)")
+        return self
+
+
+def _plain(value: object) -> str:
+    """An enum member as its JSON value, for refusal messages."""
+    return render(getattr(value, "value", value))
+
+
+# --- the generated JSON Schema ------------------------------------------------------------------
+
+
+class _ContractSchema(GenerateJsonSchema):
+    """Pydantic's generator with two changes for a contract schema: no per-field titles (the
+    names are the documentation), and a string-keyed map closed by ``propertyNames`` (pydantic
+    writes a key pattern as ``patternProperties``, which leaves non-matching keys unchecked)."""
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+    def dict_schema(self, schema: core_schema.DictSchema) -> JsonSchemaValue:
+        json_schema = super().dict_schema(schema)
+        patterns = json_schema.pop("patternProperties", None)
+        if patterns is not None:
+            ((key_pattern, value_schema),) = patterns.items()
+            json_schema["propertyNames"] = {"pattern": key_pattern, **json_schema.get("propertyNames", {})}
+            json_schema["additionalProperties"] = value_schema
+        return json_schema
+
+
+def identity_json_schema() -> dict[str, Any]:
+    """The JSON Schema of an identity document, generated from :class:`Identity` (draft 2020-12)."""
+    generated = Identity.model_json_schema(by_alias=True, schema_generator=_ContractSchema)
+    head = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://trust-ladder.invalid/contracts/onboarding-identity.v1.schema.json",
+        "title": generated.pop("title"),
+        "description": generated.pop("description"),
+    }
+    return {**head, **generated}
+
+
+def identity_schema_text() -> str:
+    """The committed form of :func:`identity_json_schema`: two-space indented JSON and a newline."""
+    return json.dumps(identity_json_schema(), indent=2, ensure_ascii=False) + "\n"
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def _describe_pydantic_error(exc: ValidationError) -> str:
+    error = exc.errors(include_url=False)[0]
+    location = [part for part in error["loc"] if isinstance(part, (str, int))]
+    context = error.get("ctx") or {}
+    if error["type"] == "identity_rule":
+        field = str(context.get("field", ""))
+        problem = str(context.get("problem", ""))
+        path = location + (field.split(".") if field else [])
+        return f"{format_path(path)}: {problem}" if path else problem
+    return f"{format_path(location)}: {one_line(error['msg'])}, found {render(error.get('input'))}"
+
 
 def identity_sha256(identity: Identity) -> str:
     """Canonical SHA-256 of the identity document as loaded: part of the lane identity,
@@ -478,222 +436,114 @@ def identity_sha256(identity: Identity) -> str:
     return canonical_sha256(identity.document())
 
 
-def _describe_pydantic_error(exc: ValidationError) -> str:
-    error = exc.errors(include_url=False)[0]
-    location = format_path([part for part in error["loc"] if isinstance(part, (str, int))])
-    return f"{location}: {one_line(error['msg'])}, found {render(error.get('input'))}"
-
-
-# --- (d) sealed constants -----------------------------------------------------------------------
-
-
-def _sealed_mismatch(found: Any, sealed: Any, path: tuple[str | int, ...]) -> str | None:
-    """The first field where ``found`` differs from ``sealed`` (type-exact), as one line."""
-    if isinstance(sealed, dict):
-        if not isinstance(found, dict):
-            return f"{format_path(path)}: found {render(found)}, sealed {render(sealed)}"
-        for key, sealed_value in sealed.items():
-            if key not in found:
-                return f"{format_path(path + (key,))}: missing, sealed {render(sealed_value)}"
-            mismatch = _sealed_mismatch(found[key], sealed_value, path + (key,))
-            if mismatch is not None:
-                return mismatch
-        for key in found:
-            if key not in sealed:
-                return f"{format_path(path + (key,))}: found {render(found[key])}, sealed no such field"
-        return None
-    if type(found) is not type(sealed) or found != sealed:
-        return f"{format_path(path)}: found {render(found)}, sealed {render(sealed)}"
-    return None
-
-
-def _receipt_resolver(context: str) -> Callable[[str, Path], Any] | None:
-    """``qualify.archive.receipts.resolve_receipt_uri`` if that module exists; a broken one refuses."""
-    name = "qualify.archive.receipts"
-    try:
-        present = name in sys.modules or importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        present = True
-    if not present:
-        return None
-    try:
-        resolver: object = importlib.import_module(name).resolve_receipt_uri
-    except Exception as exc:  # a broken verifier must not be skipped: fail closed
-        raise Refused(
-            f"{context}: {name} is unusable ({type(exc).__name__}: {one_line(str(exc))[:120]})"
-        ) from None
-    if not callable(resolver):
-        raise Refused(f"{context}: {name}.resolve_receipt_uri is not callable")
-    return cast(Callable[[str, Path], Any], resolver)
-
-
-def resolve_basis(uri: str, archive_dir: Path, sealed_sha256: str, where: str) -> Path:
-    """Resolve ``receipt://<run-id>/<file>`` to an archived file whose SHA-256 is sealed.
-
-    Uses ``qualify.archive.receipts.resolve_receipt_uri`` (which verifies the receipt manifest) when
-    that module exists; the sealed file digest is checked either way.
-    """
-    field = "onboarding_qualification.basis"
-    match = RECEIPT_URI.fullmatch(uri) if isinstance(uri, str) else None
-    if match is None:
-        raise Refused(f"{where}: {field}: found {render(uri)}, expected receipt://<run-id>/<file>")
-    archive = Path(archive_dir)
-    resolver = _receipt_resolver(f"{where}: {field}: cannot verify {uri}")
-    if resolver is not None:
-        try:
-            resolved = Path(resolver(uri, archive))
-        except Refused as exc:
-            raise Refused(f"{where}: {field}: {one_line(str(exc))}") from None
-        except Exception as exc:
-            raise Refused(
-                f"{where}: {field}: cannot verify {uri} ({type(exc).__name__}: "
-                f"{one_line(str(exc))[:120]})"
-            ) from None
-    else:
-        resolved = archive / match["run_id"] / match["file"]
-    try:
-        real = resolved.resolve(strict=True)
-        inside = real.is_relative_to(archive.resolve(strict=True))
-        regular = real.is_file()
-    except (OSError, RuntimeError):
-        raise Refused(
-            f"{where}: {field}: {uri} does not resolve (no file {resolved}); "
-            f"expected an archived receipt"
-        ) from None
-    if not inside or not regular:
-        raise Refused(f"{where}: {field}: {uri} resolves outside the receipt archive or not to a file")
-    try:
-        digest = sha256_file(real)
-    except OSError as exc:
-        raise Refused(f"{where}: {field}: cannot read {real} ({exc.strerror})") from None
-    if digest != sealed_sha256:
-        raise Refused(f"{where}: {field}: {uri}: sha256 found {digest}, sealed {sealed_sha256}")
-    return real
-
-
-def check_against_sealed(
-    identity: Identity,
-    document: Mapping[str, Any],
-    sealed_identities: Mapping[str, SealedIdentity],
-    archive_dir: Path,
-    where: str,
-) -> SealedIdentity:
-    """Layer (d): the lane's sealed constants, field by field, then the basis receipt."""
-    sealed = sealed_identities.get(identity.lane)
-    if sealed is None:
-        known = ", ".join(sealed_identities) or "none yet"
-        raise Refused(f"{where}: lane: found {render(identity.lane)}, sealed lanes: {known}")
-    try:
-        check_speculative_draft(
-            identity.lane, identity.producer_mode, identity.speculative_draft is not None
-        )
-    except Refused as exc:
-        raise Refused(f"{where}: {exc}") from None
-    rule = identity.onboarding_qualification.full_logits
-    if isinstance(rule, BoundedDriftLogits):
-        for bound in ("maximum_absolute", "maximum_mean_absolute"):
-            value = getattr(rule, bound)
-            if not math.isfinite(value) or value <= 0.0:
-                raise Refused(
-                    f"{where}: onboarding_qualification.full_logits.{bound}: found {value!r}, "
-                    f"expected a finite positive number"
-                )
-    mismatch = _sealed_mismatch(dict(document), sealed.identity_document(), ())
-    if mismatch is not None:
-        raise Refused(f"{where}: {mismatch}")
-    resolve_basis(
-        identity.onboarding_qualification.basis,
-        archive_dir,
-        sealed.qualification.basis_sha256,
-        where,
-    )
-    return sealed
-
-
-# --- public entry points ------------------------------------------------------------------------
-
-
-def validate_identity_document(
-    document: Any,
-    *,
-    where: str,
-    sealed_identities: Mapping[str, SealedIdentity] | None = None,
-    archive_dir: str | os.PathLike[str] | None = None,
-) -> Identity:
-    """Layers (b)-(d) on an already parsed document; ``where`` starts every refusal."""
-    table = sealed_module.SEALED_IDENTITIES if sealed_identities is None else sealed_identities
-    archive = Path(DEFAULT_ARCHIVE_DIR if archive_dir is None else archive_dir)
-    _walk_values(document, where)
+def parse_identity_document(document: object, *, where: str) -> Identity:
+    """Layers (b) and (c) on a parsed document: schema, then the strict model, which must
+    serialise back to exactly the document (so its digest is the document's). Not sealed."""
+    check_json_values(document, where)
     check_schema(document, IDENTITY_SCHEMA_PATH, where)
     try:
         identity = Identity.model_validate_json(json.dumps(document, allow_nan=False), strict=True)
     except ValidationError as exc:
         raise Refused(f"{where}: {_describe_pydantic_error(exc)}") from None
-    check_against_sealed(identity, document, table, archive, where)
-    if canonical_json_bytes(identity.document()) != canonical_json_bytes(document):
-        raise Refused(f"{where}: the typed model does not round-trip the document exactly")
+    typed = identity.document()
+    if canonical_json_bytes(typed) != canonical_json_bytes(document):
+        difference = _first_difference(document, typed, ()) or "(document): differs from its typed form"
+        raise Refused(f"{where}: {difference}")
+    return identity
+
+
+def _first_difference(found: object, typed: object, path: tuple[str | int, ...]) -> str | None:
+    """The first place a document differs from its typed form, type-exact (``11`` is not ``11.0``)."""
+    if isinstance(found, dict) and isinstance(typed, dict):
+        for key in [*typed, *(key for key in found if key not in typed)]:
+            mismatch = _first_difference(found.get(key), typed.get(key), path + (key,))
+            if mismatch is not None:
+                return mismatch
+        return None
+    if type(found) is not type(typed) or found != typed:
+        return f"{format_path(path)}: found {render(found)}, expected {render(typed)} (its typed form)"
+    return None
+
+
+def check_sealed(identity: Identity, where: str, sealed_identities: Mapping[str, str] | None = None) -> None:
+    """Layer (d): the identity's canonical SHA-256 must equal the sealed digest of its lane."""
+    table = sealed_data.SEALED_IDENTITIES if sealed_identities is None else sealed_identities
+    sealed = table.get(identity.lane)
+    if sealed is None:
+        known = ", ".join(table) or "none yet"
+        raise Refused(f"{where}: lane: found {render(identity.lane)}, sealed lanes: {known}")
+    found = identity_sha256(identity)
+    if found != sealed:
+        raise Refused(
+            f"{where}: lane {identity.lane}: identity sha256 found {found}, sealed {sealed}; a sealed identity "
+            f"changes only by re-freezing it with tools/freeze_identity.py in a reviewed commit"
+        )
+
+
+def validate_identity_document(
+    document: object, *, where: str, sealed_identities: Mapping[str, str] | None = None
+) -> Identity:
+    """Layers (b)-(d) on an already parsed document; ``where`` starts every refusal."""
+    identity = parse_identity_document(document, where=where)
+    check_sealed(identity, where, sealed_identities)
     return identity
 
 
 def load_identity(
-    path: str | os.PathLike[str],
-    *,
-    sealed_identities: Mapping[str, SealedIdentity] | None = None,
-    archive_dir: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str], *, sealed_identities: Mapping[str, str] | None = None
 ) -> Identity:
     """Read and validate an identity file (layers a-d); any refusal is one-line ``Refused``.
 
-    ``sealed_identities`` defaults to the shipped ``qualify.contract.sealed.SEALED_IDENTITIES`` and
-    ``archive_dir`` to ``receipts/`` in the checkout.
+    ``sealed_identities`` (lane -> sealed digest) defaults to
+    ``qualify.contract.sealed_data.SEALED_IDENTITIES``.
     """
     where = f"identity {os.fspath(path)}"
     document = read_strict_json(path, "identity")
-    return validate_identity_document(
-        document, where=where, sealed_identities=sealed_identities, archive_dir=archive_dir
-    )
+    return validate_identity_document(document, where=where, sealed_identities=sealed_identities)
 
 
-def logit_units_label(units: RawLogitUnits | SoftcapLogitUnits) -> str:
-    """The engine-side spelling of logit units: ``raw`` or ``tanh-softcap:<cap>``."""
-    if isinstance(units, SoftcapLogitUnits):
-        return f"tanh-softcap:{units.cap!r}"
-    return "raw"
+ReceiptResolver = Callable[[str, Path], Path]
+"""``(receipt_uri, archive_dir) -> file``: the archive layer's ``resolve_receipt_uri``, which verifies
+the receipt's manifest (passed in: the contract layer never imports the archive)."""
 
 
-def _parse_engine_units(engine_units: str) -> tuple[str, float | None] | None:
-    if engine_units == "raw":
-        return ("raw", None)
-    prefix = "tanh-softcap:"
-    if engine_units.startswith(prefix):
-        try:
-            cap = float(engine_units[len(prefix):])
-        except ValueError:
-            return None
-        if math.isfinite(cap) and cap > 0:
-            return ("tanh-softcap", cap)
-    return None
-
-
-def check_engine_units(identity: Identity, engine_units: str) -> None:
-    """Refuse an engine whose logits are not in the identity's contract units (seed §32.6).
-
-    Both sides are compared in those units; a bound in other units would be meaningless.
-    """
-    expected = logit_units_label(identity.logit_units)
-    parsed = _parse_engine_units(engine_units) if isinstance(engine_units, str) else None
-    wanted: tuple[str, float | None] = (
-        ("tanh-softcap", identity.logit_units.cap)
-        if isinstance(identity.logit_units, SoftcapLogitUnits)
-        else ("raw", None)
-    )
-    if parsed != wanted:
-        raise Refused(
-            f"logit units: engine reports {render(engine_units)}, identity {identity.lane} "
-            f"compares in {expected!r}; both sides must be compared in the contract's units"
-        )
+def check_basis_receipt(
+    identity: Identity,
+    resolve: ReceiptResolver,
+    *,
+    where: str,
+    archive_dir: str | os.PathLike[str] | None = None,
+    sealed_basis_receipts: Mapping[str, str] | None = None,
+) -> Path:
+    """Resolve the identity's basis receipt (``onboarding_qualification.basis``) with ``resolve``
+    under ``archive_dir`` (default :data:`DEFAULT_ARCHIVE_DIR`) and check the file hashes to its
+    lane's sealed basis digest; returns the file's path."""
+    field = "onboarding_qualification.basis"
+    uri = identity.onboarding_qualification.basis
+    table = sealed_data.SEALED_BASIS_RECEIPTS if sealed_basis_receipts is None else sealed_basis_receipts
+    sealed = table.get(identity.lane)
+    if sealed is None:
+        raise Refused(f"{where}: {field}: lane {identity.lane} has no sealed basis receipt digest")
+    archive = Path(DEFAULT_ARCHIVE_DIR if archive_dir is None else archive_dir)
+    try:
+        path = Path(resolve(uri, archive))
+        found = sha256_file(path)
+    except Refused as exc:
+        raise Refused(f"{where}: {field}: {one_line(str(exc))}") from None
+    except OSError as exc:
+        raise Refused(f"{where}: {field}: {uri}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    if found != sealed:
+        raise Refused(f"{where}: {field}: {uri}: sha256 found {found}, sealed {sealed} (lane {identity.lane})")
+    return path
 
 
 __all__ = [
+    "DEFAULT_ARCHIVE_DIR",
+    "IDENTITY_SCHEMA_ID",
+    "IDENTITY_SCHEMA_PATH",
+    "RECEIPT_URI",
+    "RELPATH",
+    "ReceiptResolver",
     "BoundedDriftLogits",
     "Checkpoint",
     "ContextPolicy",
@@ -704,14 +554,15 @@ __all__ = [
     "NamedDigest",
     "OnboardingQualification",
     "PromptRef",
-    "RawLogitUnits",
     "Rope",
-    "SoftcapLogitUnits",
     "SpeculativeDraft",
-    "check_engine_units",
+    "check_basis_receipt",
+    "check_sealed",
+    "identity_json_schema",
+    "identity_schema_text",
     "identity_sha256",
+    "is_sealable_sha256",
     "load_identity",
-    "logit_units_label",
-    "read_strict_json",
+    "parse_identity_document",
     "validate_identity_document",
 ]

@@ -46,6 +46,7 @@ class LaneKind(str, Enum):
     KQUANT = "kquant"
     VLLM = "vllm"
     TRANSFORMERS = "transformers"
+    TORCH_LLAMA = "torch-llama"
 
 
 class Recipe(str, Enum):
@@ -114,6 +115,8 @@ def recipe_for(kind: LaneKind) -> Recipe:
             return Recipe.NATIVE_TEXT
         case LaneKind.TRANSFORMERS:
             return Recipe.NATIVE_TEXT
+        case LaneKind.TORCH_LLAMA:
+            return Recipe.NATIVE_TEXT
         case _:
             assert_never(kind)
 
@@ -149,6 +152,12 @@ class LaneSpec:
         """(producer, consumer) engine: ``vllm`` on a side a vLLM lane runs vLLM, else the
         embedded ``reference`` (a ``transformers`` lane's producer is built by its own kind)."""
         return VLLM_LANE_ENGINES.get(self.name, (EngineChoice.REFERENCE, EngineChoice.REFERENCE))
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype the lane's KV crosses in: the ``torch-llama`` lanes' bfloat16 model keeps its
+        cache in bfloat16 (half the bytes to hash and move); every other lane hands off float32."""
+        return "bfloat16" if self.kind is LaneKind.TORCH_LLAMA else "float32"
 
     def handed_off_positions(self, handoff_positions: int) -> int:
         """How many of ``handoff_positions`` the producer hands off: whole blocks on a lane with
@@ -241,6 +250,17 @@ GPU (:mod:`qualify.engines.transformers_engine`); the consumer is always the flo
 reference engine on the CPU, so each lane is ``native`` (bounded drift, rung 2). The engine ABI
 names device, GPU, dtype and TF32, so each lane's cache identity differs."""
 
+LLAMA3_8B_SHAPE_LANE = "llama3-8b-shape-pd"
+
+TORCH_LLAMA_MODELS: Mapping[str, str] = MappingProxyType({
+    LLAMA3_8B_SHAPE_LANE: "model/llama3-8b-shape/config.json",
+})
+"""The model each ``torch-llama`` lane runs: a repo-relative JSON file naming a Llama shape, dtype,
+device and weight seed (weights are drawn from the seed on the device; the file is what the
+identity pins). Producer and consumer are the compact CUDA-graph engine
+(:mod:`qualify.engines.torch_llama`) in one process, the producer without CUDA graphs: a
+prefill/decode split of one engine, at Llama-3 8B's shape on one GPU."""
+
 _LANE_LIST: tuple[LaneSpec, ...] = (
     LaneSpec(
         "nvfp4-native-splitk", LaneKind.NVFP4, Recipe.NATIVE_TEXT, ProducerMode.NATIVE,
@@ -287,6 +307,9 @@ _LANE_LIST: tuple[LaneSpec, ...] = (
                  speculative_draft=False)
         for name in TRANSFORMERS_LANE_SETTINGS
     ),
+    # Qualification at scale on one GPU (random weights: measured, never served).
+    LaneSpec(LLAMA3_8B_SHAPE_LANE, LaneKind.TORCH_LLAMA, Recipe.NATIVE_TEXT, ProducerMode.NATIVE, None,
+             speculative_draft=False, enrollable=False),
 )
 
 LANES: Mapping[str, LaneSpec] = MappingProxyType({spec.name: spec for spec in _LANE_LIST})

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qualify.contract.identity import check_schema, format_path, read_strict_json, render
 from qualify.contract.lanes import LANES, LaneKind, LaneSpec, Recipe, recipe_for
 from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.errors import Refused
+from qualify.core.strict_json import check_schema, format_path, read_strict_json, render
 
 REGISTRY_SCHEMA_ID = "trust-ladder.lane-registry.v1"
 REGISTRY_SCHEMA_PATH = CONTRACTS_DIR / "lane-registry.v1.schema.json"

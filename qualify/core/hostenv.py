@@ -30,7 +30,7 @@ ISA_CLASS_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16
 @functools.cache
 def blas_library() -> str:
     """numpy's BLAS as ``name-version`` (``scipy-openblas-0.3.30`` for the pinned wheel)."""
-    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]  # type: ignore[index]
+    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     return f"{blas.get('name', 'unknown')}-{blas.get('version', 'unknown')}"
 
 
@@ -77,7 +77,11 @@ def cpu_isa_class() -> str:
 def numpy_narrower_dispatch() -> str:
     """An ``NPY_DISABLE_CPU_FEATURES`` value that makes numpy run its next-narrower SIMD paths on
     this CPU: the AVX-512 targets it uses, else AVX2 and FMA3 ("" when it uses neither)."""
-    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    # numpy ships no stubs for its private dispatch tables.
+    from numpy._core._multiarray_umath import (  # type: ignore[import-not-found]  # private, unstubbed
+        __cpu_dispatch__,
+        __cpu_features__,
+    )
 
     enabled = [name for name in __cpu_dispatch__ if __cpu_features__.get(name)]
     avx512 = [name for name in enabled if name.startswith("AVX512")]
@@ -148,7 +152,7 @@ def _numpy_simd() -> dict[str, object]:
         try:
             from numpy._core import _multiarray_umath as umath  # numpy >= 2
         except ImportError:  # pragma: no cover - numpy 1.x
-            from numpy.core import _multiarray_umath as umath  # type: ignore[no-redef]
+            from numpy.core import _multiarray_umath as umath
         features = dict(getattr(umath, "__cpu_features__", {}))
         baseline = [str(f) for f in getattr(umath, "__cpu_baseline__", [])]
         dispatch = [str(f) for f in getattr(umath, "__cpu_dispatch__", [])]

@@ -85,10 +85,10 @@ def check_kv_fits(kv: KVCache, layers: int, kv_heads: int, head_dim: int, max_po
         for kind, array in (("k", kv.keys[index]), ("v", kv.values[index])):
             where = f"kv: layers.{index}.{kind}"
             if not isinstance(array, np.ndarray) or array.dtype != np.float32:
-                found = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
-                raise Refused(f"{where}: expected float32, found {found}")
+                found_dtype = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+                raise Refused(f"{where}: expected float32, found {found_dtype}")
             if positions is None and array.ndim == 3:
-                positions = array.shape[1]  # layer 0's K sets the position count for all
+                positions = int(array.shape[1])  # layer 0's K sets the position count for all
             if array.ndim != 3 or array.shape != (kv_heads, positions, head_dim):
                 raise Refused(f"{where}: shape {list(array.shape)}, expected [{kv_heads}, "
                               f"{positions if positions is not None else 'positions'}, {head_dim}]")

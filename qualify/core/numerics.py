@@ -70,7 +70,7 @@ def _integer_product(left: np.ndarray, right_t: np.ndarray) -> np.ndarray:
     total = left[..., :REDUCTION_CHUNK] @ right_t[..., :REDUCTION_CHUNK, :]
     for start in range(REDUCTION_CHUNK, left.shape[-1], REDUCTION_CHUNK):
         total += left[..., start:start + REDUCTION_CHUNK] @ right_t[..., start:start + REDUCTION_CHUNK, :]
-    return total
+    return np.asarray(total)
 
 
 def matmul_rows(a: np.ndarray, b: FixedPointRows) -> np.ndarray:

@@ -9,11 +9,14 @@ came from.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from qualify.contract.lanes import LaneSpec, ProducerMode
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache, KVGeometry
 
@@ -53,11 +56,21 @@ class Engine(Protocol):
     """Producer and consumer operations. ``logit_units`` names what ``logits`` are in:
     ``"raw"`` or a transform spec string such as ``"tanh-softcap:30.0"``."""
 
-    name: str
-    version: str
-    abi: str
-    logit_units: str
-    geometry: ModelGeometry
+    # Read-only properties, so a plain class attribute and a delegating property both satisfy it.
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def abi(self) -> str: ...
+
+    @property
+    def logit_units(self) -> str: ...
+
+    @property
+    def geometry(self) -> ModelGeometry: ...
 
     def prefill(self, tokens: np.ndarray) -> KVCache:
         """KV of exactly ``tokens`` (positions 0..len-1) in the canonical layout."""
@@ -99,6 +112,22 @@ def check_tokens(tokens: np.ndarray, vocab: int, what: str) -> np.ndarray:
     return array.astype(np.int64)
 
 
+def check_finite_logits(engine_name: str, logits: np.ndarray) -> None:
+    """Refuse decode logits [steps, vocab] holding NaN or infinity, naming the first bad step."""
+    finite_rows = np.isfinite(logits).all(axis=1)
+    if not finite_rows.all():
+        raise Refused(f"{engine_name}: non-finite logits at decode step {int(np.argmin(finite_rows))}")
+
+
+def finished_decode(engine_name: str, tokens: np.ndarray, logits: np.ndarray, *, began: float,
+                    handed_off: int, pending_tokens: int) -> DecodeResult:
+    """The end every plain decode loop shares: refuse non-finite logits, then the result with its
+    wall time since ``began`` (``time.perf_counter``) and the handed-off and pending counts."""
+    check_finite_logits(engine_name, logits)
+    return DecodeResult(tokens=tokens, logits=logits, seconds=time.perf_counter() - began,
+                        meta={"handed_off_positions": float(handed_off), "pending_tokens": float(pending_tokens)})
+
+
 def check_decode_count(n: object) -> int:
     """Refuse a decode length that is not a positive integer."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -129,3 +158,84 @@ class GreedyDecoder:
     def _run(self, kv: KVCache, pending: np.ndarray, steps: int, forced: np.ndarray | None
              ) -> DecodeResult:
         raise NotImplementedError
+
+
+@runtime_checkable
+class DraftingEngine(Protocol):
+    """An engine whose handoffs carry a speculative draft's own KV beside the target's."""
+
+    def draft_kv_geometry(self, positions: int) -> KVGeometry:
+        """The draft context a handoff of ``positions`` target positions carries."""
+        ...
+
+
+@dataclass(frozen=True)
+class LaneEngine:
+    """One side of a lane as the factory built it: the engine plus the lane facts a handoff is
+    checked against (mode, checkpoint digests, mode-separated cache identity, block granularity).
+
+    It satisfies :class:`Engine` by explicit delegation. ``handoff_block_size`` is set on a
+    producer that hands off whole blocks only (a lane with vLLM on either side): its ``prefill``
+    keeps ``spec.handed_off_positions`` of the positions and the consumer recomputes the rest.
+    """
+
+    engine: Engine
+    spec: LaneSpec
+    mode: ProducerMode
+    digests: Mapping[str, str]
+    target_cache_identity_sha256: str
+    handoff_block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        block = self.handoff_block_size
+        if block is not None and self.spec.handed_off_positions(block + 1) != block:
+            raise Refused(f"lane {self.spec.name}: handoff_block_size: found {block}, but the lane does not "
+                          f"hand off whole blocks of {block}")
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def version(self) -> str:
+        return self.engine.version
+
+    @property
+    def abi(self) -> str:
+        return self.engine.abi
+
+    @property
+    def logit_units(self) -> str:
+        return self.engine.logit_units
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self.engine.geometry
+
+    def prefill(self, tokens: np.ndarray) -> KVCache:
+        """The engine's KV of ``tokens``, cut to the whole blocks this producer hands off."""
+        kv = self.engine.prefill(tokens)
+        if self.handoff_block_size is None:
+            return kv
+        computed = kv.geometry.positions
+        positions = self.spec.handed_off_positions(computed)
+        if positions == 0:
+            raise Refused(f"prefill: {computed} positions fill no whole block of {self.handoff_block_size}")
+        if positions == computed:
+            return kv  # as the engine made it (a vLLM export is whole blocks already)
+        trimmed = KVCache([k[:, :positions].copy() for k in kv.keys],
+                          [v[:, :positions].copy() for v in kv.values])
+        trimmed.meta.update(kv.meta)
+        return trimmed
+
+    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
+        return self.engine.decode(kv, pending, n)
+
+    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
+        return self.engine.teacher_forced(kv, pending, forced)
+
+    def draft_kv_geometry(self, positions: int) -> KVGeometry | None:
+        """The draft context a handoff of ``positions`` carries; None unless the engine drafts."""
+        if isinstance(self.engine, DraftingEngine):
+            return self.engine.draft_kv_geometry(positions)
+        return None

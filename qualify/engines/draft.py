@@ -29,7 +29,14 @@ from qualify.core.kv import KVCache
 from qualify.engines.base import ModelGeometry
 from qualify.engines.checkpoint import check_tensors
 from qualify.engines.kquant import decode_rows
-from qualify.engines.reference import DecodeCache, DecoderLayer, KeepFloat32, MakeLinear, dense_linear
+from qualify.engines.reference import (
+    DecodeCache,
+    DecoderLayer,
+    KeepFloat32,
+    MakeLinear,
+    arithmetic_kind,
+    dense_linear,
+)
 
 DRAFT_FILE = "draft.safetensors"
 LAYER_PREFIX = "layer."
@@ -92,7 +99,8 @@ class EagleDraft:
         self.fc = make_linear("fc.weight", weights["fc.weight"])  # [2 * hidden] -> [hidden]
         self.layer = DecoderLayer(weights, LAYER_PREFIX, geometry, rms_norm_eps, rope, make_linear,
                                   KeepFloat32())
-        self.linear_kinds = sorted({self.fc.kind, *(linear.kind for linear in self.layer.linears)})
+        self.linear_kinds = sorted({arithmetic_kind(linear, "draft linear")
+                                    for linear in (self.fc, *self.layer.linears)})
 
     def layer_inputs(self, next_embeddings: np.ndarray, hidden: np.ndarray) -> np.ndarray:
         """fc([embed(token t+1), h_t]): [R, hidden] + [R, hidden] -> [R, hidden]."""

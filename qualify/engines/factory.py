@@ -1,22 +1,43 @@
 """Builds the producer and consumer engines of a lane, and names the files each depends on.
 
-Every engine built here carries ``producer_mode``, ``digests`` (repo-relative path -> SHA-256 of
-each checkpoint file it read) and ``target_cache_identity_sha256`` derived from the lane's kind,
-its mode, its variant, those digests and the engine ABI, so a KV entry made in one mode can never
-be installed where the other is expected.
+Every engine built here is a :class:`~qualify.engines.base.LaneEngine`: the engine plus its
+``mode``, ``digests`` (repo-relative path -> SHA-256 of each checkpoint file it read) and
+``target_cache_identity_sha256`` derived from the lane's kind, its mode, its variant, those digests
+and the engine ABI, so a KV entry made in one mode can never be installed where the other is
+expected.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Literal
 
-from qualify.contract.lanes import LaneKind, LaneSpec, ProducerMode, lane_spec, target_cache_identity
+from qualify.contract.lanes import (
+    LANES,
+    TORCH_LLAMA_MODELS,
+    TRANSFORMERS_LANE_SETTINGS,
+    VLLM_BLOCK_SIZE,
+    EngineChoice,
+    LaneKind,
+    LaneSpec,
+    NativeVariant,
+    ProducerMode,
+    lane_spec,
+    target_cache_identity,
+)
 from qualify.core import assets
 from qualify.core.digests import sha256_file
 from qualify.core.errors import Refused
-from qualify.engines.base import Engine
+from qualify.engines.base import Engine, LaneEngine, ModelGeometry
+
+if TYPE_CHECKING:
+    from qualify.engines.nvfp4_linear import Arithmetic
+
+TORCH_LLAMA_CACHE_POSITIONS = 2048 + 256
 
 NVFP4_CHECKPOINT = assets.MODEL_DIR / "nvfp4" / "model.safetensors"
 
@@ -27,6 +48,7 @@ ADAPTER_SOURCES: dict[LaneKind, tuple[str, str]] = {
     LaneKind.KQUANT: ("qualify-kquant", "qualify/engines/kquant.py"),
     LaneKind.VLLM: ("qualify-vllm-connector", "qualify/engines/vllm_connector.py"),
     LaneKind.TRANSFORMERS: ("qualify-transformers-engine", "qualify/engines/transformers_engine.py"),
+    LaneKind.TORCH_LLAMA: ("qualify-torch-llama", "qualify/engines/torch_llama.py"),
 }
 """The producer adapter per lane kind: its name and the repo-relative source file whose SHA-256
 an identity pins (the code that turns the lane's weights into its arithmetic)."""
@@ -55,6 +77,9 @@ def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
     if kind in (LaneKind.VLLM, LaneKind.TRANSFORMERS):
         # vLLM, transformers and the reference engine all read exactly these (raw token ids).
         return (assets.MODEL_DIR / "config.json", assets.MODEL_DIR / "model.safetensors")
+    if kind is LaneKind.TORCH_LLAMA:
+        # The random-weight model files (shape, dtype, seed): the weights are drawn from them.
+        return tuple(assets.REPO_ROOT / relpath for relpath in TORCH_LLAMA_MODELS.values())
     raise Refused(f"lane kind {kind.value}: no engine in this harness builds it")
 
 
@@ -73,7 +98,23 @@ def checkpoint_digests(kind: LaneKind) -> dict[str, str]:
     return digests
 
 
-def _nvfp4_engine(arithmetic: str) -> Engine:
+def _nvfp4_arithmetic(spec: LaneSpec, mode: ProducerMode) -> Arithmetic:
+    """The NVFP4 contraction an engine of ``spec`` built in ``mode`` runs: the consumer and the
+    exact anchor decode with the integer-exact a16-q8 contraction, a native producer with its variant."""
+    if mode is ProducerMode.EXACT:
+        return "exact"
+    match spec.variant:
+        case NativeVariant.SPLITK:
+            return "splitk"
+        case NativeVariant.F16:
+            return "f16"
+        case NativeVariant.W4A4:
+            return "w4a4"
+        case None:
+            raise Refused(f"lane {spec.name}: native mode needs a variant")
+
+
+def _nvfp4_engine(arithmetic: Arithmetic) -> Engine:
     from qualify.engines.nvfp4_linear import make_nvfp4_linear_factory
     from qualify.engines.reference import KeepFloat32, ReferenceEngine, RoundTripFloat16
 
@@ -87,45 +128,14 @@ def _nvfp4_engine(arithmetic: str) -> Engine:
 
 def _vllm_lane_engine(spec: LaneSpec, role: Role, vllm_fault: str | None = None) -> Engine:
     """One side of a ``vllm`` lane: vLLM through the project connector, or the float32 reference."""
-    from qualify.contract.lanes import VLLM_LANE_ENGINES
-
-    producer, consumer = VLLM_LANE_ENGINES[spec.name]
-    if (producer if role == "producer" else consumer) == "vllm":
+    producer, consumer = spec.engines
+    if (producer if role == "producer" else consumer) is EngineChoice.VLLM:
         from qualify.engines.vllm_engine import VllmEngine
 
         return VllmEngine(role=role, fault=vllm_fault)
     from qualify.engines.reference import ReferenceEngine
 
-    engine = ReferenceEngine.from_model_dir(assets.MODEL_DIR)
-    if role == "producer":
-        # vLLM installs whole blocks only: the reference producer hands off whole blocks too.
-        from qualify.contract.lanes import VLLM_BLOCK_SIZE
-
-        return WholeBlockProducer(engine, VLLM_BLOCK_SIZE)
-    return engine
-
-
-class WholeBlockProducer:
-    """A producer that hands off only the whole blocks of its prefill (for a vLLM consumer)."""
-
-    def __init__(self, engine: Engine, block_size: int) -> None:
-        self._engine = engine
-        self.handoff_block_size = block_size
-
-    def __getattr__(self, attribute: str):
-        return getattr(self._engine, attribute)
-
-    def prefill(self, tokens):
-        from qualify.core.kv import KVCache
-
-        kv = self._engine.prefill(tokens)
-        positions = (kv.geometry.positions // self.handoff_block_size) * self.handoff_block_size
-        if positions == 0:
-            raise Refused(f"prefill: {kv.geometry.positions} positions fill no whole block")
-        trimmed = KVCache([k[:, :positions].copy() for k in kv.keys],
-                          [v[:, :positions].copy() for v in kv.values])
-        trimmed.meta.update(kv.meta)
-        return trimmed
+    return ReferenceEngine.from_model_dir(assets.MODEL_DIR)
 
 
 def _transformers_lane_engine(spec: LaneSpec, role: Role) -> Engine:
@@ -134,7 +144,6 @@ def _transformers_lane_engine(spec: LaneSpec, role: Role) -> Engine:
 
     if role == "consumer":
         return ReferenceEngine.from_model_dir(assets.MODEL_DIR)
-    from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS
     from qualify.engines.transformers_engine import TransformersEngine
 
     settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
@@ -146,18 +155,14 @@ def _producer_abi(spec: LaneSpec) -> str:
     """The ABI a lane's producer engine reports, without starting vLLM when it is vLLM or loading
     the model when it is transformers (that still needs the lane's GPU: the ABI names it)."""
     if spec.kind is LaneKind.TRANSFORMERS:
-        from qualify.contract.lanes import TRANSFORMERS_LANE_SETTINGS
         from qualify.engines.transformers_engine import engine_abi
 
         settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
         return engine_abi(settings.device, settings.dtype, settings.tf32)
-    if spec.kind is LaneKind.VLLM:
-        from qualify.contract.lanes import VLLM_LANE_ENGINES
+    if spec.engines[0] is EngineChoice.VLLM:
+        from qualify.engines.vllm_engine import vllm_engine_abi
 
-        if VLLM_LANE_ENGINES[spec.name][0] == "vllm":
-            from qualify.engines.vllm_engine import vllm_engine_abi
-
-            return vllm_engine_abi()
+        return vllm_engine_abi()
     return _build(spec, spec.mode).abi
 
 
@@ -172,74 +177,77 @@ def _build(spec: LaneSpec, mode: ProducerMode, role: Role = "producer",
             raise Refused(f"lane {spec.name}: transformers lanes run in native mode only, found {mode.value}")
         return _transformers_lane_engine(spec, role)
     if spec.kind is LaneKind.NVFP4:
-        # The consumer and the exact anchor decode with the integer-exact a16-q8 contraction.
-        arithmetic = "exact" if mode is ProducerMode.EXACT else spec.variant.value  # type: ignore[union-attr]
-        if mode is ProducerMode.NATIVE and spec.variant is None:
-            raise Refused(f"lane {spec.name}: native mode needs a variant")
-        return _nvfp4_engine(arithmetic)
+        return _nvfp4_engine(_nvfp4_arithmetic(spec, mode))
     if spec.kind is LaneKind.KQUANT:
         from qualify.engines import speculative
 
         return speculative.build_engine(mode)
+    if spec.kind is LaneKind.TORCH_LLAMA:
+        from qualify.engines.torch_llama import TorchLlama, random_model_weights
+
+        # One weight set per process: the in-process producer and the consumer share it; only
+        # the consumer decodes, with CUDA graphs.
+        weights = random_model_weights(assets.REPO_ROOT / TORCH_LLAMA_MODELS[spec.name])
+        # The cache holds the recipe's context (2048 prompt + 256 output): every decode step
+        # attends over the whole static cache, so a larger one only slows the decode.
+        return TorchLlama(weights, cache_positions=TORCH_LLAMA_CACHE_POSITIONS, cuda_graph=role == "consumer")
     raise Refused(f"lane kind {spec.kind.value}: no engine in this harness builds it")
 
 
-def _stamp(engine: Engine, spec: LaneSpec, mode: ProducerMode) -> Engine:
-    """Attach mode, checkpoint digests and the mode-separated target cache identity."""
-    digests = checkpoint_digests(spec.kind)
-    engine.producer_mode = mode.value  # type: ignore[attr-defined]
-    engine.digests = digests  # type: ignore[attr-defined]
-    engine.target_cache_identity_sha256 = target_cache_identity(  # type: ignore[attr-defined]
-        _mode_spec(spec, mode), digests, engine.abi)
-    return engine
+def _lane_engine(engine: Engine, spec: LaneSpec, mode: ProducerMode, role: Role) -> LaneEngine:
+    """``engine`` with its mode, checkpoint digests and the mode-separated target cache identity;
+    a producer on a lane with vLLM on either side hands off whole blocks only."""
+    digests = MappingProxyType(checkpoint_digests(spec.kind))
+    whole_blocks = role == "producer" and EngineChoice.VLLM in spec.engines
+    return LaneEngine(
+        engine=engine, spec=spec, mode=mode, digests=digests,
+        target_cache_identity_sha256=target_cache_identity(_mode_spec(spec, mode), digests, engine.abi),
+        handoff_block_size=VLLM_BLOCK_SIZE if whole_blocks else None,
+    )
 
 
 def _mode_spec(spec: LaneSpec, mode: ProducerMode) -> LaneSpec:
     """The lane whose cache identity an engine built in ``mode`` carries (its own mode's)."""
     if mode is spec.mode:
         return spec
-    for other in _lanes_of_kind(spec.kind):
-        if other.mode is mode:
+    for other in LANES.values():
+        if other.kind is spec.kind and other.mode is mode:
             return other
     raise Refused(f"lane {spec.name}: no lane of kind {spec.kind.value} runs in {mode.value} mode")
 
 
-def _lanes_of_kind(kind: LaneKind) -> list[LaneSpec]:
-    from qualify.contract.lanes import LANES
+def producer_mode(mode: ProducerMode | str) -> ProducerMode:
+    """``mode`` as a :class:`ProducerMode`; the text an operator or a process argument gives
+    (``exact`` | ``native``) is converted, anything else refused."""
+    try:
+        return ProducerMode(mode)
+    except ValueError:
+        raise Refused(f"producer mode: found {mode!r}, expected exact or native") from None
 
-    return [spec for spec in LANES.values() if spec.kind is kind]
 
-
-def build_producer(lane: str, mode: str, vllm_fault: str | None = None) -> Engine:
-    """The producer engine of ``lane`` in ``mode`` (``exact`` | ``native``; nothing else).
+def build_producer(lane: str, mode: ProducerMode, vllm_fault: str | None = None) -> LaneEngine:
+    """The producer engine of ``lane`` in ``mode``.
 
     A producer started in the other mode than its lane declares is built as that mode's lane
     (e.g. the exact anchor), so its handoffs carry that mode's cache identity and are refused.
     """
     spec = lane_spec(lane)
-    try:
-        producer_mode = ProducerMode(mode)
-    except ValueError:
-        raise Refused(f"producer mode: found {mode!r}, expected exact or native") from None
-    return _stamp(_build(spec, producer_mode, "producer", vllm_fault), _mode_spec(spec, producer_mode),
-                  producer_mode)
+    # The handoff service still passes its --mode text here; producer_mode converts it.
+    built_mode = producer_mode(mode)
+    return _lane_engine(_build(spec, built_mode, "producer", vllm_fault), spec, built_mode, "producer")
 
 
-def build_consumer(lane: str, vllm_fault: str | None = None) -> Engine:
+def build_consumer(lane: str, vllm_fault: str | None = None) -> LaneEngine:
     """The consumer engine for ``lane``: the exact arithmetic of the lane's kind (for a ``vllm``
     lane, the lane's consumer side: the float32 reference engine or vLLM; for a ``transformers``
     lane, the float32 reference engine)."""
     spec = lane_spec(lane)
-    if spec.kind in (LaneKind.VLLM, LaneKind.TRANSFORMERS):
+    if spec.kind in (LaneKind.VLLM, LaneKind.TRANSFORMERS, LaneKind.TORCH_LLAMA):
         # Both sides run their own float32 (or lower) arithmetic: there is no exact anchor.
-        return _stamp(_build(spec, spec.mode, "consumer", vllm_fault), spec, spec.mode)
-    return _stamp(_build(spec, ProducerMode.EXACT), spec, spec.mode)
-
-
-def expected_cache_identity(lane: str) -> str:
-    """The target cache identity a handoff of ``lane`` must carry (its declared mode)."""
-    spec = lane_spec(lane)
-    return build_cache_identity(spec)
+        engine = _build(spec, spec.mode, "consumer", vllm_fault)
+    else:
+        engine = _build(spec, ProducerMode.EXACT)
+    return _lane_engine(engine, spec, spec.mode, "consumer")
 
 
 def lane_producer_abi(lane: str) -> str:
@@ -253,20 +261,28 @@ def build_cache_identity(spec: LaneSpec) -> str:
     return target_cache_identity(spec, checkpoint_digests(spec.kind), _producer_abi(spec))
 
 
-def producer_facts(lane: str):
+@dataclass(frozen=True)
+class ProducerFacts:
+    """What a lane's producer pins in an identity or calibration contract."""
+
+    name: str
+    version: str
+    abi: str
+    geometry: ModelGeometry
+    digests: Mapping[str, str]
+
+
+def producer_facts(lane: str) -> ProducerFacts:
     """Name, version, ABI, geometry and checkpoint digests of ``lane``'s producer in its declared
     mode, without starting vLLM when the producer is vLLM (it runs in the producer process)."""
-    from types import SimpleNamespace
-
     spec = lane_spec(lane)
-    if spec.kind is LaneKind.VLLM:
-        from qualify.contract.lanes import VLLM_LANE_ENGINES
+    if spec.engines[0] is EngineChoice.VLLM:
+        from qualify.engines.checkpoint import load_config
+        from qualify.engines.vllm_engine import VllmEngine, check_pin, vllm_engine_abi
 
-        if VLLM_LANE_ENGINES[spec.name][0] == "vllm":
-            from qualify.engines.reference import load_config
-            from qualify.engines.vllm_engine import VllmEngine, check_pin, vllm_engine_abi
-
-            return SimpleNamespace(
-                name=VllmEngine.name, version=check_pin(), abi=vllm_engine_abi(),
-                geometry=load_config(assets.MODEL_DIR).geometry, digests=checkpoint_digests(spec.kind))
-    return build_producer(lane, spec.mode.value)
+        return ProducerFacts(name=VllmEngine.name, version=check_pin(), abi=vllm_engine_abi(),
+                             geometry=load_config(assets.MODEL_DIR).geometry,
+                             digests=MappingProxyType(checkpoint_digests(spec.kind)))
+    producer = build_producer(lane, spec.mode)
+    return ProducerFacts(name=producer.name, version=producer.version, abi=producer.abi,
+                         geometry=producer.geometry, digests=producer.digests)

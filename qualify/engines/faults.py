@@ -10,13 +10,14 @@ identity before any decode.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache
 from qualify.core.numerics import cos_sin
+from qualify.engines.base import DecodeResult, LaneEngine, ModelGeometry
 
 # Where single-site faults land; chosen once, before any run, and named in every report.
 FAULT_LAYER = 2
@@ -127,28 +128,35 @@ def kv_transform(name: str, rope_theta: float) -> Callable[[KVCache], KVCache] |
 OTHER_PROMPT = "prose-email-architecture"
 
 
-class FaultyProducer:
-    """A producer engine whose handoffs carry one named fault; everything else is the wrapped
-    engine's (name, version, ABI, geometry, digests, mode and cache identity), so the producer
-    starts, seals and authenticates exactly as an honest one would."""
+class FaultInjectingEngine:
+    """The honest producer's engine (name, version, ABI, geometry, decode) whose prefill runs
+    ``prefill_engine`` and then applies one named fault to the KV it hands off."""
 
-    def __init__(self, engine, name: str, other_mode_engine=None) -> None:
-        fault_named(name)
-        if (name == "other-mode") != (other_mode_engine is not None):
-            raise Refused("fault other-mode: needs the lane's engine built in the other producer mode")
-        self._engine = engine
-        self.fault = name
-        self._transform = kv_transform(name, engine.geometry.rope_theta)
-        if other_mode_engine is not None:
-            # The entry was made in the other mode: its KV and its cache identity are that mode's,
-            # while the producer passes its start checks as the declared mode.
-            self.prefill_engine = other_mode_engine
-            self.target_cache_identity_sha256 = other_mode_engine.target_cache_identity_sha256
-        else:
-            self.prefill_engine = engine
+    def __init__(self, honest: LaneEngine, fault: str, prefill_engine: LaneEngine) -> None:
+        self.honest = honest
+        self.fault = fault
+        self.prefill_engine = prefill_engine
+        self._transform = kv_transform(fault, honest.geometry.rope_theta)
 
-    def __getattr__(self, attribute: str):
-        return getattr(self._engine, attribute)
+    @property
+    def name(self) -> str:
+        return self.honest.name
+
+    @property
+    def version(self) -> str:
+        return self.honest.version
+
+    @property
+    def abi(self) -> str:
+        return self.honest.abi
+
+    @property
+    def logit_units(self) -> str:
+        return self.honest.logit_units
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self.honest.geometry
 
     def prefill(self, tokens: np.ndarray) -> KVCache:
         if self.fault == "other-prompt":
@@ -157,3 +165,23 @@ class FaultyProducer:
             tokens = load_prompt(OTHER_PROMPT)[: len(tokens)]
         kv = self.prefill_engine.prefill(tokens)
         return self._transform(kv) if self._transform is not None else kv
+
+    def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
+        return self.honest.decode(kv, pending, n)
+
+    def teacher_forced(self, kv: KVCache, pending: np.ndarray, forced: np.ndarray) -> np.ndarray:
+        return self.honest.teacher_forced(kv, pending, forced)
+
+
+def faulty_producer(engine: LaneEngine, name: str, other_mode_engine: LaneEngine | None = None) -> LaneEngine:
+    """A producer whose handoffs carry the fault ``name``; everything else is ``engine``'s (name,
+    version, ABI, geometry, digests, mode and cache identity), so it starts, seals and
+    authenticates exactly as an honest one would. ``other-mode`` needs the lane's engine built in
+    the other producer mode: the entry is made there and carries that mode's cache identity,
+    while the producer passes its start checks as the declared mode."""
+    fault_named(name)
+    if (name == "other-mode") != (other_mode_engine is not None):
+        raise Refused("fault other-mode: needs the lane's engine built in the other producer mode")
+    made_by = other_mode_engine if other_mode_engine is not None else engine
+    return replace(engine, engine=FaultInjectingEngine(engine, name, made_by),
+                   target_cache_identity_sha256=made_by.target_cache_identity_sha256)

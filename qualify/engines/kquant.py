@@ -43,7 +43,7 @@ from qualify.core import assets
 from qualify.core.errors import Refused, one_line
 from qualify.core.kv import KVCache
 from qualify.core.numerics import FixedPointRows, matmul_rows
-from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens
+from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens, finished_decode
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
@@ -52,6 +52,7 @@ from qualify.engines.reference import (
     ReferenceEngine,
     RowsOutput,
     apply_rope,
+    arithmetic_kind,
     rms_norm,
 )
 
@@ -124,12 +125,14 @@ class Q8Matrix:
 
     def dequantize(self) -> np.ndarray:
         """float32 [n_out, n_in]: ``q * d`` per element (what ``gguf`` dequantizes to)."""
-        return (self.quants.astype(np.float32) * self.scales[:, :, None]).reshape(self.n_out, self.n_in)
+        weight: np.ndarray = (self.quants.astype(np.float32) * self.scales[:, :, None]).reshape(self.n_out, self.n_in)
+        return weight
 
     def rows(self, index: np.ndarray) -> np.ndarray:
         """Dequantized rows ``float32 [len(index), n_in]`` (embedding lookup of a tied table)."""
         quants, scales = self.quants[index], self.scales[index]
-        return (quants.astype(np.float32) * scales[:, :, None]).reshape(len(index), self.n_in)
+        rows: np.ndarray = (quants.astype(np.float32) * scales[:, :, None]).reshape(len(index), self.n_in)
+        return rows
 
 
 def quantize_activations_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -208,7 +211,7 @@ class ExactQ8Linear:
         # Epilogue, per block: float32(isum) * (d_w * d_a); then a left-to-right float32 sum over
         # blocks starting from +0.0: acc = ((0 + t_0) + t_1) + ... (each add one IEEE rounding).
         terms *= self._scales_by_block[:, None, :] * act_scales.T[:, :, None]
-        acc = terms[0] + np.float32(0)
+        acc: np.ndarray = terms[0] + np.float32(0)
         for block in range(1, self.blocks):
             acc += terms[block]
         return acc
@@ -539,11 +542,12 @@ class KQuantModel:
         self.lm_head = self.make_linear("model.embed_tokens.weight", self.embed_table)  # tied
         self.final_norm = weights.vectors["model.norm.weight"]  # [hidden]
         self.eps = np.float32(config.rms_norm_eps)
-        self.abi = f"{ABI_VERSION}+{self.reference.abi}+lm_head-{self.lm_head.kind}"
+        self.abi = f"{ABI_VERSION}+{self.reference.abi}+lm_head-{arithmetic_kind(self.lm_head, 'lm_head')}"
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Token ids [R] -> embeddings float32 [R, hidden] (Q8_0 rows dequantized, as get_rows)."""
-        return self.embed_table[tokens]
+        rows: np.ndarray = self.embed_table[tokens]
+        return rows
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Last hidden states [R, hidden] (before the final norm) -> logits float32 [R, vocab]."""
@@ -572,12 +576,6 @@ def load_kquant_model(mode: ProducerMode = ProducerMode.EXACT, model_dir: Path =
     config = config_from_json(Path(model_dir) / "config.json")
     weights = load_target_gguf(Path(model_dir) / "gguf" / TARGET_GGUF_NAME, config)
     return KQuantModel(weights, config, mode)
-
-
-def check_finite_logits(engine_name: str, logits: np.ndarray) -> None:
-    finite_rows = np.isfinite(logits).all(axis=1)
-    if not finite_rows.all():
-        raise Refused(f"{engine_name}: non-finite logits at decode step {int(np.argmin(finite_rows))}")
 
 
 class KQuantEngine(GreedyDecoder):
@@ -610,10 +608,8 @@ class KQuantEngine(GreedyDecoder):
             tokens[step] = forced[step] if forced is not None else int(np.argmax(current))
             if step + 1 < steps:
                 current = self.model.forward_rows(cache, tokens[step:step + 1]).logits[0]
-        check_finite_logits(self.name, logits)
-        return DecodeResult(tokens=tokens, logits=logits, seconds=time.perf_counter() - began,
-                            meta={"handed_off_positions": float(handed_off),
-                                  "pending_tokens": float(pending.size)})
+        return finished_decode(self.name, tokens, logits, began=began, handed_off=handed_off,
+                               pending_tokens=pending.size)
 
 
 def build_kquant_engine(mode: ProducerMode = ProducerMode.EXACT, model_dir: Path = assets.MODEL_DIR

@@ -64,12 +64,14 @@ _E2M1_MIDPOINTS_ROUNDING_UP = np.array([0.75, 1.75, 3.5], dtype=np.float32)
 
 def e2m1_decode(codes: np.ndarray) -> np.ndarray:
     """E2M1 codes (uint8, 0..15) -> float32 values."""
-    return E2M1_VALUES[np.asarray(codes, dtype=np.uint8) & 0xF]
+    values: np.ndarray = E2M1_VALUES[np.asarray(codes, dtype=np.uint8) & 0xF]
+    return values
 
 
 def e2m1_q1(codes: np.ndarray) -> np.ndarray:
     """E2M1 codes -> int64 values in units of 2^-1 (the exact integer twin of ``e2m1_decode``)."""
-    return E2M1_Q1[np.asarray(codes, dtype=np.uint8) & 0xF]
+    values: np.ndarray = E2M1_Q1[np.asarray(codes, dtype=np.uint8) & 0xF]
+    return values
 
 
 def e2m1_round(values_f32: np.ndarray) -> np.ndarray:
@@ -142,14 +144,16 @@ def e4m3fn_decode(scale_bytes: np.ndarray, what: str = "e4m3fn") -> np.ndarray:
     """E4M3FN bytes -> float32 values; refuses NaN bytes 0x7f/0xff (``what`` names the source)."""
     scale_bytes = np.asarray(scale_bytes, dtype=np.uint8)
     _refuse_nan_scale_bytes(scale_bytes, what)
-    return E4M3FN_VALUES[scale_bytes]
+    values: np.ndarray = E4M3FN_VALUES[scale_bytes]
+    return values
 
 
 def e4m3fn_q9(scale_bytes: np.ndarray, what: str = "e4m3fn") -> np.ndarray:
     """E4M3FN bytes -> int64 values in units of 2^-9 (exact twin of ``e4m3fn_decode``)."""
     scale_bytes = np.asarray(scale_bytes, dtype=np.uint8)
     _refuse_nan_scale_bytes(scale_bytes, what)
-    return E4M3FN_Q9[scale_bytes]
+    values: np.ndarray = E4M3FN_Q9[scale_bytes]
+    return values
 
 
 def e4m3fn_encode(values_f32: np.ndarray) -> np.ndarray:
@@ -219,7 +223,8 @@ class Nvfp4Tensor:
 
         Times scale2 this is the dequantized weight; it is what exact contractions multiply."""
         q1 = e2m1_q1(self.codes()).reshape(self.n_out, -1, BLOCK_SIZE)
-        return (q1 * self.scales_q9()[:, :, None]).reshape(self.n_out, self.n_in)
+        folded: np.ndarray = (q1 * self.scales_q9()[:, :, None]).reshape(self.n_out, self.n_in)
+        return folded
 
 
 def validate_nvfp4_tensor(tensor: Nvfp4Tensor) -> None:
@@ -251,7 +256,7 @@ def _require_positive_scalar(value: object, what: str) -> None:
 
 
 def quantize_blocks_e2m1(
-    values_f32: np.ndarray, scale2_f32: np.ndarray
+    values_f32: np.ndarray, scale2_f32: np.ndarray | np.float32
 ) -> tuple[np.ndarray, np.ndarray]:
     """ModelOpt block recipe for rows [R, n] under global scales scale2 [R, 1] (or scalar):
     block scale = E4M3FN(block amax / (6 * scale2)) (zero -> 1.0), codes = round_e2m1(v / (scale *
@@ -298,7 +303,8 @@ def dequantize_nvfp4(tensor: Nvfp4Tensor) -> np.ndarray:
     """float32 [n_out, n_in] in the pinned order ``(e2m1 * e4m3fn) * scale2``."""
     values = e2m1_decode(tensor.codes()).reshape(tensor.n_out, -1, BLOCK_SIZE)
     scaled = values * tensor.scales_f32()[:, :, None]  # exact in float32
-    return (scaled * tensor.scale2).reshape(tensor.n_out, tensor.n_in)
+    weight: np.ndarray = (scaled * tensor.scale2).reshape(tensor.n_out, tensor.n_in)
+    return weight
 
 
 # --- safetensors I/O ----------------------------------------------------------------------------
@@ -363,7 +369,7 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, StoredTensor], dict[st
         data = Path(path).read_bytes()
         (header_len,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + header_len].decode("utf-8"))
-        entries = deserialize(data)
+        entries = deserialize(data)  # type: ignore[no-untyped-call]  # safetensors leaves it unannotated
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise Refused(one_line(f"{path}: not a readable safetensors file ({reason})")) from None

@@ -131,7 +131,8 @@ def _dequantized_q8_activations(x: np.ndarray) -> np.ndarray:
     q8, q8_scale = _q8k_values(x)
     rows, n_in = x.shape
     blocks = q8.reshape(rows, -1, SUPER_BLOCK) * q8_scale[:, :, None]
-    return blocks.reshape(rows, n_in)
+    dequantized: np.ndarray = blocks.reshape(rows, n_in)
+    return dequantized
 
 
 def _require_super_blocks(tensor: Nvfp4Tensor) -> None:
@@ -259,7 +260,7 @@ class W4A4Linear:
         return round_through_f16(y)
 
 
-_LINEAR_BY_ARITHMETIC: dict[str, type] = {
+_LINEAR_BY_ARITHMETIC: dict[str, Callable[[Nvfp4Tensor], Linear]] = {
     "exact": ExactA16Q8Linear,
     "splitk": SplitKLinear,
     "f16": F16Linear,

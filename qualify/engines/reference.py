@@ -53,7 +53,7 @@ from qualify.core.errors import Refused
 from qualify.core.hostenv import check_ieee_environment, numeric_environment
 from qualify.core.kv import KVCache, check_kv_fits
 from qualify.core.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
-from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry
+from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, finished_decode
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
@@ -76,24 +76,32 @@ MakeLinear = Callable[[str, np.ndarray], Linear]
 # --------------------------------------------------------------------------------------------
 
 
+def check_finite_activations(x: np.ndarray, what: str) -> None:
+    """Refuse non-finite activations (a KV or residual that overflowed) before the fixed-point
+    conversion, which has no image for them."""
+    if not np.isfinite(x).all():
+        raise Refused(f"{what}: activations contain non-finite values")
+
+
 class DenseLinear:
     """The default projection: ``x @ W.T`` through the machine-independent :func:`matmul`."""
 
     kind = "dense-fixed-point-v1"
 
-    def __init__(self, weight_f32: np.ndarray) -> None:
+    def __init__(self, weight_f32: np.ndarray, name: str = "dense linear") -> None:
         weight = np.ascontiguousarray(weight_f32, dtype=np.float32)  # [n_out, n_in]
         self.n_out, self.n_in = weight.shape
+        self.name = name
         self.weight_rows = FixedPointRows.of(weight)  # [n_out, n_in], converted once
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        check_finite_activations(x, self.name)
         return matmul_rows(x, self.weight_rows)  # [T, n_in] @ [n_in, n_out] -> [T, n_out]
 
 
 def dense_linear(name: str, weight_f32: np.ndarray) -> DenseLinear:
     """The default ``make_linear`` factory: every projection dense (fixed-point contraction)."""
-    del name  # every projection gets the same arithmetic
-    return DenseLinear(weight_f32)
+    return DenseLinear(weight_f32, name)
 
 
 class KeepFloat32:
@@ -145,7 +153,8 @@ def rotate_half(x: np.ndarray) -> np.ndarray:
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate q or k ([..., head_dim]) by the angles of its positions (cos/sin broadcast)."""
-    return x * cos + rotate_half(x) * sin
+    rotated: np.ndarray = x * cos + rotate_half(x) * sin
+    return rotated
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -372,7 +381,7 @@ class DecodeCache:
 
     @property
     def capacity(self) -> int:
-        return self.layers[0].keys.shape[1]
+        return int(self.layers[0].keys.shape[1])
 
     def truncate(self, length: int) -> None:
         """Forget positions ``length`` onward; they are overwritten when fed again."""
@@ -460,6 +469,7 @@ class ReferenceEngine(GreedyDecoder):
         """Final norm then the tied LM head: x [T, hidden] -> float32 [T, vocab], always the
         fixed-point contraction whatever the projections are (the embedding upcast from float16)."""
         normed = self.materialize(rms_norm(x, self.final_norm, self.eps))
+        check_finite_activations(normed, "lm head")
         return matmul_rows(normed, self.lm_head_rows)
 
     # ---- producer --------------------------------------------------------------------------
@@ -542,9 +552,5 @@ class ReferenceEngine(GreedyDecoder):
             tokens[step] = forced[step] if forced is not None else int(np.argmax(current))
             if step + 1 < steps:
                 current = self.forward_rows(cache, tokens[step:step + 1]).logits[0]
-        finite_rows = np.isfinite(logits).all(axis=1)
-        if not finite_rows.all():
-            raise Refused(f"{self.name}: non-finite logits at decode step {int(np.argmin(finite_rows))}")
-        return DecodeResult(tokens=tokens, logits=logits, seconds=time.perf_counter() - began,
-                            meta={"handed_off_positions": float(handed_off),
-                                  "pending_tokens": float(pending.size)})
+        return finished_decode(self.name, tokens, logits, began=began, handed_off=handed_off,
+                               pending_tokens=pending.size)

@@ -42,7 +42,7 @@ from qualify.contract.lanes import ProducerMode
 from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache, KVGeometry
-from qualify.engines.base import DecodeResult, check_decode_count, check_tokens
+from qualify.engines.base import DecodeResult, check_decode_count, check_finite_logits, check_tokens
 from qualify.engines.draft import EagleDraft
 from qualify.engines.kquant import (
     DRAFT_GGUF_NAME,
@@ -50,7 +50,6 @@ from qualify.engines.kquant import (
     KQuantEngine,
     KQuantModel,
     build_kquant_engine,
-    check_finite_logits,
     config_from_json,
     dequantized_weights,
     linear_factory,
@@ -114,10 +113,10 @@ class SpeculativeEngine:
         n = check_decode_count(n)
         k = self.proposal_tokens
         pending = check_tokens(pending, self.geometry.vocab, "pending tokens")
-        if kv.draft is None:
-            raise Refused("kv: draft: missing; the speculative lane hands off the draft's KV with the target's")
         # Room for every row fed after the handoff, the k rows a last verify may feed included.
         cache = self.target.reference.new_cache(kv, extra_positions=pending.size + n + k)
+        if kv.draft is None:
+            raise Refused("kv: draft: missing; the speculative lane hands off the draft's KV with the target's")
         draft_cache = self.draft.new_cache(kv.draft, extra_positions=pending.size + n + k)
         handed_off = cache.length
         if draft_cache.length != handed_off - 1:

@@ -20,9 +20,10 @@ tensors Hugging Face names are row slices of them (:meth:`LlamaWeights.hf_state_
 ``transformers`` model can run on the very same weight storage.
 
 The KV cache is preallocated: per layer K (post-RoPE) and V ``[kv_heads, cache_positions + 2,
-head_dim]`` in the model dtype (the two extra slots absorb the graph-capture warm-up steps). ``prefill`` writes positions ``0..T-1``; a decode writes the
-positions after ``length`` as scratch, so the installed prompt KV is never modified and a decode
-can be repeated (teacher forcing after a free run) without reinstalling it. One decode step reads
+head_dim]`` in the model dtype (the two extra slots absorb the graph-capture warm-up steps).
+``prefill`` writes positions ``0..T-1``; a decode writes the positions after ``length`` as
+scratch, so the installed prompt KV is never modified and a decode can be repeated (teacher
+forcing after a free run) without reinstalling it. One decode step reads
 its token, position and step index from device tensors, attends over the whole static cache with
 the positions after its own masked out, writes its float32 logit row into a preallocated
 ``[max_decode_steps, vocab]`` buffer and feeds the argmax (ties to the lowest id: ``torch.argmax``
@@ -39,11 +40,13 @@ where they are, for ``bench/gpu_scale.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -53,7 +56,7 @@ import qualify
 from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache, check_kv_fits
-from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry, check_decode_count
+from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry, check_decode_count, finished_decode
 from qualify.engines.checkpoint import load_config, load_weights
 
 # Bump whenever the numerics of this file change (op order, fusion, dtypes, attention): the abi is
@@ -186,7 +189,7 @@ class LlamaWeights:
         import hashlib
 
         sums = []
-        for name, tensor in sorted(self.hf_state_dict().items()):
+        for _, tensor in sorted(self.hf_state_dict().items()):
             as_float = tensor.float()
             sums.append(torch.stack([as_float.sum(dtype=torch.float64),
                                      as_float.square().sum(dtype=torch.float64)]))
@@ -320,6 +323,14 @@ class DeviceDecode:
     logits: torch.Tensor
 
 
+class EngineOptions(TypedDict, total=False):
+    """The keyword options of :class:`TorchLlama` (what its builders pass through)."""
+
+    cache_positions: int | None
+    max_decode_steps: int
+    cuda_graph: bool
+
+
 class TorchLlama(GreedyDecoder):
     """The compact Llama behind the Engine protocol, plus device-side methods (module docstring).
 
@@ -388,20 +399,21 @@ class TorchLlama(GreedyDecoder):
 
     @classmethod
     def from_model_dir(cls, model_dir: Path = assets.MODEL_DIR, *, dtype: str = "float32",
-                       device: str = "cpu", **options) -> TorchLlama:
+                       device: str = "cpu", **options: Unpack[EngineOptions]) -> TorchLlama:
         """The shipped (or another tied-embedding Llama) checkpoint; see :func:`checkpoint_weights`."""
         return cls(checkpoint_weights(model_dir, dtype=dtype, device=device), **options)
 
     @classmethod
     def random(cls, shape: LlamaShape, *, seed: int, dtype: str = "bfloat16", device: str = "cuda",
-               **options) -> TorchLlama:
+               **options: Unpack[EngineOptions]) -> TorchLlama:
         """Random weights of ``shape`` drawn on ``device``; see :func:`random_weights`."""
         return cls(random_weights(shape, seed=seed, dtype=dtype, device=device), **options)
 
-    def sharing_weights(self, **options) -> TorchLlama:
+    def sharing_weights(self, **options: Unpack[EngineOptions]) -> TorchLlama:
         """Another engine on the same (read-only) weight tensors, with its own cache and graph."""
-        settings = {"cache_positions": self.cache_positions, "max_decode_steps": self.max_decode_steps,
-                    "cuda_graph": self.use_graph, **options}
+        settings: EngineOptions = {"cache_positions": self.cache_positions,
+                                   "max_decode_steps": self.max_decode_steps, "cuda_graph": self.use_graph}
+        settings.update(options)
         return TorchLlama(self.weights, **settings)
 
     # ---- the model ---------------------------------------------------------------------------
@@ -495,7 +507,7 @@ class TorchLlama(GreedyDecoder):
         write K/V only into the WARMUP_SLOTS past the usable cache). The caller sets the real
         decode state afterwards."""
         self._set_state(0, self.cache_positions, forcing=False)
-        side = torch.cuda.Stream(device=self.device)
+        side = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_SLOTS):
@@ -644,15 +656,45 @@ class TorchLlama(GreedyDecoder):
         result = self.decode_device(pending, steps, forced)
         tokens = result.tokens.cpu().numpy().astype(np.int32)  # [steps]
         logits = result.logits.cpu().numpy().copy()  # [steps, vocab] float32, detached from the buffer
-        finite_rows = np.isfinite(logits).all(axis=1)
-        if not finite_rows.all():
-            raise Refused(f"{self.name}: non-finite logits at decode step {int(np.argmin(finite_rows))}")
-        return DecodeResult(tokens=tokens, logits=logits, seconds=time.perf_counter() - began,
-                            meta={"handed_off_positions": float(handed_off),
-                                  "pending_tokens": float(pending.size)})
+        return finished_decode(self.name, tokens, logits, began=began, handed_off=handed_off,
+                               pending_tokens=pending.size)
 
 
 def _canonical(tensor: torch.Tensor) -> np.ndarray:
     """A cache view [kv_heads, positions, head_dim] (strided over the cache's slots) as a
     C-contiguous float32 numpy copy (bf16 -> float32 is exact)."""
     return np.ascontiguousarray(tensor.float().cpu().numpy())
+
+
+# --------------------------------------------------------------------------------------------
+# A random-weight model named by a file (the torch-llama lanes)
+# --------------------------------------------------------------------------------------------
+
+# A random-model file names its shape with Hugging Face's config keys, so the tools that read a
+# model directory's config.json (RoPE base, head size, context) read it unchanged.
+RANDOM_MODEL_SHAPE_KEYS = {
+    "layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "intermediate": "intermediate_size",
+    "vocab": "vocab_size", "max_positions": "max_position_embeddings", "rope_theta": "rope_theta",
+    "rms_norm_eps": "rms_norm_eps", "tied_embeddings": "tie_word_embeddings",
+}
+RANDOM_MODEL_FIELDS = {"architecture", "weights", "seed", "dtype", "device", *RANDOM_MODEL_SHAPE_KEYS.values()}
+
+
+@functools.cache
+def random_model_weights(path: Path) -> LlamaWeights:
+    """The weights a random-model file names (shape, dtype, device, seed), drawn once per process:
+    a lane's in-process producer and its consumer share them (read-only)."""
+    from qualify.core.digests import strict_json_loads
+
+    try:
+        document = strict_json_loads(Path(path).read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise Refused(f"random model {path}: unreadable ({exc})") from None
+    if not isinstance(document, dict) or set(document) != RANDOM_MODEL_FIELDS:
+        found = sorted(document) if isinstance(document, dict) else type(document).__name__
+        raise Refused(f"random model {path}: fields: found {found}, expected {sorted(RANDOM_MODEL_FIELDS)}")
+    if document["architecture"] != "llama":
+        raise Refused(f"random model {path}: architecture: found {document['architecture']!r}, expected 'llama'")
+    shape = LlamaShape(**{name: document[key] for name, key in RANDOM_MODEL_SHAPE_KEYS.items()})
+    return random_weights(shape, seed=document["seed"], dtype=document["dtype"], device=document["device"])

@@ -37,7 +37,7 @@ import numpy as np
 from qualify.core import assets
 from qualify.core.errors import Refused, one_line
 from qualify.core.kv import KVCache, check_kv_fits
-from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry
+from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry, finished_decode
 from qualify.engines.checkpoint import WEIGHTS_FILE, load_config, model_files_view
 
 # Bump whenever this file's numerics change (how KV is installed, how pending tokens are fed).
@@ -124,9 +124,11 @@ class TransformersEngine(GreedyDecoder):
         from transformers import LlamaForCausalLM
 
         with self._precision():
-            model, info = LlamaForCausalLM.from_pretrained(
+            # output_loading_info=True returns (model, info); transformers' annotation names only the model.
+            loaded: tuple[Any, dict[str, list[str]]] = LlamaForCausalLM.from_pretrained(  # type: ignore[assignment]
                 str(model_files_view(model_dir, "transformers")), dtype=self.torch_dtype,
                 attn_implementation=self.attn_implementation, output_loading_info=True)
+        model, info = loaded
         problems = {key: sorted(value) for key, value in info.items() if value}
         if problems:
             raise Refused(one_line(f"transformers model {model_dir / WEIGHTS_FILE}: loading reported {problems}"))
@@ -206,12 +208,8 @@ class TransformersEngine(GreedyDecoder):
             tokens, logits = self._run_on_device(cache, pending, steps, forced)
             tokens_host = tokens.cpu().numpy().astype(np.int32)  # [steps]
             logits_host = logits.cpu().numpy()  # [steps, vocab] float32
-        finite_rows = np.isfinite(logits_host).all(axis=1)
-        if not finite_rows.all():
-            raise Refused(f"{self.name}: non-finite logits at decode step {int(np.argmin(finite_rows))}")
-        return DecodeResult(tokens=tokens_host, logits=logits_host, seconds=time.perf_counter() - began,
-                            meta={"handed_off_positions": float(handed_off),
-                                  "pending_tokens": float(pending.size)})
+        return finished_decode(self.name, tokens_host, logits_host, began=began, handed_off=handed_off,
+                               pending_tokens=pending.size)
 
     def _install(self, kv: KVCache) -> Any:
         """A DynamicCache holding ``kv`` (already checked), cast to the model dtype on the device:

@@ -190,11 +190,11 @@ class _Transfer:
 
 
 @dataclass
-class QualifyConnectorMetadata(KVConnectorMetadata):
+class QualifyConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped: its bases are Any
     transfers: list[_Transfer] = field(default_factory=list)
 
 
-class QualifyKVConnector(KVConnectorBase_V1):
+class QualifyKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped: its bases are Any
     """Exports a request's prompt KV in the canonical layout, or installs a verified handoff."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -268,7 +268,8 @@ class QualifyKVConnector(KVConnectorBase_V1):
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
         except ImportError:
             return None
-        return _get_attn_isa(torch.float32, self._block_size, self._head_dim)
+        isa: str | None = _get_attn_isa(torch.float32, self._block_size, self._head_dim)
+        return isa
 
     def _check(self, kv_layer: torch.Tensor) -> None:
         if not self._layout_checked:

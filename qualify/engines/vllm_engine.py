@@ -219,7 +219,7 @@ class VllmEngine:
         self.role = role
         self.fault = fault
         self.handoff_block_size = VLLM_BLOCK_SIZE
-        from qualify.engines.reference import load_config
+        from qualify.engines.checkpoint import load_config
 
         self.geometry: ModelGeometry = load_config(Path(model_dir)).geometry
         connector_fault = fault if fault in ("k-bit-flip", "block-order", "raise", "shift-install") else None
@@ -235,7 +235,8 @@ class VllmEngine:
         extra: dict[str, Any] = {} if connector_fault is None else {"qualify_fault": connector_fault}
         started = time.perf_counter()
         llm = LLM(
-            model=str(model_files_view(Path(model_dir), "vllm")), dtype=DTYPE, skip_tokenizer_init=True, enforce_eager=True,
+            model=str(model_files_view(Path(model_dir), "vllm")), dtype=DTYPE, skip_tokenizer_init=True,
+            enforce_eager=True,
             gpu_memory_utilization=0.2, enable_prefix_caching=False, max_model_len=4096,
             max_num_batched_tokens=4096, block_size=VLLM_BLOCK_SIZE,
             max_logprobs=-1, logprobs_mode="raw_logits", seed=0,
@@ -442,23 +443,6 @@ class VllmEngine:
             finally:
                 MAILBOX.imports.pop(key, None)
                 MAILBOX.loaded.pop(key, None)
-        return np.concatenate([self._rows(c, 1) for c in completions]).astype(np.float32)
+        rows: np.ndarray = np.concatenate([self._rows(c, 1) for c in completions]).astype(np.float32)
+        return rows
 
-
-# -- fault-injecting producers (``RunOptions.engine_factory``; see vllm_connector.CONNECTOR_FAULTS) --
-
-
-def _faulty(fault: str):
-    def build(lane: str, mode: str):
-        from qualify.engines.factory import build_producer
-
-        return build_producer(lane, mode, vllm_fault=fault)
-
-    build.__name__ = f"build_{fault.replace('-', '_')}_producer"
-    return build
-
-
-build_k_bit_flip_producer = _faulty("k-bit-flip")
-build_block_order_producer = _faulty("block-order")
-build_other_prompt_producer = _faulty("other-prompt")
-build_raising_producer = _faulty("raise")

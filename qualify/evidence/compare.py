@@ -73,7 +73,7 @@ class LogitTransform:
             np.copyto(out, rows)
             return out
         cap = np.float32(self.cap)
-        result = np.divide(rows, cap, out=out, dtype=np.float32)
+        result: np.ndarray = np.divide(rows, cap, out=out, dtype=np.float32)
         np.tanh(result, out=result)
         np.multiply(result, cap, out=result)
         return result
@@ -174,7 +174,7 @@ class _DigestStream:
 
     def update(self, chunk: np.ndarray) -> None:
         chunk = _le_bytes(chunk)
-        self.block.update(chunk)
+        self.block.update(chunk.data)
         self.rows.extend(hashlib.sha256(row).hexdigest() for row in chunk)
 
     def result(self) -> LogitDigests:
@@ -203,7 +203,7 @@ def _digest_blocks_in_background(*blocks: np.ndarray) -> list[Future[LogitDigest
 
 def first_digest_mismatch(handoff: LogitDigests, cold: LogitDigests) -> int | None:
     """First row whose digests differ (a length difference counts at the shorter length)."""
-    for index, (left, right) in enumerate(zip(handoff.row_sha256, cold.row_sha256)):
+    for index, (left, right) in enumerate(zip(handoff.row_sha256, cold.row_sha256, strict=False)):
         if left != right:
             return index
     if len(handoff.row_sha256) != len(cold.row_sha256):
@@ -318,13 +318,13 @@ def compare_logit_blocks(
     rows, vocab = handoff.shape
     step = _chunk_rows(vocab)
     deltas = _DeltaStream(rows, vocab, step)
-    handoff_units = np.empty((step, vocab), dtype=np.float32) if transform.cap else None
-    cold_units = np.empty((step, vocab), dtype=np.float32) if transform.cap else None
+    handoff_units = np.empty((step, vocab), dtype=np.float32) if transform.cap is not None else None
+    cold_units = np.empty((step, vocab), dtype=np.float32) if transform.cap is not None else None
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         left = handoff[start:stop]
         right = cold[start:stop]
-        if transform.cap is not None:
+        if handoff_units is not None and cold_units is not None:  # capped units
             left = transform.apply(left, out=handoff_units[: stop - start])
             right = transform.apply(right, out=cold_units[: stop - start])
         deltas.update(start, left, right)
@@ -358,12 +358,12 @@ def top1_top2_margins(logits: np.ndarray, transform: LogitTransform | str = "raw
     array = _as_logits(logits, "logits")
     rows, vocab = array.shape
     step = _chunk_rows(vocab)
-    scratch = np.empty((step, vocab), dtype=np.float32) if transform.cap else None
+    scratch = np.empty((step, vocab), dtype=np.float32) if transform.cap is not None else None
     margins = np.empty(rows, dtype=np.float64)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         chunk = array[start:stop]
-        if transform.cap is not None:
+        if scratch is not None:  # capped units
             chunk = transform.apply(chunk, out=scratch[: stop - start])
         margins[start:stop] = _top1_minus_top2(chunk)
     return margins
@@ -500,16 +500,18 @@ def compare_kv(
     positions: int | None = None
     profile = np.zeros(0, dtype=np.float64)
     layers = []
-    for layer, tensors in enumerate(zip(handoff_keys, handoff_values, own_keys, own_values)):
+    for layer, tensors in enumerate(zip(handoff_keys, handoff_values, own_keys, own_values, strict=True)):
         key, value, own_key, own_value = (np.asarray(t) for t in tensors)
         for name, tensor in (("K", key), ("V", value)):
             if tensor.ndim != 3:
-                raise Refused(f"kv layer {layer} {name}: expected [kv_heads, positions, head_dim], found {list(tensor.shape)}")
+                raise Refused(f"kv layer {layer} {name}: expected [kv_heads, positions, head_dim], "
+                              f"found {list(tensor.shape)}")
             if positions is None:
                 positions = tensor.shape[1]
                 profile = np.zeros(positions, dtype=np.float64)
             if tensor.shape[1] != positions:
-                raise Refused(f"kv layer {layer} {name}: {tensor.shape[1]} handed-off positions, layer 0 has {positions}")
+                raise Refused(f"kv layer {layer} {name}: {tensor.shape[1]} handed-off positions, "
+                              f"layer 0 has {positions}")
         k, k_position = _tensor_delta(key, own_key, f"kv layer {layer} K", profile)
         v, v_position = _tensor_delta(value, own_value, f"kv layer {layer} V", profile)
         layers.append(KVLayerDelta(layer, k, v, k_position, v_position))
@@ -678,14 +680,14 @@ def compare_branches(
         left, right = handoff_logits[start:stop], cold_logits[start:stop]
         if forced is not None:
             flips += int(np.count_nonzero(forced[start:stop].argmax(axis=1) != right.argmax(axis=1)))
-        if capped:
+        if handoff_units is not None and cold_units is not None:  # capped units
             left = transform.apply(left, out=handoff_units[:count])
             right = transform.apply(right, out=cold_units[:count])
         deltas.update(start, left, right)
         margins[start:stop] = _top1_minus_top2(right)
         if forced is not None and forced_deltas is not None:
             forced_chunk = forced[start:stop]
-            if capped:
+            if forced_units is not None:  # capped units
                 forced_chunk = transform.apply(forced_chunk, out=forced_units[:count])
             forced_deltas.update(start, forced_chunk, right)
     delta = deltas.result(maximum_absolute, maximum_mean_absolute)

@@ -2,7 +2,7 @@
 
 :func:`compare_branches_device` produces the very :class:`qualify.evidence.compare.BranchComparison` that
 :func:`qualify.evidence.compare.compare_branches` produces from numpy arrays, so
-:func:`qualify.evidence.records.sample_record` and :mod:`qualify.judge` are reused unchanged. The
+:func:`qualify.evidence.sample.sample_record` and :mod:`qualify.judge` are reused unchanged. The
 definitions (contract units, digests, the divergence rule) are compare.py's; this module only
 moves the arithmetic to the device and reuses compare.py's helpers for everything else
 (``token_agreement``, ``localise_divergence``, ``first_row_over_rule``, ``first_digest_mismatch``,
@@ -165,7 +165,7 @@ class LogitDigester:
         ready = None
         if on_cuda:
             host.copy_(logits, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch ships Event unannotated
             ready.record()
         else:
             host.copy_(logits)
@@ -178,7 +178,7 @@ class LogitDigester:
         def block_digest() -> str:
             wait()
             began = time.perf_counter()
-            digest = hashlib.sha256(array).hexdigest()
+            digest = hashlib.sha256(array.data).hexdigest()
             self._account(time.perf_counter() - began, array.nbytes)
             return digest
 
@@ -195,14 +195,15 @@ class LogitDigester:
         row_jobs = [self._pool.submit(row_digests, bounds[i], bounds[i + 1]) for i in range(parts)]
         remaining = [1 + len(row_jobs)]
 
-        def finished(_: Future) -> None:
+        def finished(_: Future[str] | Future[list[str]]) -> None:
             with self._lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
                 self._release(buffer)
 
-        for job in (block, *row_jobs):
+        jobs: list[Future[str] | Future[list[str]]] = [block, *row_jobs]
+        for job in jobs:
             job.add_done_callback(finished)
         return DigestJob(block, row_jobs)
 
@@ -231,7 +232,9 @@ class _Timer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self._start, self._stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # torch ships Event unannotated
+            self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self._stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             self._start.record()
         else:
             self._began = time.perf_counter()
@@ -247,7 +250,7 @@ class _Timer:
     def seconds(self) -> float:
         if self.cuda:
             self._stop.synchronize()
-            return self._start.elapsed_time(self._stop) / 1000.0
+            return float(self._start.elapsed_time(self._stop)) / 1000.0
         return self._seconds
 
 
@@ -344,7 +347,7 @@ def compare_kv_device(handoff_keys: Sequence[torch.Tensor], handoff_values: Sequ
     positions = None
     per_position = []  # [2 * layers] of [positions] float32, K then V per layer
     with torch.inference_mode():
-        for layer, tensors in enumerate(zip(handoff_keys, handoff_values, own_keys, own_values)):
+        for layer, tensors in enumerate(zip(handoff_keys, handoff_values, own_keys, own_values, strict=True)):
             for name, handoff, own in (("K", tensors[0], tensors[2]), ("V", tensors[1], tensors[3])):
                 if handoff.ndim != 3:
                     raise Refused(f"kv layer {layer} {name}: expected [kv_heads, positions, head_dim], "

@@ -1,5 +1,8 @@
 """Sample records, qualification rules and the validation summary (frozen pydantic models).
 
+Pure data: nothing here compares logits or touches an engine (the records are built from a
+comparison in :mod:`qualify.evidence.sample`), so the judge can read records without numpy.
+
 A :class:`SampleRecord` is the evidence one handoff sample leaves in its receipt. Records are
 written to JSON (:func:`record_json`) and judged from plain dicts read back from it, so the judge
 never trusts a model's defaults: a field that is absent or null is *omitted evidence*. In the JSON
@@ -12,15 +15,23 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
-from qualify.evidence.compare import BranchComparison
+from qualify.core.errors import Refused, one_line
 
-SAMPLE_SCHEMA = "trust-ladder.sample-record.v1"
-SUMMARY_SCHEMA = "trust-ladder.validation-summary.v1"
+SAMPLE_SCHEMA: Final = "trust-ladder.sample-record.v1"
+SUMMARY_SCHEMA: Final = "trust-ladder.validation-summary.v1"
 
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0)]
@@ -129,36 +140,105 @@ QualificationRule = Annotated[BoundedDriftRule | BitExactRule, Field(discriminat
 _RULE_ADAPTER: TypeAdapter[BoundedDriftRule | BitExactRule] = TypeAdapter(QualificationRule)
 
 
-def rule_from_identity(identity: Any, *, drift_graded: bool) -> BoundedDriftRule | BitExactRule:
-    """The judging rule an onboarding identity (``qualify.contract.identity.Identity``) declares.
+@runtime_checkable
+class DriftBounds(Protocol):
+    """A bounded-drift full-logit rule as an identity declares it."""
+
+    @property
+    def maximum_absolute(self) -> float: ...
+
+    @property
+    def maximum_mean_absolute(self) -> float: ...
+
+
+class DeclaredQualification(Protocol):
+    """The part of an identity's ``onboarding_qualification`` a judging rule is made from."""
+
+    @property
+    def repetitions(self) -> int: ...
+
+    @property
+    def output_tokens(self) -> int: ...
+
+    @property
+    def full_logits(self) -> object: ...
+
+
+class DeclaredDraft(Protocol):
+    """A speculative draft as an identity declares it: only its sealed acceptance floor matters here."""
+
+    @property
+    def acceptance_floor(self) -> float: ...
+
+
+class RuleSource(Protocol):
+    """What :func:`rule_from_identity` reads from an identity (``qualify.contract.identity.Identity``
+    satisfies it; a Protocol keeps this module free of the contract layer's imports)."""
+
+    @property
+    def rung(self) -> int: ...
+
+    @property
+    def onboarding_qualification(self) -> DeclaredQualification: ...
+
+    @property
+    def speculative_draft(self) -> DeclaredDraft | None: ...
+
+
+def _rule_refusal(what: str, error: ValidationError, *, tagged: bool) -> Refused:
+    """One line naming the first invalid field of a rule and why; ``tagged`` when the location
+    starts with the union's rung tag, which names no field."""
+    first = error.errors()[0]
+    location = first["loc"][1:] if tagged else first["loc"]
+    where = ".".join(str(part) for part in location) or "(rule)"
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return Refused(one_line(f"{what}: {where}: {message}"))
+
+
+def rule_from_identity(identity: RuleSource, *, drift_graded: bool) -> BoundedDriftRule | BitExactRule:
+    """The judging rule an onboarding identity declares.
 
     Rung 2 takes the bounded-drift bounds; rung 3 the draft's sealed acceptance floor (None when
     the identity declares no draft). ``drift_graded`` is the run's ``--drift-graded`` flag.
     """
     qualification = identity.onboarding_qualification
-    common = {
-        "repetitions": qualification.repetitions,
-        "output_tokens": qualification.output_tokens,
-        "drift_graded": drift_graded,
-    }
-    if identity.rung == 2:
-        logits = qualification.full_logits
-        return BoundedDriftRule(
-            maximum_absolute=logits.maximum_absolute,
-            maximum_mean_absolute=logits.maximum_mean_absolute,
-            **common,
-        )
-    if identity.rung == 3:
-        draft = identity.speculative_draft
-        return BitExactRule(acceptance_floor=None if draft is None else draft.acceptance_floor, **common)
-    raise ValueError(f"identity rung: found {identity.rung!r}, expected 2 or 3")
+    try:
+        if identity.rung == 2:
+            logits = qualification.full_logits
+            if not isinstance(logits, DriftBounds):
+                raise Refused("identity onboarding_qualification.full_logits: a rung-2 identity must declare "
+                              "maximum_absolute and maximum_mean_absolute")
+            return BoundedDriftRule(
+                repetitions=qualification.repetitions,
+                output_tokens=qualification.output_tokens,
+                maximum_absolute=logits.maximum_absolute,
+                maximum_mean_absolute=logits.maximum_mean_absolute,
+                drift_graded=drift_graded,
+            )
+        if identity.rung == 3:
+            draft = identity.speculative_draft
+            return BitExactRule(
+                repetitions=qualification.repetitions,
+                output_tokens=qualification.output_tokens,
+                acceptance_floor=None if draft is None else draft.acceptance_floor,
+                drift_graded=drift_graded,
+            )
+    except ValidationError as error:
+        raise _rule_refusal("identity rule", error, tagged=False) from None
+    raise Refused(f"identity rung: found {identity.rung!r}, expected 2 or 3")
 
 
 def parse_rule(rule: Mapping[str, Any] | BoundedDriftRule | BitExactRule) -> BoundedDriftRule | BitExactRule:
-    """A rule model from a model or a plain dict (e.g. read back from a validation summary)."""
+    """A rule model from a model or a plain dict (e.g. read back from a validation summary);
+    an invalid dict is refused, naming its first bad field."""
     if isinstance(rule, (BoundedDriftRule, BitExactRule)):
         return rule
-    return _RULE_ADAPTER.validate_python(dict(rule))
+    if not isinstance(rule, Mapping):
+        raise Refused(f"rule: found {type(rule).__name__}, expected a rule object")
+    try:
+        return _RULE_ADAPTER.validate_python(dict(rule))
+    except ValidationError as error:
+        raise _rule_refusal("rule", error, tagged=True) from None
 
 
 # --------------------------------------------------------------------------- localisation
@@ -217,7 +297,7 @@ class SampleRecord(_Frozen):
     """One handoff sample's evidence. Every field of :data:`REQUIRED_SAMPLE_FIELDS` must hold a
     value unless ``error`` says why the sample failed (then missing evidence stays null)."""
 
-    schema_: Literal["trust-ladder.sample-record.v1"] = Field(SAMPLE_SCHEMA, alias="schema")
+    schema_: Literal["trust-ladder.sample-record.v1"] = Field(default=SAMPLE_SCHEMA, alias="schema")
     repetition: Annotated[int, Field(ge=1)]
     output_tokens: Count | None = None
     token_agreement_rate: float | None = None
@@ -269,120 +349,14 @@ class SampleRecord(_Frozen):
 
 def record_json(record: SampleRecord) -> dict[str, Any]:
     """The JSON form of a record as a plain dict: every field present, non-finite as strings."""
-    return json.loads(record.model_dump_json(by_alias=True))
-
-
-def sample_record(
-    *,
-    repetition: int,
-    comparison: BranchComparison,
-    payload_sha256: str,
-    payload_bytes: int,
-    payload_gbit_per_s: float,
-    handed_off_positions: int,
-    recomputed_positions: int,
-    phases: Mapping[str, float],
-    seams_sha256: str | None = None,
-    kv_threshold: float | None = None,
-    kv_envelope: Sequence[tuple[float, float]] | None = None,
-    include_localisation: bool | None = None,
-    include_row_digests: bool = True,
-) -> SampleRecord:
-    """Build a complete record from a :class:`BranchComparison` and the handoff's own facts.
-
-    ``phases`` must name every field of :data:`PHASE_FIELDS`. Localisation is included when the
-    sample disagrees (tokens, a rule-breaking row, a digest mismatch) or when teacher-forced/KV
-    localisation was computed, unless ``include_localisation`` says otherwise.
-    """
-    missing = [name for name in PHASE_FIELDS if name not in phases]
-    if missing:
-        raise ValueError(f"sample omits {missing[0]}")
-    extra = sorted(set(phases) - set(PHASE_FIELDS))
-    if extra:
-        raise ValueError(f"phases: unknown phase {extra[0]!r}")
-    disagrees = (
-        comparison.first_divergence is not None
-        or comparison.delta.first_row_over_rule is not None
-        or comparison.first_logit_digest_mismatch is not None
-    )
-    if include_localisation is None:
-        include_localisation = disagrees or comparison.teacher_forced is not None or comparison.kv is not None
-    localisation = None
-    if include_localisation:
-        teacher = comparison.teacher_forced
-        kv = comparison.kv
-        margins = comparison.cold_margins
-        localisation = Localisation(
-            first_divergence_position=comparison.first_divergence,
-            cold_margin_at_divergence=comparison.cold_margin_at_divergence,
-            drift_at_divergence=comparison.drift_at_divergence,
-            divergence_class=comparison.divergence_class,
-            first_rule_breaking_row=comparison.delta.first_row_over_rule,
-            min_cold_margin=float(margins.min()) if margins.size else None,
-            teacher_forced=None if teacher is None else TeacherForcedSummary(
-                max_abs=teacher.max_abs,
-                mean_abs=teacher.mean_abs,
-                first_row_over_rule=teacher.first_row_over_rule,
-                top1_flips=teacher.top1_flips,
-            ),
-            kv_layer_max_abs=None if kv is None else tuple(
-                KVLayerMaxAbs(layer=item.layer, k=item.k, v=item.v,
-                              k_position=item.k_position, v_position=item.v_position)
-                for item in kv.layers
-            ),
-            kv_first_position_over_threshold=(
-                kv.first_position_over(kv_threshold) if kv is not None and kv_threshold is not None else None
-            ),
-            kv_threshold=kv_threshold if kv is not None else None,
-            kv_over_envelope=None if kv is None or kv_envelope is None else kv_over_envelope(kv, kv_envelope),
-        )
-    return SampleRecord(
-        repetition=repetition,
-        output_tokens=comparison.output_tokens,
-        token_agreement_rate=comparison.token_agreement_rate,
-        max_abs=comparison.max_abs,
-        mean_abs=comparison.mean_abs,
-        handoff_generated_token_sha256=comparison.handoff_generated_token_sha256,
-        cold_generated_token_sha256=comparison.cold_generated_token_sha256,
-        handoff_logit_block_sha256=comparison.handoff_digests.block_sha256,
-        cold_logit_block_sha256=comparison.cold_digests.block_sha256,
-        logit_row_digests_equal=comparison.logit_row_digests_equal,
-        first_logit_digest_mismatch_row=comparison.first_logit_digest_mismatch,
-        handoff_logit_row_sha256=comparison.handoff_digests.row_sha256 if include_row_digests else None,
-        cold_logit_row_sha256=comparison.cold_digests.row_sha256 if include_row_digests else None,
-        payload_sha256=payload_sha256,
-        seams_sha256=seams_sha256,
-        payload_bytes=payload_bytes,
-        payload_gbit_per_s=float(payload_gbit_per_s),
-        handed_off_positions=handed_off_positions,
-        recomputed_positions=recomputed_positions,
-        **{name: float(phases[name]) for name in PHASE_FIELDS},
-        handoff_draft_tokens_sha256=comparison.handoff_draft_tokens_sha256,
-        cold_draft_tokens_sha256=comparison.cold_draft_tokens_sha256,
-        handoff_draft_trace_sha256=comparison.handoff_draft_trace_sha256,
-        cold_draft_trace_sha256=comparison.cold_draft_trace_sha256,
-        draft_acceptance_rate=comparison.draft_acceptance_rate,
-        localisation=localisation,
-    )
-
-
-def kv_over_envelope(kv: Any, envelope: Sequence[tuple[float, float]]) -> tuple[KVOverEnvelope, ...]:
-    """The layers and tensors whose max abs delta exceeds the calibrated (K, V) envelope per layer."""
-    over = []
-    for item in kv.layers:
-        k_envelope, v_envelope = envelope[item.layer] if item.layer < len(envelope) else (0.0, 0.0)
-        for tensor, delta, bound, position in (("K", item.k, k_envelope, item.k_position),
-                                               ("V", item.v, v_envelope, item.v_position)):
-            if not (delta <= bound):  # NaN counts as over (fail closed)
-                over.append(KVOverEnvelope(layer=item.layer, tensor=tensor, delta=float(delta),
-                                           envelope=float(bound), position=position))
-    return tuple(over)
+    document: dict[str, Any] = json.loads(record.model_dump_json(by_alias=True))
+    return document
 
 
 def failed_sample_record(repetition: int, error: str, **measured: Any) -> SampleRecord:
     """A record for a sample that failed (producer error, refused handoff), keeping whatever was
     measured before the failure; the judge refuses it on ``error``."""
-    message = " ".join(str(error).split()) or "sample failed without a message"
+    message = one_line(error) or "sample failed without a message"
     return SampleRecord(repetition=repetition, error=message, **measured)
 
 
@@ -400,7 +374,7 @@ class CheckRecord(_Frozen):
 class ValidationSummary(_Frozen):
     """What a receipt's ``validation-summary.json`` holds: the verdict over the run's samples."""
 
-    schema_: Literal["trust-ladder.validation-summary.v1"] = Field(SUMMARY_SCHEMA, alias="schema")
+    schema_: Literal["trust-ladder.validation-summary.v1"] = Field(default=SUMMARY_SCHEMA, alias="schema")
     run_id: str
     recipe: str
     lane: str

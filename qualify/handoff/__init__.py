@@ -1,5 +1,7 @@
-"""Authenticated KV handoff across a process boundary: wire format, producer service, client.
+"""Authenticated KV handoff between a producer and the consumer: wire format, protocol, transports.
 
-``wire`` seals and opens handoffs (safetensors payload, JSON manifest, HMAC-SHA256); ``service``
-is the producer process; ``client`` starts it and requests handoffs from the harness side.
+``wire`` seals and opens handoffs (safetensors payload, JSON manifest, HMAC-SHA256); ``protocol``
+is what producer and harness share (frames, client auth, start expectation, handed-off positions);
+``service`` is the producer process; ``transport`` is the consumer's edge (``Transport``, and the
+in-process producer); ``client`` starts the producer process and requests handoffs over its socket.
 """

@@ -1,5 +1,8 @@
 """The harness side of the handoff: start the producer process, wait for it, request handoffs.
 
+:class:`ProducerProcess` is the socket :class:`~qualify.handoff.transport.Transport`; it speaks
+:mod:`qualify.handoff.protocol` and never imports the producer's own module.
+
 :class:`ProducerProcess` runs ``python -m qualify.handoff.service`` in its own process group,
 hands it the run key through an inherited pipe (never argv, never the environment), waits for its
 ready line (written only after a warm-up prefill), authenticates on the socket, and requests
@@ -35,10 +38,11 @@ from typing import Any, Literal, NoReturn
 
 import numpy as np
 
+from qualify.contract.lanes import ProducerMode
 from qualify.core.assets import REPO_ROOT
 from qualify.core.errors import ProducerFailed, Refused, one_line
 from qualify.core.hostenv import host_facts_problem
-from qualify.handoff.service import (
+from qualify.handoff.protocol import (
     DEFAULT_WARMUP_TOKENS,
     DEFAULT_WATCHDOG_S,
     EXIT_REFUSED,
@@ -47,6 +51,7 @@ from qualify.handoff.service import (
     MAX_HEADER_BYTES,
     PROTOCOL,
     SOCKET_BUFFER_BYTES,
+    FrameHeader,
     ProducerExpectation,
     client_auth_mac,
     decode_frame_header,
@@ -130,7 +135,7 @@ class ProducerProcess:
         self,
         *,
         lane: str,
-        mode: str,
+        mode: ProducerMode,
         key: bytes,
         run_id: str,
         expectation: ProducerExpectation,
@@ -151,8 +156,11 @@ class ProducerProcess:
     ) -> None:
         if transport not in ("unix", "tcp"):
             raise Refused(f"producer transport: found {transport!r}, expected unix or tcp")
+        try:
+            self.mode = ProducerMode(mode)  # the enum, or (from an untyped caller) its value
+        except ValueError:
+            raise Refused(f"producer mode: found {mode!r}, expected exact or native") from None
         self.lane = lane
-        self.mode = mode
         self._key = bytes(key)
         self.run_id = run_id
         self.expectation = expectation
@@ -221,7 +229,7 @@ class ProducerProcess:
             key_write = -1
             argv = [
                 self.python, "-m", "qualify.handoff.service",
-                "--lane", self.lane, "--mode", self.mode, "--run-id", self.run_id,
+                "--lane", self.lane, "--mode", self.mode.value, "--run-id", self.run_id,
                 "--expect", str(expect_path), "--watchdog-s", repr(float(self.watchdog_s)),
                 "--key-fd", str(key_read), "--ready-fd", str(ready_write),
                 "--warmup-tokens", str(self.warmup_tokens), "--exit-with-stdin",
@@ -378,9 +386,9 @@ class ProducerProcess:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def request_prefill(self, tokens: np.ndarray | Sequence[int], request_id: str,
+    def request_prefill(self, prompt: np.ndarray | Sequence[int], request_id: str,
                         *, timeout_s: float | None = None) -> Handoff:
-        """Ask for the KV of ``tokens``; returns the sealed handoff with transport stats.
+        """Ask for the KV of ``prompt``; returns the sealed handoff with transport stats.
 
         The handoff is not yet verified: pass it to ``qualify.handoff.wire.open_handoff``.
         Raises :class:`ProducerFailure` if the producer fails, dies or misses the deadline.
@@ -390,7 +398,7 @@ class ProducerProcess:
         if self._sock is None:
             raise ProducerFailure("producer: not connected", exit_status=self.exit_status,
                                   producer_message="")
-        token_array = np.asarray(tokens)
+        token_array = np.asarray(prompt)
         if token_array.ndim != 1 or token_array.dtype.kind not in "iu":
             raise Refused(f"prefill tokens: found {token_array.dtype} {list(token_array.shape)}, "
                           f"expected a 1-D array of integer token ids")
@@ -448,7 +456,7 @@ class ProducerProcess:
         except OSError as exc:
             raise _Dead(f"cannot send {header.get('op')!r} ({type(exc).__name__})") from None
 
-    def _read_header(self, deadline: float, first_byte: list[float] | None = None) -> dict[str, Any]:
+    def _read_header(self, deadline: float, first_byte: list[float] | None = None) -> FrameHeader:
         prefix = self._read_exact(FRAME_LENGTH.size, deadline, first_byte)
         (length,) = FRAME_LENGTH.unpack(prefix)
         if length > MAX_HEADER_BYTES:
@@ -543,10 +551,10 @@ class ProducerProcess:
         if starting and status == EXIT_REFUSED:
             refusal = message.removeprefix("refused to start: ")
             raise ProducerStartRefused(
-                f"producer {self.lane} ({self.mode}) refused to start: {refusal}",
+                f"producer {self.lane} ({self.mode.value}) refused to start: {refusal}",
                 exit_status=status, producer_message=message,
             )
-        text = (f"producer {self.lane} ({self.mode}): {reason}; exit status {status_text}; "
+        text = (f"producer {self.lane} ({self.mode.value}): {reason}; exit status {status_text}; "
                 f"producer said: {message}")
         failure = ProducerFailure(text, exit_status=status, producer_message=message)
         self._failure = failure

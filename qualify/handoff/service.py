@@ -13,21 +13,20 @@ the engine, the producer sends an error frame and exits 75 (EX_TEMPFAIL): a dead
 known state, a live one serving from a half-broken engine is not. Three consecutive non-engine
 errors (bad frames, failed authentication) also exit 75.
 
-Protocol (Unix socket by default, loopback TCP on request): every frame is a 4-byte big-endian
-length, a canonical-JSON header, then the raw blobs the header's ``blobs`` list sizes. On connect
-the producer sends ``hello`` with a nonce; the client answers ``auth`` with
-HMAC-SHA256(run key, context || nonce); then ``ready?``, ``prefill {tokens, request_id}`` (answered
-by ``handoff`` with blobs manifest, MAC, payload) and ``shutdown``. The ``ready`` answer carries
-``host``: this process's :func:`qualify.core.hostenv.host_facts` (CPU, ISA flags, BLAS kernel and
-threads, numpy SIMD dispatch, GPU, harness commit), taken once after the warm-up prefill, so the
-consumer can record in its receipt what the producer ran on.
+Protocol (:mod:`qualify.handoff.protocol`, shared with the client; Unix socket by default,
+loopback TCP on request): ``hello``/``auth`` with the run key, then ``ready?``, ``prefill`` and
+``shutdown``. The ``ready`` answer carries ``host``: this process's
+:func:`qualify.core.hostenv.host_facts` (CPU, ISA flags, BLAS kernel and threads, numpy SIMD
+dispatch, GPU, harness commit), taken once after the warm-up prefill, so the consumer can record
+in its receipt what the producer ran on. A lane hands off the positions
+:func:`qualify.handoff.protocol.handed_off_positions` says (whole blocks on vLLM lanes); an
+engine whose prefill hands off any other count is an engine error.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
-import hashlib
 import hmac
 import importlib
 import ipaddress
@@ -37,212 +36,64 @@ import re
 import secrets
 import socket
 import stat
-import struct
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import numpy as np
 
+from qualify.contract.lanes import ProducerMode
 from qualify.core.assets import prompt_sha256
 from qualify.core.digests import canonical_json_bytes, is_sha256_hex
 from qualify.core.errors import Refused, one_line
 from qualify.core.hostenv import host_facts
-from qualify.engines.base import Engine, ModelGeometry
-from qualify.engines.faults import FAULTS, FaultyProducer
-from qualify.handoff.wire import PRODUCER_MODES, SealedHandoff, key_id, seal_handoff_parts
+from qualify.engines.base import Engine, LaneEngine, ModelGeometry
+from qualify.engines.faults import FAULTS, faulty_producer
+from qualify.handoff.protocol import (
+    DEFAULT_WARMUP_TOKENS,
+    DEFAULT_WATCHDOG_S,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_TEMPFAIL,
+    FRAME_LENGTH,
+    ID_PATTERN,
+    KEY_ENV,
+    MAX_HEADER_BYTES,
+    PROTOCOL,
+    SOCKET_BUFFER_BYTES,
+    FrameHeader,
+    ProducerExpectation,
+    StartRefused,
+    client_auth_mac,
+    decode_frame_header,
+    encode_frame_header,
+    handed_off_positions,
+)
+from qualify.handoff.wire import SealedHandoff, key_id, seal_handoff_parts
 
-PROTOCOL = "trust-ladder.handoff-protocol.v1"
-EXIT_OK = 0
-EXIT_REFUSED = 2
-EXIT_TEMPFAIL = 75
-DEFAULT_WATCHDOG_S = 900.0
-DEFAULT_WARMUP_TOKENS = 16
 DEFAULT_ENGINE_FACTORY = "qualify.engines.factory:build_producer"
-KEY_ENV = "QUALIFY_HANDOFF_KEY"
-CLIENT_AUTH_CONTEXT = b"trust-ladder.handoff.client-auth.v1\x00"
-MAX_HEADER_BYTES = 1 << 20
 MAX_NON_ENGINE_ERRORS = 3
-FRAME_LENGTH = struct.Struct(">I")
 # Once a frame has started, the rest must arrive within this many seconds.
 FRAME_STALL_S = 60.0
 # A GIL-independent backstop (faulthandler, exits 1) behind the watchdog, for a hang in C code
 # that never releases the GIL and so never lets the watchdog thread run.
 BACKSTOP_GRACE_S = 60.0
-SOCKET_BUFFER_BYTES = 4 << 20
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 LANE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 _T = TypeVar("_T")
-EngineFactory = Callable[[str, str], Engine]
+# ``module:function`` building the producer engine of (lane name, producer mode).
+EngineFactory = Callable[[str, ProducerMode], Engine]
 
 
 # --------------------------------------------------------------------------------------------
-# framing (shared with the client)
+# start-time checks
 
 
-def encode_frame_header(header: Mapping[str, Any]) -> bytes:
-    """Length prefix plus canonical JSON header; the blobs listed in ``header['blobs']`` follow."""
-    body = canonical_json_bytes(dict(header))
-    if len(body) > MAX_HEADER_BYTES:
-        raise Refused(f"frame header: {len(body)} bytes, limit {MAX_HEADER_BYTES}")
-    return FRAME_LENGTH.pack(len(body)) + body
-
-
-def decode_frame_header(body: bytes) -> dict[str, Any]:
-    """Parse one frame header; anything but a JSON object with a string ``op`` is refused."""
-    try:
-        header = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise Refused(one_line(f"frame header: not valid JSON ({exc})")) from None
-    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
-        raise Refused("frame header: expected a JSON object with a string 'op'")
-    return header
-
-
-def client_auth_mac(key: bytes, nonce: bytes) -> bytes:
-    """What a client proves it holds the run key with (domain-separated from manifest MACs)."""
-    return hmac.new(key, CLIENT_AUTH_CONTEXT + nonce, hashlib.sha256).digest()
-
-
-# --------------------------------------------------------------------------------------------
-# start-time expectations
-
-
-def handed_off_positions(engine: object, tokens: int) -> int:
-    """How many of ``tokens`` prefilled positions ``engine`` hands off: all of them, or whole
-    blocks only for an engine declaring ``handoff_block_size`` (vLLM; the consumer recomputes
-    the rest as pending tokens)."""
-    block = getattr(engine, "handoff_block_size", None)
-    if block is None:
-        return tokens
-    return (tokens // int(block)) * int(block)
-
-
-class StartRefused(Refused):
-    """The producer refuses to start (exit 2): bad arguments, key, engine or expectation."""
-
-
-@dataclass(frozen=True)
-class ProducerExpectation:
-    """What the harness expects the producer's engine to be; checked once, at start.
-
-    ``digests`` (checkpoint file -> SHA-256), ``engine_name`` and ``engine_abi`` are checked when
-    given. ``identity_sha256`` is the frozen identity the run is under; it goes into every
-    manifest. The target cache identity is *not* here: the engine declares its own (derived from
-    the mode it was built in), so a producer in the wrong mode cannot echo the expected one.
-    """
-
-    engine_version: str
-    geometry: ModelGeometry
-    identity_sha256: str
-    engine_name: str | None = None
-    engine_abi: str | None = None
-    digests: Mapping[str, str] | None = None
-    kv_dtype: str = "float32"
-
-    def to_document(self) -> dict[str, Any]:
-        """The JSON document ``--expect`` reads."""
-        geometry = self.geometry
-        return {
-            "engine_version": self.engine_version,
-            "engine_name": self.engine_name,
-            "engine_abi": self.engine_abi,
-            "identity_sha256": self.identity_sha256,
-            "kv_dtype": self.kv_dtype,
-            "digests": None if self.digests is None else dict(self.digests),
-            "geometry": {
-                "layers": geometry.layers,
-                "hidden": geometry.hidden,
-                "heads": geometry.heads,
-                "kv_heads": geometry.kv_heads,
-                "head_dim": geometry.head_dim,
-                "vocab": geometry.vocab,
-                "max_positions": geometry.max_positions,
-                "rope_theta": geometry.rope_theta,
-            },
-        }
-
-    @classmethod
-    def from_document(cls, document: object) -> ProducerExpectation:
-        """Read an ``--expect`` document; any missing, extra or mistyped field is refused."""
-        fields = {"engine_version", "engine_name", "engine_abi", "identity_sha256", "kv_dtype",
-                  "digests", "geometry"}
-        if not isinstance(document, dict) or set(document) != fields:
-            found = sorted(document) if isinstance(document, dict) else type(document).__name__
-            raise StartRefused(f"--expect: fields {found}, expected exactly {sorted(fields)}")
-        if not isinstance(document["engine_version"], str) or not document["engine_version"]:
-            raise StartRefused("--expect: engine_version must be a non-empty string")
-        for name in ("engine_name", "engine_abi"):
-            if document[name] is not None and not isinstance(document[name], str):
-                raise StartRefused(f"--expect: {name} must be a string or null")
-        if not is_sha256_hex(document["identity_sha256"]):
-            raise StartRefused("--expect: identity_sha256 must be 64 lowercase hex characters")
-        if document["kv_dtype"] not in ("float16", "float32", "float64"):
-            raise StartRefused(f"--expect: kv_dtype {document['kv_dtype']!r} is not a KV dtype")
-        digests = document["digests"]
-        if digests is not None and (
-            not isinstance(digests, dict)
-            or not all(isinstance(k, str) and is_sha256_hex(v) for k, v in digests.items())
-        ):
-            raise StartRefused("--expect: digests must map file names to SHA-256 hex, or be null")
-        geometry = document["geometry"]
-        names = ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_positions")
-        if not isinstance(geometry, dict) or set(geometry) != {*names, "rope_theta"}:
-            raise StartRefused(f"--expect: geometry fields must be exactly {[*names, 'rope_theta']}")
-        for name in names:
-            if type(geometry[name]) is not int or geometry[name] < 1:
-                raise StartRefused(f"--expect: geometry.{name} must be a positive integer")
-        theta = geometry["rope_theta"]
-        if type(theta) not in (int, float) or not np.isfinite(theta) or theta <= 0:
-            raise StartRefused("--expect: geometry.rope_theta must be a positive finite number")
-        return cls(
-            engine_version=document["engine_version"],
-            geometry=ModelGeometry(**{name: geometry[name] for name in names},
-                                   rope_theta=float(theta)),
-            identity_sha256=document["identity_sha256"],
-            engine_name=document["engine_name"],
-            engine_abi=document["engine_abi"],
-            digests=None if digests is None else dict(digests),
-            kv_dtype=document["kv_dtype"],
-        )
-
-
-def expectation_from_identity(identity: Any, model_geometry: ModelGeometry) -> ProducerExpectation:
-    """Build the start expectation from a loaded ``qualify.contract.identity.Identity``.
-
-    The identity pins the producer engine (name, version, ABI), the checkpoint file digests,
-    the context length and the RoPE base; the rest of the model geometry comes from the model's
-    config (``model_geometry``), which must agree with the identity on those two numbers.
-    """
-    from qualify.contract.identity import identity_sha256
-
-    if model_geometry.max_positions != identity.context_policy.max_positions:
-        raise Refused(
-            f"identity context_policy.max_positions {identity.context_policy.max_positions} "
-            f"disagrees with the model's max_positions {model_geometry.max_positions}"
-        )
-    if model_geometry.rope_theta != identity.rope.theta:
-        raise Refused(
-            f"identity rope.theta {identity.rope.theta} disagrees with the model's rope_theta "
-            f"{model_geometry.rope_theta}"
-        )
-    engine = identity.producer_engine
-    return ProducerExpectation(
-        engine_version=engine.version,
-        geometry=model_geometry,
-        identity_sha256=identity_sha256(identity),
-        engine_name=engine.name,
-        engine_abi=engine.abi,
-        digests=dict(identity.checkpoint.files),
-    )
-
-
-def check_engine(engine: object, *, mode: str, expectation: ProducerExpectation) -> str:
+def check_engine(engine: object, *, mode: ProducerMode, expectation: ProducerExpectation) -> str:
     """Compare the built engine with the expectation; returns its target cache identity.
 
     Raises ``StartRefused`` naming the first field that differs.
@@ -250,16 +101,12 @@ def check_engine(engine: object, *, mode: str, expectation: ProducerExpectation)
     for attribute in ("name", "version", "abi", "geometry", "prefill"):
         if not hasattr(engine, attribute):
             raise StartRefused(f"engine: has no {attribute!r}; it does not implement Engine")
-    if engine.version != expectation.engine_version:  # type: ignore[attr-defined]
-        raise StartRefused(
-            f"engine version: found {engine.version!r}, expected "  # type: ignore[attr-defined]
-            f"{expectation.engine_version!r}"
-        )
-    for attribute, wanted in (("name", expectation.engine_name), ("abi", expectation.engine_abi)):
-        found = getattr(engine, attribute)
-        if wanted is not None and found != wanted:
-            raise StartRefused(f"engine {attribute}: found {found!r}, expected {wanted!r}")
-    geometry = engine.geometry  # type: ignore[attr-defined]
+    found_facts = {attribute: getattr(engine, attribute) for attribute in ("name", "version", "abi", "geometry")}
+    for attribute, wanted in (("version", expectation.engine_version), ("name", expectation.engine_name),
+                              ("abi", expectation.engine_abi)):
+        if wanted is not None and found_facts[attribute] != wanted:
+            raise StartRefused(f"engine {attribute}: found {found_facts[attribute]!r}, expected {wanted!r}")
+    geometry = found_facts["geometry"]
     if not isinstance(geometry, ModelGeometry):
         raise StartRefused(f"engine geometry: found {type(geometry).__name__}, expected ModelGeometry")
     for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_positions",
@@ -278,10 +125,13 @@ def check_engine(engine: object, *, mode: str, expectation: ProducerExpectation)
                     f"engine digests {name}: found {found_digests.get(name)!r}, expected "
                     f"{expectation.digests.get(name)!r}"
                 )
-    engine_mode = getattr(engine, "producer_mode", mode)
-    engine_mode = getattr(engine_mode, "value", engine_mode)
-    if engine_mode != mode:
-        raise StartRefused(f"engine producer_mode: found {engine_mode!r}, expected {mode!r}")
+    # A factory's LaneEngine carries its mode; another engine declares ``producer_mode`` (enum or value).
+    declared = engine.mode if isinstance(engine, LaneEngine) else getattr(engine, "producer_mode", None)
+    if declared is None:
+        raise StartRefused(f"engine producer_mode: the engine declares none, expected {mode.value!r}")
+    if getattr(declared, "value", declared) != mode.value:
+        raise StartRefused(f"engine producer_mode: found {getattr(declared, 'value', declared)!r}, "
+                           f"expected {mode.value!r}")
     cache_identity = getattr(engine, "target_cache_identity_sha256", None)
     if not is_sha256_hex(cache_identity):
         raise StartRefused(
@@ -338,7 +188,7 @@ class ServiceConfig:
     """Validated start arguments."""
 
     lane: str
-    mode: str
+    mode: ProducerMode
     run_id: str
     expect_path: Path
     socket_path: Path | None
@@ -357,8 +207,10 @@ class ServiceConfig:
 def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
     """Parse and validate the command line; refuses (exit 2) with one line naming the option."""
     args = _parser().parse_args(argv)
-    if args.mode not in PRODUCER_MODES:
-        raise StartRefused(f"--mode: found {args.mode!r}, expected exact or native")
+    try:
+        mode = ProducerMode(args.mode)
+    except ValueError:
+        raise StartRefused(f"--mode: found {args.mode!r}, expected exact or native") from None
     if args.fault is not None and args.fault not in FAULTS:
         raise StartRefused(f"--fault: found {args.fault!r}, expected one of {', '.join(sorted(FAULTS))}")
     if not LANE_PATTERN.fullmatch(args.lane):
@@ -389,7 +241,7 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
                            "the key itself on the command line)")
     kind, value = sources[0]
     return ServiceConfig(
-        lane=args.lane, mode=args.mode, run_id=args.run_id, expect_path=args.expect,
+        lane=args.lane, mode=mode, run_id=args.run_id, expect_path=args.expect,
         socket_path=args.socket, host=args.host, port=args.port,
         allow_non_loopback=args.allow_non_loopback, watchdog_s=float(args.watchdog_s),
         engine_factory=args.engine_factory, warmup_tokens=args.warmup_tokens,
@@ -442,7 +294,8 @@ def load_factory(spec: str) -> EngineFactory:
         raise StartRefused(one_line(f"--engine-factory {spec}: cannot load ({exc})")) from None
     if not callable(factory):
         raise StartRefused(f"--engine-factory {spec}: not callable")
-    return factory
+    # What it returns is checked against the expectation (check_engine) before anything is served.
+    return cast(EngineFactory, factory)
 
 
 def load_expectation(path: Path) -> ProducerExpectation:
@@ -571,7 +424,7 @@ class ProducerService:
         """Best-effort error frame (never raises)."""
         if conn is None:
             return
-        header: dict[str, Any] = {"op": op, "status": "error", "error": one_line(message)}
+        header: FrameHeader = {"op": op, "status": "error", "error": one_line(message)}
         if request_id is not None:
             header["request_id"] = request_id
         if exiting is not None:
@@ -591,13 +444,14 @@ class ProducerService:
     def guarded(self, label: str, work: Callable[[], _T], conn: socket.socket | None,
                 request_id: str | None = None) -> _T:
         """Run ``work`` under the watchdog; on expiry report the error and exit 75."""
-        box: dict[str, Any] = {}
+        results: list[_T] = []
+        errors: list[BaseException] = []
 
         def target() -> None:
             try:
-                box["result"] = work()
+                results.append(work())
             except BaseException as exc:  # handed to the serving thread below
-                box["error"] = exc
+                errors.append(exc)
 
         worker = threading.Thread(target=target, name=f"producer-{label}", daemon=True)
         faulthandler.dump_traceback_later(self.config.watchdog_s + BACKSTOP_GRACE_S, exit=True)
@@ -609,17 +463,19 @@ class ProducerService:
             self.send_error(conn, "prefill", message, request_id=request_id,
                             exiting=EXIT_TEMPFAIL, lock_timeout_s=1.0)
             self.exit_now(EXIT_TEMPFAIL, message)
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+        if errors:
+            raise errors[0]
+        return results[0]
 
     # -- start ---------------------------------------------------------------------------------
 
     def warm_up(self) -> float:
         """A real prefill and seal of a short prompt; readiness means this completed."""
-        # A block-granular engine (vLLM) hands off whole blocks only: warm up with at least one.
-        minimum = int(getattr(self.engine, "handoff_block_size", 1)) + 1
-        count = min(max(self.config.warmup_tokens, minimum), self.engine.geometry.max_positions)
+        limit = self.engine.geometry.max_positions
+        # The warm-up hands off at least one position and keeps one token past them (a whole-block
+        # lane hands off nothing below one block, so it warms up past its first block).
+        first = next((n for n in range(1, limit + 1) if handed_off_positions(self.config.lane, n) >= 1), limit)
+        count = min(max(self.config.warmup_tokens, first + 1), limit)
         tokens = np.arange(count, dtype=np.int64) % self.engine.geometry.vocab
         started = time.perf_counter()
         try:
@@ -638,7 +494,7 @@ class ProducerService:
         kv = self.engine.prefill(tokens)
         compute_s = time.perf_counter() - started
         geometry = kv.geometry
-        positions = handed_off_positions(self.engine, len(tokens))
+        positions = handed_off_positions(self.config.lane, len(tokens))
         wanted = self.engine.geometry.kv_geometry(positions, self.expectation.kv_dtype)
         if geometry != wanted:
             raise StartRefused(
@@ -666,7 +522,7 @@ class ProducerService:
             "pid": os.getpid(),
             "address": self.address,
             "lane": self.config.lane,
-            "producer_mode": self.config.mode,
+            "producer_mode": self.config.mode.value,
             "key_id": key_id(self.key),
             "warmup_s": warmup_s,
         }) + b"\n"
@@ -735,7 +591,7 @@ class ProducerService:
                 self.non_engine_errors = 0
                 self._send(conn, {
                     "op": "ready", "status": "ok", "ready": True, "lane": self.config.lane,
-                    "producer_mode": self.config.mode, "engine": self.engine.name,
+                    "producer_mode": self.config.mode.value, "engine": self.engine.name,
                     "engine_version": self.engine.version, "run_id": self.config.run_id,
                     "requests_served": self.requests_served, "host": self.host_facts(),
                 })
@@ -748,7 +604,7 @@ class ProducerService:
             else:
                 self._non_engine_error(conn, op, f"unknown op {op!r}")
 
-    def _handle_prefill(self, conn: socket.socket, request: Mapping[str, Any]) -> None:
+    def _handle_prefill(self, conn: socket.socket, request: FrameHeader) -> None:
         request_id = request.get("request_id")
         tokens = request.get("tokens")
         geometry = self.engine.geometry
@@ -797,7 +653,7 @@ class ProducerService:
             conn.settimeout(FRAME_STALL_S)
             conn.sendall(encode_frame_header(header))
 
-    def _read_frame(self, conn: socket.socket) -> dict[str, Any]:
+    def _read_frame(self, conn: socket.socket) -> FrameHeader:
         conn.settimeout(None)
         first = conn.recv(FRAME_LENGTH.size)
         if not first:
@@ -849,6 +705,23 @@ def _exit_when_stdin_closes() -> None:
     threading.Thread(target=watch, name="producer-stdin-watch", daemon=True).start()
 
 
+def _faultable(built: Engine, fault: str) -> LaneEngine:
+    """Faults wrap the factory's LaneEngines only (they keep its mode and cache identity)."""
+    if not isinstance(built, LaneEngine):
+        raise StartRefused(f"--fault {fault}: the engine factory built {type(built).__name__}, expected a LaneEngine")
+    return built
+
+
+def _with_fault(build: EngineFactory, engine: Engine, lane: str, mode: ProducerMode, fault: str) -> Engine:
+    """``engine`` serving the named fault; ``other-mode`` makes its entries with the lane's engine
+    built in the other producer mode."""
+    other = None
+    if fault == "other-mode":
+        other_mode = ProducerMode.NATIVE if mode is ProducerMode.EXACT else ProducerMode.EXACT
+        other = _faultable(build(lane, other_mode), fault)
+    return faulty_producer(_faultable(engine, fault), fault, other)
+
+
 def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = None) -> int:
     """Run the producer service; returns its exit status (75 exits happen in place)."""
     try:
@@ -860,11 +733,8 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
         build = factory if factory is not None else load_factory(config.engine_factory)
         try:
             engine = build(config.lane, config.mode)
-            if config.fault == "other-mode":
-                other_mode = "native" if config.mode == "exact" else "exact"
-                engine = FaultyProducer(engine, config.fault, other_mode_engine=build(config.lane, other_mode))
-            elif config.fault is not None:
-                engine = FaultyProducer(engine, config.fault)
+            if config.fault is not None:
+                engine = _with_fault(build, engine, config.lane, config.mode, config.fault)
         except Refused as exc:
             raise StartRefused(one_line(f"engine build for lane {config.lane}: {exc}")) from None
         except Exception as exc:
@@ -892,7 +762,7 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
         _log(f"refused to start: {exc}")
         return EXIT_REFUSED
     service.host_facts()  # after the warm-up: the BLAS pools it started, not an idle process's
-    _log(f"ready on {address} (lane {config.lane}, mode {config.mode}, warm-up {warmup_s:.3f} s)")
+    _log(f"ready on {address} (lane {config.lane}, mode {config.mode.value}, warm-up {warmup_s:.3f} s)")
     service.announce_ready(warmup_s)
     return service.serve()
 

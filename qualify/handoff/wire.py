@@ -1,19 +1,20 @@
 """The handoff wire format: a safetensors KV payload, a JSON manifest, and an HMAC-SHA256 over it.
 
 A producer seals a :class:`~qualify.core.kv.KVCache` into a :class:`Handoff`: the payload is the
-safetensors encoding of ``KVCache.tensors()`` (byte-identical to ``safetensors.numpy.save``, built
-without copying the tensors; float16/32/64, or bfloat16 as ml_dtypes' numpy dtype), the manifest names what the payload is (per-layer seam digests,
-payload tree digest and size, identity, cache identity, producer mode, geometry, prompt digest,
-producer phase times), and the MAC covers the manifest's canonical JSON bytes, which in turn
-cover the payload through its tree digest (:func:`payload_tree_sha256`).
+safetensors encoding of ``KVCache.tensors()`` (byte-identical to ``safetensors.numpy.save``,
+built without copying the tensors; float16/32/64, or bfloat16 as ml_dtypes' numpy dtype), the
+manifest names what the payload is (per-layer seam digests, payload tree digest and size,
+identity, cache identity, producer mode, geometry, prompt digest, producer phase times), and the
+MAC covers the manifest's canonical JSON bytes, which in turn cover the payload through its tree
+digest (:func:`payload_tree_sha256`).
 
 Each side hashes every payload byte exactly once: one SHA-256 per tensor (over two threads by
-default, ``digest_threads`` on a larger host; hashlib releases the GIL). Those tensor digests are at once the seam digests of
-``layers.{i}.k`` / ``layers.{i}.v``, the leaves of the payload tree digest, and the inputs of the
-draft context digest (:func:`draft_context_sha256`).
+default, ``digest_threads`` on a larger host; hashlib releases the GIL). Those tensor digests
+are at once the seam digests of ``layers.{i}.k`` / ``layers.{i}.v``, the leaves of the payload
+tree digest, and the inputs of the draft context digest (:func:`draft_context_sha256`).
 
-The consumer opens a handoff in a fixed order and refuses on the first difference with one line
-naming it:
+The consumer opens a handoff against a :class:`HandoffExpectation` in a fixed order and refuses
+on the first difference with one line naming it:
 
 1. MAC (under the run key), 2. manifest (canonical JSON, JSON Schema, self-consistency),
 3. payload byte count and tree digest (recomputed from freshly computed tensor digests; a payload
@@ -45,6 +46,7 @@ import jsonschema
 import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, the wire's BF16 tensors)
 import numpy as np
 
+from qualify.contract.lanes import ProducerMode
 from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.digests import canonical_json_bytes, is_sha256_hex, strict_json_loads
 from qualify.core.errors import HandoffRefused, Refused, one_line
@@ -52,7 +54,6 @@ from qualify.core.kv import KVCache, KVGeometry
 
 MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v3"
 MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v3.schema.json"
-PRODUCER_MODES: tuple[str, ...] = ("exact", "native")
 PAYLOAD_FORMAT = "safetensors"
 RUN_KEY_BYTES = 32
 MAC_BYTES = 32
@@ -68,6 +69,8 @@ _SAFETENSORS_DTYPES: Mapping[str, tuple[str, int]] = {
     "bfloat16": ("BF16", 1),
 }
 _TAG_TO_DTYPE = {tag: name for name, (tag, _) in _SAFETENSORS_DTYPES.items()}
+KV_DTYPES: tuple[str, ...] = tuple(_SAFETENSORS_DTYPES)
+"""The KV dtypes a payload can carry (numpy dtype names)."""
 _MAX_HEADER_BYTES = 16 << 20
 # Below this many payload bytes, hashing runs on one thread (a thread costs more than it saves).
 _PARALLEL_DIGEST_MIN_BYTES = 4 << 20
@@ -114,10 +117,12 @@ def _checked_key(key: object) -> bytes:
 
 @dataclass(frozen=True)
 class TransportStats:
-    """How a handoff crossed the process boundary, measured by the receiving side.
+    """How a handoff reached the consumer, measured by its transport.
 
-    ``transfer_s`` runs from the first response byte to the last payload byte; ``request_s``
-    from sending the request to the last byte (it includes the producer's compute and sealing).
+    Over a socket, ``transfer_s`` runs from the first response byte to the last payload byte and
+    ``request_s`` from sending the request to the last byte (it includes the producer's compute
+    and sealing). In process, ``transfer_s`` is the producer's own copy into the payload plus any
+    join of the sealed parts: 0, with ``gbit_per_s`` 0, when the payload was written in place.
     """
 
     request_s: float
@@ -173,7 +178,7 @@ class HandoffManifest:
     run_id: str
     request_id: str
     lane: str
-    producer_mode: str
+    producer_mode: ProducerMode
     key_id: str
     identity_sha256: str
     target_cache_identity_sha256: str
@@ -218,6 +223,36 @@ class VerifyTimings:
         return self.verify_s + self.install_s
 
 
+@dataclass(frozen=True)
+class HandoffExpectation:
+    """What the consumer expects a handoff to carry; :func:`open_handoff` refuses any difference.
+
+    ``geometry`` is the consumer model's KV geometry at the expected handed-off positions and
+    dtype; ``draft_geometry`` is required exactly when a draft context rides along. ``run_id`` and
+    ``request_id`` bind the handoff to this request (no replay of another request's handoff).
+    """
+
+    identity_sha256: str
+    cache_identity: str
+    geometry: KVGeometry
+    prompt_sha256: str
+    run_id: str
+    request_id: str
+    draft_geometry: KVGeometry | None = None
+
+    def __post_init__(self) -> None:
+        for name, digest in (("identity_sha256", self.identity_sha256), ("cache_identity", self.cache_identity),
+                             ("prompt_sha256", self.prompt_sha256)):
+            if not is_sha256_hex(digest):
+                raise Refused(f"handoff expectation {name}: found {digest!r}, expected 64 lowercase hex characters")
+        for name, value in (("run_id", self.run_id), ("request_id", self.request_id)):
+            if not isinstance(value, str) or not value:
+                raise Refused(f"handoff expectation {name}: found {value!r}, expected a non-empty id")
+        for name, geometry in (("geometry", self.geometry), ("draft_geometry", self.draft_geometry)):
+            if not isinstance(geometry, KVGeometry) and (name == "geometry" or geometry is not None):
+                raise Refused(f"handoff expectation {name}: found {type(geometry).__name__}, expected KVGeometry")
+
+
 class OpenedHandoff(NamedTuple):
     """What :func:`open_handoff` returns: the installed KV, its manifest, and verify timings."""
 
@@ -249,7 +284,7 @@ def _wire_names(layers: int, prefix: str = "") -> list[str]:
 
 def _slots(geometry: KVGeometry, draft: KVGeometry | None) -> list[_TensorSlot]:
     """Every tensor a payload of this geometry carries, in wire order."""
-    slots = []
+    slots: list[_TensorSlot] = []
     for prefix, geo in (("", geometry), (DRAFT_PREFIX, draft)):
         if geo is None:
             continue
@@ -335,7 +370,7 @@ def _wire_array(array: np.ndarray) -> np.ndarray:
 
 
 def _byte_view(array: np.ndarray) -> memoryview:
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,7 +484,7 @@ def seal_handoff_parts(
     key: bytes,
     identity_sha256: str,
     target_cache_identity: str,
-    producer_mode: str,
+    producer_mode: ProducerMode,
     lane: str,
     prompt_sha256: str,
     run_id: str,
@@ -465,8 +500,10 @@ def seal_handoff_parts(
     in :func:`payload_layout` order, that buffer is the contiguous payload.
     """
     _check_digest_threads(digest_threads)
-    if producer_mode not in PRODUCER_MODES:
-        raise Refused(f"producer_mode: found {producer_mode!r}, expected exact or native")
+    try:
+        mode = ProducerMode(producer_mode)  # the enum, or (from an untyped caller) its value
+    except ValueError:
+        raise Refused(f"producer_mode: found {producer_mode!r}, expected exact or native") from None
     for field_name, digest in (
         ("identity_sha256", identity_sha256),
         ("target_cache_identity_sha256", target_cache_identity),
@@ -524,7 +561,7 @@ def seal_handoff_parts(
         "run_id": run_id,
         "request_id": request_id,
         "lane": lane,
-        "producer_mode": producer_mode,
+        "producer_mode": mode.value,
         "key_id": key_id(key),
         "identity_sha256": identity_sha256,
         "target_cache_identity_sha256": target_cache_identity,
@@ -624,7 +661,7 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
         run_id=document["run_id"],
         request_id=document["request_id"],
         lane=document["lane"],
-        producer_mode=document["producer_mode"],
+        producer_mode=ProducerMode(document["producer_mode"]),  # the schema allows only its values
         key_id=document["key_id"],
         identity_sha256=document["identity_sha256"],
         target_cache_identity_sha256=document["target_cache_identity_sha256"],
@@ -780,24 +817,18 @@ def _short(digest: str) -> str:
 
 def open_handoff(
     handoff: Handoff,
-    *,
     key: bytes,
-    expected_identity_sha256: str,
-    expected_cache_identity: str,
-    expected_geometry: KVGeometry,
-    expected_prompt_sha256: str,
-    expected_draft_geometry: KVGeometry | None = None,
-    expected_run_id: str | None = None,
-    expected_request_id: str | None = None,
+    expectation: HandoffExpectation,
+    *,
     digest_threads: int = DEFAULT_DIGEST_THREADS,
 ) -> OpenedHandoff:
     """Verify ``handoff`` in the documented order and install it, or raise ``HandoffRefused``.
 
-    ``expected_geometry`` is the consumer model's KV geometry at the expected handed-off
-    positions and dtype; ``expected_draft_geometry`` is required exactly when a draft rides along.
     The installed arrays are views of ``handoff.payload_bytes`` (writable if that buffer is).
     ``digest_threads`` threads hash the tensors.
     """
+    if not isinstance(expectation, HandoffExpectation):
+        raise Refused(f"open_handoff expectation: found {type(expectation).__name__}, expected HandoffExpectation")
     _check_digest_threads(digest_threads)
     started = time.perf_counter()
     mac = handoff.mac
@@ -845,16 +876,7 @@ def open_handoff(
         if not hmac.compare_digest(found_context, manifest.draft_context_sha256):
             raise HandoffRefused("draft context digest mismatch")
 
-    _check_expectations(
-        manifest,
-        expected_identity_sha256=expected_identity_sha256,
-        expected_cache_identity=expected_cache_identity,
-        expected_geometry=expected_geometry,
-        expected_draft_geometry=expected_draft_geometry,
-        expected_prompt_sha256=expected_prompt_sha256,
-        expected_run_id=expected_run_id,
-        expected_request_id=expected_request_id,
-    )
+    _check_expectations(manifest, expectation)
     checks_done = time.perf_counter()
 
     named: dict[str, np.ndarray] = {}
@@ -876,45 +898,35 @@ def open_handoff(
     return OpenedHandoff(kv, manifest, timings)
 
 
-def _check_expectations(
-    manifest: HandoffManifest,
-    *,
-    expected_identity_sha256: str,
-    expected_cache_identity: str,
-    expected_geometry: KVGeometry,
-    expected_draft_geometry: KVGeometry | None,
-    expected_prompt_sha256: str,
-    expected_run_id: str | None,
-    expected_request_id: str | None,
-) -> None:
+def _check_expectations(manifest: HandoffManifest, expected: HandoffExpectation) -> None:
     """Identity, cache identity, geometry, prompt and ids: each must equal the consumer's."""
-    if manifest.identity_sha256 != expected_identity_sha256:
+    if manifest.identity_sha256 != expected.identity_sha256:
         raise HandoffRefused(
             f"identity_sha256 is {_short(manifest.identity_sha256)}, expected "
-            f"{_short(expected_identity_sha256)}"
+            f"{_short(expected.identity_sha256)}"
         )
-    if manifest.target_cache_identity_sha256 != expected_cache_identity:
+    if manifest.target_cache_identity_sha256 != expected.cache_identity:
         raise HandoffRefused(
             f"target_cache_identity_sha256 is {_short(manifest.target_cache_identity_sha256)} "
-            f"(producer mode {manifest.producer_mode}), expected {_short(expected_cache_identity)}"
+            f"(producer mode {manifest.producer_mode.value}), expected {_short(expected.cache_identity)}"
         )
-    _check_geometry("geometry", manifest.geometry, expected_geometry)
-    if (manifest.draft_geometry is None) != (expected_draft_geometry is None):
+    _check_geometry("geometry", manifest.geometry, expected.geometry)
+    if (manifest.draft_geometry is None) != (expected.draft_geometry is None):
         found = "present" if manifest.draft_geometry is not None else "absent"
-        wanted = "one" if expected_draft_geometry is not None else "none"
+        wanted = "one" if expected.draft_geometry is not None else "none"
         raise HandoffRefused(f"draft_geometry: draft context {found}, consumer expects {wanted}")
-    if manifest.draft_geometry is not None and expected_draft_geometry is not None:
-        _check_geometry("draft_geometry", manifest.draft_geometry, expected_draft_geometry)
-    if manifest.prompt_sha256 != expected_prompt_sha256:
+    if manifest.draft_geometry is not None and expected.draft_geometry is not None:
+        _check_geometry("draft_geometry", manifest.draft_geometry, expected.draft_geometry)
+    if manifest.prompt_sha256 != expected.prompt_sha256:
         raise HandoffRefused(
             f"prompt_sha256 is {_short(manifest.prompt_sha256)}, expected "
-            f"{_short(expected_prompt_sha256)}"
+            f"{_short(expected.prompt_sha256)}"
         )
-    if expected_run_id is not None and manifest.run_id != expected_run_id:
-        raise HandoffRefused(f"run_id is {manifest.run_id!r}, expected {expected_run_id!r}")
-    if expected_request_id is not None and manifest.request_id != expected_request_id:
+    if manifest.run_id != expected.run_id:
+        raise HandoffRefused(f"run_id is {manifest.run_id!r}, expected {expected.run_id!r}")
+    if manifest.request_id != expected.request_id:
         raise HandoffRefused(
-            f"request_id is {manifest.request_id!r}, expected {expected_request_id!r}"
+            f"request_id is {manifest.request_id!r}, expected {expected.request_id!r}"
         )
 
 

@@ -13,7 +13,7 @@ the command exit 2 with a one-line "not available".
 command                handler
 =====================  =========================================================
 ``--recipe NAME ...``  ``qualify.interfaces.console.run_cli``
-``receipts verify``    ``qualify.archive.receipts.verify_cli(path)`` (PATH parsed here)
+``receipts verify``    ``qualify.archive.verify.verify_cli(path)`` (PATH parsed here)
 ``enroll``             ``qualify.run.enroll.enroll_cli``
 ``calibrate``          ``qualify.interfaces.console.calibrate_cli``
 ``selftest``           ``qualify.interfaces.console.selftest_cli``
@@ -59,7 +59,7 @@ Handler = Callable[..., object]
 
 
 def _load_verify() -> Handler:
-    from qualify.archive.receipts import verify_cli
+    from qualify.archive.verify import verify_cli
 
     return verify_cli
 
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     identity_commands = identity.add_subparsers(dest="identity_command", metavar="ACTION")
     identity_commands.required = True
     check = identity_commands.add_parser(
-        "check", help="validate an identity file against its schema and sealed constants"
+        "check", help="validate an identity file: schema, model rules, its lane's seal and basis receipt"
     )
     check.add_argument("path", metavar="PATH", help="identity JSON file")
 
@@ -197,9 +197,11 @@ def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
 
 def identity_check(path: str) -> int:
     """``qualify identity check PATH``: 0 with lane and digest when valid, 2 on refusal."""
-    from qualify.contract.identity import identity_sha256, load_identity
+    from qualify.archive.reader import resolve_receipt_uri
+    from qualify.contract.identity import check_basis_receipt, identity_sha256, load_identity
 
     identity = load_identity(path)
+    check_basis_receipt(identity, resolve_receipt_uri, where=f"identity {path}")
     _OUT.print(
         Text(
             f"identity {path}: valid: lane {identity.lane} (lane kind {identity.lane_kind.value}, "

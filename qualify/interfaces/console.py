@@ -11,7 +11,7 @@ import argparse
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -26,7 +26,7 @@ EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 class _OneLineParser(argparse.ArgumentParser):
     """Usage errors become one-line refusals (exit 2) instead of a usage block."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise Refused(f"{self.prog}: {message}")
 
 
@@ -184,6 +184,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
         console.print(Text(line, style="yellow"))
     console.print(f"observed envelope: max abs {result.observed_max_abs!r}, "
                   f"mean abs {result.observed_mean_abs!r}; tokens exact in every handoff: {result.tokens_exact}")
+    receipt_name = result.receipt_path.name if result.receipt_path is not None else "<run-id>"
     if result.failures or not result.tokens_exact:
         console.print(Text("no rule proposed: the lane does not keep exact tokens (or a handoff failed) "
                            "on this prompt; publish this receipt as its result", style="bold red"))
@@ -194,7 +195,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     elif args.recipe == "kquant-target-plus-dflash":
         console.print(Text("rung 3 is bit-exact by its recipe: freeze with tools/freeze_identity.py "
                            f"--lane {args.lane} --acceptance-floor F --basis "
-                           f"receipt://{result.receipt_path.name}/command.log", style="bold"))
+                           f"receipt://{receipt_name}/command.log", style="bold"))
     elif result.proposed_maximum_absolute is None:
         console.print(Text("no bound can be proposed from this envelope", style="yellow"))
     else:
@@ -206,11 +207,11 @@ def calibrate_cli(argv: Sequence[str]) -> int:
             f"{result.proposed_maximum_absolute}, maximum_mean_absolute "
             f"{result.proposed_maximum_mean_absolute}", style="bold"))
         console.print(
-            "sealed-constant change it needs (made by a reviewed code change, never by this command):\n"
+            "sealed change it needs (made by a reviewed commit, never by this command): copy the receipt into "
+            "receipts/, then\n"
             f"  tools/freeze_identity.py --lane {args.lane} --maximum-absolute "
             f"{result.proposed_maximum_absolute} --maximum-mean-absolute "
-            f"{result.proposed_maximum_mean_absolute} --basis receipt://{result.receipt_path.name}/command.log\n"
-            "  then paste the printed block into qualify/contract/sealed.py and copy the receipt into receipts/")
+            f"{result.proposed_maximum_mean_absolute} --basis receipt://{receipt_name}/command.log --write-sealed")
     console.print(f"receipt: {result.receipt_path}")
     return EXIT_PASS if result.tokens_exact and result.deterministic and not result.failures else EXIT_FAILED
 

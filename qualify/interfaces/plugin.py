@@ -9,9 +9,14 @@ independent runs spread over workers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from qualify.run.qualification import QualificationRun
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -56,7 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module")
-def qualification(request: pytest.FixtureRequest):
+def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
     """The module's qualification run, built from its ``RECIPE`` and the command-line options."""
     from qualify.run.qualification import QualificationRun, RunOptions
 
@@ -81,7 +86,7 @@ def qualification(request: pytest.FixtureRequest):
     run.close()
 
 
-def run_recipe_step(run, label: str) -> None:
+def run_recipe_step(run: QualificationRun, label: str) -> None:
     """Run one labelled step; a failed or blocked step fails the test with its one-line reason."""
     outcome = run.step(label)
     if not outcome.passed:

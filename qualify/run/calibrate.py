@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from qualify.core.errors import Refused
-from qualify.judge import Verdict
+from qualify.engines.base import LaneEngine
+from qualify.evidence.comparers import ComparerFactory
+from qualify.judge import judge_calibration
 from qualify.run.contract import calibration_contract
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportFactory
 
 
 @dataclass(frozen=True)
@@ -59,24 +61,6 @@ def calibration_environments() -> list[dict[str, str]]:
     return environments
 
 
-ZERO_DRIFT_BOUND = 5e-324
-"""The least positive double: the bound of a lane that showed no drift in any calibration handoff.
-Deltas are non-negative, so only a zero delta meets it: the bit-exact rule, written in the
-positive-bound form a bounded-drift recipe's schema requires (never a margin chosen by taste)."""
-
-
-def propose_bound(observed: float) -> float | None:
-    """The bound a calibration proposes for an observed maximum: the maximum itself, with no
-    margin (the handoffs already ran under every calibration environment, and the engines'
-    output does not move with them); :data:`ZERO_DRIFT_BOUND` when it is exactly zero; None when
-    it is not a finite non-negative number."""
-    import math
-
-    if not math.isfinite(observed) or observed < 0:
-        return None
-    return float(observed) if observed > 0 else ZERO_DRIFT_BOUND
-
-
 @dataclass
 class Calibration:
     """A calibration's measured envelope and the rule it proposes (never applied by itself)."""
@@ -92,21 +76,25 @@ class Calibration:
     failures: list[str]
     # Every deterministic digest equal across the handoffs (restarts, kernels, threads, dispatch).
     deterministic: bool = False
+    headline: str = ""
 
 
 def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
-              log: Callable[[str], None] | None = None) -> Calibration:
+              log: Callable[[str], None] | None = None, *,
+              transport: TransportFactory | None = None, comparer: ComparerFactory | None = None,
+              environments: list[dict[str, str]] | None = None, consumer: LaneEngine | None = None) -> Calibration:
     """Measure ``repetitions`` handoffs of ``lane`` against the cold recompute, archive the run as
-    a receipt (the basis a frozen identity cites), and propose bounds a hair above the envelope."""
+    a receipt (the basis a frozen identity cites), and propose the observed envelope as the rule.
+    ``transport``/``comparer`` are the run's (default: producer process, host compare);
+    ``environments`` the producer environments cycled through (default: every one this CPU runs;
+    an in-process producer passes ``[{}]``, it has no environment of its own)."""
     if repetitions < 1:
         raise Refused(f"--repetitions: found {repetitions}, expected at least 1")
     from qualify.contract.lanes import lane_spec
-    from qualify.judge import judge_reproduction
 
-    environments = calibration_environments()
-    run = QualificationRun(options, calibration_contract(lane, recipe), log=log)
-    failures: list[str] = []
-    deterministic = False
+    environments = calibration_environments() if environments is None else environments
+    run = QualificationRun(options, calibration_contract(lane, recipe), log=log, transport=transport,
+                           comparer=comparer, consumer=consumer)
     try:
         for label in STEP_LABELS[:3]:
             outcome = run.step(label)
@@ -119,31 +107,14 @@ def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
             message = run._handoff(index)
             run.log(f"calibration handoff {index + 1}/{repetitions} (fresh producer, environment "
                     f"{environment or 'as the operator set it'}): {message}")
-        measured = [r for r in run.records if not r.get("error")]
-        failures = [r["error"] for r in run.records if r.get("error")]
-        tokens_exact = bool(measured) and all(r["token_agreement_rate"] == 1.0 for r in measured)
-        observed_max = max((r["max_abs"] for r in measured), default=float("nan"))
-        observed_mean = max((r["mean_abs"] for r in measured), default=float("nan"))
-        proposal = (propose_bound(observed_max), propose_bound(observed_mean))
-        # The samples are each other's basis: every deterministic digest must agree across them.
+        run.settle_all()  # a deferred comparer's last samples
         spec = lane_spec(lane)
-        determinism = judge_reproduction(measured, measured, rung=spec.recipe.rung, deterministic_producer=True,
-                                         draft=spec.speculative_draft)
-        deterministic = determinism.passed and len(measured) == repetitions
-        headline = (f"calibration of {lane} over {repetitions} handoffs (a fresh producer each, "
-                    f"{min(repetitions, len(environments))} environments): observed max abs {observed_max!r}, "
-                    f"max mean abs {observed_mean!r}, tokens exact in every handoff: {tokens_exact}, "
-                    f"deterministic digests equal in every handoff: {deterministic}; proposed rule "
-                    f"maximum_absolute {proposal[0]}, maximum_mean_absolute {proposal[1]}")
-        reasons = [f"handoff failed: {failure}" for failure in failures]
-        if not tokens_exact:
-            reasons.append("greedy tokens diverged: no bounded-drift rule can qualify this lane on this prompt")
-        if not deterministic:
-            reasons.append("the producer's output differs across restarts or environments: "
-                           + "; ".join(check.detail for check in determinism.checks if not check.passed))
-        run.verdict = Verdict(not reasons, headline, reasons or [headline])
-        run.receipt_path = run.receipt.finalize(run.verdict)
+        judged = judge_calibration(run.records, lane=lane, rung=spec.recipe.rung, draft=spec.speculative_draft,
+                                   repetitions=repetitions, environments=len(environments))
+        run.verdict = judged.verdict
+        run.receipt_path = run.finish(run.verdict)
     finally:
         run.close()
-    return Calibration(lane, run.records, observed_max, observed_mean, tokens_exact,
-                       proposal[0], proposal[1], run.receipt_path, failures, deterministic)
+    return Calibration(lane, run.records, judged.observed_max_abs, judged.observed_mean_abs, judged.tokens_exact,
+                       judged.proposed_maximum_absolute, judged.proposed_maximum_mean_absolute, run.receipt_path,
+                       judged.failures, judged.deterministic, judged.verdict.headline)

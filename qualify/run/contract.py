@@ -129,13 +129,14 @@ def check_engine_pins(identity: Any, consumer: Engine, producer_abi: str) -> Non
 
 
 def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer: Engine) -> Contract:
-    """Load and seal the identity (schema, strict models, sealed constants), check the built
+    """Load and seal the identity (schema, strict model, sealed digest, basis receipt), check the built
     engines against its pins and derive the run's contract; refuses an identity of another
     recipe or whose artifacts or numeric environment no longer match."""
-    from qualify.contract.identity import identity_sha256, load_identity, logit_units_label
+    from qualify.contract.identity import identity_sha256, load_identity
+    from qualify.contract.units import logit_units_label
     from qualify.engines.factory import check_adapter, lane_producer_abi
     from qualify.evidence.records import rule_from_identity
-    from qualify.handoff.service import expectation_from_identity
+    from qualify.handoff.protocol import expectation_from_identity
 
     identity = load_identity(identity_path)
     check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
@@ -150,10 +151,12 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     qualification = identity.onboarding_qualification
     # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
     graded = drift_graded or identity.rung == 2
-    from qualify.archive.receipts import resolve_receipt_uri
-    from qualify.contract.identity import DEFAULT_ARCHIVE_DIR
+    from qualify.archive.reader import resolve_receipt_uri
+    from qualify.contract.identity import check_basis_receipt
 
-    basis_records = receipt_sample_records(resolve_receipt_uri(qualification.basis, DEFAULT_ARCHIVE_DIR).parent)
+    basis = check_basis_receipt(identity, resolve_receipt_uri, where=f"identity {identity_path}")
+    basis_records = receipt_sample_records(basis.parent)
+    kv_envelope: list[tuple[float, float]] | None
     if identity.rung == 3:
         kv_envelope = [(0.0, 0.0)] * consumer_geometry.layers
     else:
@@ -209,7 +212,7 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
     cache identity, a calibration document in place of the identity, and no rule."""
     from qualify.contract.lanes import lane_spec
     from qualify.engines.factory import build_cache_identity, checkpoint_digests, producer_facts
-    from qualify.handoff.service import ProducerExpectation
+    from qualify.handoff.protocol import ProducerExpectation
 
     spec = lane_spec(lane)
     if spec.recipe.value != recipe:
@@ -217,24 +220,26 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
     producer = producer_facts(lane)
     prompt = assets.load_prompt(prompt_name)
     handoff_positions = len(prompt) - 1
-    document = {
+    cache_identity = build_cache_identity(spec)
+    prompt_sha256 = assets.prompt_sha256(prompt)
+    document: dict[str, Any] = {
         "schema": CALIBRATION_SCHEMA,
         "lane": lane,
         "recipe": recipe,
         "producer_mode": spec.mode.value,
         "producer_engine": {"name": producer.name, "version": producer.version, "abi": producer.abi},
         "checkpoint": checkpoint_digests(spec.kind),
-        "prompt": {"name": prompt_name, "sha256": assets.prompt_sha256(prompt)},
+        "prompt": {"name": prompt_name, "sha256": prompt_sha256},
         "handoff_positions": handoff_positions,
         "output_tokens": output_tokens,
-        "target_cache_identity_sha256": build_cache_identity(spec),
+        "target_cache_identity_sha256": cache_identity,
     }
     digest = canonical_sha256(document)
     return Contract(
         lane=lane, recipe=recipe, rung=spec.recipe.rung, producer_mode=spec.mode.value,
         identity_document=document, identity_sha256=digest,
-        target_cache_identity=document["target_cache_identity_sha256"], logit_units="raw",
-        prompt_name=prompt_name, prompt=prompt, prompt_sha256=document["prompt"]["sha256"],
+        target_cache_identity=cache_identity, logit_units="raw",
+        prompt_name=prompt_name, prompt=prompt, prompt_sha256=prompt_sha256,
         handoff_positions=handoff_positions, output_tokens=output_tokens,
         repetitions=ORDERED_HANDOFFS, rule=None,
         expectation=ProducerExpectation(

@@ -31,14 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qualify.archive.receipts import (
-    archive_dir,
-    read_receipt_json,
-    receipt_files,
-    receipt_uri,
-    resolve_receipt_uri,
-    verify_receipt,
-)
+from qualify.archive.layout import archive_dir, receipt_uri
+from qualify.archive.reader import read_receipt_json, receipt_files, resolve_receipt_uri
+from qualify.archive.verify import verify_receipt
 from qualify.contract.lanes import LANES
 from qualify.contract.registry import LaneRegistry, RegistryEntry, validate_registry_document
 from qualify.contract.registry import load_registry as _load_registry_file
@@ -105,10 +100,13 @@ def _identity_digest(identity: Any) -> str:
 
 
 def _load_identity(identity: Any) -> Any:
+    """A path is loaded and sealed, and its basis receipt checked against the sealed digest."""
     if isinstance(identity, (str, os.PathLike)):
-        from qualify.contract.identity import load_identity
+        from qualify.contract.identity import check_basis_receipt, load_identity
 
-        return load_identity(identity)
+        loaded = load_identity(identity)
+        check_basis_receipt(loaded, resolve_receipt_uri, where=f"identity {os.fspath(identity)}")
+        return loaded
     return identity
 
 
@@ -249,7 +247,8 @@ def key_for(
 def enroll_cli(args: Sequence[str]) -> int:
     """``qualify enroll --identity PATH --receipt DIR|receipt://<run-id>/<file> [--registry PATH]
     [--keys DIR] [--receipts DIR]``: exit 0 when enrolled, 2 when refused."""
-    parser = argparse.ArgumentParser(prog="qualify enroll", description="Enroll a qualified producer lane and mint its handoff key.")
+    parser = argparse.ArgumentParser(prog="qualify enroll",
+                                     description="Enroll a qualified producer lane and mint its handoff key.")
     parser.add_argument("--identity", required=True, help="frozen onboarding identity JSON of the lane")
     parser.add_argument("--receipt", required=True, help="the lane's qualification receipt: a directory or receipt://<run-id>/<file>")
     parser.add_argument("--registry", default=None, help=f"enrollment registry (default {default_registry_path()})")

@@ -14,21 +14,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from qualify import __version__
 from qualify.contract.lanes import lane_spec
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
-from qualify.core.kv import KVCache
+from qualify.core.kv import KVGeometry
 from qualify.engines import faults
-from qualify.engines.base import DecodeResult, Engine
-from qualify.evidence.compare import compare_branches, transform_between
-from qualify.evidence.records import failed_sample_record, record_json, sample_record
-from qualify.judge import Verdict, judge_qualification, judge_sample
+from qualify.engines.base import LaneEngine
+from qualify.evidence.compare import transform_between
+from qualify.evidence.comparers import Comparer, ComparerFactory, ComparerSetup, HostComparer
+from qualify.evidence.records import SampleRecord, failed_sample_record, record_json
+from qualify.evidence.sample import sample_record
+from qualify.judge import Verdict, judge_incomplete, judge_qualification, judge_sample
 from qualify.run.contract import (
     ORDERED_HANDOFFS,
     Contract,
@@ -38,6 +38,12 @@ from qualify.run.contract import (
     contract_from_identity,
     default_identity_path,
 )
+
+if TYPE_CHECKING:
+    from qualify.archive.writer import ReceiptWriter
+    from qualify.handoff.transport import Transport
+
+_T = TypeVar("_T")
 
 STEP_LABELS: tuple[str, ...] = (
     "identity sealed",
@@ -65,10 +71,43 @@ class RunOptions:
     fault: str | None = None
     receipts: Path | None = None
     command_line: list[str] = field(default_factory=list)
+    # Threads hashing a handoff's tensors while it is verified (the wire's default is 2).
+    digest_threads: int = 2
     watchdog_s: float = 900.0
     # module:function building the producer engine in the producer process (tests inject faults
     # the fault lanes do not cover, e.g. a producer that dies mid-handoff).
     engine_factory: str | None = None
+
+
+@dataclass(frozen=True)
+class TransportSetup:
+    """What the run hands a transport factory when the producer starts: the lane and mode, the
+    run key and ids the handoffs are sealed under, what the producer must be, its watchdog, and
+    (for the producer process) extra arguments, an engine factory and environment overrides."""
+
+    lane: str
+    mode: str
+    key: bytes
+    run_id: str
+    expectation: Any
+    watchdog_s: float
+    extra_args: list[str]
+    engine_factory: str | None
+    env: dict[str, str]
+
+
+TransportFactory = Callable[[TransportSetup], "Transport"]
+
+
+def producer_process(setup: TransportSetup) -> Transport:
+    """The default transport: the lane's producer in its own process, over a Unix socket."""
+    from qualify.contract.lanes import ProducerMode
+    from qualify.handoff.client import ProducerProcess
+
+    return ProducerProcess(
+        lane=setup.lane, mode=ProducerMode(setup.mode), key=setup.key, run_id=setup.run_id,
+        expectation=setup.expectation, watchdog_s=setup.watchdog_s, extra_args=setup.extra_args,
+        engine_factory=setup.engine_factory, env=setup.env)
 
 
 @dataclass(frozen=True)
@@ -89,21 +128,30 @@ class QualificationRun:
     receipt (a failing one if the run did not reach its verdict)."""
 
     def __init__(self, options: RunOptions, contract: Contract | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, *,
+                 transport: TransportFactory | None = None, comparer: ComparerFactory | None = None,
+                 consumer: LaneEngine | None = None) -> None:
         self.options = options
+        # A consumer the caller built (and warmed up) for the contract's lane; else built here.
+        self._given_consumer = consumer
+        # Where handoffs come from (default: the lane's producer process over its socket) and
+        # where the consumer decodes and compares (default: the host, numpy).
+        self._transport_factory: TransportFactory = transport or producer_process
+        self._comparer_factory: ComparerFactory = comparer or HostComparer
+        self.comparer: Comparer | None = None
+        # Deferred comparisons not yet recorded: (repetition, the handoff's record builder).
+        self._unsettled: list[tuple[int, Callable[[], SampleRecord]]] = []
         self.contract = contract
         self._echo = log
         self.outcomes: dict[str, StepOutcome] = {}
         self.records: list[dict[str, Any]] = []
         self.sample_verdicts: list[Verdict] = []
         self.verdict: Verdict | None = None
-        self.receipt = None
+        self.receipt: ReceiptWriter | None = None
         self.receipt_path: Path | None = None
-        self.consumer: Engine | None = None
-        self.producer = None
+        self.consumer: LaneEngine | None = None
+        self.producer: Transport | None = None
         self._key: bytes | None = None
-        self._cold: tuple[KVCache, DecodeResult, float] | None = None
-        self._transform = None
         # Environment variables set for the producer process on top of the operator's (a
         # calibration varies BLAS kernels and thread counts per handoff; a qualification sets none).
         self.producer_env: dict[str, str] = {}
@@ -165,21 +213,29 @@ class QualificationRun:
         return first is not None and first.refused
 
     def close(self) -> None:
+        if self.comparer is not None:
+            self.comparer.close()
+            self.comparer = None
         if self.producer is not None:
             self.producer.close()
             self.producer = None
         if self.receipt is not None and not self.receipt.finalized:
             self._finish_failed("run ended before its verdict")
 
-    def _finish_failed(self, reason: str) -> None:
-        if self.receipt is None or self.receipt.finalized:
-            return
-        if self.verdict is None:
-            self.verdict = Verdict(False, f"not qualified: {reason}", [reason])
-        self.receipt_path = self.receipt.finalize(self.verdict)
+    def finish(self, verdict: Verdict) -> Path:
+        """Seal the run's receipt with the judge's ``verdict`` and stop the producer: the one
+        place a receipt is finalized (qualification, calibration, or a run that stopped early)."""
+        self.verdict = verdict
+        self.receipt_path = self._receipt.finalize(verdict)
         if self.producer is not None:
             self.producer.close()
             self.producer = None
+        return self.receipt_path
+
+    def _finish_failed(self, reason: str) -> None:
+        if self.receipt is None or self.receipt.finalized:
+            return
+        self.finish(self.verdict or judge_incomplete(reason))
 
     # -- the steps --------------------------------------------------------------------------
 
@@ -195,7 +251,8 @@ class QualificationRun:
         return self._judge_summary()
 
     def _seal_identity(self) -> str:
-        from qualify.archive.receipts import ReceiptWriter, archive_dir
+        from qualify.archive.layout import archive_dir
+        from qualify.archive.writer import ReceiptWriter
         from qualify.engines.factory import build_consumer
 
         options = self.options
@@ -209,18 +266,24 @@ class QualificationRun:
 
             lane = load_identity(identity_path).lane
             check_lane_engines(lane, options.producer, options.consumer)
-            self.consumer = build_consumer(lane)
+            self.consumer = self._given_consumer or build_consumer(lane)
             self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
                                                    self.consumer)
         else:
-            self.consumer = build_consumer(self.contract.lane)
+            self.consumer = self._given_consumer or build_consumer(self.contract.lane)
         contract = self.contract
         if contract.repetitions != ORDERED_HANDOFFS:
             raise Refused(f"identity repetitions: found {contract.repetitions}, this recipe runs "
                           f"{len(HANDOFF_STEPS)} ordered handoffs")
         # Both sides are compared in the contract's units; an engine emitting other units is
         # refused here (a soft cap cannot be undone).
-        self._transform = transform_between(self.consumer.logit_units, contract.logit_units)
+        maximum_absolute, maximum_mean_absolute = comparison_bounds(contract.rule)
+        self.comparer = self._comparer_factory(ComparerSetup(
+            consumer=self.consumer, prompt=contract.prompt, handoff_positions=contract.handoff_positions,
+            output_tokens=contract.output_tokens,
+            transform=transform_between(self.consumer.logit_units, contract.logit_units),
+            maximum_absolute=maximum_absolute, maximum_mean_absolute=maximum_mean_absolute,
+            reference_once=self.options.reference_once))
         self.receipt = ReceiptWriter(
             archive_dir(options.receipts),
             command_line=options.command_line or ["qualify", "--recipe", options.recipe],
@@ -237,27 +300,57 @@ class QualificationRun:
         return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
 
     @staticmethod
-    def _engine_facts(engine: Engine) -> dict[str, Any]:
+    def _engine_facts(engine: LaneEngine) -> dict[str, Any]:
         return {"name": engine.name, "version": engine.version, "abi": engine.abi,
-                "digests": dict(getattr(engine, "digests", {}))}
+                "digests": dict(engine.digests)}
+
+    # -- the run's state, once the step that makes it has run -------------------------------
+
+    def _have(self, value: _T | None, what: str) -> _T:
+        if value is None:
+            raise StepFailed(f"no {what}: the step that makes it has not run")
+        return value
+
+    @property
+    def _contract(self) -> Contract:
+        return self._have(self.contract, "contract")
+
+    @property
+    def _receipt(self) -> ReceiptWriter:
+        return self._have(self.receipt, "receipt")
+
+    @property
+    def _producer(self) -> Transport:
+        return self._have(self.producer, "producer")
+
+    @property
+    def _comparer(self) -> Comparer:
+        return self._have(self.comparer, "comparer")
+
+    @property
+    def _consumer(self) -> LaneEngine:
+        return self._have(self.consumer, "consumer")
+
+    @property
+    def _run_key(self) -> bytes:
+        return self._have(self._key, "run key")
 
     def _start_producer(self) -> str:
-        from qualify.handoff.client import ProducerProcess
         from qualify.handoff.wire import key_id, mint_run_key
 
-        contract = self.contract
+        contract = self._contract
         mode = getattr(contract.producer_mode, "value", contract.producer_mode)
         extra_args = ["--fault", self.options.fault] if self.options.fault is not None else []
         self._key = mint_run_key()
-        self.producer = ProducerProcess(
-            lane=contract.lane, mode=mode, key=self._key, run_id=self.receipt.run_id,
+        self.producer = self._transport_factory(TransportSetup(
+            lane=contract.lane, mode=mode, key=self._key, run_id=self._receipt.run_id,
             expectation=contract.expectation, watchdog_s=self.options.watchdog_s,
             extra_args=extra_args, engine_factory=self.options.engine_factory,
             env=dict(self.producer_env),
-        )
-        self.producer.start()
+        ))
+        self._producer.start()
         # What the producer process runs on (CPU, BLAS kernel and threads, GPU, commit): host.json.
-        self.receipt.set_producer_host(self.producer.host_facts, problem=self.producer.host_facts_problem)
+        self._receipt.set_producer_host(self._producer.host_facts, problem=self._producer.host_facts_problem)
         self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode}, "
                  f"run key {key_id(self._key)}, producer environment overrides {self.producer_env or 'none'}")
         return f"mode {mode}, warm-up prefill done"
@@ -270,136 +363,127 @@ class QualificationRun:
         self.producer_env = dict(env)
         self._start_producer()
 
-    def _cold_recompute(self) -> tuple[KVCache, DecodeResult, float]:
-        contract = self.contract
-        started = time.perf_counter()
-        kv = self.consumer.prefill(contract.prompt[:contract.handoff_positions])
-        result = self.consumer.decode(kv, contract.prompt[contract.handoff_positions:], contract.output_tokens)
-        return kv, result, time.perf_counter() - started
-
     def _compute_reference(self) -> str:
-        self._cold = self._cold_recompute()
-        _, result, seconds = self._cold
+        seconds = self._comparer.reference()
         self.seconds["recompute"] = self.seconds.get("recompute", 0.0) + seconds
-        return f"cold local recompute: {len(result.tokens)} tokens in {seconds:.2f} s"
+        return f"cold local recompute: {self._contract.output_tokens} tokens in {seconds:.2f} s"
 
-    def _expected_draft_geometry(self):
+    def _expected_draft_geometry(self) -> KVGeometry | None:
         """A speculative consumer expects the draft's own context beside the target KV."""
-        geometry_of = getattr(self.consumer, "draft_kv_geometry", None)
-        return None if geometry_of is None else geometry_of(self.contract.handoff_positions)
+        assert self.consumer is not None and self.contract is not None  # set by "identity sealed"
+        return self._consumer.draft_kv_geometry(self._contract.handoff_positions)
 
     def _handoff(self, index: int) -> str:
-        from qualify.handoff.wire import open_handoff
+        from qualify.handoff.wire import HandoffExpectation, open_handoff
 
-        contract = self.contract
+        contract = self._contract
         repetition = index + 1
         request_id = f"sample-{repetition}"
         measured: dict[str, Any] = {}
         try:
-            handoff = self.producer.request_prefill(contract.prompt[:contract.handoff_positions], request_id)
+            handoff = self._producer.request_prefill(contract.prompt[:contract.handoff_positions], request_id)
             transport = handoff.transport
+            if transport is None:
+                raise ProducerFailed(f"{request_id}: the transport reported no transfer figures")
             measured = {"payload_bytes": transport.payload_bytes, "payload_gbit_per_s": transport.gbit_per_s}
             handed_off = lane_spec(contract.lane).handed_off_positions(contract.handoff_positions)
-            geometry = self.consumer.geometry.kv_geometry(handed_off)
-            opened = open_handoff(
-                handoff, key=self._key,
-                expected_identity_sha256=contract.identity_sha256,
-                expected_cache_identity=contract.target_cache_identity,
-                expected_geometry=geometry,
+            geometry = self._consumer.geometry.kv_geometry(handed_off, lane_spec(contract.lane).kv_dtype)
+            opened = open_handoff(handoff, key=self._run_key, expectation=HandoffExpectation(
+                identity_sha256=contract.identity_sha256,
+                cache_identity=contract.target_cache_identity,
+                geometry=geometry,
                 # The manifest names the tokens whose KV it carries: the handed-off prefix.
-                expected_prompt_sha256=assets.prompt_sha256(contract.prompt[:handed_off]),
-                expected_draft_geometry=self._expected_draft_geometry(),
-                expected_run_id=self.receipt.run_id,
-                expected_request_id=request_id,
-            )
+                prompt_sha256=assets.prompt_sha256(contract.prompt[:handed_off]),
+                run_id=self._receipt.run_id,
+                request_id=request_id,
+                draft_geometry=self._expected_draft_geometry(),
+            ), digest_threads=self.options.digest_threads)
         except (ProducerFailed, HandoffRefused) as exc:
             kind = "handoff refused" if isinstance(exc, HandoffRefused) else "producer failed"
             record = failed_sample_record(repetition, f"{kind}: {one_line(str(exc))}", **measured)
             return self._keep(record, repetition)
         manifest = opened.manifest
         pending = contract.prompt[manifest.handed_off_positions:]
-        started = time.perf_counter()
-        result = self.consumer.decode(opened.kv, pending, contract.output_tokens)
-        decode_s = time.perf_counter() - started
-        self._add_seconds("decode", started)
-        if self.options.reference_once:
-            cold_kv, cold, recompute_s = self._cold
-        else:
-            cold_kv, cold, recompute_s = self._cold_recompute()
-            self.seconds["recompute"] = self.seconds.get("recompute", 0.0) + recompute_s
-        teacher_forced = None
-        if not np.array_equal(result.tokens, cold.tokens):
-            # Rows after a divergence compare like with like only when the handoff branch is fed
-            # the cold tokens.
-            started = time.perf_counter()
-            teacher_forced = self.consumer.teacher_forced(opened.kv, pending, cold.tokens)
-            self._add_seconds("teacher_forced", started)
-        maximum_absolute, maximum_mean_absolute = comparison_bounds(contract.rule)
-        started = time.perf_counter()
-        comparison = compare_branches(
-            result, cold, self._transform,
-            maximum_absolute=maximum_absolute,
-            maximum_mean_absolute=maximum_mean_absolute,
-            teacher_forced_logits=teacher_forced,
-            handoff_kv=(opened.kv.keys, opened.kv.values),
-            own_kv=(cold_kv.keys, cold_kv.values),
-        )
-        self._add_seconds("compare", started)
+        compared = self._comparer.compare(opened.kv, pending, meanwhile=self._settle_previous)
+        for activity, seconds in compared.seconds.items():
+            self.seconds[activity] = self.seconds.get(activity, 0.0) + seconds
         timings = opened.timings
-        record = sample_record(
-            repetition=repetition,
-            comparison=comparison,
-            payload_sha256=manifest.payload_sha256,
-            seams_sha256=canonical_sha256([[seam.layer, seam.k_sha256, seam.v_sha256] for seam in manifest.seams]),
-            payload_bytes=manifest.payload_size,
-            payload_gbit_per_s=handoff.transport.gbit_per_s,
-            handed_off_positions=manifest.handed_off_positions,
-            recomputed_positions=len(contract.prompt) - manifest.handed_off_positions,
-            kv_envelope=contract.kv_envelope,
-            phases={
-                "producer_compute_s": manifest.compute_s,
-                # The producer's serialize and its payload/seam hashing, as it reported them.
-                "serialize_s": manifest.serialize_s + manifest.digest_s,
-                "transport_s": handoff.transport.transfer_s,
-                "verify_s": timings.verify_s,
-                "install_s": timings.install_s,
-                "decode_s": decode_s,
-                "recompute_s": recompute_s,
-            },
-        )
-        return self._keep(record, repetition)
 
-    def _keep(self, record, repetition: int) -> str:
+        def build_record() -> SampleRecord:
+            return sample_record(
+                repetition=repetition,
+                comparison=compared.result(),
+                payload_sha256=manifest.payload_sha256,
+                seams_sha256=canonical_sha256([[seam.layer, seam.k_sha256, seam.v_sha256] for seam in manifest.seams]),
+                payload_bytes=manifest.payload_size,
+                payload_gbit_per_s=transport.gbit_per_s,
+                handed_off_positions=manifest.handed_off_positions,
+                recomputed_positions=len(contract.prompt) - manifest.handed_off_positions,
+                kv_envelope=contract.kv_envelope,
+                phases={
+                    "producer_compute_s": manifest.compute_s,
+                    # The producer's serialize and its payload/seam hashing, as it reported them.
+                    "serialize_s": manifest.serialize_s + manifest.digest_s,
+                    "transport_s": transport.transfer_s,
+                    "verify_s": timings.verify_s,
+                    "install_s": timings.install_s + compared.seconds.get("install", 0.0),
+                    "decode_s": compared.seconds["decode"],
+                    "recompute_s": compared.seconds.get("recompute", self.seconds.get("recompute", 0.0)),
+                },
+            )
+
+        self._unsettled.append((repetition, build_record))
+        if self._comparer.deferred:
+            # Recorded and judged at the next step, while that handoff decodes (or at the verdict).
+            return f"sample {repetition} compared on the device; recorded with the next step"
+        return self._settle()
+
+    def _settle(self) -> str:
+        """Record and judge the oldest compared sample not yet recorded (none: nothing to do)."""
+        if not self._unsettled:
+            return "nothing to settle"
+        repetition, record = self._unsettled.pop(0)
+        return self._keep(record(), repetition)
+
+    def _settle_previous(self) -> None:
+        """A deferred comparer's ``meanwhile``: the previous sample, while this one decodes."""
+        if self._unsettled:
+            self._settle()
+
+    def _keep(self, record: SampleRecord, repetition: int) -> str:
         started = time.perf_counter()
         document = record_json(record)
         self.records.append(document)
-        self.receipt.add_sample(record)
+        self._receipt.add_sample(record)
         self._add_seconds("receipt", started)
-        if self.contract.rule is None:  # calibration: measure, do not judge
+        if self._contract.rule is None:  # calibration: measure, do not judge
             return f"max_abs {document.get('max_abs')}, mean_abs {document.get('mean_abs')}"
-        verdict = judge_sample(document, self.contract.rule)
+        verdict = judge_sample(document, self._contract.rule)
         self.sample_verdicts.append(verdict)
         self.log(f"sample {repetition}: {verdict.headline}")
         if not verdict.passed:
             raise StepFailed(verdict.headline)
         return verdict.headline
 
+    def settle_all(self) -> None:
+        """Record and judge every compared sample not yet recorded (a deferred comparer's)."""
+        while self._unsettled:
+            self._settle()
+
     def _judge_summary(self) -> str:
-        if self.contract.rule is None:
+        self.settle_all()
+        contract = self._contract
+        if contract.rule is None:
             raise StepFailed("calibration runs have no verdict step")
-        contract = self.contract
         if contract.basis_records is None:
             raise StepFailed("no basis receipt to recheck the run's digests against")
-        self.verdict = judge_qualification(self.records, contract.rule, contract.basis_records,
-                                           deterministic_producer=contract.deterministic_producer)
-        self.log(f"verdict: {self.verdict.headline}")
-        self.receipt_path = self.receipt.finalize(self.verdict)
-        if self.producer is not None:
-            self.producer.close()
-            self.producer = None
-        if not self.verdict.passed:
-            raise StepFailed(self.verdict.headline)
-        return self.verdict.headline
+        verdict = judge_qualification(self.records, contract.rule, contract.basis_records,
+                                      deterministic_producer=contract.deterministic_producer)
+        self.log(f"verdict: {verdict.headline}")
+        self.finish(verdict)
+        if not verdict.passed:
+            raise StepFailed(verdict.headline)
+        return verdict.headline
 
 
 

@@ -11,10 +11,12 @@ speculatively decodes 256 tokens. Reported per document and overall:
   numbers can be re-derived bit for bit.
 
 ``--sweep 1,2,3,4,6`` adds the same numbers for other proposal counts k (diagnostic; the lane's
-k is ``--proposal-tokens``). Prints one JSON document (canonical key order) on stdout, or writes
-it to ``--out``. Never tune a floor to this output after the fact: the floor is sealed from it.
+k is ``--proposal-tokens``). The report is one JSON document (canonical key order), written to
+``--out`` or else printed; ``--receipts DIR`` archives it as a receipt judged by
+:func:`qualify.judge.judge_draft_acceptance`. Never tune a floor to this output after the fact:
+the floor is sealed from it. The last line is ``draft_acceptance_rate: <pooled rate at k>``.
 
-Usage: python tools/measure_draft.py [--proposal-tokens K] [--sweep K,K,...] [--out FILE]
+Usage: python bench/measure_draft.py [--proposal-tokens K] [--sweep K,K,...] [--out FILE] [--receipts DIR]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qualify import assets
+from qualify.core import assets
 from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
 from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult
@@ -46,6 +48,11 @@ from qualify.engines.speculative import (
 
 HANDOFF = 2047
 OUTPUT_TOKENS = 256
+
+
+def rate_text(rate: float | None) -> str:
+    """A rate as reported: six decimals, or ``none`` when nothing was proposed."""
+    return "none" if rate is None else f"{rate:.6f}"
 
 
 def trace_document(result: DecodeResult) -> list[list[Any]]:
@@ -123,7 +130,7 @@ def main() -> int:
     lane = measure(engine, kvs, args.proposal_tokens)
     report: dict[str, Any] = {
         "schema": "trust-ladder.draft-acceptance.v1",
-        "command": " ".join(["python", "tools/measure_draft.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "bench/measure_draft.py", *sys.argv[1:]]),
         "engine": {"name": engine.name, "version": engine.version, "abi": engine.abi},
         "checkpoint_sha256": {
             f"model/gguf/{TARGET_GGUF_NAME}": sha256_file(assets.MODEL_DIR / "gguf" / TARGET_GGUF_NAME),
@@ -135,7 +142,8 @@ def main() -> int:
         "definitions": {
             "acceptance_rate": "accepted drafted tokens / proposed drafted tokens",
             "mean_accepted_per_step": "accepted drafted tokens / steps that proposed at least one token",
-            "tokens_per_target_forward": "(emitted tokens - 1) / verify steps (the first token comes from the pending feed)",
+            "tokens_per_target_forward":
+                "(emitted tokens - 1) / verify steps (the first token comes from the pending feed)",
         },
         "lane": lane,
         "sweep": [measure(engine, kvs, k) for k in sweep if k != args.proposal_tokens],
@@ -146,17 +154,19 @@ def main() -> int:
     text = json.dumps(report, indent=1, sort_keys=True) + "\n"
     if args.out is not None:
         args.out.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
     if args.receipts is not None:
         print(f"receipt: {archive_receipt(report, args.receipts)}", file=sys.stderr)
-    sys.stdout.write(text)
+    print(f"draft_acceptance_rate: {rate_text(lane['pooled']['acceptance_rate'])}")
     return 0
 
 
 def archive_receipt(report: dict[str, Any], archive: Path) -> Path:
     """Write the measurement as a receipt: the measured lane facts stand in the identity's place,
     one sample per document, and the summary states the pooled acceptance it measured."""
-    from qualify.archive.receipts import ReceiptWriter
-    from qualify.judge import Verdict
+    from qualify.archive.writer import ReceiptWriter
+    from qualify.judge import judge_draft_acceptance
 
     lane = report["lane"]
     facts = {key: report[key] for key in ("schema", "engine", "checkpoint_sha256", "prompt_sha256", "split")}
@@ -166,14 +176,11 @@ def archive_receipt(report: dict[str, Any], archive: Path) -> Path:
                            versions={"engine": report["engine"], "host": report["host"]})
     for name, document in sorted(lane["documents"].items()):
         writer.add_sample({"document": name, **document})
-        writer.log(f"{name}: acceptance {document['acceptance_rate']:.6f}")
+        writer.log(f"{name}: acceptance {rate_text(document['acceptance_rate'])}")
     for block in report["sweep"]:
-        writer.log(f"sweep k={block['proposal_tokens']}: pooled acceptance {block['pooled']['acceptance_rate']:.6f}")
-    pooled = lane["pooled"]
-    headline = (f"draft acceptance measured at k={lane['proposal_tokens']}: pooled "
-                f"{pooled['acceptance_rate']:.6f} over {len(lane['documents'])} documents, minimum "
-                f"document {pooled['minimum_document_acceptance_rate']:.6f}")
-    return writer.finalize(Verdict(True, headline, [headline]))
+        writer.log(f"sweep k={block['proposal_tokens']}: pooled acceptance "
+                   f"{rate_text(block['pooled']['acceptance_rate'])}")
+    return writer.finalize(judge_draft_acceptance(lane["documents"], proposal_tokens=lane["proposal_tokens"]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""Reading receipts: the files a verified receipt lists, its JSON files parsed strictly, and
+``receipt://<run-id>/<file>`` URIs resolved to files of verified receipts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from qualify.archive.layout import MANIFEST, RUN_ID, URI_PREFIX, is_safe_relative
+from qualify.archive.verify import verify_receipt
+from qualify.core.digests import strict_json_loads
+from qualify.core.errors import Refused
+
+
+def receipt_files(directory: str | os.PathLike[str]) -> list[str]:
+    """Paths listed in a receipt's manifest (call after :func:`verify_receipt` found no problems)."""
+    manifest = strict_json_loads((Path(directory) / MANIFEST).read_bytes())
+    return [entry["path"] for entry in manifest["files"]]
+
+
+def read_receipt_json(directory: str | os.PathLike[str], relative: str) -> Any:
+    """A JSON file of a receipt, parsed strictly (no NaN constants, no duplicate keys)."""
+    return strict_json_loads((Path(directory) / relative).read_bytes())
+
+
+def resolve_receipt_uri(uri: str, archive_dir: str | os.PathLike[str]) -> Path:
+    """``receipt://<run-id>/<file>`` to the file's path in a verified receipt of ``archive_dir``.
+
+    Refuses (one line) a malformed URI, path traversal, a missing receipt or file, and a receipt
+    that fails :func:`verify_receipt`.
+    """
+    if not isinstance(uri, str) or not uri.startswith(URI_PREFIX):
+        raise Refused(f"receipt uri: found {uri!r}, expected receipt://<run-id>/<file>")
+    run_id, _, relative = uri[len(URI_PREFIX):].partition("/")
+    if not RUN_ID.fullmatch(run_id) or not relative:
+        raise Refused(f"receipt uri: found {uri!r}, expected receipt://<run-id>/<file>")
+    if not is_safe_relative(relative):
+        raise Refused(f"receipt uri {uri}: file {relative!r} is not a plain path inside the receipt")
+    archive = Path(archive_dir)
+    receipt = archive / run_id
+    if not receipt.is_dir():
+        raise Refused(f"receipt uri {uri}: no receipt {run_id} under {archive}")
+    problems = verify_receipt(receipt)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise Refused(f"receipt uri {uri}: receipt fails verification: {problems[0]}{more}")
+    if relative != MANIFEST and relative not in receipt_files(receipt):
+        raise Refused(f"receipt uri {uri}: receipt {run_id} has no file {relative}")
+    resolved = (receipt / relative).resolve(strict=True)
+    if not resolved.is_relative_to(receipt.resolve(strict=True)) or not resolved.is_file():
+        raise Refused(f"receipt uri {uri}: resolves outside the receipt")
+    return resolved

@@ -1,0 +1,303 @@
+"""Writing a receipt: :class:`ReceiptWriter` claims a run id, streams samples and log lines, and
+finalizes once with the judge's verdict (layout and atomicity: :mod:`qualify.archive.layout`)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol, TextIO
+
+from qualify.archive.layout import (
+    HOST,
+    HOST_SCHEMA,
+    MANIFEST,
+    MANIFEST_SCHEMA,
+    PARTIAL_PREFIX,
+    RUN_ID,
+    SUMMARY,
+    json_bytes,
+    json_safe,
+    new_run_id,
+)
+from qualify.core.digests import canonical_sha256, strict_json_loads
+from qualify.core.errors import Refused, one_line
+from qualify.core.hostenv import host_facts, host_facts_problem
+from qualify.evidence.records import (
+    BitExactRule,
+    BoundedDriftRule,
+    CheckRecord,
+    SampleRecord,
+    ValidationSummary,
+    record_json,
+)
+from qualify.judge import Verdict, judge_incomplete
+
+
+class DocumentedIdentity(Protocol):
+    """An identity that can give back its JSON document (``qualify.contract.identity.Identity``)."""
+
+    def document(self) -> dict[str, Any]: ...
+
+
+IdentitySource = str | os.PathLike[str] | Mapping[str, Any] | DocumentedIdentity
+"""Where a receipt's identity.json comes from: a file (copied byte for byte), a document, or an Identity."""
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Create ``path`` exclusively and write ``data`` durably."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries durable where the filesystem allows; where it cannot open or
+    sync a directory the rename is still atomic, only its durability on power loss is weaker."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def _identity_document(identity: IdentitySource) -> tuple[bytes, Any]:
+    """(bytes to store as identity.json, parsed document) from a path, a mapping or an Identity."""
+    if isinstance(identity, (str, os.PathLike)):
+        path = Path(identity)
+        try:
+            data = path.read_bytes()
+            return data, strict_json_loads(data)
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise Refused(f"receipt: identity {path}: cannot read a JSON document ({type(exc).__name__})") from None
+    document: Any
+    if isinstance(identity, Mapping):
+        document = dict(identity)
+    elif callable(getattr(identity, "document", None)):
+        document = identity.document()
+    else:
+        raise Refused(f"receipt: identity: found {type(identity).__name__}, expected a path, mapping or Identity")
+    return json_bytes(document), document
+
+
+def library_versions() -> dict[str, str]:
+    """Python, platform and the versions of the libraries the harness's numbers depend on."""
+    versions = {"python": platform.python_version(), "platform": platform.platform()}
+    for package in ("trust-ladder", "numpy", "pydantic", "jsonschema", "safetensors", "tokenizers", "gguf", "torch",
+                    "transformers", "vllm"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+
+
+class ReceiptWriter:
+    """Writes one run's receipt: claim the run id, stream samples and log lines, then
+    :meth:`finalize` once (call it in a ``finally`` path, or use the writer as a context manager,
+    which finalizes a failing receipt if the run raised or ended without a verdict).
+
+    ``identity`` is the identity file path (copied byte for byte), its document, or an Identity;
+    ``identity_sha256``, when given, must equal the document's canonical digest. ``rule`` is the
+    judging rule (stored in the summary so the receipt can be re-judged). ``consumer_host`` is the
+    consumer's host facts for host.json; by default this process's, taken at :meth:`finalize`.
+    """
+
+    def __init__(
+        self,
+        archive: str | os.PathLike[str],
+        *,
+        command_line: Sequence[str],
+        identity: IdentitySource,
+        recipe: str,
+        lane: str,
+        rule: BoundedDriftRule | BitExactRule | Mapping[str, Any] | None = None,
+        identity_sha256: str | None = None,
+        versions: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
+        consumer_host: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.archive = Path(archive)
+        self.run_id = new_run_id() if run_id is None else run_id
+        if not RUN_ID.fullmatch(self.run_id):
+            raise Refused(f"receipt: run id {self.run_id!r} is malformed; expected letters, digits, '.', '_' or '-'")
+        identity_bytes, document = _identity_document(identity)
+        try:
+            digest = canonical_sha256(document)
+        except (TypeError, ValueError):
+            raise Refused("receipt: identity document is not canonical JSON") from None
+        if identity_sha256 is not None and identity_sha256 != digest:
+            raise Refused(f"receipt: identity_sha256 {identity_sha256} does not match the document's digest {digest}")
+        self.identity_sha256 = digest
+        self.recipe = recipe
+        self.lane = lane
+        self.rule = (rule.model_dump(mode="json") if isinstance(rule, (BoundedDriftRule, BitExactRule))
+                     else dict(rule) if rule else None)
+        self.started_utc = _utc_now()
+        self.samples = 0
+        self.finalized = False
+        self.consumer_host = dict(consumer_host) if consumer_host is not None else None
+        if consumer_host is None:
+            host_facts()  # its static part (git, CPU, numpy) now, so finalize only re-reads threads and env
+        self.producer_hosts: list[dict[str, Any]] = []  # one {"facts", "note"} per producer start
+
+        self.archive.mkdir(parents=True, exist_ok=True)
+        self.path = self.archive / self.run_id
+        try:
+            os.mkdir(self.path)
+        except FileExistsError:
+            raise Refused(f"receipt {self.run_id}: {self.path} already exists; a receipt is never rewritten") from None
+        self.staging = self.archive / f"{PARTIAL_PREFIX}{self.run_id}"
+        try:
+            os.mkdir(self.staging)
+        except FileExistsError:
+            raise Refused(
+                f"receipt {self.run_id}: {self.staging} already exists; a receipt is never rewritten") from None
+        os.mkdir(self.staging / "samples")
+        _write_new(self.staging / "identity.json", identity_bytes)
+        _write_new(self.staging / "identity.sha256", f"{digest}\n".encode("ascii"))
+        merged = {"libraries": library_versions(), **({"engines": dict(versions)} if versions else {})}
+        _write_new(self.staging / "versions.json", json_bytes(json_safe(merged)))
+        descriptor = os.open(self.staging / "command.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._log: TextIO = os.fdopen(descriptor, "w", encoding="utf-8")
+        self._log.write("command: " + " ".join(one_line(part) for part in command_line) + "\n")
+        self.log(f"receipt {self.run_id} started; identity sha256 {digest}")
+
+    # -- during the run
+
+    def log(self, line: str) -> None:
+        """Append one timestamped line to command.log (flushed at once)."""
+        self._require_open()
+        self._write_log(line)
+
+    def _write_log(self, line: str) -> None:
+        self._log.write(f"{_utc_now()} {one_line(line)}\n")
+        self._log.flush()
+
+    def add_sample(self, record: SampleRecord | Mapping[str, Any]) -> Path:
+        """Write the next ``samples/sample-<n>.json`` (n from 1); returns its final path."""
+        self._require_open()
+        document = record_json(record) if isinstance(record, SampleRecord) else json_safe(dict(record))
+        self.samples += 1
+        name = f"sample-{self.samples}.json"
+        _write_new(self.staging / "samples" / name, json_bytes(document))
+        self.log(f"sample {self.samples} recorded")
+        return self.path / "samples" / name
+
+    def set_producer_host(self, facts: Mapping[str, Any] | None, *, problem: str | None = None) -> None:
+        """Record one producer start's host facts (as it reported them when ready) for host.json,
+        after any earlier start's. A document that is not well-formed host facts is recorded as
+        missing, with the reason; command.log keeps a line for each start."""
+        self._require_open()
+        found = None if facts is None else host_facts_problem(dict(facts) if isinstance(facts, Mapping) else facts)
+        if facts is not None and found is None:
+            recorded = json_safe(dict(facts))
+            self.producer_hosts.append({"facts": recorded, "note": None})
+            cpu, blas = recorded["cpu"], recorded["blas"]
+            self.log(f"producer host: pid {recorded['pid']}, cpu {cpu.get('model')!r} "
+                     f"({cpu.get('isa_class')}), blas {blas.get('library')} kernel {blas.get('kernel')} "
+                     f"threads {blas.get('num_threads')}")
+        else:
+            reason = one_line(problem or (f"malformed host facts: {found}" if found
+                                          else "the producer reported no host facts"))
+            self.producer_hosts.append({"facts": None, "note": reason})
+            self.log(f"producer host: unknown ({reason})")
+
+    def _host_document(self) -> dict[str, Any]:
+        consumer = self.consumer_host if self.consumer_host is not None else host_facts()
+        return {"schema": HOST_SCHEMA, "consumer": json_safe(consumer), "producers": self.producer_hosts}
+
+    # -- the end
+
+    def finalize(self, verdict: Verdict) -> Path:
+        """Write the validation summary and manifest, then publish the receipt atomically.
+
+        ``verdict`` is the judge's (:mod:`qualify.judge`; a run that stopped early passes
+        :func:`qualify.judge.judge_incomplete`); the receipt passes only when it does. Returns the
+        receipt path.
+        """
+        self._require_open()
+        if not isinstance(verdict, Verdict):
+            raise TypeError(f"finalize needs a qualify.judge.Verdict, found {type(verdict).__name__}")
+        self.finalized = True
+        rung = self.rule.get("rung") if self.rule else None
+        summary = ValidationSummary(
+            run_id=self.run_id,
+            recipe=self.recipe,
+            lane=self.lane,
+            rung=rung if rung in (1, 2, 3) else None,
+            identity_sha256=self.identity_sha256,
+            passed=verdict.passed and verdict.error is None,
+            verdict=one_line(verdict.headline),
+            reasons=tuple(one_line(reason) for reason in verdict.reasons),
+            checks=tuple(CheckRecord(name=c.name, passed=c.passed, detail=c.detail) for c in verdict.checks),
+            rule=self.rule,
+            samples=self.samples,
+            started_utc=self.started_utc,
+            finished_utc=_utc_now(),
+            error=one_line(verdict.error) if verdict.error is not None else None,
+        )
+        self._write_log(f"verdict: {summary.verdict}")
+        self._log.flush()
+        os.fsync(self._log.fileno())
+        self._log.close()
+        _write_new(self.staging / SUMMARY, json_bytes(json.loads(summary.model_dump_json(by_alias=True))))
+        _write_new(self.staging / HOST, json_bytes(self._host_document()))
+        entries = []
+        for path in sorted(p for p in self.staging.rglob("*") if p.is_file()):
+            relative = path.relative_to(self.staging).as_posix()
+            data = path.read_bytes()
+            entries.append({"path": relative, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+        manifest = {"schema": MANIFEST_SCHEMA, "run_id": self.run_id, "files": entries}
+        _write_new(self.staging / MANIFEST, json_bytes(manifest))
+        for path in self.staging.rglob("*"):
+            if path.is_file():
+                os.chmod(path, 0o444)
+        for directory in (self.staging / "samples", self.staging):
+            _fsync_dir(directory)
+            os.chmod(directory, 0o555)
+        try:
+            os.rename(self.staging, self.path)  # replaces only our own claimed, empty directory
+        except OSError as exc:
+            raise Refused(
+                f"receipt {self.run_id}: cannot publish ({exc.strerror}); {self.path} changed during the run, "
+                f"the receipt stays in {self.staging}"
+            ) from None
+        _fsync_dir(self.archive)
+        return self.path
+
+    def _require_open(self) -> None:
+        if self.finalized:
+            raise Refused(f"receipt {self.run_id}: already finalized; a receipt is never rewritten")
+
+    def __enter__(self) -> ReceiptWriter:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self.finalized:
+            return
+        if exc is not None:
+            self.finalize(judge_incomplete(f"{kind.__name__ if kind else 'error'}: {one_line(str(exc))}"))
+        else:
+            self.finalize(judge_incomplete("run ended without a verdict"))

@@ -1,0 +1,306 @@
+"""Strict JSON for contract files: small, UTF-8, standard JSON only, checked against a schema.
+
+Every contract document (an onboarding identity, a lane registry) is read here before anything
+interprets it, so a file that could mean two things to two readers never reaches a model: a regular
+file of at most 1 MiB, strict UTF-8 without BOM, no NaN or Infinity, no duplicate keys, nesting at
+most 32 deep, no control characters or lone surrogates in strings. Every refusal is one line
+starting ``<label> <path>:``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from jsonschema.exceptions import ValidationError as SchemaError
+from jsonschema.exceptions import best_match
+
+from qualify.core.errors import Refused, one_line
+
+MAX_DOCUMENT_BYTES = 1 << 20
+"""Largest contract file read (1 MiB); an identity is a few kilobytes."""
+
+MAX_NESTING_DEPTH = 32
+"""Deepest array/object nesting accepted; an identity is 4 levels deep."""
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_STRUCTURE_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+
+
+class _NonStandardConstant:
+    """Stands in for NaN/Infinity while parsing so the walk can name the field that held it."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _DuplicateKey(key)
+        document[key] = value
+    return document
+
+
+def format_path(parts: Sequence[str | int]) -> str:
+    """A JSON path as ``a.b["x/y"][0]``; the empty path is ``(document)``."""
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif _IDENTIFIER.fullmatch(part):
+            text += f".{part}" if text else part
+        else:
+            text += f"[{json.dumps(part)}]"
+    return text or "(document)"
+
+
+def render(value: object, limit: int = 96) -> str:
+    """A short one-line JSON rendering of a value for refusal messages."""
+    if isinstance(value, _NonStandardConstant):
+        return value.text
+    try:
+        text = json.dumps(value, ensure_ascii=True, sort_keys=False, allow_nan=True, default=repr)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    text = one_line(text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _check_nesting(text: str, where: str) -> None:
+    depth = 0
+    for match in _STRUCTURE_TOKENS.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > MAX_NESTING_DEPTH:
+                raise Refused(
+                    f"{where}: nesting deeper than {MAX_NESTING_DEPTH} levels at character "
+                    f"{match.start()}; expected a flat JSON document"
+                )
+        elif token in "]}":
+            depth -= 1
+
+
+def check_json_values(document: object, where: str) -> None:
+    """Refuse NaN/Infinity, overflowing numbers, control characters and lone surrogates anywhere in
+    a parsed document (also one built in memory), naming the path that held it."""
+    stack: list[tuple[tuple[str | int, ...], object]] = [((), document)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _NonStandardConstant):
+            raise Refused(
+                f"{where}: {format_path(path)}: found {value.text}, expected a finite number "
+                f"(NaN and Infinity are not JSON)"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise Refused(
+                f"{where}: {format_path(path)}: found a number that overflows to infinity, "
+                f"expected a finite number"
+            )
+        if isinstance(value, str):
+            _check_text(value, where, path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where, path + (key,), is_key=True)
+                stack.append((path + (key,), item))
+        elif isinstance(value, list):
+            stack.extend((path + (index,), item) for index, item in enumerate(value))
+
+
+def _check_text(text: str, where: str, path: tuple[str | int, ...], is_key: bool = False) -> None:
+    what = "key" if is_key else "string"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Refused(
+            f"{where}: {format_path(path)}: {what} holds a lone UTF-16 surrogate, expected text"
+        ) from None
+    control = _CONTROL.search(text)
+    if control is not None:
+        raise Refused(
+            f"{where}: {format_path(path)}: {what} holds control character "
+            f"U+{ord(control.group()):04X}, expected printable text"
+        )
+
+
+def _read_small_file(path: str | os.PathLike[str], where: str) -> bytes:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise Refused(f"{where}: no such file") from None
+    except OSError as exc:
+        raise Refused(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise Refused(f"{where}: is a directory, expected a JSON file")
+    if not stat.S_ISREG(info.st_mode):
+        raise Refused(f"{where}: not a regular file, expected a JSON file")
+    if info.st_size > MAX_DOCUMENT_BYTES:
+        raise Refused(
+            f"{where}: file is {info.st_size} bytes, expected at most {MAX_DOCUMENT_BYTES} (1 MiB)"
+        )
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as exc:
+        raise Refused(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise Refused(f"{where}: file grew past {MAX_DOCUMENT_BYTES} bytes while reading")
+    return data
+
+
+def read_strict_json(path: str | os.PathLike[str], label: str) -> Any:
+    """Parse a small JSON file strictly, refusing anything odd with one line naming the file.
+
+    ``label`` starts every refusal (``identity <path>: ...``, ``registry <path>: ...``).
+    """
+    where = f"{label} {os.fspath(path)}"
+    data = _read_small_file(path, where)
+    try:
+        text = data.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise Refused(
+            f"{where}: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            f"expected a UTF-8 JSON document"
+        ) from None
+    if text.startswith("\ufeff"):
+        raise Refused(f"{where}: starts with a byte-order mark; expected UTF-8 JSON without BOM")
+    _check_nesting(text, where)
+    try:
+        document = json.loads(
+            text, object_pairs_hook=_refuse_duplicates, parse_constant=_NonStandardConstant
+        )
+    except _DuplicateKey as exc:
+        raise Refused(f"{where}: duplicate key {exc.key!r}; each key may appear once") from None
+    except json.JSONDecodeError as exc:
+        raise Refused(
+            f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+    except RecursionError:
+        raise Refused(f"{where}: nesting too deep; expected a flat JSON document") from None
+    except ValueError as exc:
+        raise Refused(f"{where}: not JSON ({one_line(str(exc))[:120]})") from None
+    check_json_values(document, where)
+    return document
+
+
+# --- JSON Schema ------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=8)
+def schema_validator(schema_path: Path) -> jsonschema.Draft202012Validator:
+    """The draft 2020-12 validator for a contract schema file (checked once, cached)."""
+    try:
+        schema = json.loads(Path(schema_path).read_text(encoding="utf-8"))
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except (OSError, ValueError, jsonschema.SchemaError) as exc:
+        raise Refused(f"contract schema {schema_path}: unusable ({type(exc).__name__})") from None
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _discriminated_branch(error: SchemaError) -> SchemaError | str | None:
+    """For a ``oneOf`` with a ``discriminator`` (how pydantic writes a tagged union): the error of
+    the branch the instance's tag picks, or a description of a missing or unknown tag."""
+    discriminator = error.schema.get("discriminator") if isinstance(error.schema, dict) else None
+    if error.validator != "oneOf" or not isinstance(discriminator, dict):
+        return None
+    tag_name = discriminator.get("propertyName")
+    mapping = discriminator.get("mapping", {})
+    instance = error.instance
+    path = list(error.absolute_path)
+    if not isinstance(instance, dict) or not isinstance(tag_name, str):
+        return None
+    if tag_name not in instance:
+        return f"{format_path(path + [tag_name])}: missing, expected this field"
+    tag = instance[tag_name]
+    if not isinstance(tag, str) or tag not in mapping:
+        choices = ", ".join(render(choice) for choice in mapping)
+        return f"{format_path(path + [tag_name])}: found {render(tag)}, expected one of {choices}"
+    branch = mapping[tag]
+    for index, candidate in enumerate(error.schema.get("oneOf", [])):
+        if isinstance(candidate, dict) and candidate.get("$ref") == branch:
+            picked = [sub for sub in error.context or [] if sub.schema_path and sub.schema_path[0] == index]
+            return best_match(picked) if picked else None
+    return None
+
+
+def describe_schema_error(error: SchemaError) -> str:
+    """One line naming the JSON path, what was found and what the schema expects."""
+    path = list(error.absolute_path)
+    keyword = error.validator
+    instance = error.instance
+    expected = error.schema.get("description") if isinstance(error.schema, dict) else None
+    if keyword == "required" and isinstance(instance, dict):
+        missing = [key for key in error.validator_value if key not in instance]
+        return f"{format_path(path + missing[:1])}: missing, expected this field"
+    if keyword == "additionalProperties" and isinstance(instance, dict):
+        known = error.schema.get("properties", {})
+        extra = [key for key in instance if key not in known]
+        if extra:
+            return (
+                f"{format_path(path + extra[:1])}: found unexpected field, expected only "
+                f"{', '.join(known) or 'declared fields'}"
+            )
+    if keyword == "propertyNames":
+        return f"{format_path(path)}: key {render(instance)}: expected {expected or 'a valid key'}"
+    if keyword == "type":
+        return f"{format_path(path)}: found {render(instance)}, expected type {error.validator_value}"
+    if keyword == "const":
+        return f"{format_path(path)}: found {render(instance)}, expected {render(error.validator_value)}"
+    if keyword == "enum":
+        choices = ", ".join(render(choice) for choice in error.validator_value)
+        return f"{format_path(path)}: found {render(instance)}, expected one of {choices}"
+    if keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        relation = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+        return (
+            f"{format_path(path)}: found {render(instance)}, expected a number "
+            f"{relation[keyword]} {error.validator_value}"
+        )
+    if keyword == "not" and expected:
+        return f"{format_path(path)}: found the placeholder {render(instance)}, expected {expected}"
+    if expected and keyword in ("pattern", "minLength", "maxLength", "not"):
+        return f"{format_path(path)}: found {render(instance)}, expected {expected}"
+    return f"{format_path(path)}: {one_line(error.message)[:200]}"
+
+
+def check_schema(document: object, schema_path: Path, where: str) -> None:
+    """Refuse a document that breaks its contract schema, reporting the best-matching error (for a
+    tagged union, the error of the branch its tag picks)."""
+    errors: list[SchemaError] = []
+    for error in schema_validator(schema_path).iter_errors(document):
+        branch = _discriminated_branch(error)
+        if isinstance(branch, str):
+            raise Refused(f"{where}: {branch}")
+        errors.append(error if branch is None else branch)
+    best = best_match(errors)
+    if best is not None:
+        raise Refused(f"{where}: {describe_schema_error(best)}")
+
+
+__all__ = [
+    "MAX_DOCUMENT_BYTES",
+    "MAX_NESTING_DEPTH",
+    "check_json_values",
+    "check_schema",
+    "describe_schema_error",
+    "format_path",
+    "read_strict_json",
+    "render",
+    "schema_validator",
+]

@@ -1,0 +1,281 @@
+"""Where the consumer decodes a handoff and its branch is compared: on the host (numpy) or on the
+device (torch), behind one small interface the run drives.
+
+A :class:`Comparer` owns the consumer's side of a run: the cold local recompute (the reference
+every handoff is compared against) and, per handoff, install, decode, the teacher-forced decode
+when the tokens diverge, and the full-logit and KV comparison. Both produce the same
+:class:`~qualify.evidence.compare.BranchComparison`, so records and verdicts do not depend on
+where the numbers were computed.
+
+A *deferred* comparer (the device one) returns before the handoff's logit digests are hashed, and
+calls ``meanwhile`` while its decode runs on the device: the run settles the previous sample there,
+so hashing and receipt writing overlap GPU work instead of adding to the wall.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from qualify.core.kv import KVCache
+from qualify.engines.base import DecodeResult, Engine
+from qualify.evidence.compare import BranchComparison, LogitTransform, compare_branches
+
+if TYPE_CHECKING:
+    from qualify.evidence.compare_device import ColdReference, LogitDigester
+
+
+@dataclass(frozen=True)
+class ComparerSetup:
+    """What a comparer needs from the run: the consumer, the prompt and where it is split, how
+    many tokens to decode, the contract's logit units and the bounds localisation reports against."""
+
+    consumer: Engine
+    prompt: np.ndarray
+    handoff_positions: int
+    output_tokens: int
+    transform: LogitTransform
+    maximum_absolute: float
+    maximum_mean_absolute: float
+    # Compute the cold branch once per run instead of once per handoff.
+    reference_once: bool = False
+
+
+@dataclass
+class ComparedHandoff:
+    """One handoff's comparison (:meth:`result` waits for a deferred one) and the seconds each
+    consumer-side activity took: ``install``, ``decode``, ``recompute``, ``teacher_forced``,
+    ``compare``."""
+
+    result: Callable[[], BranchComparison]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Comparer(Protocol):
+    """The consumer's side of a run."""
+
+    deferred: bool
+
+    def reference(self) -> float:
+        """Compute the cold local recompute the handoffs are compared against; its seconds."""
+        ...
+
+    def compare(self, kv: KVCache, pending: np.ndarray, meanwhile: Callable[[], None]) -> ComparedHandoff:
+        """Install ``kv``, decode ``pending`` plus the output tokens, compare with the cold branch;
+        ``meanwhile`` is called once, while the decode runs where the comparer can overlap it."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+ComparerFactory = Callable[[ComparerSetup], Comparer]
+
+
+class HostComparer:
+    """The consumer engine's numpy API and :func:`~qualify.evidence.compare.compare_branches`."""
+
+    deferred = False
+
+    def __init__(self, setup: ComparerSetup) -> None:
+        self.setup = setup
+        self._cold: tuple[KVCache, DecodeResult, float] | None = None
+
+    def _recompute(self) -> tuple[KVCache, DecodeResult, float]:
+        setup = self.setup
+        started = time.perf_counter()
+        kv = setup.consumer.prefill(setup.prompt[:setup.handoff_positions])
+        result = setup.consumer.decode(kv, setup.prompt[setup.handoff_positions:], setup.output_tokens)
+        return kv, result, time.perf_counter() - started
+
+    def reference(self) -> float:
+        self._cold = self._recompute()
+        return self._cold[2]
+
+    def compare(self, kv: KVCache, pending: np.ndarray, meanwhile: Callable[[], None]) -> ComparedHandoff:
+        setup, consumer = self.setup, self.setup.consumer
+        seconds: dict[str, float] = {}
+        started = time.perf_counter()
+        result = consumer.decode(kv, pending, setup.output_tokens)
+        seconds["decode"] = time.perf_counter() - started
+        meanwhile()
+        if setup.reference_once and self._cold is not None:
+            cold_kv, cold, _ = self._cold
+        else:
+            cold_kv, cold, seconds["recompute"] = self._recompute()
+        teacher_forced = None
+        if not np.array_equal(result.tokens, cold.tokens):
+            # Rows after a divergence compare like with like only when the handoff branch is fed
+            # the cold tokens.
+            started = time.perf_counter()
+            teacher_forced = consumer.teacher_forced(kv, pending, cold.tokens)
+            seconds["teacher_forced"] = time.perf_counter() - started
+        started = time.perf_counter()
+        comparison = compare_branches(
+            result, cold, setup.transform,
+            maximum_absolute=setup.maximum_absolute,
+            maximum_mean_absolute=setup.maximum_mean_absolute,
+            teacher_forced_logits=teacher_forced,
+            handoff_kv=(kv.keys, kv.values),
+            own_kv=(cold_kv.keys, cold_kv.values),
+        )
+        seconds["compare"] = time.perf_counter() - started
+        return ComparedHandoff(lambda: comparison, seconds)
+
+    def close(self) -> None:
+        self._cold = None
+
+
+class DeviceEngine(Protocol):
+    """The device face of a consumer engine (:class:`qualify.engines.torch_llama.TorchLlama`)."""
+
+    def prefill_device(self, tokens: Any) -> None: ...
+    def kv_device(self) -> tuple[list[Any], list[Any]]: ...
+    def install_device(self, keys: Any, values: Any) -> None: ...
+    def decode_device(self, pending: Any, steps: int, forced: Any = None) -> Any: ...
+
+
+class DeviceClock:
+    """Device seconds of the work between :meth:`start` and the returned stop: CUDA events on the
+    GPU (read later, without a sync in between), wall time on the CPU (which runs synchronously)."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.torch, self.cuda = torch, device == "cuda"
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = self.torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch stub gap
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> Callable[[], float]:
+        """A function returning the elapsed seconds (it waits for the stop event)."""
+        if self.cuda:
+            stopped = self.torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch stub gap
+            stopped.record()
+
+            def seconds() -> float:
+                stopped.synchronize()
+                return float(started.elapsed_time(stopped)) / 1000.0
+            return seconds
+        elapsed = time.perf_counter() - started
+        return lambda: elapsed
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+
+LOGIT_DIGEST_THREADS = 6
+"""Threads hashing the logit blocks beside the GPU (the block digest is one sequential pass)."""
+
+
+def host_tensor(array: np.ndarray) -> Any:
+    """A host array as a torch tensor over the same memory, so pinned memory stays pinned and its
+    copy to the device is asynchronous (bfloat16 goes through its bits: numpy cannot hand
+    ml_dtypes' bfloat16 to torch)."""
+    import torch
+
+    if str(array.dtype) == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+class DeviceComparer:
+    """The consumer's device methods and :func:`~qualify.evidence.compare_device.start_comparison`:
+    logits and KV stay on the device; only summaries and, for the digests, the logit blocks cross
+    to the host, hashed on threads while the next handoff decodes (a deferred comparer).
+    ``engine_seconds`` holds the device time of every engine call (CUDA events), apart from the
+    wall ``seconds`` each :class:`ComparedHandoff` reports."""
+
+    deferred = True
+
+    def __init__(self, setup: ComparerSetup, engine: DeviceEngine, device: str,
+                 digest_threads: int = LOGIT_DIGEST_THREADS) -> None:
+        import torch
+
+        from qualify.evidence.compare_device import LogitDigester
+
+        self.setup, self.engine, self.device, self.torch = setup, engine, device, torch
+        self.clock = DeviceClock(device)
+        self.digester: LogitDigester = LogitDigester(digest_threads)
+        self.digester.reserve(setup.output_tokens, setup.consumer.geometry.vocab, 2, pinned=device == "cuda")
+        self.prompt = torch.from_numpy(np.ascontiguousarray(setup.prompt)).to(device)
+        self._cold: ColdReference | None = None
+        self._cold_tokens: Any = None
+        self._own_kv: tuple[list[Any], list[Any]] | None = None
+        self.engine_seconds: dict[str, list[float]] = {
+            "reference prefill": [], "reference decode": [], "consumer decode": [], "teacher-forced decode": []}
+        self.last_timings: dict[str, float] = {}
+
+    def reference(self) -> float:
+        from qualify.evidence.compare_device import DeviceBranch, prepare_cold
+
+        setup, engine, clock = self.setup, self.engine, self.clock
+        started = clock.start()
+        engine.prefill_device(self.prompt[:setup.handoff_positions])
+        prefill_s = clock.stop(started)
+        keys, values = engine.kv_device()
+        # Every install overwrites the cache: keep the cold KV for the KV comparison.
+        self._own_kv = ([k.clone() for k in keys], [v.clone() for v in values])
+        started = clock.start()
+        cold_run = engine.decode_device(self.prompt[setup.handoff_positions:], setup.output_tokens)
+        decode_s = clock.stop(started)
+        cold = DeviceBranch(cold_run.tokens.clone(), cold_run.logits.clone())
+        self._cold_tokens = cold.tokens
+        self.engine_seconds["reference prefill"].append(prefill_s())
+        self.engine_seconds["reference decode"].append(decode_s())
+        self._cold = prepare_cold(cold, setup.transform, self.digester)
+        return self.engine_seconds["reference prefill"][-1] + self.engine_seconds["reference decode"][-1]
+
+    def compare(self, kv: KVCache, pending: np.ndarray, meanwhile: Callable[[], None]) -> ComparedHandoff:
+        from qualify.evidence.compare_device import DeviceBranch, start_comparison
+
+        if self._cold is None or self._own_kv is None:
+            raise RuntimeError("DeviceComparer.compare before reference()")
+        torch, setup, engine, clock = self.torch, self.setup, self.engine, self.clock
+        seconds: dict[str, float] = {}
+        started_wall = time.perf_counter()
+        engine.install_device([host_tensor(k) for k in kv.keys], [host_tensor(v) for v in kv.values])
+        seconds["install"] = time.perf_counter() - started_wall
+        pending_ids = torch.from_numpy(np.ascontiguousarray(pending)).to(self.device)
+        started = clock.start()
+        branch = engine.decode_device(pending_ids, setup.output_tokens)
+        decode_s = clock.stop(started)
+        meanwhile()  # the previous sample's record and receipt, while the device decodes
+        seconds["decode"] = decode_s()
+        self.engine_seconds["consumer decode"].append(seconds["decode"])
+        teacher_forced = None
+        handoff_branch = DeviceBranch(branch.tokens, branch.logits)
+        if not torch.equal(branch.tokens, self._cold_tokens):
+            # Keep the free run, then decode again on the same KV, fed the cold tokens.
+            handoff_branch = DeviceBranch(branch.tokens.clone(), branch.logits.clone())
+            started = clock.start()
+            teacher_forced = engine.decode_device(pending_ids, setup.output_tokens, forced=self._cold_tokens).logits
+            seconds["teacher_forced"] = clock.stop(started)()
+            self.engine_seconds["teacher-forced decode"].append(seconds["teacher_forced"])
+        started_wall = time.perf_counter()
+        pending_comparison = start_comparison(
+            handoff_branch, self._cold, setup.transform,
+            maximum_absolute=setup.maximum_absolute, maximum_mean_absolute=setup.maximum_mean_absolute,
+            digester=self.digester, teacher_forced_logits=teacher_forced,
+            handoff_kv=engine.kv_device(), own_kv=self._own_kv)
+        seconds["compare"] = time.perf_counter() - started_wall
+        self.last_timings = pending_comparison.timings
+
+        def result() -> BranchComparison:
+            comparison = pending_comparison.result()
+            seconds["digest_wait"] = pending_comparison.timings.get("digest_wait_s", 0.0)
+            return comparison
+
+        return ComparedHandoff(result, seconds)
+
+    def close(self) -> None:
+        self.digester.close()

@@ -1,0 +1,68 @@
+"""The run's two comparers measure the same thing: the host (numpy) comparer and the device
+(torch) comparer give the same comparison of one handoff, and a deferred comparer calls the
+run's ``meanwhile`` once per compare, before its result is asked for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the device comparer needs torch (the torch extra)")
+
+from qualify.evidence.compare import parse_logit_transform  # noqa: E402
+from qualify.evidence.comparers import ComparerSetup, DeviceComparer, HostComparer  # noqa: E402
+
+SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256,
+             max_positions=128, rope_theta=10000.0, rms_norm_eps=1e-5, tied_embeddings=False)
+
+
+def _setup() -> tuple[ComparerSetup, object]:
+    from qualify.engines.torch_llama import LlamaShape, TorchLlama, random_weights
+
+    torch.set_num_threads(1)
+    engine = TorchLlama(random_weights(LlamaShape(**SHAPE), seed=7, dtype="float32", device="cpu"),
+                        max_decode_steps=8, cuda_graph=False)
+    prompt = np.random.default_rng(3).integers(0, SHAPE["vocab"], size=40, dtype=np.int64)
+    return ComparerSetup(consumer=engine, prompt=prompt, handoff_positions=39, output_tokens=8,
+                         transform=parse_logit_transform("raw"), maximum_absolute=1.0,
+                         maximum_mean_absolute=0.1, reference_once=True), engine
+
+
+def _compare(comparer, engine, kv, pending):
+    calls = []
+    comparer.reference()
+    compared = comparer.compare(kv, pending, meanwhile=lambda: calls.append("meanwhile"))
+    assert calls == ["meanwhile"]
+    return compared.result(), compared.seconds
+
+
+def test_host_and_device_comparers_agree_on_a_drifted_handoff() -> None:
+    setup, engine = _setup()
+    kv = engine.prefill(setup.prompt[:setup.handoff_positions])
+    kv.keys[1][0, 5, 3] += 0.25  # a drift the comparison must see, in both places
+    pending = setup.prompt[setup.handoff_positions:]
+    host, host_seconds = _compare(HostComparer(setup), engine, kv, pending)
+    device = DeviceComparer(setup, engine, "cpu", digest_threads=2)
+    try:
+        on_device, device_seconds = _compare(device, engine, kv, pending)
+    finally:
+        device.close()
+    assert host.delta.max_abs > 0
+    assert on_device.delta.max_abs == host.delta.max_abs
+    assert on_device.delta.mean_abs == pytest.approx(host.delta.mean_abs, rel=1e-5)
+    assert on_device.handoff_digests == host.handoff_digests and on_device.cold_digests == host.cold_digests
+    assert on_device.token_agreement_rate == host.token_agreement_rate
+    assert {"decode", "compare"} <= set(host_seconds) and {"install", "decode", "compare"} <= set(device_seconds)
+    assert device.engine_seconds["reference decode"] and device.engine_seconds["consumer decode"]
+
+
+def test_an_exact_handoff_compares_to_zero_on_the_device() -> None:
+    setup, engine = _setup()
+    kv = engine.prefill(setup.prompt[:setup.handoff_positions])
+    device = DeviceComparer(setup, engine, "cpu", digest_threads=2)
+    try:
+        comparison, _ = _compare(device, engine, kv, setup.prompt[setup.handoff_positions:])
+    finally:
+        device.close()
+    assert comparison.delta.max_abs == 0.0 and comparison.first_logit_digest_mismatch is None
+    assert comparison.handoff_digests == comparison.cold_digests
