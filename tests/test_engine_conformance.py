@@ -5,7 +5,7 @@ Engines: the numpy reference; the NVFP4 lanes' consumer (exact a16-q8) and a nat
 draft (speculative); the compact torch Llama and transformers on the CPU in float32 (``torch``).
 vLLM is left out: starting it costs minutes, and tests/test_vllm_lanes.py runs its lanes end to end.
 
-Each engine, on the recipe's split (2047 positions handed off, one pending token): speaks the
+Each engine, on a 600 + 1 split of the recipe's prompt (600 positions handed off): speaks the
 protocol on the shipped model's geometry; prefills the canonical KV layout; decodes greedily (ties
 to the lowest id) with one finite float32 logit row per token, repeatably bit for bit; decode equals
 teacher forcing on its own tokens bit for bit, and a forced token changes only the rows after it;
@@ -32,9 +32,11 @@ from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult, Engine
 from qualify.engines.checkpoint import load_config
 
-HANDOFF = 2047  # the producer prefills prompt[:2047]; the consumer feeds prompt[2047]
+# A shorter split than the recipe's 2047 + 1 keeps seven engines' prefills cheap; the per-engine
+# tests run the full split where it matters (agreement with the reference, determinism).
+HANDOFF = 600  # the producer prefills prompt[:600]; the consumer feeds prompt[600]
 DECODE = 32
-SHORTER = 1920  # a producer that hands off whole 128-position blocks; 128 tokens are pending
+SHORTER = 512  # a producer that hands off whole 128-position blocks; 89 tokens are pending
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,7 @@ def test_teacher_forced_rows_follow_the_forced_tokens(engine: Engine, prompt: np
 
 def test_shorter_handoff_plus_pending_tokens_keeps_every_token(case: Case, engine: Engine, prompt: np.ndarray,
                                                                cold: DecodeResult) -> None:
-    """The consumer's view of a whole-block producer: 1920 positions handed off, 128 pending."""
+    """The consumer's view of a whole-block producer: 512 positions handed off, 89 pending."""
     result = engine.decode(engine.prefill(prompt[:SHORTER]), prompt[SHORTER:HANDOFF + 1], DECODE)
     assert result.meta["handed_off_positions"] == SHORTER
     assert result.meta["pending_tokens"] == HANDOFF + 1 - SHORTER

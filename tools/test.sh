@@ -19,6 +19,11 @@ run_pytest() {
 }
 
 mkdir -p out
+# Lint, layers and types first: ruff, the import-linter contracts (layers, a pure judge, no
+# cycles) and strict mypy on the package, all configured in pyproject.toml.
+"$VENV/bin/ruff" check .
+"$VENV/bin/lint-imports"
+"$VENV/bin/mypy"
 # No BLAS thread count is forced for results: the numpy engines' bits do not depend on it, nor on
 # the BLAS kernel or numpy's SIMD dispatch (qualify.core.numerics); tests/test_portability.py checks
 # that with its own per-child environments (kernels x threads 1, 2 x dispatch on/off), whatever is
