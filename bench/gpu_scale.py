@@ -37,6 +37,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,19 @@ if str(REPO_ROOT) not in sys.path:
 
 import numpy as np
 
+# The modules the run loads lazily (identity model and schema, receipt writer, device comparison)
+# are loaded here, with the script: module loading is setup, like the CUDA context, not the run.
+import qualify.archive.reader
+import qualify.archive.writer
+import qualify.contract.identity
+import qualify.engines.torch_llama
+import qualify.evidence.compare_device  # noqa: F401
 from qualify.contract.lanes import LLAMA3_8B_SHAPE_LANE, Recipe
 from qualify.core.assets import prompt_sha256
 from qualify.core.errors import Refused, one_line
-from qualify.core.hostenv import host_facts
 from qualify.evidence.comparers import ComparerSetup, DeviceClock, DeviceComparer
+from qualify.handoff.transport import InProcessTransport
+from qualify.run.calibrate import calibrate
 from qualify.run.contract import identity_path_for_lane
 from qualify.run.qualification import QualificationRun, RunOptions, TransportSetup
 
@@ -62,24 +71,24 @@ CALIBRATION_REPETITIONS = 5
 # --------------------------------------------------------------------------- the transport
 
 
-class DeviceProducerTransport:
-    """The lane's producer in this process, on the GPU (a ``Transport``: start, request_prefill,
-    close). Its payload buffers are allocated once and reused by every handoff."""
+class DeviceProducer:
+    """The lane's producer engine on the GPU, as an in-process producer
+    (:class:`qualify.handoff.transport.InProcessProducer`): it prefills, gathers its 64 K/V tensors
+    into a device staging buffer laid out like the payload and copies that once into a pinned host
+    buffer whose tensors the transport then seals in place. Buffers are allocated once."""
 
-    def __init__(self, setup: TransportSetup, producer: Any, fault: str | None) -> None:
-        self.setup, self.producer, self.fault = setup, producer, fault
+    def __init__(self, producer: Any, fault: str | None, positions: int) -> None:
+        self.producer, self.fault = producer, fault
         self.clock = DeviceClock("cuda")
-        self.host_facts: dict[str, object] | None = host_facts()
-        self.host_facts_problem: str | None = None
         self.prefill_seconds: list[float] = []
-        self.seconds: dict[str, list[float]] = {"transport (gather, device to pinned host)": [],
-                                                "seal (hash, tree, manifest, MAC)": []}
+        self.gather_seconds: list[float] = []
         self._buffers: tuple[Any, ...] | None = None
+        # Pinning the payload's host memory takes a noticeable fraction of a second: it runs on a
+        # thread while the consumer's reference decode occupies the GPU, and the first handoff
+        # waits for it.
+        self._allocation = ThreadPoolExecutor(1).submit(self._allocate, positions)
 
-    def start(self) -> None:
-        """Nothing to start: the producer engine is built and warmed up by the caller."""
-
-    def _payload(self, positions: int) -> tuple[Any, ...]:
+    def _allocate(self, positions: int) -> tuple[Any, ...]:
         import torch
 
         from qualify.core.kv import KVCache
@@ -98,49 +107,70 @@ class DeviceProducerTransport:
         host_kv = KVCache([host[f"layers.{i}.k"] for i in range(geometry.layers)],
                           [host[f"layers.{i}.v"] for i in range(geometry.layers)])
         staging = torch.empty(layout.size - start, dtype=torch.uint8, device="cuda")
-        staged = {name: staging[begin - start:end - start].view(torch.bfloat16).view(shape)
-                  for name, (begin, end) in layout.offsets.items()}
-        return payload, payload_tensor[start:], host_kv, staging, staged, geometry.layers
+        staged = [(staging[begin - start:end - start].view(torch.bfloat16).view(shape), name)
+                  for name, (begin, end) in layout.offsets.items()]
+        return payload, payload_tensor[start:], host_kv, staging, dict((name, view) for view, name in staged)
 
-    def request_prefill(self, prompt: np.ndarray, request_id: str) -> Any:
+    def produce(self, prompt: np.ndarray, request_id: str) -> Any:
         import torch
 
-        from qualify.handoff.wire import Handoff, TransportStats, seal_handoff_parts
+        from qualify.handoff.transport import ProducedKV
 
-        requested = time.perf_counter()
         if self._buffers is None:
-            self._buffers = self._payload(len(prompt))
-        payload, payload_data, host_kv, staging, staged, layers = self._buffers
+            self._buffers = self._allocation.result()
+        payload, payload_data, host_kv, staging, staged = self._buffers
         engine = self.producer.engine
         started = self.clock.start()
         engine.prefill_device(torch.from_numpy(np.ascontiguousarray(prompt)).to("cuda"))
-        compute_s = self.clock.stop(started)()  # waits for the prefill: transport times only itself
+        compute_s = self.clock.stop(started)()  # waits for the prefill: the copy times only itself
         self.prefill_seconds.append(compute_s)
         keys, values = engine.kv_device()
         if self.fault is not None:
             keys, values, _ = apply_fault(self.fault, keys, values)
         began = time.perf_counter()
-        for index in range(layers):
+        for index in range(len(keys)):
             staged[f"layers.{index}.k"].copy_(keys[index])
             staged[f"layers.{index}.v"].copy_(values[index])
         payload_data.copy_(staging, non_blocking=True)
         torch.cuda.synchronize()
         transfer_s = time.perf_counter() - began
-        self.seconds["transport (gather, device to pinned host)"].append(transfer_s)
-        began = time.perf_counter()
-        sealed = seal_handoff_parts(
-            host_kv, key=self.setup.key, identity_sha256=self.setup.expectation.identity_sha256,
-            target_cache_identity=self.producer.target_cache_identity_sha256, producer_mode=self.producer.mode,
-            lane=self.setup.lane, prompt_sha256=prompt_sha256(prompt), run_id=self.setup.run_id,
-            request_id=request_id, compute_s=compute_s, digest_threads=KV_HASH_THREADS)
-        self.seconds["seal (hash, tree, manifest, MAC)"].append(time.perf_counter() - began)
-        stats = TransportStats(request_s=time.perf_counter() - requested, transfer_s=transfer_s,
-                               payload_bytes=payload.nbytes, gbit_per_s=payload.nbytes * 8 / transfer_s / 1e9)
-        # The sealed parts are views of ``payload``, so the contiguous payload is that buffer.
-        return Handoff(sealed.manifest_bytes, sealed.mac, payload, transport=stats)
+        self.gather_seconds.append(transfer_s)
+        return ProducedKV(host_kv, payload, compute_s, transfer_s)
 
-    def close(self) -> None:
-        self._buffers = None
+
+def warm_up(consumer: Any, producer: Any) -> None:
+    """First calls outside the wall, as any engine's warm-up: both engines' kernels, the decode
+    graph, the comparison's kernels (lazy CUDA module loading), and the wire's schemas."""
+    import torch
+
+    from qualify.contract.lanes import ProducerMode
+    from qualify.core.kv import KVCache, KVGeometry
+    from qualify.evidence.compare_device import DeviceBranch, compare_branches_device
+    from qualify.handoff.transport import InProcessTransport, PrefillProducer
+    from qualify.handoff.wire import HandoffExpectation, mint_run_key, open_handoff
+
+    device_consumer = consumer.engine
+    warm = torch.arange(2048, device="cuda") % device_consumer.shape.vocab
+    producer.engine.prefill_device(warm[:2047])
+    device_consumer.prefill_device(warm[:2047])
+    device_consumer.warm_up()
+    run = device_consumer.decode_device(warm[2047:], 4)
+    branch = DeviceBranch(run.tokens.clone(), run.logits.clone())
+    kv = device_consumer.kv_device()
+    compare_branches_device(branch, branch, "raw", maximum_absolute=1.0, maximum_mean_absolute=1.0,
+                            teacher_forced_logits=branch.logits, handoff_kv=kv, own_kv=kv)
+
+    class Tiny:
+        def prefill(self, tokens: np.ndarray) -> KVCache:
+            return KVCache([np.zeros((1, len(tokens), 2), np.float32)], [np.zeros((1, len(tokens), 2), np.float32)])
+
+    key, digest = mint_run_key(), "a" * 64
+    with InProcessTransport(PrefillProducer(Tiny()), key=key, identity_sha256=digest, cache_identity=digest,
+                            mode=ProducerMode.NATIVE, lane="warm-up", run_id="warm-up") as transport:
+        handoff = transport.request_prefill(np.arange(3), "warm-up")
+    open_handoff(handoff, key, HandoffExpectation(digest, digest, KVGeometry(1, 1, 2, 3, "float32"),
+                                                  prompt_sha256(np.arange(3)), "warm-up", "warm-up"))
+    torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------- producer faults
@@ -217,7 +247,6 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from qualify.engines.factory import build_consumer, build_producer
-    from qualify.run.calibrate import calibrate
 
     if options.calibrate and options.fault is not None:
         raise Refused("--fault: a calibration measures a lane as it is; run the fault without --calibrate")
@@ -236,20 +265,18 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     weights_s = time.perf_counter() - began
     began = time.perf_counter()
     device_consumer = consumer.engine
-    warm = torch.arange(2048, device="cuda") % device_consumer.shape.vocab
-    producer.engine.prefill_device(warm[:2047])
-    device_consumer.prefill_device(warm[:2047])
-    device_consumer.warm_up()
-    device_consumer.decode_device(warm[2047:], 4)
-    torch.cuda.synchronize()
+    warm_up(consumer, producer)
     warmup_s = time.perf_counter() - began
 
-    transports: list[DeviceProducerTransport] = []
+    producers: list[DeviceProducer] = []
     comparers: list[DeviceComparer] = []
 
-    def transport(setup: TransportSetup) -> DeviceProducerTransport:
-        transports.append(DeviceProducerTransport(setup, producer, options.fault))
-        return transports[-1]
+    def transport(setup: TransportSetup) -> InProcessTransport:
+        producers.append(DeviceProducer(producer, options.fault, setup.handed_off_positions))
+        return InProcessTransport(
+            producers[-1], key=setup.key, identity_sha256=setup.expectation.identity_sha256,
+            cache_identity=producer.target_cache_identity_sha256, mode=producer.mode, lane=setup.lane,
+            run_id=setup.run_id, digest_threads=KV_HASH_THREADS)
 
     def comparer(setup: ComparerSetup) -> DeviceComparer:
         comparers.append(DeviceComparer(setup, device_consumer, "cuda"))
@@ -268,29 +295,36 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         passed, headline, receipt_path = calibration.deterministic and calibration.tokens_exact, \
             calibration.headline, calibration.receipt_path
         records = calibration.records
+        proposed = [calibration.proposed_maximum_absolute, calibration.proposed_maximum_mean_absolute]
     else:
         qualification = QualificationRun(run_options, transport=transport, comparer=comparer, consumer=consumer)
         try:
-            qualification.run_all()
+            outcomes = qualification.run_all()
         finally:
             qualification.close()
+        if qualification.refused:
+            raise Refused(outcomes[0].message)
         verdict = qualification.verdict
         passed, headline = (verdict.passed, verdict.headline) if verdict is not None else (False, "no verdict")
         receipt_path, records = qualification.receipt_path, qualification.records
+        proposed = [None, None]
     wall_end = time.perf_counter()
 
     # ---- baselines measured in the same run, after the wall -----------------------------------
     d2d_gbs = copy_bandwidth("cuda", COPY_BYTES)
     payload_bytes = next((r["payload_bytes"] for r in records if r.get("payload_bytes")), 0)
     sha_gbs = sha256_rate(np.zeros(max(payload_bytes, 1 << 20), dtype=np.uint8))
-    engine: dict[str, list[float]] = {"producer prefill": [s for t in transports for s in t.prefill_seconds]}
+    engine: dict[str, list[float]] = {"producer prefill": [s for p in producers for s in p.prefill_seconds]}
     for device_comparer in comparers:
         for name, values in device_comparer.engine_seconds.items():
             engine.setdefault(name, []).extend(values)
-    harness: dict[str, list[float]] = {}
-    for device_transport in transports:
-        for name, values in device_transport.seconds.items():
-            harness.setdefault(name, []).extend(values)
+    measured = [record for record in records if not record.get("error")]
+    harness: dict[str, list[float]] = {
+        "transport (gather, device to pinned host)": [s for p in producers for s in p.gather_seconds],
+        "seal (hash, tree, manifest, MAC)": [record["serialize_s"] for record in measured],
+        "verify (MAC, manifest, re-hash)": [record["verify_s"] for record in measured],
+        "install (host to device, into the cache, finiteness)": [record["install_s"] for record in measured],
+    }
     engine_s = sum(sum(values) for values in engine.values())
     wall_s = wall_end - wall_began
     return {
@@ -300,14 +334,17 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         "engine_seconds": {name: values for name, values in engine.items() if values}, "engine_total_s": engine_s,
         "harness_seconds": harness, "setup_cuda_init_s": cuda_init_s, "setup_weights_s": weights_s,
         "setup_warmup_s": warmup_s, "qualification_wall_s": wall_s, "total_wall_s": wall_end - total_began,
-        "overhead_ratio": wall_s / engine_s, "overhead_ratio_with_setup": (wall_end - total_began) / engine_s,
+        "overhead_ratio": wall_s / engine_s if engine_s > 0 else math.nan,
+        "overhead_ratio_with_setup": (wall_end - total_began) / engine_s if engine_s > 0 else math.nan,
         "d2d_copy_gbs_read_plus_write": d2d_gbs, "kv_payload_bytes": payload_bytes,
-        "kv_seal_gbs": [payload_bytes / s / 1e9 for s in harness.get("seal (hash, tree, manifest, MAC)", [])],
+        "kv_seal_gbs": [payload_bytes / s / 1e9 if s > 0 else math.nan
+                        for s in harness.get("seal (hash, tree, manifest, MAC)", [])],
         "sha256_single_thread_gbs": sha_gbs, "kv_hash_threads": KV_HASH_THREADS,
         "compare_gbs_logit_bytes_read": [
             c.last_timings.get("logit_pass_bytes", 0.0) / max(c.last_timings.get("logit_pass_s", 1e-9), 1e-9) / 1e9
             for c in comparers],
         "verdict": {"passed": passed, "headline": headline},
+        "calibration_proposed_bounds": proposed,
         "samples": [{key: record.get(key) for key in ("repetition", "token_agreement_rate", "max_abs", "mean_abs",
                                                        "payload_sha256", "error", "localisation")} for record in records],
         "receipt": str(receipt_path),

@@ -13,10 +13,7 @@ equivalence with the blocks on the GPU.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -229,75 +226,6 @@ def test_refusals_name_the_field() -> None:
         assert "\n" not in str(refusal.value)
 
 
-# ---- the scale bench, tiny profile, on the CPU ---------------------------------------------------
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("gpu_scale_bench", REPO_ROOT / "bench" / "gpu_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_scale_bench_tiny_profile_runs_the_recipe_and_writes_a_verified_receipt(tmp_path: Path, capsys) -> None:
-    from qualify.archive.verify import verify_receipt
-
-    bench = _bench()
-    status = bench.main(["--profile", "tiny", "--receipts", str(tmp_path / "receipts"),
-                         "--json", str(tmp_path / "figures.json")])
-    out = capsys.readouterr().out
-    figures = json.loads((tmp_path / "figures.json").read_text())
-    assert out.strip().splitlines()[-1] == f"gpu_scale_overhead_ratio: {figures['overhead_ratio']:.3f}"
-    receipt = Path(figures["receipt"])
-    assert verify_receipt(receipt) == []
-    summary = json.loads((receipt / "validation-summary.json").read_text())
-    assert summary["passed"] is figures["verdict"]["passed"] and summary["samples"] == 3
-    assert status == (0 if summary["passed"] else 1)
-    samples = [json.loads((receipt / "samples" / f"sample-{n}.json").read_text()) for n in (1, 2, 3)]
-    assert len({s["payload_sha256"] for s in samples}) == 1  # the producer is deterministic
-    assert all(s["output_tokens"] == 32 and len(s["handoff_logit_row_sha256"]) == 32 for s in samples)
-    assert figures["engine_total_s"] > 0 and figures["qualification_wall_s"] > 0
-
-
-def test_scale_bench_same_engine_handoff_reproduces_the_cold_run_bit_for_bit(tmp_path: Path, capsys) -> None:
-    """Producer and consumer the same compact engine (two instances, shared weights): every
-    payload byte that crosses (gather, pinned host copy, verify, install) must come back
-    exactly, so the calibration sees zero drift and proposes the floor."""
-    bench = _bench()
-    contract = json.loads((REPO_ROOT / "bench" / "gpu_scale_contract.json").read_text())
-    contract["profiles"]["tiny"]["producer"] = "torch-llama"
-    path = tmp_path / "contract.json"
-    path.write_text(json.dumps(contract))
-    status = bench.main(["--profile", "tiny", "--contract", str(path), "--calibrate", "--repetitions", "2",
-                         "--receipts", str(tmp_path / "receipts"), "--json", str(tmp_path / "figures.json")])
-    capsys.readouterr()
-    figures = json.loads((tmp_path / "figures.json").read_text())
-    assert status == 0 and figures["calibration_floor"] is True
-    assert figures["calibration_observed_max_abs"] == 0.0 and figures["calibration_observed_mean_abs"] == 0.0
-    receipt = Path(figures["receipt"])
-    for n in (1, 2):
-        sample = json.loads((receipt / "samples" / f"sample-{n}.json").read_text())
-        assert sample["handoff_logit_block_sha256"] == sample["cold_logit_block_sha256"]
-        assert all(item["k"] == 0.0 and item["v"] == 0.0 for item in sample["localisation"]["kv_layer_max_abs"])
-
-
-def test_scale_bench_refuses_a_tampered_contract(tmp_path: Path, capsys) -> None:
-    bench = _bench()
-    contract = json.loads((REPO_ROOT / "bench" / "gpu_scale_contract.json").read_text())
-    contract["profiles"]["tiny"]["prompt"]["seed"] += 1  # another prompt than the pinned digest
-    path = tmp_path / "contract.json"
-    path.write_text(json.dumps(contract))
-    assert bench.main(["--profile", "tiny", "--contract", str(path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("gpu_scale: refused: profiles.tiny.prompt.sha256") and "\n" not in err
-    contract["profiles"]["tiny"]["prompt"]["seed"] -= 1
-    contract["profiles"]["tiny"]["repetitions"] = 2
-    path.write_text(json.dumps(contract))
-    assert bench.main(["--profile", "tiny", "--contract", str(path)]) == 2
-    assert "profiles.tiny.repetitions" in capsys.readouterr().err
-
-
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 
@@ -321,40 +249,3 @@ def test_on_the_gpu_the_comparison_is_compare_py_result() -> None:
         handoff_kv=([cuda(k) for k in keys[:3]], [cuda(k) for k in keys[3:]]),
         own_kv=([cuda(o) for o in own[:3]], [cuda(o) for o in own[3:]]))
     assert_same(expected, found)
-
-
-@pytest.mark.parametrize("fault", ["kv-ulp", "block-order"])
-def test_scale_bench_producer_fault_is_localised_to_where_it_was_put(tmp_path: Path, capsys, fault: str) -> None:
-    """Same compact engine on both sides, so every handed-off K/V equals the consumer's own except
-    where the fault was put: the KV localisation must name exactly that layer/tensor/position."""
-    from qualify.engines.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
-
-    bench = _bench()
-    contract = json.loads((REPO_ROOT / "bench" / "gpu_scale_contract.json").read_text())
-    tiny = contract["profiles"]["tiny"]
-    tiny["producer"] = "torch-llama"
-    if fault == "block-order":  # the swapped blocks sit at positions 384..639: a longer prompt
-        from qualify.core.assets import prompt_sha256
-
-        longer = bench.make_prompt(tiny["prompt"]["seed"], 768, tiny["model"]["vocab"])
-        tiny["prompt"] = dict(tiny["prompt"], tokens=768, sha256=prompt_sha256(longer))
-        tiny["handoff_positions"] = 767
-    path = tmp_path / "contract.json"
-    path.write_text(json.dumps(contract))
-    status = bench.main(["--profile", "tiny", "--contract", str(path), "--fault", fault,
-                         "--receipts", str(tmp_path / "receipts"), "--json", str(tmp_path / "figures.json")])
-    capsys.readouterr()
-    figures = json.loads((tmp_path / "figures.json").read_text())
-    assert figures["fault"] == fault and status in (0, 1)
-    sample = json.loads((Path(figures["receipt"]) / "samples" / "sample-1.json").read_text())
-    deltas = {(item["layer"], part): (item[part.lower()], item[f"{part.lower()}_position"])
-              for item in sample["localisation"]["kv_layer_max_abs"] for part in ("K", "V")}
-    if fault == "kv-ulp":
-        layer, _, position, _ = bench.fault_site(2, tiny["handoff_positions"])
-        touched = {(layer, "K")}
-        assert deltas[(layer, "K")][0] > 0 and deltas[(layer, "K")][1] == position
-    else:
-        touched = {(layer, "K") for layer in range(2)}
-        low, high = SWAPPED_BLOCKS[0] * BLOCK_POSITIONS, (SWAPPED_BLOCKS[1] + 1) * BLOCK_POSITIONS
-        assert all(deltas[site][0] > 0 and low <= deltas[site][1] < high for site in touched)
-    assert all(value == 0.0 for site, (value, _) in deltas.items() if site not in touched), deltas

@@ -105,8 +105,8 @@ def test_shipped_identity_validates_and_pins_the_real_artifacts(path: Path):
     if identity.lane in VLLM_LANE_ENGINES and VLLM_LANE_ENGINES[identity.lane][0] == "vllm" \
             and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM producer ABI: needs the vllm extra (tools/install_vllm.sh)")
-    if spec.kind is LaneKind.TRANSFORMERS and not _cuda_available():
-        pytest.skip("transformers CUDA producer ABI names the GPU: needs an NVIDIA GPU")
+    if spec.kind in (LaneKind.TRANSFORMERS, LaneKind.TORCH_LLAMA) and not _cuda_available():
+        pytest.skip(f"{spec.kind.value} CUDA producer ABI names the GPU: needs an NVIDIA GPU")
     assert build_cache_identity(spec) == identity.target_cache_identity_sha256
 
 

@@ -51,7 +51,7 @@ from qualify.contract.identity import (
     identity_sha256,
     parse_identity_document,
 )
-from qualify.contract.lanes import LaneSpec, lane_spec, target_cache_identity
+from qualify.contract.lanes import TORCH_LLAMA_MODELS, LaneKind, LaneSpec, lane_spec, target_cache_identity
 from qualify.contract.units import parse_logit_units
 from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256
 from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
@@ -148,6 +148,20 @@ def _engine(name: str, version: str, abi: str) -> dict[str, str]:
     return {"name": name, "version": version, "abi": abi}
 
 
+TOKENIZER = MODEL_DIR / "tokenizer.json"
+"""The tokenizer of the shipped prompts: every lane reads the same raw token ids."""
+
+
+def lane_model_dir(spec: LaneSpec, override: str | None) -> Path:
+    """The directory whose ``config.json`` gives a lane's RoPE base, head size and context: the
+    shipped model's, or a ``torch-llama`` lane's random-model file's directory."""
+    if override is not None:
+        return Path(override)
+    if spec.kind is LaneKind.TORCH_LLAMA:
+        return (REPO_ROOT / TORCH_LLAMA_MODELS[spec.name]).parent
+    return MODEL_DIR
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     document = read_strict_json(path, "model config")
     if not isinstance(document, dict):
@@ -193,7 +207,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
     """The identity document of ``args.lane`` computed from the artifacts on disk (not yet
     validated: :func:`freeze` runs it through the identity model)."""
     spec: LaneSpec = lane_spec(args.lane)
-    model_dir = Path(args.model_dir)
+    model_dir = lane_model_dir(spec, args.model_dir)
     config_path = model_dir / "config.json"
     config = _read_config(config_path)
 
@@ -272,7 +286,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         "producer_engine": producer,
         "consumer_engine": consumer,
         "adapter": {"name": adapter_name, "sha256": sha256_file(adapter_path)},
-        "tokenizer_sha256": sha256_file(model_dir / "tokenizer.json"),
+        "tokenizer_sha256": sha256_file(TOKENIZER),
         "prompt": {"name": args.prompt, "tokens": prompt_tokens, "sha256": prompt_digest},
         "prompt_template": {"name": RAW_TOKEN_TEMPLATE_NAME, "sha256": canonical_sha256(RAW_TOKEN_TEMPLATE_RULE)},
         "context_policy": {"handoff_positions": prompt_tokens - 1, "max_positions": max_positions},
@@ -286,7 +300,7 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     """``identity`` with every artifact digest recomputed from disk; engines, rule bounds and
     basis URI kept. The target-cache identity is re-derived from the new checkpoint digests."""
     spec = identity.spec
-    model_dir = Path(args.model_dir)
+    model_dir = lane_model_dir(spec, args.model_dir)
     config_path = model_dir / "config.json"
     _, head_dim, _ = _geometry(_read_config(config_path), config_path)
     document = identity.document()
@@ -306,7 +320,7 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
     document["target_cache_identity_sha256"] = target_cache_identity(spec, files, identity.producer_engine.abi)
     document["adapter"]["sha256"] = sha256_file(REPO_ROOT / adapter_source)
-    document["tokenizer_sha256"] = sha256_file(model_dir / "tokenizer.json")
+    document["tokenizer_sha256"] = sha256_file(TOKENIZER)
     document["prompt"]["sha256"] = prompt_digest
     document["onboarding_qualification"]["prompt_sha256"] = prompt_digest
     document["prompt_template"]["sha256"] = canonical_sha256(RAW_TOKEN_TEMPLATE_RULE)
@@ -442,7 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--logit-units", default="raw", help="raw or tanh-softcap:<cap>")
-    parser.add_argument("--model-dir", default=str(MODEL_DIR))
+    parser.add_argument("--model-dir", default=None,
+                        help="the model directory whose config.json gives RoPE and context (default: the lane's)")
     parser.add_argument("--archive-dir", default=str(DEFAULT_ARCHIVE_DIR),
                         help="where receipt:// URIs resolve (default receipts/ in the checkout)")
     parser.add_argument("--out", help="identity JSON to write (default contracts/<lane>-identity-v1.json)")

@@ -12,14 +12,15 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
-    "kquant-exact-dflash": "e3054941a5c56de57de3f3412995ff8f41f9de1cda1f41e93c822c4cae46a90f",
+    "kquant-exact-dflash": "d7ec37bc8c4087adb625d791bc15d76329f2fc03d1c8a8cb9faf17fda03aa89d",
+    "llama3-8b-shape-pd": "e90f59f88c3e560f8e11d716c9a781987d3f3f64970abf31c8ffe74f3b051300",
     "nvfp4-native-f16": "a1ef1617671c0e30aeee3d87fd22f75fbe63f80408bfa0353841c680b9cf5b02",
     "nvfp4-native-splitk": "bc847514d3a28a51b8229079f0023b1d659a9a5cbb7acc0122fa5a47fe97f5a8",
     "nvfp4-native-w4a4": "aa86ff2cd7d928e3fb7c22ae7ce40dd3d8bca8851862828747551667ee9c46ab",
     "reference-to-vllm": "0b656669c78f93844ab3f5d2391d5c0f153c0561b0e7a8b11673aaaf677a595a",
-    "transformers-cuda-bf16": "0000233911cf91c696e39cfc93d0348a68804ae0b299500ea2cf201721a1ea3a",
-    "transformers-cuda-fp32": "c0201c4bbff2ab07318f6beca75ed610e621d4981087cfc678d629e979a6d922",
-    "transformers-cuda-tf32": "e125fd3f4bc88adfbf56422357fd1fd112e3eef84dd3e1e1309063c98e7040f8",
+    "transformers-cuda-bf16": "501b62968e71740da77f20d6c8f2c1cc5d935d0f00a99cdb185f3cc243890b66",
+    "transformers-cuda-fp32": "68649c5965d73707b815a7e8ba18e3ba36d8236c0a380e10ef86e84f6394f0c7",
+    "transformers-cuda-tf32": "a947d26bb0e800be99573735a8628712dcd5cc5d2151db9648a6647769db88b4",
     "vllm-to-reference": "55544621d77af998d5eb8f93d0423f9974e5b53efe994599e24c04cde436ef11",
     "vllm-to-vllm": "b60a563b1966a1b590653d2e71fe26ef18e7839d7f4d735986463826ca100181",
 })
@@ -27,6 +28,7 @@ SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
 
 SEALED_BASIS_RECEIPTS: Mapping[str, str] = MappingProxyType({
     "kquant-exact-dflash": "20d67c09288fe1c6c7d2547cc99c8bad2eceead2b542c64730059805db4f985e",
+    "llama3-8b-shape-pd": "8be5d1e2f404a607af9331e8c244c5a44a62de890dcc5580f911cd1934761b15",
     "nvfp4-native-f16": "f20a3472ecf6964fff514dcc4b6b7b65f73ce845b9b54685aa5930672e70734d",
     "nvfp4-native-splitk": "36f786c8766eeff0d752965330c7278b58b3d707424260c15d8da3948857f91f",
     "nvfp4-native-w4a4": "df47b120328af14cd1d176d89550b717d0a8e3a1e86de2baae488a7dbf8c484d",

@@ -163,6 +163,15 @@ def _producer_abi(spec: LaneSpec) -> str:
         from qualify.engines.vllm_engine import vllm_engine_abi
 
         return vllm_engine_abi()
+    if spec.kind is LaneKind.TORCH_LLAMA:
+        import torch
+
+        from qualify.engines.torch_llama import DTYPES, random_model
+        from qualify.engines.torch_llama import engine_abi as torch_llama_abi
+
+        # The producer runs without CUDA graphs (_build); no 8B-shaped engine is built to say so.
+        _, _, dtype, device = random_model(assets.REPO_ROOT / TORCH_LLAMA_MODELS[spec.name])
+        return torch_llama_abi(torch.device(device), DTYPES[dtype], cuda_graph=False)
     return _build(spec, spec.mode).abi
 
 

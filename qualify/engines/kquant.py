@@ -417,6 +417,22 @@ class KQuantWeights:
     vectors: dict[str, np.ndarray]
 
 
+def _matrix(loaded: dict[str, Q8Matrix | np.ndarray], name: str, path: Path) -> Q8Matrix:
+    """The Q8_0 matrix ``name`` of a read GGUF (its spec asked for a quantized tensor)."""
+    value = loaded[name]
+    if not isinstance(value, Q8Matrix):
+        raise Refused(f"{path}: {name}: expected a Q8_0 matrix, found {type(value).__name__}")
+    return value
+
+
+def _vector(loaded: dict[str, Q8Matrix | np.ndarray], name: str, path: Path) -> np.ndarray:
+    """The float vector ``name`` of a read GGUF (its spec asked for an unquantized tensor)."""
+    value = loaded[name]
+    if not isinstance(value, np.ndarray):
+        raise Refused(f"{path}: {name}: expected a float tensor, found {type(value).__name__}")
+    return value
+
+
 def _hf_layer(loaded: dict[str, Q8Matrix | np.ndarray], block: str, hf_prefix: str,
               config: KQuantConfig, matrices: dict[str, Q8Matrix], vectors: dict[str, np.ndarray]) -> None:
     for gguf_suffix, hf_suffix in GGUF_TO_HF_LAYER.items():
@@ -441,8 +457,8 @@ def load_target_gguf(path: Path, config: KQuantConfig) -> KQuantWeights:
         specs.update(layer_tensor_specs(f"blk.{index}", c.hidden, c.heads, c.kv_heads, c.head_dim,
                                         c.intermediate))
     loaded = read_gguf(path, TARGET_ARCH, specs, c.hparams(TARGET_ARCH, c.layers))
-    matrices: dict[str, Q8Matrix] = {"model.embed_tokens": loaded["token_embd.weight"]}  # type: ignore[dict-item]
-    vectors: dict[str, np.ndarray] = {"model.norm.weight": loaded["output_norm.weight"]}  # type: ignore[dict-item]
+    matrices = {"model.embed_tokens": _matrix(loaded, "token_embd.weight", path)}
+    vectors = {"model.norm.weight": _vector(loaded, "output_norm.weight", path)}
     for index in range(c.layers):
         _hf_layer(loaded, f"blk.{index}", f"model.layers.{index}.", c, matrices, vectors)
     return KQuantWeights(Path(path), matrices, vectors)
@@ -454,7 +470,7 @@ def load_draft_gguf(path: Path, config: KQuantConfig) -> KQuantWeights:
     specs = {"fc.weight": GGUFTensorSpec((c.hidden, 2 * c.hidden), True)}
     specs.update(layer_tensor_specs("blk.0", c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate))
     loaded = read_gguf(path, DRAFT_ARCH, specs, c.hparams(DRAFT_ARCH, 1))
-    matrices: dict[str, Q8Matrix] = {"fc": loaded["fc.weight"]}  # type: ignore[dict-item]
+    matrices = {"fc": _matrix(loaded, "fc.weight", path)}
     vectors: dict[str, np.ndarray] = {}
     _hf_layer(loaded, "blk.0", "layer.", c, matrices, vectors)
     return KQuantWeights(Path(path), matrices, vectors)

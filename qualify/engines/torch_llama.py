@@ -309,6 +309,25 @@ def _half_head_kind(device: torch.device, dtype: torch.dtype) -> str:
         return "f32-copy"
 
 
+def head_kind(device: torch.device, dtype: torch.dtype) -> str:
+    """How the LM head keeps float32 logits: ``f32`` (a float32 model), else :func:`_half_head_kind`."""
+    return "f32" if dtype == torch.float32 else _half_head_kind(device, dtype)
+
+
+def engine_version() -> str:
+    return f"torch-llama-{qualify.__version__}+torch-{torch.__version__}"
+
+
+def engine_abi(device: torch.device, dtype: torch.dtype, cuda_graph: bool) -> str:
+    """The ABI an engine on ``device`` in ``dtype`` reports, without building one (no weights):
+    what an identity pins for it (torch, CUDA and GPU, dtype, head accumulation, graphs)."""
+    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
+    kind = "cpu" if device.type == "cpu" else \
+        f"cuda-{torch.version.cuda}-{torch.cuda.get_device_name(device).replace(' ', '-')}"
+    graphs = "cudagraph" if cuda_graph and device.type == "cuda" else "eager"
+    return f"{ABI_VERSION}+torch-{torch.__version__}+{kind}+{dtype_name}+head-{head_kind(device, dtype)}+{graphs}"
+
+
 # --------------------------------------------------------------------------------------------
 # The engine
 # --------------------------------------------------------------------------------------------
@@ -362,17 +381,13 @@ class TorchLlama(GreedyDecoder):
         # steps of that size and exact top-1 ties (resolved to the lowest id) would be common.
         # So a half-precision head keeps its float32 accumulator: torch.mm(out_dtype=float32)
         # where the backend has it (CUDA), else a float32 copy of the head (CPU smoke runs).
-        self.head_kind = "f32" if self.dtype == torch.float32 else _half_head_kind(self.device, self.dtype)
+        self.head_kind = head_kind(self.device, self.dtype)
         if self.head_kind == "f32-copy":
             self._lm_head_f32 = weights.lm_head.float()
         self.group = shape.heads // shape.kv_heads  # query heads per KV head
         self.scale = 1.0 / math.sqrt(shape.head_dim)
-        self.version = f"torch-llama-{qualify.__version__}+torch-{torch.__version__}"
-        dtype_name = next(name for name, value in DTYPES.items() if value == self.dtype)
-        kind = "cpu" if self.device.type == "cpu" else \
-            f"cuda-{torch.version.cuda}-{torch.cuda.get_device_name(self.device).replace(' ', '-')}"
-        self.abi = f"{ABI_VERSION}+torch-{torch.__version__}+{kind}+{dtype_name}+head-{self.head_kind}+" \
-                   f"{'cudagraph' if self.use_graph else 'eager'}"
+        self.version = engine_version()
+        self.abi = engine_abi(self.device, self.dtype, self.use_graph)
 
         device, dtype = self.device, self.dtype
         slots = capacity + WARMUP_SLOTS
@@ -681,10 +696,8 @@ RANDOM_MODEL_SHAPE_KEYS = {
 RANDOM_MODEL_FIELDS = {"architecture", "weights", "seed", "dtype", "device", *RANDOM_MODEL_SHAPE_KEYS.values()}
 
 
-@functools.cache
-def random_model_weights(path: Path) -> LlamaWeights:
-    """The weights a random-model file names (shape, dtype, device, seed), drawn once per process:
-    a lane's in-process producer and its consumer share them (read-only)."""
+def random_model(path: Path) -> tuple[LlamaShape, int, str, str]:
+    """(shape, seed, dtype, device) a random-model file names; refuses any other field set."""
     from qualify.core.digests import strict_json_loads
 
     try:
@@ -697,4 +710,12 @@ def random_model_weights(path: Path) -> LlamaWeights:
     if document["architecture"] != "llama":
         raise Refused(f"random model {path}: architecture: found {document['architecture']!r}, expected 'llama'")
     shape = LlamaShape(**{name: document[key] for name, key in RANDOM_MODEL_SHAPE_KEYS.items()})
-    return random_weights(shape, seed=document["seed"], dtype=document["dtype"], device=document["device"])
+    return shape, document["seed"], document["dtype"], document["device"]
+
+
+@functools.cache
+def random_model_weights(path: Path) -> LlamaWeights:
+    """The weights a random-model file names (shape, dtype, device, seed), drawn once per process:
+    a lane's in-process producer and its consumer share them (read-only)."""
+    shape, seed, dtype, device = random_model(path)
+    return random_weights(shape, seed=seed, dtype=dtype, device=device)

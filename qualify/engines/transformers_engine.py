@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -125,10 +125,9 @@ class TransformersEngine(GreedyDecoder):
 
         with self._precision():
             # output_loading_info=True returns (model, info); transformers' annotation names only the model.
-            loaded: tuple[Any, dict[str, list[str]]] = LlamaForCausalLM.from_pretrained(  # type: ignore[assignment]
+            model, info = cast(tuple[Any, dict[str, list[str]]], LlamaForCausalLM.from_pretrained(
                 str(model_files_view(model_dir, "transformers")), dtype=self.torch_dtype,
-                attn_implementation=self.attn_implementation, output_loading_info=True)
-        model, info = loaded
+                attn_implementation=self.attn_implementation, output_loading_info=True))
         problems = {key: sorted(value) for key, value in info.items() if value}
         if problems:
             raise Refused(one_line(f"transformers model {model_dir / WEIGHTS_FILE}: loading reported {problems}"))

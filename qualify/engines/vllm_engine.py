@@ -6,8 +6,8 @@ measured in ``../shared/notes/vllm-on-cpu.md`` and the connector of
 
 * ``prefill(tokens)`` runs the prompt with ``max_tokens=1`` and returns the connector's export:
   the canonical KV of the whole blocks of ``tokens`` (``handoff_block_size`` = 128). A cold
-  recompute's KV also remembers its tokens, so ``decode`` of it runs the plain prompt without the
-  connector (the cold branch is the same engine without the handoff).
+  recompute's KV (:class:`ColdKV`) also remembers its tokens, so ``decode`` of it runs the plain
+  prompt without the connector (the cold branch is the same engine without the handoff).
 * ``decode(kv, pending, n)`` of a handed-off KV puts the KV in the connector's mailbox and runs
   placeholder ids for the handed-off positions followed by ``pending``: the connector installs
   the KV into the request's blocks and vLLM computes only the pending tokens. A connector that
@@ -45,6 +45,7 @@ import os
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,14 @@ def vllm_engine_abi() -> str:
             f"+threads-{THREADS}+env-{numeric_environment_sha256()[:12]}")
 
 
+@dataclass(kw_only=True)
+class ColdKV(KVCache):
+    """A prefill's export that remembers the tokens it was made from: decoding it is the cold local
+    recompute (the plain prompt through the same engine, no connector transfer)."""
+
+    source_tokens: np.ndarray
+
+
 _ACTIVE: weakref.ref[VllmEngine] | None = None
 """The engine built last in this process (see "One engine per process" in the module docstring)."""
 
@@ -337,9 +346,8 @@ class VllmEngine:
             if len(other) < len(ids):
                 raise Refused("fault other-prompt: the other prompt is shorter")
             ids = [int(t) for t in other[: len(ids)]]
-        kv = self._export(ids)
-        kv.source_tokens = np.asarray(tokens).copy()  # type: ignore[attr-defined]
-        return kv
+        exported = self._export(ids)
+        return ColdKV(exported.keys, exported.values, meta=exported.meta, source_tokens=np.asarray(tokens).copy())
 
     def _export(self, ids: list[int]) -> KVCache:
         """Run ``ids`` with ``max_tokens=1`` and collect the connector's whole-block export."""
@@ -385,15 +393,12 @@ class VllmEngine:
                 worst = max(worst, delta)
         return worst
 
-    def _is_cold(self, kv: KVCache) -> bool:
-        return getattr(kv, "source_tokens", None) is not None
-
     def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
         pending_ids = self._tokens(pending, "pending tokens")
         started = time.perf_counter()
-        if self._is_cold(kv):
+        if isinstance(kv, ColdKV):
             # Cold local recompute: the same engine, the plain prompt, no connector transfer.
-            prompt = self._tokens(kv.source_tokens, "cold tokens") + pending_ids  # type: ignore[attr-defined]
+            prompt = self._tokens(kv.source_tokens, "cold tokens") + pending_ids
             completion = self._generate(prompt, n, None, logits=True)
             meta = {"handed_off_positions": 0.0}
         else:
@@ -426,8 +431,8 @@ class VllmEngine:
         all in one batch, each installing the same handoff (only run when tokens diverged)."""
         forced_ids = self._tokens(forced, "forced tokens")
         pending_ids = self._tokens(pending, "pending tokens")
-        if self._is_cold(kv):
-            base = self._tokens(kv.source_tokens, "cold tokens")  # type: ignore[attr-defined]
+        if isinstance(kv, ColdKV):
+            base = self._tokens(kv.source_tokens, "cold tokens")
             prompts = [base + pending_ids + forced_ids[:i] for i in range(len(forced_ids))]
             completions = self._generate_many(prompts, 1, None, logits=True)
         else:

@@ -94,6 +94,8 @@ class TransportSetup:
     extra_args: list[str]
     engine_factory: str | None
     env: dict[str, str]
+    # How many positions each handoff carries (an in-process producer sizes its buffers by it).
+    handed_off_positions: int = 0
 
 
 TransportFactory = Callable[[TransportSetup], "Transport"]
@@ -347,6 +349,7 @@ class QualificationRun:
             expectation=contract.expectation, watchdog_s=self.options.watchdog_s,
             extra_args=extra_args, engine_factory=self.options.engine_factory,
             env=dict(self.producer_env),
+            handed_off_positions=lane_spec(contract.lane).handed_off_positions(contract.handoff_positions),
         ))
         self._producer.start()
         # What the producer process runs on (CPU, BLAS kernel and threads, GPU, commit): host.json.

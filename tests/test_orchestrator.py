@@ -1,0 +1,115 @@
+"""The one orchestrator with its edge interfaces swapped: an in-process transport in place of the
+producer process, and a deferred comparer in place of the immediate one. The evidence and the
+verdict must not depend on either choice."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qualify.core.assets import REPO_ROOT
+from qualify.engines.factory import build_producer
+from qualify.evidence.comparers import HostComparer
+from qualify.evidence.records import BoundedDriftRule
+from qualify.handoff.transport import InProcessTransport, PrefillProducer
+from qualify.run.contract import calibration_contract
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportSetup
+
+LANE = "nvfp4-native-splitk"
+# The per-sample evidence that must not depend on the transport or on deferred comparison.
+EVIDENCE = ("payload_sha256", "seams_sha256", "max_abs", "mean_abs", "token_agreement_rate",
+            "handoff_logit_block_sha256", "cold_logit_block_sha256", "handoff_generated_token_sha256")
+
+
+def _contract():  # a rule wide enough for the lane, so every step runs
+    contract = calibration_contract(LANE, "native-text")
+    return dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1),
+                               basis_records=None)
+
+
+def in_process(setup: TransportSetup) -> InProcessTransport:
+    producer = build_producer(setup.lane, setup.mode)
+    return InProcessTransport(PrefillProducer(producer), key=setup.key,
+                              identity_sha256=setup.expectation.identity_sha256,
+                              cache_identity=producer.target_cache_identity_sha256, mode=producer.mode,
+                              lane=setup.lane, run_id=setup.run_id)
+
+
+class DeferredHost(HostComparer):
+    """The host comparer declared deferred: the run records each sample one step late."""
+
+    deferred = True
+
+
+def _run(tmp_path: Path, **interfaces) -> tuple[QualificationRun, list]:
+    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path, reference_once=True), _contract(),
+                           **interfaces)
+    outcomes = [run.step(label) for label in STEP_LABELS[:6]]
+    run.settle_all()
+    run.close()
+    return run, outcomes
+
+
+@pytest.mark.slow
+def test_in_process_and_deferred_runs_gather_the_socket_runs_evidence(tmp_path: Path) -> None:
+    socket_run, socket_outcomes = _run(tmp_path / "socket")
+    local_run, local_outcomes = _run(tmp_path / "local", transport=in_process, comparer=DeferredHost)
+    assert all(outcome.passed for outcome in socket_outcomes + local_outcomes)
+    # Deferred: each handoff step reports its comparison, recorded when the next one decodes.
+    assert "recorded with the next step" in local_outcomes[3].message
+    assert [r["repetition"] for r in local_run.records] == [1, 2, 3]
+    for socket_record, local_record in zip(socket_run.records, local_run.records, strict=True):
+        assert {k: socket_record[k] for k in EVIDENCE} == {k: local_record[k] for k in EVIDENCE}
+
+
+def test_meanwhile_records_the_previous_sample_and_only_that_one() -> None:
+    """A deferred comparer calls the run's ``meanwhile`` while a handoff decodes: it records the
+    oldest compared sample, in order, and does nothing when none is waiting."""
+    run = QualificationRun(RunOptions(recipe="native-text"), _contract())
+    kept: list[tuple[str, int]] = []
+    run._keep = lambda record, repetition: kept.append((record, repetition)) or "kept"  # type: ignore[method-assign]
+    run._settle_previous()
+    assert kept == []
+    run._unsettled += [(1, lambda: "record 1"), (2, lambda: "record 2")]
+    run._settle_previous()
+    assert kept == [("record 1", 1)] and [r for r, _ in run._unsettled] == [2]
+    run.settle_all()
+    assert kept == [("record 1", 1), ("record 2", 2)] and run._unsettled == []
+    assert DeferredHost.deferred and not HostComparer.deferred
+
+
+def _gpu_scale():
+    spec = importlib.util.spec_from_file_location("gpu_scale_bench", REPO_ROOT / "bench" / "gpu_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.torch
+def test_the_scale_benchs_faults_touch_only_their_site() -> None:
+    torch = pytest.importorskip("torch")
+    from qualify.engines.faults import BLOCK_POSITIONS, SWAPPED_BLOCKS
+
+    bench = _gpu_scale()
+    generator = torch.Generator().manual_seed(1)
+    keys = [torch.randn(2, 700, 8, generator=generator).to(torch.bfloat16) for _ in range(4)]
+    values = [torch.randn(2, 700, 8, generator=generator).to(torch.bfloat16) for _ in range(4)]
+    moved, same_values, where = bench.apply_fault("kv-ulp", keys, values)
+    changed = [(layer, index) for layer in range(4)
+               for index in torch.nonzero(moved[layer] != keys[layer]).tolist()]
+    layer, head, position, dim = bench.fault_site(4, 700)
+    assert changed == [(layer, [head, position, dim])] and same_values is values and "one ULP" in where
+    swapped, _, _ = bench.apply_fault("block-order", keys, values)
+    first, second = (block * BLOCK_POSITIONS for block in SWAPPED_BLOCKS)
+    for original, result in zip(keys, swapped, strict=True):
+        assert torch.equal(result[:, first:first + BLOCK_POSITIONS], original[:, second:second + BLOCK_POSITIONS])
+        assert torch.equal(result[:, :first], original[:, :first])
+    with pytest.raises(bench.Refused, match="--fault"):
+        bench.apply_fault("v-scale", keys, values)
+    assert np.isfinite(float(moved[layer][head, position, dim]))
