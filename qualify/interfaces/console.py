@@ -17,10 +17,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from qualify.contract.lanes import EngineChoice, Recipe, recipe_named
 from qualify.core.errors import Refused
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
 
 EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+
+RECIPE_NAMES = [recipe.value for recipe in Recipe]
+ENGINE_NAMES = [engine.value for engine in EngineChoice]
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -32,12 +36,12 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=prog, description="Run a qualification recipe.")
-    parser.add_argument("--recipe", required=True, choices=["native-text", "kquant-target-plus-dflash"])
+    parser.add_argument("--recipe", required=True, choices=RECIPE_NAMES)
     parser.add_argument("--identity", type=Path, help="frozen identity JSON (default: the recipe's shipped lane)")
-    parser.add_argument("--producer", default="reference", choices=["reference", "vllm"],
+    parser.add_argument("--producer", default=EngineChoice.REFERENCE.value, choices=ENGINE_NAMES,
                         help="producer engine (default: reference, the embedded engine; vllm: vLLM "
                              "through the project KV connector, needs tools/install_vllm.sh)")
-    parser.add_argument("--consumer", default="reference", choices=["reference", "vllm"],
+    parser.add_argument("--consumer", default=EngineChoice.REFERENCE.value, choices=ENGINE_NAMES,
                         help="consumer engine (default: reference; vllm: a second vLLM engine)")
     parser.add_argument("--reference-once", action="store_true",
                         help="compute the cold local recompute once per run instead of per sample")
@@ -169,7 +173,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
 
     parser = _OneLineParser(prog="qualify calibrate",
                             description="Measure a lane's drift envelope and propose its sealed bounds.")
-    parser.add_argument("--recipe", required=True, choices=["native-text", "kquant-target-plus-dflash"])
+    parser.add_argument("--recipe", required=True, choices=RECIPE_NAMES)
     parser.add_argument("--lane", required=True, help="lane name (qualify/contract/lanes.py)")
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--receipts", type=Path, help="receipt archive for the calibration receipt")
@@ -192,7 +196,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
         console.print(Text("no rule proposed: the producer's output differed across restarts or "
                            "environments (see the receipt's verdict); no sealed identity can cover it",
                            style="bold red"))
-    elif args.recipe == "kquant-target-plus-dflash":
+    elif recipe_named(args.recipe).rung == 3:
         console.print(Text("rung 3 is bit-exact by its recipe: freeze with tools/freeze_identity.py "
                            f"--lane {args.lane} --acceptance-floor F --basis "
                            f"receipt://{receipt_name}/command.log", style="bold"))

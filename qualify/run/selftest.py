@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qualify.contract.lanes import Recipe
 from qualify.engines import faults
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
-RUNG_RECIPES = {2: "native-text", 3: "kquant-target-plus-dflash"}
+RUNG_RECIPES = {recipe.rung: recipe.value for recipe in Recipe}
 
 
 @dataclass(frozen=True)
