@@ -316,6 +316,7 @@ def host_facts() -> dict[str, object]:
         "cpu": {
             "model": static["cpu_model"],
             "isa_class": static["isa_class"],
+            # The static facts are one dict of mixed values; this one is the flag list.
             "isa_flags": list(static["isa_flags"]),  # type: ignore[call-overload]
             "logical_cpus": static["logical_cpus"],
             "usable_cpus": affinity,

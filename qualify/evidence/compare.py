@@ -726,5 +726,6 @@ def compare_branches(
         divergence_class=divergence_class,
         teacher_forced=teacher,
         kv=kv,
+        # One dict for five fields of different types: mypy cannot split it per keyword.
         **draft_fields(handoff.draft_trace, cold.draft_trace),  # type: ignore[arg-type]
     )

@@ -90,8 +90,8 @@ def receive_buffer(size: int) -> memoryview:
 
 def _seconds(value: object) -> float | None:
     """A non-negative finite number of seconds from a frame header, else None."""
-    if type(value) in (int, float) and 0 <= float(value) < float("inf"):  # type: ignore[arg-type]
-        return float(value)  # type: ignore[arg-type]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf"):
+        return float(value)
     return None
 
 

@@ -11,12 +11,21 @@ from typing import Any
 
 import numpy as np
 
-from qualify.contract.lanes import LaneSpec, engine_named, lane_for_engines, lane_spec, recipe_named
+from qualify.contract.lanes import (
+    LaneSpec,
+    ProducerMode,
+    Recipe,
+    engine_named,
+    lane_for_engines,
+    lane_spec,
+    recipe_named,
+)
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.engines.base import Engine
 from qualify.evidence.records import BitExactRule, BoundedDriftRule
+from qualify.handoff.protocol import ProducerExpectation
 
 ORDERED_HANDOFFS = 3
 """Every recipe runs three ordered handoffs (an identity declaring another count is refused)."""
@@ -46,10 +55,11 @@ class Contract:
     derived from the lane and its artifacts, with no rule)."""
 
     lane: str
-    recipe: str
+    recipe: Recipe
     rung: int
-    producer_mode: str
-    identity_document: Any
+    producer_mode: ProducerMode
+    # The frozen identity file the run is under, or, for a calibration, the document describing it.
+    identity_document: Path | dict[str, Any]
     identity_sha256: str
     target_cache_identity: str
     logit_units: str
@@ -60,7 +70,7 @@ class Contract:
     output_tokens: int
     repetitions: int
     rule: BoundedDriftRule | BitExactRule | None
-    expectation: Any
+    expectation: ProducerExpectation
     # Per layer (K, V): the largest handed-off KV delta the lane's basis receipt measured; a
     # sample's layers above it are where a fault sits. Rung 3's envelope is zero everywhere.
     kv_envelope: list[tuple[float, float]] | None = None
@@ -141,7 +151,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     identity = load_identity(identity_path)
     check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
     if identity.recipe != recipe:
-        raise Refused(f"identity {identity_path}: recipe: found {identity.recipe}, the run is --recipe {recipe}")
+        raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")
     check_engine_pins(identity, consumer, lane_producer_abi(identity.lane))
     consumer_geometry = consumer.geometry
     prompt = assets.load_prompt(identity.prompt.name)
@@ -212,7 +222,6 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
     cache identity, a calibration document in place of the identity, and no rule."""
     from qualify.contract.lanes import lane_spec
     from qualify.engines.factory import build_cache_identity, checkpoint_digests, producer_facts
-    from qualify.handoff.protocol import ProducerExpectation
 
     spec = lane_spec(lane)
     if spec.recipe.value != recipe:
@@ -236,7 +245,7 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
     }
     digest = canonical_sha256(document)
     return Contract(
-        lane=lane, recipe=recipe, rung=spec.recipe.rung, producer_mode=spec.mode.value,
+        lane=lane, recipe=spec.recipe, rung=spec.recipe.rung, producer_mode=spec.mode,
         identity_document=document, identity_sha256=digest,
         target_cache_identity=cache_identity, logit_units="raw",
         prompt_name=prompt_name, prompt=prompt, prompt_sha256=prompt_sha256,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from qualify import __version__
-from qualify.contract.lanes import lane_spec
+from qualify.contract.lanes import ProducerMode, lane_spec
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
@@ -41,6 +41,7 @@ from qualify.run.contract import (
 
 if TYPE_CHECKING:
     from qualify.archive.writer import ReceiptWriter
+    from qualify.handoff.protocol import ProducerExpectation
     from qualify.handoff.transport import Transport
 
 _T = TypeVar("_T")
@@ -86,10 +87,10 @@ class TransportSetup:
     (for the producer process) extra arguments, an engine factory and environment overrides."""
 
     lane: str
-    mode: str
+    mode: ProducerMode
     key: bytes
     run_id: str
-    expectation: Any
+    expectation: ProducerExpectation
     watchdog_s: float
     extra_args: list[str]
     engine_factory: str | None
@@ -103,11 +104,10 @@ TransportFactory = Callable[[TransportSetup], "Transport"]
 
 def producer_process(setup: TransportSetup) -> Transport:
     """The default transport: the lane's producer in its own process, over a Unix socket."""
-    from qualify.contract.lanes import ProducerMode
     from qualify.handoff.client import ProducerProcess
 
     return ProducerProcess(
-        lane=setup.lane, mode=ProducerMode(setup.mode), key=setup.key, run_id=setup.run_id,
+        lane=setup.lane, mode=setup.mode, key=setup.key, run_id=setup.run_id,
         expectation=setup.expectation, watchdog_s=setup.watchdog_s, extra_args=setup.extra_args,
         engine_factory=setup.engine_factory, env=setup.env)
 
@@ -297,7 +297,7 @@ class QualificationRun:
             versions={"harness": __version__, "consumer": self._engine_facts(self.consumer)},
         )
         self.receipt_path = self.receipt.path
-        self.log(f"lane {contract.lane} (rung {contract.rung}, producer mode {contract.producer_mode}); "
+        self.log(f"lane {contract.lane} (rung {contract.rung}, producer mode {contract.producer_mode.value}); "
                  f"identity sha256 {contract.identity_sha256}; fault {options.fault or 'none'}")
         return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
 
@@ -341,7 +341,7 @@ class QualificationRun:
         from qualify.handoff.wire import key_id, mint_run_key
 
         contract = self._contract
-        mode = getattr(contract.producer_mode, "value", contract.producer_mode)
+        mode = contract.producer_mode
         extra_args = ["--fault", self.options.fault] if self.options.fault is not None else []
         self._key = mint_run_key()
         self.producer = self._transport_factory(TransportSetup(
@@ -354,9 +354,9 @@ class QualificationRun:
         self._producer.start()
         # What the producer process runs on (CPU, BLAS kernel and threads, GPU, commit): host.json.
         self._receipt.set_producer_host(self._producer.host_facts, problem=self._producer.host_facts_problem)
-        self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode}, "
+        self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode.value}, "
                  f"run key {key_id(self._key)}, producer environment overrides {self.producer_env or 'none'}")
-        return f"mode {mode}, warm-up prefill done"
+        return f"mode {mode.value}, warm-up prefill done"
 
     def restart_producer(self, env: dict[str, str]) -> None:
         """Stop the producer and start a fresh one with ``env`` set on top of the operator's."""
