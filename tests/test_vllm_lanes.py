@@ -56,7 +56,7 @@ def _run(tmp_path: Path, producer: str, consumer: str, engine_factory: str | Non
 @dataclass(frozen=True)
 class HostMatch:
     """This host's engines against a shipped identity's pins, in the order
-    ``qualifier.check_engine_pins`` compares them; ``differing`` names the fields that differ."""
+    ``qualify.run.contract.check_engine_pins`` compares them; ``differing`` names the fields that differ."""
 
     lane: str
     found: dict[str, str]

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from qualify.contract.identity import Identity
 from qualify.contract.lanes import (
     LaneSpec,
     ProducerMode,
@@ -110,21 +111,18 @@ def kv_envelope_from_records(records: list[dict[str, Any]], layers: int) -> list
     return envelope if found else None
 
 
-def check_engine_pins(identity: Any, consumer: Engine, producer_abi: str) -> None:
+def check_engine_pins(identity: Identity, consumer: Engine, producer_abi: str) -> None:
     """Refuse (exit 2, before any handoff) a host whose built engines differ from the engines the
     identity pins: their ABI names the numeric environment (numpy and BLAS, CPU ISA class, torch,
     CUDA, GPU), so a host the lane was not calibrated on is refused here, never judged as drift."""
-    recipe = getattr(identity.recipe, "value", identity.recipe)
-    calibrate_hint = f"qualify calibrate --recipe {recipe} --lane {identity.lane}"
-    found_engines = {
-        "producer_engine.abi": producer_abi,
-        "consumer_engine.name": consumer.name,
-        "consumer_engine.version": consumer.version,
-        "consumer_engine.abi": consumer.abi,
+    calibrate_hint = f"qualify calibrate --recipe {identity.recipe.value} --lane {identity.lane}"
+    found_and_pinned = {
+        "producer_engine.abi": (producer_abi, identity.producer_engine.abi),
+        "consumer_engine.name": (consumer.name, identity.consumer_engine.name),
+        "consumer_engine.version": (consumer.version, identity.consumer_engine.version),
+        "consumer_engine.abi": (consumer.abi, identity.consumer_engine.abi),
     }
-    for field_name, found in found_engines.items():
-        role, part = field_name.split(".")
-        expected = getattr(getattr(identity, role), part)
+    for field_name, (found, expected) in found_and_pinned.items():
         if found == expected:
             continue
         found_parts, expected_parts = set(str(found).split("+")), set(str(expected).split("+"))
