@@ -240,6 +240,23 @@ def sha256_rate(data: np.ndarray) -> float:
 
 
 
+def recheck_prefill(consumer: Any, producer: Any) -> str:
+    """Prefill the recipe prompt on both engines again, after the run, and compare their K/V bit
+    for bit: whether a disagreement the run saw persists in this process."""
+    import torch
+
+    from qualify.core.assets import load_prompt
+
+    prompt = torch.from_numpy(load_prompt()[:2047]).to("cuda")
+    producer.engine.prefill_device(prompt)
+    consumer.engine.prefill_device(prompt)
+    differing = [f"layer {layer} {name}" for layer, pair in enumerate(zip(
+        *producer.engine.kv_device(), *consumer.engine.kv_device(), strict=True))
+        for name, mine, theirs in (("K", pair[0], pair[2]), ("V", pair[1], pair[3]))
+        if not torch.equal(mine, theirs)]
+    return "producer and consumer prefill KV equal" if not differing else f"differ in {', '.join(differing[:6])}"
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -309,6 +326,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         receipt_path, records = qualification.receipt_path, qualification.records
         proposed = [None, None]
     wall_end = time.perf_counter()
+    prefill_recheck = recheck_prefill(consumer, producer) if options.recheck_prefill else None
 
     # ---- baselines measured in the same run, after the wall -----------------------------------
     d2d_gbs = copy_bandwidth("cuda", COPY_BYTES)
@@ -345,6 +363,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
             for c in comparers],
         "verdict": {"passed": passed, "headline": headline},
         "calibration_proposed_bounds": proposed,
+        "prefill_recheck": prefill_recheck,
         "samples": [{key: record.get(key) for key in ("repetition", "token_agreement_rate", "max_abs", "mean_abs",
                                                        "payload_sha256", "error", "localisation")} for record in records],
         "receipt": str(receipt_path),
@@ -381,6 +400,8 @@ def print_report(values: dict[str, Any]) -> None:
         if over:
             print("    KV above envelope: " + ", ".join(f"layer {item['layer']} {item['tensor']} position "
                                                      f"{item.get('position')}" for item in over[:3]))
+    if values["prefill_recheck"] is not None:
+        print(f"prefill recheck after the run: {values['prefill_recheck']}")
     print(f"verdict: {values['verdict']['headline']}")
     print(f"receipt: {values['receipt']}")
     print(f"overhead ratio wall / engine: {values['overhead_ratio']:.3f} (with setup {values['overhead_ratio_with_setup']:.3f})")
@@ -395,6 +416,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibrate", action="store_true", help="measure the lane: its basis receipt")
     parser.add_argument("--fault", choices=SCALE_FAULTS,
                         help="corrupt the producer's KV before sealing (the run must fail, localised)")
+    parser.add_argument("--recheck-prefill", action="store_true",
+                        help="after the run, prefill the prompt on both engines again and compare their KV bit for bit")
     parser.add_argument("--repetitions", type=int, default=CALIBRATION_REPETITIONS,
                         help=f"handoffs of a calibration (default {CALIBRATION_REPETITIONS}); a qualification runs 3")
     return parser
