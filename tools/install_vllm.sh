@@ -22,9 +22,17 @@ from vllm import LLM  # noqa: F401
 import vllm, qualify
 assert vllm.__version__ == sys.argv[1], f"vllm {vllm.__version__} != pin {sys.argv[1]}"
 import tomllib  # every base dependency at its pin (a venv made before a new pin is refreshed)
-for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for requirement in project["dependencies"]:
     name, pin = requirement.split("==")
     assert md.version(name) == pin, f"{name} {md.version(name)} != pin {pin}"
+# The console scripts call what pyproject.toml names (a venv made before a module moved is
+# refreshed: its scripts were written at install time, the package metadata is the checkout's).
+from pathlib import Path
+for script, target in project["scripts"].items():
+    module, function = target.split(":")
+    text = (Path(sys.prefix) / "bin" / script).read_text(encoding="utf-8")
+    assert f"from {module} import {function}" in text, f"console script {script} does not call {target}"
 for name in ("torchvision", "torchaudio", "torchcodec", "triton"):
     try:
         md.version(name)
