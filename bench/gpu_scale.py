@@ -57,7 +57,8 @@ import qualify.evidence.compare_device  # noqa: F401
 from qualify.contract.lanes import LLAMA3_8B_SHAPE_LANE, Recipe
 from qualify.core.assets import prompt_sha256
 from qualify.core.errors import Refused, one_line
-from qualify.evidence.comparers import ComparerSetup, DeviceClock, DeviceComparer
+from qualify.evidence.compare_device import DeviceClock
+from qualify.evidence.comparers import ComparerSetup, DeviceComparer
 from qualify.handoff.transport import InProcessTransport
 from qualify.run.calibrate import calibrate
 from qualify.run.contract import identity_path_for_lane
@@ -107,9 +108,9 @@ class DeviceProducer:
         host_kv = KVCache([host[f"layers.{i}.k"] for i in range(geometry.layers)],
                           [host[f"layers.{i}.v"] for i in range(geometry.layers)])
         staging = torch.empty(layout.size - start, dtype=torch.uint8, device="cuda")
-        staged = [(staging[begin - start:end - start].view(torch.bfloat16).view(shape), name)
-                  for name, (begin, end) in layout.offsets.items()]
-        return payload, payload_tensor[start:], host_kv, staging, dict((name, view) for view, name in staged)
+        staged = {name: staging[begin - start:end - start].view(torch.bfloat16).view(shape)
+                  for name, (begin, end) in layout.offsets.items()}
+        return payload, payload_tensor[start:], host_kv, staging, staged
 
     def produce(self, prompt: np.ndarray, request_id: str) -> Any:
         import torch
@@ -240,9 +241,9 @@ def sha256_rate(data: np.ndarray) -> float:
 
 
 
-def recheck_prefill(consumer: Any, producer: Any) -> str:
-    """Prefill the recipe prompt on both engines again, after the run, and compare their K/V bit
-    for bit: whether a disagreement the run saw persists in this process."""
+def prefill_differences(consumer: Any, producer: Any) -> list[dict[str, Any]]:
+    """Prefill the recipe prompt's 2047 positions on both engines and compare their K/V bit for
+    bit: per layer and tensor that differ, the first and last differing position and how many."""
     import torch
 
     from qualify.core.assets import load_prompt
@@ -250,11 +251,16 @@ def recheck_prefill(consumer: Any, producer: Any) -> str:
     prompt = torch.from_numpy(load_prompt()[:2047]).to("cuda")
     producer.engine.prefill_device(prompt)
     consumer.engine.prefill_device(prompt)
-    differing = [f"layer {layer} {name}" for layer, pair in enumerate(zip(
-        *producer.engine.kv_device(), *consumer.engine.kv_device(), strict=True))
-        for name, mine, theirs in (("K", pair[0], pair[2]), ("V", pair[1], pair[3]))
-        if not torch.equal(mine, theirs)]
-    return "producer and consumer prefill KV equal" if not differing else f"differ in {', '.join(differing[:6])}"
+    (produced_keys, produced_values), (own_keys, own_values) = producer.engine.kv_device(), consumer.engine.kv_device()
+    differing = []
+    for layer in range(len(own_keys)):
+        for name, mine, theirs in (("K", produced_keys[layer], own_keys[layer]),
+                                   ("V", produced_values[layer], own_values[layer])):
+            positions = (mine != theirs).any(dim=2).any(dim=0).nonzero().flatten().tolist()
+            if positions:
+                differing.append({"layer": layer, "tensor": name, "positions": [positions[0], positions[-1]],
+                                  "count": len(positions)})
+    return differing
 
 
 # --------------------------------------------------------------------------- the run
@@ -326,7 +332,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         receipt_path, records = qualification.receipt_path, qualification.records
         proposed = [None, None]
     wall_end = time.perf_counter()
-    prefill_recheck = recheck_prefill(consumer, producer) if options.recheck_prefill else None
+    prefill_recheck = prefill_differences(consumer, producer) if options.recheck_prefill else None
 
     # ---- baselines measured in the same run, after the wall -----------------------------------
     d2d_gbs = copy_bandwidth("cuda", COPY_BYTES)
@@ -401,7 +407,8 @@ def print_report(values: dict[str, Any]) -> None:
             print("    KV above envelope: " + ", ".join(f"layer {item['layer']} {item['tensor']} position "
                                                      f"{item.get('position')}" for item in over[:3]))
     if values["prefill_recheck"] is not None:
-        print(f"prefill recheck after the run: {values['prefill_recheck']}")
+        print("prefill recheck after the run: " + ("producer and consumer prefill KV equal"
+              if not values["prefill_recheck"] else f"differ: {values['prefill_recheck'][:4]}"))
     print(f"verdict: {values['verdict']['headline']}")
     print(f"receipt: {values['receipt']}")
     print(f"overhead ratio wall / engine: {values['overhead_ratio']:.3f} (with setup {values['overhead_ratio_with_setup']:.3f})")

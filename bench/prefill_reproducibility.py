@@ -25,13 +25,10 @@ if str(REPO_ROOT) not in sys.path:
 
 
 def child() -> dict[str, object]:
-    """One fresh process: the lane's engines, warmed up, then both prefills compared."""
+    """One fresh process: the lane's engines, warmed up as the bench does, then both prefills."""
     import importlib.util
 
-    import torch
-
     from qualify.contract.lanes import LLAMA3_8B_SHAPE_LANE
-    from qualify.core.assets import load_prompt
     from qualify.engines.factory import build_consumer, build_producer
 
     spec = importlib.util.spec_from_file_location("gpu_scale", REPO_ROOT / "bench" / "gpu_scale.py")
@@ -41,18 +38,7 @@ def child() -> dict[str, object]:
     consumer = build_consumer(LLAMA3_8B_SHAPE_LANE)
     producer = build_producer(LLAMA3_8B_SHAPE_LANE, consumer.spec.mode)
     gpu_scale.warm_up(consumer, producer)
-    prompt = torch.from_numpy(load_prompt()[:2047]).to("cuda")
-    producer.engine.prefill_device(prompt)
-    consumer.engine.prefill_device(prompt)
-    produced_keys, produced_values = producer.engine.kv_device()
-    own_keys, own_values = consumer.engine.kv_device()
-    differing = []
-    for layer, tensors in enumerate(zip(produced_keys, own_keys, produced_values, own_values, strict=True)):
-        for name, (mine, theirs) in (("K", tensors[:2]), ("V", tensors[2:])):
-            unequal = (mine != theirs).any(dim=(0, 2)).nonzero().flatten().tolist()
-            if unequal:
-                differing.append({"layer": layer, "tensor": name, "positions": [unequal[0], unequal[-1]],
-                                  "count": len(unequal)})
+    differing = gpu_scale.prefill_differences(consumer, producer)
     return {"equal": not differing, "differing": differing[:4]}
 
 

@@ -28,7 +28,7 @@ def _setup() -> tuple[ComparerSetup, object]:
                          maximum_mean_absolute=0.1, reference_once=True), engine
 
 
-def _compare(comparer, engine, kv, pending):
+def _compare(comparer, kv, pending):
     calls = []
     comparer.reference()
     compared = comparer.compare(kv, pending, meanwhile=lambda: calls.append("meanwhile"))
@@ -41,10 +41,10 @@ def test_host_and_device_comparers_agree_on_a_drifted_handoff() -> None:
     kv = engine.prefill(setup.prompt[:setup.handoff_positions])
     kv.keys[1][0, 5, 3] += 0.25  # a drift the comparison must see, in both places
     pending = setup.prompt[setup.handoff_positions:]
-    host, host_seconds = _compare(HostComparer(setup), engine, kv, pending)
+    host, host_seconds = _compare(HostComparer(setup), kv, pending)
     device = DeviceComparer(setup, engine, "cpu", digest_threads=2)
     try:
-        on_device, device_seconds = _compare(device, engine, kv, pending)
+        on_device, device_seconds = _compare(device, kv, pending)
     finally:
         device.close()
     assert host.delta.max_abs > 0
@@ -61,7 +61,7 @@ def test_an_exact_handoff_compares_to_zero_on_the_device() -> None:
     kv = engine.prefill(setup.prompt[:setup.handoff_positions])
     device = DeviceComparer(setup, engine, "cpu", digest_threads=2)
     try:
-        comparison, _ = _compare(device, engine, kv, setup.prompt[setup.handoff_positions:])
+        comparison, _ = _compare(device, kv, setup.prompt[setup.handoff_positions:])
     finally:
         device.close()
     assert comparison.delta.max_abs == 0.0 and comparison.first_logit_digest_mismatch is None

@@ -153,12 +153,6 @@ class LaneSpec:
         embedded ``reference`` (a ``transformers`` lane's producer is built by its own kind)."""
         return VLLM_LANE_ENGINES.get(self.name, (EngineChoice.REFERENCE, EngineChoice.REFERENCE))
 
-    @property
-    def kv_dtype(self) -> str:
-        """The dtype the lane's KV crosses in: the ``torch-llama`` lanes' bfloat16 model keeps its
-        cache in bfloat16 (half the bytes to hash and move); every other lane hands off float32."""
-        return "bfloat16" if self.kind is LaneKind.TORCH_LLAMA else "float32"
-
     def handed_off_positions(self, handoff_positions: int) -> int:
         """How many of ``handoff_positions`` the producer hands off: whole blocks on a lane with
         vLLM on either side (vLLM exports and installs whole blocks; the consumer recomputes the

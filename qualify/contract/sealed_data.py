@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "kquant-exact-dflash": "d7ec37bc8c4087adb625d791bc15d76329f2fc03d1c8a8cb9faf17fda03aa89d",
-    "llama3-8b-shape-pd": "e90f59f88c3e560f8e11d716c9a781987d3f3f64970abf31c8ffe74f3b051300",
+    "llama3-8b-shape-pd": "378f701ef5968940c5a291b24bc6ce5352ddec7721a1c04b42420213e2bc323f",
     "nvfp4-native-f16": "a1ef1617671c0e30aeee3d87fd22f75fbe63f80408bfa0353841c680b9cf5b02",
     "nvfp4-native-splitk": "bc847514d3a28a51b8229079f0023b1d659a9a5cbb7acc0122fa5a47fe97f5a8",
     "nvfp4-native-w4a4": "aa86ff2cd7d928e3fb7c22ae7ce40dd3d8bca8851862828747551667ee9c46ab",

@@ -259,6 +259,16 @@ def build_consumer(lane: str, vllm_fault: str | None = None) -> LaneEngine:
     return _lane_engine(engine, spec, spec.mode, "consumer")
 
 
+def lane_kv_dtype(spec: LaneSpec) -> str:
+    """The dtype a lane's KV crosses in: a ``torch-llama`` lane's model dtype (its engine keeps
+    its cache in it: bfloat16 halves the bytes to hash and move); float32 on every other lane."""
+    if spec.kind is LaneKind.TORCH_LLAMA:
+        from qualify.engines.torch_llama import random_model
+
+        return random_model(assets.REPO_ROOT / TORCH_LLAMA_MODELS[spec.name])[2]
+    return "float32"
+
+
 def lane_producer_abi(lane: str) -> str:
     """The ABI ``lane``'s producer reports on this host in its declared mode (vLLM and
     transformers producers are not started)."""

@@ -698,12 +698,9 @@ RANDOM_MODEL_FIELDS = {"architecture", "weights", "seed", "dtype", "device", *RA
 
 def random_model(path: Path) -> tuple[LlamaShape, int, str, str]:
     """(shape, seed, dtype, device) a random-model file names; refuses any other field set."""
-    from qualify.core.digests import strict_json_loads
+    from qualify.core.strict_json import read_strict_json
 
-    try:
-        document = strict_json_loads(Path(path).read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise Refused(f"random model {path}: unreadable ({exc})") from None
+    document = read_strict_json(path, "random model")
     if not isinstance(document, dict) or set(document) != RANDOM_MODEL_FIELDS:
         found = sorted(document) if isinstance(document, dict) else type(document).__name__
         raise Refused(f"random model {path}: fields: found {found}, expected {sorted(RANDOM_MODEL_FIELDS)}")

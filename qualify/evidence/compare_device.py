@@ -37,7 +37,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,33 +225,37 @@ class LogitDigester:
 # --------------------------------------------------------------------------- device arithmetic
 
 
-class _Timer:
-    """Seconds of device work between start and stop: CUDA events on CUDA (device time, no
-    host sync until read), wall time on the CPU (where the work runs synchronously)."""
+class DeviceClock:
+    """Device seconds of the work between :meth:`start` and the returned stop: CUDA events on the
+    GPU (read later, without a host sync in between), wall time on the CPU (which runs
+    synchronously)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            # torch ships Event unannotated
-            self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            self._stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            self._start.record()
-        else:
-            self._began = time.perf_counter()
-            self._seconds = 0.0
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
 
-    def stop(self) -> None:
+    def start(self) -> Any:
         if self.cuda:
-            self._stop.record()
-        else:
-            self._seconds = time.perf_counter() - self._began
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event unannotated
+            event.record()
+            return event
+        return time.perf_counter()
 
-    @property
-    def seconds(self) -> float:
+    def stop(self, started: Any) -> Callable[[], float]:
+        """A function returning the elapsed seconds (it waits for the stop event)."""
         if self.cuda:
-            self._stop.synchronize()
-            return float(self._start.elapsed_time(self._stop)) / 1000.0
-        return self._seconds
+            stopped = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event unannotated
+            stopped.record()
+
+            def seconds() -> float:
+                stopped.synchronize()
+                return float(started.elapsed_time(stopped)) / 1000.0
+            return seconds
+        elapsed = time.perf_counter() - started
+        return lambda: elapsed
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
 
 def _units(logits: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
@@ -439,7 +443,8 @@ def start_comparison(
     digests = digester.submit(logits)
 
     with torch.inference_mode():
-        timer = _Timer(logits.device)
+        clock = DeviceClock(logits.device.type)
+        started = clock.start()
         row_max, row_sum = _row_deltas(_units(logits, transform), cold.units)
         summaries = [row_max, row_sum]
         passed_bytes = 2 * logits.numel() * 4
@@ -448,7 +453,7 @@ def start_comparison(
             flips = (forced.argmax(dim=1) != cold.argmax).sum().float()
             summaries += [forced_max, forced_sum, flips.expand(rows)]
             passed_bytes += 2 * forced.numel() * 4
-        timer.stop()
+        logit_pass_s = clock.stop(started)
         host = torch.stack(summaries).double().cpu().numpy()  # [2 or 5, rows]
     delta = _logit_delta(host[0], host[1], vocab, maximum_absolute, maximum_mean_absolute)
     teacher = None
@@ -482,7 +487,7 @@ def start_comparison(
         kv=kv,
         **draft_fields(handoff.draft_trace, cold.draft_trace),
     )
-    timings = {"logit_pass_s": timer.seconds, "logit_pass_bytes": float(passed_bytes),
+    timings = {"logit_pass_s": logit_pass_s(), "logit_pass_bytes": float(passed_bytes),
                "summaries_s": time.perf_counter() - began}
     return PendingComparison(fields, digests, cold.digests, timings)
 

@@ -139,40 +139,6 @@ class DeviceEngine(Protocol):
     def decode_device(self, pending: Any, steps: int, forced: Any = None) -> Any: ...
 
 
-class DeviceClock:
-    """Device seconds of the work between :meth:`start` and the returned stop: CUDA events on the
-    GPU (read later, without a sync in between), wall time on the CPU (which runs synchronously)."""
-
-    def __init__(self, device: str) -> None:
-        import torch
-
-        self.torch, self.cuda = torch, device == "cuda"
-
-    def start(self) -> Any:
-        if self.cuda:
-            event = self.torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch stub gap
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, started: Any) -> Callable[[], float]:
-        """A function returning the elapsed seconds (it waits for the stop event)."""
-        if self.cuda:
-            stopped = self.torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch stub gap
-            stopped.record()
-
-            def seconds() -> float:
-                stopped.synchronize()
-                return float(started.elapsed_time(stopped)) / 1000.0
-            return seconds
-        elapsed = time.perf_counter() - started
-        return lambda: elapsed
-
-    def sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
-
-
 LOGIT_DIGEST_THREADS = 6
 """Threads hashing the logit blocks beside the GPU (the block digest is one sequential pass)."""
 
@@ -201,7 +167,7 @@ class DeviceComparer:
                  digest_threads: int = LOGIT_DIGEST_THREADS) -> None:
         import torch
 
-        from qualify.evidence.compare_device import LogitDigester
+        from qualify.evidence.compare_device import DeviceClock, LogitDigester
 
         self.setup, self.engine, self.device, self.torch = setup, engine, device, torch
         self.clock = DeviceClock(device)

@@ -194,6 +194,7 @@ def expectation_from_identity(identity: Identity, model_geometry: ModelGeometry)
     # Imported here: the identity module loads pydantic and the sealed constants, which the
     # producer process (it reads only the --expect document) never needs.
     from qualify.contract.identity import identity_sha256
+    from qualify.engines.factory import lane_kv_dtype
 
     if model_geometry.max_positions != identity.context_policy.max_positions:
         raise Refused(
@@ -213,5 +214,5 @@ def expectation_from_identity(identity: Identity, model_geometry: ModelGeometry)
         engine_name=engine.name,
         engine_abi=engine.abi,
         digests=dict(identity.checkpoint.files),
-        kv_dtype=lane_spec(identity.lane).kv_dtype,
+        kv_dtype=lane_kv_dtype(lane_spec(identity.lane)),
     )

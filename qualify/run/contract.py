@@ -219,7 +219,7 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
     """A contract for measuring a lane before its identity exists: the lane's real artifacts and
     cache identity, a calibration document in place of the identity, and no rule."""
     from qualify.contract.lanes import lane_spec
-    from qualify.engines.factory import build_cache_identity, checkpoint_digests, producer_facts
+    from qualify.engines.factory import build_cache_identity, checkpoint_digests, lane_kv_dtype, producer_facts
 
     spec = lane_spec(lane)
     if spec.recipe.value != recipe:
@@ -251,6 +251,7 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
         repetitions=ORDERED_HANDOFFS, rule=None,
         expectation=ProducerExpectation(
             engine_version=producer.version, geometry=producer.geometry, identity_sha256=digest,
-            engine_name=producer.name, engine_abi=producer.abi, digests=producer.digests),
+            engine_name=producer.name, engine_abi=producer.abi, digests=producer.digests,
+            kv_dtype=lane_kv_dtype(spec)),
     )
 

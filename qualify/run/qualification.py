@@ -46,16 +46,8 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-STEP_LABELS: tuple[str, ...] = (
-    "identity sealed",
-    "producer ready",
-    "reference computed",
-    "handoff 1/3",
-    "handoff 2/3",
-    "handoff 3/3",
-    "verdict",
-)
-HANDOFF_STEPS = STEP_LABELS[3:6]
+HANDOFF_STEPS: tuple[str, ...] = tuple(f"handoff {n}/{ORDERED_HANDOFFS}" for n in range(1, ORDERED_HANDOFFS + 1))
+STEP_LABELS: tuple[str, ...] = ("identity sealed", "producer ready", "reference computed", *HANDOFF_STEPS, "verdict")
 
 
 
@@ -96,7 +88,7 @@ class TransportSetup:
     engine_factory: str | None
     env: dict[str, str]
     # How many positions each handoff carries (an in-process producer sizes its buffers by it).
-    handed_off_positions: int = 0
+    handed_off_positions: int
 
 
 TransportFactory = Callable[[TransportSetup], "Transport"]
@@ -390,7 +382,7 @@ class QualificationRun:
                 raise ProducerFailed(f"{request_id}: the transport reported no transfer figures")
             measured = {"payload_bytes": transport.payload_bytes, "payload_gbit_per_s": transport.gbit_per_s}
             handed_off = lane_spec(contract.lane).handed_off_positions(contract.handoff_positions)
-            geometry = self._consumer.geometry.kv_geometry(handed_off, lane_spec(contract.lane).kv_dtype)
+            geometry = self._consumer.geometry.kv_geometry(handed_off, contract.expectation.kv_dtype)
             opened = open_handoff(handoff, key=self._run_key, expectation=HandoffExpectation(
                 identity_sha256=contract.identity_sha256,
                 cache_identity=contract.target_cache_identity,
@@ -442,9 +434,7 @@ class QualificationRun:
         return self._settle()
 
     def _settle(self) -> str:
-        """Record and judge the oldest compared sample not yet recorded (none: nothing to do)."""
-        if not self._unsettled:
-            return "nothing to settle"
+        """Record and judge the oldest compared sample not yet recorded."""
         repetition, record = self._unsettled.pop(0)
         return self._keep(record(), repetition)
 
