@@ -9,7 +9,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from qualify.core.assets import REPO_ROOT
