@@ -83,15 +83,15 @@ def render(value: object, limit: int = 96) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _check_nesting(text: str, where: str) -> None:
+def _check_nesting(text: str, where: str, max_depth: int = MAX_NESTING_DEPTH) -> None:
     depth = 0
     for match in _STRUCTURE_TOKENS.finditer(text):
         token = match.group()
         if token in "[{":
             depth += 1
-            if depth > MAX_NESTING_DEPTH:
+            if depth > max_depth:
                 raise Refused(
-                    f"{where}: nesting deeper than {MAX_NESTING_DEPTH} levels at character "
+                    f"{where}: nesting deeper than {max_depth} levels at character "
                     f"{match.start()}; expected a flat JSON document"
                 )
         elif token in "]}":
@@ -171,30 +171,44 @@ def read_strict_json(path: str | os.PathLike[str], label: str) -> Any:
     ``label`` starts every refusal (``identity <path>: ...``, ``registry <path>: ...``).
     """
     where = f"{label} {os.fspath(path)}"
-    data = _read_small_file(path, where)
+    return parse_untrusted_json(_read_small_file(path, where), where, max_bytes=MAX_DOCUMENT_BYTES)
+
+
+def parse_untrusted_json(data: bytes | bytearray | memoryview, where: str, *, max_bytes: int,
+                         max_depth: int = MAX_NESTING_DEPTH) -> Any:
+    """Parse JSON bytes from anywhere untrusted (a file, a producer, a receipt) or raise
+    :class:`Refused` with one line starting ``where:``.
+
+    Size and nesting are bounded before the parser runs (so no ``RecursionError`` or
+    ``MemoryError`` can escape); then strict UTF-8 without BOM, no duplicate keys, no NaN or
+    Infinity, no number overflowing to infinity, no control characters or lone surrogates.
+    """
+    if len(data) > max_bytes:
+        raise Refused(f"{where}: {len(data)} bytes, expected at most {max_bytes}")
+    raw = bytes(data)
     try:
-        text = data.decode("utf-8", errors="strict")
+        text = raw.decode("utf-8", errors="strict")
     except UnicodeDecodeError as exc:
         raise Refused(
-            f"{where}: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
             f"expected a UTF-8 JSON document"
         ) from None
     if text.startswith("\ufeff"):
         raise Refused(f"{where}: starts with a byte-order mark; expected UTF-8 JSON without BOM")
-    _check_nesting(text, where)
+    _check_nesting(text, where, max_depth)
     try:
         document = json.loads(
             text, object_pairs_hook=_refuse_duplicates, parse_constant=_NonStandardConstant
         )
     except _DuplicateKey as exc:
-        raise Refused(f"{where}: duplicate key {exc.key!r}; each key may appear once") from None
+        raise Refused(f"{where}: duplicate key {render(exc.key)}; each key may appear once") from None
     except json.JSONDecodeError as exc:
         raise Refused(
             f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from None
     except RecursionError:
         raise Refused(f"{where}: nesting too deep; expected a flat JSON document") from None
-    except ValueError as exc:
+    except ValueError as exc:  # e.g. an integer literal past Python's digit limit
         raise Refused(f"{where}: not JSON ({one_line(str(exc))[:120]})") from None
     check_json_values(document, where)
     return document
@@ -203,15 +217,39 @@ def read_strict_json(path: str | os.PathLike[str], label: str) -> Any:
 # --- JSON Schema ------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=8)
+INT64_RANGE = range(-(1 << 63), 1 << 63)
+"""The integers a document may hold: what every reader (numpy, C, another language) can hold."""
+
+
+def _is_strict_integer(checker: object, instance: object) -> bool:
+    # JSON Schema's "integer" admits 4.0 and true would pass as a Python int; neither is one here.
+    return type(instance) is int and instance in INT64_RANGE
+
+
+def _is_strict_number(checker: object, instance: object) -> bool:
+    return (type(instance) is int and instance in INT64_RANGE) or (
+        type(instance) is float and math.isfinite(instance))
+
+
+StrictValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many(
+        {"integer": _is_strict_integer, "number": _is_strict_number}),
+)
+"""Draft 2020-12 with strict JSON types: an ``integer`` is a JSON integer literal within int64
+(never ``4.0`` or ``true``), a ``number`` is finite and not a boolean."""
+
+
+@lru_cache(maxsize=16)
 def schema_validator(schema_path: Path) -> jsonschema.Draft202012Validator:
-    """The draft 2020-12 validator for a contract schema file (checked once, cached)."""
+    """The strict draft 2020-12 validator for a contract schema file (checked once, cached)."""
     try:
         schema = json.loads(Path(schema_path).read_text(encoding="utf-8"))
         jsonschema.Draft202012Validator.check_schema(schema)
     except (OSError, ValueError, jsonschema.SchemaError) as exc:
         raise Refused(f"contract schema {schema_path}: unusable ({type(exc).__name__})") from None
-    return jsonschema.Draft202012Validator(schema)
+    validator: jsonschema.Draft202012Validator = StrictValidator(schema)
+    return validator
 
 
 def _discriminated_branch(error: SchemaError) -> SchemaError | str | None:
@@ -294,12 +332,15 @@ def check_schema(document: object, schema_path: Path, where: str) -> None:
 
 
 __all__ = [
+    "INT64_RANGE",
     "MAX_DOCUMENT_BYTES",
     "MAX_NESTING_DEPTH",
+    "StrictValidator",
     "check_json_values",
     "check_schema",
     "describe_schema_error",
     "format_path",
+    "parse_untrusted_json",
     "read_strict_json",
     "render",
     "schema_validator",
