@@ -391,7 +391,7 @@ STRUCTURAL = [
     (f"{RULE}.require_exact_tokens", "true", "expected true"),
     (f"{RULE}.require_exact_tokens", 1, "expected true"),
     (f"{RULE}.require_exact_tokens", False, "expected true"),
-    (f"{RULE}.repetitions", 3.0, "valid integer"),
+    (f"{RULE}.repetitions", 3.0, "found 3.0, expected type integer"),
     (f"{RULE}.repetitions", "3", "expected type integer"),
     (f"{RULE}.basis", "", "expected receipt://<run-id>/<file>"),
     (f"{RULE}.basis", "receipt://run/../../etc/passwd", "expected receipt://<run-id>/<file>"),

@@ -201,7 +201,7 @@ def parse_untrusted_json(data: bytes | bytearray | memoryview, where: str, *, ma
             text, object_pairs_hook=_refuse_duplicates, parse_constant=_NonStandardConstant
         )
     except _DuplicateKey as exc:
-        raise Refused(f"{where}: duplicate key {render(exc.key)}; each key may appear once") from None
+        raise Refused(f"{where}: duplicate key {exc.key!r}; each key may appear once") from None
     except json.JSONDecodeError as exc:
         raise Refused(
             f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
