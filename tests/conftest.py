@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import numpy as np
 import pytest
 
@@ -27,3 +29,44 @@ def reference() -> ReferenceEngine:
 def prompt() -> np.ndarray:
     """The recipe's fixture prompt (2048 token ids)."""
     return assets.load_prompt()
+
+
+# -- fuzz tallies ------------------------------------------------------------------------------
+# A fuzz test records what its examples did with ``fuzz_tally``; the counts ride on the test's
+# report (so they survive pytest-xdist and land in the JUnit XML as properties) and are printed
+# at the end of the run, one line per test: the record the fuzz counts are quoted from.
+
+FUZZ_PROPERTY = "fuzz_tally"
+_FUZZ_LINES: list[str] = []
+
+
+class FuzzTally:
+    """Counts of a fuzz test's outcomes (``examples``, ``refused``, ``accepted``, ...)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, outcome: str, count: int = 1) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + count
+
+
+@pytest.fixture
+def fuzz_tally(record_property: Callable[[str, object], None]) -> Iterator[FuzzTally]:
+    tally = FuzzTally()
+    yield tally
+    record_property(FUZZ_PROPERTY, " ".join(f"{name}={count}" for name, count in sorted(tally.counts.items())))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "teardown":
+        return
+    for name, value in report.user_properties:
+        if name == FUZZ_PROPERTY:
+            _FUZZ_LINES.append(f"{report.nodeid}: {value}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _FUZZ_LINES:
+        terminalreporter.section("fuzz tallies")
+        for line in sorted(_FUZZ_LINES):
+            terminalreporter.write_line(line)
