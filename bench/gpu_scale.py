@@ -170,7 +170,8 @@ def warm_up(consumer: Any, producer: Any) -> None:
                             mode=ProducerMode.NATIVE, lane="warm-up", run_id="warm-up") as transport:
         handoff = transport.request_prefill(np.arange(3), "warm-up")
     open_handoff(handoff, key, HandoffExpectation(digest, digest, KVGeometry(1, 1, 2, 3, "float32"),
-                                                  prompt_sha256(np.arange(3)), "warm-up", "warm-up"))
+                                                  prompt_sha256(np.arange(3)), "warm-up", "warm-up",
+                                                  lane="warm-up", producer_mode=ProducerMode.NATIVE))
     torch.cuda.synchronize()
 
 
@@ -326,7 +327,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         finally:
             qualification.close()
         if qualification.refused:
-            raise Refused(outcomes[0].message)
+            raise Refused(next(f"{o.label}: {o.message}" for o in outcomes if o.refused))
         verdict = qualification.verdict
         passed, headline = (verdict.passed, verdict.headline) if verdict is not None else (False, "no verdict")
         receipt_path, records = qualification.receipt_path, qualification.records

@@ -181,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with ProducerProcess(lane="bench", mode=ProducerMode.EXACT, key=key, run_id="bench",
                          expectation=expectation, engine_factory="bench.handoff:build_bench_engine",
-                         env=env, watchdog_s=300.0, ready_timeout_s=300.0) as producer:
+                         env=env, watchdog_s=300.0) as producer:
         for repeat in range(args.repeats):
             request_id = f"bench-{repeat}"
             handoff = producer.request_prefill(tokens, request_id)
             opened = open_handoff(handoff, key=key, expectation=HandoffExpectation(
                 identity_sha256=BENCH_IDENTITY, cache_identity=BENCH_CACHE_IDENTITY, geometry=kv_geometry,
                 prompt_sha256=prompt_sha256(tokens), run_id="bench", request_id=request_id,
+                lane="bench", producer_mode=ProducerMode.EXACT,
             ))
             rows.append(measure_repeat(handoff, opened))
             row = rows[-1]

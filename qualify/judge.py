@@ -65,13 +65,15 @@ class Check:
 class Verdict:
     """A judgement: ``passed``; ``headline`` (one line); ``reasons`` in plain words (what failed
     when failed, what held when passed); ``checks`` with per-check details; ``error`` says why the
-    run ended before it could be judged (only :func:`judge_incomplete` sets it)."""
+    run ended before it could be judged (only :func:`judge_incomplete` and :func:`judge_refused` set
+    it); ``refused``: the lane could not run here, so nothing was judged (exit 2, not 1)."""
 
     passed: bool
     headline: str
     reasons: list[str]
     checks: list[Check] = field(default_factory=list)
     error: str | None = None
+    refused: bool = False
 
 
 def _num(value: float | int | None, against: float | None = None) -> str:
@@ -734,6 +736,18 @@ def judge_incomplete(reason: str) -> Verdict:
     qualified, whatever its samples showed; ``reason`` says why, in one line."""
     line = one_line(reason) or "run ended before its verdict without a reason"
     return Verdict(False, f"not qualified: {line}", [line], [Check("verdict reached", False, line)], error=line)
+
+
+REFUSED_PREFIX = "refused: "
+"""How a refused run's receipt says so: its summary's ``verdict`` and ``error`` start with it."""
+
+
+def judge_refused(reason: str) -> Verdict:
+    """A run refused before any evidence (the lane cannot run here: no GPU, no vLLM, the producer
+    refused to start): not qualified and not failed either; ``reason`` says why, in one line."""
+    line = one_line(reason) or "run refused without a reason"
+    return Verdict(False, f"{REFUSED_PREFIX}{line}", [line], [Check("lane runs here", False, line)],
+                   error=f"{REFUSED_PREFIX}{line}", refused=True)
 
 
 # --------------------------------------------------------------------------- calibration

@@ -301,7 +301,8 @@ def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_k
     facts = dict(identity_sha256="a" * 64, target_cache_identity="b" * 64, producer_mode="native",
                  lane=identity.lane, prompt_sha256="c" * 64, run_id="serve", request_id="r1", compute_s=0.0)
     expected = HandoffExpectation(identity_sha256="a" * 64, cache_identity="b" * 64, geometry=kv.geometry,
-                                  prompt_sha256="c" * 64, run_id="serve", request_id="r1")
+                                  prompt_sha256="c" * 64, run_id="serve", request_id="r1", lane=identity.lane,
+                                  producer_mode="native")
     opened = open_handoff(seal_handoff_parts(kv, key=enrolled_key, **facts).to_handoff(), key=enrolled_key,
                           expectation=expected)
     assert all(np.array_equal(a, b) for a, b in zip(opened.kv.keys, kv.keys, strict=False))

@@ -37,6 +37,7 @@ from qualify.handoff import client
 from qualify.handoff.client import ProducerFailure, ProducerProcess, ProducerStartRefused
 from qualify.handoff.protocol import (
     FRAME_LENGTH,
+    PhaseDeadlines,
     ProducerExpectation,
     StartRefused,
     client_auth_mac,
@@ -64,6 +65,9 @@ EXPECTATION = ProducerExpectation(
 RUN_ID = "run-test"
 TOKENS = np.arange(40, dtype=np.int64) * 7 % STUB_GEOMETRY.vocab
 HANG_GUARD_S = 60.0
+# Every phase of a test producer bounded by the hang guard (a test never waits longer for one).
+HANG_GUARD_DEADLINES = PhaseDeadlines(ready_s=HANG_GUARD_S, verify_s=HANG_GUARD_S, handoff_s=HANG_GUARD_S,
+                                      silence_s=HANG_GUARD_S)
 
 
 # ------------------------------------------------------------------------------------------
@@ -141,8 +145,8 @@ def producer(lane: str = "stub-ok", mode: ProducerMode = ProducerMode.EXACT, *, 
         env[BLOCKS_ENV] = "1"
     return ProducerProcess(
         lane=lane, mode=mode, key=key if key is not None else KEY, run_id=RUN_ID,
-        expectation=expectation, watchdog_s=watchdog_s, ready_timeout_s=HANG_GUARD_S,
-        request_timeout_s=options.pop("request_timeout_s", HANG_GUARD_S),
+        expectation=expectation, watchdog_s=watchdog_s,
+        deadlines=options.pop("deadlines", HANG_GUARD_DEADLINES),
         engine_factory=FACTORY, env=env, **options,
     )
 
@@ -151,18 +155,19 @@ KEY = mint_run_key()
 
 
 def stub_expectation(*, mode: ProducerMode = ProducerMode.EXACT, request_id: str,
-                     tokens: np.ndarray = TOKENS) -> HandoffExpectation:
-    """What the consumer expects of a stub handoff of (all of) ``tokens``."""
+                     tokens: np.ndarray = TOKENS, lane: str = "stub-ok") -> HandoffExpectation:
+    """What the consumer expects of a stub handoff of (all of) ``tokens`` from ``lane``'s producer."""
     return HandoffExpectation(
         identity_sha256=IDENTITY_SHA256, cache_identity=STUB_CACHE_IDENTITY[mode],
         geometry=STUB_GEOMETRY.kv_geometry(len(tokens)), prompt_sha256=prompt_sha256(tokens), run_id=RUN_ID,
-        request_id=request_id,
+        request_id=request_id, lane=lane, producer_mode=mode,
     )
 
 
-def open_stub_handoff(handoff, *, mode: ProducerMode = ProducerMode.EXACT, request_id: str, tokens=TOKENS):
+def open_stub_handoff(handoff, *, mode: ProducerMode = ProducerMode.EXACT, request_id: str, tokens=TOKENS,
+                      lane: str = "stub-ok"):
     return open_handoff(handoff, key=KEY, expectation=stub_expectation(mode=mode, request_id=request_id,
-                                                                       tokens=tokens))
+                                                                       tokens=tokens, lane=lane))
 
 
 def sorted_by_layout(tensors: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -236,10 +241,23 @@ def test_prefill_round_trip_across_process_boundary() -> None:
     assert p.exit_status == 0
 
 
+def free_tcp_port() -> int:
+    """A loopback port nothing listens on now (the operator's choice in a real TCP run)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_client_refuses_tcp_without_an_operator_port() -> None:
+    with pytest.raises(Refused, match="producer tcp port: found 0, expected the port to connect to"):
+        producer(transport="tcp")
+
+
 def test_loopback_tcp_round_trip_into_huge_page_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client, "HUGE_PAGE_MIN_BYTES", 1)  # take the large-payload path
-    with producer(transport="tcp") as p:
-        assert p.ready_info["address"].startswith("tcp:127.0.0.1:")
+    port = free_tcp_port()
+    with producer(transport="tcp", tcp_port=port) as p:
+        assert p.ready_info["address"] == f"tcp:127.0.0.1:{port}"
         handoff = p.request_prefill(TOKENS, "req-tcp")
         assert isinstance(handoff.payload_bytes, memoryview)
         assert isinstance(handoff.payload_bytes.obj, mmap.mmap)
@@ -275,7 +293,7 @@ def test_a_whole_block_lane_hands_off_its_whole_blocks_and_names_their_tokens() 
     with producer(VLLM_TO_REFERENCE_LANE, ProducerMode.NATIVE, whole_blocks=True) as p:
         handoff = p.request_prefill(tokens, "req-blocks")
         kv, manifest, _ = open_stub_handoff(handoff, mode=ProducerMode.NATIVE, request_id="req-blocks",
-                                            tokens=tokens[:handed_off])
+                                            tokens=tokens[:handed_off], lane=VLLM_TO_REFERENCE_LANE)
     assert manifest.handed_off_positions == handed_off and manifest.lane == VLLM_TO_REFERENCE_LANE
     assert np.array_equal(kv.keys[0], stub_kv(tokens[:handed_off]).keys[0])
 
@@ -295,9 +313,9 @@ def test_client_with_wrong_key_is_turned_away() -> None:
         intruder.settimeout(HANG_GUARD_S)
         intruder.connect(str(p.socket_path))
         # the producer serves one client at a time: close the harness connection first
-        assert p._sock is not None
-        p._sock.close()
-        p._sock = None
+        assert p._connection is not None
+        p._connection.close()
+        p._connection = None
 
         def read_header(sock: socket.socket) -> dict:
             (length,) = FRAME_LENGTH.unpack(sock.recv(FRAME_LENGTH.size, socket.MSG_WAITALL))
@@ -451,25 +469,27 @@ def test_hanging_engine_is_stopped_by_watchdog(tmp_path: Path) -> None:
 
 
 def test_client_deadline_stops_a_stuck_producer(tmp_path: Path) -> None:
-    with producer("stub-hang", watchdog_s=600.0, marker=tmp_path / "inside") as p:
-        with pytest.raises(ProducerFailure, match="deadline") as failed:
-            p.request_prefill(TOKENS, "req-stuck", timeout_s=1.0)
+    one_second = PhaseDeadlines(ready_s=HANG_GUARD_S, verify_s=HANG_GUARD_S, handoff_s=1.0, silence_s=HANG_GUARD_S)
+    with producer("stub-hang", watchdog_s=600.0, marker=tmp_path / "inside", deadlines=one_second) as p:
+        with pytest.raises(ProducerFailure, match="no answer within the handoff deadline of 1 s") as failed:
+            p.request_prefill(TOKENS, "req-stuck")
     assert failed.value.exit_status == -signal.SIGKILL
 
 
 def test_request_validation_errors_do_not_touch_engine_but_three_exit_75() -> None:
     with producer() as p:
-        assert p._sock is not None
+        connection = p._connection
+        assert connection is not None
         for index in range(2):
-            p._send({"op": "prefill", "request_id": f"bad-{index}", "tokens": [10_000]})
-            answer = p._read_header(time.monotonic() + HANG_GUARD_S)
+            connection._send({"op": "prefill", "request_id": f"bad-{index}", "tokens": [10_000]})
+            answer = connection._read_header(time.monotonic() + HANG_GUARD_S)
             assert answer["status"] == "error" and "tokens" in answer["error"]
         handoff = p.request_prefill(TOKENS, "req-good")  # a success resets the count
         open_stub_handoff(handoff, request_id="req-good")
         for _ in range(2):
-            p._send({"op": "nonsense"})
-            p._read_header(time.monotonic() + HANG_GUARD_S)
-        p._send({"op": "nonsense"})
-        answer = p._read_header(time.monotonic() + HANG_GUARD_S)
+            connection._send({"op": "nonsense"})
+            connection._read_header(time.monotonic() + HANG_GUARD_S)
+        connection._send({"op": "nonsense"})
+        answer = connection._read_header(time.monotonic() + HANG_GUARD_S)
         assert answer.get("exit_status") == 75
     assert p.exit_status == 75

@@ -127,7 +127,8 @@ def test_the_lane_fixes_how_many_positions_the_producer_hands_off() -> None:
     blocks = stub("blocks", native, VLLM_TO_REFERENCE_LANE)
     with in_process(blocks, lane=VLLM_TO_REFERENCE_LANE, mode=native) as transport:
         handoff = transport.request_prefill(tokens, "req-blocks")
-    _, manifest, _ = open_stub_handoff(handoff, mode=native, request_id="req-blocks", tokens=tokens[:handed_off])
+    _, manifest, _ = open_stub_handoff(handoff, mode=native, request_id="req-blocks", tokens=tokens[:handed_off],
+                                       lane=VLLM_TO_REFERENCE_LANE)
     assert manifest.handed_off_positions == handed_off
 
 

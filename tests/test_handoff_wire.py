@@ -71,7 +71,8 @@ def seal(kv: KVCache = KV, *, key: bytes = KEY, cache: str = CACHE_EXACT, mode: 
 
 
 EXPECTATION = HandoffExpectation(identity_sha256=IDENTITY, cache_identity=CACHE_EXACT, geometry=GEOMETRY,
-                                 prompt_sha256=PROMPT, run_id="run-1", request_id="req-1")
+                                 prompt_sha256=PROMPT, run_id="run-1", request_id="req-1", lane="nvfp4-exact",
+                                 producer_mode=ProducerMode.EXACT)
 
 
 def open_(handoff: Handoff, *, key: bytes = KEY, digest_threads: int = wire.DEFAULT_DIGEST_THREADS,
@@ -405,7 +406,8 @@ def test_other_producer_mode_is_refused_on_cache_identity() -> None:
     with pytest.raises(HandoffRefused,
                        match="target_cache_identity_sha256 .* \\(producer mode native\\), expected"):
         open_(native)
-    assert open_(native, cache_identity=CACHE_NATIVE).manifest.producer_mode is ProducerMode.NATIVE
+    assert open_(native, cache_identity=CACHE_NATIVE,
+                 producer_mode=ProducerMode.NATIVE).manifest.producer_mode is ProducerMode.NATIVE
 
 
 @pytest.mark.parametrize(
@@ -436,23 +438,47 @@ def test_seam_mismatch_names_layer_and_part_when_producer_reseals() -> None:
         open_(reseal(bytes(tampered)))
 
 
-def test_verify_order_mac_then_tree_then_seams_then_cache_identity_then_geometry() -> None:
-    """With several faults at once, the refusal names the earliest check in the documented order."""
+# Consumer-side faults in documented order (the checks after the payload's).
+LATE_FAULTS = {"identity": {"identity_sha256": "e" * 64}, "cache_identity": {"cache_identity": CACHE_NATIVE},
+               "producer_mode": {"producer_mode": ProducerMode.NATIVE}, "prompt": {"prompt_sha256": "f" * 64},
+               "request_id": {"request_id": "req-2"}}
+
+
+def late_faults_from(check: str | None) -> dict[str, object]:
+    """Every consumer-side fault from ``check`` on (all of them for ``None``)."""
+    names = list(LATE_FAULTS)
+    start = 0 if check is None else names.index(check)
+    return {field: value for name in names[start:] for field, value in LATE_FAULTS[name].items()}
+
+
+def test_verify_order_is_the_documented_order_with_every_later_check_also_failing() -> None:
+    """With faults at every later check too, the refusal names the earliest in the documented order:
+    MAC, manifest, run binding, geometry, payload size, tree digest, layout, seams, then the rest."""
     flipped = bytearray(PAYLOAD)
     flipped[tensor_span("layers.1.k")[0]] ^= 0x01
     flipped = bytes(flipped)
-    wrong = dict(cache_identity=CACHE_NATIVE,
-                 geometry=replace(GEOMETRY, positions=7))
-    with pytest.raises(HandoffRefused, match="^handoff MAC does not verify"):
-        open_(reseal(flipped, key=mint_run_key()), **wrong)
-    with pytest.raises(HandoffRefused, match="^handoff payload tree digest mismatch"):
-        open_(Handoff(SEALED.manifest_bytes, SEALED.mac, flipped), **wrong)
-    with pytest.raises(HandoffRefused, match="^seam digest mismatch at layer 1 K$"):
-        open_(reseal(flipped), **wrong)
-    with pytest.raises(HandoffRefused, match="^target_cache_identity_sha256 is"):
-        open_(SEALED, **wrong)
-    with pytest.raises(HandoffRefused, match="^geometry positions: handoff has 6, expected 7"):
-        open_(SEALED, geometry=wrong["geometry"])
+    truncated = PAYLOAD[:-4]
+    wrong_geometry = {"geometry": replace(GEOMETRY, kv_heads=1)}
+    run_faults = {"run_id": "run-2", "lane": "other-lane", "key_id": "0" * 16}
+    everything_late = {**wrong_geometry, **late_faults_from(None)}
+    cases = [
+        ("mac", reseal(flipped, key=mint_run_key(), **run_faults), everything_late),
+        ("manifest.schema", reseal(flipped, handed_off_positions=6.0, **run_faults), everything_late),
+        ("manifest.run_id", reseal(flipped, **run_faults), everything_late),
+        ("manifest.lane", reseal(flipped, lane="other-lane", key_id="0" * 16), everything_late),
+        ("manifest.key_id", reseal(flipped, key_id="0" * 16), everything_late),
+        ("geometry", Handoff(SEALED.manifest_bytes, SEALED.mac, truncated), everything_late),
+        ("payload.bytes", Handoff(SEALED.manifest_bytes, SEALED.mac, truncated), late_faults_from(None)),
+        ("payload.tree_sha256", Handoff(SEALED.manifest_bytes, SEALED.mac, flipped), late_faults_from(None)),
+        ("payload.layout", reseal(reorder_layers_in_header(1, 3)), late_faults_from(None)),
+        ("seam", reseal(flipped), late_faults_from(None)),
+        *((check, SEALED, late_faults_from(check)) for check in LATE_FAULTS),
+    ]
+    for check, handoff, expectation_faults in cases:
+        with pytest.raises(HandoffRefused) as refusal:
+            open_(handoff, **expectation_faults)
+        assert refusal.value.check == check, (check, str(refusal.value))
+        assert "\n" not in str(refusal.value)
 
 
 def test_draft_context_mismatch_when_producer_reseals() -> None:
@@ -489,14 +515,14 @@ def test_expectation_mismatch_names_the_field(overrides: dict, message: str) -> 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"producer_mode": "fast"}, "handoff manifest: producer_mode: 'fast' is not one of"),
-        ({"extra": 1}, "handoff manifest: \\(top level\\): Additional properties"),
+        ({"producer_mode": "fast"}, 'handoff manifest: producer_mode: found "fast", expected one of "exact", "native"'),
+        ({"extra": 1}, "handoff manifest: extra: found unexpected field, expected only schema, run_id"),
         ({"handed_off_positions": 5}, "handed_off_positions 5 disagrees with geometry.positions 6"),
         ({"seams": MANIFEST["seams"][:4]}, "seams lists 4 layers, geometry.layers is 5"),
         ({"seams": [MANIFEST["seams"][i] for i in (1, 0, 2, 3, 4)]},
          "seams\\[0\\] is for layer 1, expected layer 0"),
         ({"geometry": dict(MANIFEST["geometry"], layers=6), "seams": MANIFEST["seams"]
-          + [dict(MANIFEST["seams"][0], layer=5)]}, "tensor layers.5.k is missing"),
+          + [dict(MANIFEST["seams"][0], layer=5)]}, "^geometry layers: handoff has 6, consumer model has 5$"),
     ],
     ids=["mode", "extra-field", "positions", "missing-seam", "seam-order", "missing-layer"],
 )
@@ -512,6 +538,13 @@ def test_non_canonical_manifest_is_refused_even_with_valid_mac() -> None:
     duplicated = SEALED.manifest_bytes[:-1] + b',"lane":"x"}'
     with pytest.raises(HandoffRefused, match="duplicate key 'lane'"):
         open_(Handoff(duplicated, manifest_mac(KEY, duplicated), PAYLOAD))
+
+
+def test_a_renamed_tensor_in_a_resealed_payload_is_refused_at_layout() -> None:
+    renamed = PAYLOAD[:HEADER_END].replace(b'"layers.4.v"', b'"layers.4.w"') + PAYLOAD[HEADER_END:]
+    with pytest.raises(HandoffRefused, match="^handoff payload: tensor layers.4.v is missing$") as refusal:
+        open_(reseal(renamed))
+    assert refusal.value.check == "payload.layout"
 
 
 def test_reordered_layer_in_a_valid_safetensors_payload_is_refused() -> None:
@@ -637,7 +670,7 @@ def test_a_byte_flipped_after_sealing_is_refused_naming_its_layer():
     with pytest.raises(HandoffRefused, match="tree digest mismatch.*seam digest differs at layer 2 K"):
         open_handoff(tampered, key=key, expectation=HandoffExpectation(
             identity_sha256="a" * 64, cache_identity="b" * 64, geometry=kv.geometry, prompt_sha256="c" * 64,
-            run_id="run", request_id="req"))
+            run_id="run", request_id="req", lane="nvfp4-native-w4a4", producer_mode=ProducerMode.NATIVE))
 
 
 @pytest.mark.parametrize(

@@ -140,10 +140,10 @@ def test_host_facts_problem_refuses_malformed_documents(mutate, problem) -> None
 
 def test_producer_reports_its_own_host_facts(tmp_path: Path) -> None:
     from qualify.handoff.client import ProducerProcess
-    from tests.test_handoff_service import EXPECTATION, FACTORY, HANG_GUARD_S, KEY, RUN_ID
+    from tests.test_handoff_service import EXPECTATION, FACTORY, HANG_GUARD_DEADLINES, KEY, RUN_ID
 
     with ProducerProcess(lane="stub-ok", mode="exact", key=KEY, run_id=RUN_ID, expectation=EXPECTATION,
-                         watchdog_s=30.0, ready_timeout_s=HANG_GUARD_S, request_timeout_s=HANG_GUARD_S,
+                         watchdog_s=30.0, deadlines=HANG_GUARD_DEADLINES,
                          engine_factory=FACTORY, env={"OPENBLAS_NUM_THREADS": "1"}) as p:
         facts = p.host_facts
         assert p.host_facts_problem is None and facts is not None

@@ -7,21 +7,32 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qualify.archive.layout import MANIFEST, RUN_ID, URI_PREFIX, is_safe_relative
-from qualify.archive.verify import verify_receipt
-from qualify.core.digests import strict_json_loads
+from qualify.archive.layout import MANIFEST, MANIFEST_SCHEMA_PATH, RUN_ID, URI_PREFIX, is_safe_relative
+from qualify.archive.verify import load_receipt_json, shown, verify_receipt
 from qualify.core.errors import Refused
+from qualify.core.strict_json import check_schema
 
 
 def receipt_files(directory: str | os.PathLike[str]) -> list[str]:
-    """Paths listed in a receipt's manifest (call after :func:`verify_receipt` found no problems)."""
-    manifest = strict_json_loads((Path(directory) / MANIFEST).read_bytes())
+    """Paths listed in a receipt's manifest (call after :func:`verify_receipt` found no problems).
+    The manifest is read bounded and checked against its schema again: a receipt may change
+    between verification and reading, and a refusal here is one line, never a ``KeyError``."""
+    root = Path(directory)
+    where = f"receipt {shown(root.name)}: {MANIFEST}"
+    manifest = load_receipt_json(root / MANIFEST, where)
+    check_schema(manifest, MANIFEST_SCHEMA_PATH, where)
     return [entry["path"] for entry in manifest["files"]]
 
 
 def read_receipt_json(directory: str | os.PathLike[str], relative: str) -> Any:
-    """A JSON file of a receipt, parsed strictly (no NaN constants, no duplicate keys)."""
-    return strict_json_loads((Path(directory) / relative).read_bytes())
+    """A JSON file of a receipt, read bounded and parsed strictly (no NaN constants, no duplicate
+    keys, no deep nesting); :class:`Refused` (one line) for a path outside the receipt or a file
+    that is missing, not regular, too large or not strict JSON."""
+    root = Path(directory)
+    where = f"receipt {shown(root.name)}: {shown(str(relative))}"
+    if not is_safe_relative(relative):
+        raise Refused(f"{where}: not a plain path inside the receipt")
+    return load_receipt_json(root / relative, where)
 
 
 def resolve_receipt_uri(uri: str, archive_dir: str | os.PathLike[str]) -> Path:

@@ -11,7 +11,15 @@ class Refused(Exception):
 
 
 class HandoffRefused(Refused):
-    """The consumer refused to install a handoff (MAC, digest, cache identity or geometry)."""
+    """The consumer refused to install a handoff (MAC, digest, cache identity or geometry).
+
+    ``check`` names the check that refused (``"mac"``, ``"manifest.lane"``, ``"payload.bytes"``,
+    ...), so a receipt can record which one without parsing the message.
+    """
+
+    def __init__(self, message: str, *, check: str = "handoff") -> None:
+        super().__init__(message)
+        self.check = check
 
 
 class ProducerFailed(Exception):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -130,11 +131,15 @@ _MAX_DEPTH = 6
 _GIT_TIMEOUT_S = 5.0
 
 
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
 def _text(value: object, limit: int = _MAX_TEXT) -> str | None:
-    """``value`` as a bounded, single-line string (None stays None)."""
+    """``value`` as a bounded, single-line, printable string (None stays None): control
+    characters become ``?``, since a receipt's strict reader refuses them."""
     if value is None:
         return None
-    text = " ".join(str(value).split())
+    text = _UNPRINTABLE.sub("?", " ".join(str(value).split()))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

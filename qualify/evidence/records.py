@@ -332,6 +332,9 @@ class SampleRecord(_Frozen):
     cold_draft_trace_sha256: Sha256Hex | None = None
     draft_acceptance_rate: float | None = None
     localisation: Localisation | None = None
+    # The longest the producer sent nothing during this handoff when it was a stall it recovered
+    # from (at least protocol.STALL_NOTE_S, 2 s); null when there was none.
+    producer_stall_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     error: str | None = None
 
     model_config = ConfigDict(populate_by_name=True)

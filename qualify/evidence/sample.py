@@ -33,6 +33,7 @@ def sample_record(
     kv_envelope: Sequence[tuple[float, float]] | None = None,
     include_localisation: bool | None = None,
     include_row_digests: bool = True,
+    producer_stall_s: float | None = None,
 ) -> SampleRecord:
     """Build a complete record from a :class:`BranchComparison` and the handoff's own facts.
 
@@ -87,6 +88,7 @@ def sample_record(
         cold_draft_trace_sha256=comparison.cold_draft_trace_sha256,
         draft_acceptance_rate=comparison.draft_acceptance_rate,
         localisation=localisation,
+        producer_stall_s=producer_stall_s,
     )
 
 

@@ -6,9 +6,20 @@
 :class:`ProducerProcess` runs ``python -m qualify.handoff.service`` in its own process group,
 hands it the run key through an inherited pipe (never argv, never the environment), waits for its
 ready line (written only after a warm-up prefill), authenticates on the socket, and requests
-handoffs. Every wait has a deadline and watches the process, so a producer that dies (SIGKILL,
-exit 75, closed socket) or stalls becomes a :class:`ProducerFailure` carrying its last message
-and exit status within seconds, never a hang.
+handoffs. It connects only to what it created (the Unix socket path it chose) or what the
+operator gave (a TCP host and port), never to an address the producer announces.
+
+Every wait is bounded by the consumer's own :class:`~qualify.handoff.protocol.PhaseDeadlines`
+(ready, verify, handoff, and the longest silence allowed: the producer sends a heartbeat every
+half second while it works) and watches the process, so a producer that dies (SIGKILL, exit 75,
+closed socket), stops (SIGSTOP) or stalls becomes a :class:`ProducerFailure` carrying its last
+message and exit status, and its process group is killed, within the deadline. A silence it
+recovered from is kept: :attr:`ProducerProcess.ready_silence_s` and
+``TransportStats.longest_silence_s``.
+
+Everything the producer sends (ready line, frame headers, blob sizes) is parsed here, behind one
+boundary: anything malformed or unexpected becomes a :class:`ProducerFailure` naming the field,
+never a raw exception.
 
 The producer's ``ready`` answer carries its host facts (``qualify.core.hostenv.host_facts``);
 :attr:`ProducerProcess.host_facts` holds them once checked, or None with
@@ -31,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn
@@ -42,31 +53,40 @@ from qualify.contract.lanes import ProducerMode
 from qualify.core.assets import REPO_ROOT
 from qualify.core.errors import ProducerFailed, Refused, one_line
 from qualify.core.hostenv import host_facts_problem
+from qualify.core.strict_json import parse_untrusted_json
 from qualify.handoff.protocol import (
+    DEFAULT_DEADLINES,
     DEFAULT_WARMUP_TOKENS,
     DEFAULT_WATCHDOG_S,
     EXIT_REFUSED,
     FRAME_LENGTH,
+    ID_PATTERN,
     KEY_ENV,
     MAX_HEADER_BYTES,
     PROTOCOL,
     SOCKET_BUFFER_BYTES,
     FrameHeader,
+    PhaseDeadlines,
     ProducerExpectation,
     client_auth_mac,
     decode_frame_header,
     encode_frame_header,
 )
-from qualify.handoff.wire import MAC_BYTES, Handoff, TransportStats
+from qualify.handoff.wire import MAC_BYTES, Handoff, TransportStats, key_id
 
 # How often a blocked wait wakes to check the process and its deadline.
 POLL_S = 0.2
 # After the producer reports a fatal error or the socket closes, how long it has to exit.
 EXIT_GRACE_S = 5.0
-DEFAULT_READY_TIMEOUT_S = 600.0
-# A handoff larger than this is refused before any memory is allocated for it.
+# A handoff larger than this is refused before any memory is allocated for it (when the run
+# does not give the exact size its expected geometry implies).
 DEFAULT_MAX_PAYLOAD_BYTES = 16 << 30
 MAX_MANIFEST_BYTES = 16 << 20
+# The ready channel carries heartbeat lines and one ready line; a longer line is not ours.
+MAX_READY_LINE_BYTES = 64 << 10
+# Heartbeats a request may be answered with before its handoff (bounded by the deadlines too).
+_READY_FIELDS = frozenset({"event", "protocol", "pid", "address", "lane", "producer_mode", "key_id",
+                           "warmup_s"})
 OUTPUT_TAIL_LINES = 40
 # Payloads at least this large are received into huge-page-advised anonymous memory.
 HUGE_PAGE_MIN_BYTES = 4 << 20
@@ -95,6 +115,22 @@ def _seconds(value: object) -> float | None:
     return None
 
 
+class _Silence:
+    """When the producer last showed life (a byte, a heartbeat), and the longest gap so far."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.longest_s = 0.0
+
+    def heard(self) -> None:
+        now = time.monotonic()
+        self.longest_s = max(self.longest_s, now - self.last)
+        self.last = now
+
+    def current_s(self) -> float:
+        return time.monotonic() - self.last
+
+
 class ProducerFailure(ProducerFailed):
     """The producer died, reported a fatal error, or missed a deadline.
 
@@ -117,15 +153,245 @@ class ProducerStartRefused(Refused):
         self.producer_message = producer_message
 
 
-class _Dead(Exception):
-    """Internal: the connection or process is gone; carries what we know."""
+class ConnectionBroken(ProducerFailed):
+    """The connection failed or the producer broke the protocol or a deadline; one line naming
+    the field or phase. ``stuck``: the producer must be killed now (it is stopped, silent past
+    its deadline, or speaking something else), rather than given time to exit on its own."""
 
     def __init__(self, reason: str, producer_message: str | None = None, *,
                  stuck: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
+        super().__init__(one_line(reason))
+        self.reason = one_line(reason)
         self.producer_message = producer_message
         self.stuck = stuck
+
+
+def parse_ready_line(line: bytes, *, lane: str, mode: ProducerMode, run_key_id: str, pid: int) -> dict[str, Any]:
+    """The producer's ready line, every field checked against what the client started (its lane,
+    mode, run key, process); anything else raises :class:`ConnectionBroken` naming the field. The
+    announced address is kept for the record, never used."""
+    try:
+        info = parse_untrusted_json(line, "ready line", max_bytes=MAX_READY_LINE_BYTES, max_depth=2)
+    except Refused as exc:
+        raise ConnectionBroken(str(exc), stuck=True) from None
+    if not isinstance(info, dict) or set(info) != _READY_FIELDS:
+        found = sorted(info) if isinstance(info, dict) else type(info).__name__
+        raise ConnectionBroken(f"ready line: fields {str(found)[:200]}, expected {sorted(_READY_FIELDS)}", stuck=True)
+    expected: dict[str, object] = {"event": "ready", "protocol": PROTOCOL, "lane": lane,
+                                   "producer_mode": mode.value, "key_id": run_key_id, "pid": pid}
+    for name, wanted in expected.items():
+        if type(info[name]) is not type(wanted) or info[name] != wanted:
+            raise ConnectionBroken(f"ready line {name}: found {str(info[name])[:80]!r}, expected {wanted!r}",
+                                   stuck=True)
+    if _seconds(info["warmup_s"]) is None:
+        raise ConnectionBroken(f"ready line warmup_s: found {str(info['warmup_s'])[:40]!r}, expected seconds >= 0",
+                               stuck=True)
+    if not isinstance(info["address"], str):
+        raise ConnectionBroken("ready line address: expected a string", stuck=True)
+    return info
+
+
+class ProducerConnection:
+    """One authenticated conversation with a producer over a connected socket: the handshake,
+    prefill requests and shutdown. Everything the producer sends is parsed here, and anything
+    wrong, late or silent raises :class:`ConnectionBroken`, never another exception.
+
+    ``is_alive`` says whether the producer is still running (a dead one is reported at once
+    rather than at its deadline); ``expected_payload_bytes`` is the exact payload size the run's
+    geometry implies, refused otherwise before anything is allocated.
+    """
+
+    def __init__(self, sock: socket.socket, *, key: bytes, deadlines: PhaseDeadlines,
+                 is_alive: Callable[[], bool] = lambda: True, expected_payload_bytes: int | None = None,
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+        self._sock = sock
+        self._key = key
+        self.deadlines = deadlines
+        self._is_alive = is_alive
+        self.expected_payload_bytes = expected_payload_bytes
+        self.max_payload_bytes = max_payload_bytes
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def handshake(self) -> FrameHeader:
+        """``hello`` (nonce), ``auth`` (our proof of the run key), ``ready?``; returns the
+        ``ready`` answer (with the producer's host facts), all within the verify deadline."""
+        deadline = time.monotonic() + self.deadlines.verify_s
+        try:
+            hello = self._read_header(deadline, phase="verify")
+            if hello.get("op") != "hello" or hello.get("protocol") != PROTOCOL:
+                raise ConnectionBroken(f"greeting: found op {str(hello.get('op'))[:40]!r}, expected hello "
+                                       f"with protocol {PROTOCOL}", stuck=True)
+            nonce_hex = hello.get("nonce")
+            if not isinstance(nonce_hex, str) or len(nonce_hex) != 64:
+                raise ConnectionBroken("greeting nonce: expected 64 hex characters", stuck=True)
+            nonce = bytes.fromhex(nonce_hex)
+            self._send({"op": "auth", "mac": client_auth_mac(self._key, nonce).hex()})
+            self._expect_ok(self._read_header(deadline, phase="verify"), "auth")
+            self._send({"op": "ready?"})
+            ready = self._read_header(deadline, phase="verify")
+            self._expect_ok(ready, "ready")
+            return ready
+        except ConnectionBroken:
+            raise
+        except Exception as exc:  # the boundary: nothing the producer sends escapes raw
+            raise ConnectionBroken(f"handshake: unexpected {type(exc).__name__}: {one_line(str(exc))[:160]}",
+                                   stuck=True) from None
+
+    def shutdown(self, grace_s: float) -> None:
+        """Ask the producer to exit; best effort (a producer that does not answer is killed)."""
+        try:
+            self._send({"op": "shutdown"})
+            self._read_header(time.monotonic() + grace_s)
+        except (ConnectionBroken, OSError):
+            pass
+
+    def request_prefill(self, prompt: np.ndarray | Sequence[int], request_id: str) -> Handoff:
+        """Ask for the KV of ``prompt``; returns the sealed handoff with transport stats.
+
+        The handoff is not yet verified: pass it to ``qualify.handoff.wire.open_handoff``.
+        Raises :class:`ConnectionBroken` if the producer fails, dies, stops, breaks the protocol
+        or misses the handoff deadline; ``Refused`` for a malformed request.
+        """
+        if not isinstance(request_id, str) or not ID_PATTERN.fullmatch(request_id):
+            raise Refused(f"prefill request_id: found {request_id!r}, expected an id")
+        token_array = np.asarray(prompt)
+        if token_array.ndim != 1 or token_array.dtype.kind not in "iu":
+            raise Refused(f"prefill tokens: found {token_array.dtype} {list(token_array.shape)}, "
+                          f"expected a 1-D array of integer token ids")
+        token_list = token_array.tolist()
+        deadline = time.monotonic() + self.deadlines.handoff_s
+        silence = _Silence()
+        try:
+            sent = time.perf_counter()
+            self._send({"op": "prefill", "request_id": request_id, "tokens": token_list})
+            first_byte: list[float] = []
+            header = self._read_answer(request_id, deadline, silence, first_byte)
+            manifest_size, mac_size, payload_size = self._blob_sizes(header)
+            manifest_bytes = bytes(self._read_exact(manifest_size, deadline, silence=silence))
+            mac = bytes(self._read_exact(mac_size, deadline, silence=silence))
+            payload = receive_buffer(payload_size)
+            self._read_into(payload, deadline, silence=silence)
+            done = time.perf_counter()
+        except ConnectionBroken:
+            raise
+        except Exception as exc:  # the boundary: nothing the producer sends escapes raw
+            raise ConnectionBroken(f"handoff {request_id}: unexpected {type(exc).__name__}: "
+                                   f"{one_line(str(exc))[:160]}", stuck=True) from None
+        transfer_s = max(done - first_byte[0], 1e-9)
+        stats = TransportStats(
+            request_s=done - sent,
+            transfer_s=transfer_s,
+            payload_bytes=payload_size,
+            gbit_per_s=payload_size * 8 / transfer_s / 1e9,
+            producer_compute_s=_seconds(header.get("compute_s")),
+            producer_seal_s=_seconds(header.get("seal_s")),
+            longest_silence_s=max(silence.longest_s, silence.current_s()),
+        )
+        return Handoff(manifest_bytes, mac, payload, transport=stats)
+
+    def _read_answer(self, request_id: str, deadline: float, silence: _Silence,
+                     first_byte: list[float]) -> FrameHeader:
+        """The request's answer header, after any heartbeats for it."""
+        while True:
+            header = self._read_header(deadline, first_byte, phase="handoff", silence=silence)
+            if header.get("op") == "progress" and header.get("request_id") == request_id \
+                    and "status" not in header:
+                first_byte.clear()  # the transfer starts with the answer, not a heartbeat
+                continue
+            if header.get("status") != "ok":
+                message = str(header.get("error", "error without a message"))
+                exiting = header.get("exit_status")
+                raise ConnectionBroken(f"prefill {request_id} failed" +
+                            (f" (producer exiting {str(exiting)[:8]})" if exiting is not None else ""),
+                            producer_message=message)
+            if header.get("op") != "handoff" or header.get("request_id") != request_id:
+                raise ConnectionBroken(f"handoff frame: answered op {str(header.get('op'))[:40]!r} for request "
+                            f"{str(header.get('request_id'))[:80]!r}, expected a handoff for {request_id!r}",
+                            stuck=True)
+            return header
+
+    def _blob_sizes(self, header: FrameHeader) -> tuple[int, int, int]:
+        """The handoff frame's blob sizes, each checked before anything is allocated for it."""
+        blobs = header.get("blobs")
+        if (not isinstance(blobs, list) or len(blobs) != 3
+                or not all(type(b) is int and b >= 0 for b in blobs)):
+            raise ConnectionBroken(f"handoff frame blobs: found {str(blobs)[:80]}, expected 3 non-negative integers",
+                        stuck=True)
+        manifest_size, mac_size, payload_size = blobs
+        if manifest_size > MAX_MANIFEST_BYTES:
+            raise ConnectionBroken(f"handoff frame blobs: manifest of {manifest_size} bytes, expected at most "
+                        f"{MAX_MANIFEST_BYTES}", stuck=True)
+        if mac_size != MAC_BYTES:
+            raise ConnectionBroken(f"handoff frame blobs: MAC of {mac_size} bytes, expected {MAC_BYTES}", stuck=True)
+        if self.expected_payload_bytes is not None and payload_size != self.expected_payload_bytes:
+            raise ConnectionBroken(f"handoff frame blobs: payload of {payload_size} bytes, expected "
+                                   f"{self.expected_payload_bytes} (the run's geometry)", stuck=True)
+        if payload_size > self.max_payload_bytes:
+            raise ConnectionBroken(f"handoff frame blobs: payload of {payload_size} bytes, expected at most "
+                        f"{self.max_payload_bytes}", stuck=True)
+        return manifest_size, mac_size, payload_size
+
+    # -- socket I/O with deadlines -------------------------------------------------------------
+
+    def _send(self, header: Mapping[str, Any]) -> None:
+        try:
+            self._sock.settimeout(self.deadlines.verify_s)
+            self._sock.sendall(encode_frame_header(header))
+        except OSError as exc:
+            raise ConnectionBroken(f"cannot send {header.get('op')!r} ({type(exc).__name__})", stuck=True) from None
+
+    def _read_header(self, deadline: float, first_byte: list[float] | None = None, *,
+                     phase: str = "verify", silence: _Silence | None = None) -> FrameHeader:
+        prefix = self._read_exact(FRAME_LENGTH.size, deadline, first_byte, phase=phase, silence=silence)
+        (length,) = FRAME_LENGTH.unpack(prefix)
+        if length > MAX_HEADER_BYTES:
+            raise ConnectionBroken(f"frame header: {length} bytes, expected at most {MAX_HEADER_BYTES}", stuck=True)
+        try:
+            return decode_frame_header(bytes(self._read_exact(length, deadline, phase=phase, silence=silence)))
+        except Refused as exc:
+            raise ConnectionBroken(str(exc), stuck=True) from None
+
+    def _read_exact(self, count: int, deadline: float, first_byte: list[float] | None = None, *,
+                    phase: str = "handoff", silence: _Silence | None = None) -> bytearray:
+        buffer = bytearray(count)
+        self._read_into(memoryview(buffer), deadline, first_byte, phase=phase, silence=silence)
+        return buffer
+
+    def _read_into(self, view: memoryview, deadline: float, first_byte: list[float] | None = None, *,
+                   phase: str = "handoff", silence: _Silence | None = None) -> None:
+        """Fill ``view`` from the socket, waking every POLL_S to check the phase deadline, the
+        producer's silence and its process."""
+        silence = silence if silence is not None else _Silence()
+        self._sock.settimeout(POLL_S)
+        received = 0
+        total = view.nbytes
+        while received < total:
+            try:
+                count = self._sock.recv_into(view[received:], total - received)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    limit = getattr(self.deadlines, f"{phase}_s")
+                    raise ConnectionBroken(f"no answer within the {phase} deadline of {limit:g} s", stuck=True) from None
+                if silence.current_s() > self.deadlines.silence_s:
+                    raise ConnectionBroken(f"silent for {silence.current_s():.1f} s during {phase} (stopped or "
+                                f"stalled; silence deadline {self.deadlines.silence_s:g} s)", stuck=True) from None
+                if not self._is_alive():
+                    raise ConnectionBroken("exited while the request was open") from None
+                continue
+            except OSError as exc:
+                raise ConnectionBroken(f"connection failed ({type(exc).__name__})") from None
+            if count == 0:
+                raise ConnectionBroken("closed the connection")
+            silence.heard()
+            if first_byte is not None and not first_byte:
+                first_byte.append(time.perf_counter())
+            received += count
+
+    def _expect_ok(self, header: Mapping[str, Any], op: str) -> None:
+        if header.get("status") != "ok" or header.get("op") != op:
+            raise ConnectionBroken(f"{op} refused", producer_message=str(header.get("error", "")))
 
 
 class ProducerProcess:
@@ -140,8 +406,7 @@ class ProducerProcess:
         run_id: str,
         expectation: ProducerExpectation,
         watchdog_s: float = DEFAULT_WATCHDOG_S,
-        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
-        request_timeout_s: float | None = None,
+        deadlines: PhaseDeadlines = DEFAULT_DEADLINES,
         engine_factory: str | None = None,
         transport: Literal["unix", "tcp"] = "unix",
         socket_path: Path | None = None,
@@ -149,6 +414,7 @@ class ProducerProcess:
         tcp_port: int = 0,
         warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        expected_payload_bytes: int | None = None,
         python: str = sys.executable,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
@@ -156,6 +422,11 @@ class ProducerProcess:
     ) -> None:
         if transport not in ("unix", "tcp"):
             raise Refused(f"producer transport: found {transport!r}, expected unix or tcp")
+        if transport == "tcp" and not (type(tcp_port) is int and 0 < tcp_port < 65536):
+            raise Refused(f"producer tcp port: found {tcp_port!r}, expected the port to connect to "
+                          f"(1-65535; the client never connects to an address the producer announces)")
+        if not isinstance(deadlines, PhaseDeadlines):
+            raise Refused(f"producer deadlines: found {type(deadlines).__name__}, expected PhaseDeadlines")
         try:
             self.mode = ProducerMode(mode)  # the enum, or (from an untyped caller) its value
         except ValueError:
@@ -165,8 +436,7 @@ class ProducerProcess:
         self.run_id = run_id
         self.expectation = expectation
         self.watchdog_s = watchdog_s
-        self.ready_timeout_s = ready_timeout_s
-        self.request_timeout_s = request_timeout_s if request_timeout_s is not None else watchdog_s + 30.0
+        self.deadlines = deadlines
         self.engine_factory = engine_factory
         self.transport = transport
         self.socket_path = socket_path
@@ -174,17 +444,21 @@ class ProducerProcess:
         self.tcp_port = tcp_port
         self.warmup_tokens = warmup_tokens
         self.max_payload_bytes = max_payload_bytes
+        self.expected_payload_bytes = expected_payload_bytes
         self.python = python
         self.env = dict(env) if env is not None else None
         self.cwd = cwd if cwd is not None else REPO_ROOT
         self.extra_args = tuple(extra_args)
         self.ready_info: dict[str, Any] = {}
+        # The longest the producer was silent before its ready line (a stall it recovered from
+        # when at least protocol.STALL_NOTE_S).
+        self.ready_silence_s = 0.0
         # The producer's own host facts from its authenticated ``ready`` answer (None until then,
         # or when missing or malformed; host_facts_problem then says why).
         self.host_facts: dict[str, Any] | None = None
         self.host_facts_problem: str | None = "the producer has not reported ready"
         self._process: subprocess.Popen[bytes] | None = None
-        self._sock: socket.socket | None = None
+        self._connection: ProducerConnection | None = None
         self._workdir: Path | None = None
         self._output: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         self._drain: threading.Thread | None = None
@@ -267,9 +541,14 @@ class ProducerProcess:
         self._drain.start()
         try:
             self.ready_info = self._wait_ready(ready_read)
+            self._connect()
+        except (ProducerFailure, ProducerStartRefused, Refused):
+            raise
+        except Exception as exc:  # the boundary: nothing the producer sends escapes raw
+            self._raise_failure(f"start: unexpected {type(exc).__name__}: {one_line(str(exc))[:160]}",
+                                kill_now=True)
         finally:
             os.close(ready_read)
-        self._connect()
 
     def _drain_output(self) -> None:
         assert self._process is not None and self._process.stdout is not None
@@ -279,68 +558,77 @@ class ProducerProcess:
                 self._output.append(line)
 
     def _wait_ready(self, ready_read: int) -> dict[str, Any]:
+        """Read the ready channel until the ready line: heartbeat lines reset the silence clock;
+        the ready deadline bounds the whole wait."""
         assert self._process is not None
-        deadline = time.monotonic() + self.ready_timeout_s
+        deadline = time.monotonic() + self.deadlines.ready_s
+        silence = _Silence()
         buffered = b""
-        while b"\n" not in buffered:
+        while True:
+            while b"\n" in buffered:
+                line, buffered = buffered.split(b"\n", 1)
+                if line == b'{"event":"progress"}':
+                    continue
+                self.ready_silence_s = silence.longest_s
+                return self._checked_ready_line(line)
+            if len(buffered) > MAX_READY_LINE_BYTES:
+                self._raise_failure(f"ready line: longer than {MAX_READY_LINE_BYTES} bytes", kill_now=True)
             if time.monotonic() > deadline:
-                self._raise_failure(f"not ready within {self.ready_timeout_s:g} s", kill_now=True)
+                self._raise_failure(f"not ready within the ready deadline of {self.deadlines.ready_s:g} s",
+                                    kill_now=True)
+            if silence.current_s() > self.deadlines.silence_s:
+                self._raise_failure(f"silent for {silence.current_s():.1f} s while starting (stopped or "
+                                    f"stalled; silence deadline {self.deadlines.silence_s:g} s)", kill_now=True)
             readable, _, _ = select.select([ready_read], [], [], POLL_S)
             if readable:
                 chunk = os.read(ready_read, 4096)
                 if chunk:
+                    silence.heard()
                     buffered += chunk
                     continue
                 self._raise_failure("closed its ready channel without a ready line", starting=True)
             if self._process.poll() is not None:
                 self._raise_failure("exited before it was ready", starting=True)
+
+    def _checked_ready_line(self, line: bytes) -> dict[str, Any]:
         try:
-            info = json.loads(buffered.split(b"\n", 1)[0])
-        except ValueError:
-            info = None
-        if not isinstance(info, dict) or info.get("event") != "ready" \
-                or info.get("protocol") != PROTOCOL:
-            self._raise_failure(f"wrote an unreadable ready line {buffered[:200]!r}", kill_now=True)
-        return info
+            return parse_ready_line(line, lane=self.lane, mode=self.mode, run_key_id=key_id(self._key),
+                                    pid=self._process_pid())
+        except ConnectionBroken as broken:
+            self._raise_failure(broken.reason, kill_now=True)
+
+    def _process_pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
 
     def _connect(self) -> None:
-        address = str(self.ready_info.get("address", ""))
+        """Connect to the socket this client chose (or the operator's TCP address), never the
+        announced one; then authenticate and ask ``ready?`` within the verify deadline."""
         try:
-            if address.startswith("unix:"):
+            if self.transport == "unix":
+                assert self.socket_path is not None
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                target: Any = address[len("unix:"):]
-            elif address.startswith("tcp:"):
-                host, _, port = address[len("tcp:"):].rpartition(":")
-                sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                     socket.SOCK_STREAM)
-                target = (host, int(port))
+                target: Any = str(self.socket_path)
             else:
-                self._raise_failure(f"announced an unknown address {address!r}", kill_now=True)
+                sock = socket.socket(socket.AF_INET6 if ":" in self.tcp_host else socket.AF_INET,
+                                     socket.SOCK_STREAM)
+                target = (self.tcp_host, self.tcp_port)
             for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
                 try:
                     sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
                 except OSError:
                     pass
-            sock.settimeout(POLL_S * 25)
+            sock.settimeout(min(POLL_S * 25, self.deadlines.verify_s))
             sock.connect(target)
         except OSError as exc:
-            self._raise_failure(f"cannot connect to {address} ({exc})", kill_now=True)
-        self._sock = sock
-        deadline = time.monotonic() + self.request_timeout_s
+            self._raise_failure(f"cannot connect to {target} ({exc})", kill_now=True)
+        self._connection = ProducerConnection(
+            sock, key=self._key, deadlines=self.deadlines, is_alive=lambda: self.exit_status is None,
+            expected_payload_bytes=self.expected_payload_bytes, max_payload_bytes=self.max_payload_bytes)
         try:
-            hello = self._read_header(deadline)
-            if hello.get("op") != "hello" or hello.get("protocol") != PROTOCOL:
-                raise _Dead(f"unexpected greeting {hello.get('op')!r}", stuck=True)
-            nonce = bytes.fromhex(str(hello.get("nonce", "")))
-            self._send({"op": "auth", "mac": client_auth_mac(self._key, nonce).hex()})
-            self._expect_ok(self._read_header(deadline), "auth")
-            self._send({"op": "ready?"})
-            ready = self._read_header(deadline)
-            self._expect_ok(ready, "ready")
-            self._take_host_facts(ready)
-        except (_Dead, ValueError) as exc:
-            self._raise_failure(str(exc), kill_now=not isinstance(exc, _Dead) or exc.stuck,
-                                producer_message=getattr(exc, "producer_message", None))
+            self._take_host_facts(self._connection.handshake())
+        except ConnectionBroken as broken:
+            self._raise_failure(broken.reason, kill_now=broken.stuck, producer_message=broken.producer_message)
 
     def _take_host_facts(self, ready: Mapping[str, Any]) -> None:
         """Keep the ``host`` of a ready answer if it is a well-formed host-facts document;
@@ -358,16 +646,11 @@ class ProducerProcess:
     def close(self) -> None:
         """Ask the producer to shut down; stop its process group if it does not; clean up."""
         process = self._process
-        if process is not None and process.poll() is None and self._sock is not None \
-                and self._failure is None:
-            try:
-                self._send({"op": "shutdown"})
-                self._read_header(time.monotonic() + EXIT_GRACE_S)
-            except (_Dead, OSError):
-                pass
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._connection is not None:
+            if process is not None and process.poll() is None and self._failure is None:
+                self._connection.shutdown(EXIT_GRACE_S)
+            self._connection.close()
+            self._connection = None
         if process is not None:
             if process.stdin is not None:
                 try:
@@ -386,119 +669,22 @@ class ProducerProcess:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def request_prefill(self, prompt: np.ndarray | Sequence[int], request_id: str,
-                        *, timeout_s: float | None = None) -> Handoff:
+    def request_prefill(self, prompt: np.ndarray | Sequence[int], request_id: str) -> Handoff:
         """Ask for the KV of ``prompt``; returns the sealed handoff with transport stats.
 
         The handoff is not yet verified: pass it to ``qualify.handoff.wire.open_handoff``.
-        Raises :class:`ProducerFailure` if the producer fails, dies or misses the deadline.
+        Raises :class:`ProducerFailure` if the producer fails, dies, stops, breaks the protocol
+        or misses the handoff deadline (then its process group is killed).
         """
         if self._failure is not None:
             raise self._failure
-        if self._sock is None:
+        if self._connection is None:
             raise ProducerFailure("producer: not connected", exit_status=self.exit_status,
                                   producer_message="")
-        token_array = np.asarray(prompt)
-        if token_array.ndim != 1 or token_array.dtype.kind not in "iu":
-            raise Refused(f"prefill tokens: found {token_array.dtype} {list(token_array.shape)}, "
-                          f"expected a 1-D array of integer token ids")
-        token_list = token_array.tolist()
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.request_timeout_s)
         try:
-            sent = time.perf_counter()
-            self._send({"op": "prefill", "request_id": request_id, "tokens": token_list})
-            first_byte: list[float] = []
-            header = self._read_header(deadline, first_byte)
-            if header.get("status") != "ok":
-                message = str(header.get("error", "error without a message"))
-                exiting = header.get("exit_status")
-                raise _Dead(f"prefill {request_id} failed" +
-                            (f" (producer exiting {exiting})" if exiting is not None else ""),
-                            producer_message=message)
-            if header.get("op") != "handoff" or header.get("request_id") != request_id:
-                raise _Dead(f"answered {header.get('op')!r} for request "
-                            f"{header.get('request_id')!r}, expected a handoff for {request_id!r}",
-                            stuck=True)
-            blobs = header.get("blobs")
-            if (not isinstance(blobs, list) or len(blobs) != 3
-                    or not all(type(b) is int and b >= 0 for b in blobs)):
-                raise _Dead("handoff frame: malformed blobs", stuck=True)
-            manifest_size, mac_size, payload_size = blobs
-            if manifest_size > MAX_MANIFEST_BYTES or mac_size != MAC_BYTES \
-                    or payload_size > self.max_payload_bytes:
-                raise _Dead(f"handoff frame: sizes {blobs} exceed limits", stuck=True)
-            manifest_bytes = bytes(self._read_exact(manifest_size, deadline))
-            mac = bytes(self._read_exact(mac_size, deadline))
-            payload = receive_buffer(payload_size)
-            self._read_into(payload, deadline)
-            done = time.perf_counter()
-        except _Dead as dead:
-            self._raise_failure(dead.reason, kill_now=dead.stuck,
-                                producer_message=dead.producer_message)
-        transfer_s = max(done - first_byte[0], 1e-9)
-        stats = TransportStats(
-            request_s=done - sent,
-            transfer_s=transfer_s,
-            payload_bytes=payload_size,
-            gbit_per_s=payload_size * 8 / transfer_s / 1e9,
-            producer_compute_s=_seconds(header.get("compute_s")),
-            producer_seal_s=_seconds(header.get("seal_s")),
-        )
-        return Handoff(manifest_bytes, mac, payload, transport=stats)
-
-    # -- socket I/O with deadlines -------------------------------------------------------------
-
-    def _send(self, header: Mapping[str, Any]) -> None:
-        assert self._sock is not None
-        try:
-            self._sock.settimeout(self.request_timeout_s)
-            self._sock.sendall(encode_frame_header(header))
-        except OSError as exc:
-            raise _Dead(f"cannot send {header.get('op')!r} ({type(exc).__name__})") from None
-
-    def _read_header(self, deadline: float, first_byte: list[float] | None = None) -> FrameHeader:
-        prefix = self._read_exact(FRAME_LENGTH.size, deadline, first_byte)
-        (length,) = FRAME_LENGTH.unpack(prefix)
-        if length > MAX_HEADER_BYTES:
-            raise _Dead(f"frame header of {length} bytes exceeds {MAX_HEADER_BYTES}", stuck=True)
-        try:
-            return decode_frame_header(bytes(self._read_exact(length, deadline)))
-        except Refused as exc:
-            raise _Dead(str(exc), stuck=True) from None
-
-    def _read_exact(self, count: int, deadline: float,
-                    first_byte: list[float] | None = None) -> bytearray:
-        buffer = bytearray(count)
-        self._read_into(memoryview(buffer), deadline, first_byte)
-        return buffer
-
-    def _read_into(self, view: memoryview, deadline: float,
-                   first_byte: list[float] | None = None) -> None:
-        """Fill ``view`` from the socket, waking every POLL_S to check deadline and process."""
-        assert self._sock is not None and self._process is not None
-        self._sock.settimeout(POLL_S)
-        received = 0
-        total = view.nbytes
-        while received < total:
-            try:
-                count = self._sock.recv_into(view[received:], total - received)
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise _Dead("no response before the client deadline", stuck=True) from None
-                if self._process.poll() is not None:
-                    raise _Dead("exited while the request was open") from None
-                continue
-            except OSError as exc:
-                raise _Dead(f"connection failed ({type(exc).__name__})") from None
-            if count == 0:
-                raise _Dead("closed the connection")
-            if first_byte is not None and not first_byte:
-                first_byte.append(time.perf_counter())
-            received += count
-
-    def _expect_ok(self, header: Mapping[str, Any], op: str) -> None:
-        if header.get("status") != "ok" or header.get("op") != op:
-            raise _Dead(f"{op} refused", producer_message=str(header.get("error", "")))
+            return self._connection.request_prefill(prompt, request_id)
+        except ConnectionBroken as broken:
+            self._raise_failure(broken.reason, kill_now=broken.stuck, producer_message=broken.producer_message)
 
     # -- failure -------------------------------------------------------------------------------
 
@@ -533,9 +719,9 @@ class ProducerProcess:
         ``kill_now`` for a producer that is stuck (missed deadline, broken protocol); otherwise it
         gets EXIT_GRACE_S to exit on its own (it is dying, or has said it will exit 75).
         """
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
         if kill_now:
             self._kill_group()
         status = self._wait_exit(EXIT_GRACE_S, kill=True)

@@ -5,7 +5,9 @@ big-endian length, a canonical-JSON header, then the raw blobs the header's ``bl
 sizes. On connect the producer sends ``hello`` with a nonce; the client answers ``auth`` with
 HMAC-SHA256(run key, :data:`CLIENT_AUTH_CONTEXT` || nonce) (:func:`client_auth_mac`); then
 ``ready?``, ``prefill {tokens, request_id}`` (answered by ``handoff`` with blobs manifest, MAC,
-payload) and ``shutdown``.
+payload) and ``shutdown``. While a request (or the start-up, on the ready channel) is in progress the producer
+sends a ``progress`` heartbeat every :data:`HEARTBEAT_S`, so a consumer can tell a producer that
+computes from one that is stopped (:class:`PhaseDeadlines`).
 
 :class:`ProducerExpectation` is what the harness expects the producer's engine to be (written as
 the ``--expect`` document, checked by the producer once at start); :func:`handed_off_positions`
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
 import struct
 from collections.abc import Mapping
@@ -27,7 +28,8 @@ import numpy as np
 
 from qualify.contract.lanes import LANES, lane_spec
 from qualify.core.digests import canonical_json_bytes, is_sha256_hex
-from qualify.core.errors import Refused, one_line
+from qualify.core.errors import Refused
+from qualify.core.strict_json import parse_untrusted_json
 from qualify.engines.base import ModelGeometry
 from qualify.handoff.wire import KV_DTYPES
 
@@ -46,6 +48,10 @@ MAX_HEADER_BYTES = 1 << 20
 FRAME_LENGTH = struct.Struct(">I")
 SOCKET_BUFFER_BYTES = 4 << 20
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# Deepest nesting a frame header may have (a header is at most 3 levels deep: host facts).
+MAX_HEADER_DEPTH = 8
+# How often a busy producer says it is still working (a ``progress`` frame or ready-channel line).
+HEARTBEAT_S = 0.5
 
 # A decoded frame header: a JSON object (its fields are checked where they are read).
 FrameHeader = dict[str, Any]
@@ -64,11 +70,10 @@ def encode_frame_header(header: Mapping[str, Any]) -> bytes:
 
 
 def decode_frame_header(body: bytes) -> FrameHeader:
-    """Parse one frame header; anything but a JSON object with a string ``op`` is refused."""
-    try:
-        header = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise Refused(one_line(f"frame header: not valid JSON ({exc})")) from None
+    """Parse one frame header (bounded size and nesting, strict JSON); anything but a JSON object
+    with a string ``op`` is refused."""
+    header = parse_untrusted_json(body, "frame header", max_bytes=MAX_HEADER_BYTES,
+                                  max_depth=MAX_HEADER_DEPTH)
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise Refused("frame header: expected a JSON object with a string 'op'")
     return header
@@ -77,6 +82,59 @@ def decode_frame_header(body: bytes) -> FrameHeader:
 def client_auth_mac(key: bytes, nonce: bytes) -> bytes:
     """What a client proves it holds the run key with (domain-separated from manifest MACs)."""
     return hmac.new(key, CLIENT_AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+# --------------------------------------------------------------------------------------------
+# consumer-side deadlines
+
+
+@dataclass(frozen=True)
+class PhaseDeadlines:
+    """How long the consumer waits for a producer, per phase, in seconds; past one, the run fails
+    and the producer's process group is killed.
+
+    ``ready``: start to ready line (engine build and warm-up prefill). ``verify``: connect,
+    authenticate and the ``ready?`` answer (the consumer verifying whom it talks to).
+    ``handoff``: a prefill request to its last payload byte. ``silence``: the longest the
+    producer may send nothing at all (no heartbeat, no byte) in any phase: a stopped producer is
+    caught here, however long its compute is allowed to take.
+    """
+
+    ready_s: float
+    verify_s: float
+    handoff_s: float
+    silence_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("ready_s", "verify_s", "handoff_s", "silence_s"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not 0 < value < float("inf"):
+                raise Refused(f"deadline {name}: found {value!r}, expected a positive finite number of seconds")
+
+    def overridden(self, deadline_s: float | None) -> PhaseDeadlines:
+        """Every phase limited to ``deadline_s`` (an operator's ``--deadline-s``), or unchanged."""
+        if deadline_s is None:
+            return self
+        return PhaseDeadlines(ready_s=deadline_s, verify_s=deadline_s, handoff_s=deadline_s,
+                              silence_s=min(self.silence_s, deadline_s))
+
+    def describe(self) -> str:
+        return (f"ready {self.ready_s:.1f} s, verify {self.verify_s:.1f} s, handoff {self.handoff_s:.1f} s, "
+                f"silence {self.silence_s:.1f} s")
+
+
+# A silence of at least this long is recorded as a stall the producer recovered from (four
+# missed heartbeats: a scheduler hiccup is shorter).
+STALL_NOTE_S = 4 * HEARTBEAT_S
+# Floors and factors of the deadlines a run derives from its basis receipt
+# (qualify.run.contract.phase_deadlines); DEFAULT_DEADLINES when there is none (calibration).
+READY_FLOOR_S = 120.0
+VERIFY_FLOOR_S = 30.0
+HANDOFF_FLOOR_S = 60.0
+CALIBRATED_FACTOR = 10.0
+SILENCE_S = 15.0
+DEFAULT_DEADLINES = PhaseDeadlines(ready_s=600.0, verify_s=VERIFY_FLOOR_S, handoff_s=900.0,
+                                   silence_s=SILENCE_S)
 
 
 # --------------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ from qualify.handoff.protocol import (
     EXIT_REFUSED,
     EXIT_TEMPFAIL,
     FRAME_LENGTH,
+    HEARTBEAT_S,
     ID_PATTERN,
     KEY_ENV,
     MAX_HEADER_BYTES,
@@ -360,6 +361,30 @@ class _BadFrame(Exception):
     """A frame could not be read or understood (a non-engine error)."""
 
 
+class StartHeartbeat:
+    """A ``{"event":"progress"}`` line on the ready channel every HEARTBEAT_S, from process start
+    until the ready line: engine build and warm-up can take minutes, a stopped process none."""
+
+    def __init__(self, ready_fd: int) -> None:
+        self._fd = ready_fd
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="producer-start-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        line = canonical_json_bytes({"event": "progress"}) + b"\n"
+        while not self._stopped.wait(HEARTBEAT_S):
+            try:
+                os.write(self._fd, line)
+            except OSError:
+                return  # the harness closed the channel: it is no longer waiting
+
+    def stop(self) -> None:
+        """No beat after this returns (the ready line must be the channel's last line)."""
+        self._stopped.set()
+        self._thread.join()
+
+
 def _log(message: str) -> None:
     print(f"producer: {one_line(message)}", file=sys.stderr, flush=True)
 
@@ -389,6 +414,8 @@ class ProducerService:
         self.non_engine_errors = 0
         self.requests_served = 0
         self._host_facts: dict[str, Any] | None = None
+        # Beats on the ready channel from start to the ready line (see StartHeartbeat).
+        self.start_heartbeat: StartHeartbeat | None = None
 
     def host_facts(self) -> dict[str, Any]:
         """This process's host facts, taken once (after the warm-up, when ``main`` asks first)."""
@@ -442,8 +469,10 @@ class ProducerService:
     # -- watchdog ------------------------------------------------------------------------------
 
     def guarded(self, label: str, work: Callable[[], _T], conn: socket.socket | None,
-                request_id: str | None = None) -> _T:
-        """Run ``work`` under the watchdog; on expiry report the error and exit 75."""
+                request_id: str | None = None, *, beat: Callable[[], None] | None = None) -> _T:
+        """Run ``work`` under the watchdog, calling ``beat`` every HEARTBEAT_S while it runs (the
+        consumer's evidence that this process is not stopped); on expiry report the error and
+        exit 75."""
         results: list[_T] = []
         errors: list[BaseException] = []
 
@@ -456,7 +485,11 @@ class ProducerService:
         worker = threading.Thread(target=target, name=f"producer-{label}", daemon=True)
         faulthandler.dump_traceback_later(self.config.watchdog_s + BACKSTOP_GRACE_S, exit=True)
         worker.start()
-        worker.join(self.config.watchdog_s)
+        give_up = time.monotonic() + self.config.watchdog_s
+        while worker.is_alive() and time.monotonic() < give_up:
+            worker.join(min(HEARTBEAT_S, max(give_up - time.monotonic(), 0.0)))
+            if worker.is_alive() and beat is not None:
+                beat()
         faulthandler.cancel_dump_traceback_later()
         if worker.is_alive():
             message = f"watchdog: {label} did not finish within {self.config.watchdog_s:g} s"
@@ -516,6 +549,8 @@ class ProducerService:
         return sealed, compute_s, time.perf_counter() - started - compute_s
 
     def announce_ready(self, warmup_s: float) -> None:
+        if self.start_heartbeat is not None:
+            self.start_heartbeat.stop()
         line = canonical_json_bytes({
             "event": "ready",
             "protocol": PROTOCOL,
@@ -624,6 +659,9 @@ class ProducerService:
         token_array = np.asarray(tokens, dtype=np.int64)
         assert isinstance(request_id, str)
 
+        answering = threading.Event()
+        started = time.monotonic()
+
         def work() -> None:
             sealed, compute_s, seal_s = self._prefill_and_seal(token_array, request_id)
             header = {
@@ -632,6 +670,7 @@ class ProducerService:
                 "compute_s": compute_s, "seal_s": seal_s,
             }
             with self.send_lock:
+                answering.set()  # no heartbeat may follow the answer's first byte
                 conn.settimeout(None)
                 conn.sendall(encode_frame_header(header))
                 conn.sendall(sealed.manifest_bytes)
@@ -639,8 +678,23 @@ class ProducerService:
                 for part in sealed.payload_parts:
                     conn.sendall(part)
 
+        def beat() -> None:
+            # Skipped while the answer is being sent (its bytes are the progress then).
+            if not self.send_lock.acquire(blocking=False):
+                return
+            try:
+                if not answering.is_set():
+                    conn.settimeout(FRAME_STALL_S)
+                    conn.sendall(encode_frame_header({
+                        "op": "progress", "request_id": request_id,
+                        "elapsed_s": round(time.monotonic() - started, 3)}))
+            except OSError:
+                pass  # the client is gone; the answer's send reports it
+            finally:
+                self.send_lock.release()
+
         try:
-            self.guarded(f"prefill {request_id}", work, conn, request_id)
+            self.guarded(f"prefill {request_id}", work, conn, request_id, beat=beat)
         except Exception as exc:
             message = f"prefill {request_id} failed: {type(exc).__name__}: {exc}"
             self.send_error(conn, "prefill", message, request_id=request_id,
@@ -724,8 +778,11 @@ def _with_fault(build: EngineFactory, engine: Engine, lane: str, mode: ProducerM
 
 def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = None) -> int:
     """Run the producer service; returns its exit status (75 exits happen in place)."""
+    heartbeat: StartHeartbeat | None = None
     try:
         config = parse_config(argv)
+        if config.ready_fd is not None:
+            heartbeat = StartHeartbeat(config.ready_fd)
         key = read_key(config.key_source)
         expectation = load_expectation(config.expect_path)
         if config.exit_with_stdin:
@@ -755,6 +812,7 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
         return EXIT_REFUSED
     service = ProducerService(engine=engine, config=config, key=key, expectation=expectation,
                               cache_identity=cache_identity, listener=listener, address=address)
+    service.start_heartbeat = heartbeat
     try:
         warmup_s = service.warm_up()
     except StartRefused as exc:

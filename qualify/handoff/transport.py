@@ -57,6 +57,12 @@ class Transport(Protocol):
         """Why :attr:`host_facts` is None (None when they are known)."""
         ...
 
+    @property
+    def ready_silence_s(self) -> float:
+        """The longest the producer was silent while starting (a stall it recovered from when at
+        least protocol.STALL_NOTE_S); 0 in process."""
+        ...
+
     def start(self) -> None:
         """Make the producer ready to serve (a warm producer, an authenticated connection)."""
         ...
@@ -167,6 +173,10 @@ class InProcessTransport:
     @property
     def host_facts_problem(self) -> str | None:
         return self._host_facts_problem
+
+    @property
+    def ready_silence_s(self) -> float:
+        return 0.0  # the same process: it cannot be stopped while the consumer waits
 
     def start(self) -> None:
         """Record this process's host facts (the producer runs here); the producer warms itself."""

@@ -14,15 +14,33 @@ are at once the seam digests of ``layers.{i}.k`` / ``layers.{i}.v``, the leaves 
 tree digest, and the inputs of the draft context digest (:func:`draft_context_sha256`).
 
 The consumer opens a handoff against a :class:`HandoffExpectation` in a fixed order and refuses
-on the first difference with one line naming it:
+on the first difference with one line naming it; :attr:`HandoffRefused.check` names the check:
 
-1. MAC (under the run key), 2. manifest (canonical JSON, JSON Schema, self-consistency),
-3. payload byte count and tree digest (recomputed from freshly computed tensor digests; a payload
-that does not split into a safetensors header and contiguous tensors has none and is refused
-here), 4. payload layout (tensor names, order, dtypes, shapes, canonical header),
-5. every seam digest (``seam digest mismatch at layer 3 V``) and the draft context digest,
-6. identity digest and target cache identity, 7. geometry against the consumer model,
-8. prompt digest, 9. run and request ids (no replay of another request's handoff).
+1. MAC under the run key (``mac``).
+2. Manifest: strict JSON, size and nesting bounded before parsing (``manifest.json``); the JSON
+   Schema with strict types, where an integer is a JSON integer literal (never ``4.0`` or
+   ``true``) and every number is finite (``manifest.schema``); canonical form
+   (``manifest.canonical``); self-consistency (``manifest.handed_off_positions``,
+   ``manifest.seams``).
+3. Run binding: run id, lane, and the key id, which must name the key the MAC verified under
+   (``manifest.run_id``, ``manifest.lane``, ``manifest.key_id``).
+4. Geometry, draft geometry and handed-off positions against the consumer's (``geometry``,
+   ``draft_geometry``, ``handed_off_positions``).
+5. Payload byte count: ``payload.bytes`` is the exact size for that geometry and the received
+   payload has that many bytes (``payload.bytes``); nothing has been hashed yet.
+6. Payload tree digest, recomputed from freshly computed tensor digests (``payload.tree_sha256``;
+   a payload that does not split into a safetensors header and contiguous tensors has none and
+   is refused as ``payload.header``).
+7. Payload layout: tensor names, order, dtypes, shapes, canonical header (``payload.layout``).
+8. Every seam digest (``seam digest mismatch at layer 3 V``, ``seam``) and the draft context
+   digest (``draft_context``).
+9. Identity digest, target cache identity and producer mode (``identity``, ``cache_identity``,
+   ``producer_mode``).
+10. Prompt digest (``prompt``), then the request id (``request_id``: no replay of another
+    request's handoff).
+
+:func:`open_handoff` is the one boundary: anything else that goes wrong inside it is refused as
+``HandoffRefused`` naming the stage it happened in, never a raw exception.
 
 Only then are the tensors installed, as zero-copy views of the verified payload buffer.
 """
@@ -32,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import struct
 import sys
@@ -42,15 +61,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple, TypeVar
 
-import jsonschema
 import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, the wire's BF16 tensors)
 import numpy as np
 
 from qualify.contract.lanes import ProducerMode
 from qualify.core.assets import CONTRACTS_DIR
-from qualify.core.digests import canonical_json_bytes, is_sha256_hex, strict_json_loads
+from qualify.core.digests import canonical_json_bytes, is_sha256_hex
 from qualify.core.errors import HandoffRefused, Refused, one_line
 from qualify.core.kv import KVCache, KVGeometry
+from qualify.core.strict_json import check_schema, parse_untrusted_json
 
 MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v3"
 MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v3.schema.json"
@@ -72,6 +91,12 @@ _TAG_TO_DTYPE = {tag: name for name, (tag, _) in _SAFETENSORS_DTYPES.items()}
 KV_DTYPES: tuple[str, ...] = tuple(_SAFETENSORS_DTYPES)
 """The KV dtypes a payload can carry (numpy dtype names)."""
 _MAX_HEADER_BYTES = 16 << 20
+MAX_MANIFEST_BYTES = 16 << 20
+"""Largest manifest a consumer parses (a manifest of a few hundred layers is tens of kilobytes)."""
+MAX_MANIFEST_DEPTH = 32
+"""Deepest JSON nesting a manifest may have (it has 3 levels)."""
+# The manifest schema's lane pattern: an expectation's lane must be one a manifest can carry.
+_LANE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 # Below this many payload bytes, hashing runs on one thread (a thread costs more than it saves).
 _PARALLEL_DIGEST_MIN_BYTES = 4 << 20
 # Threads that hash tensors by default (the calling thread plus helpers); hashlib releases the
@@ -132,6 +157,9 @@ class TransportStats:
     # As the producer reported them in its response frame (unauthenticated; informational).
     producer_compute_s: float | None = None
     producer_seal_s: float | None = None
+    # The longest the producer sent nothing (no byte, no heartbeat) during the request: a stall
+    # it recovered from when at least protocol.STALL_NOTE_S; 0 in process.
+    longest_silence_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -228,8 +256,9 @@ class HandoffExpectation:
     """What the consumer expects a handoff to carry; :func:`open_handoff` refuses any difference.
 
     ``geometry`` is the consumer model's KV geometry at the expected handed-off positions and
-    dtype; ``draft_geometry`` is required exactly when a draft context rides along. ``run_id`` and
-    ``request_id`` bind the handoff to this request (no replay of another request's handoff).
+    dtype; ``draft_geometry`` is required exactly when a draft context rides along. ``run_id``,
+    ``lane`` and ``producer_mode`` bind the handoff to this run's producer, ``request_id`` to this
+    request (no replay of another request's handoff).
     """
 
     identity_sha256: str
@@ -238,6 +267,8 @@ class HandoffExpectation:
     prompt_sha256: str
     run_id: str
     request_id: str
+    lane: str
+    producer_mode: ProducerMode
     draft_geometry: KVGeometry | None = None
 
     def __post_init__(self) -> None:
@@ -248,9 +279,42 @@ class HandoffExpectation:
         for name, value in (("run_id", self.run_id), ("request_id", self.request_id)):
             if not isinstance(value, str) or not value:
                 raise Refused(f"handoff expectation {name}: found {value!r}, expected a non-empty id")
+        if not isinstance(self.lane, str) or _LANE.fullmatch(self.lane) is None:
+            raise Refused(f"handoff expectation lane: found {self.lane!r}, expected a lane name "
+                          f"(lowercase letters, digits, '.', '_', '-'; at most 64)")
+        try:
+            ProducerMode(self.producer_mode)
+        except ValueError:
+            raise Refused(f"handoff expectation producer_mode: found {self.producer_mode!r}, "
+                          f"expected exact or native") from None
         for name, geometry in (("geometry", self.geometry), ("draft_geometry", self.draft_geometry)):
-            if not isinstance(geometry, KVGeometry) and (name == "geometry" or geometry is not None):
+            if geometry is None and name == "draft_geometry":
+                continue
+            if not isinstance(geometry, KVGeometry):
                 raise Refused(f"handoff expectation {name}: found {type(geometry).__name__}, expected KVGeometry")
+            _check_expected_geometry(name, geometry)
+
+    @property
+    def expected_payload_bytes(self) -> int:
+        """The exact payload size a handoff of this geometry (and draft geometry) has, so a
+        receiver can refuse an announced size before allocating anything."""
+        return _exact_payload_bytes(self.geometry, self.draft_geometry)
+
+
+def _check_expected_geometry(name: str, geometry: KVGeometry) -> None:
+    """An expected geometry the wire can carry: positive integer dimensions, a wire dtype."""
+    for part in ("layers", "kv_heads", "head_dim", "positions"):
+        value = getattr(geometry, part)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise Refused(f"handoff expectation {name}.{part}: found {value!r}, expected an int >= 1")
+    if geometry.dtype not in _SAFETENSORS_DTYPES:
+        raise Refused(f"handoff expectation {name}.dtype: found {geometry.dtype!r}, expected one of "
+                      f"{', '.join(_SAFETENSORS_DTYPES)}")
+
+
+@lru_cache(maxsize=64)
+def _exact_payload_bytes(geometry: KVGeometry, draft: KVGeometry | None) -> int:
+    return payload_layout(geometry, draft).size
 
 
 class OpenedHandoff(NamedTuple):
@@ -588,25 +652,22 @@ def seal_handoff_parts(
 # manifest parsing
 
 
-@lru_cache(maxsize=1)
-def _manifest_validator() -> jsonschema.Draft202012Validator:
-    schema = json.loads(MANIFEST_SCHEMA_PATH.read_text(encoding="utf-8"))
-    jsonschema.Draft202012Validator.check_schema(schema)
-    return jsonschema.Draft202012Validator(schema)
-
-
 def _validate_manifest_schema(document: object, *, refusal: type[Refused]) -> None:
-    error = jsonschema.exceptions.best_match(_manifest_validator().iter_errors(document))
-    if error is not None:
-        where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
-        raise refusal(one_line(f"handoff manifest: {where}: {error.message}"))
-
-
-def _strict_json(data: bytes, what: str) -> Any:
+    """The manifest schema with strict types (an integer is a JSON integer, numbers finite)."""
     try:
-        return strict_json_loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise HandoffRefused(one_line(f"{what}: not valid JSON ({exc})")) from None
+        check_schema(document, MANIFEST_SCHEMA_PATH, "handoff manifest")
+    except Refused as exc:
+        if refusal is HandoffRefused:
+            raise HandoffRefused(one_line(str(exc)), check="manifest.schema") from None
+        raise
+
+
+def _strict_json(data: bytes, what: str, *, max_bytes: int, check: str) -> Any:
+    """Untrusted JSON, bounded in size and nesting before parsing, or a refusal naming ``check``."""
+    try:
+        return parse_untrusted_json(data, what, max_bytes=max_bytes, max_depth=MAX_MANIFEST_DEPTH)
+    except Refused as exc:
+        raise HandoffRefused(one_line(str(exc)), check=check) from None
 
 
 def _geometry_from(document: Mapping[str, Any]) -> KVGeometry:
@@ -619,42 +680,33 @@ def _geometry_from(document: Mapping[str, Any]) -> KVGeometry:
     )
 
 
-def _tensor_bytes(geometry: KVGeometry) -> int:
-    """Bytes of all K and V tensors of ``geometry`` (arithmetic only, nothing allocated)."""
-    itemsize = np.dtype(geometry.dtype).itemsize
-    return 2 * geometry.layers * geometry.kv_heads * geometry.positions * geometry.head_dim * itemsize
-
-
 def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
-    """Canonical JSON, schema, then self-consistency; returns the typed view."""
-    document = _strict_json(manifest_bytes, "handoff manifest")
+    """Strict JSON, strict schema, canonical form, then self-consistency; the typed view."""
+    document = _strict_json(manifest_bytes, "handoff manifest", max_bytes=MAX_MANIFEST_BYTES,
+                            check="manifest.json")
     _validate_manifest_schema(document, refusal=HandoffRefused)
     if canonical_json_bytes(document) != manifest_bytes:
-        raise HandoffRefused("handoff manifest: not in canonical JSON form")
+        raise HandoffRefused("handoff manifest: not in canonical JSON form", check="manifest.canonical")
     geometry = _geometry_from(document["geometry"])
     if document["handed_off_positions"] != geometry.positions:
         raise HandoffRefused(
             f"handoff manifest: handed_off_positions {document['handed_off_positions']} "
-            f"disagrees with geometry.positions {geometry.positions}"
+            f"disagrees with geometry.positions {geometry.positions}",
+            check="manifest.handed_off_positions",
         )
     seams = tuple(SeamDigest(s["layer"], s["k_sha256"], s["v_sha256"]) for s in document["seams"])
     if len(seams) != geometry.layers:
         raise HandoffRefused(
-            f"handoff manifest: seams lists {len(seams)} layers, geometry.layers is {geometry.layers}"
+            f"handoff manifest: seams lists {len(seams)} layers, geometry.layers is {geometry.layers}",
+            check="manifest.seams",
         )
     for index, seam in enumerate(seams):
         if seam.layer != index:
             raise HandoffRefused(
-                f"handoff manifest: seams[{index}] is for layer {seam.layer}, expected layer {index}"
+                f"handoff manifest: seams[{index}] is for layer {seam.layer}, expected layer {index}",
+                check="manifest.seams",
             )
     draft = document.get("draft_geometry")
-    draft_geometry = None if draft is None else _geometry_from(draft)
-    implied = _tensor_bytes(geometry) + (0 if draft_geometry is None else _tensor_bytes(draft_geometry))
-    if implied > document["payload"]["bytes"] - 8:
-        raise HandoffRefused(
-            f"handoff manifest: geometry implies {implied} tensor bytes, payload.bytes is "
-            f"{document['payload']['bytes']}"
-        )
     timings = document["timings"]
     return HandoffManifest(
         schema=document["schema"],
@@ -671,7 +723,7 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
         payload_tree_sha256=document["payload"]["tree_sha256"],
         payload_size=document["payload"]["bytes"],
         seams=seams,
-        draft_geometry=draft_geometry,
+        draft_geometry=None if draft is None else _geometry_from(draft),
         draft_context_sha256=document.get("draft_context_sha256"),
         compute_s=float(timings["compute_s"]),
         serialize_s=float(timings["serialize_s"]),
@@ -725,18 +777,28 @@ def _locate_tensors(payload: memoryview) -> _LocatedPayload:
     """
     size = payload.nbytes
     if size < 8:
-        raise HandoffRefused(f"handoff payload: {size} bytes, too short for a safetensors header")
+        raise HandoffRefused(
+            f"handoff payload: {size} bytes, too short for a safetensors header",
+            check="payload.header",
+        )
     (header_size,) = struct.unpack_from("<Q", payload, 0)
     if header_size > min(_MAX_HEADER_BYTES, size - 8):
-        raise HandoffRefused(f"handoff payload: header length {header_size} exceeds the payload")
-    header = _strict_json(bytes(payload[8 : 8 + header_size]), "handoff payload header")
+        raise HandoffRefused(
+            f"handoff payload: header length {header_size} exceeds the payload",
+            check="payload.header",
+        )
+    header = _strict_json(bytes(payload[8 : 8 + header_size]), "handoff payload header",
+                          max_bytes=_MAX_HEADER_BYTES, check="payload.header")
     if not isinstance(header, dict):
-        raise HandoffRefused("handoff payload header: not a JSON object")
+        raise HandoffRefused("handoff payload header: not a JSON object", check="payload.header")
     data_start = 8 + header_size
     found: list[_LocatedTensor] = []
     for name, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise HandoffRefused(f"handoff payload: tensor {name} header is malformed")
+            raise HandoffRefused(
+                f"handoff payload: tensor {name} header is malformed",
+                check="payload.header",
+            )
         offsets = entry["data_offsets"]
         if (
             not isinstance(offsets, list)
@@ -744,7 +806,10 @@ def _locate_tensors(payload: memoryview) -> _LocatedPayload:
             or not all(type(o) is int and o >= 0 for o in offsets)
             or offsets[0] > offsets[1]
         ):
-            raise HandoffRefused(f"handoff payload: tensor {name} data_offsets is malformed")
+            raise HandoffRefused(
+                f"handoff payload: tensor {name} data_offsets is malformed",
+                check="payload.header",
+            )
         found.append(_LocatedTensor(name, entry["dtype"], entry["shape"],
                                     data_start + offsets[0], data_start + offsets[1]))
     found.sort(key=lambda t: (t.begin, t.end, t.name.encode("utf-8", "surrogatepass")))
@@ -752,11 +817,15 @@ def _locate_tensors(payload: memoryview) -> _LocatedPayload:
     for tensor in found:
         if tensor.begin != cursor:
             raise HandoffRefused(
-                f"handoff payload: tensor {tensor.name} data_offsets are not contiguous"
+                f"handoff payload: tensor {tensor.name} data_offsets are not contiguous",
+                check="payload.header",
             )
         cursor = tensor.end
     if cursor != size:
-        raise HandoffRefused(f"handoff payload: tensors end at byte {cursor}, payload has {size}")
+        raise HandoffRefused(
+            f"handoff payload: tensors end at byte {cursor}, payload has {size}",
+            check="payload.header",
+        )
     return _LocatedPayload(data_start, tuple(found))
 
 
@@ -773,37 +842,45 @@ def _check_payload_layout(
     found_names = {tensor.name for tensor in located.tensors}
     missing = [slot.name for slot in slots if slot.name not in found_names]
     if missing:
-        raise HandoffRefused(f"handoff payload: tensor {missing[0]} is missing")
+        raise HandoffRefused(f"handoff payload: tensor {missing[0]} is missing", check="payload.layout")
     extra = sorted(found_names - expected_names)
     if extra:
-        raise HandoffRefused(f"handoff payload: unexpected tensor {extra[0]!r}")
+        raise HandoffRefused(f"handoff payload: unexpected tensor {extra[0]!r}", check="payload.layout")
     layout = _layout_order(slots)
     offsets_by_name: dict[str, tuple[int, int]] = {}
     for position, (tensor, slot) in enumerate(zip(located.tensors, layout, strict=True)):
         if tensor.name != slot.name:
             raise HandoffRefused(
                 f"handoff payload: tensor order: position {position} holds {tensor.name}, "
-                f"expected {slot.name}"
+                f"expected {slot.name}",
+                check="payload.layout",
             )
         tag = tensor.dtype_tag
         if not isinstance(tag, str) or _TAG_TO_DTYPE.get(tag) != slot.dtype:
             raise HandoffRefused(
                 f"handoff payload: tensor {slot.name} dtype {tensor.dtype_tag}, manifest "
-                f"geometry says {slot.dtype}"
+                f"geometry says {slot.dtype}",
+                check="payload.layout",
             )
-        if tensor.shape != list(slot.shape):
+        if not isinstance(tensor.shape, list) or any(type(d) is not int for d in tensor.shape) \
+                or tensor.shape != list(slot.shape):  # strict: a shape of 2.0 is no shape of 2
             raise HandoffRefused(
                 f"handoff payload: tensor {slot.name} shape {tensor.shape}, manifest geometry says "
-                f"{list(slot.shape)}"
+                f"{list(slot.shape)}",
+                check="payload.layout",
             )
         if tensor.end - tensor.begin != slot.nbytes:
             raise HandoffRefused(
                 f"handoff payload: tensor {slot.name} holds {tensor.end - tensor.begin} bytes, "
-                f"manifest geometry says {slot.nbytes}"
+                f"manifest geometry says {slot.nbytes}",
+                check="payload.layout",
             )
         offsets_by_name[slot.name] = (tensor.begin, tensor.end)
     if bytes(payload[: located.data_start]) != _payload_prefix(layout):
-        raise HandoffRefused("handoff payload: header is not the canonical safetensors header")
+        raise HandoffRefused(
+            "handoff payload: header is not the canonical safetensors header",
+            check="payload.layout",
+        )
     return _PayloadLayout(located.data_start, offsets_by_name)
 
 
@@ -813,6 +890,13 @@ def _check_payload_layout(
 
 def _short(digest: str) -> str:
     return digest[:16] + "…"
+
+
+class _Stage:
+    """The check :func:`open_handoff` is at, so an unexpected failure is refused naming it."""
+
+    def __init__(self) -> None:
+        self.check = "mac"
 
 
 def open_handoff(
@@ -825,32 +909,79 @@ def open_handoff(
     """Verify ``handoff`` in the documented order and install it, or raise ``HandoffRefused``.
 
     The installed arrays are views of ``handoff.payload_bytes`` (writable if that buffer is).
-    ``digest_threads`` threads hash the tensors.
+    ``digest_threads`` threads hash the tensors. A bad ``key``, ``expectation`` or
+    ``digest_threads`` is the caller's mistake (``Refused``); anything wrong with the handoff,
+    expected or not, is ``HandoffRefused`` with ``check`` naming the check or stage.
     """
     if not isinstance(expectation, HandoffExpectation):
         raise Refused(f"open_handoff expectation: found {type(expectation).__name__}, expected HandoffExpectation")
     _check_digest_threads(digest_threads)
+    run_key = _checked_key(key)
+    stage = _Stage()
+    try:
+        return _open_verified(handoff, run_key, expectation, digest_threads, stage)
+    except HandoffRefused:
+        raise
+    except Refused as exc:  # a refusal from a shared helper: still this handoff's refusal
+        raise HandoffRefused(one_line(str(exc)), check=stage.check) from None
+    except Exception as exc:  # the boundary: never a raw exception out of a hostile handoff
+        raise HandoffRefused(
+            one_line(f"handoff {stage.check}: unexpected {type(exc).__name__} ({_exception_text(exc)})"),
+            check=stage.check,
+        ) from None
+
+
+def _exception_text(exc: BaseException) -> str:
+    try:
+        return one_line(str(exc))[:160]
+    except Exception:  # an exception whose message itself fails
+        return "no message"
+
+
+def _wire_bytes(data: object, what: str) -> bytes:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise HandoffRefused(f"{what}: found {type(data).__name__}, expected bytes", check="mac")
+    return bytes(data)
+
+
+def _open_verified(handoff: Handoff, key: bytes, expectation: HandoffExpectation, digest_threads: int,
+                   stage: _Stage) -> OpenedHandoff:
+    """:func:`open_handoff`'s checks in the documented order; ``stage`` follows them."""
     started = time.perf_counter()
+    manifest_bytes = _wire_bytes(handoff.manifest_bytes, "handoff manifest_bytes")
     mac = handoff.mac
-    expected_mac = manifest_mac(key, bytes(handoff.manifest_bytes))
-    if not isinstance(mac, (bytes, bytearray)) or not hmac.compare_digest(bytes(mac), expected_mac):
-        raise HandoffRefused(f"handoff MAC does not verify under key {key_id(key)}")
+    if not isinstance(mac, (bytes, bytearray)) or not hmac.compare_digest(bytes(mac), manifest_mac(key, manifest_bytes)):
+        raise HandoffRefused(f"handoff MAC does not verify under key {key_id(key)}", check="mac")
     mac_done = time.perf_counter()
 
-    manifest = _parse_manifest(bytes(handoff.manifest_bytes))
+    stage.check = "manifest"
+    manifest = _parse_manifest(manifest_bytes)
+    stage.check = "run"
+    _check_run_binding(manifest, key, expectation)
+    stage.check = "geometry"
+    _check_geometries(manifest, expectation)
     manifest_done = time.perf_counter()
 
+    stage.check = "payload.bytes"
     try:
         payload = memoryview(handoff.payload_bytes).cast("B")
-    except TypeError:
-        raise HandoffRefused("handoff payload: not a contiguous byte buffer") from None
+    except (TypeError, ValueError):
+        raise HandoffRefused("handoff payload: not a contiguous byte buffer", check="payload.bytes") from None
+    expected_size = expectation.expected_payload_bytes
+    if manifest.payload_size != expected_size:
+        raise HandoffRefused(
+            f"payload.bytes is {manifest.payload_size}, expected {expected_size} for the expected geometry",
+            check="payload.bytes",
+        )
     if payload.nbytes != manifest.payload_size:
         raise HandoffRefused(
-            f"handoff payload: {payload.nbytes} bytes, manifest payload.bytes says "
-            f"{manifest.payload_size}"
+            f"handoff payload: {payload.nbytes} bytes, manifest payload.bytes says {manifest.payload_size}",
+            check="payload.bytes",
         )
     # The tree digest: each tensor hashed once (over the digest threads), then prefix and leaves.
+    stage.check = "payload.header"
     located = _locate_tensors(payload)
+    stage.check = "payload.tree_sha256"
     leaves = _tensor_digests([payload[tensor.begin : tensor.end] for tensor in located.tensors],
                              digest_threads)
     tree_sha256 = payload_tree_sha256(payload[: located.data_start], leaves)
@@ -860,25 +991,31 @@ def open_handoff(
         raise HandoffRefused(
             f"handoff payload tree digest mismatch: found {_short(tree_sha256)}, manifest "
             f"payload.tree_sha256 says {_short(manifest.payload_tree_sha256)}"
-            + _first_changed_seam(located, leaves, manifest)
+            + _first_changed_seam(located, leaves, manifest),
+            check="payload.tree_sha256",
         )
+    stage.check = "payload.layout"
     layout = _check_payload_layout(payload, located, manifest)
+    stage.check = "seam"
     leaf_by_name = {
         tensor.name: leaf for tensor, leaf in zip(located.tensors, leaves, strict=True)
     }
     for seam in manifest.seams:
         for part, claimed in (("k", seam.k_sha256), ("v", seam.v_sha256)):
             if not hmac.compare_digest(leaf_by_name[f"layers.{seam.layer}.{part}"].hex(), claimed):
-                raise HandoffRefused(f"seam digest mismatch at layer {seam.layer} {part.upper()}")
+                raise HandoffRefused(f"seam digest mismatch at layer {seam.layer} {part.upper()}", check="seam")
+    stage.check = "draft_context"
     if manifest.draft_geometry is not None and manifest.draft_context_sha256 is not None:
         draft_names = _wire_names(manifest.draft_geometry.layers, DRAFT_PREFIX)
         found_context = draft_context_sha256([leaf_by_name[name] for name in draft_names])
         if not hmac.compare_digest(found_context, manifest.draft_context_sha256):
-            raise HandoffRefused("draft context digest mismatch")
+            raise HandoffRefused("draft context digest mismatch", check="draft_context")
 
+    stage.check = "identity"
     _check_expectations(manifest, expectation)
     checks_done = time.perf_counter()
 
+    stage.check = "install"
     named: dict[str, np.ndarray] = {}
     for slot in _slots(manifest.geometry, manifest.draft_geometry):
         begin, end = layout.offsets[slot.name]
@@ -898,35 +1035,68 @@ def open_handoff(
     return OpenedHandoff(kv, manifest, timings)
 
 
-def _check_expectations(manifest: HandoffManifest, expected: HandoffExpectation) -> None:
-    """Identity, cache identity, geometry, prompt and ids: each must equal the consumer's."""
-    if manifest.identity_sha256 != expected.identity_sha256:
+def _check_run_binding(manifest: HandoffManifest, key: bytes, expected: HandoffExpectation) -> None:
+    """The manifest is this run's: its run id, its lane, and the key the MAC verified under."""
+    if manifest.run_id != expected.run_id:
+        raise HandoffRefused(f"run_id is {manifest.run_id!r}, expected {expected.run_id!r}",
+                             check="manifest.run_id")
+    if manifest.lane != expected.lane:
+        raise HandoffRefused(f"lane is {manifest.lane!r}, expected {expected.lane!r}", check="manifest.lane")
+    run_key_id = key_id(key)
+    if manifest.key_id != run_key_id:
         raise HandoffRefused(
-            f"identity_sha256 is {_short(manifest.identity_sha256)}, expected "
-            f"{_short(expected.identity_sha256)}"
+            f"key_id is {manifest.key_id!r}, expected {run_key_id!r} (the run key the MAC verified under)",
+            check="manifest.key_id",
         )
-    if manifest.target_cache_identity_sha256 != expected.cache_identity:
-        raise HandoffRefused(
-            f"target_cache_identity_sha256 is {_short(manifest.target_cache_identity_sha256)} "
-            f"(producer mode {manifest.producer_mode.value}), expected {_short(expected.cache_identity)}"
-        )
+
+
+def _check_geometries(manifest: HandoffManifest, expected: HandoffExpectation) -> None:
+    """Geometry, draft geometry and handed-off positions: each must equal the consumer's."""
     _check_geometry("geometry", manifest.geometry, expected.geometry)
     if (manifest.draft_geometry is None) != (expected.draft_geometry is None):
         found = "present" if manifest.draft_geometry is not None else "absent"
         wanted = "one" if expected.draft_geometry is not None else "none"
-        raise HandoffRefused(f"draft_geometry: draft context {found}, consumer expects {wanted}")
+        raise HandoffRefused(f"draft_geometry: draft context {found}, consumer expects {wanted}",
+                             check="draft_geometry")
     if manifest.draft_geometry is not None and expected.draft_geometry is not None:
         _check_geometry("draft_geometry", manifest.draft_geometry, expected.draft_geometry)
+    if manifest.handed_off_positions != expected.geometry.positions:
+        raise HandoffRefused(
+            f"handed_off_positions is {manifest.handed_off_positions}, expected {expected.geometry.positions}",
+            check="handed_off_positions",
+        )
+
+
+def _check_expectations(manifest: HandoffManifest, expected: HandoffExpectation) -> None:
+    """Identity, cache identity, producer mode, prompt and request id: each the consumer's."""
+    if manifest.identity_sha256 != expected.identity_sha256:
+        raise HandoffRefused(
+            f"identity_sha256 is {_short(manifest.identity_sha256)}, expected "
+            f"{_short(expected.identity_sha256)}",
+            check="identity",
+        )
+    if manifest.target_cache_identity_sha256 != expected.cache_identity:
+        raise HandoffRefused(
+            f"target_cache_identity_sha256 is {_short(manifest.target_cache_identity_sha256)} "
+            f"(producer mode {manifest.producer_mode.value}), expected {_short(expected.cache_identity)}",
+            check="cache_identity",
+        )
+    expected_mode = ProducerMode(expected.producer_mode)
+    if manifest.producer_mode is not expected_mode:
+        raise HandoffRefused(
+            f"producer_mode is {manifest.producer_mode.value!r}, expected {expected_mode.value!r}",
+            check="producer_mode",
+        )
     if manifest.prompt_sha256 != expected.prompt_sha256:
         raise HandoffRefused(
             f"prompt_sha256 is {_short(manifest.prompt_sha256)}, expected "
-            f"{_short(expected.prompt_sha256)}"
+            f"{_short(expected.prompt_sha256)}",
+            check="prompt",
         )
-    if manifest.run_id != expected.run_id:
-        raise HandoffRefused(f"run_id is {manifest.run_id!r}, expected {expected.run_id!r}")
     if manifest.request_id != expected.request_id:
         raise HandoffRefused(
-            f"request_id is {manifest.request_id!r}, expected {expected.request_id!r}"
+            f"request_id is {manifest.request_id!r}, expected {expected.request_id!r}",
+            check="request_id",
         )
 
 
@@ -935,10 +1105,12 @@ def _check_geometry(what: str, found: KVGeometry, expected: KVGeometry) -> None:
         if getattr(found, name) != getattr(expected, name):
             raise HandoffRefused(
                 f"{what} {name}: handoff has {getattr(found, name)}, consumer model has "
-                f"{getattr(expected, name)}"
+                f"{getattr(expected, name)}",
+                check=what,
             )
     if found.positions != expected.positions:
         raise HandoffRefused(
             f"{what} positions: handoff has {found.positions}, expected {expected.positions} "
-            f"handed-off positions"
+            f"handed-off positions",
+            check=what,
         )

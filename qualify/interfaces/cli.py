@@ -2,6 +2,9 @@
 
 Exit codes: 0 pass, 1 failed qualification, 2 refused contract or bad usage. Every refusal or
 unexpected error is one line on stderr, never a traceback (set ``QUALIFY_DEBUG=1`` to see one).
+Every parser is a :class:`OneLineParser` (a usage error is one line, exit 2), and path options
+are refused up front by the ``require_*`` helpers of :mod:`qualify.core.arguments` (empty, a file where a directory belongs,
+under a file, unwritable), before any step runs or anything is written.
 
 Commands whose work lives in other modules are *delegated*: each has a loader function whose
 plain import runs only when the command runs (so ``qualify --help`` never imports torch or the
@@ -34,11 +37,14 @@ from rich.text import Text
 
 from qualify import __version__
 from qualify.contract.lanes import Recipe
+from qualify.core.arguments import OneLineParser, path_argument, printable_line
 from qualify.core.errors import Refused, one_line
 
 EXIT_PASS = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
+
+# --------------------------------------------------------------------------- delegates
 
 
 def _call_with_argv(handler: Callable[..., object], argv: list[str]) -> object:
@@ -47,12 +53,13 @@ def _call_with_argv(handler: Callable[..., object], argv: list[str]) -> object:
 
 def _call_receipts_verify(handler: Callable[..., object], argv: list[str]) -> object:
     """``verify_cli(path)`` takes one optional PATH, not an argument list."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="qualify receipts verify",
         description="Re-hash one receipt or an archive of receipts against their manifests.",
     )
-    parser.add_argument("path", nargs="?", metavar="PATH", help="a receipt or an archive")
-    return handler(parser.parse_args(argv).path)
+    parser.add_argument("path", nargs="?", metavar="PATH", type=path_argument, help="a receipt or an archive")
+    path = parser.parse_args(argv).path
+    return handler(None if path is None else os.fspath(path))
 
 
 Handler = Callable[..., object]
@@ -117,8 +124,9 @@ DELEGATES: tuple[Delegate, ...] = (
 )
 RECIPE_DELEGATE = Delegate(("--recipe",), _load_recipe, "run a qualification recipe")
 
-_OUT = Console(highlight=False, soft_wrap=True)
-_ERR = Console(stderr=True, highlight=False, soft_wrap=True)
+# No markup or emoji codes: messages carry operators' paths and arguments, printed as they are.
+_OUT = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+_ERR = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 
 
 def _debug() -> bool:
@@ -126,7 +134,7 @@ def _debug() -> bool:
 
 
 def _say_error(message: str) -> None:
-    _ERR.print(Text(one_line(message), style="bold red"))
+    _ERR.print(Text(printable_line(message), style="bold red"))
 
 
 def _recipe_names() -> list[str]:
@@ -135,7 +143,7 @@ def _recipe_names() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also what ``--help`` shows)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="qualify",
         description=(
             "Qualify KV-cache handoff between inference engines against a frozen onboarding "
@@ -159,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = identity_commands.add_parser(
         "check", help="validate an identity file: schema, model rules, its lane's seal and basis receipt"
     )
-    check.add_argument("path", metavar="PATH", help="identity JSON file")
+    check.add_argument("path", metavar="PATH", type=path_argument, help="identity JSON file")
 
-    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
+    groups: dict[str, argparse._SubParsersAction[OneLineParser]] = {}
     for delegate in DELEGATES:
         if len(delegate.words) == 1:
             commands.add_parser(delegate.words[0], help=delegate.help, add_help=False)
@@ -195,7 +203,7 @@ def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
     return _exit_code(label, delegate.call(handler, list(argv)))
 
 
-def identity_check(path: str) -> int:
+def identity_check(path: str | os.PathLike[str]) -> int:
     """``qualify identity check PATH``: 0 with lane and digest when valid, 2 on refusal."""
     from qualify.archive.reader import resolve_receipt_uri
     from qualify.contract.identity import check_basis_receipt, identity_sha256, load_identity
@@ -221,7 +229,7 @@ def _wants_recipe(argv: Sequence[str]) -> bool:
 
 def _dispatch(argv: list[str]) -> int:
     if _wants_recipe(argv):
-        recipe_parser = argparse.ArgumentParser(prog="qualify", add_help=False)
+        recipe_parser = OneLineParser(prog="qualify", add_help=False)
         recipe_parser.add_argument("--recipe", metavar="NAME", choices=_recipe_names(), required=True)
         recipe_parser.parse_known_args(argv)
         return run_delegate(RECIPE_DELEGATE, argv)
@@ -232,7 +240,6 @@ def _dispatch(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "identity":
         return identity_check(args.path)
-    parser.print_usage(sys.stderr)
     _say_error("qualify: expected a command or --recipe NAME (see qualify --help)")
     return EXIT_REFUSED
 

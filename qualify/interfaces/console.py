@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from qualify.contract.lanes import EngineChoice, Recipe, recipe_named
+from qualify.archive.layout import archive_dir
+from qualify.contract.lanes import LANES, EngineChoice, Recipe, lane_spec, recipe_named
+from qualify.core.arguments import (
+    OneLineParser,
+    path_argument,
+    require_regular_file,
+    require_writable_directory,
+    say_refusal,
+    shown,
+)
 from qualify.core.errors import Refused
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
 
@@ -25,19 +37,16 @@ EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 RECIPE_NAMES = [recipe.value for recipe in Recipe]
 ENGINE_NAMES = [engine.value for engine in EngineChoice]
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Usage errors become one-line refusals (exit 2) instead of a usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        raise Refused(f"{self.prog}: {message}")
+MAX_REPETITIONS = 1000
+"""The most handoffs one calibration runs (each restarts the producer); more is a typo."""
+MAX_DEADLINE_S = 7 * 24 * 3600.0
+"""The longest producer phase limit (a week): longer is a typo, never a real phase's time."""
 
 
 def _recipe_parser(prog: str) -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=prog, description="Run a qualification recipe.")
+    parser = OneLineParser(prog=prog, description="Run a qualification recipe.")
     parser.add_argument("--recipe", required=True, choices=RECIPE_NAMES)
-    parser.add_argument("--identity", type=Path, help="frozen identity JSON (default: the recipe's shipped lane)")
+    parser.add_argument("--identity", type=path_argument, help="frozen identity JSON (default: the recipe's shipped lane)")
     parser.add_argument("--producer", default=EngineChoice.REFERENCE.value, choices=ENGINE_NAMES,
                         help="producer engine (default: reference, the embedded engine; vllm: vLLM "
                              "through the project KV connector, needs tools/install_vllm.sh)")
@@ -48,9 +57,60 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--drift-graded", action="store_true",
                         help="rung 3: grade deltas instead of refusing at the first logit digest mismatch")
     parser.add_argument("--fault", help="run against a named fault lane (see qualify selftest)")
-    parser.add_argument("--receipts", type=Path,
+    parser.add_argument("--receipts", type=path_argument,
                         help="receipt archive (default $QUALIFY_RECEIPTS, else the user data dir)")
+    parser.add_argument("--deadline-s", type=_deadline_seconds, metavar="SECONDS",
+                        help="limit every producer phase (ready, verify, handoff) to SECONDS "
+                             "(default: derived from the identity's basis receipt)")
     return parser
+
+
+def _deadline_seconds(text: str) -> float:
+    """``--deadline-s``: a positive finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a number of seconds") from None
+    if not (0 < value <= MAX_DEADLINE_S):
+        raise argparse.ArgumentTypeError(
+            f"found {shown(text)}, expected a positive number of seconds, at most {MAX_DEADLINE_S:.0f}")
+    return value
+
+
+def _repetitions(text: str) -> int:
+    """``--repetitions``: a whole number of handoffs, 1 to :data:`MAX_REPETITIONS` (ASCII digits
+    only: ``int`` would also take ``1_0``, spaces and other scripts' digits)."""
+    if not re.fullmatch(r"[0-9]{1,7}", text) or not 1 <= int(text) <= MAX_REPETITIONS:
+        raise argparse.ArgumentTypeError(
+            f"found {shown(text)}, expected a whole number of handoffs from 1 to {MAX_REPETITIONS}")
+    return int(text)
+
+
+def _receipt_archive(receipts: Path | None) -> Path:
+    """The archive a run writes to, refused up front (one line, before any step) when it is a
+    file, under a file, or cannot be written."""
+    if receipts is not None:
+        return require_writable_directory("--receipts", receipts)
+    label = "$QUALIFY_RECEIPTS" if os.environ.get("QUALIFY_RECEIPTS") else "receipt archive (the default)"
+    try:
+        default = archive_dir(None)
+    except RuntimeError:  # pathlib: "~user" with no such user
+        raise Refused(f"{label}: cannot expand '~' in {shown(os.environ.get('QUALIFY_RECEIPTS', ''))}") from None
+    return require_writable_directory(label, default)
+
+
+def _check_run_choices(args: argparse.Namespace) -> None:
+    """What a recipe run is asked to do, refused before any step: a missing or non-file identity,
+    a recipe/producer/consumer pair no lane runs, an unknown fault, an unusable archive."""
+    from qualify.engines import faults
+    from qualify.run.contract import chosen_lane
+
+    if args.identity is not None:
+        require_regular_file("--identity", args.identity)
+    chosen_lane(args.recipe, args.producer, args.consumer)
+    if args.fault is not None:
+        faults.fault_named(args.fault)
+    _receipt_archive(args.receipts)
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -117,10 +177,9 @@ def _localisation_lines(records: Sequence[dict[str, Any]], kv_only: bool = False
 
 
 def operator_console() -> Console:
-    """Rich console for operator output; wide enough for the sample table in logs and pipes."""
-    import sys
-
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    """Rich console for operator output; wide enough for the sample table in logs and pipes. No
+    markup or emoji codes: messages carry operators' paths and arguments, printed as they are."""
+    return Console(highlight=False, markup=False, emoji=False, width=None if sys.stdout.isatty() else 160)
 
 
 def _print_step(console: Console, outcome: StepOutcome) -> None:
@@ -130,13 +189,20 @@ def _print_step(console: Console, outcome: StepOutcome) -> None:
 
 
 def drive(run: QualificationRun, console: Console) -> int:
-    """Run every step with progress, then the table, verdict and receipt path; the exit code."""
-    for label in STEP_LABELS:
-        with console.status(f"{label} …"):
-            outcome = run.step(label)
-        _print_step(console, outcome)
-    run.close()
+    """Run every step with progress, then the table, verdict and receipt path; the exit code. A
+    refused run (the contract, or the lane cannot run here) says why in one line on stderr."""
+    try:
+        for label in STEP_LABELS:
+            with console.status(f"{label} …"):
+                outcome = run.step(label)
+            _print_step(console, outcome)
+    finally:
+        run.close()  # whatever happened, the receipt is sealed and the producer stopped
     if run.refused:
+        refusal = next(outcome for outcome in run.outcomes.values() if outcome.refused)
+        say_refusal(f"refused: {refusal.label}: {refusal.message}")
+        if run.receipt_path is not None:
+            console.print(Text(f"receipt: {run.receipt_path} (refused)"))
         return EXIT_REFUSED
     if run.records:
         console.print(sample_table(run.records))
@@ -150,17 +216,18 @@ def drive(run: QualificationRun, console: Console) -> int:
         for reason in verdict.reasons:
             console.print(f"  - {reason}")
     if run.receipt_path is not None:
-        console.print(f"receipt: {run.receipt_path}")
+        console.print(Text(f"receipt: {run.receipt_path}"))
     return EXIT_PASS if verdict is not None and verdict.passed else EXIT_FAILED
 
 
 def run_cli(argv: Sequence[str]) -> int:
-    """``qualify --recipe NAME [...]``."""
+    """``qualify --recipe NAME [...]``: bad input is refused (exit 2, one line) before any step."""
     args = _recipe_parser("qualify").parse_args(list(argv))
+    _check_run_choices(args)
     options = RunOptions(
         recipe=args.recipe, identity=args.identity, producer=args.producer,
         consumer=args.consumer, reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
-        receipts=args.receipts, command_line=["qualify", *argv],
+        receipts=args.receipts, command_line=["qualify", *argv], deadline_s=args.deadline_s,
     )
     console = operator_console()
     console.print(Text(f"qualify --recipe {args.recipe}", style="bold"))
@@ -171,13 +238,19 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     """``qualify calibrate --recipe R --lane L --repetitions N``: measure, archive, propose."""
     from qualify.run.calibrate import calibrate
 
-    parser = _OneLineParser(prog="qualify calibrate",
-                            description="Measure a lane's drift envelope and propose its sealed bounds.")
+    parser = OneLineParser(prog="qualify calibrate",
+                           description="Measure a lane's drift envelope and propose its sealed bounds.")
     parser.add_argument("--recipe", required=True, choices=RECIPE_NAMES)
-    parser.add_argument("--lane", required=True, help="lane name (qualify/contract/lanes.py)")
-    parser.add_argument("--repetitions", type=int, default=5)
-    parser.add_argument("--receipts", type=Path, help="receipt archive for the calibration receipt")
+    parser.add_argument("--lane", required=True, choices=list(LANES), metavar="LANE",
+                        help="lane name (qualify/contract/lanes.py)")
+    parser.add_argument("--repetitions", type=_repetitions, default=5,
+                        help=f"handoffs to measure, 1 to {MAX_REPETITIONS} (default 5)")
+    parser.add_argument("--receipts", type=path_argument, help="receipt archive for the calibration receipt")
     args = parser.parse_args(list(argv))
+    spec = lane_spec(args.lane)
+    if spec.recipe.value != args.recipe:
+        raise Refused(f"calibrate --lane {args.lane}: its recipe is {spec.recipe.value}, the run is --recipe {args.recipe}")
+    _receipt_archive(args.receipts)
     console = operator_console()
     options = RunOptions(recipe=args.recipe, receipts=args.receipts,
                          command_line=["qualify", "calibrate", *argv])
@@ -216,7 +289,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
             f"  tools/freeze_identity.py --lane {args.lane} --maximum-absolute "
             f"{result.proposed_maximum_absolute} --maximum-mean-absolute "
             f"{result.proposed_maximum_mean_absolute} --basis receipt://{receipt_name}/command.log --write-sealed")
-    console.print(f"receipt: {result.receipt_path}")
+    console.print(Text(f"receipt: {result.receipt_path}"))
     return EXIT_PASS if result.tokens_exact and result.deterministic and not result.failures else EXIT_FAILED
 
 
@@ -226,15 +299,20 @@ def selftest_cli(argv: Sequence[str]) -> int:
 
     from qualify.run.selftest import all_fault_runs, run_fault
 
-    parser = _OneLineParser(prog="qualify selftest",
-                            description="Run the recipes against the fault lanes; each must fail where it was injected.")
+    parser = OneLineParser(prog="qualify selftest",
+                           description="Run the recipes against the fault lanes; each must fail where it was injected.")
     parser.add_argument("--fault", action="append", help="only this fault (repeatable)")
-    parser.add_argument("--receipts", type=Path,
+    parser.add_argument("--receipts", type=path_argument,
                         help="archive for the self-test's failing receipts (default: a temporary directory)")
     args = parser.parse_args(list(argv))
-    pairs = [(name, rung) for name, rung in all_fault_runs() if not args.fault or name in args.fault]
-    if not pairs:
-        raise Refused(f"selftest --fault: found {args.fault}, expected names from qualify.engines.faults")
+    runs = all_fault_runs()
+    known = sorted({name for name, _ in runs})
+    unknown = [name for name in args.fault or () if name not in known]
+    if unknown:  # every name is checked: one typo among several is not silently skipped
+        raise Refused(f"selftest --fault: found {shown(unknown[0])}, expected one of {', '.join(known)}")
+    pairs = [(name, rung) for name, rung in runs if not args.fault or name in args.fault]
+    if args.receipts is not None:
+        require_writable_directory("--receipts", args.receipts)
     console = operator_console()
     table = Table(title="fault lanes", header_style="bold")
     for column in ("fault", "recipe", "caught", "localised", "finding"):

@@ -4,6 +4,7 @@ host or an identity before any handoff (exit 2)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,16 @@ from qualify.core.digests import canonical_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.engines.base import Engine
 from qualify.evidence.records import BitExactRule, BoundedDriftRule
-from qualify.handoff.protocol import ProducerExpectation
+from qualify.handoff.protocol import (
+    CALIBRATED_FACTOR,
+    DEFAULT_DEADLINES,
+    HANDOFF_FLOOR_S,
+    READY_FLOOR_S,
+    SILENCE_S,
+    VERIFY_FLOOR_S,
+    PhaseDeadlines,
+    ProducerExpectation,
+)
 
 ORDERED_HANDOFFS = 3
 """Every recipe runs three ordered handoffs (an identity declaring another count is refused)."""
@@ -80,6 +90,34 @@ class Contract:
     basis_records: list[dict[str, Any]] | None = None
     # The identity declares the producer's output deterministic (require_deterministic_remote_output).
     deterministic_producer: bool = True
+    # How long the consumer waits for the producer per phase (phase_deadlines of the basis receipt).
+    deadlines: PhaseDeadlines = DEFAULT_DEADLINES
+
+
+def _seconds_or_none(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
+def phase_deadlines(basis_records: list[dict[str, Any]]) -> PhaseDeadlines:
+    """The consumer's deadlines for a lane, from its basis receipt: CALIBRATED_FACTOR times the
+    slowest calibrated handoff (producer compute + serialize + transport) for a handoff, and times
+    the slowest compute for start-up (engine build and a short warm-up prefill), each never under
+    its floor; the handshake and the silence limit are fixed (neither grows with the model)."""
+    handoff_s, compute_s = 0.0, 0.0
+    for record in basis_records:
+        phases = [_seconds_or_none(record.get(name)) for name in ("producer_compute_s", "serialize_s", "transport_s")]
+        known = [value for value in phases if value is not None]
+        if len(known) == len(phases):
+            handoff_s = max(handoff_s, sum(known))
+            compute_s = max(compute_s, known[0])
+    return PhaseDeadlines(
+        ready_s=max(READY_FLOOR_S, CALIBRATED_FACTOR * compute_s),
+        verify_s=VERIFY_FLOOR_S,
+        handoff_s=max(HANDOFF_FLOOR_S, CALIBRATED_FACTOR * handoff_s),
+        silence_s=SILENCE_S,
+    )
 
 
 def receipt_sample_records(receipt_dir: Path) -> list[dict[str, Any]]:
@@ -189,6 +227,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         kv_envelope=kv_envelope,
         basis_records=basis_records,
         deterministic_producer=qualification.require_deterministic_remote_output,
+        deadlines=phase_deadlines(basis_records),
     )
 
 

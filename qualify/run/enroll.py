@@ -20,14 +20,12 @@ for the key directory).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import secrets
 import stat
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -244,39 +242,76 @@ def key_for(
     return key
 
 
+def _default_location(label: str, locate: Callable[[], Path]) -> Path:
+    """A default location (from the environment or the home directory), refused in one line
+    when its ``~`` cannot expand."""
+    try:
+        return locate()
+    except RuntimeError:  # pathlib: "~user" with no such user, or no home directory
+        raise Refused(f"{label}: the default location cannot expand '~'; name it explicitly") from None
+
+
+def _checked_cli_places(options: Any) -> tuple[Path, Path, Path | None]:
+    """(registry, key directory, receipt archive or None) of ``qualify enroll``, each refused up
+    front with one line naming its option: a registry that is a directory, a key directory that
+    is a file, anything unwritable, a receipt archive that is not a directory. (The identity is
+    refused by its loader, in one line, before any key exists.)"""
+    from qualify.core.arguments import require_directory, require_writable_directory, require_writable_file
+
+    registry = require_writable_file(
+        "--registry" if options.registry else "registry (the default)",
+        options.registry or _default_location("--registry", default_registry_path))
+    keys = require_writable_directory(
+        "--keys" if options.keys else "key directory (the default)",
+        options.keys or _default_location("--keys", default_key_dir))
+    receipts = None if options.receipts is None else require_directory("--receipts", options.receipts)
+    return registry, keys, receipts
+
+
 def enroll_cli(args: Sequence[str]) -> int:
     """``qualify enroll --identity PATH --receipt DIR|receipt://<run-id>/<file> [--registry PATH]
-    [--keys DIR] [--receipts DIR]``: exit 0 when enrolled, 2 when refused."""
-    parser = argparse.ArgumentParser(prog="qualify enroll",
-                                     description="Enroll a qualified producer lane and mint its handoff key.")
-    parser.add_argument("--identity", required=True, help="frozen onboarding identity JSON of the lane")
-    parser.add_argument("--receipt", required=True, help="the lane's qualification receipt: a directory or receipt://<run-id>/<file>")
-    parser.add_argument("--registry", default=None, help=f"enrollment registry (default {default_registry_path()})")
-    parser.add_argument("--keys", default=None, help=f"key directory (default {default_key_dir()})")
-    parser.add_argument("--receipts", default=None, help="receipt archive for receipt:// URIs")
+    [--keys DIR] [--receipts DIR]``: exit 0 when enrolled, 2 when refused (one line on stderr;
+    every path option is checked before anything is read or minted)."""
+    from qualify.core.arguments import OneLineParser, path_argument, require_directory, say_refusal
+
+    parser = OneLineParser(prog="qualify enroll",
+                           description="Enroll a qualified producer lane and mint its handoff key.")
+    parser.add_argument("--identity", required=True, type=path_argument,
+                        help="frozen onboarding identity JSON of the lane")
+    parser.add_argument("--receipt", required=True, type=_receipt_argument,
+                        help="the lane's qualification receipt: a directory or receipt://<run-id>/<file>")
+    parser.add_argument("--registry", default=None, type=path_argument,
+                        help=f"enrollment registry (default {default_registry_path()})")
+    parser.add_argument("--keys", default=None, type=path_argument, help=f"key directory (default {default_key_dir()})")
+    parser.add_argument("--receipts", default=None, type=path_argument, help="receipt archive for receipt:// URIs")
     try:
         options = parser.parse_args(list(args))
     except SystemExit as exit_:
         return 0 if exit_.code == 0 else 2
     try:
+        registry, keys, receipts = _checked_cli_places(options)
         receipt = options.receipt
         if receipt.startswith("receipt://"):
             run_id = receipt.removeprefix("receipt://").partition("/")[0]
-            resolve_receipt_uri(receipt, archive_dir(options.receipts))
-            receipt_path = archive_dir(options.receipts) / run_id
+            resolve_receipt_uri(receipt, archive_dir(receipts))
+            receipt_path = archive_dir(receipts) / run_id
         else:
-            receipt_path = Path(receipt)
-        enrollment = enroll(
-            options.identity,
-            receipt_path,
-            Path(options.registry) if options.registry else default_registry_path(),
-            Path(options.keys) if options.keys else default_key_dir(),
-        )
+            receipt_path = require_directory("--receipt", Path(receipt))
+        enrollment = enroll(options.identity, receipt_path, registry, keys)
     except Refused as refusal:
-        print(one_line(str(refusal)), file=sys.stderr)
+        say_refusal(str(refusal))
         return 2
     print(
         f"enrolled {enrollment.lane} ({enrollment.lane_kind.value}, {enrollment.recipe.value}): "
         f"key {enrollment.key_id}, receipt {enrollment.receipt}"
     )
     return 0
+
+
+def _receipt_argument(text: str) -> str:
+    """``--receipt``: a receipt URI as given, or a directory path (refused when empty or unusable)."""
+    if text.startswith("receipt://"):
+        return text
+    from qualify.core.arguments import path_argument
+
+    return os.fspath(path_argument(text))

@@ -41,8 +41,10 @@ from qualify.run.contract import (
 
 if TYPE_CHECKING:
     from qualify.archive.writer import ReceiptWriter
-    from qualify.handoff.protocol import ProducerExpectation
+    from qualify.contract.identity import Identity
+    from qualify.handoff.protocol import PhaseDeadlines, ProducerExpectation
     from qualify.handoff.transport import Transport
+    from qualify.handoff.wire import HandoffExpectation
 
 _T = TypeVar("_T")
 
@@ -67,6 +69,8 @@ class RunOptions:
     # Threads hashing a handoff's tensors while it is verified (the wire's default is 2).
     digest_threads: int = 2
     watchdog_s: float = 900.0
+    # An operator's limit on every producer phase (``--deadline-s``), else the identity's.
+    deadline_s: float | None = None
     # module:function building the producer engine in the producer process (tests inject faults
     # the fault lanes do not cover, e.g. a producer that dies mid-handoff).
     engine_factory: str | None = None
@@ -89,6 +93,11 @@ class TransportSetup:
     env: dict[str, str]
     # How many positions each handoff carries (an in-process producer sizes its buffers by it).
     handed_off_positions: int
+    # How long the consumer waits for the producer, per phase (the identity's, or --deadline-s).
+    deadlines: PhaseDeadlines
+    # The exact payload size the run's geometry implies: a producer announcing another is refused
+    # before anything is allocated for it.
+    expected_payload_bytes: int
 
 
 TransportFactory = Callable[[TransportSetup], "Transport"]
@@ -101,7 +110,8 @@ def producer_process(setup: TransportSetup) -> Transport:
     return ProducerProcess(
         lane=setup.lane, mode=setup.mode, key=setup.key, run_id=setup.run_id,
         expectation=setup.expectation, watchdog_s=setup.watchdog_s, extra_args=setup.extra_args,
-        engine_factory=setup.engine_factory, env=setup.env)
+        engine_factory=setup.engine_factory, env=setup.env, deadlines=setup.deadlines,
+        expected_payload_bytes=setup.expected_payload_bytes)
 
 
 @dataclass(frozen=True)
@@ -180,12 +190,19 @@ class QualificationRun:
             message = self._run(label)
             outcome = StepOutcome(label, True, message, time.perf_counter() - started)
         except Refused as exc:
+            # Refused before any handoff: the lane cannot run here (no GPU, no vLLM, the producer
+            # refused to start) or its contract was refused; exit 2, its receipt marked refused.
             outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started,
-                                  refused=label == "identity sealed")
+                                  refused=index < STEP_LABELS.index(HANDOFF_STEPS[0]))
         except (ProducerFailed, StepFailed) as exc:
             outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started)
         self.outcomes[label] = outcome
-        self.log(f"step {label}: {'ok' if outcome.passed else 'FAILED'} ({outcome.seconds:.2f} s) {outcome.message}")
+        self.log(f"step {label}: {'ok' if outcome.passed else 'REFUSED' if outcome.refused else 'FAILED'} "
+                 f"({outcome.seconds:.2f} s) {outcome.message}")
+        if outcome.refused and self.receipt is not None and not self.receipt.finalized:
+            from qualify.judge import judge_refused
+
+            self.finish(judge_refused(f"{label}: {outcome.message}"))
         if not outcome.passed and label != "verdict":
             self._finish_failed(f"{label}: {outcome.message}")
         return outcome
@@ -202,9 +219,9 @@ class QualificationRun:
 
     @property
     def refused(self) -> bool:
-        """True when the contract itself was refused (CLI exit 2)."""
-        first = self.outcomes.get(STEP_LABELS[0])
-        return first is not None and first.refused
+        """True when a step before the first handoff was refused: the contract itself, or the lane
+        cannot run here (CLI exit 2)."""
+        return any(outcome.refused for outcome in self.outcomes.values())
 
     def close(self) -> None:
         if self.comparer is not None:
@@ -258,11 +275,17 @@ class QualificationRun:
                 options.recipe, options.producer, options.consumer)
             from qualify.contract.identity import load_identity
 
-            lane = load_identity(identity_path).lane
-            check_lane_engines(lane, options.producer, options.consumer)
-            self.consumer = self._given_consumer or build_consumer(lane)
-            self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
-                                                   self.consumer)
+            identity = load_identity(identity_path)
+            try:
+                check_lane_engines(identity.lane, options.producer, options.consumer)
+                self.consumer = self._given_consumer or build_consumer(identity.lane)
+                self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
+                                                       self.consumer)
+            except Refused:
+                # A sealed identity whose lane cannot run here (no GPU, no vLLM, another numeric
+                # environment): the refusal gets a receipt, marked refused by step().
+                self._open_refusal_receipt(identity_path, identity)
+                raise
         else:
             self.consumer = self._given_consumer or build_consumer(self.contract.lane)
         contract = self.contract
@@ -292,6 +315,22 @@ class QualificationRun:
         self.log(f"lane {contract.lane} (rung {contract.rung}, producer mode {contract.producer_mode.value}); "
                  f"identity sha256 {contract.identity_sha256}; fault {options.fault or 'none'}")
         return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
+
+    def _open_refusal_receipt(self, identity_path: Path, identity: Identity) -> None:
+        """A receipt for a run refused after its identity loaded: the identity, the command, the
+        host, and (once step() finishes it) the refusal."""
+        from qualify.archive.layout import archive_dir
+        from qualify.archive.writer import ReceiptWriter
+        from qualify.contract.identity import identity_sha256
+        from qualify.evidence.records import rule_from_identity
+
+        self.receipt = ReceiptWriter(
+            archive_dir(self.options.receipts),
+            command_line=self.options.command_line or ["qualify", "--recipe", self.options.recipe],
+            identity=identity_path, recipe=identity.recipe.value, lane=identity.lane,
+            rule=rule_from_identity(identity, drift_graded=self.options.drift_graded or identity.rung == 2),
+            identity_sha256=identity_sha256(identity), versions={"harness": __version__})
+        self.receipt_path = self.receipt.path
 
     @staticmethod
     def _engine_facts(engine: LaneEngine) -> dict[str, Any]:
@@ -330,31 +369,73 @@ class QualificationRun:
         return self._have(self._key, "run key")
 
     def _start_producer(self) -> str:
+        from qualify.handoff.protocol import STALL_NOTE_S
         from qualify.handoff.wire import key_id, mint_run_key
 
         contract = self._contract
         mode = contract.producer_mode
         extra_args = ["--fault", self.options.fault] if self.options.fault is not None else []
         self._key = mint_run_key()
+        deadlines = contract.deadlines.overridden(self.options.deadline_s)
+        self.log(f"producer deadlines ({'--deadline-s' if self.options.deadline_s is not None else 'from the basis receipt'}): "
+                 f"{deadlines.describe()}")
         self.producer = self._transport_factory(TransportSetup(
             lane=contract.lane, mode=mode, key=self._key, run_id=self._receipt.run_id,
             expectation=contract.expectation, watchdog_s=self.options.watchdog_s,
             extra_args=extra_args, engine_factory=self.options.engine_factory,
             env=dict(self.producer_env),
-            handed_off_positions=lane_spec(contract.lane).handed_off_positions(contract.handoff_positions),
+            handed_off_positions=self._handed_off_positions(),
+            deadlines=deadlines,
+            expected_payload_bytes=self._expected_payload_bytes(),
         ))
         self._producer.start()
         # What the producer process runs on (CPU, BLAS kernel and threads, GPU, commit): host.json.
         self._receipt.set_producer_host(self._producer.host_facts, problem=self._producer.host_facts_problem)
+        if self._producer.ready_silence_s >= STALL_NOTE_S:
+            self.log(f"producer stalled while starting: silent {self._producer.ready_silence_s:.2f} s, then recovered")
         self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode.value}, "
                  f"run key {key_id(self._key)}, producer environment overrides {self.producer_env or 'none'}")
         return f"mode {mode.value}, warm-up prefill done"
 
-    def restart_producer(self, env: dict[str, str]) -> None:
-        """Stop the producer and start a fresh one with ``env`` set on top of the operator's."""
+    def _handed_off_positions(self) -> int:
+        contract = self._contract
+        return lane_spec(contract.lane).handed_off_positions(contract.handoff_positions)
+
+    def _expected_payload_bytes(self) -> int:
+        from qualify.handoff.wire import payload_layout
+
+        contract = self._contract
+        geometry = self._consumer.geometry.kv_geometry(self._handed_off_positions(), contract.expectation.kv_dtype)
+        return payload_layout(geometry, self._expected_draft_geometry()).size
+
+    def _handoff_expectation(self, request_id: str) -> HandoffExpectation:
+        """What every handoff of this run must be: this run, lane and key, the identity, the
+        consumer's geometry at the handed-off positions, the handed-off prompt prefix."""
+        from qualify.handoff.wire import HandoffExpectation
+
+        contract = self._contract
+        handed_off = self._handed_off_positions()
+        return HandoffExpectation(
+            identity_sha256=contract.identity_sha256,
+            cache_identity=contract.target_cache_identity,
+            geometry=self._consumer.geometry.kv_geometry(handed_off, contract.expectation.kv_dtype),
+            # The manifest names the tokens whose KV it carries: the handed-off prefix.
+            prompt_sha256=assets.prompt_sha256(contract.prompt[:handed_off]),
+            run_id=self._receipt.run_id,
+            request_id=request_id,
+            draft_geometry=self._expected_draft_geometry(),
+            lane=contract.lane,
+            producer_mode=contract.producer_mode,
+        )
+
+    def _stop_producer(self) -> None:
         if self.producer is not None:
             self.producer.close()
             self.producer = None
+
+    def restart_producer(self, env: dict[str, str]) -> None:
+        """Stop the producer and start a fresh one with ``env`` set on top of the operator's."""
+        self._stop_producer()
         self.producer_env = dict(env)
         self._start_producer()
 
@@ -369,7 +450,8 @@ class QualificationRun:
         return self._consumer.draft_kv_geometry(self._contract.handoff_positions)
 
     def _handoff(self, index: int) -> str:
-        from qualify.handoff.wire import HandoffExpectation, open_handoff
+        from qualify.handoff.protocol import STALL_NOTE_S
+        from qualify.handoff.wire import open_handoff
 
         contract = self._contract
         repetition = index + 1
@@ -381,22 +463,19 @@ class QualificationRun:
             if transport is None:
                 raise ProducerFailed(f"{request_id}: the transport reported no transfer figures")
             measured = {"payload_bytes": transport.payload_bytes, "payload_gbit_per_s": transport.gbit_per_s}
-            handed_off = lane_spec(contract.lane).handed_off_positions(contract.handoff_positions)
-            geometry = self._consumer.geometry.kv_geometry(handed_off, contract.expectation.kv_dtype)
-            opened = open_handoff(handoff, key=self._run_key, expectation=HandoffExpectation(
-                identity_sha256=contract.identity_sha256,
-                cache_identity=contract.target_cache_identity,
-                geometry=geometry,
-                # The manifest names the tokens whose KV it carries: the handed-off prefix.
-                prompt_sha256=assets.prompt_sha256(contract.prompt[:handed_off]),
-                run_id=self._receipt.run_id,
-                request_id=request_id,
-                draft_geometry=self._expected_draft_geometry(),
-            ), digest_threads=self.options.digest_threads)
+            opened = open_handoff(handoff, key=self._run_key, expectation=self._handoff_expectation(request_id),
+                                  digest_threads=self.options.digest_threads)
         except (ProducerFailed, HandoffRefused) as exc:
-            kind = "handoff refused" if isinstance(exc, HandoffRefused) else "producer failed"
-            record = failed_sample_record(repetition, f"{kind}: {one_line(str(exc))}", **measured)
-            return self._keep(record, repetition)
+            if isinstance(exc, HandoffRefused):
+                error = f"handoff refused by check {exc.check}: {one_line(str(exc))}"
+            else:
+                error = f"producer failed: {one_line(str(exc))}"
+            # A producer that sent something refused is not asked for anything again.
+            self._stop_producer()
+            return self._keep(failed_sample_record(repetition, error, **measured), repetition)
+        producer_stall_s = transport.longest_silence_s if transport.longest_silence_s >= STALL_NOTE_S else None
+        if producer_stall_s is not None:
+            self.log(f"{request_id}: producer stalled: silent {producer_stall_s:.2f} s, then recovered")
         manifest = opened.manifest
         pending = contract.prompt[manifest.handed_off_positions:]
         compared = self._comparer.compare(opened.kv, pending, meanwhile=self._settle_previous)
@@ -425,6 +504,7 @@ class QualificationRun:
                     "decode_s": compared.seconds["decode"],
                     "recompute_s": compared.seconds.get("recompute", self.seconds.get("recompute", 0.0)),
                 },
+                producer_stall_s=producer_stall_s,
             )
 
         self._unsettled.append((repetition, build_record))
