@@ -158,3 +158,19 @@ def require_regular_file(option: str, path: Path) -> Path:
         raise Refused(f"{where}: cannot inspect it ({one_line(str(exc))})") from None
     found = "is a directory" if directory else "is not a regular file" if exists else "no such file"
     raise Refused(f"{where}: {found}, expected a regular file")
+
+
+MAX_DEADLINE_S = 7 * 24 * 3600.0
+"""The longest producer phase limit (a week): longer is a typo, never a real phase's time."""
+
+
+def deadline_seconds(text: str) -> float:
+    """``--deadline-s``: a positive finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a number of seconds") from None
+    if not (0 < value <= MAX_DEADLINE_S):
+        raise argparse.ArgumentTypeError(
+            f"found {shown(text)}, expected a positive number of seconds, at most {MAX_DEADLINE_S:.0f}")
+    return value

@@ -24,6 +24,7 @@ from qualify.archive.layout import archive_dir
 from qualify.contract.lanes import LANES, EngineChoice, Recipe, lane_spec, recipe_named
 from qualify.core.arguments import (
     OneLineParser,
+    deadline_seconds,
     path_argument,
     require_regular_file,
     require_writable_directory,
@@ -39,8 +40,6 @@ RECIPE_NAMES = [recipe.value for recipe in Recipe]
 ENGINE_NAMES = [engine.value for engine in EngineChoice]
 MAX_REPETITIONS = 1000
 """The most handoffs one calibration runs (each restarts the producer); more is a typo."""
-MAX_DEADLINE_S = 7 * 24 * 3600.0
-"""The longest producer phase limit (a week): longer is a typo, never a real phase's time."""
 
 
 def _recipe_parser(prog: str) -> argparse.ArgumentParser:
@@ -59,22 +58,10 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--fault", help="run against a named fault lane (see qualify selftest)")
     parser.add_argument("--receipts", type=path_argument,
                         help="receipt archive (default $QUALIFY_RECEIPTS, else the user data dir)")
-    parser.add_argument("--deadline-s", type=_deadline_seconds, metavar="SECONDS",
+    parser.add_argument("--deadline-s", type=deadline_seconds, metavar="SECONDS",
                         help="limit every producer phase (ready, verify, handoff) to SECONDS "
                              "(default: derived from the identity's basis receipt)")
     return parser
-
-
-def _deadline_seconds(text: str) -> float:
-    """``--deadline-s``: a positive finite number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a number of seconds") from None
-    if not (0 < value <= MAX_DEADLINE_S):
-        raise argparse.ArgumentTypeError(
-            f"found {shown(text)}, expected a positive number of seconds, at most {MAX_DEADLINE_S:.0f}")
-    return value
 
 
 def _repetitions(text: str) -> int:

@@ -10,10 +10,11 @@ independent runs spread over workers.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from qualify.core.arguments import deadline_seconds, path_argument
 
 if TYPE_CHECKING:
     from qualify.run.qualification import QualificationRun
@@ -23,7 +24,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("qualify", "trust-ladder qualification recipes")
     group.addoption("--recipe", action="append", default=[],
                     help="run only recipe modules for this recipe name (repeatable)")
-    group.addoption("--identity", default=None, help="frozen onboarding identity JSON for the run")
+    group.addoption("--identity", default=None, type=path_argument, help="frozen onboarding identity JSON for the run")
     group.addoption("--producer", default="reference",
                     help="producer engine: reference (embedded default) or vllm")
     group.addoption("--consumer", default="reference",
@@ -33,7 +34,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--drift-graded", action="store_true", default=False,
                     help="rung 3: compute and grade deltas instead of refusing at the first digest mismatch")
     group.addoption("--fault", default=None, help="run against a named fault lane (self-test)")
-    group.addoption("--receipts", default=None, help="receipt archive directory")
+    group.addoption("--receipts", default=None, type=path_argument, help="receipt archive directory")
+    group.addoption("--deadline-s", default=None, type=deadline_seconds, metavar="SECONDS",
+                    help="limit every producer phase to SECONDS (default: from the identity's basis receipt)")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -72,14 +75,15 @@ def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
     receipts = config.getoption("--receipts")
     options = RunOptions(
         recipe=recipe,
-        identity=Path(config.getoption("--identity")) if config.getoption("--identity") else None,
+        identity=config.getoption("--identity"),
         producer=config.getoption("--producer"),
         consumer=config.getoption("--consumer"),
         reference_once=config.getoption("--reference-once"),
         drift_graded=config.getoption("--drift-graded"),
         fault=config.getoption("--fault"),
-        receipts=Path(receipts) if receipts else None,
+        receipts=receipts,
         command_line=["pytest", *config.invocation_params.args],
+        deadline_s=config.getoption("--deadline-s"),
     )
     run = QualificationRun(options)
     yield run
