@@ -252,3 +252,36 @@ def test_sigstop_in_a_real_run_stall_recorded_then_stop_fails_the_run_within_its
     assert any(line.startswith("sample-1: producer stalled: silent") for line in seen["stall_lines"])
     assert seen["samples"]["sample-1"]["producer_stall_s"] >= 3.5
     assert "silent for" in seen["samples"]["sample-2"]["error"]
+
+
+# ------------------------------------------------------------------------------------------
+# no orphan when the harness itself dies
+
+
+def test_a_producer_whose_harness_is_killed_exits_though_its_log_pipe_is_gone(tmp_path: Path) -> None:
+    """SIGKILL the harness: its end of the producer's stdin and log pipes closes at once. The
+    producer must exit on the stdin EOF even though writing its last log line fails (EPIPE)."""
+    harness = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from tests.test_producer_deadlines import sleepy_producer, deadlines
+producer = sleepy_producer(0.0, deadlines=deadlines())
+producer.start()
+print(producer.pid, flush=True)
+time.sleep(600)
+"""], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert harness.stdout is not None
+        producer_pid = int(harness.stdout.readline())
+        harness.kill()
+        harness.wait(HANG_GUARD_S)
+        give_up = time.monotonic() + REPORT_MARGIN_S
+        while not gone(producer_pid) and time.monotonic() < give_up:
+            time.sleep(0.1)
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+    alive = not gone(producer_pid)
+    if alive:
+        os.kill(producer_pid, signal.SIGKILL)
+    assert not alive, "the producer outlived its killed harness (an orphan)"

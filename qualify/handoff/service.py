@@ -752,8 +752,11 @@ def _exit_when_stdin_closes() -> None:
                 pass
         except (OSError, ValueError):
             pass
-        _log("stdin closed (parent gone); exiting")
-        sys.stderr.flush()
+        try:
+            _log("stdin closed (parent gone); exiting")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass  # the parent's end of the log pipe is gone too (EPIPE): exit all the same
         os._exit(EXIT_OK)
 
     threading.Thread(target=watch, name="producer-stdin-watch", daemon=True).start()
