@@ -386,7 +386,12 @@ class StartHeartbeat:
 
 
 def _log(message: str) -> None:
-    print(f"producer: {one_line(message)}", file=sys.stderr, flush=True)
+    """One line on stderr; never raises: with the harness gone its pipe fails (EPIPE), and a
+    failed log line must not stop the exit that follows it."""
+    try:
+        print(f"producer: {one_line(message)}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 class ProducerService:
@@ -442,7 +447,10 @@ class ProducerService:
         """Log one line, remove the socket, and leave without running anything else."""
         _log(f"{message} (exit {status})")
         self.cleanup()
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass  # the harness's end of the pipe is gone: leave all the same
         os._exit(status)
 
     def send_error(self, conn: socket.socket | None, op: str, message: str, *,
@@ -752,11 +760,7 @@ def _exit_when_stdin_closes() -> None:
                 pass
         except (OSError, ValueError):
             pass
-        try:
-            _log("stdin closed (parent gone); exiting")
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass  # the parent's end of the log pipe is gone too (EPIPE): exit all the same
+        _log("stdin closed (parent gone); exiting")  # the log pipe is likely gone too: never raises
         os._exit(EXIT_OK)
 
     threading.Thread(target=watch, name="producer-stdin-watch", daemon=True).start()
