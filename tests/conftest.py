@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,3 +71,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("fuzz tallies")
         for line in sorted(_FUZZ_LINES):
             terminalreporter.write_line(line)
+
+
+# -- an isolated command line ------------------------------------------------------------------
+
+
+def isolate_cli_environment(monkeypatch: pytest.MonkeyPatch, *, cwd: Path, archive: Path, data: Path) -> None:
+    """Run the CLI in-process as a newcomer would, writing nowhere else: ``cwd`` as the working
+    directory, ``archive`` as the default receipt archive, ``data`` as the data home, and none of
+    the operator's registry, keys or debug switches."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("QUALIFY_RECEIPTS", str(archive))
+    monkeypatch.setenv("XDG_DATA_HOME", str(data))
+    for name in ("QUALIFY_REGISTRY", "QUALIFY_KEYS", "QUALIFY_DEBUG"):
+        monkeypatch.delenv(name, raising=False)

@@ -14,6 +14,7 @@ import pytest
 
 from qualify.core import arguments
 from qualify.interfaces import cli
+from tests.conftest import isolate_cli_environment
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKOUT_RECEIPTS = REPO / "receipts"
@@ -51,11 +52,7 @@ class Places:
 @pytest.fixture
 def places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Places]:
     made = Places(tmp_path)
-    monkeypatch.chdir(made.cwd)
-    monkeypatch.setenv("QUALIFY_RECEIPTS", str(made.archive))
-    monkeypatch.setenv("XDG_DATA_HOME", str(made.data))
-    for name in ("QUALIFY_REGISTRY", "QUALIFY_KEYS", "QUALIFY_DEBUG"):
-        monkeypatch.delenv(name, raising=False)
+    isolate_cli_environment(monkeypatch, cwd=made.cwd, archive=made.archive, data=made.data)
     yield made
 
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from qualify.contract.lanes import LANES, EngineChoice, Recipe
 from qualify.engines.faults import FAULTS
 from qualify.interfaces import cli
+from tests.conftest import isolate_cli_environment
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKOUT_RECEIPTS = REPO / "receipts"
@@ -258,11 +259,7 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Isolat
     # A generator bug must fail fast, not run a qualification: no producer ever starts here.
     monkeypatch.setattr(qualification, "producer_process", _no_producer)
     made = Isolated(tmp_path)
-    monkeypatch.chdir(made.cwd)
-    monkeypatch.setenv("QUALIFY_RECEIPTS", str(made.archive))
-    monkeypatch.setenv("XDG_DATA_HOME", str(made.data))
-    for name in ("QUALIFY_REGISTRY", "QUALIFY_KEYS", "QUALIFY_DEBUG"):
-        monkeypatch.delenv(name, raising=False)
+    isolate_cli_environment(monkeypatch, cwd=made.cwd, archive=made.archive, data=made.data)
     yield made
 
 
