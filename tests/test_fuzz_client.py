@@ -429,7 +429,7 @@ def test_an_announced_16_gib_payload_is_refused_before_any_allocation(monkeypatc
     answer = frame(header) + bytes(handoff.manifest_bytes) + bytes(handoff.mac)
     expected = pristine_expectation().expected_payload_bytes
     broken = _broken_by(Script("16 GiB", answer=answer), expected_payload_bytes=expected)
-    assert f"handoff frame blobs: payload of {16 << 30} bytes, expected {expected} (the run's geometry)" in str(broken)
+    assert f"handoff frame blobs: payload of {16 << 30} bytes, expected at most {expected} (the run's geometry)" in str(broken)
     # Without the run's geometry, the client's ceiling still refuses it before allocating.
     broken = _broken_by(Script("16 GiB", answer=answer), max_payload_bytes=8 << 30)
     assert "expected at most 8589934592" in str(broken)

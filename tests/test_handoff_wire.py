@@ -453,7 +453,8 @@ def late_faults_from(check: str | None) -> dict[str, object]:
 
 def test_verify_order_is_the_documented_order_with_every_later_check_also_failing() -> None:
     """With faults at every later check too, the refusal names the earliest in the documented order:
-    MAC, manifest, run binding, geometry, payload size, tree digest, layout, seams, then the rest."""
+    MAC, manifest, run binding, identity/cache/mode/prompt/request, geometry, payload size, tree
+    digest, layout, seams."""
     flipped = bytearray(PAYLOAD)
     flipped[tensor_span("layers.1.k")[0]] ^= 0x01
     flipped = bytes(flipped)
@@ -461,18 +462,19 @@ def test_verify_order_is_the_documented_order_with_every_later_check_also_failin
     wrong_geometry = {"geometry": replace(GEOMETRY, kv_heads=1)}
     run_faults = {"run_id": "run-2", "lane": "other-lane", "key_id": "0" * 16}
     everything_late = {**wrong_geometry, **late_faults_from(None)}
+    short = Handoff(SEALED.manifest_bytes, SEALED.mac, truncated)
     cases = [
         ("mac", reseal(flipped, key=mint_run_key(), **run_faults), everything_late),
         ("manifest.schema", reseal(flipped, handed_off_positions=6.0, **run_faults), everything_late),
         ("manifest.run_id", reseal(flipped, **run_faults), everything_late),
         ("manifest.lane", reseal(flipped, lane="other-lane", key_id="0" * 16), everything_late),
         ("manifest.key_id", reseal(flipped, key_id="0" * 16), everything_late),
-        ("geometry", Handoff(SEALED.manifest_bytes, SEALED.mac, truncated), everything_late),
-        ("payload.bytes", Handoff(SEALED.manifest_bytes, SEALED.mac, truncated), late_faults_from(None)),
-        ("payload.tree_sha256", Handoff(SEALED.manifest_bytes, SEALED.mac, flipped), late_faults_from(None)),
-        ("payload.layout", reseal(reorder_layers_in_header(1, 3)), late_faults_from(None)),
-        ("seam", reseal(flipped), late_faults_from(None)),
-        *((check, SEALED, late_faults_from(check)) for check in LATE_FAULTS),
+        *((check, short, {**wrong_geometry, **late_faults_from(check)}) for check in LATE_FAULTS),
+        ("geometry", short, wrong_geometry),
+        ("payload.bytes", short, {}),
+        ("payload.tree_sha256", Handoff(SEALED.manifest_bytes, SEALED.mac, flipped), {}),
+        ("payload.layout", reseal(reorder_layers_in_header(1, 3)), {}),
+        ("seam", reseal(flipped), {}),
     ]
     for check, handoff, expectation_faults in cases:
         with pytest.raises(HandoffRefused) as refusal:

@@ -325,8 +325,10 @@ class ProducerConnection:
                         f"{MAX_MANIFEST_BYTES}", stuck=True)
         if mac_size != MAC_BYTES:
             raise ConnectionBroken(f"handoff frame blobs: MAC of {mac_size} bytes, expected {MAC_BYTES}", stuck=True)
-        if self.expected_payload_bytes is not None and payload_size != self.expected_payload_bytes:
-            raise ConnectionBroken(f"handoff frame blobs: payload of {payload_size} bytes, expected "
+        # Larger than the run's geometry allows is refused before any allocation; smaller is
+        # received (no allocation risk) so the wire can name why, e.g. another mode's cache.
+        if self.expected_payload_bytes is not None and payload_size > self.expected_payload_bytes:
+            raise ConnectionBroken(f"handoff frame blobs: payload of {payload_size} bytes, expected at most "
                                    f"{self.expected_payload_bytes} (the run's geometry)", stuck=True)
         if payload_size > self.max_payload_bytes:
             raise ConnectionBroken(f"handoff frame blobs: payload of {payload_size} bytes, expected at most "

@@ -24,20 +24,19 @@ on the first difference with one line naming it; :attr:`HandoffRefused.check` na
    ``manifest.seams``).
 3. Run binding: run id, lane, and the key id, which must name the key the MAC verified under
    (``manifest.run_id``, ``manifest.lane``, ``manifest.key_id``).
-4. Geometry, draft geometry and handed-off positions against the consumer's (``geometry``,
+4. Identity digest, target cache identity and producer mode (``identity``, ``cache_identity``,
+   ``producer_mode``), the prompt digest (``prompt``), then the request id (``request_id``: no
+   replay of another request's handoff).
+5. Geometry, draft geometry and handed-off positions against the consumer's (``geometry``,
    ``draft_geometry``, ``handed_off_positions``).
-5. Payload byte count: ``payload.bytes`` is the exact size for that geometry and the received
+6. Payload byte count: ``payload.bytes`` is the exact size for that geometry and the received
    payload has that many bytes (``payload.bytes``); nothing has been hashed yet.
-6. Payload tree digest, recomputed from freshly computed tensor digests (``payload.tree_sha256``;
+7. Payload tree digest, recomputed from freshly computed tensor digests (``payload.tree_sha256``;
    a payload that does not split into a safetensors header and contiguous tensors has none and
    is refused as ``payload.header``).
-7. Payload layout: tensor names, order, dtypes, shapes, canonical header (``payload.layout``).
-8. Every seam digest (``seam digest mismatch at layer 3 V``, ``seam``) and the draft context
+8. Payload layout: tensor names, order, dtypes, shapes, canonical header (``payload.layout``).
+9. Every seam digest (``seam digest mismatch at layer 3 V``, ``seam``) and the draft context
    digest (``draft_context``).
-9. Identity digest, target cache identity and producer mode (``identity``, ``cache_identity``,
-   ``producer_mode``).
-10. Prompt digest (``prompt``), then the request id (``request_id``: no replay of another
-    request's handoff).
 
 :func:`open_handoff` is the one boundary: anything else that goes wrong inside it is refused as
 ``HandoffRefused`` naming the stage it happened in, never a raw exception.
@@ -958,6 +957,10 @@ def _open_verified(handoff: Handoff, key: bytes, expectation: HandoffExpectation
     manifest = _parse_manifest(manifest_bytes)
     stage.check = "run"
     _check_run_binding(manifest, key, expectation)
+    # What the manifest claims about where the KV comes from, before its shape: a handoff from
+    # another identity, cache or mode is named as such, not as the shape difference it implies.
+    stage.check = "identity"
+    _check_expectations(manifest, expectation)
     stage.check = "geometry"
     _check_geometries(manifest, expectation)
     manifest_done = time.perf_counter()
@@ -1011,8 +1014,6 @@ def _open_verified(handoff: Handoff, key: bytes, expectation: HandoffExpectation
         if not hmac.compare_digest(found_context, manifest.draft_context_sha256):
             raise HandoffRefused("draft context digest mismatch", check="draft_context")
 
-    stage.check = "identity"
-    _check_expectations(manifest, expectation)
     checks_done = time.perf_counter()
 
     stage.check = "install"
