@@ -446,10 +446,17 @@ def test_another_cpu_class_is_refused_at_the_first_step(tmp_path, capsys):
     assert f"identity {lane}: producer_engine.abi: found" in text, text
     assert f"+cpu-{other_class}+aten-" in compact and repr(pinned) in compact, text
     assert f"to calibrate it for this host: qualify calibrate --recipe native-text --lane {lane}" in text, text
-    # Nothing after the first step ran: every later step is blocked by it, and there is no receipt.
+    # Nothing after the first step ran: every later step is blocked by it. The refusal has its
+    # receipt (the lane cannot run on this host), marked refused, with no sample.
     assert text.count("blocked: step 'identity sealed' failed") == len(STEP_LABELS) - 1, text
     assert "sample 1" not in text and "QUALIFIED" not in text
-    assert list(tmp_path.iterdir()) == []
+    from qualify.archive.verify import verify_receipt
+
+    receipts = list(tmp_path.iterdir())
+    assert len(receipts) == 1 and verify_receipt(receipts[0]) == []
+    summary = json.loads((receipts[0] / "validation-summary.json").read_text(encoding="utf-8"))
+    assert summary["error"].startswith("refused: identity sealed: identity vllm-to-reference: producer_engine.abi")
+    assert summary["samples"] == 0
 
 
 def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
