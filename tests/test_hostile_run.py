@@ -21,6 +21,7 @@ from qualify.archive.verify import verify_receipt
 from qualify.contract.lanes import ProducerMode
 from qualify.core.digests import canonical_json_bytes
 from qualify.engines.base import Engine
+from qualify.handoff.client import ProducerProcess
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
 LIE_ENV = "QUALIFY_TEST_MANIFEST_LIE"
@@ -63,7 +64,10 @@ def test_a_run_given_a_lying_manifest_is_not_qualified_naming_the_check(
     monkeypatch.setenv(LIE_ENV, lie)
     run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path, engine_factory=FACTORY))
     try:
-        outcomes = [run.step(label) for label in STEP_LABELS[:4]]
+        outcomes = [run.step(label) for label in STEP_LABELS[:2]]
+        assert isinstance(run.producer, ProducerProcess)
+        producer_pid = run.producer.pid
+        outcomes += [run.step(label) for label in STEP_LABELS[2:4]]
     finally:
         run.close()
     assert [outcome.passed for outcome in outcomes] == [True, True, True, False]
@@ -73,4 +77,6 @@ def test_a_run_given_a_lying_manifest_is_not_qualified_naming_the_check(
     assert run.receipt_path is not None and verify_receipt(run.receipt_path) == []
     sample = json.loads((run.receipt_path / "samples" / "sample-1.json").read_text())
     assert f"check {check}" in sample["error"]
-    assert run.producer is None  # stopped, its process group reaped by close()
+    assert run.producer is None
+    with pytest.raises(ProcessLookupError):  # stopped and reaped: no producer left behind
+        os.kill(producer_pid, 0)

@@ -38,6 +38,7 @@ from tests.test_handoff_service import (
     TOKENS,
     StubEngine,
     open_stub_handoff,
+    stub_kv,
 )
 
 FACTORY = "tests.test_producer_deadlines:build_sleepy_engine"
@@ -59,15 +60,9 @@ class SleepyEngine(StubEngine):
 
     def prefill(self, tokens: np.ndarray) -> KVCache:
         self.calls += 1
-        if self.calls > 1:
+        if self.calls > 1:  # the first call is the producer's warm-up
             time.sleep(float(os.environ.get(SLEEP_ENV, "0")))
-        return super().prefill(tokens) if self.calls == 1 else _stub_kv(tokens)
-
-
-def _stub_kv(tokens: np.ndarray) -> KVCache:
-    from tests.test_handoff_service import stub_kv
-
-    return stub_kv(tokens)
+        return stub_kv(tokens)
 
 
 def build_sleepy_engine(lane: str, mode: ProducerMode) -> SleepyEngine:

@@ -64,6 +64,7 @@ from qualify.handoff.protocol import (
     KEY_ENV,
     MAX_HEADER_BYTES,
     PROTOCOL,
+    READY_PROGRESS_LINE,
     SOCKET_BUFFER_BYTES,
     FrameHeader,
     PhaseDeadlines,
@@ -71,6 +72,7 @@ from qualify.handoff.protocol import (
     client_auth_mac,
     decode_frame_header,
     encode_frame_header,
+    seconds_or_none,
 )
 from qualify.handoff.wire import MAC_BYTES, Handoff, TransportStats, key_id
 
@@ -84,7 +86,6 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 << 30
 MAX_MANIFEST_BYTES = 16 << 20
 # The ready channel carries heartbeat lines and one ready line; a longer line is not ours.
 MAX_READY_LINE_BYTES = 64 << 10
-# Heartbeats a request may be answered with before its handoff (bounded by the deadlines too).
 _READY_FIELDS = frozenset({"event", "protocol", "pid", "address", "lane", "producer_mode", "key_id",
                            "warmup_s"})
 OUTPUT_TAIL_LINES = 40
@@ -108,11 +109,8 @@ def receive_buffer(size: int) -> memoryview:
     return memoryview(region)
 
 
-def _seconds(value: object) -> float | None:
-    """A non-negative finite number of seconds from a frame header, else None."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf"):
-        return float(value)
-    return None
+# The socket phases a read belongs to (the ready phase is read from the ready channel).
+_Phase = Literal["verify", "handoff"]
 
 
 class _Silence:
@@ -183,7 +181,7 @@ def parse_ready_line(line: bytes, *, lane: str, mode: ProducerMode, run_key_id: 
         if type(info[name]) is not type(wanted) or info[name] != wanted:
             raise ConnectionBroken(f"ready line {name}: found {str(info[name])[:80]!r}, expected {wanted!r}",
                                    stuck=True)
-    if _seconds(info["warmup_s"]) is None:
+    if seconds_or_none(info["warmup_s"]) is None:
         raise ConnectionBroken(f"ready line warmup_s: found {str(info['warmup_s'])[:40]!r}, expected seconds >= 0",
                                stuck=True)
     if not isinstance(info["address"], str):
@@ -285,8 +283,8 @@ class ProducerConnection:
             transfer_s=transfer_s,
             payload_bytes=payload_size,
             gbit_per_s=payload_size * 8 / transfer_s / 1e9,
-            producer_compute_s=_seconds(header.get("compute_s")),
-            producer_seal_s=_seconds(header.get("seal_s")),
+            producer_compute_s=seconds_or_none(header.get("compute_s")),
+            producer_seal_s=seconds_or_none(header.get("seal_s")),
             longest_silence_s=max(silence.longest_s, silence.current_s()),
         )
         return Handoff(manifest_bytes, mac, payload, transport=stats)
@@ -345,7 +343,7 @@ class ProducerConnection:
             raise ConnectionBroken(f"cannot send {header.get('op')!r} ({type(exc).__name__})", stuck=True) from None
 
     def _read_header(self, deadline: float, first_byte: list[float] | None = None, *,
-                     phase: str = "verify", silence: _Silence | None = None) -> FrameHeader:
+                     phase: _Phase = "verify", silence: _Silence | None = None) -> FrameHeader:
         prefix = self._read_exact(FRAME_LENGTH.size, deadline, first_byte, phase=phase, silence=silence)
         (length,) = FRAME_LENGTH.unpack(prefix)
         if length > MAX_HEADER_BYTES:
@@ -356,13 +354,13 @@ class ProducerConnection:
             raise ConnectionBroken(str(exc), stuck=True) from None
 
     def _read_exact(self, count: int, deadline: float, first_byte: list[float] | None = None, *,
-                    phase: str = "handoff", silence: _Silence | None = None) -> bytearray:
+                    phase: _Phase = "handoff", silence: _Silence | None = None) -> bytearray:
         buffer = bytearray(count)
         self._read_into(memoryview(buffer), deadline, first_byte, phase=phase, silence=silence)
         return buffer
 
     def _read_into(self, view: memoryview, deadline: float, first_byte: list[float] | None = None, *,
-                   phase: str = "handoff", silence: _Silence | None = None) -> None:
+                   phase: _Phase = "handoff", silence: _Silence | None = None) -> None:
         """Fill ``view`` from the socket, waking every POLL_S to check the phase deadline, the
         producer's silence and its process."""
         silence = silence if silence is not None else _Silence()
@@ -374,7 +372,7 @@ class ProducerConnection:
                 count = self._sock.recv_into(view[received:], total - received)
             except TimeoutError:
                 if time.monotonic() > deadline:
-                    limit = getattr(self.deadlines, f"{phase}_s")
+                    limit = self.deadlines.handoff_s if phase == "handoff" else self.deadlines.verify_s
                     raise ConnectionBroken(f"no answer within the {phase} deadline of {limit:g} s", stuck=True) from None
                 if silence.current_s() > self.deadlines.silence_s:
                     raise ConnectionBroken(f"silent for {silence.current_s():.1f} s during {phase} (stopped or "
@@ -569,7 +567,7 @@ class ProducerProcess:
         while True:
             while b"\n" in buffered:
                 line, buffered = buffered.split(b"\n", 1)
-                if line == b'{"event":"progress"}':
+                if line == READY_PROGRESS_LINE:
                     continue
                 self.ready_silence_s = silence.longest_s
                 return self._checked_ready_line(line)

@@ -52,6 +52,8 @@ ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MAX_HEADER_DEPTH = 8
 # How often a busy producer says it is still working (a ``progress`` frame or ready-channel line).
 HEARTBEAT_S = 0.5
+# The ready channel's heartbeat line (without its newline); the last line is the ready line.
+READY_PROGRESS_LINE = canonical_json_bytes({"event": "progress"})
 
 # A decoded frame header: a JSON object (its fields are checked where they are read).
 FrameHeader = dict[str, Any]
@@ -86,6 +88,13 @@ def client_auth_mac(key: bytes, nonce: bytes) -> bytes:
 
 # --------------------------------------------------------------------------------------------
 # consumer-side deadlines
+
+
+def seconds_or_none(value: object) -> float | None:
+    """A non-negative finite number of seconds from a producer's frame or record, else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf"):
+        return float(value)
+    return None
 
 
 @dataclass(frozen=True)

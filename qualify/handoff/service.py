@@ -65,6 +65,7 @@ from qualify.handoff.protocol import (
     KEY_ENV,
     MAX_HEADER_BYTES,
     PROTOCOL,
+    READY_PROGRESS_LINE,
     SOCKET_BUFFER_BYTES,
     FrameHeader,
     ProducerExpectation,
@@ -372,7 +373,7 @@ class StartHeartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        line = canonical_json_bytes({"event": "progress"}) + b"\n"
+        line = READY_PROGRESS_LINE + b"\n"
         while not self._stopped.wait(HEARTBEAT_S):
             try:
                 os.write(self._fd, line)

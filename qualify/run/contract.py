@@ -4,7 +4,6 @@ host or an identity before any handoff (exit 2)."""
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from qualify.handoff.protocol import (
     VERIFY_FLOOR_S,
     PhaseDeadlines,
     ProducerExpectation,
+    seconds_or_none,
 )
 
 ORDERED_HANDOFFS = 3
@@ -94,12 +94,6 @@ class Contract:
     deadlines: PhaseDeadlines = DEFAULT_DEADLINES
 
 
-def _seconds_or_none(value: object) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
-        return float(value)
-    return None
-
-
 def phase_deadlines(basis_records: list[dict[str, Any]]) -> PhaseDeadlines:
     """The consumer's deadlines for a lane, from its basis receipt: CALIBRATED_FACTOR times the
     slowest calibrated handoff (producer compute + serialize + transport) for a handoff, and times
@@ -107,7 +101,7 @@ def phase_deadlines(basis_records: list[dict[str, Any]]) -> PhaseDeadlines:
     its floor; the handshake and the silence limit are fixed (neither grows with the model)."""
     handoff_s, compute_s = 0.0, 0.0
     for record in basis_records:
-        phases = [_seconds_or_none(record.get(name)) for name in ("producer_compute_s", "serialize_s", "transport_s")]
+        phases = [seconds_or_none(record.get(name)) for name in ("producer_compute_s", "serialize_s", "transport_s")]
         known = [value for value in phases if value is not None]
         if len(known) == len(phases):
             handoff_s = max(handoff_s, sum(known))

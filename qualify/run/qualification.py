@@ -386,7 +386,8 @@ class QualificationRun:
             env=dict(self.producer_env),
             handed_off_positions=self._handed_off_positions(),
             deadlines=deadlines,
-            expected_payload_bytes=self._expected_payload_bytes(),
+            # The same for every request: the size follows from the geometry alone.
+            expected_payload_bytes=self._handoff_expectation("sample-1").expected_payload_bytes,
         ))
         self._producer.start()
         # What the producer process runs on (CPU, BLAS kernel and threads, GPU, commit): host.json.
@@ -400,13 +401,6 @@ class QualificationRun:
     def _handed_off_positions(self) -> int:
         contract = self._contract
         return lane_spec(contract.lane).handed_off_positions(contract.handoff_positions)
-
-    def _expected_payload_bytes(self) -> int:
-        from qualify.handoff.wire import payload_layout
-
-        contract = self._contract
-        geometry = self._consumer.geometry.kv_geometry(self._handed_off_positions(), contract.expectation.kv_dtype)
-        return payload_layout(geometry, self._expected_draft_geometry()).size
 
     def _handoff_expectation(self, request_id: str) -> HandoffExpectation:
         """What every handoff of this run must be: this run, lane and key, the identity, the
