@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -74,6 +74,16 @@ class Verdict:
     checks: list[Check] = field(default_factory=list)
     error: str | None = None
     refused: bool = False
+
+    @property
+    def status(self) -> Literal["passed", "failed", "refused", "incomplete"]:
+        """What a receipt records: refused (nothing judged), incomplete (ended before its
+        verdict), passed, or failed (judged, not qualified)."""
+        if self.refused:
+            return "refused"
+        if self.error is not None:
+            return "incomplete"
+        return "passed" if self.passed else "failed"
 
 
 def _num(value: float | int | None, against: float | None = None) -> str:

@@ -12,6 +12,17 @@ from qualify.core import assets
 from qualify.engines.reference import ReferenceEngine
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_signing_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every test signs receipts with a key made in a config directory of its own session, never
+    the operator's (``XDG_CONFIG_HOME`` is where ``qualify.archive.keys`` keeps key and trust file;
+    subprocesses inherit it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        config = tmp_path_factory.mktemp("config")
+        patch.setenv("XDG_CONFIG_HOME", str(config))
+        yield config
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> None:
     """A shared 2-core CI machine: torch on one thread (for speed; the numpy engines' bits do not
@@ -83,5 +94,6 @@ def isolate_cli_environment(monkeypatch: pytest.MonkeyPatch, *, cwd: Path, archi
     monkeypatch.chdir(cwd)
     monkeypatch.setenv("QUALIFY_RECEIPTS", str(archive))
     monkeypatch.setenv("XDG_DATA_HOME", str(data))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(data / "config"))
     for name in ("QUALIFY_REGISTRY", "QUALIFY_KEYS", "QUALIFY_DEBUG"):
         monkeypatch.delenv(name, raising=False)

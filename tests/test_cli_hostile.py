@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from qualify.archive.keys import init_key
 from qualify.core import arguments
 from qualify.interfaces import cli
 from tests.conftest import isolate_cli_environment
+from tests.receipt_forgery import check, write_receipt
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKOUT_RECEIPTS = REPO / "receipts"
@@ -41,11 +43,12 @@ class Places:
         self.identity = self.fixtures / "identity.json"
         self.identity.write_text("{}\n")
         self.checkout_receipts = tree(CHECKOUT_RECEIPTS)
+        self.data_before: set[str] = set()
 
     def assert_nothing_written(self) -> None:
         assert tree(self.cwd) == set()
         assert tree(self.archive) == set()
-        assert tree(self.data) == set()
+        assert tree(self.data) == self.data_before
         assert tree(CHECKOUT_RECEIPTS) == self.checkout_receipts
 
 
@@ -53,6 +56,8 @@ class Places:
 def places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Places]:
     made = Places(tmp_path)
     isolate_cli_environment(monkeypatch, cwd=made.cwd, archive=made.archive, data=made.data)
+    init_key()  # the operator's signing key exists (a first run announces making one, on stderr)
+    made.data_before = tree(made.data)
     yield made
 
 
@@ -187,16 +192,18 @@ def test_vllm_lane_without_vllm_installed_exits_2_with_one_line(
 
 
 def assert_one_refused_receipt(places: Places, reason: str) -> None:
-    """Exactly one receipt, in the archive only, verifiable, its verdict 'refused' with ``reason``."""
+    """Exactly one receipt, in the archive only, signed and verified, its verdict 'refused' with ``reason``."""
     from qualify.archive.verify import verify_receipt
 
     receipts = [path for path in places.archive.iterdir() if path.is_dir()]
     assert len(receipts) == 1, receipts
     assert verify_receipt(receipts[0]) == []
+    checked = check(receipts[0])
+    assert (checked.state, checked.status, checked.problems) == ("verified", "refused", []), checked
     summary = json.loads((receipts[0] / "validation-summary.json").read_text())
     assert summary["passed"] is False and summary["error"].startswith("refused: identity sealed: ")
     assert reason in summary["error"]
-    assert tree(places.cwd) == set() and tree(places.data) == set()
+    assert tree(places.cwd) == set() and tree(places.data) == places.data_before
     assert tree(CHECKOUT_RECEIPTS) == places.checkout_receipts
 
 
@@ -241,7 +248,8 @@ def test_producer_refusing_to_start_exits_2_with_a_receipt_marked_refused(
     assert {"name": "lane runs here", "passed": False, "detail": line.removeprefix("refused: ")} in summary["checks"]
     assert "REFUSED" in (receipts[0] / "command.log").read_text()
     capsys.readouterr()
-    assert run(capsys, "receipts", "verify", str(receipts[0]))[0] == 0  # the refused receipt is intact
+    code, out, err = run(capsys, "receipts", "verify", str(receipts[0]))  # the refused receipt is intact
+    assert (code, err, out.splitlines()[-1]) == (0, "", "1 receipts: 1 verified (1 refused)"), out
 
 
 def test_judge_refused_is_a_refused_verdict_not_a_failure() -> None:
@@ -266,7 +274,6 @@ USAGE_ERRORS = [
     ["identity", "check"],
     ["identity", "check", "a.json", "b.json"],
     ["receipts"],
-    ["receipts", "verify", "a", "b"],
     ["receipts", "verify", "--no-such-option"],
     ["producer"],
     ["--recipe", "native-text", "--producer", "nope"],
@@ -292,6 +299,18 @@ def test_argparse_errors_fit_on_one_line(places: Places, capsys: pytest.CaptureF
     places.assert_nothing_written()
 
 
+def test_receipts_verify_takes_several_paths_and_refuses_a_missing_one_in_one_line(
+    places: Places, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``receipts verify a b`` is no usage error any more (several paths); two missing ones are
+    refused before any report, naming the first."""
+    assert refusal_line(run(capsys, "receipts", "verify", "a", "b")) == "receipts verify: a: no such directory"
+    places.assert_nothing_written()
+    first, second = write_receipt(places.archive), write_receipt(places.archive)
+    code, out, err = run(capsys, "receipts", "verify", str(first), str(second))
+    assert (code, err, out.splitlines()[-1]) == (0, "", "2 receipts: 2 verified (2 passed)"), out
+
+
 @pytest.mark.parametrize("argv", [
     ["--help"], ["--recipe", "native-text", "--help"], ["enroll", "--help"], ["calibrate", "--help"],
     ["selftest", "--help"], ["receipts", "verify", "--help"], ["identity", "check", "--help"],
@@ -309,14 +328,14 @@ def test_arguments_with_control_characters_are_escaped_in_the_one_line(
     assert "\x1b" not in line and "\\x1b" in line and "\\udcff" in line
 
 
-def test_garbage_identity_file_is_refused_at_its_first_step_without_a_receipt(
+def test_garbage_identity_file_is_refused_at_its_first_step_with_a_receipt_marked_refused(
     places: Places, capsys: pytest.CaptureFixture[str]
 ) -> None:
     garbage = places.fixtures / "garbage.json"
     garbage.write_text(json.dumps({"lane": "nvfp4-native-splitk"}))
     line = refusal_line(run(capsys, "--recipe", "native-text", "--identity", str(garbage)))
     assert line.startswith(f"refused: identity sealed: identity {garbage}: "), line
-    places.assert_nothing_written()
+    assert_one_refused_receipt(places, f"identity {garbage}: ")  # every run leaves a receipt
 
 
 @pytest.mark.parametrize(("option", "value", "expected"), [

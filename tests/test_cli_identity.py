@@ -17,7 +17,7 @@ from test_identity import BASIS_RUN_ID, make_pair, writable
 from qualify.contract import identity as identity_module
 from qualify.contract import sealed_data
 from qualify.contract.identity import identity_sha256, load_identity
-from qualify.core.digests import canonical_sha256
+from qualify.core.digests import document_sha256
 from qualify.interfaces import cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def sealed_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignor
     """A valid identity whose lane is sealed for this test only (the shipped table is untouched)."""
     pair = make_pair(tmp_path)
     monkeypatch.setattr(sealed_data, "SEALED_IDENTITIES", pair.table)
-    monkeypatch.setattr(sealed_data, "SEALED_BASIS_RECEIPTS", pair.bases)
+    monkeypatch.setattr(sealed_data, "SEALED_BASIS_MANIFESTS", pair.bases)
     monkeypatch.setattr(identity_module, "DEFAULT_ARCHIVE_DIR", pair.archive)
     return pair
 
@@ -117,7 +117,7 @@ def test_relaxed_bound_exits_2_naming_lane_and_digests(sealed_pair, capsys: pyte
     sealed_pair.path.write_text(json.dumps(document))
     line = one_line_refusal(_main(capsys, "identity", "check", str(sealed_pair.path)))
     assert (f"identity {sealed_pair.path}: lane nvfp4-native-splitk: identity sha256 found "
-            f"{canonical_sha256(document)}, sealed {sealed_pair.sealed_sha256}") in line
+            f"{document_sha256(document)}, sealed {sealed_pair.sealed_sha256}") in line
     assert "tools/freeze_identity.py" in line
 
 
@@ -168,7 +168,7 @@ def test_delegated_commands_receive_their_arguments(
         calibrate_cli=lambda argv: calls.append(("calibrate", argv)) or 0,
         selftest_cli=lambda argv: calls.append(("selftest", argv)) or 0,
     )
-    _fake_module(monkeypatch, "qualify.archive.verify", verify_cli=lambda path: calls.append(("verify", path)) or 0)
+    _fake_module(monkeypatch, "qualify.archive.verify", verify_cli=lambda argv: calls.append(("verify", argv)) or 0)
     _fake_module(monkeypatch, "qualify.handoff.service", main=lambda argv: calls.append(("serve", argv)) or 75)
 
     assert _main(capsys, "enroll", "--identity", "id.json", "--receipt", "r")[0] == 0
@@ -178,7 +178,8 @@ def test_delegated_commands_receive_their_arguments(
     assert _main(capsys, "selftest")[0] == 0
     assert _main(capsys, "receipts", "verify", "receipts/run-1")[0] == 0
     assert _main(capsys, "receipts", "verify")[0] == 0
-    assert _main(capsys, "receipts", "verify", "a", "b")[0] == 2
+    assert _main(capsys, "receipts", "verify", "a", "b")[0] == 0
+    assert _main(capsys, "receipts", "verify", "--trust", "t.json", "r")[0] == 0
     assert _main(capsys, "producer", "serve", "--lane", "nvfp4-exact")[0] == 75
     assert calls == [
         ("enroll", ["--identity", "id.json", "--receipt", "r"]),
@@ -186,8 +187,10 @@ def test_delegated_commands_receive_their_arguments(
         ("run", ["--identity", "id.json", "--recipe=native-text"]),
         ("calibrate", ["--lane", "nvfp4-native-f16"]),
         ("selftest", []),
-        ("verify", "receipts/run-1"),
-        ("verify", None),
+        ("verify", ["receipts/run-1"]),
+        ("verify", []),
+        ("verify", ["a", "b"]),
+        ("verify", ["--trust", "t.json", "r"]),
         ("serve", ["--lane", "nvfp4-exact"]),
     ]
 

@@ -87,6 +87,8 @@ def assert_same(expected: BranchComparison, found: BranchComparison, *, ulps: fl
                 np.testing.assert_allclose(right.row_mean_abs, left.row_mean_abs, rtol=MEAN_RTOL, atol=ulps)
         elif field.name == "cold_margins":
             np.testing.assert_allclose(right, left, rtol=0, atol=ulps)
+        elif field.name in ("handoff_tokens", "cold_tokens"):
+            assert right.dtype == left.dtype == np.int64 and np.array_equal(left, right), field.name
         elif field.name in ("cold_margin_at_divergence", "drift_at_divergence"):
             assert (left is None) == (right is None)
             if left is not None:

@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from qualify.archive.keys import default_trust_path, ensure_signing_key, load_trust
 from qualify.archive.writer import ReceiptWriter
 from qualify.contract.lanes import LaneKind, Recipe
 from qualify.contract.registry import REGISTRY_SCHEMA_ID
-from qualify.core.digests import canonical_sha256
+from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused
 from qualify.evidence.records import rule_from_identity
 from qualify.judge import judge_summary
@@ -55,6 +56,7 @@ class FakeIdentity:
 
     def document(self) -> dict[str, Any]:
         return {
+            "schema": "trust-ladder.onboarding-identity.v2",  # a hashed document declares its schema
             "lane": self.lane, "lane_kind": self.lane_kind.value, "recipe": self.recipe.value,
             "bounds": [self.maximum_absolute, self.maximum_mean_absolute], **self.extra,
         }
@@ -75,16 +77,20 @@ def qualify_receipt(archive: Path, identity: FakeIdentity, records=None, *, rule
 
 @pytest.fixture
 def places(tmp_path):
-    return SimpleNamespace(archive=tmp_path / "archive", registry=tmp_path / "state" / "enrollment.json", keys=tmp_path / "state" / "keys")
+    """An archive, a registry and a key directory, and the trust file holding the session's
+    receipt-signing key (made here, before any receipt is written)."""
+    ensure_signing_key()
+    return SimpleNamespace(archive=tmp_path / "archive", registry=tmp_path / "state" / "enrollment.json",
+                           keys=tmp_path / "state" / "keys", trust=load_trust(default_trust_path()))
 
 
 def test_enroll_mints_a_private_key_for_a_passing_receipt(places):
     identity = FakeIdentity()
     receipt = qualify_receipt(places.archive, identity)
-    enrollment = enroll(identity, receipt, places.registry, places.keys)
+    enrollment = enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert enrollment.lane == "nvfp4-native-splitk" and enrollment.lane_kind is LaneKind.NVFP4
     assert enrollment.recipe is Recipe.NATIVE_TEXT
-    assert enrollment.identity_sha256 == canonical_sha256(identity.document())
+    assert enrollment.identity_sha256 == document_sha256(identity.document())
     assert enrollment.receipt == f"receipt://{receipt.name}/validation-summary.json"
     key_path = places.keys / f"{enrollment.key_id}.key"
     key = key_path.read_bytes()
@@ -104,19 +110,70 @@ def test_enroll_a_rung3_lane(places):
         acceptance_floor=0.95,
     )
     receipt = qualify_receipt(places.archive, identity, [rung3_record(i) for i in (1, 2, 3)])
-    enrollment = enroll(identity, receipt, places.registry, places.keys)
+    enrollment = enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert len(key_for("kquant-exact-dflash", places.registry, places.keys)) == 32
     assert enrollment.recipe is Recipe.KQUANT_TARGET_PLUS_DFLASH
 
 
-def test_re_enrolling_rotates_the_key(places):
+def test_re_enrolling_is_refused_without_rotate(places):
     identity = FakeIdentity()
     receipt = qualify_receipt(places.archive, identity)
-    first = enroll(identity, receipt, places.registry, places.keys)
-    second = enroll(identity, receipt, places.registry, places.keys)
+    first = enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
+    with pytest.raises(Refused, match=f"already enrolled \\(handoff key {first.key_id}.*--rotate replaces its key"):
+        enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
+    assert sorted(path.name for path in places.keys.iterdir()) == [f"{first.key_id}.key"]
+    assert load_registry(places.registry).entries == (first,)
+
+
+def test_rotate_revokes_the_old_key_on_the_record_and_deletes_its_file(places):
+    identity = FakeIdentity()
+    receipt = qualify_receipt(places.archive, identity)
+    first = enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
+    second = enroll(identity, receipt, places.registry, places.keys, trust=places.trust, rotate=True)
     assert first.key_id != second.key_id
     assert hashlib.sha256(key_for(identity.lane, places.registry, places.keys)).hexdigest()[:16] == second.key_id
-    assert len(load_registry(places.registry).entries) == 1
+    registry = load_registry(places.registry)
+    assert registry.entries == (second,)
+    (revoked,) = registry.revoked
+    assert (revoked.lane, revoked.key_id, revoked.replaced_by) == (identity.lane, first.key_id, second.key_id)
+    assert "--rotate" in revoked.reason and revoked.receipt == first.receipt
+    assert not (places.keys / f"{first.key_id}.key").exists()
+    with pytest.raises(Refused, match=f"key_id \"{first.key_id}\" of lane {identity.lane} was revoked"):
+        registry.by_key_id(first.key_id)
+
+
+def test_rotate_of_a_lane_not_enrolled_is_refused(places):
+    identity = FakeIdentity()
+    receipt = qualify_receipt(places.archive, identity)
+    with pytest.raises(Refused, match="--rotate: lane nvfp4-native-splitk is not enrolled"):
+        enroll(identity, receipt, places.registry, places.keys, trust=places.trust, rotate=True)
+    assert _no_key_minted(places)
+
+
+def test_a_revoked_key_id_can_never_come_back_into_the_registry(places):
+    identity = FakeIdentity()
+    receipt = qualify_receipt(places.archive, identity)
+    first = enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
+    enroll(identity, receipt, places.registry, places.keys, trust=places.trust, rotate=True)
+    document = json.loads(places.registry.read_text())
+    document["entries"][0]["key_id"] = first.key_id
+    places.registry.write_text(json.dumps(document))
+    with pytest.raises(Refused, match="which this registry lists as revoked"):
+        load_registry(places.registry)
+
+
+def test_an_unsigned_or_untrusted_receipt_is_refused(places):
+    from qualify.archive.keys import TrustFile
+
+    identity = FakeIdentity()
+    receipt = qualify_receipt(places.archive, identity)
+    with pytest.raises(Refused, match=f"receipt {receipt.name} is untrusted: signed by key .*does not list"):
+        enroll(identity, receipt, places.registry, places.keys, trust=TrustFile((), "trust file empty.json"))
+    make_writable(receipt)
+    (receipt / "attestation.dsse.json").unlink()
+    with pytest.raises(Refused, match=f"receipt {receipt.name} is tampered: missing file attestation.dsse.json"):
+        enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
+    assert _no_key_minted(places)
 
 
 def _no_key_minted(places) -> bool:
@@ -128,8 +185,8 @@ def test_a_failing_receipt_is_refused(places):
     records = [rung2_record(i) for i in (1, 2, 3)]
     records[1]["max_abs"] = 11.5
     receipt = qualify_receipt(places.archive, identity, records)
-    with pytest.raises(Refused, match="is a failing qualification: failed: repetition 2: native full-logit drift") as refusal:
-        enroll(identity, receipt, places.registry, places.keys)
+    with pytest.raises(Refused, match="is a failed qualification: failed: repetition 2: native full-logit drift") as refusal:
+        enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert "\n" not in str(refusal.value)
     assert _no_key_minted(places) and not places.registry.exists()
 
@@ -140,8 +197,8 @@ def test_an_altered_receipt_is_refused(places):
     make_writable(receipt)
     path = receipt / "samples" / "sample-2.json"
     path.write_text(path.read_text().replace("10.884401", "10.884400"))
-    with pytest.raises(Refused, match="fails verification: .*altered file samples/sample-2.json"):
-        enroll(identity, receipt, places.registry, places.keys)
+    with pytest.raises(Refused, match="is tampered: altered file samples/sample-2.json"):
+        enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert _no_key_minted(places)
 
 
@@ -150,7 +207,7 @@ def test_a_foreign_receipt_is_refused(places):
     other = FakeIdentity(extra={"checkpoint": "another"})
     receipt = qualify_receipt(places.archive, other)
     with pytest.raises(Refused, match="qualified identity .*, not this identity"):
-        enroll(identity, receipt, places.registry, places.keys)
+        enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert _no_key_minted(places)
 
 
@@ -161,7 +218,7 @@ def test_a_receipt_judged_under_a_looser_rule_is_refused(places):
     records = [rung2_record(i, max_abs=15.0) for i in (1, 2, 3)]
     receipt = qualify_receipt(places.archive, identity, records, rule=loose)
     with pytest.raises(Refused, match="judged under a rule other than this identity's"):
-        enroll(identity, receipt, places.registry, places.keys)
+        enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert _no_key_minted(places)
 
 
@@ -169,19 +226,19 @@ def test_a_lane_that_is_never_enrollable_is_refused(places):
     anchor = FakeIdentity(lane="nvfp4-exact")
     receipt = qualify_receipt(places.archive, anchor)
     with pytest.raises(Refused, match="nvfp4-exact is never enrollable"):
-        enroll(anchor, receipt, places.registry, places.keys)
+        enroll(anchor, receipt, places.registry, places.keys, trust=places.trust)
     assert _no_key_minted(places)
 
 
 def test_an_identity_whose_kind_disagrees_with_the_lane_table_is_refused(places):
     wrong = FakeIdentity(lane_kind=LaneKind.KQUANT)
     with pytest.raises(Refused, match="identity declares kquant/native-text"):
-        enroll(wrong, places.archive, places.registry, places.keys)
+        enroll(wrong, places.archive, places.registry, places.keys, trust=places.trust)
 
 
 def test_a_missing_receipt_is_refused(places):
     with pytest.raises(Refused, match="not a receipt directory"):
-        enroll(FakeIdentity(), places.archive / "nothing", places.registry, places.keys)
+        enroll(FakeIdentity(), places.archive / "nothing", places.registry, places.keys, trust=places.trust)
 
 
 @pytest.mark.parametrize(
@@ -198,7 +255,7 @@ def test_a_missing_receipt_is_refused(places):
 def test_a_registry_with_unknown_or_malformed_entries_is_refused_before_minting(places, change, words):
     identity = FakeIdentity()
     receipt = qualify_receipt(places.archive, identity)
-    enroll(identity, receipt, places.registry, places.keys)
+    enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     document = json.loads(places.registry.read_text())
     change(document["entries"][0])
     places.registry.write_text(json.dumps(document))
@@ -206,7 +263,7 @@ def test_a_registry_with_unknown_or_malformed_entries_is_refused_before_minting(
     with pytest.raises(Refused, match=re.escape(words)):
         load_registry(places.registry)
     with pytest.raises(Refused, match=re.escape(words)):
-        enroll(identity, receipt, places.registry, places.keys)
+        enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert set(places.keys.iterdir()) == keys_before
     with pytest.raises(Refused, match=re.escape(words)):
         key_for(identity.lane, places.registry, places.keys)
@@ -215,7 +272,7 @@ def test_a_registry_with_unknown_or_malformed_entries_is_refused_before_minting(
 def test_key_for_selects_by_identity_and_refuses_ambiguity(places):
     identity = FakeIdentity()
     receipt = qualify_receipt(places.archive, identity)
-    entry = enroll(identity, receipt, places.registry, places.keys)
+    entry = enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert key_for(identity.lane, places.registry, places.keys, identity_sha256=entry.identity_sha256)
     with pytest.raises(Refused, match="with identity 0000000000000000… is not enrolled"):
         key_for(identity.lane, places.registry, places.keys, identity_sha256="0" * 64)
@@ -230,7 +287,7 @@ def test_key_for_selects_by_identity_and_refuses_ambiguity(places):
 def test_key_for_refuses(places):
     identity = FakeIdentity()
     receipt = qualify_receipt(places.archive, identity)
-    enrollment = enroll(identity, receipt, places.registry, places.keys)
+    enrollment = enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     key_path = places.keys / f"{enrollment.key_id}.key"
     with pytest.raises(Refused, match="'nvfp4-native-f16' is not enrolled"):
         key_for("nvfp4-native-f16", places.registry, places.keys)
@@ -257,8 +314,12 @@ def test_enroll_cli(places, monkeypatch, capsys):
     assert enroll_cli([*args, "--receipt", str(receipt)]) == 0
     assert capsys.readouterr().out.startswith("enrolled nvfp4-native-splitk (nvfp4, native-text): key ")
     uri = f"receipt://{receipt.name}/validation-summary.json"
-    assert enroll_cli([*args, "--receipt", uri, "--receipts", str(places.archive)]) == 0
+    assert enroll_cli([*args, "--receipt", uri, "--receipts", str(places.archive)]) == 2
+    assert "already enrolled" in capsys.readouterr().err
+    assert enroll_cli([*args, "--receipt", uri, "--receipts", str(places.archive), "--rotate"]) == 0
     capsys.readouterr()
+    assert enroll_cli([*args, "--receipt", str(receipt), "--trust", str(places.archive / "none.json")]) == 2
+    assert "trust file" in capsys.readouterr().err
     assert enroll_cli([*args, "--receipt", "receipt://../x/y", "--receipts", str(places.archive)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "receipt uri" in err
@@ -276,7 +337,7 @@ def test_enroll_a_loaded_identity(tmp_path, places, lane):
     factory = rung2_record if identity.rung == 2 else rung3_record
     receipt = qualify_receipt(places.archive, identity, [factory(i) for i in (1, 2, 3)], rule=rule)
     assert (receipt / "identity.sha256").read_text().strip() == identity_sha256(identity)
-    enrollment = enroll(identity, receipt, places.registry, places.keys)
+    enrollment = enroll(identity, receipt, places.registry, places.keys, trust=places.trust)
     assert enrollment.identity_sha256 == identity_sha256(identity)
     assert len(key_for(lane, places.registry, places.keys)) == 32
     if identity.rung == 3:
@@ -293,7 +354,7 @@ def test_the_consumer_accepts_an_enrolled_lanes_handoffs_only_under_its_minted_k
     from qualify.handoff.wire import HandoffExpectation, mint_run_key, open_handoff, seal_handoff_parts
 
     identity = FakeIdentity()
-    enroll(identity, qualify_receipt(places.archive, identity), places.registry, places.keys)
+    enroll(identity, qualify_receipt(places.archive, identity), places.registry, places.keys, trust=places.trust)
     enrolled_key = key_for(identity.lane, places.registry, places.keys)
     rng = np.random.default_rng(7)
     kv = KVCache([rng.standard_normal((2, 8, 4), dtype=np.float32) for _ in range(2)],

@@ -4,7 +4,9 @@ Every generated invocation carries at least one element that must be refused (an
 subcommand, a bad value for any option, an empty, file or unwritable path, a missing, directory
 or garbage identity, a stray positional, a dangling option, weird or very long text), so none
 may run: each must exit 2 with exactly one non-empty line on stderr, never a traceback or an
-"internal error", and write nothing (no receipt, key or registry anywhere).
+"internal error", and write nothing (no receipt, key or registry anywhere), except that a run
+refused at its first step (a garbage identity file) leaves its one receipt, marked refused: every
+run leaves a receipt.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from qualify.archive.reader import read_receipt_json
+from qualify.archive.verify import verify_receipt
 from qualify.contract.lanes import LANES, EngineChoice, Recipe
 from qualify.engines.faults import FAULTS
 from qualify.interfaces import cli
@@ -260,6 +264,9 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Isolat
     monkeypatch.setattr(qualification, "producer_process", _no_producer)
     made = Isolated(tmp_path)
     isolate_cli_environment(monkeypatch, cwd=made.cwd, archive=made.archive, data=made.data)
+    from qualify.archive.keys import ensure_signing_key
+
+    ensure_signing_key()  # the key a refused run's receipt is signed with exists before any snapshot
     yield made
 
 
@@ -278,7 +285,16 @@ def check_refused(isolated: Isolated, capsys: pytest.CaptureFixture[str], fuzz_t
     assert "Traceback" not in out + err and "internal error" not in out + err, (argv, err)
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].strip(), (argv, err)
-    assert snapshot(*roots) == before, argv
+    after = snapshot(*roots)
+    assert before <= after, argv
+    receipts = {path for path in after - before
+                if Path(path).parent in (isolated.archive, isolated.fixtures.good_receipts)}
+    for receipt in receipts:  # a run refused at its first step: its receipt, marked refused, intact
+        assert read_receipt_json(Path(receipt), "validation-summary.json")["status"] == "refused", argv
+        assert verify_receipt(Path(receipt)) == [], argv
+        fuzz_tally.add("refused runs with their receipt")
+    assert all(any(path == receipt or path.startswith(receipt + os.sep) for receipt in receipts)
+               for path in after - before), argv
     fuzz_tally.add("one-line refusals")
 
 

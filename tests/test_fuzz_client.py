@@ -22,11 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qualify.contract.lanes import ProducerMode
-from qualify.core.digests import canonical_json_bytes
 from qualify.core.errors import HandoffRefused
 from qualify.handoff.client import ConnectionBroken, ProducerConnection, parse_ready_line
 from qualify.handoff.protocol import FRAME_LENGTH, MAX_HEADER_BYTES, PROTOCOL, PhaseDeadlines, decode_frame_header
-from qualify.handoff.wire import Handoff, key_id, manifest_mac, open_handoff
+from qualify.handoff.wire import Handoff, key_id, manifest_canonical_bytes, manifest_mac, open_handoff
 from tests.conftest import FuzzTally
 from tests.wire_mutants import (
     REQUEST_ID,
@@ -278,7 +277,7 @@ def test_the_pristine_handoff_is_accepted_through_the_client() -> None:
 def test_a_foreign_key_id_through_the_client_is_refused_naming_key_id() -> None:
     mutant_manifest = json.loads(pristine_handoff().manifest_bytes)
     mutant_manifest["key_id"] = "0" * 16
-    manifest = canonical_json_bytes(mutant_manifest)
+    manifest = manifest_canonical_bytes(mutant_manifest)
     original = pristine_handoff()
     forged = Handoff(manifest, manifest_mac(RUN_KEY, manifest), original.payload_bytes)
     client_sock, producer_sock = socket.socketpair()

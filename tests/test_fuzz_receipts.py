@@ -1,7 +1,10 @@
-"""Fuzzing ``receipts verify`` with mutants of one real receipt: byte edits and JSON field edits of
-the manifest, edits and replacements of every listed file, and consistent forgeries (a hostile
-document with the manifest rehashed to match). No mutant verifies intact, none raises, none hangs;
-those also run through the real CLI exit 1 and list a healthy neighbour as intact.
+"""Fuzzing ``receipts verify`` with mutants of one real signed receipt: byte edits and JSON field
+edits of the manifest, edits and replacements of every listed file, and consistent forgeries (a
+hostile document with the manifest rehashed, in its RFC 8785 form, to match). No mutant passes the
+manifest's own checks (``verify_receipt``), none is verified by the signed statement either, none
+raises, none hangs; those also run through the real CLI exit 1, print every problem as a TAMPERED
+line and list a healthy neighbour as verified. (Mutants of the envelope and statement, and re-signed
+ones: tests/test_fuzz_signed_receipts.py.)
 
 Default tier: a few hundred mutants; ``slow`` tier: ten times as many (over 2,000)."""
 
@@ -24,10 +27,12 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from qualify.archive.layout import MANIFEST, json_bytes
-from qualify.archive.verify import RECEIPT_JSON_MAX_BYTES, verify_receipt
+from qualify.archive.keys import load_signing_key
+from qualify.archive.layout import MANIFEST
+from qualify.archive.verify import RECEIPT_JSON_MAX_BYTES, authenticate_receipt, verify_receipt
+from qualify.core.digests import jcs_bytes
 from qualify.interfaces.cli import main
-from tests.test_receipts import make_writable, write_receipt
+from tests.receipt_forgery import make_writable, operator_trust, write_receipt
 
 FAST = 1
 SLOW = 10
@@ -163,9 +168,19 @@ def _holds(parent: Any, key: str | int) -> bool:
     return isinstance(parent, list) and isinstance(key, int) and 0 <= key < len(parent)
 
 
-def _render(document: Any, style: int = 0) -> bytes:
-    """Render with :class:`RawJson` values spliced in; style 0 is the receipt's canonical form,
-    others are the same document written otherwise (compact, unsorted, escaped)."""
+def _canonical_text(document: Any) -> str:
+    """The manifest's one byte form (RFC 8785), or for a document RFC 8785 refuses (an integer
+    beyond 2**53) the same compact sorted form the parser then refuses it in."""
+    try:
+        return jcs_bytes(document).decode("utf-8", errors="surrogatepass")
+    except ValueError:
+        return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _render(document: Any, style: int = 0, *, jcs: bool = False) -> bytes:
+    """Render with :class:`RawJson` values spliced in; style 0 is the receipt's canonical form
+    (RFC 8785 for the manifest, ``jcs``; sorted 2-space JSON for the other files), others are the
+    same document written otherwise (compact, unsorted, escaped)."""
     raws: dict[str, str] = {}
 
     def placeholders(value: Any) -> Any:
@@ -185,7 +200,10 @@ def _render(document: Any, style: int = 0) -> bytes:
         {"indent": 2, "sort_keys": False, "ensure_ascii": False},
         {"indent": 4, "sort_keys": True, "ensure_ascii": True},
     ]
-    text = json.dumps(prepared, allow_nan=True, **options[style % len(options)]) + "\n"
+    if jcs and style == 0:
+        text = _canonical_text(prepared)
+    else:
+        text = json.dumps(prepared, allow_nan=True, **options[style % len(options)]) + "\n"
     for marker, raw in raws.items():
         text = text.replace(json.dumps(marker), raw)
     return text.encode("utf-8", errors="surrogatepass")
@@ -202,19 +220,24 @@ class FieldEdit:
     generic: Any
     style: int
 
-    def apply(self, document: Any, allowed: tuple[tuple[str | int, ...], ...] | None = None) -> bytes:
+    def apply(self, document: Any, allowed: tuple[tuple[str | int, ...], ...] | None = None,
+              *, jcs: bool = False) -> bytes:
         paths = list(allowed) if allowed else _paths(document)
         path = paths[self.target % len(paths)]
+
+        def render(edited: Any) -> bytes:
+            return _render(edited, jcs=jcs)
+
         if self.op == "render":
             return _render(document, 1 + self.style)
         if not path:  # the root itself
-            return _render(_derive(document, self.variant, self.raw, self.generic))
+            return render(_derive(document, self.variant, self.raw, self.generic))
         parent = document
         for part in path[:-1]:
             parent = parent[part]
         last = path[-1]
         if not _holds(parent, last):
-            return _render(document)  # an allowed path this document lacks: unchanged
+            return render(document)  # an allowed path this document lacks: unchanged
         if self.op == "replace":
             parent[last] = _derive(parent[last], self.variant, self.raw, self.generic)
         elif self.op == "delete":
@@ -227,14 +250,14 @@ class FieldEdit:
         elif self.op == "duplicate":
             if isinstance(parent, dict):  # the same key twice in the rendered text
                 parent["@@DUPLICATE@@"] = parent[last]
-                return _render(document).replace(b'"@@DUPLICATE@@"', json.dumps(last).encode(), 1)
+                return render(document).replace(b'"@@DUPLICATE@@"', json.dumps(last).encode(), 1)
             parent.append(parent[last])
         elif self.op == "rename":
             if isinstance(parent, dict):
                 parent[f"{last}_"] = parent.pop(last)
             else:
                 parent.append(parent.pop(last))
-        return _render(document)
+        return render(document)
 
 
 FIELD_EDITS = st.builds(
@@ -263,13 +286,13 @@ def _edit_field(name: str, edit: FieldEdit,
                 allowed: tuple[tuple[str | int, ...], ...] | None = None) -> Mutation:
     def apply(receipt: Path) -> None:
         path = receipt / name
-        rewrite(path, edit.apply(json.loads(path.read_bytes()), allowed))
+        rewrite(path, edit.apply(json.loads(path.read_bytes()), allowed, jcs=name == MANIFEST))
     return Mutation(f"{name}: {edit}", apply)
 
 
 def _rehashed(mutation: Mutation) -> Mutation:
-    """The mutation, then the manifest rewritten so every digest and size match: a consistent
-    forgery only the cross-checks between files can catch."""
+    """The mutation, then the manifest rewritten (RFC 8785) so every digest and size match: a
+    consistent forgery only the cross-checks between files and the signed statement can catch."""
     def apply(receipt: Path) -> None:
         mutation.apply(receipt)
         manifest = json.loads((receipt / MANIFEST).read_bytes())
@@ -277,7 +300,7 @@ def _rehashed(mutation: Mutation) -> Mutation:
             with open(receipt / entry["path"], "rb") as handle:
                 entry["sha256"] = hashlib.file_digest(handle, "sha256").hexdigest()
             entry["bytes"] = (receipt / entry["path"]).stat().st_size
-        rewrite(receipt / MANIFEST, json_bytes(manifest))
+        rewrite(receipt / MANIFEST, jcs_bytes(manifest))
     return Mutation(f"rehashed {mutation.description}", apply)
 
 
@@ -478,6 +501,8 @@ class Workspace:
     neighbour: Path
     state: dict[str, tuple[object, ...]]
     contents: dict[str, bytes]
+    trust: Any
+    neighbour_line: str
 
     def restore(self) -> None:
         """Undo whatever the last mutant did, in the receipt and beside it."""
@@ -514,12 +539,16 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     make_writable(receipt)
     make_writable(neighbour)  # copies keep the modes: writable mutants, removable scratch
     assert verify_receipt(receipt) == [] and verify_receipt(neighbour) == []
+    trust = operator_trust()
+    assert authenticate_receipt(receipt, trust).state == "verified" == authenticate_receipt(neighbour, trust).state
     scratch = tmp_path_factory.mktemp("scratch")
     shutil.copytree(pristine, scratch / "archive", symlinks=True)
     state = _state(receipt)
     contents = {key: (receipt / key).read_bytes() for key, kind in state.items() if kind[0] == "file"}
+    neighbour_line = (f"ok        {neighbour.name}: passed; signed by {load_signing_key().key_id[:16]}…, "
+                      "10 files match the signed statement")
     return Workspace(receipt, scratch, scratch / "archive" / receipt.name, scratch / "archive" / neighbour.name,
-                     state, contents)
+                     state, contents, trust, neighbour_line)
 
 
 def _within_bound(action: Callable[[], Any]) -> Any:
@@ -570,25 +599,31 @@ def check_mutant(workspace: Workspace, tally: Any, mutation: Mutation, via: str)
     except BaseException:
         tally.add("raw_exceptions")
         raise
-    if not problems:
+    checked = _within_bound(lambda: authenticate_receipt(receipt, workspace.trust))
+    if not problems or checked.state == "verified":
         tally.add("accepted")
     assert problems, f"{mutation!r} verified intact"
+    assert checked.state == "tampered", (mutation, checked)
     tally.add("refused")
     for problem in problems:
         assert "\n" not in problem and problem.startswith(f"{receipt.name}: "), problem
-    if any(": cannot check: " in problem for problem in problems):
+        assert problem.removeprefix(f"{receipt.name}: ") in checked.problems, (problem, checked)
+    if any(": cannot check" in problem for problem in problems + checked.problems):
         tally.add("cannot_check")  # a caught surprise: still a bug, every problem has a name
-    assert not any(": cannot check: " in problem for problem in problems), problems
+    assert not any(": cannot check" in problem for problem in problems + checked.problems), checked
     if via == "direct":
         return
     code, out, err = _within_bound(lambda: _run_cli(receipt.parent if via == "archive" else receipt))
     tally.add(f"cli_{via}")
     tally.add(f"cli_exit_{code}")
     assert code == 1 and err == "", (code, out, err)
-    assert [line for line in out if line.startswith("FAIL ")] == [f"FAIL {p}" for p in problems]
+    assert [line for line in out if line.startswith("TAMPERED ")] == \
+        [f"TAMPERED  {receipt.name}: {p}" for p in checked.problems]
     if via == "archive":
-        assert f"ok   {workspace.neighbour.name}: 10 files match the manifest" in out, out
-        assert out[-1] == "1 of 2 receipts failed verification", out
+        assert workspace.neighbour_line in out, out
+        assert out[-1] == "2 receipts: 1 verified (1 passed), 1 tampered", out
+    else:
+        assert out[-1] == "1 receipts: 0 verified, 1 tampered", out
 
 
 VIA = st.sampled_from(["direct", "direct", "single", "archive"])

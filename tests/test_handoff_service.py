@@ -29,7 +29,7 @@ import pytest
 
 from qualify.contract.lanes import LANES, VLLM_TO_REFERENCE_LANE, ProducerMode, lane_spec
 from qualify.core.assets import REPO_ROOT, prompt_sha256
-from qualify.core.digests import canonical_sha256
+from qualify.core.digests import document_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused
 from qualify.core.kv import KVCache
 from qualify.engines.base import ModelGeometry
@@ -225,7 +225,7 @@ def test_prefill_round_trip_across_process_boundary() -> None:
                 assert np.array_equal(found, wanted)
             assert manifest.producer_mode == "exact"
             assert manifest.lane == "stub-ok"
-            assert manifest.schema == "trust-ladder.handoff-manifest.v3"
+            assert manifest.schema == "trust-ladder.handoff-manifest.v4"
             payload = bytes(handoff.payload_bytes)
             header_end = 8 + int.from_bytes(payload[:8], "little")
             leaves = b"".join(hashlib.sha256(a.tobytes()).digest()
@@ -402,8 +402,8 @@ def test_expectation_from_identity_pins_engine_digests_and_context(
 
     # a stand-in identity (a real one needs sealed constants and a basis receipt)
     monkeypatch.setattr(qualify.contract.identity, "identity_sha256",
-                        lambda identity: canonical_sha256(identity.document()))
-    document = {"lane": "stub-ok", "n": 1}
+                        lambda identity: document_sha256(identity.document()))
+    document = {"schema": "trust-ladder.onboarding-identity.v2", "lane": "stub-ok", "n": 1}
     identity = SimpleNamespace(
         lane="nvfp4-exact",  # a float32 lane: the expectation's KV dtype is the lane's
         producer_engine=SimpleNamespace(name="stub", version="stub-1", abi="stub-abi-1"),
@@ -413,7 +413,7 @@ def test_expectation_from_identity_pins_engine_digests_and_context(
         document=lambda: document,
     )
     expectation = expectation_from_identity(identity, STUB_GEOMETRY)
-    assert expectation == replace(EXPECTATION, identity_sha256=canonical_sha256(document))
+    assert expectation == replace(EXPECTATION, identity_sha256=document_sha256(document))
     with pytest.raises(Refused, match="rope.theta"):
         expectation_from_identity(identity, replace(STUB_GEOMETRY, rope_theta=1.0))
     with pytest.raises(Refused, match="max_positions"):

@@ -24,7 +24,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qualify.contract.lanes import ProducerMode
-from qualify.core.digests import canonical_json_bytes
 from qualify.core.errors import HandoffRefused, Refused
 from qualify.core.kv import KVCache, KVGeometry
 from qualify.handoff import wire
@@ -33,6 +32,7 @@ from qualify.handoff.wire import (
     Handoff,
     HandoffExpectation,
     key_id,
+    manifest_canonical_bytes,
     manifest_mac,
     mint_run_key,
     open_handoff,
@@ -114,7 +114,7 @@ def reseal(payload: bytes, *, key: bytes = KEY, **manifest_changes) -> Handoff:
     document["payload"] = {"format": "safetensors", "tree_sha256": tree_digest(payload),
                            "bytes": len(payload)}
     document.update(manifest_changes)
-    manifest_bytes = canonical_json_bytes(document)
+    manifest_bytes = manifest_canonical_bytes(document)
     return Handoff(manifest_bytes, manifest_mac(key, manifest_bytes), payload)
 
 
@@ -159,7 +159,7 @@ def test_round_trip_installs_identical_kv_and_reports_manifest() -> None:
         assert found.dtype == wanted.dtype and np.array_equal(found, wanted)
     assert manifest.geometry == GEOMETRY and manifest.handed_off_positions == 6
     assert manifest.producer_mode == "exact" and manifest.key_id == key_id(KEY)
-    assert manifest.schema == MANIFEST_SCHEMA == "trust-ladder.handoff-manifest.v3"
+    assert manifest.schema == MANIFEST_SCHEMA == "trust-ladder.handoff-manifest.v4"
     assert manifest.payload_size == len(PAYLOAD)
     assert manifest.payload_tree_sha256 == tree_digest(PAYLOAD) == MANIFEST["payload"]["tree_sha256"]
     assert manifest.payload_sha256 == manifest.payload_tree_sha256  # what sample records store
@@ -465,7 +465,7 @@ def test_verify_order_is_the_documented_order_with_every_later_check_also_failin
     short = Handoff(SEALED.manifest_bytes, SEALED.mac, truncated)
     cases = [
         ("mac", reseal(flipped, key=mint_run_key(), **run_faults), everything_late),
-        ("manifest.schema", reseal(flipped, handed_off_positions=6.0, **run_faults), everything_late),
+        ("manifest.schema", reseal(flipped, handed_off_positions="6", **run_faults), everything_late),
         ("manifest.run_id", reseal(flipped, **run_faults), everything_late),
         ("manifest.lane", reseal(flipped, lane="other-lane", key_id="0" * 16), everything_late),
         ("manifest.key_id", reseal(flipped, key_id="0" * 16), everything_late),
@@ -493,7 +493,7 @@ def test_draft_context_mismatch_when_producer_reseals() -> None:
     begin, _ = json.loads(payload[8:header_end])["draft.layers.1.k"]["data_offsets"]
     payload[header_end + begin] ^= 0x01
     document["payload"]["tree_sha256"] = tree_digest(bytes(payload))
-    manifest_bytes = canonical_json_bytes(document)
+    manifest_bytes = manifest_canonical_bytes(document)
     forged = Handoff(manifest_bytes, manifest_mac(KEY, manifest_bytes), bytes(payload))
     with pytest.raises(HandoffRefused, match="draft context digest mismatch"):
         open_(forged, draft_geometry=DRAFT_GEOMETRY)

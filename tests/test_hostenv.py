@@ -25,8 +25,9 @@ from qualify.core.hostenv import (
     host_facts_problem,
 )
 from qualify.judge import judge_incomplete
+from tests.receipt_forgery import check, make_writable
 
-IDENTITY = {"schema": "test-identity", "lane": "nvfp4-native-splitk"}
+IDENTITY = {"schema": "trust-ladder.calibration.v2", "lane": "nvfp4-native-splitk"}
 LANE = "nvfp4-native-w4a4"
 
 
@@ -182,8 +183,8 @@ def _writer(tmp_path: Path, **options) -> ReceiptWriter:
 
 def test_receipt_without_producer_has_host_json_with_producer_null(tmp_path: Path) -> None:
     receipt = _writer(tmp_path).finalize(judge_incomplete("no producer"))
-    assert verify_receipt(receipt) == []
-    assert HOST in receipt_files(receipt)  # covered by the manifest like every file
+    assert verify_receipt(receipt) == [] and check(receipt).state == "verified"
+    assert HOST in receipt_files(receipt)  # covered by the manifest and the signed statement like every file
     host = read_receipt_json(receipt, HOST)
     assert host["schema"] == HOST_SCHEMA and host["producers"] == []
     assert_facts_shape(host["consumer"])
@@ -205,7 +206,7 @@ def test_receipt_records_producer_facts_or_why_they_are_missing(tmp_path: Path) 
     host = read_receipt_json(receipt, HOST)
     [start] = host["producers"]
     assert start["facts"] is None and "malformed host facts" in start["note"]
-    assert verify_receipt(receipt) == []
+    assert verify_receipt(receipt) == [] and check(receipt).state == "verified"
 
     writer = _writer(tmp_path)
     writer.set_producer_host(None, problem="the producer's ready answer has no host facts")
@@ -214,20 +215,27 @@ def test_receipt_records_producer_facts_or_why_they_are_missing(tmp_path: Path) 
 
 
 def test_altered_or_unlisted_host_json_fails_verification(tmp_path: Path) -> None:
-    from tests.test_receipts import make_writable
-
     receipt = _writer(tmp_path).finalize(judge_incomplete("x"))
     make_writable(receipt)
     host = json.loads((receipt / HOST).read_text())
     host["consumer"]["cpu"]["model"] = "another CPU"
     (receipt / HOST).write_text(json.dumps(host))
     assert any(f"altered file {HOST}" in p for p in verify_receipt(receipt))
+    checked = check(receipt)
+    assert checked.state == "tampered"
+    assert f"file {HOST}: sha256 differs from the signed statement's subject" in checked.problems
 
 
-def test_committed_receipts_without_host_json_still_verify() -> None:
-    for receipt in sorted((REPO_ROOT / "receipts").iterdir()):
-        if receipt.is_dir() and not receipt.name.startswith("."):
-            assert verify_receipt(receipt) == [], receipt.name
+def test_committed_receipts_without_host_json_are_intact_and_unsigned() -> None:
+    """The legacy basis receipts (no host.json, no signed statement) still match their own
+    manifests, and are reported unsigned, never verified."""
+    committed = [receipt for receipt in sorted((REPO_ROOT / "receipts").iterdir())
+                 if receipt.is_dir() and not receipt.name.startswith(".")]
+    assert committed
+    for receipt in committed:
+        assert verify_receipt(receipt) == [], receipt.name
+        checked = check(receipt)
+        assert (checked.state, checked.problems) == ("unsigned", []), checked
 
 
 def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
@@ -248,7 +256,7 @@ def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
     finally:
         run.close()
     receipt = run.receipt_path
-    assert receipt is not None and verify_receipt(receipt) == []
+    assert receipt is not None and verify_receipt(receipt) == [] and check(receipt).state == "verified"
     host = read_receipt_json(receipt, HOST)
     assert_facts_shape(host["consumer"])
     [start] = host["producers"]
@@ -286,6 +294,7 @@ def test_full_calibration_receipt_holds_both_host_facts(tmp_path: Path) -> None:
     calibration = calibrate(LANE, "native-text", 2, RunOptions(recipe="native-text", receipts=tmp_path))
     receipt = calibration.receipt_path
     assert calibration.failures == [] and receipt is not None and verify_receipt(receipt) == []
+    assert check(receipt).state == "verified"
     assert "samples/sample-2.json" in receipt_files(receipt) and HOST in receipt_files(receipt)
     host = read_receipt_json(receipt, HOST)
     assert_facts_shape(host["consumer"])

@@ -19,10 +19,10 @@ import pytest
 
 from qualify.archive.verify import verify_receipt
 from qualify.contract.lanes import ProducerMode
-from qualify.core.digests import canonical_json_bytes
 from qualify.engines.base import Engine
 from qualify.handoff.client import ProducerProcess
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from tests.receipt_forgery import check as authenticate
 
 LIE_ENV = "QUALIFY_TEST_MANIFEST_LIE"
 FACTORY = "tests.test_hostile_run:build_lying_producer"
@@ -31,7 +31,7 @@ FACTORY = "tests.test_hostile_run:build_lying_producer"
 def build_lying_producer(lane: str, mode: ProducerMode) -> Engine:
     """The lane's real producer engine; its service seals manifests with one field rewritten."""
     from qualify.engines.factory import build_producer
-    from qualify.handoff.wire import SealedHandoff, manifest_mac
+    from qualify.handoff.wire import SealedHandoff, manifest_canonical_bytes, manifest_mac
 
     running: Any = sys.modules["__main__"]  # ``python -m qualify.handoff.service``
     honest_seal = running.seal_handoff_parts
@@ -44,7 +44,7 @@ def build_lying_producer(lane: str, mode: ProducerMode) -> Engine:
         section, _, name = field.rpartition(".")
         (document[section] if section else document)[name] = placeholder
         # The raw JSON token goes in verbatim (1e400 is what no encoder writes).
-        manifest = canonical_json_bytes(document).replace(json.dumps(placeholder).encode(), raw_value.encode())
+        manifest = manifest_canonical_bytes(document).replace(json.dumps(placeholder).encode(), raw_value.encode())
         return SealedHandoff(manifest, manifest_mac(arguments["key"], manifest), sealed.payload_parts,
                              sealed.payload_size)
 
@@ -75,6 +75,7 @@ def test_a_run_given_a_lying_manifest_is_not_qualified_naming_the_check(
     assert f"handoff refused by check {check}" in outcomes[3].message
     assert run.verdict is not None and not run.verdict.passed
     assert run.receipt_path is not None and verify_receipt(run.receipt_path) == []
+    assert authenticate(run.receipt_path).state == "verified"
     sample = json.loads((run.receipt_path / "samples" / "sample-1.json").read_text())
     assert f"check {check}" in sample["error"]
     assert run.producer is None

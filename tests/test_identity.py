@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from qualify.archive.reader import resolve_receipt_uri
+from qualify.archive.verify import check_receipt
 from qualify.contract import sealed_data
 from qualify.contract.identity import (
     Identity,
@@ -36,7 +37,7 @@ from qualify.contract.identity import (
 )
 from qualify.contract.lanes import LANES, target_cache_identity
 from qualify.contract.units import RawLogitUnits, SoftcapLogitUnits, logit_units_label, parse_logit_units
-from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
+from qualify.core.digests import document_sha256, sha256_bytes, sha256_file
 from qualify.core.errors import Refused
 from qualify.core.strict_json import MAX_DOCUMENT_BYTES
 
@@ -54,7 +55,7 @@ def make_basis_receipt(archive: Path) -> Path:
     writer = ReceiptWriter(
         archive,
         command_line=["qualify", "calibrate", "--lane", "fixture"],
-        identity={"calibration": "fixture"},
+        identity={"schema": "trust-ladder.calibration.v2", "calibration": "fixture"},
         recipe="native-text",
         lane="fixture",
         run_id=BASIS_RUN_ID,
@@ -97,7 +98,7 @@ def make_document(
             "draft_sha256": digest("draft"),
         }
     return {
-        "schema": "trust-ladder.onboarding-identity.v1",
+        "schema": "trust-ladder.onboarding-identity.v2",
         "lane": lane,
         "lane_kind": spec.kind.value,
         "recipe": spec.recipe.value,
@@ -132,7 +133,8 @@ def make_document(
 
 @dataclasses.dataclass
 class Pair:
-    """An identity file, the sealed digests it matches, and the receipt archive of its basis."""
+    """An identity file, the sealed digests it matches (identity, basis receipt manifest), and the
+    receipt archive of its basis."""
 
     path: Path
     document: dict[str, Any]
@@ -154,8 +156,8 @@ class Pair:
         return load_identity(self.path, sealed_identities=self.table)
 
     def check_basis(self, identity: Identity) -> Path:
-        return check_basis_receipt(identity, resolve_receipt_uri, where=f"identity {self.path}",
-                                   archive_dir=self.archive, sealed_basis_receipts=self.bases)
+        return check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=f"identity {self.path}",
+                                   archive_dir=self.archive, sealed_basis_manifests=self.bases)
 
 
 def make_pair(root: Path, lane: str = "nvfp4-native-splitk", **overrides: Any) -> Pair:
@@ -164,8 +166,8 @@ def make_pair(root: Path, lane: str = "nvfp4-native-splitk", **overrides: Any) -
     basis = make_basis_receipt(archive)
     document = make_document(lane, **overrides)
     lane_name = document["lane"]
-    pair = Pair(root / f"{lane}.json", document, {lane_name: canonical_sha256(document)},
-                {lane_name: sha256_file(basis)}, archive)
+    pair = Pair(root / f"{lane}.json", document, {lane_name: document_sha256(document)},
+                {lane_name: sha256_file(basis.parent / "manifest.json")}, archive)
     pair.write(pair.document)
     return pair
 
@@ -210,7 +212,7 @@ def test_every_lane_has_a_loadable_pair(tmp_path: Path, lane: str) -> None:
     assert identity.lane == lane
     assert identity.spec is LANES[lane]
     assert identity.rung == LANES[lane].recipe.rung
-    assert identity_sha256(identity) == canonical_sha256(json.loads(pair.path.read_text()))
+    assert identity_sha256(identity) == document_sha256(json.loads(pair.path.read_text()))
     assert identity_sha256(identity) == pair.sealed_sha256
     assert pair.check_basis(identity) == (pair.archive / BASIS_RUN_ID / "command.log").resolve()
 
@@ -240,7 +242,7 @@ def test_the_shipped_sealed_tables_are_immutable() -> None:
     with pytest.raises(TypeError):
         sealed_data.SEALED_IDENTITIES["nvfp4-native-splitk"] = digest("x")  # type: ignore[index]
     with pytest.raises(TypeError):
-        del sealed_data.SEALED_BASIS_RECEIPTS["nvfp4-native-splitk"]  # type: ignore[attr-defined]
+        del sealed_data.SEALED_BASIS_MANIFESTS["nvfp4-native-splitk"]  # type: ignore[attr-defined]
 
 
 # --- the seal: any edit of a sealed identity is refused, naming lane and digests -----------------
@@ -275,7 +277,7 @@ SEALED_EDITS = [
 def test_an_edited_field_is_refused_by_the_seal_naming_lane_and_digests(pair: Pair, field: str, value: Any) -> None:
     edited = mutated(pair.document, field, value)
     message = refused(pair, edited)
-    assert (f"lane nvfp4-native-splitk: identity sha256 found {canonical_sha256(edited)}, "
+    assert (f"lane nvfp4-native-splitk: identity sha256 found {document_sha256(edited)}, "
             f"sealed {pair.sealed_sha256}") in message
     assert "re-freezing it with tools/freeze_identity.py in a reviewed commit" in message
 
@@ -399,7 +401,8 @@ STRUCTURAL = [
     (f"{RULE}.schema", "trust-ladder.native-text-onboarding.v2", "expected one of"),
     (f"{RULE}.basis", _REMOVE, "missing"),
     (f"{RULE}.extra", True, "found unexpected field"),
-    ("schema", "trust-ladder.onboarding-identity.v2", 'expected "trust-ladder.onboarding-identity.v1"'),
+    ("schema", "trust-ladder.onboarding-identity.v3",
+     'expected one of "trust-ladder.onboarding-identity.v1", "trust-ladder.onboarding-identity.v2"'),
     ("lane_kind", "sglang", 'found "sglang", expected one of "nvfp4", "kquant", "vllm", "transformers"'),
     ("producer_mode", "fast", "expected one of"),
     ("tokenizer_sha256", digest("tokenizer").upper(), "64 lowercase hex"),
@@ -481,18 +484,20 @@ def test_altered_basis_is_refused_by_the_receipt_manifest(pair: Pair) -> None:
         pair.check_basis(identity)
 
 
-def test_another_intact_basis_is_refused_by_the_sealed_digest(pair: Pair) -> None:
+def test_another_intact_basis_is_refused_by_the_sealed_manifest_digest(pair: Pair) -> None:
     identity = pair.load()
-    found = sha256_file(pair.archive / BASIS_RUN_ID / "command.log")
+    found = sha256_file(pair.archive / BASIS_RUN_ID / "manifest.json")
     other = {identity.lane: digest("another calibration")}
     with pytest.raises(Refused) as caught:
-        check_basis_receipt(identity, resolve_receipt_uri, where="identity x", archive_dir=pair.archive,
-                            sealed_basis_receipts=other)
-    assert str(caught.value) == (f"identity x: onboarding_qualification.basis: {BASIS_URI}: sha256 found {found}, "
-                                 f"sealed {other[identity.lane]} (lane nvfp4-native-splitk)")
-    with pytest.raises(Refused, match="lane nvfp4-native-splitk has no sealed basis receipt digest"):
-        check_basis_receipt(identity, resolve_receipt_uri, where="identity x", archive_dir=pair.archive,
-                            sealed_basis_receipts={})
+        check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where="identity x",
+                            archive_dir=pair.archive, sealed_basis_manifests=other)
+    assert str(caught.value) == (
+        f"identity x: onboarding_qualification.basis: {BASIS_URI}: receipt {BASIS_RUN_ID} file manifest.json "
+        f"sha256 found {found}, sealed {other[identity.lane]} (lane nvfp4-native-splitk); its files differ "
+        f"from the calibration the rule was frozen from")
+    with pytest.raises(Refused, match="lane nvfp4-native-splitk has no sealed basis receipt manifest digest"):
+        check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where="identity x",
+                            archive_dir=pair.archive, sealed_basis_manifests={})
 
 
 # --- logit units (seed §32.6) -------------------------------------------------------------------
@@ -793,8 +798,10 @@ def test_freeze_tool_writes_an_identity_and_prints_its_sealed_lines(
     ]
     assert freeze.main(argv) == 0
     printed = capsys.readouterr().out
-    sealed = canonical_sha256(json.loads(out.read_bytes()))
-    assert freeze.sealed_lines("nvfp4-native-splitk", freeze.Seal(sealed, sha256_file(basis))) in printed
+    sealed = document_sha256(json.loads(out.read_bytes()))
+    assert json.loads(out.read_bytes())["schema"] == "trust-ladder.onboarding-identity.v2"
+    assert freeze.sealed_lines("nvfp4-native-splitk",
+                               freeze.Seal(sealed, sha256_file(basis.parent / "manifest.json"))) in printed
     identity = load_identity(out, sealed_identities={"nvfp4-native-splitk": sealed})
     assert identity.onboarding_qualification.full_logits.maximum_absolute == 11.0  # type: ignore[union-attr]
     assert identity.prompt.tokens == 2048 and identity.context_policy.handoff_positions == 2047
@@ -824,7 +831,7 @@ def test_refreeze_recomputes_the_artifact_digests_and_keeps_the_rest(
     assert freeze.main(["--refreeze", str(copy_path)]) == 0, capsys.readouterr().err
     assert copy_path.read_bytes() == shipped.read_bytes()
     lane = "nvfp4-native-splitk"
-    seal = freeze.Seal(sealed_data.SEALED_IDENTITIES[lane], sealed_data.SEALED_BASIS_RECEIPTS[lane])
+    seal = freeze.Seal(sealed_data.SEALED_IDENTITIES[lane], sealed_data.SEALED_BASIS_MANIFESTS[lane])
     assert freeze.sealed_lines(lane, seal) in capsys.readouterr().out
 
 

@@ -40,8 +40,10 @@ from pathlib import Path
 
 import pytest
 
+from qualify.archive.keys import ensure_signing_key
 from qualify.core import assets
 from qualify.core.hostenv import cpu_flags
+from tests.receipt_forgery import check
 
 pytestmark = pytest.mark.slow
 
@@ -277,6 +279,8 @@ def check_receipt_host(environment: Environment, receipts: Path, host: Host) -> 
     handoff service the calibration starts) both ran in the child's environment."""
     documents = sorted(receipts.glob("*/host.json"))
     assert len(documents) == 1, f"{environment.label}: host.json files {documents}"
+    checked = check(documents[0].parent)  # signed by the operator's key, every file as signed
+    assert (checked.state, checked.status) == ("verified", "passed"), f"{environment.label}: {checked}"
     document = json.loads(documents[0].read_text(encoding="utf-8"))
     processes = {"consumer": document["consumer"],
                  **{f"producer {n}": p["facts"] for n, p in enumerate(document["producers"], 1)}}
@@ -299,6 +303,7 @@ def test_full_rung3_calibration_is_bit_identical_across_environments(host: Host,
     chosen = [Environment(kernels[0], 2, "reduced"), Environment(kernels[1], 1, "default"),
               Environment(kernels[-1], 1, "reduced")]
     commands = []
+    ensure_signing_key()  # made once here, not raced for by three first runs at once
     for index, environment in enumerate(chosen):
         facts, receipts = tmp_path / f"facts-{index}.json", tmp_path / f"receipts-{index}"
         commands.append((environment, [sys.executable, "-c", CLI_CHILD, str(facts), "calibrate",

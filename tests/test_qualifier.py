@@ -18,6 +18,7 @@ from qualify.engines.factory import build_producer
 from qualify.evidence.records import BoundedDriftRule
 from qualify.run.contract import calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from tests.receipt_forgery import check
 
 LANE = "nvfp4-native-splitk"
 DIES_ON_REQUEST = 2  # the warm-up prefill is request 1; the first handoff is request 2
@@ -65,6 +66,8 @@ def test_producer_killed_mid_handoff_leaves_complete_failing_receipt(tmp_path: P
     assert all(not o.passed and "blocked" in o.message for o in outcomes[4:])
     receipt = run.receipt_path
     assert receipt is not None and verify_receipt(receipt) == []
+    checked = check(receipt)  # signed like every receipt, its failure authenticated
+    assert (checked.state, checked.status) == ("verified", "incomplete"), checked
     summary = read_receipt_json(receipt, "validation-summary.json")
     assert summary["passed"] is False
     sample = read_receipt_json(receipt, "samples/sample-1.json")

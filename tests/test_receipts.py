@@ -1,15 +1,16 @@
-"""Receipts: created once, complete even on failure, and any altered, missing or extra file is found."""
+"""Receipts: created once, complete even on failure, signed, and any altered, missing or extra file
+is found (by the manifest, and by the signed statement that names every file)."""
 
 from __future__ import annotations
 
 import io
-import json
-import os
 import stat
 from pathlib import Path
 
 import pytest
 
+from qualify.archive.attestation import ENVELOPE
+from qualify.archive.keys import load_signing_key
 from qualify.archive.layout import (
     MANIFEST,
     PARTIAL_PREFIX,
@@ -20,42 +21,26 @@ from qualify.archive.layout import (
     new_run_id,
 )
 from qualify.archive.reader import read_receipt_json, receipt_files, resolve_receipt_uri
-from qualify.archive.verify import verify_cli, verify_receipt
+from qualify.archive.verify import verify_cli, verify_paths, verify_receipt
 from qualify.archive.writer import ReceiptWriter
 from qualify.core.assets import REPO_ROOT
-from qualify.core.digests import canonical_sha256
+from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused
-from qualify.evidence.records import SAMPLE_SCHEMA, BoundedDriftRule
+from qualify.evidence.records import SAMPLE_SCHEMA
 from qualify.judge import judge_incomplete, judge_summary
+from tests.receipt_forgery import (
+    IDENTITY,
+    RULE,
+    check,
+    make_writable,
+    operator_trust,
+    rehash_manifest,
+    statement_of,
+    write_receipt,
+)
 from tests.test_judge import rung2_record
 
-RULE = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)
-IDENTITY = {"schema": "test-identity", "lane": "nvfp4-native-splitk", "bound": 11.0}
-
-
-def write_receipt(archive: Path, records=None, *, run_id: str | None = None, identity=IDENTITY) -> Path:
-    records = [rung2_record(i) for i in (1, 2, 3)] if records is None else records
-    writer = ReceiptWriter(
-        archive, command_line=["qualify", "--recipe", "native-text"], identity=identity,
-        recipe="native-text", lane="nvfp4-native-splitk", rule=RULE, versions={"consumer": "reference 0.1"},
-        run_id=run_id,
-    )
-    try:
-        writer.log("identity sealed")
-        for record in records:
-            writer.add_sample(record)
-        verdict = judge_summary(records, RULE)
-    finally:
-        path = writer.finalize(verdict)
-    return path
-
-
-def make_writable(path: Path) -> None:
-    """Finalized receipts are read-only; tests that tamper with them lift that first."""
-    for current, _dirs, files in os.walk(path):
-        os.chmod(current, 0o755)
-        for name in files:
-            os.chmod(Path(current) / name, 0o644)
+__all__ = ["IDENTITY", "RULE", "make_writable", "write_receipt"]  # imported from here by other tests
 
 
 @pytest.fixture
@@ -65,14 +50,22 @@ def receipt(tmp_path) -> Path:
 
 def test_a_fresh_receipt_verifies_and_holds_every_file(receipt):
     assert verify_receipt(receipt) == []
+    checked = check(receipt)
+    assert (checked.state, checked.status, checked.problems) == ("verified", "passed", [])
+    assert checked.key_id == load_signing_key().key_id
     files = receipt_files(receipt)
+    assert checked.files == len(files) + 1 == 10  # the manifest counts: the statement names it
+    statement = statement_of(receipt)  # the signed statement names every file, the manifest too
+    assert [subject["name"] for subject in statement["subject"]] == sorted([*files, MANIFEST])
+    assert statement["predicate"]["run_id"] == receipt.name and statement["predicate"]["status"] == "passed"
+    assert (receipt / ENVELOPE).is_file() and ENVELOPE not in files
     assert set(REQUIRED_FILES) <= set(files)
     assert [f for f in files if f.startswith("samples/")] == [f"samples/sample-{n}.json" for n in (1, 2, 3)]
-    assert (receipt / "identity.sha256").read_text() == canonical_sha256(IDENTITY) + "\n"
+    assert (receipt / "identity.sha256").read_text() == document_sha256(IDENTITY) + "\n"
     summary = read_receipt_json(receipt, "validation-summary.json")
     assert summary["passed"] is True and summary["run_id"] == receipt.name and summary["samples"] == 3
     assert summary["rule"]["maximum_absolute"] == 11.0
-    assert summary["identity_sha256"] == canonical_sha256(IDENTITY)
+    assert summary["identity_sha256"] == document_sha256(IDENTITY)
     log = (receipt / "command.log").read_text()
     assert log.startswith("command: qualify --recipe native-text\n")
     assert "identity sealed" in log and "verdict: passed:" in log
@@ -90,16 +83,16 @@ def test_finalized_files_are_read_only(receipt):
 
 def test_identity_file_is_copied_byte_for_byte(tmp_path):
     identity_path = tmp_path / "identity.json"
-    identity_path.write_bytes(b'{"lane": "nvfp4-native-splitk",   "bound": 11.0}\n')
+    identity_path.write_bytes(b'{"schema": "trust-ladder.calibration.v2", "lane": "nvfp4-native-splitk",   "bound": 11.0}\n')
     path = write_receipt(tmp_path / "archive", identity=identity_path)
     assert (path / "identity.json").read_bytes() == identity_path.read_bytes()
-    expected = canonical_sha256({"lane": "nvfp4-native-splitk", "bound": 11.0})
+    expected = document_sha256({"schema": "trust-ladder.calibration.v2", "lane": "nvfp4-native-splitk", "bound": 11.0})
     assert (path / "identity.sha256").read_text().strip() == expected
-    assert verify_receipt(path) == []
+    assert verify_receipt(path) == [] and check(path).state == "verified"
 
 
 def _all_receipt_files() -> list[str]:
-    return [*REQUIRED_FILES, "samples/sample-1.json", "samples/sample-3.json", MANIFEST]
+    return [*REQUIRED_FILES, "samples/sample-1.json", "samples/sample-3.json", MANIFEST, ENVELOPE]
 
 
 @pytest.mark.parametrize("name", _all_receipt_files())
@@ -111,10 +104,18 @@ def test_flipping_any_byte_of_any_file_fails_verification(receipt, name, where):
     data[index] ^= 0x01
     make_writable(receipt)
     path.write_bytes(bytes(data))
+    checked = check(receipt)
+    # a flipped key id names a key nobody trusts: untrusted, never verified
+    assert checked.state in (("tampered", "untrusted") if name == ENVELOPE else ("tampered",)), \
+        f"flipping byte {index} of {name}: {checked}"
+    if name == ENVELOPE:  # the manifest does not cover the envelope; the signature check does
+        assert verify_receipt(receipt) == [] and checked.problems, checked
+        return
     problems = verify_receipt(receipt)
-    assert problems, f"flipping byte {index} of {name} went unnoticed"
+    assert problems, f"flipping byte {index} of {name} went unnoticed by the manifest"
     if name != MANIFEST:  # an edited manifest may surface as the entry it now misdescribes
         assert any(name in problem for problem in problems), problems
+    assert f"file {name}: sha256 differs from the signed statement's subject" in checked.problems, checked
 
 
 @pytest.mark.parametrize("name", [*REQUIRED_FILES, "samples/sample-2.json", MANIFEST])
@@ -123,6 +124,19 @@ def test_a_missing_file_is_reported(receipt, name):
     (receipt / name).unlink()
     problems = verify_receipt(receipt)
     assert any(f"missing file {name}" in problem for problem in problems), problems
+    checked = check(receipt)
+    assert checked.state == "tampered" and f"missing file {name}" in " ".join(checked.problems), checked
+
+
+def test_a_missing_envelope_is_tampered_not_unsigned(receipt):
+    """A v2 receipt without its signed statement is not a legacy receipt: removing the envelope
+    does not downgrade it to 'unsigned'."""
+    make_writable(receipt)
+    (receipt / ENVELOPE).unlink()
+    expected = f"missing file {ENVELOPE} (a trust-ladder.receipt-manifest.v2 receipt is signed)"
+    assert verify_receipt(receipt) == [f"{receipt.name}: {expected}"]
+    checked = check(receipt)
+    assert (checked.state, checked.problems) == ("tampered", [expected])
 
 
 @pytest.mark.parametrize("name", ["notes.txt", "samples/sample-4.json", ".hidden", "samples/extra/deep.json"])
@@ -132,6 +146,9 @@ def test_an_extra_file_is_reported(receipt, name):
     (receipt / name).write_text("{}")
     problems = verify_receipt(receipt)
     assert any(f"extra file {name}" in problem for problem in problems), problems
+    checked = check(receipt)
+    assert checked.state == "tampered"
+    assert f"file {name} is not a subject of the signed statement" in checked.problems, checked
 
 
 def test_extra_directories_and_links_are_reported(receipt, tmp_path):
@@ -141,21 +158,22 @@ def test_extra_directories_and_links_are_reported(receipt, tmp_path):
     problems = verify_receipt(receipt)
     assert any("extra directory empty" in p for p in problems)
     assert any("extra file link.json: symbolic link" in p for p in problems)
+    assert check(receipt).state == "tampered"
 
 
 def test_a_consistently_rewritten_manifest_still_fails_the_digest_cross_checks(receipt):
-    """Editing identity.sha256 and re-hashing the manifest is caught by the identity cross-check."""
+    """Editing identity.sha256 and re-hashing the manifest (in its RFC 8785 form) is caught by the
+    identity cross-check, and by the signed statement's subjects."""
     make_writable(receipt)
     (receipt / "identity.sha256").write_text("0" * 64 + "\n")
-    manifest = json.loads((receipt / MANIFEST).read_text())
-    import hashlib
-
-    for entry in manifest["files"]:
-        data = (receipt / entry["path"]).read_bytes()
-        entry.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
-    (receipt / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    rehash_manifest(receipt)
     problems = verify_receipt(receipt)
     assert any("identity.sha256 is not the canonical digest of identity.json" in p for p in problems)
+    assert not any(MANIFEST in p for p in problems), problems  # the forged manifest itself is well formed
+    checked = check(receipt)
+    assert checked.state == "tampered"
+    for name in ("identity.sha256", MANIFEST):
+        assert f"file {name}: sha256 differs from the signed statement's subject" in checked.problems, checked
 
 
 def test_a_receipt_directory_is_never_rewritten(tmp_path):
@@ -165,7 +183,7 @@ def test_a_receipt_directory_is_never_rewritten(tmp_path):
     with pytest.raises(Refused, match="already exists; a receipt is never rewritten"):
         write_receipt(archive, run_id="20261129T000000Z-0123456789abcdef")
     assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
-    assert verify_receipt(first) == []
+    assert verify_receipt(first) == [] and check(first).state == "verified"
 
 
 def test_a_finalized_writer_refuses_further_writes(tmp_path):
@@ -186,6 +204,8 @@ def test_a_run_that_raises_still_gets_a_complete_failing_receipt(tmp_path):
             raise RuntimeError("producer died\nwith a traceback")
     [path] = [p for p in archive.iterdir()]
     assert verify_receipt(path) == []
+    checked = check(path)
+    assert (checked.state, checked.status) == ("verified", "incomplete"), checked
     summary = read_receipt_json(path, "validation-summary.json")
     assert summary["passed"] is False
     assert summary["error"] == "RuntimeError: producer died with a traceback"
@@ -223,8 +243,8 @@ def test_a_run_that_stopped_early_records_why_and_fails(tmp_path):
     assert summary["passed"] is False
     assert summary["verdict"] == "not qualified: handoff 2/3: producer failed: killed by signal 9"
     assert summary["error"] == "handoff 2/3: producer failed: killed by signal 9"
-    assert [check["passed"] for check in summary["checks"]] == [False]
-    assert verify_receipt(path) == []
+    assert [entry["passed"] for entry in summary["checks"]] == [False]
+    assert verify_receipt(path) == [] and check(path).state == "verified"
 
 
 def test_a_crash_never_leaves_a_receipt_that_looks_complete(tmp_path):
@@ -236,9 +256,13 @@ def test_a_crash_never_leaves_a_receipt_that_looks_complete(tmp_path):
     assert claimed.is_dir() and not any(claimed.iterdir())
     assert any("missing file manifest.json" in p for p in verify_receipt(claimed))
     assert (archive / f"{PARTIAL_PREFIX}{writer.run_id}").is_dir()
-    out = io.StringIO()
-    assert verify_cli(archive, out=out) == 1
-    assert "partial receipt left by an interrupted run" in out.getvalue()
+    assert check(claimed).state == "tampered"  # checked as a receipt, the empty directory is none
+    out = io.StringIO()  # the archive reports the leftover as partial, attested by nothing, and passes
+    assert verify_paths([archive], operator_trust(), out) == 0
+    assert out.getvalue().splitlines() == [
+        f"partial   {PARTIAL_PREFIX}{writer.run_id}: a run stopped before it finalized its receipt; "
+        "nothing in it is attested",
+        "1 receipts: 0 verified, 1 partial"]
 
 
 def test_non_finite_sample_values_are_kept_as_strings(tmp_path):
@@ -326,25 +350,67 @@ def test_uri_to_an_altered_receipt_is_refused(receipt):
 # --------------------------------------------------------------------------- CLI and locations
 
 
-def test_verify_cli_archive_and_single_receipt(tmp_path):
+def _verify(capsys, *argv) -> tuple[int, list[str]]:
+    """``qualify receipts verify ARGV`` in-process: exit code and stdout lines (stderr empty)."""
+    code = verify_cli([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    assert captured.err == "", captured.err
+    return code, captured.out.splitlines()
+
+
+def test_verify_cli_archive_and_single_receipt(tmp_path, capsys):
     archive = tmp_path / "archive"
-    first, second = write_receipt(archive), write_receipt(archive)
-    out = io.StringIO()
-    assert verify_cli(archive, out=out) == 0
-    assert "2 receipts verified" in out.getvalue()
-    assert verify_cli(first, out=io.StringIO()) == 0
+    first, second = sorted([write_receipt(archive), write_receipt(archive)])
+    key = load_signing_key().key_id[:16]
+    code, out = _verify(capsys, archive)
+    assert code == 0
+    assert out == [f"ok        {path.name}: passed; signed by {key}…, 10 files match the signed statement"
+                   for path in (first, second)] + ["2 receipts: 2 verified (2 passed)"]
+    assert _verify(capsys, first) == (0, [out[0], "1 receipts: 1 verified (1 passed)"])
+    assert _verify(capsys, first, second)[1] == out  # several paths: one report
     make_writable(second)
     (second / "command.log").write_text("edited")
-    out = io.StringIO()
-    assert verify_cli(archive, out=out) == 1
-    assert f"FAIL {second.name}: altered file command.log" in out.getvalue()
-    assert "1 of 2 receipts failed verification" in out.getvalue()
+    code, out = _verify(capsys, archive)
+    assert code == 1
+    assert f"TAMPERED  {second.name}: altered file command.log: 6 bytes, manifest says " in "\n".join(out)
+    assert f"TAMPERED  {second.name}: file command.log: sha256 differs from the signed statement's subject" in out
+    assert out[-1] == "2 receipts: 1 verified (1 passed), 1 tampered"
 
 
-def test_verify_cli_missing_path_and_empty_archive(tmp_path):
-    assert verify_cli(tmp_path / "nowhere", out=io.StringIO()) == 2
+def test_verify_cli_missing_path_and_empty_archive(tmp_path, capsys):
+    assert verify_cli([str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"receipts verify: {tmp_path / 'nowhere'}: no such directory")
     (tmp_path / "empty").mkdir()
-    assert verify_cli(tmp_path / "empty", out=io.StringIO()) == 1
+    assert _verify(capsys, tmp_path / "empty") == (1, [f"receipts verify: no receipts under {tmp_path / 'empty'}"])
+    receipt = write_receipt(tmp_path / "archive")
+    assert verify_cli([str(receipt), str(tmp_path / "nowhere")]) == 2  # every path is checked before any report
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+
+
+def test_verify_cli_refuses_an_unusable_trust_file(tmp_path, capsys):
+    receipt = write_receipt(tmp_path / "archive")
+    (tmp_path / "trust.json").write_text('{"schema": "trust-ladder.trust.v1"}')
+    assert verify_cli(["--trust", str(tmp_path / "trust.json"), str(receipt)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "trust.json" in captured.err
+    assert verify_cli(["--trust", str(tmp_path / "missing.json"), str(receipt)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_committed_legacy_receipts_are_reported_unsigned(capsys):
+    """The basis receipts under receipts/ predate signing: intact against their own manifests, yet
+    never 'ok' (anyone can recompute such a manifest): UNSIGNED, exit 1."""
+    committed = sorted(p for p in (REPO_ROOT / "receipts").iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert committed
+    code, out = _verify(capsys, REPO_ROOT / "receipts")
+    assert code == 1
+    assert out[:-1] == [f"UNSIGNED  {path.name}: legacy receipt with no signed statement; its files match its own "
+                        f"manifest, which anyone can recompute; records {check(path).status} (not authenticated)"
+                        for path in committed]
+    assert out[-1] == f"{len(committed)} receipts: 0 verified, {len(committed)} unsigned"
+    for path in committed:
+        assert verify_receipt(path) == [], path.name
 
 
 def test_default_archive_is_outside_the_checkout(monkeypatch, tmp_path):
@@ -363,7 +429,8 @@ def test_default_archive_is_outside_the_checkout(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_every_single_byte_flip_of_the_manifest_is_caught(receipt):
-    """Exhaustive over the manifest (the one file no digest covers): any edit is found."""
+    """Exhaustive over the manifest (the one file the manifest cannot cover): any edit is found, by
+    its own checks and by the signed statement."""
     path = receipt / MANIFEST
     original = path.read_bytes()
     make_writable(receipt)
@@ -373,5 +440,6 @@ def test_every_single_byte_flip_of_the_manifest_is_caught(receipt):
             data[index] ^= mask
             path.write_bytes(bytes(data))
             assert verify_receipt(receipt), f"byte {index} ^ {mask:#x} of the manifest went unnoticed"
+            assert check(receipt).state == "tampered", f"byte {index} ^ {mask:#x} of the manifest"
     path.write_bytes(original)
-    assert verify_receipt(receipt) == []
+    assert verify_receipt(receipt) == [] and check(receipt).state == "verified"

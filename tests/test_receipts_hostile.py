@@ -1,10 +1,10 @@
 """Hostile receipts: ``receipts verify`` names every problem in one line, exits 1 (never 2, never
-a traceback), and one bad receipt in an archive never stops the healthy ones being checked."""
+a traceback), and one bad receipt in an archive never stops the healthy ones being checked. A
+forger who re-hashes the manifest (in its RFC 8785 form) is caught by the cross-checks between
+files and by the signed statement; one who also re-signs is untrusted."""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import threading
@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 
 from qualify.archive import verify as verify_module
-from qualify.archive.layout import MANIFEST, json_bytes
+from qualify.archive.keys import load_signing_key
+from qualify.archive.layout import MANIFEST
 from qualify.archive.reader import read_receipt_json, receipt_files
 from qualify.archive.verify import RECEIPT_JSON_MAX_BYTES, verify_cli, verify_receipt
+from qualify.core.digests import jcs_bytes
 from qualify.core.errors import Refused
 from qualify.interfaces.cli import main
-from tests.test_receipts import make_writable, write_receipt
+from tests.receipt_forgery import check, forger_key, make_writable, rehash_manifest, resign, write_receipt
 
 DEEP = 100_000
 """Nesting far past both the parser's recursion limit and the strict reader's 32 levels."""
@@ -37,14 +39,10 @@ def manifest_text(receipt: Path) -> str:
     return (receipt / MANIFEST).read_text(encoding="utf-8")
 
 
-def rehash(receipt: Path) -> None:
-    """Rewrite the manifest so every listed file's digest and size match again (a consistent
-    forgery: only the cross-checks between files can catch it)."""
-    manifest = json.loads(manifest_text(receipt))
-    for entry in manifest["files"]:
-        data = (receipt / entry["path"]).read_bytes()
-        entry.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
-    (receipt / MANIFEST).write_bytes(json_bytes(manifest))
+def ok_line(receipt: Path) -> str:
+    """The line ``receipts verify`` prints for an intact passing receipt of this session's key."""
+    return (f"ok        {receipt.name}: passed; signed by {load_signing_key().key_id[:16]}…, "
+            "10 files match the signed statement")
 
 
 def run_cli(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str], str]:
@@ -83,7 +81,7 @@ def test_a_deeply_nested_manifest_is_a_named_problem_and_exits_1_not_2(receipt, 
     assert any("altered file manifest.json: nesting deeper than 32 levels" in p for p in problems), problems
     code, out, err = run_cli(receipt, capsys)
     assert code == 1
-    assert any(line.startswith(f"FAIL {receipt.name}: altered file manifest.json: nesting") for line in out), out
+    assert any(line.startswith(f"TAMPERED  {receipt.name}: altered file manifest.json: nesting") for line in out), out
     assert "internal error" not in err and "RecursionError" not in err + "".join(out)
 
 
@@ -96,9 +94,9 @@ def test_an_archive_with_one_deeply_nested_receipt_still_lists_the_healthy_ones(
     code, out, err = run_cli(archive, capsys)
     assert code == 1, (out, err)
     for receipt in healthy:
-        assert f"ok   {receipt.name}: 10 files match the manifest" in out, out
-    assert any(line.startswith(f"FAIL {bad.name}: altered file manifest.json: nesting") for line in out), out
-    assert out[-1] == "1 of 4 receipts failed verification"
+        assert ok_line(receipt) in out, out
+    assert any(line.startswith(f"TAMPERED  {bad.name}: altered file manifest.json: nesting") for line in out), out
+    assert out[-1] == "4 receipts: 3 verified (3 passed), 1 tampered"
     assert err == ""
 
 
@@ -106,7 +104,7 @@ def test_an_archive_with_one_deeply_nested_receipt_still_lists_the_healthy_ones(
 def test_a_manifest_integer_written_as_a_float_a_boolean_or_a_string_is_refused(receipt, literal, found):
     manifest = json.loads(manifest_text(receipt))
     manifest["files"][0]["bytes"] = "PLACEHOLDER"
-    text = json_bytes(manifest).decode().replace('"PLACEHOLDER"', literal)
+    text = jcs_bytes(manifest).decode().replace('"PLACEHOLDER"', literal)
     (receipt / MANIFEST).write_text(text)
     problems = verify_receipt(receipt)
     assert_one_line_problems(problems, receipt)
@@ -118,7 +116,8 @@ def test_a_manifest_integer_written_as_a_float_a_boolean_or_a_string_is_refused(
 def test_a_manifest_number_overflowing_to_infinity_is_refused(receipt, literal):
     text = manifest_text(receipt)
     first_size = json.loads(text)["files"][0]["bytes"]
-    (receipt / MANIFEST).write_text(text.replace(f'"bytes": {first_size},', f'"bytes": {literal},', 1))
+    assert f'"bytes":{first_size},' in text  # RFC 8785: no whitespace
+    (receipt / MANIFEST).write_text(text.replace(f'"bytes":{first_size},', f'"bytes":{literal},', 1))
     problems = verify_receipt(receipt)
     assert_one_line_problems(problems, receipt)
     assert any("files[0].bytes: found a number that overflows to infinity" in p for p in problems), problems
@@ -234,10 +233,31 @@ def test_a_receipt_tree_deeper_than_the_recursion_limit_is_reported_not_crashed(
 ], ids=["identity-deep", "identity-1e400", "summary-deep", "host-deep", "host-not-utf8", "digest-huge"])
 def test_a_consistently_rehashed_hostile_document_is_a_named_problem(receipt, name, content, expected):
     (receipt / name).write_bytes(content if isinstance(content, bytes) else content.encode())
-    rehash(receipt)
+    rehash_manifest(receipt)
     problems = verify_receipt(receipt)
     assert_one_line_problems(problems, receipt)
     assert any(p.startswith(f"{receipt.name}: {expected}") for p in problems), problems
+    checked = check(receipt)
+    assert checked.state == "tampered"
+    assert f"file {name}: sha256 differs from the signed statement's subject" in checked.problems, checked
+
+
+@pytest.mark.parametrize(("name", "content", "expected"), [
+    ("identity.sha256", "0" * 64 + "\n", "identity.sha256 is not the canonical digest of identity.json"),
+    ("validation-summary.json", "{}", "validation-summary.json names run null"),
+], ids=["identity-digest", "summary-empty"])
+def test_a_rehashed_and_re_signed_forgery_is_untrusted_and_still_fails_its_cross_checks(
+        receipt, capsys, name, content, expected):
+    """The forger re-signs the edited receipt with a key of their own: the signature verifies
+    under that key, which the operator's trust file does not list; the cross-checks still fail."""
+    (receipt / name).write_text(content)
+    rehash_manifest(receipt)
+    resign(receipt, forger_key())
+    assert f"{receipt.name}: {expected}" in verify_receipt(receipt)
+    checked = check(receipt)
+    assert checked.state == "tampered" and any("does not list" in p for p in checked.problems), checked
+    code, out, err = run_cli(receipt, capsys)
+    assert code == 1 and err == "" and out[-1] == "1 receipts: 0 verified, 1 tampered", out
 
 
 @pytest.mark.parametrize("count", ["true", "3.0", '"3"', "1e400", "null"])
@@ -246,11 +266,12 @@ def test_a_summary_sample_count_that_is_not_the_integer_is_refused(receipt, coun
     summary = json.loads(path.read_text())
     assert summary["samples"] == 3
     summary["samples"] = "PLACEHOLDER"
-    path.write_text(json_bytes(summary).decode().replace('"PLACEHOLDER"', count))
-    rehash(receipt)
+    path.write_text(jcs_bytes(summary).decode().replace('"PLACEHOLDER"', count))
+    rehash_manifest(receipt)
     problems = verify_receipt(receipt)
     assert_one_line_problems(problems, receipt)
     assert any("samples" in p for p in problems), problems
+    assert check(receipt).state == "tampered"
 
 
 # --------------------------------------------------------------------------- the walk goes on
@@ -271,10 +292,9 @@ def test_an_unexpected_error_in_one_receipt_becomes_cannot_check_and_the_walk_go
     assert verify_receipt(broken) == [f"{broken.name}: cannot check: MemoryError: no memory for this one"]
     code, out, err = run_cli(archive, capsys)
     assert code == 1 and err == ""
-    assert f"ok   {first.name}: 10 files match the manifest" in out
-    assert f"ok   {last.name}: 10 files match the manifest" in out
-    assert f"FAIL {broken.name}: cannot check: MemoryError: no memory for this one" in out
-    assert out[-1] == "1 of 3 receipts failed verification"
+    assert ok_line(first) in out and ok_line(last) in out, out
+    assert f"TAMPERED  {broken.name}: cannot check: MemoryError: no memory for this one" in out
+    assert out[-1] == "3 receipts: 2 verified (2 passed), 1 tampered"
 
 
 def test_file_names_with_newlines_or_undecodable_bytes_print_as_one_escaped_line(receipt, capsys):
@@ -288,17 +308,17 @@ def test_file_names_with_newlines_or_undecodable_bytes_print_as_one_escaped_line
     assert code == 1 and err == ""
 
 
-def test_an_archive_that_cannot_be_listed_exits_2_with_one_line(tmp_path, monkeypatch):
+def test_an_archive_that_cannot_be_listed_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "archive").mkdir()
 
-    def refuse(self: Path) -> Any:
+    def refuse(path: Any) -> Any:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(Path, "iterdir", refuse)
-    out = io.StringIO()
-    assert verify_cli(tmp_path / "archive", out=out) == 2
-    assert out.getvalue().count("\n") == 1
-    assert "cannot list (Permission denied)" in out.getvalue()
+    monkeypatch.setattr(verify_module.os, "listdir", refuse)  # as root, a mode 000 directory still lists
+    assert verify_cli([str(tmp_path / "archive")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "cannot list (Permission denied)" in captured.err
 
 
 # --------------------------------------------------------------------------- the reader
@@ -318,6 +338,6 @@ def test_the_reader_refuses_hostile_json_in_one_line(receipt):
 def test_the_reader_refuses_a_manifest_that_breaks_its_schema(receipt):
     manifest = json.loads(manifest_text(receipt))
     del manifest["files"][0]["path"]
-    (receipt / MANIFEST).write_bytes(json_bytes(manifest))
+    (receipt / MANIFEST).write_bytes(jcs_bytes(manifest))
     with pytest.raises(Refused, match=r"manifest.json: files\[0\].path: missing, expected this field"):
         receipt_files(receipt)

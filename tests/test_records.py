@@ -226,7 +226,8 @@ def test_a_blank_error_is_not_a_reason():
 def summary(**changes) -> ValidationSummary:
     fields = {
         "run_id": "20261129T000000Z-0123456789abcdef", "recipe": "native-text", "lane": "nvfp4-native-splitk",
-        "rung": 2, "identity_sha256": "a" * 64, "passed": True, "verdict": "passed: ...", "reasons": ("held",),
+        "rung": 2, "identity_sha256": "a" * 64, "passed": True, "status": "passed", "verdict": "passed: ...",
+        "reasons": ("held",),
         "checks": ({"name": "samples", "passed": True, "detail": "held"},), "rule": RULE2.model_dump(mode="json"),
         "samples": 3, "started_utc": "2026-11-29T00:00:00.000000Z", "finished_utc": "2026-11-29T00:00:01.000000Z",
     }
@@ -242,7 +243,7 @@ def test_a_summary_names_its_schema_and_round_trips():
 
 @pytest.mark.parametrize(("field", "value"), [
     ("identity_sha256", "abc"), ("rung", 4), ("samples", -1), ("passed", "yes"), ("schema", "other.v1"),
-    ("verdict_line", "x"),
+    ("verdict_line", "x"), ("identity_sha256", None), ("lane", None), ("status", "failed"),
 ])
 def test_a_summary_refuses_what_it_cannot_hold(field, value):
     with pytest.raises(ValidationError):

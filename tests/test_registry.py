@@ -33,8 +33,13 @@ RUNG3 = {
 }
 
 
-def document(*entries: dict[str, Any]) -> dict[str, Any]:
-    return {"schema": "trust-ladder.lane-registry.v1", "entries": [dict(e) for e in entries]}
+SIGNER = sha256_bytes(b"receipt-signing public key")
+
+
+def document(*entries: dict[str, Any], revoked: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+    """A v2 registry of ``entries`` (each signed by SIGNER unless it says otherwise)."""
+    return {"schema": "trust-ladder.lane-registry.v2", "entries": [{"receipt_signer": SIGNER, **e} for e in entries],
+            "revoked": list(revoked)}
 
 
 def write(tmp_path: Path, content: Any) -> Path:
@@ -88,6 +93,26 @@ def test_valid_registry_loads(tmp_path: Path) -> None:
 def test_bad_entries_are_refused_at_load(tmp_path: Path, field: str, value: Any, fragment: str) -> None:
     entry = dict(ENTRY, **{field: value})
     assert fragment in refusal(tmp_path, document(entry))
+
+
+def test_a_v1_registry_loads_and_is_written_back_as_v2_with_no_signer(tmp_path: Path) -> None:
+    legacy = {"schema": "trust-ladder.lane-registry.v1", "entries": [dict(ENTRY)]}
+    registry = load_registry(write(tmp_path, legacy))
+    assert registry.entries[0].receipt_signer is None and registry.revoked == ()
+    assert registry.document() == document(dict(ENTRY, receipt_signer=None))
+    assert "entries[0].receipt_signer: found unexpected field" in refusal(
+        tmp_path, {**legacy, "entries": [dict(ENTRY, receipt_signer=SIGNER)]})
+
+
+def test_a_revoked_key_is_refused_by_key_id_and_never_reenrolled(tmp_path: Path) -> None:
+    revoked = {"lane": ENTRY["lane"], "key_id": "9999999999999999", "identity_sha256": ENTRY["identity_sha256"],
+               "receipt": ENTRY["receipt"], "revoked_utc": "2026-11-30T00:00:00Z", "reason": "rotated",
+               "replaced_by": ENTRY["key_id"]}
+    registry = load_registry(write(tmp_path, document(ENTRY, revoked=(revoked,))))
+    with pytest.raises(Refused, match='key_id "9999999999999999" of lane nvfp4-native-splitk was revoked'):
+        registry.by_key_id("9999999999999999")
+    back = dict(ENTRY, key_id="9999999999999999")
+    assert "which this registry lists as revoked" in refusal(tmp_path, document(back, revoked=(revoked,)))
 
 
 def test_kind_must_match_the_lane_table(tmp_path: Path) -> None:

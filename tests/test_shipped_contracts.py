@@ -20,16 +20,18 @@ import numpy as np
 import pytest
 
 from qualify.archive.reader import resolve_receipt_uri
+from qualify.archive.verify import check_receipt
 from qualify.contract.identity import (
     DEFAULT_ARCHIVE_DIR,
-    IDENTITY_SCHEMA_PATH,
+    IDENTITY_SCHEMA_IDS,
+    IDENTITY_SCHEMA_PATHS,
     check_basis_receipt,
     identity_json_schema,
     identity_schema_text,
     load_identity,
 )
 from qualify.contract.lanes import VLLM_LANE_ENGINES, LaneKind, lane_spec, target_cache_identity
-from qualify.contract.sealed_data import SEALED_BASIS_RECEIPTS, SEALED_IDENTITIES
+from qualify.contract.sealed_data import SEALED_BASIS_MANIFESTS, SEALED_IDENTITIES
 from qualify.core import assets
 from qualify.core.digests import canonical_json_bytes, sha256_bytes, sha256_file
 from qualify.engines.factory import (
@@ -53,17 +55,18 @@ def _cuda_available() -> bool:
 
 def test_every_sealed_lane_ships_an_identity_and_every_identity_is_sealed():
     shipped_lanes = {json.loads(path.read_text())["lane"] for path in SHIPPED}
-    assert shipped_lanes == set(SEALED_IDENTITIES) == set(SEALED_BASIS_RECEIPTS)
+    assert shipped_lanes == set(SEALED_IDENTITIES) == set(SEALED_BASIS_MANIFESTS)
     assert {"native-text", "kquant-target-plus-dflash"} <= {
         json.loads(path.read_text())["recipe"] for path in SHIPPED}
 
 
-def test_the_committed_schema_is_the_one_generated_from_the_identity_model():
-    committed = IDENTITY_SCHEMA_PATH.read_bytes()
-    assert canonical_json_bytes(json.loads(committed)) == canonical_json_bytes(identity_json_schema()), (
+@pytest.mark.parametrize("schema_id", IDENTITY_SCHEMA_IDS)
+def test_the_committed_schema_is_the_one_generated_from_the_identity_model(schema_id: str):
+    committed = IDENTITY_SCHEMA_PATHS[schema_id].read_bytes()
+    assert canonical_json_bytes(json.loads(committed)) == canonical_json_bytes(identity_json_schema(schema_id)), (
         "regenerate it: .venv/bin/python tools/freeze_identity.py --write-schema")
-    assert committed == identity_schema_text().encode("utf-8")
-    jsonschema.Draft202012Validator.check_schema(identity_json_schema())
+    assert committed == identity_schema_text(schema_id).encode("utf-8")
+    jsonschema.Draft202012Validator.check_schema(identity_json_schema(schema_id))
 
 
 def _freeze_tool() -> types.ModuleType:
@@ -85,8 +88,8 @@ def test_the_committed_sealed_data_is_what_the_freeze_tool_generates():
 def test_shipped_identity_validates_and_pins_the_real_artifacts(path: Path):
     jsonschema.Draft202012Validator(identity_json_schema()).validate(json.loads(path.read_bytes()))
     identity = load_identity(path)
-    basis = check_basis_receipt(identity, resolve_receipt_uri, where=f"identity {path}")
-    assert sha256_file(basis) == SEALED_BASIS_RECEIPTS[identity.lane]
+    basis = check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=f"identity {path}")
+    assert sha256_file(basis.parent / "manifest.json") == SEALED_BASIS_MANIFESTS[identity.lane]
     for relpath, digest in identity.checkpoint.files.items():
         assert sha256_file(assets.REPO_ROOT / relpath) == digest, relpath
     assert sha256_file(assets.MODEL_DIR / "tokenizer.json") == identity.tokenizer_sha256

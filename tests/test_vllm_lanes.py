@@ -513,8 +513,8 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
 
     # (c) seal it for this process: the lane's entry replaced, the basis resolved in tmp_path.
     monkeypatch.setattr(sealed_data, "SEALED_IDENTITIES", {**sealed_data.SEALED_IDENTITIES, lane: seal.identity_sha256})
-    monkeypatch.setattr(sealed_data, "SEALED_BASIS_RECEIPTS",
-                        {**sealed_data.SEALED_BASIS_RECEIPTS, lane: seal.basis_sha256})
+    monkeypatch.setattr(sealed_data, "SEALED_BASIS_MANIFESTS",
+                        {**sealed_data.SEALED_BASIS_MANIFESTS, lane: seal.basis_manifest_sha256})
     monkeypatch.setattr(identity_module, "DEFAULT_ARCHIVE_DIR", receipts)
 
     # (d) qualify it.

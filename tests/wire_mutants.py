@@ -37,6 +37,7 @@ from qualify.handoff.wire import (
     OpenedHandoff,
     SealedHandoff,
     key_id,
+    manifest_canonical_bytes,
     manifest_mac,
     payload_tree_sha256,
     seal_handoff_parts,
@@ -83,6 +84,16 @@ def seal_pristine(*, draft: bool = False, key: bytes = RUN_KEY, request_id: str 
                               prompt_sha256=PROMPT, run_id=run_id, request_id=request_id, compute_s=0.25)
 
 
+def canonical_bytes(document: Any) -> bytes:
+    """``document`` as the honest producer writes a manifest (RFC 8785); a value RFC 8785 cannot
+    write (an integer past 2**53 - 1) makes it Python's sorted compact form, which a producer
+    holding the run key may send as well (the consumer's schema refuses that value first)."""
+    try:
+        return manifest_canonical_bytes(document)
+    except ValueError:
+        return canonical_json_bytes(document)
+
+
 def _remac(manifest_bytes: bytes, payload: bytes | bytearray | memoryview) -> Handoff:
     """What a producer holding the run key sends: any manifest bytes, MACed with the run key."""
     return Handoff(manifest_bytes, manifest_mac(RUN_KEY, manifest_bytes), payload)
@@ -100,7 +111,7 @@ def pristine_handoff(draft: bool = False) -> Handoff:
     sealed = seal_pristine(draft=draft).to_handoff()
     document = json.loads(sealed.manifest_bytes)
     document["timings"] = dict(PRISTINE_TIMINGS)
-    return _remac(canonical_json_bytes(document), sealed.payload_bytes)
+    return _remac(canonical_bytes(document), sealed.payload_bytes)
 
 
 def pristine_expectation(draft: bool = False, *, request_id: str = REQUEST_ID) -> HandoffExpectation:
@@ -217,7 +228,7 @@ _GENERIC_VALUES: tuple[object, ...] = (
     -(1 << 63) - 1, 1 << 64, 10 ** 30, 0.0, 0.5, 4.0, 8.0, -0.0, 1e300, -1e-300, 5e-324,
 )
 _VALID_LOOKING: dict[str, tuple[object, ...]] = {
-    "schema": ("trust-ladder.handoff-manifest.v2", "trust-ladder.handoff-manifest.v4"),
+    "schema": ("trust-ladder.handoff-manifest.v3", "trust-ladder.handoff-manifest.v5"),
     "run_id": ("run-2", RUN_ID + "x", RUN_ID.upper()),
     "request_id": ("req-2", "req-0", REQUEST_ID + " "),
     "lane": ("nvfp4-native-w4a4", "other-lane", LANE + "x", "NVFP4-EXACT"),
@@ -345,8 +356,8 @@ def _serialise(document: Any, how: str) -> bytes:
     elif how == "ascii":
         text = json.dumps(document, sort_keys=True, ensure_ascii=True, **compact)  # type: ignore[arg-type]
     else:
-        text = json.dumps(document, sort_keys=True, ensure_ascii=False, **compact)  # type: ignore[arg-type]
-    data = text.encode("utf-8")
+        text = ""  # canonical (RFC 8785), and the base of the byte edits below
+    data = text.encode("utf-8") if text else canonical_bytes(_with_placeholders(document, placeholder))
     for index, token in enumerate(raws):
         data = data.replace(f'"@@raw{index}@@"'.encode(), token.encode())
     if how == "escaped":
@@ -360,6 +371,17 @@ def _serialise(document: Any, how: str) -> bytes:
     elif how == "duplicate-key":
         data = data[:1] + b'"lane":"other-lane",' + data[1:] if data.startswith(b"{") else data + b"{}"
     return data
+
+
+def _with_placeholders(value: Any, placeholder: Callable[[object], str]) -> Any:
+    """``value`` with every :class:`Raw` token replaced by its placeholder string."""
+    if isinstance(value, Raw):
+        return placeholder(value)
+    if isinstance(value, dict):
+        return {key: _with_placeholders(item, placeholder) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_with_placeholders(item, placeholder) for item in value]
+    return value
 
 
 @st.composite
@@ -432,7 +454,7 @@ def manifest_value_mutants(draw: st.DrawFn) -> Mutant:
     value = draw(st.sampled_from(_valid_looking(name, _get(document, path))))
     _set(document, path, value)
     return Mutant("manifest-value", f"{list(path)} -> {value!r:.60}", original,
-                  _remac(canonical_json_bytes(document), original.payload_bytes), pristine_expectation(draft))
+                  _remac(canonical_bytes(document), original.payload_bytes), pristine_expectation(draft))
 
 
 # ------------------------------------------------------------------------------------------
@@ -493,7 +515,7 @@ def _reseal_payload(original: Handoff, payload: bytes) -> Handoff:
     if tree is not None:
         document["payload"]["tree_sha256"] = tree
     document["payload"]["bytes"] = len(payload)
-    return _remac(canonical_json_bytes(document), payload)
+    return _remac(canonical_bytes(document), payload)
 
 
 def _rebuilt(payload: bytes, edit: Callable[[dict[str, Any]], dict[str, Any]], pad: bytes = b" ") -> bytes:
@@ -616,7 +638,7 @@ def unkeyed_mutants(draw: st.DrawFn) -> Mutant:
         if action == "other-key-claiming-run-key":  # names the run key, MACed under another
             document = json.loads(manifest)
             document["key_id"] = key_id(RUN_KEY)
-            manifest = canonical_json_bytes(document)
+            manifest = canonical_bytes(document)
             mac = bytearray(manifest_mac(OTHER_KEY, manifest))
     return Mutant("unkeyed", action, original, Handoff(manifest, bytes(mac), original.payload_bytes),
                   pristine_expectation(draft))

@@ -3,18 +3,22 @@
 
 Freeze (``--lane``): computes the SHA-256 of every pinned artifact (checkpoint files under
 ``model/``, tokenizer, main prompt via ``qualify.core.assets.prompt_sha256``, RoPE cache, adapter,
-draft, basis receipt), derives the lane's target-cache identity, validates the document through the
-identity model, writes the identity JSON (never over an existing file unless ``--replace``; written
-whole via a temporary file) and prints its sealed-data lines.
+draft), derives the lane's target-cache identity, validates the document through the identity
+model, writes the identity JSON (schema v2, whose digest is over its RFC 8785 bytes; never over an
+existing file unless ``--replace``; written whole via a temporary file) and prints its sealed-data
+lines: the identity's digest and its basis receipt's ``manifest.json`` digest, which pins every
+file of the (verified) basis receipt.
 
 Re-freeze (``--refreeze PATH...``): recomputes those artifact digests of existing identities,
-keeping their engines, rules and basis URIs, and rewrites them -- for a reviewed change (an adapter
-edit) that moves no number: ``--refreeze contracts/*-identity-v1.json --write-sealed``.
+keeping their engines, rules and basis URIs, and rewrites them at the current schema version (a v1
+identity becomes v2, its content otherwise unchanged) -- for a reviewed change (an adapter edit)
+that moves no number: ``--refreeze contracts/*-identity-v1.json --write-sealed``.
 
 ``--write-sealed`` regenerates ``qualify/contract/sealed_data.py`` whole from
 ``contracts/*-identity-v1.json`` and their basis receipts; ``--write-schema`` regenerates
-``contracts/onboarding-identity.v1.schema.json`` from the identity model. Both are committed in a
-reviewed change.
+``contracts/onboarding-identity.v{1,2}.schema.json`` from the identity model. Both are committed
+in a reviewed change. (The ``-v1`` in an identity's file name is the lane identity's version, not
+the schema's.)
 
 Example (rung 2, after the calibration run archived its receipt)::
 
@@ -42,9 +46,11 @@ import numpy as np
 
 from qualify.archive.reader import resolve_receipt_uri
 from qualify.contract.identity import (
+    BASIS_MANIFEST,
     DEFAULT_ARCHIVE_DIR,
     IDENTITY_SCHEMA_ID,
-    IDENTITY_SCHEMA_PATH,
+    IDENTITY_SCHEMA_IDS,
+    IDENTITY_SCHEMA_PATHS,
     RELPATH,
     Identity,
     identity_schema_text,
@@ -54,7 +60,7 @@ from qualify.contract.identity import (
 from qualify.contract.lanes import TORCH_LLAMA_MODELS, LaneKind, LaneSpec, lane_spec, target_cache_identity
 from qualify.contract.units import parse_logit_units
 from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256
-from qualify.core.digests import canonical_sha256, sha256_bytes, sha256_file
+from qualify.core.digests import jcs_sha256, sha256_bytes, sha256_file
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import read_strict_json, schema_validator
 from qualify.engines.factory import ADAPTER_SOURCES
@@ -70,14 +76,15 @@ RAW_TOKEN_TEMPLATE_RULE = {
     "template": RAW_TOKEN_TEMPLATE_NAME,
     "rule": "prompt token ids are fed verbatim: no chat template, no BOS or EOS insertion",
 }
-"""The harness applies no chat template; its template digest is the canonical SHA-256 of this."""
+"""The harness applies no chat template; its template digest is the SHA-256 of this rule's RFC 8785
+bytes (the same bytes as the legacy canonical form: the rule holds strings only)."""
 
 
 class Seal(NamedTuple):
     """What ``qualify/contract/sealed_data.py`` holds for one lane."""
 
     identity_sha256: str
-    basis_sha256: str
+    basis_manifest_sha256: str
 
 
 def rope_cache_sha256(theta: float, head_dim: int, max_positions: int) -> str:
@@ -203,6 +210,14 @@ def _basis_file(uri: str, archive_dir: Path) -> Path:
         raise Refused(f"--basis: {uri} does not resolve under {archive_dir} ({one_line(str(exc))})") from None
 
 
+def basis_manifest_sha256(uri: str, archive_dir: Path) -> str:
+    """SHA-256 of the basis receipt's ``manifest.json``, once the basis file resolves and the
+    archive layer verified every file of that receipt against it (so the digest pins them all)."""
+    _basis_file(uri, archive_dir)
+    run_id = uri.removeprefix("receipt://").partition("/")[0]
+    return sha256_file(_basis_file(f"receipt://{run_id}/{BASIS_MANIFEST}", archive_dir))
+
+
 def build_document(args: argparse.Namespace) -> dict[str, Any]:
     """The identity document of ``args.lane`` computed from the artifacts on disk (not yet
     validated: :func:`freeze` runs it through the identity model)."""
@@ -288,7 +303,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         "adapter": {"name": adapter_name, "sha256": sha256_file(adapter_path)},
         "tokenizer_sha256": sha256_file(TOKENIZER),
         "prompt": {"name": args.prompt, "tokens": prompt_tokens, "sha256": prompt_digest},
-        "prompt_template": {"name": RAW_TOKEN_TEMPLATE_NAME, "sha256": canonical_sha256(RAW_TOKEN_TEMPLATE_RULE)},
+        "prompt_template": {"name": RAW_TOKEN_TEMPLATE_NAME, "sha256": jcs_sha256(RAW_TOKEN_TEMPLATE_RULE)},
         "context_policy": {"handoff_positions": prompt_tokens - 1, "max_positions": max_positions},
         "rope": {"theta": theta, "cache_sha256": rope_cache_sha256(theta, head_dim, max_positions)},
         "logit_units": parse_logit_units(args.logit_units).model_dump(mode="json"),
@@ -297,8 +312,9 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str, Any]:
-    """``identity`` with every artifact digest recomputed from disk; engines, rule bounds and
-    basis URI kept. The target-cache identity is re-derived from the new checkpoint digests."""
+    """``identity`` with every artifact digest recomputed from disk and the current schema version;
+    engines, rule bounds and basis URI kept. The target-cache identity is re-derived from the new
+    checkpoint digests."""
     spec = identity.spec
     model_dir = lane_model_dir(spec, args.model_dir)
     config_path = model_dir / "config.json"
@@ -317,13 +333,14 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     rope = identity.rope
     max_positions = identity.context_policy.max_positions
 
+    document["schema"] = IDENTITY_SCHEMA_ID
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
     document["target_cache_identity_sha256"] = target_cache_identity(spec, files, identity.producer_engine.abi)
     document["adapter"]["sha256"] = sha256_file(REPO_ROOT / adapter_source)
     document["tokenizer_sha256"] = sha256_file(TOKENIZER)
     document["prompt"]["sha256"] = prompt_digest
     document["onboarding_qualification"]["prompt_sha256"] = prompt_digest
-    document["prompt_template"]["sha256"] = canonical_sha256(RAW_TOKEN_TEMPLATE_RULE)
+    document["prompt_template"]["sha256"] = jcs_sha256(RAW_TOKEN_TEMPLATE_RULE)
     document["rope"]["cache_sha256"] = rope_cache_sha256(rope.theta, head_dim, max_positions)
     if document["speculative_draft"] is not None:
         document["speculative_draft"]["draft_sha256"] = repo_file_sha256(args.draft or DEFAULT_DRAFT, "--draft")
@@ -331,9 +348,8 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
 
 
 def seal_of(identity: Identity, archive_dir: Path) -> Seal:
-    """The identity's sealed data: its canonical digest and its verified basis receipt's digest."""
-    basis = _basis_file(identity.onboarding_qualification.basis, archive_dir)
-    return Seal(identity_sha256(identity), sha256_file(basis))
+    """The identity's sealed data: its digest and its verified basis receipt's manifest digest."""
+    return Seal(identity_sha256(identity), basis_manifest_sha256(identity.onboarding_qualification.basis, archive_dir))
 
 
 def _entry(lane: str, digest: str) -> str:
@@ -344,7 +360,7 @@ def sealed_lines(lane: str, seal: Seal) -> str:
     """The lane's two entries of ``qualify/contract/sealed_data.py``, as printed for review."""
     return (
         f"# qualify/contract/sealed_data.py, SEALED_IDENTITIES:\n{_entry(lane, seal.identity_sha256)}"
-        f"# qualify/contract/sealed_data.py, SEALED_BASIS_RECEIPTS:\n{_entry(lane, seal.basis_sha256)}"
+        f"# qualify/contract/sealed_data.py, SEALED_BASIS_MANIFESTS:\n{_entry(lane, seal.basis_manifest_sha256)}"
     )
 
 
@@ -352,14 +368,15 @@ def sealed_data_source(seals: Mapping[str, Seal]) -> str:
     """The whole of ``qualify/contract/sealed_data.py`` for these lanes (sorted by lane)."""
     lanes = sorted(seals)
     identities = "".join(_entry(lane, seals[lane].identity_sha256) for lane in lanes)
-    bases = "".join(_entry(lane, seals[lane].basis_sha256) for lane in lanes)
+    bases = "".join(_entry(lane, seals[lane].basis_manifest_sha256) for lane in lanes)
     return (
         '"""Sealed digests of the shipped onboarding identities: what each lane must present.\n'
         "\n"
         "Generated by ``tools/freeze_identity.py --write-sealed`` from ``contracts/*-identity-v1.json`` and\n"
-        "their basis receipts under ``receipts/``. An identity is accepted only if its canonical SHA-256\n"
-        "equals its lane's entry here, so relaxing a bound in the JSON fails onboarding: a sealed identity\n"
-        "changes only by a re-freeze, committed in front of a reviewer (seed §32.2).\n"
+        "their basis receipts under ``receipts/``. An identity is accepted only if its digest equals its\n"
+        "lane's entry here, so relaxing a bound in the JSON fails onboarding: a sealed identity changes\n"
+        "only by a re-freeze, committed in front of a reviewer (seed §32.2). Its basis receipt is pinned\n"
+        "whole: the SHA-256 of the receipt's ``manifest.json``, which lists every file's SHA-256.\n"
         '"""\n'
         "\n"
         "from __future__ import annotations\n"
@@ -370,13 +387,15 @@ def sealed_data_source(seals: Mapping[str, Seal]) -> str:
         "SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({\n"
         f"{identities}"
         "})\n"
-        '"""Lane -> canonical SHA-256 (``qualify.core.digests.canonical_sha256``) of its frozen identity."""\n'
+        '"""Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the\n'
+        'RFC 8785 bytes of a v2 identity)."""\n'
         "\n"
-        "SEALED_BASIS_RECEIPTS: Mapping[str, str] = MappingProxyType({\n"
+        "SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({\n"
         f"{bases}"
         "})\n"
-        '"""Lane -> SHA-256 of the basis receipt file (``onboarding_qualification.basis``) its rule was\n'
-        'calibrated from."""\n'
+        '"""Lane -> SHA-256 of the ``manifest.json`` of the basis receipt (``onboarding_qualification.basis``)\n'
+        "its rule was calibrated from; ``qualify.contract.identity.check_basis_receipt`` also checks every\n"
+        'file of that receipt against the manifest."""\n'
     )
 
 
@@ -434,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--write-sealed", action="store_true",
                         help="then regenerate qualify/contract/sealed_data.py from contracts/*-identity-v1.json")
     parser.add_argument("--write-schema", action="store_true",
-                        help="first regenerate contracts/onboarding-identity.v1.schema.json from the identity model")
+                        help="first regenerate contracts/onboarding-identity.v{1,2}.schema.json from the identity model")
     parser.add_argument("--producer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
                         help="default: what qualify.engines.factory.build_producer reports")
     parser.add_argument("--consumer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
@@ -498,9 +517,10 @@ def _write_sealed(args: argparse.Namespace) -> None:
 
 
 def _write_schema() -> None:
-    write_file(IDENTITY_SCHEMA_PATH, identity_schema_text().encode("utf-8"), replace=True)
-    schema_validator.cache_clear()  # later steps in this process validate against the new file
-    print(f"# wrote {IDENTITY_SCHEMA_PATH}")
+    for schema_id in IDENTITY_SCHEMA_IDS:
+        write_file(IDENTITY_SCHEMA_PATHS[schema_id], identity_schema_text(schema_id).encode("utf-8"), replace=True)
+        print(f"# wrote {IDENTITY_SCHEMA_PATHS[schema_id]}")
+    schema_validator.cache_clear()  # later steps in this process validate against the new files
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,7 +4,8 @@
 Starts ``qualify --recipe R [ARGS]`` and finds its producer process. During handoff 1 it stops
 the producer for ``--recover-s`` seconds and resumes it, which the run must record as a stall.
 During handoff ``--stop-at`` it stops the producer for good, and the run must fail within its
-deadline with exit 1, a receipt that verifies, and no producer left behind. Prints one line per
+deadline with exit 1, a receipt that verifies (signed by the operator's key, every file as
+signed), and no producer left behind. Prints one line per
 fact, and its headline last as ``stall_drill_stop_to_exit_s: SECONDS``.
 
     python tools/stall_drill.py --receipts out/drill [--recover-s 4] [--stop-at 2] [-- QUALIFY ARGS]
@@ -25,7 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qualify.archive.verify import verify_receipt
+from qualify.archive.keys import default_trust_path, load_trust
+from qualify.archive.verify import ReceiptCheck, authenticate_receipt
 
 # How long the drill waits for a step before giving up (a cold recompute on a slow CPU included).
 STEP_LIMIT_S = 900.0
@@ -59,6 +61,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _check(receipt: Path) -> ReceiptCheck:
+    """The receipt as ``qualify receipts verify`` judges it, under the operator's trust file
+    (the run made the key and that file if there were none)."""
+    trust_path = default_trust_path()
+    return authenticate_receipt(receipt, load_trust(trust_path) if trust_path.exists() else None)
+
+
 def drill(archive: Path, recipe: str, recover_s: float, stop_at: int, extra: list[str]) -> dict[str, object]:
     """Run the drill; returns what it saw (see the module docstring)."""
     command = [sys.executable, "-m", "qualify.interfaces.cli", "--recipe", recipe, "--receipts", str(archive), *extra]
@@ -85,12 +94,14 @@ def drill(archive: Path, recipe: str, recover_s: float, stop_at: int, extra: lis
             run.kill()
     receipts = sorted(path for path in archive.iterdir() if path.is_dir())
     log = (receipts[0] / "command.log").read_text(encoding="utf-8") if receipts else ""
+    checked = _check(receipts[0]) if receipts else None
     return {
         "exit_status": run.returncode,
         "stop_to_exit_s": round(stop_to_exit_s, 2),
         "producer_left_behind": _alive(producer),
         "receipts": [path.name for path in receipts],
-        "receipt_problems": verify_receipt(receipts[0]) if receipts else ["no receipt"],
+        "receipt_state": f"{checked.state} ({checked.status})" if checked else None,
+        "receipt_problems": checked.problems if checked else ["no receipt"],
         "deadlines": next((line.split(": ", 1)[1] for line in log.splitlines() if "producer deadlines" in line), None),
         "stall_lines": [line.split("Z ", 1)[-1] for line in log.splitlines() if "producer stalled" in line],
         "samples": {path.stem: json.loads(path.read_text()) for path in sorted((receipts[0] / "samples").glob("*.json"))}
@@ -116,7 +127,8 @@ def main() -> int:
         args.json.write_text(json.dumps(seen, indent=1) + "\n")
     samples = seen["samples"]
     assert isinstance(samples, dict)
-    for key in ("exit_status", "producer_left_behind", "receipts", "receipt_problems", "deadlines", "stall_lines"):
+    for key in ("exit_status", "producer_left_behind", "receipts", "receipt_state", "receipt_problems", "deadlines",
+                "stall_lines"):
         print(f"{key}: {seen[key]}")
     for name, sample in samples.items():
         print(f"{name}: producer_stall_s {sample.get('producer_stall_s')}, error {sample.get('error')}")

@@ -35,6 +35,19 @@ OPENBLAS_NUM_THREADS=1 run_pytest tests -n 2 -q --junitxml=out/tests.xml
 OPENBLAS_NUM_THREADS=1 run_pytest recipes -n 2 -q --junitxml=out/recipes.xml --receipts out/receipts
 # Every fault lane must fail where it was injected.
 "$VENV/bin/qualify" selftest --receipts out/selftest-receipts
+# An auditor without the harness verifies a fresh signed receipt (docs/receipts.md): the offline
+# script, in a fresh venv holding only cryptography at the harness's pin, must exit 0 on it.
+[ ! -d out/offline-receipts ] || chmod -R u+w out/offline-receipts  # finalized receipts are read-only
+rm -rf out/offline-receipts out/offline-venv
+"$VENV/bin/qualify" --recipe native-text --reference-once --receipts out/offline-receipts
+"$VENV/bin/qualify" keys show --trust-file > out/trust.json
+python3 -m venv out/offline-venv
+out/offline-venv/bin/pip install -q --disable-pip-version-check "$(grep -o 'cryptography==[0-9.]*' pyproject.toml)"
+if (cd out && offline-venv/bin/python -c "import qualify" 2>/dev/null); then
+  echo "test.sh: the offline venv imports the harness; its check would prove nothing" >&2
+  exit 1
+fi
+(cd out && offline-venv/bin/python ../tools/verify_receipt_offline.py --trust trust.json offline-receipts/2*)
 # The real vLLM lanes, in their own venv (.venv-vllm, made by tools/install_vllm.sh; about
 # 3 minutes the first time, nothing when it is already there). Runs only the vllm-marked tests.
 bash tools/install_vllm.sh

@@ -7,13 +7,24 @@ its names, the JSON file form, run ids and the archive's location.
 Layout of ``<archive>/<run-id>/``::
 
     command.log               command line, then one timestamped line per log entry
-    identity.json             the identity document, byte for byte
-    identity.sha256           its canonical digest (``qualify.core.digests.canonical_sha256``)
+    identity.json             the identity document, byte for byte (absent, like identity.sha256,
+                              in a receipt of a run refused before its identity loaded)
+    identity.sha256           its digest (``qualify.core.digests.document_sha256``: RFC 8785 for
+                              current schemas, the legacy form for older ones)
     versions.json             engine and library versions
     host.json                 what each process ran on (below); absent in receipts older than it
     samples/sample-<n>.json   one sample record per handoff (n from 1)
-    validation-summary.json   the verdict over the run
-    manifest.json             SHA-256 and size of every other file (written last)
+    series/sample-<n>.safetensors  the per-position, per-layer series of that sample
+                              (:mod:`qualify.evidence.series`); absent for a sample that failed
+                              before its comparison
+    validation-summary.json   the verdict over the run, with its status
+    manifest.json             SHA-256 and size of every other file but the envelope (RFC 8785 bytes)
+    attestation.dsse.json     the signed in-toto statement over every other file (written last;
+                              :mod:`qualify.archive.attestation`)
+
+The format, its threat model and an offline verifier: docs/receipts.md. Receipts from before
+signing (manifest ``trust-ladder.receipt-manifest.v1``, no envelope) stay readable and are
+reported as unsigned, never as verified.
 
 ``host.json`` is ``{"schema": "trust-ladder.receipt-host.v1", "consumer": F, "producers": [P, ...]}``
 with one P per producer start, in order (a calibration restarts its producer for every handoff;
@@ -50,20 +61,24 @@ from typing import Any
 
 from qualify.core.assets import CONTRACTS_DIR
 
-MANIFEST_SCHEMA = "trust-ladder.receipt-manifest.v1"
-MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "receipt-manifest.v1.schema.json"
+MANIFEST_SCHEMA = "trust-ladder.receipt-manifest.v2"
+MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "receipt-manifest.v2.schema.json"
+LEGACY_MANIFEST_SCHEMA = "trust-ladder.receipt-manifest.v1"
+LEGACY_MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "receipt-manifest.v1.schema.json"
 MANIFEST = "manifest.json"
 SUMMARY = "validation-summary.json"
 HOST = "host.json"
 HOST_SCHEMA = "trust-ladder.receipt-host.v1"
+IDENTITY_FILES: tuple[str, ...] = ("identity.json", "identity.sha256")
+"""The identity a run was under: in every receipt but one of a run refused before its identity
+loaded (its summary's ``identity_sha256`` is null, its status refused), which holds neither."""
 REQUIRED_FILES: tuple[str, ...] = (
     "command.log",
-    "identity.json",
-    "identity.sha256",
     "versions.json",
     SUMMARY,
 )
-"""Files every receipt holds besides the manifest (samples may be none, for an early failure)."""
+"""Files every receipt holds besides the manifest (samples may be none, for an early failure);
+:data:`IDENTITY_FILES` too, unless it records a run refused before its identity loaded."""
 
 PARTIAL_PREFIX = ".partial-"
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qualify.archive.layout import MANIFEST, MANIFEST_SCHEMA_PATH, RUN_ID, URI_PREFIX, is_safe_relative
-from qualify.archive.verify import load_receipt_json, shown, verify_receipt
+from qualify.archive.layout import MANIFEST, RUN_ID, URI_PREFIX, is_safe_relative
+from qualify.archive.verify import load_receipt_json, manifest_schema_path, shown, verify_receipt
 from qualify.core.errors import Refused
 from qualify.core.strict_json import check_schema
 
@@ -20,7 +20,7 @@ def receipt_files(directory: str | os.PathLike[str]) -> list[str]:
     root = Path(directory)
     where = f"receipt {shown(root.name)}: {MANIFEST}"
     manifest = load_receipt_json(root / MANIFEST, where)
-    check_schema(manifest, MANIFEST_SCHEMA_PATH, where)
+    check_schema(manifest, manifest_schema_path(manifest), where)
     return [entry["path"] for entry in manifest["files"]]
 
 

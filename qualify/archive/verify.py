@@ -12,13 +12,21 @@ import hashlib
 import os
 import stat
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
+from qualify.archive.attestation import ENVELOPE, AttestationProblem, read_attestation
+from qualify.archive.keys import TrustFile, default_trust_path, load_trust
 from qualify.archive.layout import (
     HOST,
     HOST_SCHEMA,
+    IDENTITY_FILES,
+    LEGACY_MANIFEST_SCHEMA,
+    LEGACY_MANIFEST_SCHEMA_PATH,
     MANIFEST,
+    MANIFEST_SCHEMA,
     MANIFEST_SCHEMA_PATH,
     PARTIAL_PREFIX,
     REQUIRED_FILES,
@@ -29,9 +37,31 @@ from qualify.archive.layout import (
     is_safe_relative,
     json_bytes,
 )
-from qualify.core.digests import canonical_sha256, is_sha256_hex
+from qualify.core.digests import document_sha256, is_sha256_hex, jcs_bytes
 from qualify.core.errors import Refused, one_line
-from qualify.core.strict_json import check_schema, parse_untrusted_json, render, schema_validator
+from qualify.core.strict_json import (
+    check_schema,
+    open_regular_file,
+    parse_untrusted_json,
+    read_bounded,
+    render,
+)
+
+_MANIFEST_FORMS: dict[object, tuple[Path, Callable[[Any], bytes]]] = {
+    MANIFEST_SCHEMA: (MANIFEST_SCHEMA_PATH, jcs_bytes),
+    LEGACY_MANIFEST_SCHEMA: (LEGACY_MANIFEST_SCHEMA_PATH, json_bytes),
+}
+"""A manifest's schema and its one byte form: v2 RFC 8785 (signed receipts), v1 the legacy
+indented form (unsigned receipts from before signing)."""
+
+
+
+def manifest_schema_path(manifest: object) -> Path:
+    """The schema a manifest document is checked against: its own version's (v2 when it names
+    none it knows, so an unknown version fails as a v2 manifest)."""
+    schema = manifest.get("schema") if isinstance(manifest, dict) else None
+    return _MANIFEST_FORMS.get(schema, _MANIFEST_FORMS[MANIFEST_SCHEMA])[0]
+
 
 RECEIPT_JSON_MAX_BYTES = 16 << 20
 """Largest receipt JSON file parsed (manifest, identity, summary, host, sample); real ones are
@@ -41,8 +71,6 @@ _DIGEST_FILE_MAX_BYTES = 1 << 10
 """identity.sha256 holds 64 hex digits and a newline."""
 
 _DETAIL_LIMIT = 160
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-"""Never follow a link planted in a receipt; never block opening a FIFO put where a file was."""
 
 
 # --------------------------------------------------------------------------- bounded reading
@@ -54,38 +82,6 @@ def shown(text: str) -> str:
     return text if text.isprintable() else ascii(text)
 
 
-def _open_regular(path: Path, where: str) -> tuple[int, int]:
-    """A read-only descriptor of a regular file and its size, or :class:`Refused` naming why."""
-    try:
-        descriptor = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError:
-        raise Refused(f"{where}: no such file") from None
-    except OSError as exc:
-        raise Refused(f"{where}: cannot open ({exc.strerror or type(exc).__name__}), "
-                      f"expected a regular file") from None
-    info = os.fstat(descriptor)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(descriptor)
-        raise Refused(f"{where}: not a regular file, expected one")
-    return descriptor, info.st_size
-
-
-def read_bounded(path: Path, limit: int, where: str) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes, or :class:`Refused` (one line
-    starting ``where:``); the size is checked before reading and the read is capped."""
-    descriptor, size = _open_regular(path, where)
-    with os.fdopen(descriptor, "rb") as handle:
-        if size > limit:
-            raise Refused(f"{where}: {size} bytes, expected at most {limit}")
-        try:
-            data = handle.read(limit + 1)
-        except OSError as exc:
-            raise Refused(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    if len(data) > limit:
-        raise Refused(f"{where}: grew past {limit} bytes while reading")
-    return data
-
-
 def load_receipt_json(path: Path, where: str, max_bytes: int = RECEIPT_JSON_MAX_BYTES) -> Any:
     """A receipt's JSON file, bounded and parsed strictly (:func:`parse_untrusted_json`), or
     :class:`Refused` with one line starting ``where:``."""
@@ -95,7 +91,7 @@ def load_receipt_json(path: Path, where: str, max_bytes: int = RECEIPT_JSON_MAX_
 def _sha256_of(path: Path, expected_bytes: int, where: str) -> tuple[int, str | None]:
     """The file's size and SHA-256 hex digest; the digest is None when the size is not
     ``expected_bytes`` (checked on the open descriptor, so a wrong size is never hashed)."""
-    descriptor, size = _open_regular(path, where)
+    descriptor, size = open_regular_file(path, where)
     with os.fdopen(descriptor, "rb") as handle:
         if size != expected_bytes:
             return size, None
@@ -119,18 +115,15 @@ def _read_listed_manifest(directory: Path, problems: list[str]) -> dict[str, Any
         return None
     where = f"altered file {MANIFEST}"
     try:
-        schema_validator(MANIFEST_SCHEMA_PATH)
-    except Refused as exc:  # the harness's own schema file, not the receipt, is at fault
-        problems.append(f"cannot check {MANIFEST}: {exc}")
-        return None
-    try:
         data = read_bounded(manifest_path, RECEIPT_JSON_MAX_BYTES, where)
         manifest = parse_untrusted_json(data, where, max_bytes=RECEIPT_JSON_MAX_BYTES)
-        check_schema(manifest, MANIFEST_SCHEMA_PATH, where)
+        schema_path, render_bytes = _MANIFEST_FORMS.get(
+            manifest.get("schema") if isinstance(manifest, dict) else None, _MANIFEST_FORMS[MANIFEST_SCHEMA])
+        check_schema(manifest, schema_path, where)
     except Refused as exc:
         problems.append(str(exc))
         return None
-    if json_bytes(manifest) != data:
+    if render_bytes(manifest) != data:
         problems.append(f"{where}: bytes differ from its canonical rendering")
         return None
     document: dict[str, Any] = manifest
@@ -167,7 +160,7 @@ def _walk(root: Path, problems: list[str]) -> tuple[set[str], set[str]]:
                 directories.add(relative)
                 pending.append(found)
             elif stat.S_ISREG(mode):
-                if relative != MANIFEST:
+                if relative not in (MANIFEST, ENVELOPE):
                     files.add(relative)
             else:
                 problems.append(f"extra file {shown(relative)}: not a regular file")
@@ -182,7 +175,7 @@ def _listed_files(manifest: dict[str, Any], root: Path, problems: list[str]) -> 
     listed: dict[str, dict[str, Any]] = {}
     for entry in manifest["files"]:
         path = entry["path"]
-        if path == MANIFEST or not is_safe_relative(path):
+        if path in (MANIFEST, ENVELOPE) or not is_safe_relative(path):
             problems.append(f"manifest lists an invalid path {path!r}")
         elif path in listed:
             problems.append(f"manifest lists {path} twice")
@@ -228,6 +221,10 @@ def _receipt_problems(root: Path, problems: list[str]) -> int:
     for path in sorted(actual - set(listed)):
         problems.append(f"extra file {shown(path)}")
     needed_dirs = {"samples"} | {Path(p).parent.as_posix() for p in listed if "/" in p}
+    signed = manifest["schema"] == MANIFEST_SCHEMA
+    if signed != os.path.lexists(root / ENVELOPE):
+        problems.append(f"missing file {ENVELOPE} (a {MANIFEST_SCHEMA} receipt is signed)" if signed
+                        else f"extra file {ENVELOPE} beside a {LEGACY_MANIFEST_SCHEMA} manifest")
     for path in sorted(directories - needed_dirs):
         problems.append(f"extra directory {shown(path)}")
 
@@ -274,31 +271,35 @@ def verify_receipt(directory: str | os.PathLike[str]) -> list[str]:
 
 def _consistency_problems(root: Path, listed: list[str]) -> list[str]:
     """Digest files must agree: identity.sha256 is identity.json's canonical digest, and the
-    summary names this run, this identity and as many samples as the manifest lists."""
-    problems = []
-    try:
-        raw_digest = read_bounded(root / "identity.sha256", _DIGEST_FILE_MAX_BYTES, "identity.sha256")
-        identity_digest = raw_digest.decode("utf-8", errors="replace").strip()
-    except Refused as exc:
-        problems.append(str(exc))
-        identity_digest = ""
-    if not is_sha256_hex(identity_digest):
-        problems.append("identity.sha256 does not hold a SHA-256 hex digest")
-    try:
-        if canonical_sha256(load_receipt_json(root / "identity.json", "identity.json")) != identity_digest:
-            problems.append("identity.sha256 is not the canonical digest of identity.json")
-    except Refused as exc:
-        problems.append(str(exc))
+    summary names this run, this identity and as many samples as the manifest lists. A summary
+    naming no identity (null ``identity_sha256``) is a run refused before its identity loaded:
+    its status must be refused and the receipt must hold neither identity file."""
+    problems: list[str] = []
     try:
         summary = load_receipt_json(root / SUMMARY, SUMMARY)
     except Refused as exc:
-        return [*problems, str(exc)]
+        summary = None
+        problems.append(str(exc))
+    if summary is not None and not isinstance(summary, dict):
+        problems.append(f"{SUMMARY} is not a JSON object")
+        summary = None
+    held = [name for name in IDENTITY_FILES if name in listed]
+    if isinstance(summary, dict) and "identity_sha256" in summary and summary["identity_sha256"] is None:
+        if summary.get("status") != "refused":
+            problems.append(f"{SUMMARY} names no identity, status {render(summary.get('status'))}; only a run "
+                            f"refused before its identity loaded has none")
+        problems.extend(f"{SUMMARY} names no identity, the receipt holds {name}" for name in held)
+    else:
+        problems.extend(f"missing file {name} (required: {SUMMARY} names an identity)"
+                        for name in IDENTITY_FILES if name not in held)
+        if held == list(IDENTITY_FILES):
+            identity_digest = _identity_digest_problems(root, problems)
+            if isinstance(summary, dict) and summary.get("identity_sha256") != identity_digest:
+                problems.append(f"{SUMMARY} names another identity digest")
     if not isinstance(summary, dict):
-        return [*problems, f"{SUMMARY} is not a JSON object"]
+        return problems
     if summary.get("run_id") != root.name:
         problems.append(f"{SUMMARY} names run {render(summary.get('run_id'))}")
-    if summary.get("identity_sha256") != identity_digest:
-        problems.append(f"{SUMMARY} names another identity digest")
     if not isinstance(summary.get("passed"), bool):
         problems.append(f"{SUMMARY} has no passed flag")
     if HOST in listed:  # receipts from before host.json have none
@@ -310,6 +311,27 @@ def _consistency_problems(root: Path, listed: list[str]) -> list[str]:
     elif type(counted) is not int or counted != len(samples):  # true and 3.0 are no count
         problems.append(f"{SUMMARY} counts {render(counted)} samples, the receipt holds {len(samples)}")
     return problems
+
+
+def _identity_digest_problems(root: Path, problems: list[str]) -> str:
+    """identity.sha256's digest (empty when unreadable), appending a problem when it is no SHA-256
+    hex digest or not identity.json's canonical digest."""
+    try:
+        raw_digest = read_bounded(root / "identity.sha256", _DIGEST_FILE_MAX_BYTES, "identity.sha256")
+        identity_digest = raw_digest.decode("utf-8", errors="replace").strip()
+    except Refused as exc:
+        problems.append(str(exc))
+        identity_digest = ""
+    if not is_sha256_hex(identity_digest):
+        problems.append("identity.sha256 does not hold a SHA-256 hex digest")
+    try:
+        if document_sha256(load_receipt_json(root / "identity.json", "identity.json")) != identity_digest:
+            problems.append("identity.sha256 is not the canonical digest of identity.json")
+    except Refused as exc:
+        problems.append(str(exc))
+    except ValueError as exc:  # no hashed document's schema, or one its canonical form refuses
+        problems.append(f"identity.json: {one_line(str(exc))}")
+    return identity_digest
 
 
 def _host_problems(root: Path) -> list[str]:
@@ -334,54 +356,210 @@ def _host_problems(root: Path) -> list[str]:
     return []
 
 
+# --------------------------------------------------------------------------- authentication
+
+State = Literal["verified", "unsigned", "untrusted", "tampered", "partial"]
+
+
+@dataclass
+class ReceiptCheck:
+    """One receipt as ``receipts verify`` judges it: ``state`` (only ``verified`` and ``partial``
+    pass), the run ``status`` it records (authenticated only when verified), the signer and the
+    problems found (each one line)."""
+
+    name: str
+    state: State
+    status: str | None = None
+    key_id: str | None = None
+    files: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def _recorded_status(root: Path) -> str | None:
+    """The status a receipt's summary records (v1 summaries: from ``passed`` and ``error``)."""
+    try:
+        summary = load_receipt_json(root / SUMMARY, SUMMARY)
+    except Refused:
+        return None
+    if not isinstance(summary, dict):
+        return None
+    if isinstance(summary.get("status"), str):
+        return str(summary["status"])
+    if summary.get("passed") is True:
+        return "passed"
+    error = summary.get("error")
+    if isinstance(error, str):
+        return "refused" if error.startswith("refused: ") else "incomplete"
+    return "failed" if summary.get("passed") is False else None
+
+
+def _subject_problems(root: Path, subjects: dict[str, str]) -> list[str]:
+    """The statement must name exactly the receipt's files (the manifest included, the envelope
+    aside), each with its SHA-256."""
+    problems: list[str] = []
+    actual, _directories = _walk(root, problems)
+    actual.add(MANIFEST)
+    for name in sorted(set(subjects) - actual):
+        problems.append(f"statement subject {shown(name)}: no such file")
+    for name in sorted(actual - set(subjects)):
+        problems.append(f"file {shown(name)} is not a subject of the signed statement")
+    for name in sorted(actual & set(subjects)):
+        try:
+            descriptor, _size = open_regular_file(root / name, f"file {name}")
+        except Refused as exc:
+            problems.append(str(exc))
+            continue
+        with os.fdopen(descriptor, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        if digest != subjects[name]:
+            problems.append(f"file {name}: sha256 differs from the signed statement's subject")
+    return problems
+
+
+def _predicate_problems(root: Path, predicate: dict[str, Any], status: str | None) -> list[str]:
+    """The signed conclusion must be the receipt's own: its run id, and the status its summary records."""
+    problems = []
+    if predicate.get("run_id") != root.name:
+        problems.append(f"signed statement names run {render(predicate.get('run_id'))}, not {shown(root.name)}")
+    if predicate.get("status") != status:
+        problems.append(f"signed statement says {render(predicate.get('status'))}, {SUMMARY} says {render(status)}")
+    return problems
+
+
+def authenticate_receipt(directory: str | os.PathLike[str], trust: TrustFile | None) -> ReceiptCheck:
+    """Verify one receipt end to end: every file against its manifest, then the signed statement
+    (signature by a key ``trust`` holds, subjects equal to the files, the conclusion the
+    summary's). A receipt with no statement and a v1 manifest is ``unsigned`` (legacy), never
+    verified. Never raises."""
+    root = Path(directory)
+    check = ReceiptCheck(shown(root.name), "tampered")
+    problems, check.files = check_receipt(root)
+    prefix = f"{check.name}: "
+    check.problems = [problem.removeprefix(prefix) for problem in problems]
+    check.status = _recorded_status(root)
+    if not os.path.lexists(root / ENVELOPE):
+        if not check.problems and _manifest_schema(root) == LEGACY_MANIFEST_SCHEMA:
+            check.state = "unsigned"
+        elif not check.problems:
+            check.problems.append(f"missing file {ENVELOPE}")
+        return check
+    try:
+        attestation = read_attestation(root, trust)
+    except AttestationProblem as problem:
+        check.problems.append(str(problem))
+        if problem.kind == "untrusted" and len(check.problems) == 1:
+            check.state = "untrusted"
+        return check
+    except Exception as exc:  # a hostile envelope's surprise stays this receipt's problem
+        check.problems.append(f"cannot check {ENVELOPE}: {_describe(exc)}")
+        return check
+    check.key_id = attestation.key_id
+    check.problems.extend(_subject_problems(root, attestation.subjects))
+    check.problems.extend(_predicate_problems(root, attestation.predicate, check.status))
+    if not check.problems:
+        check.state = "verified"
+    return check
+
+
+def _manifest_schema(root: Path) -> object:
+    try:
+        manifest = load_receipt_json(root / MANIFEST, MANIFEST)
+    except Refused:
+        return None
+    return manifest.get("schema") if isinstance(manifest, dict) else None
+
+
 # --------------------------------------------------------------------------- the command
 
 
 def _archive_contents(target: Path) -> tuple[list[Path], list[Path]]:
     """The receipts to check under ``target`` (itself when it is one) and the ``.partial-``
-    leftovers of interrupted runs."""
+    leftovers of runs killed before they finalized (their claimed, still empty run directory is
+    part of the leftover, not a receipt)."""
     if os.path.lexists(target / MANIFEST) or target.name.startswith(PARTIAL_PREFIX):
         return [target], []
     children = sorted(p for p in target.iterdir() if stat.S_ISDIR(p.lstat().st_mode))
     partial = [p for p in children if p.name.startswith(PARTIAL_PREFIX)]
-    receipts = [p for p in children if not p.name.startswith(".")]
+    claimed = {p.name.removeprefix(PARTIAL_PREFIX) for p in partial}
+    receipts = [p for p in children if not p.name.startswith(".")
+                and not (p.name in claimed and not any(p.iterdir()))]
     return receipts, partial
 
 
-def verify_cli(path: str | os.PathLike[str] | None = None, out: TextIO | None = None) -> int:
-    """``qualify receipts verify [PATH]``: PATH is one receipt or an archive of many (default:
-    the archive location). Prints one line per receipt; exit 0 when every receipt is intact,
-    1 when any is not (or none is found), 2 when PATH does not exist or cannot be listed."""
-    stream = out or sys.stdout
-    errors = sys.stderr if out is None else stream
-    target = Path(path).expanduser() if path else default_archive_dir()
+_LABELS: dict[State, str] = {"verified": "ok       ", "partial": "partial  ", "unsigned": "UNSIGNED ",
+                             "untrusted": "UNTRUSTED", "tampered": "TAMPERED "}
+
+
+def _report(check: ReceiptCheck, stream: TextIO) -> None:
+    label = _LABELS[check.state]
+    if check.state == "verified":
+        print(f"{label} {check.name}: {check.status}; signed by {check.key_id and check.key_id[:16]}…, "
+              f"{check.files} files match the signed statement", file=stream)
+    elif check.state == "unsigned":
+        print(f"{label} {check.name}: legacy receipt with no signed statement; its files match its own "
+              f"manifest, which anyone can recompute; records {check.status} (not authenticated)", file=stream)
+    elif check.state == "partial":
+        print(f"{label} {check.name}: a run stopped before it finalized its receipt; nothing in it is "
+              f"attested", file=stream)
+    else:
+        for problem in check.problems:
+            print(f"{label} {check.name}: {problem}", file=stream)
+
+
+def verify_paths(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None, out: TextIO) -> int:
+    """Verify every receipt under ``paths`` (each one receipt or an archive); print one line per
+    receipt and a tally. 0 when every receipt is verified (whatever status it records) or a
+    partial leftover; 1 when any is unsigned, untrusted or tampered, or none is found."""
+    checks: list[ReceiptCheck] = []
+    for path in paths:
+        receipts, partial = _archive_contents(Path(path))
+        for receipt in receipts:
+            checks.append(authenticate_receipt(receipt, trust))
+            _report(checks[-1], out)
+        for leftover in partial:
+            checks.append(ReceiptCheck(shown(leftover.name), "partial", status="incomplete"))
+            _report(checks[-1], out)
+    if not checks:
+        print(f"receipts verify: no receipts under {', '.join(shown(os.fspath(p)) for p in paths)}", file=out)
+        return 1
+    states = {state: sum(check.state == state for check in checks) for state in _LABELS}
+    statuses = {status: sum(check.state == "verified" and check.status == status for check in checks)
+                for status in ("passed", "failed", "refused", "incomplete")}
+    recorded = ", ".join(f"{count} {status}" for status, count in statuses.items() if count)
+    tally = (f"{len(checks)} receipts: {states['verified']} verified" + (f" ({recorded})" if recorded else "")
+             + "".join(f", {states[state]} {state}" for state in ("partial", "unsigned", "untrusted", "tampered")
+                       if states[state]))
+    print(tally, file=out)
+    return 0 if states["unsigned"] + states["untrusted"] + states["tampered"] == 0 else 1
+
+
+def verify_cli(args: Sequence[str]) -> int:
+    """``qualify receipts verify [--trust FILE] [PATH ...]``: PATH is a receipt or an archive
+    (default: the archive location); FILE a trust file (default: the operator's, when it exists).
+    Exit 0 every receipt verified, 1 any unsigned, untrusted or tampered, 2 unusable input."""
+    from qualify.core.arguments import OneLineParser, path_argument, say_refusal
+
+    parser = OneLineParser(prog="qualify receipts verify",
+                           description="Verify receipts: signature, signed statement, every file.")
+    parser.add_argument("paths", nargs="*", metavar="PATH", type=path_argument, help="receipts or archives")
+    parser.add_argument("--trust", type=path_argument, default=None,
+                        help=f"trust file of public keys (default {default_trust_path()} when it exists)")
     try:
-        if not target.is_dir():
-            print(f"receipts verify: {shown(str(target))}: no such directory", file=errors)
-            return 2
-        receipts, partial = _archive_contents(target)
-    except OSError as exc:
-        print(f"receipts verify: {shown(str(target))}: cannot list ({exc.strerror or type(exc).__name__})",
-              file=errors)
+        options = parser.parse_args(list(args))
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else 2
+    try:
+        trust_path = options.trust or default_trust_path()
+        trust = load_trust(trust_path) if options.trust or os.path.lexists(trust_path) else None
+        targets = [Path(path).expanduser() for path in options.paths] or [default_archive_dir()]
+        for target in targets:
+            if not target.is_dir():
+                raise Refused(f"receipts verify: {shown(str(target))}: no such directory")
+            os.listdir(target)
+    except Refused as refusal:
+        say_refusal(str(refusal))
         return 2
-    failing = 0
-    for receipt in receipts:
-        problems, file_count = check_receipt(receipt)
-        if problems:
-            failing += 1
-            for problem in problems:
-                print(f"FAIL {problem}", file=stream)
-        else:
-            print(f"ok   {receipt.name}: {file_count} files match the manifest", file=stream)
-    for leftover in partial:
-        failing += 1
-        print(f"FAIL {shown(leftover.name)}: partial receipt left by an interrupted run", file=stream)
-    if not receipts and not partial:
-        print(f"receipts verify: no receipts under {shown(str(target))}", file=stream)
-        return 1
-    total = len(receipts) + len(partial)
-    if failing:
-        print(f"{failing} of {total} receipts failed verification", file=stream)
-        return 1
-    print(f"{total} receipts verified: every file matches its manifest", file=stream)
-    return 0
+    except OSError as exc:
+        say_refusal(f"receipts verify: cannot list ({exc.strerror or type(exc).__name__})")
+        return 2
+    return verify_paths(targets, trust, sys.stdout)

@@ -14,6 +14,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TextIO
 
+from qualify.archive.attestation import ENVELOPE, sign_directory
+from qualify.archive.keys import SigningKey, ensure_signing_key
 from qualify.archive.layout import (
     HOST,
     HOST_SCHEMA,
@@ -26,7 +28,8 @@ from qualify.archive.layout import (
     json_safe,
     new_run_id,
 )
-from qualify.core.digests import canonical_sha256, strict_json_loads
+from qualify.archive.predicate import receipt_predicate
+from qualify.core.digests import document_sha256, jcs_bytes, strict_json_loads
 from qualify.core.errors import Refused, one_line
 from qualify.core.hostenv import host_facts, host_facts_problem
 from qualify.evidence.records import (
@@ -37,7 +40,7 @@ from qualify.evidence.records import (
     ValidationSummary,
     record_json,
 )
-from qualify.judge import Verdict, judge_incomplete
+from qualify.judge import Verdict, judge_incomplete, judge_refused
 
 
 class DocumentedIdentity(Protocol):
@@ -97,6 +100,23 @@ def _identity_document(identity: IdentitySource) -> tuple[bytes, Any]:
     return json_bytes(document), document
 
 
+def _identity_and_digest(identity: IdentitySource | None, identity_sha256: str | None) -> tuple[bytes | None, str | None]:
+    """(identity.json bytes, canonical digest), both None for a run with no identity; a given
+    ``identity_sha256`` must be the document's digest (and None when there is no identity)."""
+    if identity is None:
+        if identity_sha256 is not None:
+            raise Refused(f"receipt: identity_sha256 {identity_sha256} given without an identity")
+        return None, None
+    identity_bytes, document = _identity_document(identity)
+    try:
+        digest = document_sha256(document)
+    except (TypeError, ValueError) as exc:
+        raise Refused(f"receipt: identity document: {one_line(str(exc))}") from None
+    if identity_sha256 is not None and identity_sha256 != digest:
+        raise Refused(f"receipt: identity_sha256 {identity_sha256} does not match the document's digest {digest}")
+    return identity_bytes, digest
+
+
 def library_versions() -> dict[str, str]:
     """Python, platform and the versions of the libraries the harness's numbers depend on."""
     versions = {"python": platform.python_version(), "platform": platform.platform()}
@@ -117,9 +137,15 @@ class ReceiptWriter:
     which finalizes a failing receipt if the run raised or ended without a verdict).
 
     ``identity`` is the identity file path (copied byte for byte), its document, or an Identity;
-    ``identity_sha256``, when given, must equal the document's canonical digest. ``rule`` is the
+    ``identity_sha256``, when given, must equal the document's canonical digest. ``identity`` None
+    is a run refused before its identity loaded: the receipt holds no identity files, its summary's
+    ``identity_sha256`` is null, and only a refused verdict can finalize it (``lane`` may then be
+    None too, when the operator's choice names none). ``rule`` is the
     judging rule (stored in the summary so the receipt can be re-judged). ``consumer_host`` is the
     consumer's host facts for host.json; by default this process's, taken at :meth:`finalize`.
+    ``signing_key`` signs the receipt's statement; by default the operator's
+    (:func:`qualify.archive.keys.ensure_signing_key`, made on first use), loaded before the run id
+    is claimed so a key that cannot sign stops the run before anything is written.
     """
 
     def __init__(
@@ -127,26 +153,24 @@ class ReceiptWriter:
         archive: str | os.PathLike[str],
         *,
         command_line: Sequence[str],
-        identity: IdentitySource,
+        identity: IdentitySource | None,
         recipe: str,
-        lane: str,
+        lane: str | None,
         rule: BoundedDriftRule | BitExactRule | Mapping[str, Any] | None = None,
         identity_sha256: str | None = None,
         versions: Mapping[str, Any] | None = None,
         run_id: str | None = None,
         consumer_host: Mapping[str, Any] | None = None,
+        signing_key: SigningKey | None = None,
     ) -> None:
+        self.signing_key = signing_key if signing_key is not None else ensure_signing_key()
         self.archive = Path(archive)
         self.run_id = new_run_id() if run_id is None else run_id
         if not RUN_ID.fullmatch(self.run_id):
             raise Refused(f"receipt: run id {self.run_id!r} is malformed; expected letters, digits, '.', '_' or '-'")
-        identity_bytes, document = _identity_document(identity)
-        try:
-            digest = canonical_sha256(document)
-        except (TypeError, ValueError):
-            raise Refused("receipt: identity document is not canonical JSON") from None
-        if identity_sha256 is not None and identity_sha256 != digest:
-            raise Refused(f"receipt: identity_sha256 {identity_sha256} does not match the document's digest {digest}")
+        identity_bytes, digest = _identity_and_digest(identity, identity_sha256)
+        if lane is None and digest is not None:
+            raise Refused("receipt: lane: found None, expected the lane of the identity the run is under")
         self.identity_sha256 = digest
         self.recipe = recipe
         self.lane = lane
@@ -154,18 +178,22 @@ class ReceiptWriter:
                      else dict(rule) if rule else None)
         self.started_utc = _utc_now()
         self.samples = 0
+        self._sample_documents: list[dict[str, Any]] = []
         self.finalized = False
         self.consumer_host = dict(consumer_host) if consumer_host is not None else None
         if consumer_host is None:
             host_facts()  # its static part (git, CPU, numpy) now, so finalize only re-reads threads and env
         self.producer_hosts: list[dict[str, Any]] = []  # one {"facts", "note"} per producer start
 
-        self.archive.mkdir(parents=True, exist_ok=True)
         self.path = self.archive / self.run_id
         try:
+            self.archive.mkdir(parents=True, exist_ok=True)
             os.mkdir(self.path)
         except FileExistsError:
             raise Refused(f"receipt {self.run_id}: {self.path} already exists; a receipt is never rewritten") from None
+        except OSError as exc:
+            raise Refused(f"receipt archive {self.archive}: cannot create a receipt there "
+                          f"({exc.strerror or type(exc).__name__}); no receipt was written") from None
         self.staging = self.archive / f"{PARTIAL_PREFIX}{self.run_id}"
         try:
             os.mkdir(self.staging)
@@ -173,14 +201,16 @@ class ReceiptWriter:
             raise Refused(
                 f"receipt {self.run_id}: {self.staging} already exists; a receipt is never rewritten") from None
         os.mkdir(self.staging / "samples")
-        _write_new(self.staging / "identity.json", identity_bytes)
-        _write_new(self.staging / "identity.sha256", f"{digest}\n".encode("ascii"))
+        if identity_bytes is not None and digest is not None:
+            _write_new(self.staging / "identity.json", identity_bytes)
+            _write_new(self.staging / "identity.sha256", f"{digest}\n".encode("ascii"))
         merged = {"libraries": library_versions(), **({"engines": dict(versions)} if versions else {})}
         _write_new(self.staging / "versions.json", json_bytes(json_safe(merged)))
         descriptor = os.open(self.staging / "command.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._log: TextIO = os.fdopen(descriptor, "w", encoding="utf-8")
         self._log.write("command: " + " ".join(one_line(part) for part in command_line) + "\n")
-        self.log(f"receipt {self.run_id} started; identity sha256 {digest}")
+        self.log(f"receipt {self.run_id} started; " + (f"identity sha256 {digest}" if digest is not None else
+                 "no identity: the run was refused before its identity loaded"))
 
     # -- during the run
 
@@ -198,10 +228,30 @@ class ReceiptWriter:
         self._require_open()
         document = record_json(record) if isinstance(record, SampleRecord) else json_safe(dict(record))
         self.samples += 1
+        self._sample_documents.append(document)
         name = f"sample-{self.samples}.json"
         _write_new(self.staging / "samples" / name, json_bytes(document))
         self.log(f"sample {self.samples} recorded")
         return self.path / "samples" / name
+
+    def add_series(self, repetition: int, tensors: Mapping[str, Any]) -> Path:
+        """Write ``series/sample-<repetition>.safetensors``: the per-position, per-repetition and
+        per-layer series an auditor plots (names and shapes: :mod:`qualify.evidence.series`).
+        Each tensor is a numpy array; the file is listed in the manifest and the signed statement
+        like every other. Returns its final path."""
+        self._require_open()
+        from safetensors.numpy import save
+
+        if type(repetition) is not int or repetition < 1:
+            raise Refused(f"receipt {self.run_id}: series repetition {repetition!r}, expected an integer >= 1")
+        name = f"sample-{repetition}.safetensors"
+        series_dir = self.staging / "series"
+        series_dir.mkdir(exist_ok=True)
+        # Sorted names: the same tensors give the same bytes, so the file's digest is reproducible.
+        _write_new(series_dir / name, save({key: tensors[key] for key in sorted(tensors)},
+                                           metadata={"run_id": self.run_id, "repetition": str(repetition)}))
+        self.log(f"series {repetition} recorded ({len(tensors)} tensors)")
+        return self.path / "series" / name
 
     def set_producer_host(self, facts: Mapping[str, Any] | None, *, problem: str | None = None) -> None:
         """Record one producer start's host facts (as it reported them when ready) for host.json,
@@ -229,7 +279,8 @@ class ReceiptWriter:
     # -- the end
 
     def finalize(self, verdict: Verdict) -> Path:
-        """Write the validation summary and manifest, then publish the receipt atomically.
+        """Write the validation summary, manifest and signed statement, then publish the receipt
+        atomically.
 
         ``verdict`` is the judge's (:mod:`qualify.judge`; a run that stopped early passes
         :func:`qualify.judge.judge_incomplete`); the receipt passes only when it does. Returns the
@@ -238,6 +289,9 @@ class ReceiptWriter:
         self._require_open()
         if not isinstance(verdict, Verdict):
             raise TypeError(f"finalize needs a qualify.judge.Verdict, found {type(verdict).__name__}")
+        if self.identity_sha256 is None and verdict.status != "refused":
+            raise Refused(f"receipt {self.run_id}: status {verdict.status} without an identity; a receipt with no "
+                          f"identity records a refused run")
         self.finalized = True
         rung = self.rule.get("rung") if self.rule else None
         summary = ValidationSummary(
@@ -246,7 +300,8 @@ class ReceiptWriter:
             lane=self.lane,
             rung=rung if rung in (1, 2, 3) else None,
             identity_sha256=self.identity_sha256,
-            passed=verdict.passed and verdict.error is None,
+            passed=verdict.status == "passed",
+            status=verdict.status,
             verdict=one_line(verdict.headline),
             reasons=tuple(one_line(reason) for reason in verdict.reasons),
             checks=tuple(CheckRecord(name=c.name, passed=c.passed, detail=c.detail) for c in verdict.checks),
@@ -260,19 +315,24 @@ class ReceiptWriter:
         self._log.flush()
         os.fsync(self._log.fileno())
         self._log.close()
-        _write_new(self.staging / SUMMARY, json_bytes(json.loads(summary.model_dump_json(by_alias=True))))
-        _write_new(self.staging / HOST, json_bytes(self._host_document()))
+        summary_document = json.loads(summary.model_dump_json(by_alias=True))
+        host_document = self._host_document()
+        _write_new(self.staging / SUMMARY, json_bytes(summary_document))
+        _write_new(self.staging / HOST, json_bytes(host_document))
         entries = []
         for path in sorted(p for p in self.staging.rglob("*") if p.is_file()):
             relative = path.relative_to(self.staging).as_posix()
             data = path.read_bytes()
             entries.append({"path": relative, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
         manifest = {"schema": MANIFEST_SCHEMA, "run_id": self.run_id, "files": entries}
-        _write_new(self.staging / MANIFEST, json_bytes(manifest))
+        _write_new(self.staging / MANIFEST, jcs_bytes(manifest))
+        predicate = receipt_predicate(summary_document, self._sample_documents, host_document)
+        _write_new(self.staging / ENVELOPE, sign_directory(self.staging, predicate, self.signing_key))
         for path in self.staging.rglob("*"):
             if path.is_file():
                 os.chmod(path, 0o444)
-        for directory in (self.staging / "samples", self.staging):
+        subdirectories = [path for path in self.staging.iterdir() if path.is_dir()]
+        for directory in (*subdirectories, self.staging):
             _fsync_dir(directory)
             os.chmod(directory, 0o555)
         try:
@@ -297,7 +357,7 @@ class ReceiptWriter:
     ) -> None:
         if self.finalized:
             return
-        if exc is not None:
-            self.finalize(judge_incomplete(f"{kind.__name__ if kind else 'error'}: {one_line(str(exc))}"))
-        else:
-            self.finalize(judge_incomplete("run ended without a verdict"))
+        reason = f"{kind.__name__ if kind else 'error'}: {one_line(str(exc))}" if exc is not None \
+            else "run ended without a verdict"
+        # A receipt with no identity can only say the run was refused.
+        self.finalize(judge_refused(reason) if self.identity_sha256 is None else judge_incomplete(reason))

@@ -1,22 +1,27 @@
 """The frozen onboarding identity: its one typed model, and loading it fail closed.
 
 The pydantic model :class:`Identity` is the only definition of an identity's shape and rules: the
-JSON Schema ``contracts/onboarding-identity.v1.schema.json`` is generated from it
+JSON Schemas ``contracts/onboarding-identity.v{1,2}.schema.json`` are generated from it
 (:func:`identity_json_schema`, written by ``tools/freeze_identity.py --write-schema``) and every
 content rule (consistency with the lane table, the rule, the prompt, the derived cache identity)
 is one of its validators, so they hold for every identity, sealed or being frozen.
+
+Two schema versions load; they differ only in the identity's digest (:func:`identity_sha256`,
+:func:`qualify.core.digests.document_sha256`): v2 (what freezing writes) is the SHA-256 of the
+document's RFC 8785 bytes, reproducible with a stock JCS library; v1 is the legacy canonical form.
 
 Loading is layered (``docs/architecture.md``, DESIGN "The frozen onboarding identity"):
 
 a. bytes: strict JSON (:func:`qualify.core.strict_json.read_strict_json`);
 b. the generated JSON Schema (draft 2020-12, closed objects);
 c. the frozen strict pydantic model, which must serialise back to exactly the document;
-d. the seal: the document's canonical SHA-256 must equal its lane's sealed digest
+d. the seal: the document's digest must equal its lane's sealed digest
    (``qualify/contract/sealed_data.py``), so a relaxed bound changes only by a re-freeze in a
    reviewed commit.
 
-Loading checks the basis receipt URI's shape only; the archive layer resolves it, and
-:func:`check_basis_receipt` checks the resolved file against the lane's sealed basis digest.
+Loading checks the basis receipt URI's shape only; :func:`check_basis_receipt` (given the archive
+layer's resolver and verifier) checks the whole basis receipt: its ``manifest.json`` hashes to the
+lane's sealed digest and every file matches that manifest, none missing and none extra.
 Every refusal is one line ``identity <path>: <field>: found <value>, expected|sealed <value>``.
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -48,16 +54,23 @@ from qualify.contract.lanes import (
 )
 from qualify.contract.units import LogitUnits
 from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
-from qualify.core.digests import canonical_json_bytes, canonical_sha256, is_sha256_hex, sha256_file
+from qualify.core.digests import canonical_json_bytes, document_sha256, is_sha256_hex, sha256_bytes
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
 
-IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v1"]
-IDENTITY_SCHEMA_ID: str = get_args(IdentitySchemaId)[0]
-"""The ``schema`` string of an onboarding identity document (v1)."""
+IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v1", "trust-ladder.onboarding-identity.v2"]
+IDENTITY_SCHEMA_IDS: tuple[str, ...] = get_args(IdentitySchemaId)
+"""Every ``schema`` string an onboarding identity document may declare, oldest first."""
+IDENTITY_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[-1]
+"""The ``schema`` string freezing writes (v2: the identity's digest is over its RFC 8785 bytes)."""
 
-IDENTITY_SCHEMA_PATH = CONTRACTS_DIR / "onboarding-identity.v1.schema.json"
-"""The committed JSON Schema, generated from :class:`Identity` (a test keeps them equal)."""
+IDENTITY_SCHEMA_PATHS: Mapping[str, Path] = MappingProxyType({
+    schema_id: CONTRACTS_DIR / f"onboarding-identity.{schema_id.rsplit('.', 1)[1]}.schema.json"
+    for schema_id in IDENTITY_SCHEMA_IDS
+})
+"""Schema id -> its committed JSON Schema, generated from :class:`Identity` (a test keeps them equal)."""
+IDENTITY_SCHEMA_PATH = IDENTITY_SCHEMA_PATHS[IDENTITY_SCHEMA_ID]
+"""The committed JSON Schema of the current version."""
 
 DEFAULT_ARCHIVE_DIR = REPO_ROOT / "receipts"
 """Where a shipped identity's ``receipt://<run-id>/<file>`` basis resolves: ``receipts/<run-id>/<file>``."""
@@ -267,7 +280,7 @@ class Identity(_Frozen):
     """The frozen onboarding identity of one producer lane: everything its numbers depend on,
     pinned by SHA-256, plus the qualification rule."""
 
-    model_config = ConfigDict(title="trust-ladder onboarding identity v1")
+    model_config = ConfigDict(title="trust-ladder onboarding identity")
 
     schema_id: IdentitySchemaId = Field(alias="schema")
     lane: LaneName
@@ -396,21 +409,34 @@ class _ContractSchema(GenerateJsonSchema):
         return json_schema
 
 
-def identity_json_schema() -> dict[str, Any]:
-    """The JSON Schema of an identity document, generated from :class:`Identity` (draft 2020-12)."""
+_DIGEST_RULES: Mapping[str, str] = MappingProxyType({
+    "trust-ladder.onboarding-identity.v2": (
+        " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."),
+})
+"""What a version's schema says about its digest (v1's text predates the rule and stays as committed)."""
+
+
+def identity_json_schema(schema_id: str = IDENTITY_SCHEMA_ID) -> dict[str, Any]:
+    """The JSON Schema of an identity document of one version, generated from :class:`Identity`
+    (draft 2020-12): the versions differ only in their ``schema`` constant, id and title."""
+    if schema_id not in IDENTITY_SCHEMA_PATHS:
+        raise Refused(f"identity schema: found {render(schema_id)}, expected one of "
+                      f"{', '.join(render(known) for known in IDENTITY_SCHEMA_IDS)}")
     generated = Identity.model_json_schema(by_alias=True, schema_generator=_ContractSchema)
+    version = schema_id.rsplit(".", 1)[1]
+    generated["properties"]["schema"] = {"const": schema_id, "type": "string"}
     head = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "https://trust-ladder.invalid/contracts/onboarding-identity.v1.schema.json",
-        "title": generated.pop("title"),
-        "description": generated.pop("description"),
+        "$id": f"https://trust-ladder.invalid/contracts/{IDENTITY_SCHEMA_PATHS[schema_id].name}",
+        "title": f"{generated.pop('title')} {version}",
+        "description": generated.pop("description") + _DIGEST_RULES.get(schema_id, ""),
     }
     return {**head, **generated}
 
 
-def identity_schema_text() -> str:
+def identity_schema_text(schema_id: str = IDENTITY_SCHEMA_ID) -> str:
     """The committed form of :func:`identity_json_schema`: two-space indented JSON and a newline."""
-    return json.dumps(identity_json_schema(), indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(identity_json_schema(schema_id), indent=2, ensure_ascii=False) + "\n"
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -429,18 +455,35 @@ def _describe_pydantic_error(exc: ValidationError) -> str:
 
 
 def identity_sha256(identity: Identity) -> str:
-    """Canonical SHA-256 of the identity document as loaded: part of the lane identity,
-    written into every receipt (``qualify.core.digests.canonical_sha256``)."""
+    """SHA-256 of the identity document as loaded, in the canonical form its schema version
+    declares (:func:`qualify.core.digests.document_sha256`: RFC 8785 for v2): part of the lane
+    identity, written into every receipt."""
     if not isinstance(identity, Identity):
         raise Refused(f"identity digest: found {type(identity).__name__}, expected Identity")
-    return canonical_sha256(identity.document())
+    try:
+        return document_sha256(identity.document())
+    except ValueError as exc:
+        raise Refused(f"identity {identity.lane}: {one_line(str(exc))}") from None
+
+
+def _schema_path_of(document: object, where: str) -> Path:
+    """The JSON Schema of the version the document declares; the current one when it declares
+    none (the schema layer then names what is missing)."""
+    if isinstance(document, dict) and "schema" in document:
+        path = IDENTITY_SCHEMA_PATHS.get(document["schema"]) if isinstance(document["schema"], str) else None
+        if path is None:
+            raise Refused(f"{where}: schema: found {render(document['schema'])}, expected one of "
+                          f"{', '.join(render(known) for known in IDENTITY_SCHEMA_IDS)}")
+        return path
+    return IDENTITY_SCHEMA_PATH
 
 
 def parse_identity_document(document: object, *, where: str) -> Identity:
-    """Layers (b) and (c) on a parsed document: schema, then the strict model, which must
-    serialise back to exactly the document (so its digest is the document's). Not sealed."""
+    """Layers (b) and (c) on a parsed document: the schema of the version it declares, then the
+    strict model, which must serialise back to exactly the document (so its digest is the
+    document's). Not sealed."""
     check_json_values(document, where)
-    check_schema(document, IDENTITY_SCHEMA_PATH, where)
+    check_schema(document, _schema_path_of(document, where), where)
     try:
         identity = Identity.model_validate_json(json.dumps(document, allow_nan=False), strict=True)
     except ValidationError as exc:
@@ -506,44 +549,84 @@ ReceiptResolver = Callable[[str, Path], Path]
 """``(receipt_uri, archive_dir) -> file``: the archive layer's ``resolve_receipt_uri``, which verifies
 the receipt's manifest (passed in: the contract layer never imports the archive)."""
 
+ReceiptVerifier = Callable[[Path], tuple[list[str], int]]
+"""``receipt_dir -> (problems, files covered)``: the archive layer's ``check_receipt``, which
+re-hashes every file against the receipt's manifest and reports a missing or extra file (passed
+in like :data:`ReceiptResolver`)."""
+
+BASIS_MANIFEST = "manifest.json"
+"""The basis receipt's file whose SHA-256 is sealed: it lists every other file's SHA-256."""
+BASIS_MANIFEST_MAX_BYTES = 16 << 20
+"""Largest basis manifest read (a calibration receipt's lists some tens of files)."""
+
+
+def _read_basis_manifest(path: Path) -> bytes:
+    """The manifest's bytes, bounded (never following a link: a receipt is untrusted input)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    descriptor = os.open(path, flags)
+    with os.fdopen(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise OSError(0, "not a regular file")
+        data = handle.read(BASIS_MANIFEST_MAX_BYTES + 1)
+    if len(data) > BASIS_MANIFEST_MAX_BYTES:
+        raise OSError(0, f"larger than {BASIS_MANIFEST_MAX_BYTES} bytes")
+    return data
+
 
 def check_basis_receipt(
     identity: Identity,
     resolve: ReceiptResolver,
+    verify: ReceiptVerifier,
     *,
     where: str,
     archive_dir: str | os.PathLike[str] | None = None,
-    sealed_basis_receipts: Mapping[str, str] | None = None,
+    sealed_basis_manifests: Mapping[str, str] | None = None,
 ) -> Path:
-    """Resolve the identity's basis receipt (``onboarding_qualification.basis``) with ``resolve``
-    under ``archive_dir`` (default :data:`DEFAULT_ARCHIVE_DIR`) and check the file hashes to its
-    lane's sealed basis digest; returns the file's path."""
+    """Check the identity's whole basis receipt (``onboarding_qualification.basis``) under
+    ``archive_dir`` (default :data:`DEFAULT_ARCHIVE_DIR`): the URI resolves (``resolve``), every
+    file matches the receipt's manifest with none missing or extra (``verify``), and the
+    manifest's bytes hash to the lane's sealed digest, so no file (a sample setting the KV
+    envelope, say) changes even with its manifest re-hashed. Returns the basis file's path."""
     field = "onboarding_qualification.basis"
     uri = identity.onboarding_qualification.basis
-    table = sealed_data.SEALED_BASIS_RECEIPTS if sealed_basis_receipts is None else sealed_basis_receipts
+    table = sealed_data.SEALED_BASIS_MANIFESTS if sealed_basis_manifests is None else sealed_basis_manifests
     sealed = table.get(identity.lane)
     if sealed is None:
-        raise Refused(f"{where}: {field}: lane {identity.lane} has no sealed basis receipt digest")
+        raise Refused(f"{where}: {field}: lane {identity.lane} has no sealed basis receipt manifest digest")
     archive = Path(DEFAULT_ARCHIVE_DIR if archive_dir is None else archive_dir)
+    # The URI pattern makes the run id one plain path segment (no '/', no leading '.').
+    run_id = uri.removeprefix("receipt://").partition("/")[0]
+    receipt = archive / run_id
     try:
         path = Path(resolve(uri, archive))
-        found = sha256_file(path)
+        problems, _count = verify(receipt)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise Refused(f"{uri}: receipt fails verification: {problems[0]}{more}")
+        found = sha256_bytes(_read_basis_manifest(receipt / BASIS_MANIFEST))
     except Refused as exc:
         raise Refused(f"{where}: {field}: {one_line(str(exc))}") from None
     except OSError as exc:
-        raise Refused(f"{where}: {field}: {uri}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+        raise Refused(f"{where}: {field}: {uri}: cannot read its receipt's {BASIS_MANIFEST} "
+                      f"({exc.strerror or type(exc).__name__})") from None
     if found != sealed:
-        raise Refused(f"{where}: {field}: {uri}: sha256 found {found}, sealed {sealed} (lane {identity.lane})")
+        raise Refused(f"{where}: {field}: {uri}: receipt {run_id} file {BASIS_MANIFEST} sha256 found {found}, "
+                      f"sealed {sealed} (lane {identity.lane}); its files differ from the calibration "
+                      f"the rule was frozen from")
     return path
 
 
 __all__ = [
     "DEFAULT_ARCHIVE_DIR",
+    "BASIS_MANIFEST",
     "IDENTITY_SCHEMA_ID",
+    "IDENTITY_SCHEMA_IDS",
     "IDENTITY_SCHEMA_PATH",
+    "IDENTITY_SCHEMA_PATHS",
     "RECEIPT_URI",
     "RELPATH",
     "ReceiptResolver",
+    "ReceiptVerifier",
     "BoundedDriftLogits",
     "Checkpoint",
     "ContextPolicy",

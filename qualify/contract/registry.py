@@ -1,7 +1,10 @@
 """Lane registry files: the enrolled producer lanes, refused whole on any doubt at load.
 
-A registry (``contracts/lane-registry.v1.schema.json``) lists entries ``{lane, lane_kind,
-recipe, identity_sha256, receipt, key_id}``. Loading refuses, before any key could be minted: an
+A registry (``contracts/lane-registry.v2.schema.json``) lists entries ``{lane, lane_kind,
+recipe, identity_sha256, receipt, receipt_signer, key_id}`` and the handoff keys revoked when a
+lane was re-enrolled with ``--rotate`` (a revoked key id is never accepted or reused). v1
+registries (no signer, no revocations) stay readable and are written back as v2 (their entries'
+signer null). Loading refuses, before any key could be minted: an
 unknown lane kind or recipe, a kind/recipe pair that disagrees with
 :func:`qualify.contract.lanes.recipe_for`, a lane the harness does not know or that is not enrollable, a
 lane whose kind differs from the lane table, and duplicate key ids or duplicate entries.
@@ -19,8 +22,10 @@ from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.errors import Refused
 from qualify.core.strict_json import check_schema, format_path, read_strict_json, render
 
-REGISTRY_SCHEMA_ID = "trust-ladder.lane-registry.v1"
-REGISTRY_SCHEMA_PATH = CONTRACTS_DIR / "lane-registry.v1.schema.json"
+REGISTRY_SCHEMA_ID = "trust-ladder.lane-registry.v2"
+REGISTRY_SCHEMA_PATH = CONTRACTS_DIR / "lane-registry.v2.schema.json"
+LEGACY_REGISTRY_SCHEMA_ID = "trust-ladder.lane-registry.v1"
+LEGACY_REGISTRY_SCHEMA_PATH = CONTRACTS_DIR / "lane-registry.v1.schema.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,20 +38,41 @@ class RegistryEntry:
     identity_sha256: str
     receipt: str
     key_id: str
+    receipt_signer: str | None = None
+    """Key id of the receipt-signing key verified at enrollment (None: enrolled under a v1 registry)."""
 
     @property
     def spec(self) -> LaneSpec:
         return LANES[self.lane]
 
-    def document(self) -> dict[str, str]:
+    def document(self) -> dict[str, str | None]:
         return {
             "lane": self.lane,
             "lane_kind": self.lane_kind.value,
             "recipe": self.recipe.value,
             "identity_sha256": self.identity_sha256,
             "receipt": self.receipt,
+            "receipt_signer": self.receipt_signer,
             "key_id": self.key_id,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class RevokedKey:
+    """A handoff key revoked when its lane was re-enrolled with ``--rotate``."""
+
+    lane: str
+    key_id: str
+    identity_sha256: str
+    receipt: str
+    revoked_utc: str
+    reason: str
+    replaced_by: str
+
+    def document(self) -> dict[str, str]:
+        return {"lane": self.lane, "key_id": self.key_id, "identity_sha256": self.identity_sha256,
+                "receipt": self.receipt, "revoked_utc": self.revoked_utc, "reason": self.reason,
+                "replaced_by": self.replaced_by}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +80,7 @@ class LaneRegistry:
     """An immutable, validated registry."""
 
     entries: tuple[RegistryEntry, ...]
+    revoked: tuple[RevokedKey, ...] = ()
 
     def for_lane(self, lane: str) -> tuple[RegistryEntry, ...]:
         """Entries enrolled for ``lane`` (one per identity version)."""
@@ -64,11 +91,16 @@ class LaneRegistry:
         for entry in self.entries:
             if entry.key_id == key_id:
                 return entry
+        for revoked in self.revoked:
+            if revoked.key_id == key_id:
+                raise Refused(f"registry: key_id {render(key_id)} of lane {revoked.lane} was revoked "
+                              f"{revoked.revoked_utc} ({revoked.reason})")
         raise Refused(f"registry: key_id: found {render(key_id)}, no enrolled lane has it")
 
     def document(self) -> dict[str, Any]:
         """The JSON document of this registry (what a writer serialises)."""
-        return {"schema": REGISTRY_SCHEMA_ID, "entries": [entry.document() for entry in self.entries]}
+        return {"schema": REGISTRY_SCHEMA_ID, "entries": [entry.document() for entry in self.entries],
+                "revoked": [revoked.document() for revoked in self.revoked]}
 
 
 def _known(value: str, enum: type[LaneKind] | type[Recipe]) -> LaneKind | Recipe | None:
@@ -80,7 +112,14 @@ def _known(value: str, enum: type[LaneKind] | type[Recipe]) -> LaneKind | Recipe
 
 def registry_from_document(document: Any, where: str) -> LaneRegistry:
     """Validate a parsed registry document; ``where`` starts every refusal line."""
-    check_schema(document, REGISTRY_SCHEMA_PATH, where)
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if isinstance(document, dict) and schema not in (REGISTRY_SCHEMA_ID, LEGACY_REGISTRY_SCHEMA_ID):
+        raise Refused(f"{where}: schema: found {render(schema)}, expected {REGISTRY_SCHEMA_ID} "
+                      f"(or the legacy {LEGACY_REGISTRY_SCHEMA_ID})")
+    legacy = schema == LEGACY_REGISTRY_SCHEMA_ID
+    check_schema(document, LEGACY_REGISTRY_SCHEMA_PATH if legacy else REGISTRY_SCHEMA_PATH, where)
+    revoked = tuple(RevokedKey(**raw) for raw in ([] if legacy else document["revoked"]))
+    revoked_ids = {entry.key_id for entry in revoked}
     entries: list[RegistryEntry] = []
     seen_keys: dict[str, int] = {}
     seen_identities: dict[tuple[str, str], int] = {}
@@ -125,6 +164,8 @@ def registry_from_document(document: Any, where: str) -> LaneRegistry:
             raise Refused(
                 f"{where}: {at}.key_id: found {render(key_id)}, already used by entries[{seen_keys[key_id]}]"
             )
+        if key_id in revoked_ids:
+            raise Refused(f"{where}: {at}.key_id: found {render(key_id)}, which this registry lists as revoked")
         seen_keys[key_id] = index
         pair = (spec.name, raw["identity_sha256"])
         if pair in seen_identities:
@@ -141,9 +182,10 @@ def registry_from_document(document: Any, where: str) -> LaneRegistry:
                 identity_sha256=raw["identity_sha256"],
                 receipt=raw["receipt"],
                 key_id=key_id,
+                receipt_signer=raw.get("receipt_signer"),
             )
         )
-    return LaneRegistry(tuple(entries))
+    return LaneRegistry(tuple(entries), revoked)
 
 
 def load_registry(path: str | os.PathLike[str]) -> LaneRegistry:

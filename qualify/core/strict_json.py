@@ -140,28 +140,42 @@ def _check_text(text: str, where: str, path: tuple[str | int, ...], is_key: bool
         )
 
 
-def _read_small_file(path: str | os.PathLike[str], where: str) -> bytes:
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+"""Never follow a link planted where a file was expected; never block opening a FIFO put there."""
+
+
+def open_regular_file(path: str | os.PathLike[str], where: str) -> tuple[int, int]:
+    """A read-only descriptor of a regular file and its size (for callers that stream it), or
+    :class:`Refused` naming why."""
     try:
-        info = os.stat(path)
+        descriptor = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         raise Refused(f"{where}: no such file") from None
     except OSError as exc:
-        raise Refused(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise Refused(f"{where}: is a directory, expected a JSON file")
+        raise Refused(f"{where}: cannot open ({exc.strerror or type(exc).__name__}), "
+                      f"expected a regular file") from None
+    info = os.fstat(descriptor)
     if not stat.S_ISREG(info.st_mode):
-        raise Refused(f"{where}: not a regular file, expected a JSON file")
-    if info.st_size > MAX_DOCUMENT_BYTES:
-        raise Refused(
-            f"{where}: file is {info.st_size} bytes, expected at most {MAX_DOCUMENT_BYTES} (1 MiB)"
-        )
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_DOCUMENT_BYTES + 1)
-    except OSError as exc:
-        raise Refused(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise Refused(f"{where}: file grew past {MAX_DOCUMENT_BYTES} bytes while reading")
+        os.close(descriptor)
+        kind = "is a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise Refused(f"{where}: {kind}, expected a regular file")
+    return descriptor, info.st_size
+
+
+def read_bounded(path: str | os.PathLike[str], limit: int, where: str) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes, or :class:`Refused` (one line
+    starting ``where:``); links are not followed, the size is checked before reading and the
+    read is capped."""
+    descriptor, size = open_regular_file(path, where)
+    with os.fdopen(descriptor, "rb") as handle:
+        if size > limit:
+            raise Refused(f"{where}: {size} bytes, expected at most {limit}")
+        try:
+            data = handle.read(limit + 1)
+        except OSError as exc:
+            raise Refused(f"{where}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > limit:
+        raise Refused(f"{where}: grew past {limit} bytes while reading")
     return data
 
 
@@ -171,7 +185,7 @@ def read_strict_json(path: str | os.PathLike[str], label: str) -> Any:
     ``label`` starts every refusal (``identity <path>: ...``, ``registry <path>: ...``).
     """
     where = f"{label} {os.fspath(path)}"
-    return parse_untrusted_json(_read_small_file(path, where), where, max_bytes=MAX_DOCUMENT_BYTES)
+    return parse_untrusted_json(read_bounded(path, MAX_DOCUMENT_BYTES, where), where, max_bytes=MAX_DOCUMENT_BYTES)
 
 
 def parse_untrusted_json(data: bytes | bytearray | memoryview, where: str, *, max_bytes: int,

@@ -589,7 +589,8 @@ class BranchComparison:
 
     Localisation fields (``first_divergence``, ``cold_margin_at_divergence``,
     ``drift_at_divergence``, ``divergence_class``, ``teacher_forced``, ``kv``) are None when not
-    applicable or not computed.
+    applicable or not computed. ``handoff_tokens``/``cold_tokens`` are the generated token ids
+    (int64, one per position) the receipt's series stores beside their digests.
     """
 
     output_tokens: int
@@ -604,6 +605,8 @@ class BranchComparison:
     first_logit_digest_mismatch: int | None
     handoff_generated_token_sha256: str
     cold_generated_token_sha256: str
+    handoff_tokens: np.ndarray
+    cold_tokens: np.ndarray
     cold_margin_at_divergence: float | None
     drift_at_divergence: float | None
     divergence_class: DivergenceClass | None
@@ -721,6 +724,8 @@ def compare_branches(
         first_logit_digest_mismatch=first_digest_mismatch(handoff_digests, cold_digests),
         handoff_generated_token_sha256=generated_token_sha256(handoff_tokens),
         cold_generated_token_sha256=generated_token_sha256(cold_tokens),
+        handoff_tokens=handoff_tokens.astype(np.int64),
+        cold_tokens=cold_tokens.astype(np.int64),
         cold_margin_at_divergence=margin_at,
         drift_at_divergence=drift_at,
         divergence_class=divergence_class,

@@ -480,6 +480,8 @@ def start_comparison(
         cold_margins=cold.margins,
         handoff_generated_token_sha256=generated_token_sha256(handoff_tokens),
         cold_generated_token_sha256=cold.generated_token_sha256,
+        handoff_tokens=handoff_tokens,
+        cold_tokens=cold.tokens,
         cold_margin_at_divergence=margin_at,
         drift_at_divergence=drift_at,
         divergence_class=divergence_class,

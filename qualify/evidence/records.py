@@ -31,11 +31,15 @@ from pydantic import (
 from qualify.core.errors import Refused, one_line
 
 SAMPLE_SCHEMA: Final = "trust-ladder.sample-record.v1"
-SUMMARY_SCHEMA: Final = "trust-ladder.validation-summary.v1"
+SUMMARY_SCHEMA: Final = "trust-ladder.validation-summary.v2"
+"""v2 adds ``status``; v1 summaries (no status) stay readable."""
+LEGACY_SUMMARY_SCHEMA: Final = "trust-ladder.validation-summary.v1"
 
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0)]
 Position = Annotated[int, Field(ge=0)]
+RunStatus = Literal["passed", "failed", "refused", "incomplete"]
+"""What a receipt concluded (its summary's and its signed statement's ``status``)."""
 
 PHASE_FIELDS: tuple[str, ...] = (
     "producer_compute_s",
@@ -377,13 +381,21 @@ class CheckRecord(_Frozen):
 class ValidationSummary(_Frozen):
     """What a receipt's ``validation-summary.json`` holds: the verdict over the run's samples."""
 
-    schema_: Literal["trust-ladder.validation-summary.v1"] = Field(default=SUMMARY_SCHEMA, alias="schema")
+    schema_: Literal["trust-ladder.validation-summary.v2", "trust-ladder.validation-summary.v1"] = Field(
+        default=SUMMARY_SCHEMA, alias="schema")
     run_id: str
     recipe: str
-    lane: str
+    # The lane run; null only in a refused run whose identity never loaded and whose lane the
+    # operator's choice does not name (an --identity file that is not a valid identity).
+    lane: str | None
     rung: Literal[1, 2, 3] | None
-    identity_sha256: Sha256Hex
+    # Null only when the run was refused before its identity loaded (the receipt then holds no
+    # identity.json): status must be refused.
+    identity_sha256: Sha256Hex | None
     passed: bool
+    # passed: qualified; failed: judged, not qualified; refused: refused before any evidence (exit
+    # 2); incomplete: ended before its verdict (a failed step, an interrupt). None only in v1.
+    status: RunStatus | None = None
     verdict: str
     reasons: tuple[str, ...]
     checks: tuple[CheckRecord, ...]
@@ -394,3 +406,16 @@ class ValidationSummary(_Frozen):
     error: str | None = None
 
     model_config = ConfigDict(populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _status_matches(self) -> ValidationSummary:
+        if self.schema_ == SUMMARY_SCHEMA and self.status is None:
+            raise ValueError(f"a {SUMMARY_SCHEMA} summary states its status")
+        if self.status is not None and (self.status == "passed") != self.passed:
+            raise ValueError(f"status {self.status} contradicts passed={self.passed}")
+        if self.identity_sha256 is None and self.status != "refused":
+            raise ValueError(f"identity_sha256 is null, status {self.status}: only a run refused before its "
+                             f"identity loaded has no identity")
+        if self.lane is None and self.identity_sha256 is not None:
+            raise ValueError(f"lane is null under identity {self.identity_sha256}: a run with an identity names its lane")
+        return self

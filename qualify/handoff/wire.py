@@ -5,7 +5,8 @@ safetensors encoding of ``KVCache.tensors()`` (byte-identical to ``safetensors.n
 built without copying the tensors; float16/32/64, or bfloat16 as ml_dtypes' numpy dtype), the
 manifest names what the payload is (per-layer seam digests, payload tree digest and size,
 identity, cache identity, producer mode, geometry, prompt digest, producer phase times), and the
-MAC covers the manifest's canonical JSON bytes, which in turn cover the payload through its tree
+MAC covers the manifest's canonical bytes, its RFC 8785 serialisation
+(:func:`manifest_canonical_bytes`, manifest v4), which in turn cover the payload through its tree
 digest (:func:`payload_tree_sha256`).
 
 Each side hashes every payload byte exactly once: one SHA-256 per tensor (over two threads by
@@ -19,9 +20,10 @@ on the first difference with one line naming it; :attr:`HandoffRefused.check` na
 1. MAC under the run key (``mac``).
 2. Manifest: strict JSON, size and nesting bounded before parsing (``manifest.json``); the JSON
    Schema with strict types, where an integer is a JSON integer literal (never ``4.0`` or
-   ``true``) and every number is finite (``manifest.schema``); canonical form
-   (``manifest.canonical``); self-consistency (``manifest.handed_off_positions``,
-   ``manifest.seams``).
+   ``true``), at most 2**53 - 1 (what RFC 8785 represents exactly), and every number is finite
+   (``manifest.schema``; a manifest of another version, v3 included, is refused naming it);
+   canonical form, RFC 8785 (``manifest.canonical``); self-consistency
+   (``manifest.handed_off_positions``, ``manifest.seams``).
 3. Run binding: run id, lane, and the key id, which must name the key the MAC verified under
    (``manifest.run_id``, ``manifest.lane``, ``manifest.key_id``).
 4. Identity digest, target cache identity and producer mode (``identity``, ``cache_identity``,
@@ -65,13 +67,16 @@ import numpy as np
 
 from qualify.contract.lanes import ProducerMode
 from qualify.core.assets import CONTRACTS_DIR
-from qualify.core.digests import canonical_json_bytes, is_sha256_hex
+from qualify.core.digests import is_sha256_hex, jcs_bytes
 from qualify.core.errors import HandoffRefused, Refused, one_line
 from qualify.core.kv import KVCache, KVGeometry
-from qualify.core.strict_json import check_schema, parse_untrusted_json
+from qualify.core.strict_json import check_schema, parse_untrusted_json, render
 
-MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v3"
-MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v3.schema.json"
+MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v4"
+MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v4.schema.json"
+# The only manifest version read. A manifest lives on the wire between a producer and a consumer
+# of the same harness version and is never archived (a receipt keeps its digests, not the
+# manifest), so an older version (v3: legacy canonical JSON under the MAC) is refused, not read.
 PAYLOAD_FORMAT = "safetensors"
 RUN_KEY_BYTES = 32
 MAC_BYTES = 32
@@ -125,6 +130,13 @@ def key_id(key: bytes) -> str:
 def manifest_mac(key: bytes, manifest_bytes: bytes) -> bytes:
     """HMAC-SHA256 of the manifest's canonical bytes under ``key`` (32 raw bytes)."""
     return hmac.new(_checked_key(key), manifest_bytes, hashlib.sha256).digest()
+
+
+def manifest_canonical_bytes(document: Mapping[str, Any]) -> bytes:
+    """A manifest's one byte form, what the MAC covers and what the consumer compares the received
+    bytes with: RFC 8785 (JCS), so a verifier in any language reproduces it with a stock library.
+    ``ValueError`` for what JCS cannot represent exactly (the schema refuses it first)."""
+    return jcs_bytes(document)
 
 
 def _checked_key(key: object) -> bytes:
@@ -643,7 +655,10 @@ def seal_handoff_parts(
         manifest["draft_geometry"] = draft_geometry.as_dict()
         manifest["draft_context_sha256"] = draft_context
     _validate_manifest_schema(manifest, refusal=Refused)
-    manifest_bytes = canonical_json_bytes(manifest)
+    try:
+        manifest_bytes = manifest_canonical_bytes(manifest)
+    except ValueError as exc:  # the schema bounds every number; this is a guard, not a path
+        raise Refused(f"handoff manifest: {one_line(str(exc))}") from None
     return SealedHandoff(manifest_bytes, manifest_mac(key, manifest_bytes), parts, payload_size)
 
 
@@ -652,8 +667,13 @@ def seal_handoff_parts(
 
 
 def _validate_manifest_schema(document: object, *, refusal: type[Refused]) -> None:
-    """The manifest schema with strict types (an integer is a JSON integer, numbers finite)."""
+    """The manifest schema with strict types (an integer is a JSON integer, numbers finite); a
+    manifest declaring another version (an older producer) is refused naming that version."""
     try:
+        if isinstance(document, dict) and document.get("schema", MANIFEST_SCHEMA) != MANIFEST_SCHEMA:
+            raise Refused(f"handoff manifest: schema: found {render(document['schema'])}, expected "
+                          f"{render(MANIFEST_SCHEMA)} (producer and consumer run the same harness version; "
+                          f"a manifest is never archived, so no other version is read)")
         check_schema(document, MANIFEST_SCHEMA_PATH, "handoff manifest")
     except Refused as exc:
         if refusal is HandoffRefused:
@@ -684,8 +704,12 @@ def _parse_manifest(manifest_bytes: bytes) -> HandoffManifest:
     document = _strict_json(manifest_bytes, "handoff manifest", max_bytes=MAX_MANIFEST_BYTES,
                             check="manifest.json")
     _validate_manifest_schema(document, refusal=HandoffRefused)
-    if canonical_json_bytes(document) != manifest_bytes:
-        raise HandoffRefused("handoff manifest: not in canonical JSON form", check="manifest.canonical")
+    try:
+        canonical = manifest_canonical_bytes(document)
+    except ValueError as exc:  # unreachable past the schema's bounds; refused, never raised
+        raise HandoffRefused(f"handoff manifest: {one_line(str(exc))}", check="manifest.canonical") from None
+    if canonical != manifest_bytes:
+        raise HandoffRefused("handoff manifest: not in canonical JSON form (RFC 8785)", check="manifest.canonical")
     geometry = _geometry_from(document["geometry"])
     if document["handed_off_positions"] != geometry.positions:
         raise HandoffRefused(

@@ -1,6 +1,7 @@
 """The ``qualify`` console script.
 
-Exit codes: 0 pass, 1 failed qualification, 2 refused contract or bad usage. Every refusal or
+Exit codes: 0 pass, 1 failed qualification, 2 refused contract or bad usage, 130 / 143 a recipe
+run interrupted by SIGINT / SIGTERM (its receipt sealed as incomplete). Every refusal or
 unexpected error is one line on stderr, never a traceback (set ``QUALIFY_DEBUG=1`` to see one).
 Every parser is a :class:`OneLineParser` (a usage error is one line, exit 2), and path options
 are refused up front by the ``require_*`` helpers of :mod:`qualify.core.arguments` (empty, a file where a directory belongs,
@@ -16,7 +17,8 @@ the command exit 2 with a one-line "not available".
 command                handler
 =====================  =========================================================
 ``--recipe NAME ...``  ``qualify.interfaces.console.run_cli``
-``receipts verify``    ``qualify.archive.verify.verify_cli(path)`` (PATH parsed here)
+``receipts verify``    ``qualify.archive.verify.verify_cli``
+``keys``               ``qualify.archive.keys.keys_cli``
 ``enroll``             ``qualify.run.enroll.enroll_cli``
 ``calibrate``          ``qualify.interfaces.console.calibrate_cli``
 ``selftest``           ``qualify.interfaces.console.selftest_cli``
@@ -51,17 +53,6 @@ def _call_with_argv(handler: Callable[..., object], argv: list[str]) -> object:
     return handler(argv)
 
 
-def _call_receipts_verify(handler: Callable[..., object], argv: list[str]) -> object:
-    """``verify_cli(path)`` takes one optional PATH, not an argument list."""
-    parser = OneLineParser(
-        prog="qualify receipts verify",
-        description="Re-hash one receipt or an archive of receipts against their manifests.",
-    )
-    parser.add_argument("path", nargs="?", metavar="PATH", type=path_argument, help="a receipt or an archive")
-    path = parser.parse_args(argv).path
-    return handler(None if path is None else os.fspath(path))
-
-
 Handler = Callable[..., object]
 
 
@@ -69,6 +60,12 @@ def _load_verify() -> Handler:
     from qualify.archive.verify import verify_cli
 
     return verify_cli
+
+
+def _load_keys() -> Handler:
+    from qualify.archive.keys import keys_cli
+
+    return keys_cli
 
 
 def _load_enroll() -> Handler:
@@ -114,8 +111,8 @@ class Delegate:
 
 DELEGATES: tuple[Delegate, ...] = (
     Delegate(("receipts", "verify"), _load_verify,
-             "re-hash a receipt archive; report altered, missing or extra files",
-             _call_receipts_verify),
+             "verify receipts: signature by a trusted key, the signed statement, every file"),
+    Delegate(("keys",), _load_keys, "the receipt-signing key: init, show, rotate"),
     Delegate(("enroll",), _load_enroll, "enroll a qualified lane and mint its handoff key"),
     Delegate(("calibrate",), _load_calibrate,
              "measure a lane's drift envelope over repeated handoffs (the basis receipt)"),
@@ -206,10 +203,11 @@ def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
 def identity_check(path: str | os.PathLike[str]) -> int:
     """``qualify identity check PATH``: 0 with lane and digest when valid, 2 on refusal."""
     from qualify.archive.reader import resolve_receipt_uri
+    from qualify.archive.verify import check_receipt
     from qualify.contract.identity import check_basis_receipt, identity_sha256, load_identity
 
     identity = load_identity(path)
-    check_basis_receipt(identity, resolve_receipt_uri, where=f"identity {path}")
+    check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=f"identity {path}")
     _OUT.print(
         Text(
             f"identity {path}: valid: lane {identity.lane} (lane kind {identity.lane_kind.value}, "

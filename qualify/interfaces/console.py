@@ -2,7 +2,17 @@
 
 Drives :class:`qualify.run.qualification.QualificationRun` in-process with rich progress (one line per
 progress label), prints the per-sample table, the verdict in the judgement's own words and the
-receipt path. Exit codes: 0 qualified, 1 not qualified, 2 refused contract or bad usage.
+receipt path. Exit codes: 0 qualified, 1 not qualified, 2 refused contract or bad usage,
+130 / 143 interrupted by SIGINT / SIGTERM (128 + the signal's number).
+
+Every run leaves a receipt, from its first step on: a refused one (its identity not JSON, of an
+unknown lane, with a bound other than the sealed one, its lane unable to run here) is marked
+refused, an interrupted one incomplete ("interrupted by SIGINT during <step>"; the producer's
+process group is killed first). Arguments are checked before the run begins, and what they refuse
+leaves none: a usage error, a missing or non-file --identity, an engine pair no lane runs, an
+unknown fault, and a --receipts archive that cannot hold a receipt (its refusal says so). A run
+whose identity never loaded has a receipt without identity files, whose summary names no
+identity and, when --identity named the file, no lane.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,9 +43,19 @@ from qualify.core.arguments import (
     shown,
 )
 from qualify.core.errors import Refused
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
+from qualify.run.qualification import (
+    STEP_LABELS,
+    QualificationRun,
+    RunOptions,
+    StepOutcome,
+    interrupt_signal,
+    interrupts_raise,
+    signals_held,
+)
 
 EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+EXIT_SIGNAL_BASE = 128
+"""An interrupted run exits 128 + the signal's number, as a shell reports it: 130 SIGINT, 143 SIGTERM."""
 
 RECIPE_NAMES = [recipe.value for recipe in Recipe]
 ENGINE_NAMES = [engine.value for engine in EngineChoice]
@@ -75,15 +96,18 @@ def _repetitions(text: str) -> int:
 
 def _receipt_archive(receipts: Path | None) -> Path:
     """The archive a run writes to, refused up front (one line, before any step) when it is a
-    file, under a file, or cannot be written."""
-    if receipts is not None:
-        return require_writable_directory("--receipts", receipts)
-    label = "$QUALIFY_RECEIPTS" if os.environ.get("QUALIFY_RECEIPTS") else "receipt archive (the default)"
+    file, under a file, or cannot be written: no receipt can be written there, so no run begins."""
     try:
-        default = archive_dir(None)
-    except RuntimeError:  # pathlib: "~user" with no such user
-        raise Refused(f"{label}: cannot expand '~' in {shown(os.environ.get('QUALIFY_RECEIPTS', ''))}") from None
-    return require_writable_directory(label, default)
+        if receipts is not None:
+            return require_writable_directory("--receipts", receipts)
+        label = "$QUALIFY_RECEIPTS" if os.environ.get("QUALIFY_RECEIPTS") else "receipt archive (the default)"
+        try:
+            default = archive_dir(None)
+        except RuntimeError:  # pathlib: "~user" with no such user
+            raise Refused(f"{label}: cannot expand '~' in {shown(os.environ.get('QUALIFY_RECEIPTS', ''))}") from None
+        return require_writable_directory(label, default)
+    except Refused as refusal:
+        raise Refused(f"{refusal}; no receipt can be written there, so the run did not start") from None
 
 
 def _check_run_choices(args: argparse.Namespace) -> None:
@@ -183,6 +207,9 @@ def drive(run: QualificationRun, console: Console) -> int:
             with console.status(f"{label} …"):
                 outcome = run.step(label)
             _print_step(console, outcome)
+    except KeyboardInterrupt as exc:  # between steps (one during a step has been handled by it)
+        run.interrupted(interrupt_signal(exc))
+        raise
     finally:
         run.close()  # whatever happened, the receipt is sealed and the producer stopped
     if run.refused:
@@ -208,7 +235,9 @@ def drive(run: QualificationRun, console: Console) -> int:
 
 
 def run_cli(argv: Sequence[str]) -> int:
-    """``qualify --recipe NAME [...]``: bad input is refused (exit 2, one line) before any step."""
+    """``qualify --recipe NAME [...]``: bad input is refused (exit 2, one line) before any step;
+    SIGINT or SIGTERM during the run seals its receipt as incomplete, kills the producer's process
+    group and exits 130 or 143, saying so in one line on stderr."""
     args = _recipe_parser("qualify").parse_args(list(argv))
     _check_run_choices(args)
     options = RunOptions(
@@ -217,8 +246,25 @@ def run_cli(argv: Sequence[str]) -> int:
         receipts=args.receipts, command_line=["qualify", *argv], deadline_s=args.deadline_s,
     )
     console = operator_console()
-    console.print(Text(f"qualify --recipe {args.recipe}", style="bold"))
-    return drive(QualificationRun(options), console)
+    run = QualificationRun(options)
+    with interrupts_raise():  # the previous SIGINT/SIGTERM handlers come back when the run ends
+        try:
+            console.print(Text(f"qualify --recipe {args.recipe}", style="bold"))
+            return drive(run, console)
+        except KeyboardInterrupt as exc:
+            with signals_held(discard=True):  # a second signal does not cut the report short
+                return _report_interrupt(run, interrupt_signal(exc))
+
+
+def _report_interrupt(run: QualificationRun, signum: int) -> int:
+    """Seal the interrupted run (if it is not already), say so in one line, exit 128 + ``signum``."""
+    run.interrupted(signum)
+    where = run.interruption or f"interrupted by {signal.Signals(signum).name}"
+    if run.receipt_path is not None and run.verdict is not None:
+        say_refusal(f"qualify: {where}; receipt: {run.receipt_path} ({run.verdict.status})")
+    else:
+        say_refusal(f"qualify: {where}; no receipt was written (none before the run's identity loads)")
+    return EXIT_SIGNAL_BASE + signum
 
 
 def calibrate_cli(argv: Sequence[str]) -> int:

@@ -5,6 +5,11 @@ module share one :class:`qualify.run.qualification.QualificationRun`; a step who
 fails too (never skips), so a CI gate cannot pass on a partial run. Under pytest-xdist the
 module is the unit of distribution, so one run's handoffs stay ordered on one worker while
 independent runs spread over workers.
+
+Interrupts: pytest turns SIGINT into KeyboardInterrupt, and while a run is open SIGTERM becomes one
+too (the previous handler comes back when the module's run ends). Either way the run's receipt is
+sealed as incomplete ("interrupted by SIGINT during <step>"), its producer's process group killed,
+and pytest exits 130 (SIGINT) or 143 (SIGTERM) instead of its own 2.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from qualify.core.arguments import deadline_seconds, path_argument
 
 if TYPE_CHECKING:
     from qualify.run.qualification import QualificationRun
+
+_OPEN_RUNS: list[QualificationRun] = []
+"""The qualification runs whose module is running: an interrupt seals each one's receipt."""
+_INTERRUPTED_BY: list[int] = []
+"""The signal that interrupted an open run (pytest's exit status becomes 128 + it)."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -66,7 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
     """The module's qualification run, built from its ``RECIPE`` and the command-line options."""
-    from qualify.run.qualification import QualificationRun, RunOptions
+    from qualify.run.qualification import QualificationRun, RunOptions, interrupts_raise
 
     config = request.config
     recipe = getattr(request.module, "RECIPE", None)
@@ -86,8 +96,33 @@ def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
         deadline_s=config.getoption("--deadline-s"),
     )
     run = QualificationRun(options)
-    yield run
-    run.close()
+    _OPEN_RUNS.append(run)
+    try:
+        with interrupts_raise():  # SIGTERM stops the run as SIGINT does, for the module's run only
+            yield run
+    finally:
+        _OPEN_RUNS.remove(run)
+        run.close()
+
+
+def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+    """SIGINT or SIGTERM: every open run stops, its receipt sealed as incomplete (a step that was
+    running has done so already) and its producer killed."""
+    from qualify.run.qualification import interrupt_signal
+
+    if not _OPEN_RUNS:
+        return
+    signum = interrupt_signal(excinfo.value)
+    _INTERRUPTED_BY.append(signum)
+    for run in list(_OPEN_RUNS):
+        run.interrupted(signum)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An interrupted run's session exits as the CLI does: 128 + the signal's number."""
+    if _INTERRUPTED_BY:
+        session.exitstatus = 128 + _INTERRUPTED_BY[0]
 
 
 def run_recipe_step(run: QualificationRun, label: str) -> None:

@@ -22,7 +22,7 @@ from qualify.contract.lanes import (
     recipe_named,
 )
 from qualify.core import assets
-from qualify.core.digests import canonical_sha256
+from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.engines.base import Engine
 from qualify.evidence.records import BitExactRule, BoundedDriftRule
@@ -192,9 +192,10 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
     graded = drift_graded or identity.rung == 2
     from qualify.archive.reader import resolve_receipt_uri
+    from qualify.archive.verify import check_receipt
     from qualify.contract.identity import check_basis_receipt
 
-    basis = check_basis_receipt(identity, resolve_receipt_uri, where=f"identity {identity_path}")
+    basis = check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=f"identity {identity_path}")
     basis_records = receipt_sample_records(basis.parent)
     kv_envelope: list[tuple[float, float]] | None
     if identity.rung == 3:
@@ -244,7 +245,9 @@ def check_lane_engines(lane: str, producer: str, consumer: str) -> None:
                       f"the run asked for --producer {producer} --consumer {consumer}")
 
 
-CALIBRATION_SCHEMA = "trust-ladder.calibration.v1"
+CALIBRATION_SCHEMA = "trust-ladder.calibration.v2"
+"""The document a calibration runs under in place of an identity; v2's digest is over its RFC 8785
+bytes (``qualify.core.digests.document_sha256``; v1 receipts keep the legacy form)."""
 
 
 def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_PROMPT,
@@ -274,7 +277,7 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
         "output_tokens": output_tokens,
         "target_cache_identity_sha256": cache_identity,
     }
-    digest = canonical_sha256(document)
+    digest = document_sha256(document)
     return Contract(
         lane=lane, recipe=spec.recipe, rung=spec.recipe.rung, producer_mode=spec.mode,
         identity_document=document, identity_sha256=digest,

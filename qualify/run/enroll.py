@@ -1,18 +1,20 @@
 """Enrollment: minting handoff keys for qualified producer lanes, into the lane registry.
 
-A handoff key is minted only for an enrollable lane whose identity has a verified, passing
-qualification receipt: the manifest verifies, the receipt's ``identity.sha256`` is this
-identity's digest, its validation summary passed, and its samples still pass when re-judged
-under this identity's own rule (so a receipt judged under a looser rule cannot enroll). Anything
-else (a failing, altered or foreign receipt) is refused with one line, before any key exists.
+A handoff key is minted only for an enrollable lane whose identity has a passing qualification
+receipt that authenticates: signed by a key of the trust file (``--trust``, default the
+operator's) and not revoked, every file as its signed statement names it, the statement naming
+this identity's digest and concluding ``passed``, and samples that still pass when re-judged under
+this identity's own rule (so a receipt judged under a looser rule cannot enroll). Anything else (a
+failing, altered, transplanted, unsigned, foreign or untrusted receipt) is refused with one line,
+before any key exists. Enrolling an enrolled lane again is refused unless ``--rotate``, which
+revokes its old handoff key on the record (the registry's ``revoked`` list) and deletes its file.
 
 The registry is the project's one lane-registry format (:mod:`qualify.contract.registry`,
-``contracts/lane-registry.v1.schema.json``): entries ``{lane, lane_kind, recipe,
-identity_sha256, receipt, key_id}``; loading it refuses unknown lanes, lane kinds and recipes
+``contracts/lane-registry.v2.schema.json``): entries ``{lane, lane_kind, recipe,
+identity_sha256, receipt, receipt_signer, key_id}`` and ``revoked`` keys; loading it refuses unknown lanes, lane kinds and recipes
 before any key is minted, and every document is validated before it is written (atomically).
 Keys: 32 random bytes in ``<key_dir>/<key_id>.key``, mode 0600 in a 0700 directory; ``key_id``
-is the first 16 hex characters of the key's SHA-256. Enrolling a lane again replaces its entry
-(a new key; a new identity version supersedes the old one). Default locations sit beside the
+is the first 16 hex characters of the key's SHA-256. Default locations sit beside the
 receipt archive's default, outside the checkout: ``$XDG_DATA_HOME/trust-ladder/`` or
 ``~/.local/share/trust-ladder/`` (``$QUALIFY_REGISTRY`` for the registry file, ``$QUALIFY_KEYS``
 for the key directory).
@@ -20,6 +22,8 @@ for the key directory).
 
 from __future__ import annotations
 
+import contextlib
+import datetime as _dt
 import hashlib
 import json
 import os
@@ -29,13 +33,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from qualify.archive.attestation import read_attestation
+from qualify.archive.keys import TrustFile, default_trust_path, load_trust
 from qualify.archive.layout import archive_dir, receipt_uri
 from qualify.archive.reader import read_receipt_json, receipt_files, resolve_receipt_uri
-from qualify.archive.verify import verify_receipt
+from qualify.archive.verify import authenticate_receipt, check_receipt
 from qualify.contract.lanes import LANES
-from qualify.contract.registry import LaneRegistry, RegistryEntry, validate_registry_document
+from qualify.contract.registry import LaneRegistry, RegistryEntry, RevokedKey, validate_registry_document
 from qualify.contract.registry import load_registry as _load_registry_file
-from qualify.core.digests import canonical_sha256
+from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.evidence.records import parse_rule, rule_from_identity
 from qualify.judge import judge_summary
@@ -94,7 +100,7 @@ def _identity_digest(identity: Any) -> str:
             return identity_sha256(identity)
     except ImportError:  # pragma: no cover - identity module absent
         pass
-    return canonical_sha256(identity.document())
+    return document_sha256(identity.document())
 
 
 def _load_identity(identity: Any) -> Any:
@@ -103,7 +109,7 @@ def _load_identity(identity: Any) -> Any:
         from qualify.contract.identity import check_basis_receipt, load_identity
 
         loaded = load_identity(identity)
-        check_basis_receipt(loaded, resolve_receipt_uri, where=f"identity {os.fspath(identity)}")
+        check_basis_receipt(loaded, resolve_receipt_uri, check_receipt, where=f"identity {os.fspath(identity)}")
         return loaded
     return identity
 
@@ -113,12 +119,19 @@ def enroll(
     receipt_dir: str | os.PathLike[str],
     registry_path: str | os.PathLike[str],
     key_dir: str | os.PathLike[str],
+    *,
+    trust: TrustFile | None,
+    rotate: bool = False,
 ) -> RegistryEntry:
     """Mint and register a handoff key for ``identity``'s lane from its qualification receipt.
 
-    ``identity`` is a loaded :class:`qualify.contract.identity.Identity` (or a path to load). Refuses, with
-    one line and before any key exists: a lane that is never enrollable, a receipt that fails
-    verification, one for another identity, and one whose qualification did not pass.
+    ``identity`` is a loaded :class:`qualify.contract.identity.Identity` (or a path to load).
+    The receipt must verify end to end under ``trust`` (signed by a trusted, unrevoked key; every
+    file its signed statement names), its signed statement must name this identity's digest and
+    conclude ``passed``, and its samples must pass again under this identity's own rule. A lane
+    already enrolled is refused unless ``rotate``: then its old handoff key is revoked on the
+    record (the registry's ``revoked`` list) and its key file deleted. Every refusal is one line,
+    before any key exists.
     """
     identity = _load_identity(identity)
     lane = identity.lane
@@ -134,28 +147,65 @@ def enroll(
     digest = _identity_digest(identity)
 
     receipt = Path(receipt_dir)
-    problems = verify_receipt(receipt)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise Refused(f"enroll: receipt {receipt} fails verification: {problems[0]}{more}")
     run_id = receipt.name
+    check = authenticate_receipt(receipt, trust)
+    if check.state == "unsigned":
+        raise Refused(f"enroll: receipt {run_id} is unsigned (a legacy receipt); enrollment needs a receipt "
+                      f"signed by a trusted key")
+    if check.state != "verified":
+        more = f" (and {len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
+        raise Refused(f"enroll: receipt {run_id} is {check.state}: {check.problems[0]}{more}")
+    predicate = read_attestation(receipt, trust).predicate
+    if predicate["identity_sha256"] != digest:
+        signed = predicate["identity_sha256"]
+        raise Refused(f"enroll: receipt {run_id} qualified identity {str(signed)[:16]}…, not this identity {digest[:16]}…")
     recorded = (receipt / "identity.sha256").read_text(encoding="utf-8").strip()
-    if recorded != digest:
-        raise Refused(f"enroll: receipt {run_id} qualified identity {recorded[:16]}…, not this identity {digest[:16]}…")
     summary = read_receipt_json(receipt, "validation-summary.json")
-    if summary.get("passed") is not True:
-        raise Refused(f"enroll: receipt {run_id} is a failing qualification: {one_line(str(summary.get('verdict')))}")
-    if summary.get("lane") != lane or summary.get("recipe") != recipe:
+    if predicate["status"] != "passed" or summary.get("passed") is not True or recorded != digest:
+        raise Refused(f"enroll: receipt {run_id} is a {predicate['status']} qualification: "
+                      f"{one_line(str(predicate['verdict']))}")
+    if predicate["lane"] != lane or predicate["recipe"] != recipe:
         raise Refused(
-            f"enroll: receipt {run_id} qualified lane {summary.get('lane')!r} under {summary.get('recipe')!r}, "
+            f"enroll: receipt {run_id} qualified lane {predicate['lane']!r} under {predicate['recipe']!r}, "
             f"not {lane} under {recipe}"
         )
     _rejudge(receipt, summary, identity)
 
     registry = load_registry(registry_path)  # a malformed registry is refused before any key exists
+    enrolled = registry.for_lane(lane)
+    if enrolled and not rotate:
+        raise Refused(f"enroll: lane {lane} is already enrolled (handoff key {enrolled[0].key_id}, "
+                      f"{enrolled[0].receipt}); --rotate replaces its key and revokes the old one on the record")
+    if rotate and not enrolled:
+        raise Refused(f"enroll: --rotate: lane {lane} is not enrolled in {registry_path}; nothing to rotate")
+    keys = Path(key_dir)
+    key_id = _mint_key(keys)
+    entry = RegistryEntry(
+        lane=spec.name,
+        lane_kind=spec.kind,
+        recipe=spec.recipe,
+        identity_sha256=digest,
+        receipt=receipt_uri(run_id, "validation-summary.json"),
+        key_id=key_id,
+        receipt_signer=check.key_id,
+    )
+    now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    revoked = tuple(RevokedKey(lane=old.lane, key_id=old.key_id, identity_sha256=old.identity_sha256,
+                               receipt=old.receipt, revoked_utc=now, replaced_by=key_id,
+                               reason=f"re-enrolled with --rotate from {entry.receipt}")
+                    for old in enrolled)
+    kept = tuple(existing for existing in registry.entries if existing.lane != lane)
+    _write_registry(Path(registry_path), LaneRegistry((*kept, entry), (*registry.revoked, *revoked)))
+    for old in enrolled:  # the record says revoked; the key itself no longer exists to be misused
+        with contextlib.suppress(FileNotFoundError):
+            (keys / f"{old.key_id}.key").unlink()
+    return entry
+
+
+def _mint_key(keys: Path) -> str:
+    """A new random handoff key in ``keys`` (0600 in a 0700 directory); returns its key id."""
     key = secrets.token_bytes(KEY_BYTES)
     key_id = hashlib.sha256(key).hexdigest()[:16]
-    keys = Path(key_dir)
     keys.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(keys, 0o700)
     descriptor = os.open(keys / f"{key_id}.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -164,18 +214,7 @@ def enroll(
         handle.flush()
         os.fsync(handle.fileno())
     os.chmod(keys / f"{key_id}.key", 0o600)
-
-    entry = RegistryEntry(
-        lane=spec.name,
-        lane_kind=spec.kind,
-        recipe=spec.recipe,
-        identity_sha256=digest,
-        receipt=receipt_uri(run_id, "validation-summary.json"),
-        key_id=key_id,
-    )
-    kept = tuple(existing for existing in registry.entries if existing.lane != lane)
-    _write_registry(Path(registry_path), LaneRegistry((*kept, entry)))
-    return entry
+    return key_id
 
 
 def _rejudge(receipt: Path, summary: dict[str, Any], identity: Any) -> None:
@@ -270,8 +309,9 @@ def _checked_cli_places(options: Any) -> tuple[Path, Path, Path | None]:
 
 def enroll_cli(args: Sequence[str]) -> int:
     """``qualify enroll --identity PATH --receipt DIR|receipt://<run-id>/<file> [--registry PATH]
-    [--keys DIR] [--receipts DIR]``: exit 0 when enrolled, 2 when refused (one line on stderr;
-    every path option is checked before anything is read or minted)."""
+    [--keys DIR] [--receipts DIR] [--trust FILE] [--rotate]``: exit 0 when enrolled, 2 when
+    refused (one line on stderr; every path option is checked before anything is read or minted;
+    the trust file defaults to the operator's, and a missing one is refused)."""
     from qualify.core.arguments import OneLineParser, path_argument, require_directory, say_refusal
 
     parser = OneLineParser(prog="qualify enroll",
@@ -284,6 +324,10 @@ def enroll_cli(args: Sequence[str]) -> int:
                         help=f"enrollment registry (default {default_registry_path()})")
     parser.add_argument("--keys", default=None, type=path_argument, help=f"key directory (default {default_key_dir()})")
     parser.add_argument("--receipts", default=None, type=path_argument, help="receipt archive for receipt:// URIs")
+    parser.add_argument("--trust", default=None, type=path_argument,
+                        help=f"trust file of receipt-signing keys (default {default_trust_path()})")
+    parser.add_argument("--rotate", action="store_true",
+                        help="re-enroll an enrolled lane: a new handoff key, the old one revoked on the record")
     try:
         options = parser.parse_args(list(args))
     except SystemExit as exit_:
@@ -297,7 +341,8 @@ def enroll_cli(args: Sequence[str]) -> int:
             receipt_path = archive_dir(receipts) / run_id
         else:
             receipt_path = require_directory("--receipt", Path(receipt))
-        enrollment = enroll(options.identity, receipt_path, registry, keys)
+        trust = load_trust(options.trust or default_trust_path())
+        enrollment = enroll(options.identity, receipt_path, registry, keys, trust=trust, rotate=options.rotate)
     except Refused as refusal:
         say_refusal(str(refusal))
         return 2

@@ -10,11 +10,17 @@ gathers evidence and writes it to the receipt.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
 
 from qualify import __version__
 from qualify.contract.lanes import ProducerMode, lane_spec
@@ -28,7 +34,8 @@ from qualify.evidence.compare import transform_between
 from qualify.evidence.comparers import Comparer, ComparerFactory, ComparerSetup, HostComparer
 from qualify.evidence.records import SampleRecord, failed_sample_record, record_json
 from qualify.evidence.sample import sample_record
-from qualify.judge import Verdict, judge_incomplete, judge_qualification, judge_sample
+from qualify.evidence.series import sample_series
+from qualify.judge import Verdict, judge_incomplete, judge_qualification, judge_refused, judge_sample
 from qualify.run.contract import (
     ORDERED_HANDOFFS,
     Contract,
@@ -125,6 +132,96 @@ class StepOutcome:
     refused: bool = False
 
 
+# -- interrupts -----------------------------------------------------------------------------
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived during a run. A KeyboardInterrupt, so whatever stops on Ctrl-C
+    (pytest, the CLI) stops on either; the process exits 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def interrupt_signal(exc: BaseException) -> int:
+    """The signal an interrupt came from: its own for :class:`RunInterrupted`, else SIGINT (Python's
+    default handler raises a plain KeyboardInterrupt)."""
+    return exc.signum if isinstance(exc, RunInterrupted) else int(signal.SIGINT)
+
+
+@dataclass
+class _HeldSignals:
+    depth: int = 0
+    pending: int | None = None
+
+
+_HELD = _HeldSignals()
+"""Signals are process-wide, and so is their holding."""
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    """The run's SIGINT/SIGTERM handler (runs in the main thread): raise, or, while a receipt is
+    being sealed, note the signal for :func:`signals_held` to raise once it is sealed."""
+    if _HELD.depth > 0:
+        _HELD.pending = _HELD.pending or signum
+        return
+    raise RunInterrupted(signum)
+
+
+@contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """For a run's duration: SIGTERM, and SIGINT, raise :class:`RunInterrupted` in the main thread
+    (so the run's cleanup runs: without a handler SIGTERM ends the process where it stands); a
+    signal the process ignores (nohup, a background job) stays ignored. The previous handlers come
+    back on exit. Outside the main thread, where no handler can be set, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[signal.Signals, Any] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        current = signal.getsignal(signum)
+        if current is signal.SIG_IGN:
+            continue
+        signal.signal(signum, _raise_interrupt)
+        # None: a handler set outside Python; the default is what it meant here.
+        previous[signum] = signal.SIG_DFL if current is None else current
+    try:
+        yield
+    finally:
+        for restored, handler in previous.items():
+            signal.signal(restored, handler)
+
+
+@contextmanager
+def signals_held(*, discard: bool = False) -> Iterator[None]:
+    """While a receipt is sealed (or an interrupted run is being stopped), a SIGINT or SIGTERM
+    is held, not raised mid-write: raised once the block ends, or ``discard``-ed (a second
+    signal while stopping for the first changes nothing). Held only under :func:`interrupts_raise`."""
+    _HELD.depth += 1
+    try:
+        yield
+    finally:
+        _HELD.depth -= 1
+        if _HELD.depth == 0 and _HELD.pending is not None:
+            signum, _HELD.pending = _HELD.pending, None
+            if not discard:
+                raise RunInterrupted(signum)
+
+
+def _kill_process_group(producer: Transport) -> None:
+    """SIGKILL a producer process's own group at once (it was started in a session of its own)
+    while it still runs; an interrupted run waits for nothing. An in-process producer has none."""
+    from qualify.handoff.client import ProducerProcess
+
+    if not isinstance(producer, ProducerProcess) or producer.exit_status is not None:
+        return
+    try:
+        os.killpg(producer.pid, signal.SIGKILL)
+    except (ProducerFailed, ProcessLookupError, PermissionError):  # not started, or already gone
+        pass
+
+
 
 class QualificationRun:
     """One run of a recipe. Call :meth:`step` with each label in order (or :meth:`run_all`);
@@ -145,6 +242,9 @@ class QualificationRun:
         self.comparer: Comparer | None = None
         # Deferred comparisons not yet recorded: (repetition, the handoff's record builder).
         self._unsettled: list[tuple[int, Callable[[], SampleRecord]]] = []
+        # Each compared sample's series (qualify.evidence.series), from its record builder until
+        # _keep writes it beside the record; a failed sample without a comparison has none.
+        self._series: dict[int, dict[str, np.ndarray]] = {}
         self.contract = contract
         self._echo = log
         self.outcomes: dict[str, StepOutcome] = {}
@@ -153,6 +253,15 @@ class QualificationRun:
         self.verdict: Verdict | None = None
         self.receipt: ReceiptWriter | None = None
         self.receipt_path: Path | None = None
+        # The identity once loaded (its receipt opens later, after the consumer is built): an
+        # interrupt meanwhile still leaves a receipt under it.
+        self._loaded: tuple[Path, Identity] | None = None
+        # The step running now and the last one that ran, for "interrupted by SIGINT during <step>".
+        self._running: str | None = None
+        self._last_step: str | None = None
+        # The signal (SIGINT, SIGTERM) that stopped the run, once one did, and the receipt's words for it.
+        self.interrupted_by: int | None = None
+        self.interruption: str | None = None
         self.consumer: LaneEngine | None = None
         self.producer: Transport | None = None
         self._key: bytes | None = None
@@ -186,9 +295,16 @@ class QualificationRun:
                 self.outcomes[label] = outcome
                 return outcome
         started = time.perf_counter()
+        self._running = self._last_step = label
         try:
             message = self._run(label)
             outcome = StepOutcome(label, True, message, time.perf_counter() - started)
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM under interrupts_raise()
+            self.outcomes[label] = StepOutcome(
+                label, False, f"interrupted by {signal.Signals(interrupt_signal(exc)).name}",
+                time.perf_counter() - started)
+            self.interrupted(interrupt_signal(exc))
+            raise
         except Refused as exc:
             # Refused before any handoff: the lane cannot run here (no GPU, no vLLM, the producer
             # refused to start) or its contract was refused; exit 2, its receipt marked refused.
@@ -196,12 +312,12 @@ class QualificationRun:
                                   refused=index < STEP_LABELS.index(HANDOFF_STEPS[0]))
         except (ProducerFailed, StepFailed) as exc:
             outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started)
+        finally:
+            self._running = None
         self.outcomes[label] = outcome
         self.log(f"step {label}: {'ok' if outcome.passed else 'REFUSED' if outcome.refused else 'FAILED'} "
                  f"({outcome.seconds:.2f} s) {outcome.message}")
         if outcome.refused and self.receipt is not None and not self.receipt.finalized:
-            from qualify.judge import judge_refused
-
             self.finish(judge_refused(f"{label}: {outcome.message}"))
         if not outcome.passed and label != "verdict":
             self._finish_failed(f"{label}: {outcome.message}")
@@ -224,6 +340,7 @@ class QualificationRun:
         return any(outcome.refused for outcome in self.outcomes.values())
 
     def close(self) -> None:
+        """Stop the comparer and producer; a receipt still open is sealed as incomplete."""
         if self.comparer is not None:
             self.comparer.close()
             self.comparer = None
@@ -237,7 +354,8 @@ class QualificationRun:
         """Seal the run's receipt with the judge's ``verdict`` and stop the producer: the one
         place a receipt is finalized (qualification, calibration, or a run that stopped early)."""
         self.verdict = verdict
-        self.receipt_path = self._receipt.finalize(verdict)
+        with signals_held():  # a signal now would leave a half-sealed receipt: raised once it is sealed
+            self.receipt_path = self._receipt.finalize(verdict)
         if self.producer is not None:
             self.producer.close()
             self.producer = None
@@ -247,6 +365,33 @@ class QualificationRun:
         if self.receipt is None or self.receipt.finalized:
             return
         self.finish(self.verdict or judge_incomplete(reason))
+
+    def interrupted(self, signum: int) -> None:
+        """Stop the run after SIGINT or SIGTERM: kill the producer's process group, stop the
+        comparer and seal the receipt as incomplete ("interrupted by SIGINT during <step>"); one
+        sealed already keeps its verdict. Idempotent; a second signal meanwhile is discarded. A
+        run interrupted before its identity loaded has no receipt (nothing names what it was)."""
+        with signals_held(discard=True):
+            if self.producer is not None:
+                _kill_process_group(self.producer)
+                self._stop_producer()  # reaps it and removes its socket directory
+            if self.comparer is not None:
+                self.comparer.close()
+                self.comparer = None
+            when = (f"during {self._running}" if self._running else f"after {self._last_step}" if self._last_step
+                    else "before its first step")
+            reason = f"interrupted by {signal.Signals(signum).name} {when}"
+            if self.interrupted_by is None:
+                self.interrupted_by, self.interruption = signum, reason
+            if self.receipt is None and self._loaded is not None:
+                try:
+                    self._open_early_receipt(*self._loaded)
+                except (Refused, OSError) as exc:  # an unusable archive: stopping matters more
+                    self.log(f"{reason}; no receipt was written: {one_line(str(exc))}")
+            if self.receipt is not None and not self.receipt.finalized:
+                self.log(reason)
+                # A receipt with no identity can only record a refusal (its run was refused first).
+                self.finish(judge_refused(reason) if self.receipt.identity_sha256 is None else judge_incomplete(reason))
 
     # -- the steps --------------------------------------------------------------------------
 
@@ -267,26 +412,22 @@ class QualificationRun:
         from qualify.engines.factory import build_consumer
 
         options = self.options
-        chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
-        if options.fault is not None:
-            faults.fault_named(options.fault)
         if self.contract is None:
-            identity_path = options.identity or default_identity_path(
-                options.recipe, options.producer, options.consumer)
-            from qualify.contract.identity import load_identity
-
-            identity = load_identity(identity_path)
+            identity_path, identity = self._load_identity()
             try:
                 check_lane_engines(identity.lane, options.producer, options.consumer)
                 self.consumer = self._given_consumer or build_consumer(identity.lane)
                 self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
                                                        self.consumer)
-            except Refused:
+            except Refused as refusal:
                 # A sealed identity whose lane cannot run here (no GPU, no vLLM, another numeric
-                # environment): the refusal gets a receipt, marked refused by step().
-                self._open_refusal_receipt(identity_path, identity)
-                raise
+                # environment) or whose basis receipt fails its check: the refusal gets a receipt
+                # under that identity, marked refused by step().
+                raise self._refused_with_receipt(refusal, identity_path, identity) from None
         else:
+            chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
+            if options.fault is not None:
+                faults.fault_named(options.fault)
             self.consumer = self._given_consumer or build_consumer(self.contract.lane)
         contract = self.contract
         if contract.repetitions != ORDERED_HANDOFFS:
@@ -316,21 +457,70 @@ class QualificationRun:
                  f"identity sha256 {contract.identity_sha256}; fault {options.fault or 'none'}")
         return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
 
-    def _open_refusal_receipt(self, identity_path: Path, identity: Identity) -> None:
-        """A receipt for a run refused after its identity loaded: the identity, the command, the
-        host, and (once step() finishes it) the refusal."""
+    def _load_identity(self) -> tuple[Path, Identity]:
+        """The run's identity, loaded and sealed (schema, strict model, sealed digest). A choice or
+        identity refused here (not JSON, an unknown lane, a relaxed bound) still gets a receipt,
+        with no identity, marked refused by step()."""
+        from qualify.contract.identity import load_identity
+
+        options = self.options
+        try:
+            chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
+            if options.fault is not None:
+                faults.fault_named(options.fault)
+            identity_path = options.identity or default_identity_path(
+                options.recipe, options.producer, options.consumer)
+            identity = load_identity(identity_path)
+        except Refused as refusal:
+            raise self._refused_with_receipt(refusal, None, None) from None
+        self._loaded = (identity_path, identity)
+        return identity_path, identity
+
+    def _refused_with_receipt(self, refusal: Refused, identity_path: Path | None,
+                              identity: Identity | None) -> Refused:
+        """``refusal``, once its receipt is open; when no receipt can be written (an unusable
+        archive or signing key), the refusal says so instead."""
+        try:
+            self._open_early_receipt(identity_path, identity)
+        except (Refused, OSError) as exc:
+            return Refused(f"{one_line(str(refusal))}; no receipt was written: {one_line(str(exc))}")
+        return refusal
+
+    def _open_early_receipt(self, identity_path: Path | None, identity: Identity | None) -> None:
+        """A receipt for a run stopped before its contract was complete (refused, or interrupted):
+        the command, the host, the identity when it loaded, and (once finished) why it stopped.
+        With no identity its lane is the one the operator's choice names (None when --identity
+        named a file that did not load), its rule none."""
         from qualify.archive.layout import archive_dir
         from qualify.archive.writer import ReceiptWriter
         from qualify.contract.identity import identity_sha256
         from qualify.evidence.records import rule_from_identity
 
-        self.receipt = ReceiptWriter(
-            archive_dir(self.options.receipts),
-            command_line=self.options.command_line or ["qualify", "--recipe", self.options.recipe],
-            identity=identity_path, recipe=identity.recipe.value, lane=identity.lane,
-            rule=rule_from_identity(identity, drift_graded=self.options.drift_graded or identity.rung == 2),
-            identity_sha256=identity_sha256(identity), versions={"harness": __version__})
+        options = self.options
+        command_line = options.command_line or ["qualify", "--recipe", options.recipe]
+        if identity_path is None or identity is None:
+            self.receipt = ReceiptWriter(archive_dir(options.receipts), command_line=command_line, identity=None,
+                                         recipe=options.recipe, lane=self._chosen_lane_name(),
+                                         versions={"harness": __version__})
+        else:
+            self.receipt = ReceiptWriter(
+                archive_dir(options.receipts), command_line=command_line,
+                identity=identity_path, recipe=identity.recipe.value, lane=identity.lane,
+                rule=rule_from_identity(identity, drift_graded=options.drift_graded or identity.rung == 2),
+                identity_sha256=identity_sha256(identity), versions={"harness": __version__})
         self.receipt_path = self.receipt.path
+
+    def _chosen_lane_name(self) -> str | None:
+        """The lane a run with no loaded identity was asked for: the one the operator's
+        --recipe/--producer/--consumer choice names, whose shipped identity the run loads; None
+        when --identity named the file (its lane is whatever that file says) or the choice names none."""
+        options = self.options
+        if options.identity is not None:
+            return None
+        try:
+            return chosen_lane(options.recipe, options.producer, options.consumer).name
+        except Refused:
+            return None
 
     @staticmethod
     def _engine_facts(engine: LaneEngine) -> dict[str, Any]:
@@ -478,9 +668,11 @@ class QualificationRun:
         timings = opened.timings
 
         def build_record() -> SampleRecord:
+            comparison = compared.result()
+            self._series[repetition] = sample_series(comparison)
             return sample_record(
                 repetition=repetition,
-                comparison=compared.result(),
+                comparison=comparison,
                 payload_sha256=manifest.payload_sha256,
                 seams_sha256=canonical_sha256([[seam.layer, seam.k_sha256, seam.v_sha256] for seam in manifest.seams]),
                 payload_bytes=manifest.payload_size,
@@ -522,6 +714,9 @@ class QualificationRun:
         document = record_json(record)
         self.records.append(document)
         self._receipt.add_sample(record)
+        series = self._series.pop(repetition, None)
+        if series is not None:
+            self._receipt.add_series(repetition, series)
         self._add_seconds("receipt", started)
         if self._contract.rule is None:  # calibration: measure, do not judge
             return f"max_abs {document.get('max_abs')}, mean_abs {document.get('mean_abs')}"

@@ -1,0 +1,332 @@
+"""The operator's receipt-signing key and the trust file of public keys receipts are checked against.
+
+Every receipt is signed (:mod:`qualify.archive.attestation`) with one Ed25519 key per operator
+account. The private key lives in the user's config directory (``platformdirs``:
+``$XDG_CONFIG_HOME/trust-ladder`` or ``~/.config/trust-ladder`` on Linux), never in a checkout:
+``signing-key.pem``, PKCS#8 PEM, mode 0600 in a 0700 directory, unencrypted so CI can sign
+unattended (whoever can read the operator's account can sign as the operator: docs/receipts.md).
+
+A key id is the SHA-256 hex digest of the raw 32-byte public key, so an auditor recomputes it from
+the public key alone. The trust file (``trust-ladder.trust.v1``, ``contracts/trust.v1.schema.json``)
+lists public keys by key id; a key that was rotated out stays listed with its revocation (when, why,
+which key replaced it), and nothing it signed verifies any more. ``<config>/trust.json`` is the
+operator's own trust file: ``keys init`` adds the new key to it. An auditor verifies with a trust
+file of their choosing (``qualify receipts verify --trust FILE``), e.g. one made by
+``qualify keys show --trust-file`` on the operator's machine and carried over.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import os
+import secrets
+import stat
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from qualify.archive.layout import json_bytes
+from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.errors import Refused, one_line
+from qualify.core.strict_json import check_schema, parse_untrusted_json, read_bounded
+
+TRUST_SCHEMA = "trust-ladder.trust.v1"
+TRUST_SCHEMA_PATH = CONTRACTS_DIR / "trust.v1.schema.json"
+SIGNING_KEY_FILE = "signing-key.pem"
+TRUST_FILE = "trust.json"
+ALGORITHM = "ed25519"
+_KEY_FILE_MAX_BYTES = 4 << 10
+_TRUST_FILE_MAX_BYTES = 4 << 20
+
+
+def config_dir() -> Path:
+    """Where the signing key and the operator's trust file live: ``platformdirs``' user config dir."""
+    return Path(platformdirs.user_config_dir("trust-ladder", appauthor=False))
+
+
+def key_id(public_key: bytes) -> str:
+    """SHA-256 hex of the raw 32-byte Ed25519 public key."""
+    return hashlib.sha256(public_key).hexdigest()
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    """The operator's private key, with its raw public key and key id."""
+
+    private: Ed25519PrivateKey
+    public: bytes
+    key_id: str
+    path: Path
+
+    def sign(self, message: bytes) -> bytes:
+        return self.private.sign(message)
+
+
+@dataclass(frozen=True)
+class Revocation:
+    utc: str
+    reason: str
+    replaced_by: str | None
+
+    def document(self) -> dict[str, Any]:
+        return {"utc": self.utc, "reason": self.reason, "replaced_by": self.replaced_by}
+
+
+@dataclass(frozen=True)
+class TrustedKey:
+    """One public key of a trust file; ``revoked`` is None while it is trusted."""
+
+    key_id: str
+    public: bytes
+    comment: str
+    added_utc: str
+    revoked: Revocation | None = None
+
+    def public_key(self) -> Ed25519PublicKey:
+        return Ed25519PublicKey.from_public_bytes(self.public)
+
+    def document(self) -> dict[str, Any]:
+        return {"keyid": self.key_id, "algorithm": ALGORITHM, "public_key": self.public.hex(),
+                "comment": self.comment, "added_utc": self.added_utc,
+                "revoked": None if self.revoked is None else self.revoked.document()}
+
+
+@dataclass(frozen=True)
+class TrustFile:
+    """Public keys by key id, from one trust file (``source`` names it in messages)."""
+
+    keys: tuple[TrustedKey, ...]
+    source: str
+
+    def get(self, wanted: str) -> TrustedKey | None:
+        return next((key for key in self.keys if key.key_id == wanted), None)
+
+    def document(self) -> dict[str, Any]:
+        return {"schema": TRUST_SCHEMA, "keys": [key.document() for key in self.keys]}
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def parse_trust(data: bytes, where: str) -> TrustFile:
+    """A trust file's bytes, validated whole: schema, one entry per key id, every key id the
+    digest of its public key (a trust file cannot name one key and hold another)."""
+    document = parse_untrusted_json(data, where, max_bytes=_TRUST_FILE_MAX_BYTES)
+    check_schema(document, TRUST_SCHEMA_PATH, where)
+    keys: list[TrustedKey] = []
+    for index, entry in enumerate(document["keys"]):
+        public = bytes.fromhex(entry["public_key"])
+        if key_id(public) != entry["keyid"]:
+            raise Refused(f"{where}: keys[{index}].keyid is not the SHA-256 of its public_key")
+        if any(key.key_id == entry["keyid"] for key in keys):
+            raise Refused(f"{where}: keys[{index}].keyid {entry['keyid'][:16]}… is listed twice")
+        try:
+            Ed25519PublicKey.from_public_bytes(public)
+        except ValueError:
+            raise Refused(f"{where}: keys[{index}].public_key is not an Ed25519 public key") from None
+        revoked = entry["revoked"]
+        keys.append(TrustedKey(entry["keyid"], public, entry["comment"], entry["added_utc"],
+                               None if revoked is None else
+                               Revocation(revoked["utc"], revoked["reason"], revoked["replaced_by"])))
+    return TrustFile(tuple(keys), where)
+
+
+def load_trust(path: str | os.PathLike[str]) -> TrustFile:
+    """The trust file at ``path``, or :class:`Refused` in one line naming it."""
+    where = f"trust file {os.fspath(path)}"
+    return parse_trust(read_bounded(Path(path), _TRUST_FILE_MAX_BYTES, where), where)
+
+
+def default_trust_path() -> Path:
+    return config_dir() / TRUST_FILE
+
+
+def load_signing_key(directory: Path | None = None) -> SigningKey:
+    """The operator's signing key, refused in one line when missing, a link, readable by others
+    or not an Ed25519 PKCS#8 PEM key."""
+    path = (directory or config_dir()) / SIGNING_KEY_FILE
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        raise Refused(f"signing key {path}: none yet; `qualify keys init` makes one") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise Refused(f"signing key {path}: not a regular file")
+    if info.st_mode & 0o077:
+        raise Refused(f"signing key {path}: mode {stat.S_IMODE(info.st_mode):04o} lets others read it; expected 0600")
+    if info.st_size > _KEY_FILE_MAX_BYTES:
+        raise Refused(f"signing key {path}: {info.st_size} bytes, expected a PEM key")
+    try:
+        private = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (ValueError, TypeError, OSError) as exc:
+        raise Refused(f"signing key {path}: not a readable unencrypted PEM key ({type(exc).__name__})") from None
+    if not isinstance(private, Ed25519PrivateKey):
+        raise Refused(f"signing key {path}: a {type(private).__name__}, expected an Ed25519 key")
+    public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return SigningKey(private, public, key_id(public), path)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` exclusively, mode 0600, durably (never over an existing file)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.chmod(path, 0o600)
+
+
+def _write_trust(path: Path, trust: TrustFile) -> None:
+    """Replace the trust file atomically (validated first: a trust file is never half written)."""
+    document = trust.document()
+    check_schema(document, TRUST_SCHEMA_PATH, f"trust file {path}")
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(json_bytes(document))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _prepare(directory: Path) -> None:
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+    except OSError as exc:
+        raise Refused(f"key directory {directory}: cannot create it ({exc.strerror or type(exc).__name__})") from None
+
+
+def _own_trust(directory: Path) -> TrustFile:
+    path = directory / TRUST_FILE
+    return load_trust(path) if os.path.lexists(path) else TrustFile((), f"trust file {path}")
+
+
+def _new_key(directory: Path, trust: TrustFile, comment: str) -> tuple[SigningKey, TrustFile]:
+    private = Ed25519PrivateKey.generate()
+    pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    path = directory / SIGNING_KEY_FILE
+    _write_private(path, pem)
+    entry = TrustedKey(key_id(public), public, one_line(comment), _utc_now())
+    return SigningKey(private, public, entry.key_id, path), replace(trust, keys=(*trust.keys, entry))
+
+
+def init_key(directory: Path | None = None, comment: str | None = None) -> SigningKey:
+    """Make the operator's signing key and trust it in the operator's trust file; refused when a
+    key exists (``keys rotate`` replaces one, on the record)."""
+    directory = directory or config_dir()
+    _prepare(directory)
+    if os.path.lexists(directory / SIGNING_KEY_FILE):
+        raise Refused(f"signing key {directory / SIGNING_KEY_FILE}: exists; `qualify keys rotate` replaces it")
+    trust = _own_trust(directory)
+    key, trust = _new_key(directory, trust, comment or _default_comment())
+    _write_trust(directory / TRUST_FILE, trust)
+    return key
+
+
+def ensure_signing_key(directory: Path | None = None, announce: Any = None) -> SigningKey:
+    """The operator's signing key, made on first use (a run must sign its receipt; ``announce``
+    is called with one line when a key is made)."""
+    directory = directory or config_dir()
+    if not os.path.lexists(directory / SIGNING_KEY_FILE):
+        key = init_key(directory)
+        line = (f"made signing key {key.key_id[:16]}… at {key.path} (trusted in {directory / TRUST_FILE}; "
+                f"`qualify keys show` prints it)")
+        (announce or (lambda text: print(text, file=sys.stderr)))(line)
+        return key
+    return load_signing_key(directory)
+
+
+def rotate_key(reason: str, directory: Path | None = None) -> tuple[SigningKey, str]:
+    """Replace the signing key: a new key is made and trusted, the old one is marked revoked in
+    the trust file (time, reason, successor) and its private key file deleted. Returns the new
+    key and the old key id. Receipts the old key signed no longer verify against this file."""
+    directory = directory or config_dir()
+    reason = one_line(reason)
+    if not reason:
+        raise Refused("keys rotate: --reason is empty; a revocation records why")
+    old = load_signing_key(directory)
+    trust = _own_trust(directory)
+    retired = directory / f".{SIGNING_KEY_FILE}.{old.key_id[:16]}.retired"
+    os.replace(old.path, retired)  # the new key takes the name; the old one is deleted below
+    try:
+        key, trust = _new_key(directory, trust, _default_comment())
+    except BaseException:
+        os.replace(retired, old.path)
+        raise
+    revocation = Revocation(_utc_now(), reason, key.key_id)
+    entries = [replace(entry, revoked=revocation) if entry.key_id == old.key_id and entry.revoked is None else entry
+               for entry in trust.keys]
+    if not any(entry.key_id == old.key_id for entry in entries):
+        entries.append(TrustedKey(old.key_id, old.public, "rotated out", revocation.utc, revocation))
+    _write_trust(directory / TRUST_FILE, replace(trust, keys=tuple(entries)))
+    os.unlink(retired)
+    return key, old.key_id
+
+
+def _default_comment() -> str:
+    try:
+        user = os.getlogin()
+    except OSError:
+        user = os.environ.get("USER", "operator")
+    return f"{user}@{os.uname().nodename} receipt signing key"
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def keys_cli(args: Sequence[str]) -> int:
+    """``qualify keys init|show|rotate``: exit 0 done, 2 refused (one line on stderr)."""
+    from qualify.core.arguments import OneLineParser, say_refusal
+
+    parser = OneLineParser(prog="qualify keys", description="The operator's receipt-signing key.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    init = commands.add_parser("init", help="make the signing key (refused when one exists)")
+    init.add_argument("--comment", default=None, help="a note kept with the key in the trust file")
+    show = commands.add_parser("show", help="print the public key and its key id")
+    show.add_argument("--trust-file", action="store_true",
+                      help="print a trust file holding only this key (for an auditor's --trust)")
+    rotate = commands.add_parser("rotate", help="replace the key, recording the old one's revocation")
+    rotate.add_argument("--reason", required=True, help="why the key is replaced (kept in the trust file)")
+    try:
+        options = parser.parse_args(list(args))
+    except SystemExit as exit_:
+        return 0 if exit_.code == 0 else 2
+    try:
+        if options.command == "init":
+            key = init_key(comment=options.comment)
+            print(f"signing key {key.key_id} made at {key.path}; trusted in {key.path.parent / TRUST_FILE}")
+        elif options.command == "show":
+            key = load_signing_key()
+            if options.trust_file:
+                entry = _own_trust(key.path.parent).get(key.key_id) or TrustedKey(
+                    key.key_id, key.public, _default_comment(), _utc_now())
+                sys.stdout.write(json_bytes(TrustFile((entry,), "").document()).decode("utf-8"))
+            else:
+                pem = key.private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                            serialization.PublicFormat.SubjectPublicKeyInfo)
+                print(f"key id      {key.key_id}\nalgorithm   {ALGORITHM}\npublic key  {key.public.hex()}\n"
+                      f"file        {key.path}")
+                sys.stdout.write(pem.decode("ascii"))
+        else:
+            key, old = rotate_key(options.reason)
+            print(f"signing key {old} revoked ({one_line(options.reason)}); new key {key.key_id} at {key.path}")
+    except Refused as refusal:
+        say_refusal(str(refusal))
+        return 2
+    return 0
