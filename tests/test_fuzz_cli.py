@@ -191,7 +191,8 @@ def _invocation(draw: Any, fixtures: Fixtures) -> tuple[str, list[str]]:
         verify_paths = st.one_of(st.sampled_from(["", "\x00", str(fixtures.file)]), weird.map(fixtures.missing))
         bad = [unknown_options.map(lambda option: [option]),
                verify_paths.map(lambda path: [path]),
-               st.tuples(weird, weird).map(lambda pair: ["STRAY", *pair])]
+               # Several PATHs are allowed: a missing one among them is what must be refused.
+               st.tuples(weird, weird).map(lambda pair: [str(fixtures.good_receipts), fixtures.missing(pair[0])])]
     elif family == "identity":
         prefix = ["identity", "check"]
         bad = [unknown_options.map(lambda option: [option]),

@@ -144,3 +144,23 @@ def test_keys_cli_refusals_are_one_line_exit_2(config, capsys):
     assert keys_cli(["init"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) >= 2 and "exists" in err[-1]
+
+
+def _first_use(directory: str) -> str:
+    from pathlib import Path
+
+    return ensure_signing_key(Path(directory), announce=lambda line: None).key_id
+
+
+def test_first_runs_racing_for_the_key_all_sign_with_the_one_that_won(tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    for trial in range(5):
+        directory = tmp_path / f"trial-{trial}"
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(4, mp_context=context) as pool:
+            key_ids = list(pool.map(_first_use, [str(directory)] * 4))
+        assert len(set(key_ids)) == 1 and key_ids[0] == load_signing_key(directory).key_id
+        assert [key.key_id for key in load_trust(directory / TRUST_FILE).keys] == key_ids[:1]
+        assert sorted(path.name for path in directory.iterdir()) == [SIGNING_KEY_FILE, TRUST_FILE]

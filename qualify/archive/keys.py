@@ -180,13 +180,20 @@ def load_signing_key(directory: Path | None = None) -> SigningKey:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """Create ``path`` exclusively, mode 0600, durably (never over an existing file)."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(path, 0o600)
+    """Publish ``path`` with ``data``, mode 0600, whole or not at all: written to a temporary name,
+    then hard-linked into place, which fails if ``path`` exists (two first runs racing both read
+    the one key that won, never a half-written one). Raises ``FileExistsError`` to the loser."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, 0o600)
+        os.link(temporary, path)
+    finally:
+        os.unlink(temporary)
 
 
 def _write_trust(path: Path, trust: TrustFile) -> None:
@@ -244,7 +251,10 @@ def ensure_signing_key(directory: Path | None = None, announce: Any = None) -> S
     is called with one line when a key is made)."""
     directory = directory or config_dir()
     if not os.path.lexists(directory / SIGNING_KEY_FILE):
-        key = init_key(directory)
+        try:
+            key = init_key(directory)
+        except (Refused, FileExistsError):  # another first run made it meanwhile: use that one
+            return load_signing_key(directory)
         line = (f"made signing key {key.key_id[:16]}… at {key.path} (trusted in {directory / TRUST_FILE}; "
                 f"`qualify keys show` prints it)")
         (announce or (lambda text: print(text, file=sys.stderr)))(line)

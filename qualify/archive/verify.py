@@ -473,17 +473,26 @@ def _manifest_schema(root: Path) -> object:
 
 
 def _archive_contents(target: Path) -> tuple[list[Path], list[Path]]:
-    """The receipts to check under ``target`` (itself when it is one) and the ``.partial-``
-    leftovers of runs killed before they finalized (their claimed, still empty run directory is
-    part of the leftover, not a receipt)."""
-    if os.path.lexists(target / MANIFEST) or target.name.startswith(PARTIAL_PREFIX):
+    """The receipts to check under ``target`` (itself when it holds any file a receipt holds, so
+    a receipt missing its manifest is checked as one receipt) and the ``.partial-`` leftovers of
+    runs killed before they finalized (their claimed, still empty run directory is part of the
+    leftover, not a receipt). Raises ``OSError`` when ``target`` cannot be listed."""
+    own_files = (MANIFEST, ENVELOPE, *REQUIRED_FILES)
+    if target.name.startswith(PARTIAL_PREFIX) or any(os.path.lexists(target / name) for name in own_files):
         return [target], []
     children = sorted(p for p in target.iterdir() if stat.S_ISDIR(p.lstat().st_mode))
     partial = [p for p in children if p.name.startswith(PARTIAL_PREFIX)]
     claimed = {p.name.removeprefix(PARTIAL_PREFIX) for p in partial}
-    receipts = [p for p in children if not p.name.startswith(".")
-                and not (p.name in claimed and not any(p.iterdir()))]
+    receipts = [p for p in children if not p.name.startswith(".") and not (p.name in claimed and _is_empty(p))]
     return receipts, partial
+
+
+def _is_empty(directory: Path) -> bool:
+    """An empty directory (one that cannot be listed is not: it is checked as a receipt)."""
+    try:
+        return not any(directory.iterdir())
+    except OSError:
+        return False
 
 
 _LABELS: dict[State, str] = {"verified": "ok       ", "partial": "partial  ", "unsigned": "UNSIGNED ",
@@ -509,10 +518,16 @@ def _report(check: ReceiptCheck, stream: TextIO) -> None:
 def verify_paths(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None, out: TextIO) -> int:
     """Verify every receipt under ``paths`` (each one receipt or an archive); print one line per
     receipt and a tally. 0 when every receipt is verified (whatever status it records) or a
-    partial leftover; 1 when any is unsigned, untrusted or tampered, or none is found."""
+    partial leftover; 1 when any is unsigned, untrusted or tampered, or none is found; 2 when a
+    path cannot be listed."""
     checks: list[ReceiptCheck] = []
     for path in paths:
-        receipts, partial = _archive_contents(Path(path))
+        try:
+            receipts, partial = _archive_contents(Path(path))
+        except OSError as exc:
+            print(f"receipts verify: {shown(os.fspath(path))}: cannot list ({exc.strerror or type(exc).__name__})",
+                  file=out)
+            return 2
         for receipt in receipts:
             checks.append(authenticate_receipt(receipt, trust))
             _report(checks[-1], out)

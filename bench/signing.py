@@ -1,0 +1,84 @@
+"""What signing and verifying a receipt cost against the qualification that writes it.
+
+Runs one native-text qualification on the default lane in-process (its receipt signed with a
+throwaway key in a temporary config directory, never the operator's), times it, then times
+``sign_directory`` (hash every file, build and sign the statement: what ``finalize`` adds) and
+``authenticate_receipt`` (what ``qualify receipts verify`` does per receipt) on that receipt,
+best of N each. Prints both as fractions of the qualification's wall time, measured in the same
+run; the last line is the headline, signing's share.
+
+Usage: python bench/signing.py [N] (N repeats of each timing, default 50)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def best_seconds(action: Callable[[], Any], repeats: int) -> float:
+    """Best wall time of ``repeats`` calls (the least disturbed by the rest of the machine)."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def main() -> int:
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 50
+    with tempfile.TemporaryDirectory(prefix="bench-signing-") as scratch:
+        os.environ["XDG_CONFIG_HOME"] = str(Path(scratch) / "config")  # a throwaway signing key
+        from qualify.archive.attestation import ENVELOPE, sign_directory
+        from qualify.archive.keys import default_trust_path, ensure_signing_key, load_signing_key, load_trust
+        from qualify.archive.verify import authenticate_receipt
+        from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+
+        ensure_signing_key(announce=lambda line: None)  # made before the clock starts, as an operator's exists
+        run = QualificationRun(RunOptions(recipe="native-text", receipts=Path(scratch) / "archive",
+                                          command_line=["python", "bench/signing.py"]))
+        started = time.perf_counter()
+        outcomes = [run.step(label) for label in STEP_LABELS]
+        run.close()
+        wall = time.perf_counter() - started
+        receipt = run.receipt_path
+        if receipt is None or not all(outcome.passed for outcome in outcomes):
+            print("bench/signing.py: the qualification did not pass: "
+                  + "; ".join(f"{o.label}: {o.message}" for o in outcomes if not o.passed), file=sys.stderr)
+            return 1
+        key, trust = load_signing_key(), load_trust(default_trust_path())
+        check = authenticate_receipt(receipt, trust)
+        if check.state != "verified":
+            print(f"bench/signing.py: the run's receipt is {check.state}: {check.problems}", file=sys.stderr)
+            return 1
+        envelope = json.loads((receipt / ENVELOPE).read_bytes())
+        predicate = json.loads(base64.b64decode(envelope["payload"]))["predicate"]
+        if sign_directory(receipt, predicate, key) != (receipt / ENVELOPE).read_bytes():
+            print("bench/signing.py: re-signing the receipt did not give its envelope back", file=sys.stderr)
+            return 1
+        files = [path for path in receipt.rglob("*") if path.is_file()]
+        size = sum(path.stat().st_size for path in files)
+        sign_s = best_seconds(lambda: sign_directory(receipt, predicate, key), repeats)
+        verify_s = best_seconds(lambda: authenticate_receipt(receipt, trust), repeats)
+        load_s = best_seconds(load_signing_key, repeats)
+
+    print(f"qualification wall time: {wall:.3f} s ({len(run.records)} handoffs); receipt: {len(files)} files, "
+          f"{size / 1024:.1f} KiB")
+    print(f"  load signing key          {load_s * 1e3:8.3f} ms  ({load_s / wall:.2e} of the run)")
+    print(f"  sign_directory            {sign_s * 1e3:8.3f} ms  ({sign_s / wall:.2e} of the run)")
+    print(f"  authenticate_receipt      {verify_s * 1e3:8.3f} ms  ({verify_s / wall:.2e} of the run)")
+    print(f"best of {repeats} each; verifying one receipt: {verify_s / wall:.2e} of the run that wrote it")
+    print(f"signing_overhead: {(sign_s + load_s) / wall:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
