@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import base64
 import contextlib
-import importlib.util
 import io
 import json
 import re
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 from qualify.archive.keys import init_key, keys_cli, load_trust, rotate_key
 from qualify.archive.verify import authenticate_receipt
 from qualify.core.assets import REPO_ROOT
+from tests.scripts import load_script as load_script_at
 from tests.test_receipt_schemas import fresh_receipt
 from tests.test_receipts import make_writable
 
@@ -38,11 +38,7 @@ def run_script(*args: object) -> tuple[int, list[str], str]:
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("verify_receipt_offline", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script_at(SCRIPT)
 
 
 def in_process(module: ModuleType, trust: Path, receipt: Path) -> tuple[int, list[str]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import importlib.util
 import json
 import re
 import subprocess
@@ -31,6 +30,7 @@ from qualify.core.strict_json import format_path, parse_untrusted_json, schema_v
 from qualify.evidence.records import SAMPLE_SCHEMA, SampleRecord, failed_sample_record, record_json
 from qualify.evidence.series import HANDED_OFF_TENSORS, LAYER_TENSORS, POSITION_TENSORS, SERIES_DTYPES, read_series
 from qualify.judge import judge_summary
+from tests.scripts import load_script
 from tests.test_judge import rung2_record
 from tests.test_receipts import RULE
 
@@ -46,11 +46,7 @@ TIMESTAMPED_LINE = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0
 
 
 def load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("receipt_schemas", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOL)
 
 
 # --------------------------------------------------------------------------- a realistic fresh receipt

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import json
 import math
-import types
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from qualify.core.digests import (
 )
 from qualify.core.errors import HandoffRefused, Refused
 from qualify.run.contract import CALIBRATION_SCHEMA
+from tests.scripts import load_script
 from tests.test_identity import make_pair
 from tests.wire_mutants import RUN_KEY, pristine_expectation, pristine_handoff, pristine_kv, seal_pristine
 
@@ -103,11 +102,7 @@ def test_the_freeze_tool_refreezes_a_v1_identity_to_the_shipped_v2_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--refreeze writes the current schema: a v1 copy becomes the shipped v2 file, byte for byte."""
-    spec = importlib.util.spec_from_file_location("freeze_identity", REPO_ROOT / "tools" / "freeze_identity.py")
-    assert spec is not None and spec.loader is not None
-    freeze = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(freeze)
-    assert isinstance(freeze, types.ModuleType)
+    freeze = load_script(REPO_ROOT / "tools" / "freeze_identity.py")
     shipped = CONTRACTS_DIR / "nvfp4-native-splitk-identity-v1.json"
     legacy = tmp_path / shipped.name
     legacy.write_text(json.dumps({**json.loads(shipped.read_bytes()), "schema": V1}, indent=2) + "\n",

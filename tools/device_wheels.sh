@@ -14,7 +14,8 @@ print(" ".join(d for d in deps if d.split("==")[0] not in {"pytest", "safetensor
 PY
 )
 transitive="pydantic-core==2.46.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1"
+jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
+cffi==2.1.1 pycparser==3.12"
 rm -rf .whl && mkdir -p .whl
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -21,7 +21,6 @@ import datetime as _dt
 import hashlib
 import os
 import secrets
-import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -33,6 +32,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from qualify.archive.layout import json_bytes
+from qualify.core.arguments import require_private_file
 from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_schema, parse_untrusted_json, read_bounded
@@ -156,14 +156,7 @@ def load_signing_key(directory: Path | None = None) -> SigningKey:
     """The operator's signing key, refused in one line when missing, a link, readable by others
     or not an Ed25519 PKCS#8 PEM key."""
     path = (directory or config_dir()) / SIGNING_KEY_FILE
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
-        raise Refused(f"signing key {path}: none yet; `qualify keys init` makes one") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise Refused(f"signing key {path}: not a regular file")
-    if info.st_mode & 0o077:
-        raise Refused(f"signing key {path}: mode {stat.S_IMODE(info.st_mode):04o} lets others read it; expected 0600")
+    info = require_private_file(f"signing key {path}", path, "none yet; `qualify keys init` makes one")
     if info.st_size > _KEY_FILE_MAX_BYTES:
         raise Refused(f"signing key {path}: {info.st_size} bytes, expected a PEM key")
     try:

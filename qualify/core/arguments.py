@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -158,6 +159,20 @@ def require_regular_file(option: str, path: Path) -> Path:
         raise Refused(f"{where}: cannot inspect it ({one_line(str(exc))})") from None
     found = "is a directory" if directory else "is not a regular file" if exists else "no such file"
     raise Refused(f"{where}: {found}, expected a regular file")
+
+
+def require_private_file(where: str, path: Path, missing: str) -> os.stat_result:
+    """A secret's file (a signing or handoff key): a regular file, not a link, that only its owner
+    can read; refused in one line starting ``where``, ``missing`` saying what to do when absent."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        raise Refused(f"{where}: {missing}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise Refused(f"{where}: not a regular file")
+    if info.st_mode & 0o077:
+        raise Refused(f"{where}: mode {stat.S_IMODE(info.st_mode):04o} lets others read it; expected 0600")
+    return info
 
 
 MAX_DEADLINE_S = 7 * 24 * 3600.0

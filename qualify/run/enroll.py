@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import secrets
-import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from qualify.archive.verify import authenticate_receipt, check_receipt
 from qualify.contract.lanes import LANES
 from qualify.contract.registry import LaneRegistry, RegistryEntry, RevokedKey, validate_registry_document
 from qualify.contract.registry import load_registry as _load_registry_file
+from qualify.core.arguments import require_private_file
 from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.evidence.records import parse_rule, rule_from_identity
@@ -265,14 +265,7 @@ def key_for(
     """
     entry = enrollment_for(lane, registry_path, identity_sha256)
     path = Path(key_dir) / f"{entry.key_id}.key"
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
-        raise Refused(f"key: {path}: no such key file for lane {lane}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise Refused(f"key: {path}: not a regular file")
-    if info.st_mode & 0o077:
-        raise Refused(f"key: {path}: mode {stat.S_IMODE(info.st_mode):04o} lets others read it; expected 0600")
+    require_private_file(f"key: {path}", path, f"no such key file for lane {lane}")
     key = path.read_bytes()
     if len(key) != KEY_BYTES:
         raise Refused(f"key: {path}: {len(key)} bytes, expected {KEY_BYTES}")
