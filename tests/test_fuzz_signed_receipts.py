@@ -99,6 +99,15 @@ class Template:
     counter: Callable[[], int]
 
 
+
+def envelope_bytes(envelope: dict) -> bytes:
+    """The mutant envelope as a forger writes it: RFC 8785 when it has a canonical form, else
+    plain JSON (an integer beyond 2**53 has none; the verifier must refuse it either way)."""
+    try:
+        return jcs_bytes(envelope)
+    except ValueError:
+        return json.dumps(envelope, sort_keys=True, separators=(",", ":")).encode()
+
 def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
     """What a receipt directory holds, by relative path (its own name under ""): each file's
     bytes, each link's target, each directory; two receipts with equal snapshots are identical."""
@@ -356,7 +365,7 @@ def statement_mutations(draw: st.DrawFn) -> Mutation:
             signature = template.forger.sign(pae(PAYLOAD_TYPE, payload))
             envelope = {"payload": base64.b64encode(payload).decode("ascii"), "payloadType": PAYLOAD_TYPE,
                         "signatures": [{"keyid": keyid, "sig": base64.b64encode(signature).decode("ascii")}]}
-        (receipt / ENVELOPE).write_bytes(jcs_bytes(envelope))
+        (receipt / ENVELOPE).write_bytes(envelope_bytes(envelope))
         return receipt
 
     detail = f"subject {subject_edit} {which}/{other}" if op == "subject" else f"path #{target} := {value!r}"
@@ -454,7 +463,7 @@ def envelope_mutations(draw: st.DrawFn) -> Mutation:
             envelope[["payload", "payloadType"][mask % 2]] = value if not isinstance(value, str) else 4
         else:  # signatures_object
             envelope["signatures"] = signature
-        (receipt / ENVELOPE).write_bytes(data if data is not None else jcs_bytes(envelope))
+        (receipt / ENVELOPE).write_bytes(data if data is not None else envelope_bytes(envelope))
         return receipt
 
     return Mutation(f"envelope {kind} ({field}, {position}, {mask}, {text!r}, {value!r}, indent {indent})", apply)

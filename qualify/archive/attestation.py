@@ -109,6 +109,15 @@ def _strict_base64(text: str, what: str) -> bytes:
     return data
 
 
+def _canonical(document: Any) -> bytes | None:
+    """RFC 8785 bytes, or None for a document JCS cannot hold (an integer beyond 2**53): such a
+    document has no canonical form, so it never equals the bytes it was read from."""
+    try:
+        return jcs_bytes(document)
+    except ValueError:
+        return None
+
+
 def read_attestation(directory: Path, trust: TrustFile | None) -> Attestation:
     """Check ``directory``'s envelope: canonical bytes, one signature by a key ``trust`` holds and
     has not revoked, a signature that verifies, and a well-formed statement. Subjects are checked
@@ -122,7 +131,7 @@ def read_attestation(directory: Path, trust: TrustFile | None) -> Attestation:
         raise
     except Refused as exc:
         raise AttestationProblem("tampered", str(exc)) from None
-    if jcs_bytes(document) != data:
+    if _canonical(document) != data:
         raise AttestationProblem("tampered", f"{ENVELOPE}: bytes differ from its RFC 8785 form")
     if document["payloadType"] != PAYLOAD_TYPE:
         raise AttestationProblem("tampered", f"{ENVELOPE}: payloadType is not {PAYLOAD_TYPE}")
@@ -151,7 +160,7 @@ def read_attestation(directory: Path, trust: TrustFile | None) -> Attestation:
         check_schema(statement, STATEMENT_SCHEMA_PATH, f"{ENVELOPE} statement")
     except Refused as exc:  # signed by a trusted key yet malformed: a signer fault, still refused
         raise AttestationProblem("tampered", str(exc)) from None
-    if jcs_bytes(statement) != payload:
+    if _canonical(statement) != payload:
         raise AttestationProblem("tampered", f"{ENVELOPE}: statement bytes differ from their RFC 8785 form")
     subjects: dict[str, str] = {}
     for subject in statement["subject"]:
