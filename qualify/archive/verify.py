@@ -416,13 +416,28 @@ def _subject_problems(root: Path, subjects: dict[str, str]) -> list[str]:
     return problems
 
 
+_SUMMARY_FIELDS_SIGNED = ("lane", "recipe", "rung", "identity_sha256", "verdict")
+"""What the signed predicate repeats from the summary, beside run id and status: enroll and an
+auditor read the predicate, so it may not say anything the receipt's own files do not."""
+
+
 def _predicate_problems(root: Path, predicate: dict[str, Any], status: str | None) -> list[str]:
-    """The signed conclusion must be the receipt's own: its run id, and the status its summary records."""
+    """The signed conclusion must be the receipt's own: its run id, the status its summary
+    records, and the lane, recipe, rung, identity digest and verdict the summary names."""
     problems = []
     if predicate.get("run_id") != root.name:
         problems.append(f"signed statement names run {render(predicate.get('run_id'))}, not {shown(root.name)}")
     if predicate.get("status") != status:
         problems.append(f"signed statement says {render(predicate.get('status'))}, {SUMMARY} says {render(status)}")
+    try:
+        summary = load_receipt_json(root / SUMMARY, SUMMARY)
+    except Refused as exc:
+        return [*problems, str(exc)]
+    for name in _SUMMARY_FIELDS_SIGNED:
+        found = summary.get(name) if isinstance(summary, dict) else None
+        if predicate.get(name) != found:
+            problems.append(f"signed statement's {name} {render(predicate.get(name))} is not {SUMMARY}'s "
+                            f"{render(found)}")
     return problems
 
 
