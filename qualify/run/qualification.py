@@ -741,8 +741,7 @@ class QualificationRun:
             raise StepFailed("no basis receipt to recheck the run's digests against")
         verdict = judge_qualification(self.records, contract.rule, contract.basis_records,
                                       deterministic_producer=contract.deterministic_producer)
-        self.log(f"verdict: {verdict.headline}")
-        self.finish(verdict)
+        self.finish(verdict)  # finalize writes the receipt's one "verdict:" line
         if not verdict.passed:
             raise StepFailed(verdict.headline)
         return verdict.headline
