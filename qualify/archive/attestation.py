@@ -10,9 +10,12 @@ receipt has one byte form and an auditor's script reproduces every check with ``
 ``hashlib`` and ``json`` alone (docs/receipts.md).
 
 Signing and verifying use ``securesystemslib`` (DSSE envelope, pre-authentication encoding,
-Ed25519 through ``cryptography``); nothing here is hand-rolled crypto. Keyless signing (sigstore)
-is not used: it needs an OIDC identity and the public Rekor/Fulcio services at signing time, which
-air-gapped GPU hosts and CI runners without egress do not have.
+Ed25519 through ``cryptography``); nothing here is hand-rolled crypto. The statement is a plain
+document checked by its JSON Schema, not built with ``in-toto-attestation``: that package holds a
+predicate in a protobuf ``Struct``, which turns every integer into a double (2048 comes back as
+2048.0, 2**53 + 1 as 2**53), and the predicate's counts and positions must stay exact integers.
+Keyless signing (sigstore) is not used: it needs an OIDC identity and the public Rekor/Fulcio
+services at signing time, which air-gapped GPU hosts and CI runners without egress do not have.
 """
 
 from __future__ import annotations
