@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,11 +68,6 @@ class Attestation:
     predicate: dict[str, Any]
 
 
-def _sha256_file(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def statement_for(files: Iterable[tuple[str, str]], predicate: dict[str, Any]) -> dict[str, Any]:
     """The in-toto Statement v1 over ``files`` ((relative path, sha256) pairs) with ``predicate``."""
     return {
@@ -84,12 +78,11 @@ def statement_for(files: Iterable[tuple[str, str]], predicate: dict[str, Any]) -
     }
 
 
-def sign_directory(directory: Path, predicate: dict[str, Any], key: SigningKey) -> bytes:
-    """Sign a statement over every regular file under ``directory``; returns the envelope's bytes
-    (the caller writes them as :data:`ENVELOPE`). The predicate is checked against its schema
-    first: a receipt never carries a statement its verifier would refuse."""
-    files = [(path.relative_to(directory).as_posix(), _sha256_file(path))
-             for path in directory.rglob("*") if path.is_file() and path.name != ENVELOPE]
+def sign_statement(files: Iterable[tuple[str, str]], predicate: dict[str, Any], key: SigningKey) -> bytes:
+    """Sign a statement over ``files`` ((relative path, sha256) of every file of the receipt but
+    the envelope); returns the envelope's bytes (the caller writes them as :data:`ENVELOPE`). The
+    statement is checked against its schema first: a receipt never carries a statement its
+    verifier would refuse."""
     statement = statement_for(files, predicate)
     check_schema(statement, STATEMENT_SCHEMA_PATH, "receipt statement")
     envelope = Envelope(jcs_bytes(statement), PAYLOAD_TYPE, {})

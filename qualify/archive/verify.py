@@ -190,9 +190,10 @@ def _listed_files(manifest: dict[str, Any], root: Path, problems: list[str]) -> 
     return listed
 
 
-def _receipt_problems(root: Path, problems: list[str]) -> int:
+def _receipt_problems(root: Path, problems: list[str], hashed: dict[str, str]) -> int:
     """Append every problem of the receipt at ``root``; returns the number of files its manifest
-    covers (itself included), 0 when there is no usable manifest."""
+    covers (itself included), 0 when there is no usable manifest. Each file's SHA-256 goes into
+    ``hashed`` as it is computed (the signed statement's check reuses it)."""
     if not RUN_ID.fullmatch(root.name):
         problems.append(f"directory name {root.name!r} is not a run id")
     manifest = _read_listed_manifest(root, problems)
@@ -216,7 +217,9 @@ def _receipt_problems(root: Path, problems: list[str]) -> int:
             continue
         if digest is None:
             problems.append(f"altered file {path}: {size} bytes, manifest says {entry['bytes']}")
-        elif digest != entry["sha256"]:
+            continue
+        hashed[path] = digest
+        if digest != entry["sha256"]:
             problems.append(f"altered file {path}: sha256 {digest} differs from the manifest")
     for path in sorted(actual - set(listed)):
         problems.append(f"extra file {shown(path)}")
@@ -243,10 +246,12 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def check_receipt(directory: str | os.PathLike[str]) -> tuple[list[str], int]:
+def check_receipt(directory: str | os.PathLike[str],
+                  hashed: dict[str, str] | None = None) -> tuple[list[str], int]:
     """Problems of one receipt (each ``<run id>: <problem>``; none when intact) and the number of
-    files its manifest covers. Never raises: anything unexpected while checking becomes the
-    problem ``<run id>: cannot check: <what>``, kept with those found before it."""
+    files its manifest covers; the SHA-256 of each file hashed goes into ``hashed`` when given.
+    Never raises: anything unexpected while checking becomes the problem ``<run id>: cannot
+    check: <what>``, kept with those found before it."""
     root = Path(directory)
     label = shown(root.name)
     problems: list[str] = []
@@ -254,7 +259,7 @@ def check_receipt(directory: str | os.PathLike[str]) -> tuple[list[str], int]:
     try:
         if not stat.S_ISDIR(root.lstat().st_mode):
             return [f"{shown(str(root))}: not a receipt directory"], 0
-        count = _receipt_problems(root, problems)
+        count = _receipt_problems(root, problems, {} if hashed is None else hashed)
     except FileNotFoundError:
         return [f"{shown(str(root))}: not a receipt directory"], 0
     except Exception as exc:  # one receipt's surprise must not stop the archive walk
@@ -393,9 +398,9 @@ def _recorded_status(root: Path) -> str | None:
     return "failed" if summary.get("passed") is False else None
 
 
-def _subject_problems(root: Path, subjects: dict[str, str]) -> list[str]:
+def _subject_problems(root: Path, subjects: dict[str, str], hashed: dict[str, str]) -> list[str]:
     """The statement must name exactly the receipt's files (the manifest included, the envelope
-    aside), each with its SHA-256."""
+    aside), each with its SHA-256 (from ``hashed`` when the manifest check already computed it)."""
     problems: list[str] = []
     actual, _directories = _walk(root, problems)
     actual.add(MANIFEST)
@@ -404,13 +409,15 @@ def _subject_problems(root: Path, subjects: dict[str, str]) -> list[str]:
     for name in sorted(actual - set(subjects)):
         problems.append(f"file {shown(name)} is not a subject of the signed statement")
     for name in sorted(actual & set(subjects)):
-        try:
-            descriptor, _size = open_regular_file(root / name, f"file {name}")
-        except Refused as exc:
-            problems.append(str(exc))
-            continue
-        with os.fdopen(descriptor, "rb") as handle:
-            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        digest = hashed.get(name)
+        if digest is None:
+            try:
+                descriptor, _size = open_regular_file(root / name, f"file {name}")
+            except Refused as exc:
+                problems.append(str(exc))
+                continue
+            with os.fdopen(descriptor, "rb") as handle:
+                digest = hashlib.file_digest(handle, "sha256").hexdigest()
         if digest != subjects[name]:
             problems.append(f"file {name}: sha256 differs from the signed statement's subject")
     return problems
@@ -448,7 +455,8 @@ def authenticate_receipt(directory: str | os.PathLike[str], trust: TrustFile | N
     verified. Never raises."""
     root = Path(directory)
     check = ReceiptCheck(shown(root.name), "tampered")
-    problems, check.files = check_receipt(root)
+    hashed: dict[str, str] = {}
+    problems, check.files = check_receipt(root, hashed)
     prefix = f"{check.name}: "
     check.problems = [problem.removeprefix(prefix) for problem in problems]
     check.status = _recorded_status(root)
@@ -469,7 +477,7 @@ def authenticate_receipt(directory: str | os.PathLike[str], trust: TrustFile | N
         check.problems.append(f"cannot check {ENVELOPE}: {_describe(exc)}")
         return check
     check.key_id = attestation.key_id
-    check.problems.extend(_subject_problems(root, attestation.subjects))
+    check.problems.extend(_subject_problems(root, attestation.subjects, hashed))
     check.problems.extend(_predicate_problems(root, attestation.predicate, check.status))
     if not check.problems:
         check.state = "verified"

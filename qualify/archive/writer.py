@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TextIO
 
-from qualify.archive.attestation import ENVELOPE, sign_directory
+from qualify.archive.attestation import ENVELOPE, sign_statement
 from qualify.archive.keys import SigningKey, ensure_signing_key
 from qualify.archive.layout import (
     HOST,
@@ -319,15 +319,18 @@ class ReceiptWriter:
         host_document = self._host_document()
         _write_new(self.staging / SUMMARY, json_bytes(summary_document))
         _write_new(self.staging / HOST, json_bytes(host_document))
-        entries = []
+        entries: list[dict[str, str | int]] = []
+        subjects: list[tuple[str, str]] = []  # the signed statement's: these files, then the manifest
         for path in sorted(p for p in self.staging.rglob("*") if p.is_file()):
             relative = path.relative_to(self.staging).as_posix()
             data = path.read_bytes()
-            entries.append({"path": relative, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
-        manifest = {"schema": MANIFEST_SCHEMA, "run_id": self.run_id, "files": entries}
-        _write_new(self.staging / MANIFEST, jcs_bytes(manifest))
+            subjects.append((relative, hashlib.sha256(data).hexdigest()))
+            entries.append({"path": relative, "sha256": subjects[-1][1], "bytes": len(data)})
+        manifest = jcs_bytes({"schema": MANIFEST_SCHEMA, "run_id": self.run_id, "files": entries})
+        _write_new(self.staging / MANIFEST, manifest)
+        subjects.append((MANIFEST, hashlib.sha256(manifest).hexdigest()))
         predicate = receipt_predicate(summary_document, self._sample_documents, host_document)
-        _write_new(self.staging / ENVELOPE, sign_directory(self.staging, predicate, self.signing_key))
+        _write_new(self.staging / ENVELOPE, sign_statement(subjects, predicate, self.signing_key))
         for path in self.staging.rglob("*"):
             if path.is_file():
                 os.chmod(path, 0o444)

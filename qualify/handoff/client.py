@@ -688,6 +688,11 @@ class ProducerProcess:
 
     # -- failure -------------------------------------------------------------------------------
 
+    def kill(self) -> None:
+        """SIGKILL the producer's process group now, with no graceful shutdown (an interrupted
+        run waits for nothing); :meth:`close` still reaps it and cleans up."""
+        self._kill_group()
+
     def _kill_group(self) -> None:
         """SIGKILL the producer's own process group (it was started in a new session)."""
         if self._process is not None and self._process.poll() is None:

@@ -10,7 +10,6 @@ gathers evidence and writes it to the receipt.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -210,17 +209,11 @@ def signals_held(*, discard: bool = False) -> Iterator[None]:
 
 
 def _kill_process_group(producer: Transport) -> None:
-    """SIGKILL a producer process's own group at once (it was started in a session of its own)
-    while it still runs; an interrupted run waits for nothing. An in-process producer has none."""
+    """Kill a producer process's group at once (an in-process producer has none)."""
     from qualify.handoff.client import ProducerProcess
 
-    if not isinstance(producer, ProducerProcess) or producer.exit_status is not None:
-        return
-    try:
-        os.killpg(producer.pid, signal.SIGKILL)
-    except (ProducerFailed, ProcessLookupError, PermissionError):  # not started, or already gone
-        pass
-
+    if isinstance(producer, ProducerProcess):
+        producer.kill()
 
 
 class QualificationRun:
