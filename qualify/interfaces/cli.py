@@ -22,6 +22,7 @@ command                handler
 ``enroll``             ``qualify.run.enroll.enroll_cli``
 ``calibrate``          ``qualify.interfaces.console.calibrate_cli``
 ``selftest``           ``qualify.interfaces.console.selftest_cli``
+``report``             ``qualify.interfaces.report.report_cli``
 ``producer serve``     ``qualify.handoff.service.main``
 =====================  =========================================================
 """
@@ -86,6 +87,12 @@ def _load_selftest() -> Handler:
     return selftest_cli
 
 
+def _load_report() -> Handler:
+    from qualify.interfaces.report import report_cli
+
+    return report_cli
+
+
 def _load_producer_serve() -> Handler:
     from qualify.handoff.service import main
 
@@ -117,6 +124,7 @@ DELEGATES: tuple[Delegate, ...] = (
     Delegate(("calibrate",), _load_calibrate,
              "measure a lane's drift envelope over repeated handoffs (the basis receipt)"),
     Delegate(("selftest",), _load_selftest, "run the harness's own end-to-end self checks"),
+    Delegate(("report",), _load_report, "write an HTML report of one receipt, or a comparison of several"),
     Delegate(("producer", "serve"), _load_producer_serve, "run a producer service process (Unix socket)"),
 )
 RECIPE_DELEGATE = Delegate(("--recipe",), _load_recipe, "run a qualification recipe")

@@ -32,7 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qualify.archive.layout import archive_dir
-from qualify.contract.lanes import LANES, EngineChoice, Recipe, lane_spec, recipe_named
+from qualify.contract.lanes import LANES, EngineChoice, Recipe, lane_spec
 from qualify.core.arguments import (
     OneLineParser,
     deadline_seconds,
@@ -270,6 +270,7 @@ def _report_interrupt(run: QualificationRun, signum: int) -> int:
 def calibrate_cli(argv: Sequence[str]) -> int:
     """``qualify calibrate --recipe R --lane L --repetitions N``: measure, archive, propose."""
     from qualify.run.calibrate import calibrate
+    from qualify.run.onboarding import next_steps
 
     parser = OneLineParser(prog="qualify calibrate",
                            description="Measure a lane's drift envelope and propose its sealed bounds.")
@@ -294,34 +295,8 @@ def calibrate_cli(argv: Sequence[str]) -> int:
         console.print(Text(line, style="yellow"))
     console.print(f"observed envelope: max abs {result.observed_max_abs!r}, "
                   f"mean abs {result.observed_mean_abs!r}; tokens exact in every handoff: {result.tokens_exact}")
-    receipt_name = result.receipt_path.name if result.receipt_path is not None else "<run-id>"
-    if result.failures or not result.tokens_exact:
-        console.print(Text("no rule proposed: the lane does not keep exact tokens (or a handoff failed) "
-                           "on this prompt; publish this receipt as its result", style="bold red"))
-    elif not result.deterministic:
-        console.print(Text("no rule proposed: the producer's output differed across restarts or "
-                           "environments (see the receipt's verdict); no sealed identity can cover it",
-                           style="bold red"))
-    elif recipe_named(args.recipe).rung == 3:
-        console.print(Text("rung 3 is bit-exact by its recipe: freeze with tools/freeze_identity.py "
-                           f"--lane {args.lane} --acceptance-floor F --basis "
-                           f"receipt://{receipt_name}/command.log", style="bold"))
-    elif result.proposed_maximum_absolute is None:
-        console.print(Text("no bound can be proposed from this envelope", style="yellow"))
-    else:
-        if result.observed_max_abs == 0.0:
-            console.print(Text("no drift observed in any handoff: the proposed bound is the least positive "
-                               "double, which only a zero delta meets (a bit-exact rule)", style="bold"))
-        console.print(Text(
-            f"proposed rule (the envelope over every calibration environment, no margin): maximum_absolute "
-            f"{result.proposed_maximum_absolute}, maximum_mean_absolute "
-            f"{result.proposed_maximum_mean_absolute}", style="bold"))
-        console.print(
-            "sealed change it needs (made by a reviewed commit, never by this command): copy the receipt into "
-            "receipts/, then\n"
-            f"  tools/freeze_identity.py --lane {args.lane} --maximum-absolute "
-            f"{result.proposed_maximum_absolute} --maximum-mean-absolute "
-            f"{result.proposed_maximum_mean_absolute} --basis receipt://{receipt_name}/command.log --write-sealed")
+    for step in next_steps(result, args.lane, args.recipe):
+        console.print(Text(step.text, style=step.style))
     console.print(Text(f"receipt: {result.receipt_path}"))
     return EXIT_PASS if result.tokens_exact and result.deterministic and not result.failures else EXIT_FAILED
 
