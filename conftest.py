@@ -1,17 +1,18 @@
-"""Root conftest: loads the qualify pytest plugin and skips optional-dependency tests with a reason.
+"""Root conftest: skips optional-dependency tests with a reason.
 
 Markers (declared in pyproject.toml): ``torch``, ``vllm`` and ``cuda`` tests run only where their
 dependency is importable (or a GPU is present) and are skipped with a stated reason otherwise;
-``slow`` tests run in CI (.ci/run) like the rest.
+``slow`` tests run in CI (.ci/run) like the rest. ``browser`` tests need headless Chromium and are
+skipped with a reason where it is absent, unless ``QUALIFY_REQUIRE_BROWSER=1`` (CI sets it): then
+they fail, so a CI host without Chromium cannot pass them silently.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
-
-pytest_plugins = ["qualify.interfaces.plugin"]
 
 
 def _cuda_available() -> bool:
@@ -22,6 +23,12 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _chromium_available() -> bool:
+    from qualify.interfaces.report_browser import find_chromium
+
+    return find_chromium() is not None
+
+
 _REQUIREMENTS = {
     "torch": (lambda: importlib.util.find_spec("torch") is not None
               and importlib.util.find_spec("transformers") is not None,
@@ -29,7 +36,15 @@ _REQUIREMENTS = {
     "vllm": (lambda: importlib.util.find_spec("vllm") is not None,
              "needs the vllm extra: tools/install_vllm.sh"),
     "cuda": (_cuda_available, "needs an NVIDIA GPU with CUDA; none is present here"),
+    "browser": (_chromium_available, "needs headless Chromium (Debian: apt-get install chromium)"),
 }
+
+_REQUIRED_BY = {"browser": "QUALIFY_REQUIRE_BROWSER"}
+"""Requirements an environment variable set to 1 makes mandatory: absent, the test fails."""
+
+
+def _required(marker_name: str) -> bool:
+    return os.environ.get(_REQUIRED_BY.get(marker_name, ""), "") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,5 +55,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 continue
             if marker_name not in available:
                 available[marker_name] = probe()
-            if not available[marker_name]:
+            if not available[marker_name] and not _required(marker_name):
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    # In the call phase, before the test body: the test is reported failed, not a setup error.
+    for marker_name, variable in _REQUIRED_BY.items():
+        if item.get_closest_marker(marker_name) is not None and _required(marker_name):
+            probe, reason = _REQUIREMENTS[marker_name]
+            if not probe():
+                pytest.fail(f"{variable}=1 and this test {reason}", pytrace=False)

@@ -3,6 +3,22 @@
 A producer lane computes a prompt's KV cache; a consumer decodes from it. The harness checks
 the handoff against a cold local recompute on the consumer under a frozen contract and archives
 every run as a verifiable receipt.
+
+``__version__`` is the installed distribution's version, which setuptools-scm derives from git at
+build time (``0.1.devN+g<commit>``, ``.d<date>`` when the tree was dirty). The engines' own version,
+which identities pin, is :data:`qualify.engines.base.ENGINE_VERSION` and does not follow it.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+
+def _distribution_version() -> str:
+    """The installed trust-ladder version; ``0+unknown`` when the package runs uninstalled
+    (a checkout on ``PYTHONPATH``): receipts then name the checkout's commit in host.json."""
+    try:
+        return version("trust-ladder")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _distribution_version()

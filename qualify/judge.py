@@ -748,6 +748,16 @@ def judge_incomplete(reason: str) -> Verdict:
     return Verdict(False, f"not qualified: {line}", [line], [Check("verdict reached", False, line)], error=line)
 
 
+def judge_failed_step(label: str, reason: str, sample: Verdict | None = None) -> Verdict:
+    """A run stopped by a failed step (a handoff the judge or the wire refused, a producer that
+    failed): judged and not qualified, so its status is ``failed``, not ``incomplete``. A failing
+    ``sample`` judgement lends its reasons and checks."""
+    line = one_line(reason) or "step failed without a reason"
+    reasons = [f"{label}: {line}", *(sample.reasons if sample is not None and not sample.passed else [])]
+    checks = [Check(label, False, line), *(sample.checks if sample is not None and not sample.passed else [])]
+    return Verdict(False, f"not qualified: {label}: {line}", reasons, checks)
+
+
 REFUSED_PREFIX = "refused: "
 """How a refused run's receipt says so: its summary's ``verdict`` and ``error`` start with it."""
 

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.recipe(RECIPE)
 
 
 @pytest.mark.parametrize("label", STEP_LABELS)
-def test_step(qualification, label):
-    """One progress label; parametrized in order, so the run's steps execute in sequence."""
-    run_recipe_step(qualification, label)
+def test_step(qualification, label, record_property):
+    """One progress label; parametrized in order, so the run's steps execute in sequence.
+    ``record_property`` carries the step's numbers and the run's verdict into the JUnit XML."""
+    run_recipe_step(qualification, label, record_property)

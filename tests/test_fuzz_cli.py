@@ -36,7 +36,7 @@ COMMAND_WORDS = {"identity", "receipts", "enroll", "calibrate", "selftest", "pro
 # Every option some parser knows (plus help and version, which exit 0 by design).
 KNOWN_OPTIONS = {"-h", "--help", "--version", "--recipe", "--identity", "--producer", "--consumer",
                  "--reference-once", "--drift-graded", "--fault", "--receipts", "--deadline-s", "--lane",
-                 "--repetitions", "--receipt", "--registry", "--keys"}
+                 "--repetitions", "--receipt", "--registry", "--keys", "--json"}
 # Calibration lanes whose recipe is not native-text: ``--recipe native-text --lane L`` is refused.
 OTHER_RECIPE_LANES = sorted(name for name, spec in LANES.items() if spec.recipe is not Recipe.NATIVE_TEXT)
 MAX_REPETITIONS = 1000

@@ -20,11 +20,15 @@ that moves no number: ``--refreeze contracts/*-identity-v1.json --write-sealed``
 in a reviewed change. (The ``-v1`` in an identity's file name is the lane identity's version, not
 the schema's.)
 
-Example (rung 2, after the calibration run archived its receipt)::
+The basis receipt is read from ``--archive-dir`` (default the checkout's ``receipts/``), but
+``qualify identity check`` and every run resolve it under ``receipts/`` only: copy the calibration
+receipt there first (``qualify calibrate`` prints the exact commands; ``docs/onboarding.md``).
+Example (rung 2, re-calibrating a shipped lane: ``--replace`` its identity)::
 
+    cp -r ~/.local/share/trust-ladder/receipts/<run-id> receipts/
     .venv/bin/python tools/freeze_identity.py --lane nvfp4-native-splitk \\
-        --maximum-absolute 11.0 --maximum-mean-absolute 1.25 \\
-        --basis receipt://<run-id>/command.log --write-sealed
+        --maximum-absolute 0.2344517707824707 --maximum-mean-absolute 0.024274295797614587 \\
+        --basis receipt://<run-id>/command.log --replace --write-sealed
 """
 
 from __future__ import annotations
@@ -207,7 +211,8 @@ def _basis_file(uri: str, archive_dir: Path) -> Path:
     try:
         return resolve_receipt_uri(uri, archive_dir)
     except Refused as exc:
-        raise Refused(f"--basis: {uri} does not resolve under {archive_dir} ({one_line(str(exc))})") from None
+        raise Refused(f"--basis: {uri} does not resolve under {archive_dir} ({one_line(str(exc))}); copy the "
+                      f"calibration receipt's directory into {archive_dir} first") from None
 
 
 def basis_manifest_sha256(uri: str, archive_dir: Path) -> str:

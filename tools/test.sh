@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev,torch]' 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+# pyproject.toml states ranges; constraints.txt pins the tested set (tools/lock.py regenerates it).
+"$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[dev,torch]' 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 "$VENV/bin/python" -c "import qualify, numpy, torch, transformers" || { echo "test.sh: install failed" >&2; exit 1; }
 
 run_pytest() {
@@ -42,12 +43,28 @@ rm -rf out/offline-receipts out/offline-venv
 "$VENV/bin/qualify" --recipe native-text --reference-once --receipts out/offline-receipts
 "$VENV/bin/qualify" keys show --trust-file > out/trust.json
 python3 -m venv out/offline-venv
-out/offline-venv/bin/pip install -q --disable-pip-version-check "$(grep -o 'cryptography==[0-9.]*' pyproject.toml)"
+out/offline-venv/bin/pip install -q --disable-pip-version-check "$(grep -o '^cryptography==[0-9.]*' constraints.txt)"
 if (cd out && offline-venv/bin/python -c "import qualify" 2>/dev/null); then
   echo "test.sh: the offline venv imports the harness; its check would prove nothing" >&2
   exit 1
 fi
 (cd out && offline-venv/bin/python ../tools/verify_receipt_offline.py --trust trust.json offline-receipts/2*)
+# The wheel works outside the checkout (contracts, model and basis receipts ship as package data):
+# build it, install it into a fresh venv under the same pins, and from an empty directory elsewhere
+# run the recipe and verify its receipt; its numbers must be the checkout run's above, digit for digit.
+wheel_started=$SECONDS
+[ ! -d out/wheel ] || chmod -R u+w out/wheel
+rm -rf out/wheel
+"$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps -w out/wheel/dist . 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+python3 -m venv out/wheel/venv
+out/wheel/venv/bin/pip install -q --disable-pip-version-check -c constraints.txt out/wheel/dist/trust_ladder-*.whl 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+elsewhere="$(mktemp -d)"
+checkout="$PWD"
+(cd "$elsewhere" && "$checkout/out/wheel/venv/bin/qualify" --recipe native-text --reference-once --receipts "$elsewhere/receipts")
+(cd "$elsewhere" && "$checkout/out/wheel/venv/bin/qualify" receipts verify --trust "$checkout/out/trust.json" "$elsewhere"/receipts/2*)
+"$VENV/bin/python" tools/same_numbers.py out/offline-receipts/2* "$elsewhere"/receipts/2*
+chmod -R u+w "$elsewhere" && rm -rf "$elsewhere"
+echo "test.sh: the installed wheel ($(du -h out/wheel/dist/*.whl | cut -f1)) ran and verified outside the checkout in $((SECONDS - wheel_started)) s"
 # The real vLLM lanes, in their own venv (.venv-vllm, made by tools/install_vllm.sh; about
 # 3 minutes the first time, nothing when it is already there). Runs only the vllm-marked tests.
 bash tools/install_vllm.sh

@@ -32,7 +32,7 @@ from securesystemslib.exceptions import VerificationError
 from securesystemslib.signer import CryptoSigner, SSlibKey
 
 from qualify.archive.keys import SigningKey, TrustFile
-from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.assets import require_asset
 from qualify.core.digests import jcs_bytes
 from qualify.core.errors import Refused
 from qualify.core.strict_json import check_schema, parse_untrusted_json, read_bounded
@@ -42,8 +42,8 @@ PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "urn:trust-ladder:receipt-predicate:v1"
 PREDICATE_SCHEMA = "trust-ladder.receipt-predicate.v1"
-STATEMENT_SCHEMA_PATH = CONTRACTS_DIR / "receipt-statement.v1.schema.json"
-ENVELOPE_SCHEMA_PATH = CONTRACTS_DIR / "dsse-envelope.v1.schema.json"
+STATEMENT_SCHEMA_PATH = require_asset("contracts/receipt-statement.v1.schema.json")
+ENVELOPE_SCHEMA_PATH = require_asset("contracts/dsse-envelope.v1.schema.json")
 ENVELOPE_MAX_BYTES = 16 << 20
 """Largest envelope read: the statement lists a few dozen files and a few samples' numbers."""
 

@@ -33,12 +33,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from qualify.archive.layout import json_bytes
 from qualify.core.arguments import require_private_file
-from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.assets import require_asset
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_schema, parse_untrusted_json, read_bounded
 
 TRUST_SCHEMA = "trust-ladder.trust.v1"
-TRUST_SCHEMA_PATH = CONTRACTS_DIR / "trust.v1.schema.json"
+TRUST_SCHEMA_PATH = require_asset("contracts/trust.v1.schema.json")
 SIGNING_KEY_FILE = "signing-key.pem"
 TRUST_FILE = "trust.json"
 ALGORITHM = "ed25519"

@@ -59,12 +59,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.assets import require_asset
 
 MANIFEST_SCHEMA = "trust-ladder.receipt-manifest.v2"
-MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "receipt-manifest.v2.schema.json"
+MANIFEST_SCHEMA_PATH = require_asset("contracts/receipt-manifest.v2.schema.json")
 LEGACY_MANIFEST_SCHEMA = "trust-ladder.receipt-manifest.v1"
-LEGACY_MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "receipt-manifest.v1.schema.json"
+LEGACY_MANIFEST_SCHEMA_PATH = require_asset("contracts/receipt-manifest.v1.schema.json")
 MANIFEST = "manifest.json"
 SUMMARY = "validation-summary.json"
 HOST = "host.json"

@@ -9,10 +9,11 @@ becomes a problem line for that receipt, so one hostile receipt never hides the 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -37,6 +38,7 @@ from qualify.archive.layout import (
     is_safe_relative,
     json_bytes,
 )
+from qualify.core.arguments import say_refusal
 from qualify.core.digests import document_sha256, is_sha256_hex, jcs_bytes
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import (
@@ -538,50 +540,108 @@ def _report(check: ReceiptCheck, stream: TextIO) -> None:
             print(f"{label} {check.name}: {problem}", file=stream)
 
 
-def verify_paths(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None, out: TextIO) -> int:
-    """Verify every receipt under ``paths`` (each one receipt or an archive); print one line per
-    receipt and a tally. 0 when every receipt is verified (whatever status it records) or a
-    partial leftover; 1 when any is unsigned, untrusted or tampered, or none is found; 2 when a
-    path cannot be listed."""
-    checks: list[ReceiptCheck] = []
+def _checks(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None) -> Iterator[tuple[Path, ReceiptCheck]]:
+    """Each receipt under ``paths`` (each one receipt or an archive) with its check, in order;
+    :class:`Refused` (one line) when a path cannot be listed."""
     for path in paths:
         try:
             receipts, partial = _archive_contents(Path(path))
         except OSError as exc:
-            print(f"receipts verify: {shown(os.fspath(path))}: cannot list ({exc.strerror or type(exc).__name__})",
-                  file=out)
-            return 2
+            raise Refused(f"receipts verify: {shown(os.fspath(path))}: cannot list "
+                          f"({exc.strerror or type(exc).__name__})") from None
         for receipt in receipts:
-            checks.append(authenticate_receipt(receipt, trust))
-            _report(checks[-1], out)
+            yield receipt, authenticate_receipt(receipt, trust)
         for leftover in partial:
-            checks.append(ReceiptCheck(shown(leftover.name), "partial", status="incomplete"))
-            _report(checks[-1], out)
+            yield leftover, ReceiptCheck(shown(leftover.name), "partial", status="incomplete")
+
+
+_RECORDED = ("passed", "failed", "refused", "incomplete")
+
+
+def _tally(checks: Sequence[ReceiptCheck]) -> dict[str, Any]:
+    """How many receipts are in each state, and how many verified ones record each status."""
+    tally: dict[str, Any] = {"receipts": len(checks)}
+    tally.update({state: sum(check.state == state for check in checks) for state in _LABELS})
+    tally["recorded"] = {status: sum(check.state == "verified" and check.status == status for check in checks)
+                         for status in _RECORDED}
+    return tally
+
+
+def _tally_line(tally: dict[str, Any]) -> str:
+    recorded = ", ".join(f"{count} {status}" for status, count in tally["recorded"].items() if count)
+    return (f"{tally['receipts']} receipts: {tally['verified']} verified" + (f" ({recorded})" if recorded else "")
+            + "".join(f", {tally[state]} {state}" for state in ("partial", "unsigned", "untrusted", "tampered")
+                      if tally[state]))
+
+
+def _exit_code(tally: dict[str, Any]) -> int:
+    """0 when nothing is unsigned, untrusted or tampered (and something was found), else 1."""
+    return 0 if tally["receipts"] and tally["unsigned"] + tally["untrusted"] + tally["tampered"] == 0 else 1
+
+
+def _none_found(paths: Sequence[str | os.PathLike[str]]) -> str:
+    return f"receipts verify: no receipts under {', '.join(shown(os.fspath(p)) for p in paths)}"
+
+
+def verify_paths(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None, out: TextIO) -> int:
+    """Verify every receipt under ``paths`` (each one receipt or an archive); print one line per
+    receipt as it is checked, and a tally. 0 when every receipt is verified (whatever status it
+    records) or a partial leftover; 1 when any is unsigned, untrusted or tampered, or none is
+    found; 2 when a path cannot be listed (one line on stderr)."""
+    checks: list[ReceiptCheck] = []
+    try:
+        for _path, check in _checks(paths, trust):
+            checks.append(check)
+            _report(check, out)
+    except Refused as refusal:
+        say_refusal(str(refusal))
+        return 2
     if not checks:
-        print(f"receipts verify: no receipts under {', '.join(shown(os.fspath(p)) for p in paths)}", file=out)
+        print(_none_found(paths), file=out)
         return 1
-    states = {state: sum(check.state == state for check in checks) for state in _LABELS}
-    statuses = {status: sum(check.state == "verified" and check.status == status for check in checks)
-                for status in ("passed", "failed", "refused", "incomplete")}
-    recorded = ", ".join(f"{count} {status}" for status, count in statuses.items() if count)
-    tally = (f"{len(checks)} receipts: {states['verified']} verified" + (f" ({recorded})" if recorded else "")
-             + "".join(f", {states[state]} {state}" for state in ("partial", "unsigned", "untrusted", "tampered")
-                       if states[state]))
-    print(tally, file=out)
-    return 0 if states["unsigned"] + states["untrusted"] + states["tampered"] == 0 else 1
+    tally = _tally(checks)
+    print(_tally_line(tally), file=out)
+    return _exit_code(tally)
+
+
+VERIFY_JSON_SCHEMA = "trust-ladder.cli-receipts-verify.v1"
+"""The ``schema`` of ``receipts verify --json``'s document (contracts/cli-receipts-verify.v1.schema.json)."""
+
+
+def verify_document(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None,
+                    trust_path: Path | None) -> dict[str, Any]:
+    """``receipts verify --json``'s document: every receipt's check and the tally (exit code and
+    status as the text report's); :class:`Refused` when a path cannot be listed."""
+    from qualify import __version__
+
+    found = list(_checks(paths, trust))
+    tally = _tally([check for _path, check in found])
+    code = _exit_code(tally)
+    return {
+        "schema": VERIFY_JSON_SCHEMA, "status": "passed" if code == 0 else "failed", "exit_code": code,
+        "message": None if found else _none_found(paths), "harness_version": __version__,
+        "trust": None if trust is None or trust_path is None else str(trust_path),
+        "receipts": [{"name": check.name, "path": str(path), "state": check.state, "status": check.status,
+                      "key_id": check.key_id, "files": check.files, "problems": list(check.problems)}
+                     for path, check in found],
+        "tally": tally,
+    }
 
 
 def verify_cli(args: Sequence[str]) -> int:
-    """``qualify receipts verify [--trust FILE] [PATH ...]``: PATH is a receipt or an archive
-    (default: the archive location); FILE a trust file (default: the operator's, when it exists).
-    Exit 0 every receipt verified, 1 any unsigned, untrusted or tampered, 2 unusable input."""
-    from qualify.core.arguments import OneLineParser, path_argument, say_refusal
+    """``qualify receipts verify [--trust FILE] [--json] [PATH ...]``: PATH is a receipt or an
+    archive (default: the archive location); FILE a trust file (default: the operator's, when it
+    exists). Exit 0 every receipt verified, 1 any unsigned, untrusted or tampered, 2 unusable
+    input (one line on stderr). ``--json`` prints one document on stdout instead of the report."""
+    from qualify.core.arguments import OneLineParser, path_argument
 
     parser = OneLineParser(prog="qualify receipts verify",
                            description="Verify receipts: signature, signed statement, every file.")
     parser.add_argument("paths", nargs="*", metavar="PATH", type=path_argument, help="receipts or archives")
     parser.add_argument("--trust", type=path_argument, default=None,
                         help=f"trust file of public keys (default {default_trust_path()} when it exists)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout (contracts/cli-receipts-verify.v1.schema.json)")
     try:
         options = parser.parse_args(list(args))
     except SystemExit as exit_:
@@ -594,10 +654,16 @@ def verify_cli(args: Sequence[str]) -> int:
             if not target.is_dir():
                 raise Refused(f"receipts verify: {shown(str(target))}: no such directory")
             os.listdir(target)
+        if not options.json:
+            return verify_paths(targets, trust, sys.stdout)
+        document = verify_document(targets, trust, trust_path)
     except Refused as refusal:
         say_refusal(str(refusal))
         return 2
     except OSError as exc:
         say_refusal(f"receipts verify: cannot list ({exc.strerror or type(exc).__name__})")
         return 2
-    return verify_paths(targets, trust, sys.stdout)
+    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=True, allow_nan=False) + "\n")
+    sys.stdout.flush()
+    code: int = document["exit_code"]
+    return code

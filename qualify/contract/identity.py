@@ -53,7 +53,7 @@ from qualify.contract.lanes import (
     target_cache_identity,
 )
 from qualify.contract.units import LogitUnits
-from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
+from qualify.core.assets import CONTRACTS_DIR, RECEIPTS_DIR, require_asset
 from qualify.core.digests import canonical_json_bytes, document_sha256, is_sha256_hex, sha256_bytes
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
@@ -72,8 +72,9 @@ IDENTITY_SCHEMA_PATHS: Mapping[str, Path] = MappingProxyType({
 IDENTITY_SCHEMA_PATH = IDENTITY_SCHEMA_PATHS[IDENTITY_SCHEMA_ID]
 """The committed JSON Schema of the current version."""
 
-DEFAULT_ARCHIVE_DIR = REPO_ROOT / "receipts"
-"""Where a shipped identity's ``receipt://<run-id>/<file>`` basis resolves: ``receipts/<run-id>/<file>``."""
+DEFAULT_ARCHIVE_DIR = RECEIPTS_DIR
+"""Where a shipped identity's ``receipt://<run-id>/<file>`` basis resolves: ``receipts/<run-id>/<file>``
+under the asset root (:mod:`qualify.core.assets`)."""
 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 RELPATH_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$"
@@ -597,6 +598,8 @@ def check_basis_receipt(
     # The URI pattern makes the run id one plain path segment (no '/', no leading '.').
     run_id = uri.removeprefix("receipt://").partition("/")[0]
     receipt = archive / run_id
+    if archive == RECEIPTS_DIR:  # the shipped basis: its absence is a broken install, not a tampered receipt
+        require_asset(f"receipts/{run_id}/{BASIS_MANIFEST}")
     try:
         path = Path(resolve(uri, archive))
         problems, _count = verify(receipt)

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from qualify.contract.lanes import LANES, LaneKind, LaneSpec, Recipe, recipe_for
-from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.assets import require_asset
 from qualify.core.errors import Refused
 from qualify.core.strict_json import check_schema, format_path, read_strict_json, render
 
 REGISTRY_SCHEMA_ID = "trust-ladder.lane-registry.v2"
-REGISTRY_SCHEMA_PATH = CONTRACTS_DIR / "lane-registry.v2.schema.json"
+REGISTRY_SCHEMA_PATH = require_asset("contracts/lane-registry.v2.schema.json")
 LEGACY_REGISTRY_SCHEMA_ID = "trust-ladder.lane-registry.v1"
-LEGACY_REGISTRY_SCHEMA_PATH = CONTRACTS_DIR / "lane-registry.v1.schema.json"
+LEGACY_REGISTRY_SCHEMA_PATH = require_asset("contracts/lane-registry.v1.schema.json")
 
 
 @dataclass(frozen=True, slots=True)

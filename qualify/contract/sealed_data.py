@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
-    "kquant-exact-dflash": "037a95709a62b23db6c6dd40677e87e9f396b46be0b71fafc623451f15d678fc",
-    "llama3-8b-shape-pd": "ff39b45d36fbec608f83052f273d5f50fde10e1babecdeb177f4b01d0d3e0150",
+    "kquant-exact-dflash": "d478978caa860a339be77fdf39eb3f122fab8f21a9cf321e009bc74bba26af37",
+    "llama3-8b-shape-pd": "91af36e9ad67a12eb4caa52e4e2ae175f8d58e80df43c66c524ffefd9c274ef1",
     "nvfp4-native-f16": "f0e7abd882842be4426bc63b35d4dcd2c14bf4cce753f8338f82273703b5e49a",
     "nvfp4-native-splitk": "1ebf05cd79c8b9c7fc779005c3f468c5e5bc4af085f073530705e55b6ea69d49",
     "nvfp4-native-w4a4": "230007ef3a59b1378323e74587f177c51b8503f82b474c72646b5c84ba84a253",

@@ -20,6 +20,11 @@ from qualify.contract.lanes import LaneSpec, ProducerMode
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache, KVGeometry
 
+ENGINE_VERSION = "0.1.0"
+"""The harness engines' own version (reference, k-quant, speculative, torch-llama), which frozen
+identities pin: it changes with a reviewed engine change, never with the harness's release version
+(``qualify.__version__``, from git), so a new commit does not unpin every shipped identity."""
+
 
 @dataclass(frozen=True)
 class ModelGeometry:

@@ -1,7 +1,7 @@
 """Builds the producer and consumer engines of a lane, and names the files each depends on.
 
 Every engine built here is a :class:`~qualify.engines.base.LaneEngine`: the engine plus its
-``mode``, ``digests`` (repo-relative path -> SHA-256 of each checkpoint file it read) and
+``mode``, ``digests`` (asset name such as ``model/config.json`` -> SHA-256 of each checkpoint file it read) and
 ``target_cache_identity_sha256`` derived from the lane's kind, its mode, its variant, those digests
 and the engine ABI, so a KV entry made in one mode can never be installed where the other is
 expected.
@@ -50,7 +50,7 @@ ADAPTER_SOURCES: dict[LaneKind, tuple[str, str]] = {
     LaneKind.TRANSFORMERS: ("qualify-transformers-engine", "qualify/engines/transformers_engine.py"),
     LaneKind.TORCH_LLAMA: ("qualify-torch-llama", "qualify/engines/torch_llama.py"),
 }
-"""The producer adapter per lane kind: its name and the repo-relative source file whose SHA-256
+"""The producer adapter per lane kind: its name and the package-relative source file whose SHA-256
 an identity pins (the code that turns the lane's weights into its arithmetic)."""
 
 
@@ -59,7 +59,7 @@ def check_adapter(kind: LaneKind, name: str, sha256: str) -> None:
     if kind not in ADAPTER_SOURCES:
         raise Refused(f"lane kind {kind.value}: no adapter source is known for it")
     expected_name, relpath = ADAPTER_SOURCES[kind]
-    found = _digest(assets.REPO_ROOT / relpath)
+    found = _digest(assets.require_source_file(relpath))
     if name != expected_name or sha256 != found:
         raise Refused(f"adapter {name}: identity pins sha256 {sha256}, {relpath} ({expected_name}) "
                       f"is {found}; re-freeze the identity after a reviewed adapter change")
@@ -79,8 +79,15 @@ def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
         return (assets.MODEL_DIR / "config.json", assets.MODEL_DIR / "model.safetensors")
     if kind is LaneKind.TORCH_LLAMA:
         # The random-weight model files (shape, dtype, seed): the weights are drawn from them.
-        return tuple(assets.REPO_ROOT / relpath for relpath in TORCH_LLAMA_MODELS.values())
+        return tuple(assets.asset_path(relpath) for relpath in TORCH_LLAMA_MODELS.values())
     raise Refused(f"lane kind {kind.value}: no engine in this harness builds it")
+
+
+def require_checkpoint_files(kind: LaneKind) -> None:
+    """Refuse (:class:`~qualify.core.assets.AssetMissing`, naming the file) before any engine of the
+    lane kind opens its checkpoint, when one of its files is missing: the harness cannot run."""
+    for path in checkpoint_files(kind):
+        assets.require_asset(assets.asset_relpath(path))
 
 
 @cache
@@ -89,12 +96,12 @@ def _digest(path: Path) -> str:
 
 
 def checkpoint_digests(kind: LaneKind) -> dict[str, str]:
-    """Repo-relative path -> SHA-256 of every checkpoint file the lane kind reads."""
+    """Asset name (``model/config.json``, as identities pin it) -> SHA-256 of every checkpoint file
+    the lane kind reads; a missing one is a broken install (:class:`~qualify.core.assets.AssetMissing`)."""
     digests = {}
     for path in checkpoint_files(kind):
-        if not path.is_file():
-            raise Refused(f"checkpoint file {path.relative_to(assets.REPO_ROOT)}: missing")
-        digests[str(path.relative_to(assets.REPO_ROOT))] = _digest(path)
+        relpath = assets.asset_relpath(path)
+        digests[relpath] = _digest(assets.require_asset(relpath))
     return digests
 
 
@@ -170,13 +177,14 @@ def _producer_abi(spec: LaneSpec) -> str:
         from qualify.engines.torch_llama import engine_abi as torch_llama_abi
 
         # The producer runs without CUDA graphs (_build); no 8B-shaped engine is built to say so.
-        _, _, dtype, device = random_model(assets.REPO_ROOT / TORCH_LLAMA_MODELS[spec.name])
+        _, _, dtype, device = random_model(assets.require_asset(TORCH_LLAMA_MODELS[spec.name]))
         return torch_llama_abi(torch.device(device), DTYPES[dtype], cuda_graph=False)
     return _build(spec, spec.mode).abi
 
 
 def _build(spec: LaneSpec, mode: ProducerMode, role: Role = "producer",
            vllm_fault: str | None = None) -> Engine:
+    require_checkpoint_files(spec.kind)
     if spec.kind is LaneKind.VLLM:
         if mode is not ProducerMode.NATIVE:
             raise Refused(f"lane {spec.name}: vLLM lanes run in native mode only, found {mode.value}")
@@ -196,7 +204,7 @@ def _build(spec: LaneSpec, mode: ProducerMode, role: Role = "producer",
 
         # One weight set per process: the in-process producer and the consumer share it; only
         # the consumer decodes, with CUDA graphs.
-        weights = random_model_weights(assets.REPO_ROOT / TORCH_LLAMA_MODELS[spec.name])
+        weights = random_model_weights(assets.require_asset(TORCH_LLAMA_MODELS[spec.name]))
         # The cache holds the recipe's context (2048 prompt + 256 output): every decode step
         # attends over the whole static cache, so a larger one only slows the decode.
         return TorchLlama(weights, cache_positions=TORCH_LLAMA_CACHE_POSITIONS, cuda_graph=role == "consumer")
@@ -265,7 +273,7 @@ def lane_kv_dtype(spec: LaneSpec) -> str:
     if spec.kind is LaneKind.TORCH_LLAMA:
         from qualify.engines.torch_llama import random_model
 
-        return random_model(assets.REPO_ROOT / TORCH_LLAMA_MODELS[spec.name])[2]
+        return random_model(assets.require_asset(TORCH_LLAMA_MODELS[spec.name]))[2]
     return "float32"
 
 

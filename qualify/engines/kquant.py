@@ -37,13 +37,12 @@ from typing import Any
 import gguf
 import numpy as np
 
-import qualify
 from qualify.contract.lanes import ProducerMode
 from qualify.core import assets
 from qualify.core.errors import Refused, one_line
 from qualify.core.kv import KVCache
 from qualify.core.numerics import FixedPointRows, matmul_rows
-from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens, finished_decode
+from qualify.engines.base import ENGINE_VERSION, DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens, finished_decode
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
@@ -599,7 +598,7 @@ class KQuantEngine(GreedyDecoder):
     ``kquant-native`` producer, and the plain-decode baseline speculative decode must equal."""
 
     name = "kquant-numpy"
-    version = qualify.__version__
+    version = ENGINE_VERSION
     logit_units = "raw"
 
     def __init__(self, model: KQuantModel) -> None:

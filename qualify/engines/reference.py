@@ -47,13 +47,12 @@ from pathlib import Path
 
 import numpy as np
 
-import qualify
 from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.hostenv import check_ieee_environment, numeric_environment
 from qualify.core.kv import KVCache, check_kv_fits
 from qualify.core.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
-from qualify.engines.base import DecodeResult, GreedyDecoder, Linear, ModelGeometry, finished_decode
+from qualify.engines.base import ENGINE_VERSION, DecodeResult, GreedyDecoder, Linear, ModelGeometry, finished_decode
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
@@ -414,7 +413,7 @@ class ReferenceEngine(GreedyDecoder):
     ``teacher_forced``) of the canonical KV layout, with pluggable projections."""
 
     name = "reference-numpy"
-    version = qualify.__version__
+    version = ENGINE_VERSION
     logit_units = "raw"
 
     def __init__(self, geometry: ModelGeometry, weights: dict[str, np.ndarray], *,

@@ -37,12 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
-import qualify
 from qualify.contract.lanes import ProducerMode
 from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache, KVGeometry
-from qualify.engines.base import DecodeResult, check_decode_count, check_finite_logits, check_tokens
+from qualify.engines.base import ENGINE_VERSION, DecodeResult, check_decode_count, check_finite_logits, check_tokens
 from qualify.engines.draft import EagleDraft
 from qualify.engines.kquant import (
     DRAFT_GGUF_NAME,
@@ -72,7 +71,7 @@ class SpeculativeEngine:
     EAGLE-1 draft. ``prefill`` returns the target KV with the draft's own KV in ``draft``."""
 
     name = "kquant-eagle1-numpy"
-    version = qualify.__version__
+    version = ENGINE_VERSION
     logit_units = "raw"
 
     def __init__(self, target: KQuantModel, draft: EagleDraft,

@@ -52,11 +52,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import qualify
 from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache, check_kv_fits
-from qualify.engines.base import DecodeResult, GreedyDecoder, ModelGeometry, check_decode_count, finished_decode
+from qualify.engines.base import ENGINE_VERSION, DecodeResult, GreedyDecoder, ModelGeometry, check_decode_count, finished_decode
 from qualify.engines.checkpoint import load_config, load_weights
 
 # Bump whenever the numerics of this file change (op order, fusion, dtypes, attention): the abi is
@@ -315,7 +314,7 @@ def head_kind(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def engine_version() -> str:
-    return f"torch-llama-{qualify.__version__}+torch-{torch.__version__}"
+    return f"torch-llama-{ENGINE_VERSION}+torch-{torch.__version__}"
 
 
 def engine_abi(device: torch.device, dtype: torch.dtype, cuda_graph: bool) -> str:

@@ -9,6 +9,12 @@ ready line (written only after a warm-up prefill), authenticates on the socket, 
 handoffs. It connects only to what it created (the Unix socket path it chose) or what the
 operator gave (a TCP host and port), never to an address the producer announces.
 
+The producer's own session keeps a signal sent to the harness's process group (a terminal's, a CI
+cancel's) from reaching it mid-write: the harness stops it (:meth:`ProducerProcess.kill`, then
+:meth:`~ProducerProcess.close`, which also removes its temporary directory). Should the harness die
+without doing so (SIGKILL), the producer dies with it: by the kernel's parent-death signal
+(``--parent-pid``, Linux) and by the end of its stdin (``--exit-with-stdin``).
+
 Every wait is bounded by the consumer's own :class:`~qualify.handoff.protocol.PhaseDeadlines`
 (ready, verify, handoff, and the longest silence allowed: the producer sends a heartbeat every
 half second while it works) and watches the process, so a producer that dies (SIGKILL, exit 75,
@@ -33,6 +39,7 @@ import collections
 import json
 import mmap
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -50,7 +57,7 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 
 from qualify.contract.lanes import ProducerMode
-from qualify.core.assets import REPO_ROOT
+from qualify.core.assets import PACKAGE_PARENT
 from qualify.core.errors import ProducerFailed, Refused, one_line
 from qualify.core.hostenv import host_facts_problem
 from qualify.core.strict_json import parse_untrusted_json
@@ -91,6 +98,8 @@ _READY_FIELDS = frozenset({"event", "protocol", "pid", "address", "lane", "produ
 OUTPUT_TAIL_LINES = 40
 # Payloads at least this large are received into huge-page-advised anonymous memory.
 HUGE_PAGE_MIN_BYTES = 4 << 20
+WORKDIR_PREFIX = "trust-ladder-producer-"
+"""The producer's private temporary directory (socket, expectation file), under ``$TMPDIR``."""
 
 
 def receive_buffer(size: int) -> memoryview:
@@ -447,7 +456,7 @@ class ProducerProcess:
         self.expected_payload_bytes = expected_payload_bytes
         self.python = python
         self.env = dict(env) if env is not None else None
-        self.cwd = cwd if cwd is not None else REPO_ROOT
+        self.cwd = cwd if cwd is not None else PACKAGE_PARENT
         self.extra_args = tuple(extra_args)
         self.ready_info: dict[str, Any] = {}
         # The longest the producer was silent before its ready line (a stall it recovered from
@@ -492,8 +501,8 @@ class ProducerProcess:
         """Spawn the producer, wait for its ready line, connect, authenticate, ask ``ready?``."""
         if self._process is not None:
             raise Refused("producer: already started")
-        self._workdir = Path(tempfile.mkdtemp(prefix="trust-ladder-producer-"))
-        expect_path = self._workdir / "expect.json"
+        workdir = self._make_workdir()
+        expect_path = workdir / "expect.json"
         expect_path.write_text(json.dumps(self.expectation.to_document()), encoding="utf-8")
         key_read, key_write = os.pipe()
         ready_read, ready_write = os.pipe()
@@ -508,8 +517,13 @@ class ProducerProcess:
                 "--key-fd", str(key_read), "--ready-fd", str(ready_write),
                 "--warmup-tokens", str(self.warmup_tokens), "--exit-with-stdin",
             ]
+            if threading.current_thread() is threading.main_thread():
+                # The kernel's parent-death signal follows the thread that forks: only the main
+                # thread lives as long as this process (from another, stdin is the only tie).
+                # ``python`` must run the producer itself: a launcher that forks it is refused.
+                argv += ["--parent-pid", str(os.getpid())]
             if self.transport == "unix":
-                path = self.socket_path or self._workdir / "producer.sock"
+                path = self.socket_path or workdir / "producer.sock"
                 self.socket_path = path
                 argv += ["--socket", str(path)]
             else:
@@ -549,6 +563,21 @@ class ProducerProcess:
                                 kill_now=True)
         finally:
             os.close(ready_read)
+
+    def _make_workdir(self) -> Path:
+        """A new private directory under ``$TMPDIR`` (mode 0700, as ``mkdtemp`` makes), named in
+        ``self._workdir`` before it is made, so a signal raised at any point leaves nothing that
+        :meth:`close` does not remove (``mkdtemp`` returns its name only after making it)."""
+        while True:
+            workdir = Path(tempfile.gettempdir()) / f"{WORKDIR_PREFIX}{secrets.token_hex(8)}"
+            self._workdir = workdir
+            try:
+                workdir.mkdir(mode=0o700)
+            except FileExistsError:  # not ours (a 64-bit name collision): forget it, try another
+                self._workdir = None
+                continue
+            # Any other failure leaves a name that does not exist: removing it is a no-op.
+            return workdir
 
     def _drain_output(self) -> None:
         assert self._process is not None and self._process.stdout is not None

@@ -21,11 +21,19 @@ dispatch, GPU, harness commit), taken once after the warm-up prefill, so the con
 in its receipt what the producer ran on. A lane hands off the positions
 :func:`qualify.handoff.protocol.handed_off_positions` says (whole blocks on vLLM lanes); an
 engine whose prefill hands off any other count is an engine error.
+
+Dying with the harness: the harness starts the producer in a session of its own and stops it
+itself on SIGINT, SIGTERM and SIGHUP. For a harness that cannot (SIGKILLed, crashed), two ties end
+the producer: ``--parent-pid`` (Linux: the kernel SIGKILLs the producer when that parent dies;
+checked right after the request, so a parent already gone is caught too) and
+``--exit-with-stdin`` (a thread that leaves with ``os._exit`` when the harness's end of stdin
+closes; nothing before that exit can block or raise).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import hmac
 import importlib
@@ -34,6 +42,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import socket
 import stat
 import sys
@@ -155,7 +164,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="python -m qualify.handoff.service", add_help=True,
+    parser = _OneLineParser(prog="qualify producer serve", add_help=True,
                             description="KV handoff producer service (fails closed, exit 75).")
     parser.add_argument("--lane", required=True, help="lane name (e.g. nvfp4-native-splitk)")
     parser.add_argument("--mode", required=True, help="producer mode: exact or native")
@@ -180,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-fd", type=int, help="write the ready line here (default stdout)")
     parser.add_argument("--exit-with-stdin", action="store_true",
                         help="exit when stdin reaches EOF (the parent is gone)")
+    parser.add_argument("--parent-pid", type=int,
+                        help="die with this process, the one that started the producer (Linux: the "
+                             "kernel SIGKILLs the producer when it dies; refused if it is not the parent)")
     parser.add_argument("--fault", default=None,
                         help="serve a named fault lane (qualify.engines.faults; self-tests and operators)")
     return parser
@@ -204,6 +216,7 @@ class ServiceConfig:
     exit_with_stdin: bool
     key_source: tuple[str, str] = field(repr=False)
     fault: str | None = None
+    parent_pid: int | None = None
 
 
 def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
@@ -234,6 +247,8 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
             raise StartRefused(f"--ready-fd: {args.ready_fd} is not an open descriptor") from None
     if args.warmup_tokens < 1:
         raise StartRefused(f"--warmup-tokens: found {args.warmup_tokens}, expected >= 1")
+    if args.parent_pid is not None and args.parent_pid < 1:
+        raise StartRefused(f"--parent-pid: found {args.parent_pid}, expected a process id >= 1")
     sources = [(kind, value) for kind, value in (("fd", args.key_fd), ("file", args.key_file),
                                                    ("env", args.key_env)) if value is not None]
     if not sources and KEY_ENV in os.environ:
@@ -248,7 +263,7 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
         allow_non_loopback=args.allow_non_loopback, watchdog_s=float(args.watchdog_s),
         engine_factory=args.engine_factory, warmup_tokens=args.warmup_tokens,
         ready_fd=args.ready_fd, exit_with_stdin=args.exit_with_stdin,
-        key_source=(kind, str(value)), fault=args.fault,
+        key_source=(kind, str(value)), fault=args.fault, parent_pid=args.parent_pid,
     )
 
 
@@ -754,17 +769,74 @@ def _tune(conn: socket.socket) -> None:
             pass
 
 
-def _exit_when_stdin_closes() -> None:
-    def watch() -> None:
-        try:
-            while os.read(0, 4096):  # the raw fd: no buffered-reader lock at interpreter exit
-                pass
-        except (OSError, ValueError):
-            pass
-        _log("stdin closed (parent gone); exiting")  # the log pipe is likely gone too: never raises
-        os._exit(EXIT_OK)
+# -- dying with the harness ----------------------------------------------------------------
+# The harness starts the producer in its own session (so a terminal's or CI's process-group signal
+# reaches the harness, which then stops the producer itself); these are the ties that end the
+# producer when the harness cannot: it was SIGKILLed, or died some other way.
 
-    threading.Thread(target=watch, name="producer-stdin-watch", daemon=True).start()
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the kernel sends this process when its parent thread dies."""
+STDIN_CLOSED_LINE = b"producer: stdin closed (parent gone); exiting\n"
+
+
+def _set_parent_death_signal(signum: int) -> bool:
+    """Ask the kernel for ``signum`` when the parent dies (Linux prctl); False where there is none."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        answer = libc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signum), ctypes.c_ulong(0),
+                            ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except (OSError, AttributeError):
+        return False
+    return int(answer) == 0
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel SIGKILL this process when ``parent_pid``, its parent, dies (Linux
+    PR_SET_PDEATHSIG), and refuse at once if that parent is already gone (it died before the
+    request, so no signal will ever come: the parent is then init or a subreaper). Returns
+    whether the kernel took the request; elsewhere only ``--exit-with-stdin`` ties the two."""
+    armed = _set_parent_death_signal(signal.SIGKILL)
+    parent_now = os.getppid()  # after the request: a parent dying from here on sends the signal
+    if parent_now != parent_pid:
+        raise StartRefused(f"--parent-pid: found {parent_pid}, this process's parent is {parent_now} "
+                           f"(the harness that started it is gone)")
+    return armed
+
+
+def _last_word(line: bytes) -> None:
+    """Write ``line`` to stderr if that cannot block or raise: a pipe is written without blocking
+    (its reader may be gone, or alive and no longer reading, or another thread may be blocked
+    writing to it), a regular file plainly, anything else (a terminal) not at all."""
+    try:
+        mode = os.fstat(2).st_mode
+        if stat.S_ISFIFO(mode):
+            os.set_blocking(2, False)  # the process is leaving: nothing else here writes after this
+        elif not stat.S_ISREG(mode):
+            return
+        os.write(2, line)
+    except OSError:
+        pass
+
+
+def watch_stdin(fd: int = 0) -> NoReturn:
+    """Block until ``fd`` ends (EOF, or any error reading it: the harness closed it or died), then
+    leave at once with status 0. Nothing can stop the exit: it runs in ``finally`` after a last
+    word that can neither block nor raise (a stderr pipe without a reader once killed this
+    thread before it reached ``os._exit``, leaving the producer orphaned)."""
+    try:
+        while os.read(fd, 4096):  # the raw fd: no buffered-reader lock at interpreter exit
+            pass
+    finally:
+        try:
+            _last_word(STDIN_CLOSED_LINE)
+        finally:
+            os._exit(EXIT_OK)
+
+
+def _exit_when_stdin_closes() -> None:
+    threading.Thread(target=watch_stdin, name="producer-stdin-watch", daemon=True).start()
 
 
 def _faultable(built: Engine, fault: str) -> LaneEngine:
@@ -789,6 +861,8 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
     heartbeat: StartHeartbeat | None = None
     try:
         config = parse_config(argv)
+        if config.parent_pid is not None:
+            die_with_parent(config.parent_pid)
         if config.ready_fd is not None:
             heartbeat = StartHeartbeat(config.ready_fd)
         key = read_key(config.key_source)

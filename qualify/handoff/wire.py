@@ -66,14 +66,14 @@ import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, the wire's 
 import numpy as np
 
 from qualify.contract.lanes import ProducerMode
-from qualify.core.assets import CONTRACTS_DIR
+from qualify.core.assets import require_asset
 from qualify.core.digests import is_sha256_hex, jcs_bytes
 from qualify.core.errors import HandoffRefused, Refused, one_line
 from qualify.core.kv import KVCache, KVGeometry
 from qualify.core.strict_json import check_schema, parse_untrusted_json, render
 
 MANIFEST_SCHEMA = "trust-ladder.handoff-manifest.v4"
-MANIFEST_SCHEMA_PATH = CONTRACTS_DIR / "handoff-manifest.v4.schema.json"
+MANIFEST_SCHEMA_PATH = require_asset("contracts/handoff-manifest.v4.schema.json")
 # The only manifest version read. A manifest lives on the wire between a producer and a consumer
 # of the same harness version and is never archived (a receipt keeps its digests, not the
 # manifest), so an older version (v3: legacy canonical JSON under the MAC) is refused, not read.

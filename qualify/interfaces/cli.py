@@ -7,6 +7,11 @@ Every parser is a :class:`OneLineParser` (a usage error is one line, exit 2), an
 are refused up front by the ``require_*`` helpers of :mod:`qualify.core.arguments` (empty, a file where a directory belongs,
 under a file, unwritable), before any step runs or anything is written.
 
+``--json`` (on ``--recipe``, ``selftest``, ``receipts verify``, ``calibrate`` and ``identity check``)
+prints one JSON document on stdout, validating against ``contracts/cli-<command>.v1.schema.json``
+(:mod:`qualify.interfaces.documents`), with the same exit code; a refusal is still one line on
+stderr, and stdout then holds the short refused document carrying that line.
+
 Commands whose work lives in other modules are *delegated*: each has a loader function whose
 plain import runs only when the command runs (so ``qualify --help`` never imports torch or the
 engines), and the handler is called as ``handler(argv) -> int`` with the arguments after the
@@ -34,6 +39,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO, cast
 
 from rich.console import Console
 from rich.text import Text
@@ -173,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         "check", help="validate an identity file: schema, model rules, its lane's seal and basis receipt"
     )
     check.add_argument("path", metavar="PATH", type=path_argument, help="identity JSON file")
+    check.add_argument("--json", action="store_true",
+                       help="print one JSON document on stdout (contracts/cli-identity-check.v1.schema.json)")
 
     groups: dict[str, argparse._SubParsersAction[OneLineParser]] = {}
     for delegate in DELEGATES:
@@ -208,14 +217,19 @@ def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
     return _exit_code(label, delegate.call(handler, list(argv)))
 
 
-def identity_check(path: str | os.PathLike[str]) -> int:
-    """``qualify identity check PATH``: 0 with lane and digest when valid, 2 on refusal."""
+def identity_check(path: str | os.PathLike[str], *, as_json: bool = False) -> int:
+    """``qualify identity check PATH [--json]``: 0 with lane and digest when valid, 2 on refusal."""
     from qualify.archive.reader import resolve_receipt_uri
     from qualify.archive.verify import check_receipt
     from qualify.contract.identity import check_basis_receipt, identity_sha256, load_identity
 
     identity = load_identity(path)
-    check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=f"identity {path}")
+    basis = check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=f"identity {path}")
+    if as_json:
+        from qualify.interfaces import documents
+
+        documents.emit(documents.identity_check_document(Path(path), identity, identity_sha256(identity), basis))
+        return EXIT_PASS
     _OUT.print(
         Text(
             f"identity {path}: valid: lane {identity.lane} (lane kind {identity.lane_kind.value}, "
@@ -245,14 +259,76 @@ def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "identity":
-        return identity_check(args.path)
+        return identity_check(args.path, as_json=args.json)
     _say_error("qualify: expected a command or --recipe NAME (see qualify --help)")
     return EXIT_REFUSED
 
 
+JSON_COMMANDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("receipts", "verify"), "receipts-verify"), (("selftest",), "selftest"), (("calibrate",), "calibrate"),
+    (("identity", "check"), "identity-check"),
+)
+"""The commands that take ``--json`` (beside ``--recipe``): their words and their schema's name."""
+
+
+def json_command(argv: Sequence[str]) -> str | None:
+    """The schema name of the ``--json`` command ``argv`` asks for, or None (no ``--json`` before
+    a ``--``, or a command without one)."""
+    options = list(argv[: argv.index("--")] if "--" in argv else argv)
+    if "--json" not in options:
+        return None
+    if _wants_recipe(argv):
+        return "recipe"
+    return next((name for words, name in JSON_COMMANDS if tuple(argv[: len(words)]) == words), None)
+
+
+class _Watched:
+    """A text stream passing every write through, noting whether anything was written and the
+    last non-empty line (a refusal is the last line a refused command writes to stderr)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.written = False
+        self.last_line = ""
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        if text:
+            self.written = True
+            *complete, self._pending = (self._pending + text).split("\n")
+            lines = [line for line in complete if line.strip()]
+            if lines:
+                self.last_line = lines[-1]
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding: the stream's own
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point; returns the process exit code."""
+    """Console-script entry point; returns the process exit code. Under ``--json``, a command
+    refused before it printed its document (a usage error, a refused argument, an unavailable
+    command) prints the short refusal document on stdout, its message the one line on stderr."""
     arguments = list(sys.argv[1:] if argv is None else argv)
+    command = json_command(arguments)
+    if command is None:
+        return _main(arguments)
+    saved = sys.stdout, sys.stderr
+    out, err = _Watched(sys.stdout), _Watched(sys.stderr)
+    sys.stdout, sys.stderr = cast(TextIO, out), cast(TextIO, err)
+    try:
+        code = _main(arguments)
+    finally:
+        sys.stdout, sys.stderr = saved
+    if code == EXIT_REFUSED and not out.written:
+        from qualify.interfaces import documents
+
+        message = err.last_line.strip() or f"qualify {command.replace('-', ' ')}: refused"
+        documents.emit(documents.refusal_document(command, message))
+    return code
+
+
+def _main(arguments: list[str]) -> int:
     try:
         return _dispatch(arguments)
     except SystemExit as exc:  # argparse: 0 for --help/--version, 2 for usage errors
@@ -265,9 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Refused as exc:
         _say_error(f"refused: {exc}")
         return EXIT_REFUSED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # 128 + the signal: a run's RunInterrupted carries it, Ctrl-C is SIGINT (2)
         _say_error("qualify: interrupted")
-        return EXIT_REFUSED
+        return 128 + int(getattr(exc, "signum", 2))
     except Exception as exc:
         if _debug():
             raise

@@ -1,18 +1,27 @@
 """What an operator sees: ``qualify --recipe``, ``qualify calibrate`` and ``qualify selftest``.
 
-Drives :class:`qualify.run.qualification.QualificationRun` in-process with rich progress (one line per
-progress label), prints the per-sample table, the verdict in the judgement's own words and the
-receipt path. Exit codes: 0 qualified, 1 not qualified, 2 refused contract or bad usage,
-130 / 143 interrupted by SIGINT / SIGTERM (128 + the signal's number).
+Drives :class:`qualify.run.qualification.QualificationRun` in-process, one line per finished step
+(on a terminal a spinner with the elapsed time shows while a step runs, then gives way to the
+step's line; piped to a file or a log, nothing but the lines, no control codes), then the
+per-sample table, the verdict in the judgement's own words and the receipt path. Tables fit any
+width (:mod:`qualify.interfaces.tables`): no number is ever cut short. Output that is not a
+terminal is 160 columns wide, or ``$COLUMNS`` when that is a whole number of at least 40.
+
+``--json`` prints one JSON document on stdout instead (:mod:`qualify.interfaces.documents`),
+nothing else there; progress then goes to stderr when stderr is a terminal, else nowhere.
+
+Exit codes: 0 qualified, 1 not qualified, 2 refused contract or bad usage, 128 + the signal's
+number when interrupted (130 SIGINT, 143 SIGTERM, 129 SIGHUP).
 
 Every run leaves a receipt, from its first step on: a refused one (its identity not JSON, of an
 unknown lane, with a bound other than the sealed one, its lane unable to run here) is marked
 refused, an interrupted one incomplete ("interrupted by SIGINT during <step>"; the producer's
 process group is killed first). Arguments are checked before the run begins, and what they refuse
 leaves none: a usage error, a missing or non-file --identity, an engine pair no lane runs, an
-unknown fault, and a --receipts archive that cannot hold a receipt (its refusal says so). A run
-whose identity never loaded has a receipt without identity files, whose summary names no
-identity and, when --identity named the file, no lane.
+unknown fault, and a --receipts archive that cannot hold a receipt (its refusal says so): one
+line on stderr, nothing on stdout (under ``--json``, the refusal document). A run whose identity
+never loaded has a receipt without identity files, whose summary names no identity and, when
+--identity named the file, no lane.
 """
 
 from __future__ import annotations
@@ -23,11 +32,13 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -43,6 +54,8 @@ from qualify.core.arguments import (
     shown,
 )
 from qualify.core.errors import Refused
+from qualify.interfaces import documents
+from qualify.interfaces.tables import Field, FittedTable
 from qualify.run.qualification import (
     STEP_LABELS,
     QualificationRun,
@@ -53,6 +66,9 @@ from qualify.run.qualification import (
     signals_held,
 )
 
+if TYPE_CHECKING:
+    from qualify.run.selftest import FaultResult
+
 EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 EXIT_SIGNAL_BASE = 128
 """An interrupted run exits 128 + the signal's number, as a shell reports it: 130 SIGINT, 143 SIGTERM."""
@@ -61,6 +77,13 @@ RECIPE_NAMES = [recipe.value for recipe in Recipe]
 ENGINE_NAMES = [engine.value for engine in EngineChoice]
 MAX_REPETITIONS = 1000
 """The most handoffs one calibration runs (each restarts the producer); more is a typo."""
+
+PIPE_WIDTH = 160
+"""Columns of output that is not a terminal (a log, a pipe): wide enough for the whole sample table."""
+MIN_COLUMNS = 40
+"""The narrowest ``$COLUMNS`` honoured for such output (a smaller or non-numeric value is ignored)."""
+
+JSON_HELP = "print one JSON document on stdout (contracts/cli-{}.v1.schema.json) instead of the report"
 
 
 def _recipe_parser(prog: str) -> argparse.ArgumentParser:
@@ -82,6 +105,7 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--deadline-s", type=deadline_seconds, metavar="SECONDS",
                         help="limit every producer phase (ready, verify, handoff) to SECONDS "
                              "(default: derived from the identity's basis receipt)")
+    parser.add_argument("--json", action="store_true", help=JSON_HELP.format("recipe"))
     return parser
 
 
@@ -124,35 +148,68 @@ def _check_run_choices(args: argparse.Namespace) -> None:
     _receipt_archive(args.receipts)
 
 
+# --------------------------------------------------------------------------- numbers and tables
+
+
 def _fmt(value: Any, digits: int = 3) -> str:
+    """A number for a table cell: ``digits`` decimals, or ``digits`` significant ones below 1e-3
+    (so 5.68e-05 seconds never reads as 0.000), in exponent form from 1e9 on (a hostile record's
+    1e+43 is not forty digits wide); non-finite values and text as they are."""
     if value is None:
         return "-"
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
+        if abs(value) >= 1e9:
+            return f"{value:.{digits}e}"
         return f"{value:.{digits}g}" if abs(value) < 1e-3 and value != 0 else f"{value:.{digits}f}"
     return str(value)
 
 
-def sample_table(records: Sequence[dict[str, Any]]) -> Table:
-    """The per-sample table: tokens agreed, drift, payload and phase times."""
-    table = Table(title="handoff samples", header_style="bold")
-    for column in ("sample", "tokens agreed", "max abs", "mean abs", "payload MB", "Gbit/s",
-                   "producer s", "transport s", "verify s", "install s", "decode s", "recompute s"):
-        table.add_column(column, justify="right")
-    for record in records:
-        if record.get("error"):
-            table.add_row(str(record.get("repetition")), Text("failed", style="red"), *["-"] * 10)
-            continue
-        agreed = round(record["token_agreement_rate"] * record["output_tokens"])
-        table.add_row(
-            str(record["repetition"]), f"{agreed}/{record['output_tokens']}",
-            _fmt(record["max_abs"], 6), _fmt(record["mean_abs"], 6),
-            _fmt(record["payload_bytes"] / 1e6, 2), _fmt(record["payload_gbit_per_s"], 2),
-            *(_fmt(record[name], 3) for name in ("producer_compute_s", "transport_s", "verify_s",
-                                                  "install_s", "decode_s", "recompute_s")),
-        )
-    return table
+def _drift(value: Any) -> str:
+    """A logit delta with the nine significant digits the verdict's text uses, so the table's
+    number is the one the rule is compared with."""
+    return f"{value:.9g}" if isinstance(value, float) and math.isfinite(value) else _fmt(value)
+
+
+PHASE_COLUMNS = (("producer s", "producer_compute_s"), ("transport s", "transport_s"), ("verify s", "verify_s"),
+                 ("install s", "install_s"), ("decode s", "decode_s"), ("recompute s", "recompute_s"))
+SAMPLE_FIELDS = (Field("sample"), Field("tokens agreed"), Field("max abs"), Field("mean abs"), Field("payload MB"),
+                 Field("Gbit/s"), *(Field(header) for header, _ in PHASE_COLUMNS))
+
+
+def _sample_row(record: dict[str, Any]) -> list[str | Text]:
+    if record.get("error"):
+        return [str(record.get("repetition")), Text("failed", style="red"), *["-"] * (len(SAMPLE_FIELDS) - 2)]
+    agreed = documents.sample_document(record)["tokens_agreed"]
+    payload = record.get("payload_bytes")
+    return [
+        str(record["repetition"]), f"{_fmt(agreed)}/{_fmt(record.get('output_tokens'))}",
+        _drift(record.get("max_abs")), _drift(record.get("mean_abs")),
+        _fmt(payload / 1e6 if isinstance(payload, int) else payload, 2), _fmt(record.get("payload_gbit_per_s"), 2),
+        *(_fmt(record.get(name), 3) for _, name in PHASE_COLUMNS),
+    ]
+
+
+def sample_table(records: Sequence[dict[str, Any]]) -> FittedTable:
+    """The per-sample table: tokens agreed, drift, payload and phase times; folded into column
+    groups (each repeating the sample number) where the console is too narrow for all of them."""
+    return FittedTable("handoff samples", SAMPLE_FIELDS, [_sample_row(record) for record in records])
+
+
+SELFTEST_FIELDS = (Field("fault", justify="left"), Field("recipe", justify="left"), Field("caught", justify="left"),
+                   Field("localised", justify="left"), Field("finding", wraps=True, justify="left"))
+
+
+def _yes(flag: bool) -> str | Text:
+    return "yes" if flag else Text("NO", style="red")
+
+
+def selftest_table(results: Sequence[FaultResult]) -> FittedTable:
+    """The fault lanes: caught, localised and what was found; one block per fault where narrow."""
+    rows = [[result.fault, result.recipe, _yes(result.caught), _yes(result.localised), result.finding]
+            for result in results]
+    return FittedTable("fault lanes", SELFTEST_FIELDS, rows, narrow="blocks")
 
 
 def _localisation_lines(records: Sequence[dict[str, Any]], kv_only: bool = False) -> list[str]:
@@ -187,37 +244,114 @@ def _localisation_lines(records: Sequence[dict[str, Any]], kv_only: bool = False
     return lines
 
 
-def operator_console() -> Console:
-    """Rich console for operator output; wide enough for the sample table in logs and pipes. No
+# --------------------------------------------------------------------------- consoles and progress
+
+
+def pipe_width() -> int:
+    """Columns for output that is not a terminal: ``$COLUMNS`` when it is a whole number of at
+    least :data:`MIN_COLUMNS`, else :data:`PIPE_WIDTH`."""
+    columns = os.environ.get("COLUMNS", "")
+    if re.fullmatch(r"[0-9]{1,5}", columns) and int(columns) >= MIN_COLUMNS:
+        return int(columns)
+    return PIPE_WIDTH
+
+
+def operator_console(*, stderr: bool = False) -> Console:
+    """Rich console for operator output: a terminal's own width, else :func:`pipe_width`. No
     markup or emoji codes: messages carry operators' paths and arguments, printed as they are."""
-    return Console(highlight=False, markup=False, emoji=False, width=None if sys.stdout.isatty() else 160)
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, highlight=False, markup=False, emoji=False,
+                   width=None if stream.isatty() else pipe_width())
 
 
-def _print_step(console: Console, outcome: StepOutcome) -> None:
+def json_progress_console() -> Console:
+    """Under ``--json``: stdout holds only the document, so progress goes to stderr on a
+    terminal and nowhere otherwise (a log of stderr then holds only refusal lines)."""
+    console = operator_console(stderr=True)
+    console.quiet = not sys.stderr.isatty()
+    return console
+
+
+@contextmanager
+def live_activity(console: Console, description: str) -> Iterator[Callable[[str], None]]:
+    """While the body runs: a spinner, ``description`` and the elapsed time, removed when it ends
+    (the caller prints what finished). Only on an interactive terminal: elsewhere nothing, so a
+    log holds no control codes. Yields a function that replaces the description."""
+    if console.quiet or not console.is_interactive:
+        yield lambda text: None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(description, total=None)
+        yield lambda text: progress.update(task, description=text)
+
+
+STEP_LABEL_WIDTH = max(len(label) for label in STEP_LABELS) + 2
+
+
+def step_line(outcome: StepOutcome) -> Table:
+    """A finished step: mark, label, seconds, and its message wrapped under itself."""
     mark, style = ("✓", "green") if outcome.passed else ("✗", "red")
-    console.print(Text.assemble((f" {mark} ", style), (f"{outcome.label:<20}", "bold"),
-                                f" {outcome.seconds:6.2f} s  ", outcome.message))
+    grid = Table.grid(padding=(0, 1, 0, 0))
+    grid.add_column(no_wrap=True, width=2)
+    grid.add_column(no_wrap=True, width=STEP_LABEL_WIDTH, style="bold")
+    grid.add_column(no_wrap=True, width=8, justify="right")
+    grid.add_column(overflow="fold")
+    grid.add_row(Text(f" {mark}", style=style), outcome.label, f"{outcome.seconds:.2f} s", outcome.message)
+    return grid
 
 
-def drive(run: QualificationRun, console: Console) -> int:
-    """Run every step with progress, then the table, verdict and receipt path; the exit code. A
-    refused run (the contract, or the lane cannot run here) says why in one line on stderr."""
-    try:
-        for label in STEP_LABELS:
-            with console.status(f"{label} …"):
-                outcome = run.step(label)
-            _print_step(console, outcome)
-    except KeyboardInterrupt as exc:  # between steps (one during a step has been handled by it)
-        run.interrupted(interrupt_signal(exc))
-        raise
-    finally:
-        run.close()  # whatever happened, the receipt is sealed and the producer stopped
+def blocked_line(blocked: Sequence[StepOutcome]) -> Text:
+    """The steps a failure kept from running, on one line (they share their reason)."""
+    return Text(f" · not run ({blocked[0].message}): {', '.join(outcome.label for outcome in blocked)}", style="dim")
+
+
+def bullet(text: str) -> Table:
+    """``  - text``, wrapped lines indented under the text."""
+    grid = Table.grid(padding=(0, 1, 0, 0))
+    grid.add_column(no_wrap=True, width=3, justify="right")
+    grid.add_column(overflow="fold")
+    grid.add_row("-", text)
+    return grid
+
+
+def receipt_line(path: Path, note: str = "") -> Text:
+    return Text(f"receipt: {path}{note}")
+
+
+# --------------------------------------------------------------------------- qualify --recipe
+
+
+def refusal_line(run: QualificationRun) -> str | None:
+    """The one stderr line of a run refused at a step (its contract, or its lane cannot run here)."""
+    refusal = next((outcome for outcome in run.outcomes.values() if outcome.refused), None)
+    return None if refusal is None else f"refused: {refusal.label}: {refusal.message}"
+
+
+def blocked_steps(run: QualificationRun) -> list[StepOutcome]:
+    """The steps a failed step kept from running (every one after it)."""
+    outcomes = [run.outcomes[label] for label in STEP_LABELS if label in run.outcomes]
+    first_failed = next((index for index, outcome in enumerate(outcomes) if not outcome.passed), len(outcomes))
+    return outcomes[first_failed + 1:]
+
+
+def exit_code(run: QualificationRun) -> int:
+    """0 qualified, 1 not qualified, 2 refused (the contract, or the lane cannot run here)."""
     if run.refused:
-        refusal = next(outcome for outcome in run.outcomes.values() if outcome.refused)
-        say_refusal(f"refused: {refusal.label}: {refusal.message}")
-        if run.receipt_path is not None:
-            console.print(Text(f"receipt: {run.receipt_path} (refused)"))
         return EXIT_REFUSED
+    return EXIT_PASS if run.verdict is not None and run.verdict.passed else EXIT_FAILED
+
+
+def show_report(run: QualificationRun, console: Console) -> None:
+    """What follows the step lines of a finished run: the steps it did not run, the sample table
+    and where samples diverged, the verdict with its reasons, the receipt path."""
+    blocked = blocked_steps(run)
+    if blocked:
+        console.print(blocked_line(blocked))
+    if run.refused:
+        if run.receipt_path is not None:
+            console.print(receipt_line(run.receipt_path, " (refused)"), soft_wrap=True)
+        return
     if run.records:
         console.print(sample_table(run.records))
         failed = run.verdict is None or not run.verdict.passed
@@ -228,16 +362,56 @@ def drive(run: QualificationRun, console: Console) -> int:
         style = "bold green" if verdict.passed else "bold red"
         console.print(Text(("QUALIFIED: " if verdict.passed else "NOT QUALIFIED: ") + verdict.headline, style=style))
         for reason in verdict.reasons:
-            console.print(f"  - {reason}")
+            console.print(bullet(reason))
     if run.receipt_path is not None:
-        console.print(Text(f"receipt: {run.receipt_path}"))
-    return EXIT_PASS if verdict is not None and verdict.passed else EXIT_FAILED
+        console.print(receipt_line(run.receipt_path), soft_wrap=True)  # a path is copied whole, never wrapped
+
+
+def show_run(run: QualificationRun, console: Console) -> None:
+    """A finished run's whole console output again, as :func:`drive` printed it (for another width:
+    tools/console_screenshots.py renders one run at several)."""
+    console.print(header_line(run.options.recipe))
+    blocked = blocked_steps(run)
+    for label in STEP_LABELS:
+        outcome = run.outcomes.get(label)
+        if outcome is not None and outcome not in blocked:
+            console.print(step_line(outcome))
+    show_report(run, console)
+
+
+def header_line(recipe: str) -> Text:
+    return Text(f"qualify --recipe {recipe}", style="bold")
+
+
+def drive(run: QualificationRun, console: Console) -> int:
+    """Run every step with progress, then the table, verdict and receipt path; the exit code. A
+    refused run (the contract, or the lane cannot run here) says why in one line on stderr."""
+    try:
+        for label in STEP_LABELS:
+            if any(not outcome.passed for outcome in run.outcomes.values()):
+                run.step(label)  # blocked by the failed step: recorded as not run, shown on one line
+                continue
+            with live_activity(console, label):
+                outcome = run.step(label)
+            console.print(step_line(outcome))
+    except KeyboardInterrupt as exc:  # between steps (one during a step has been handled by it)
+        run.interrupted(interrupt_signal(exc))
+        raise
+    finally:
+        run.close()  # whatever happened, the receipt is sealed and the producer stopped
+    refusal = refusal_line(run)
+    if refusal is not None:
+        say_refusal(refusal)
+    show_report(run, console)
+    return exit_code(run)
 
 
 def run_cli(argv: Sequence[str]) -> int:
     """``qualify --recipe NAME [...]``: bad input is refused (exit 2, one line) before any step;
-    SIGINT or SIGTERM during the run seals its receipt as incomplete, kills the producer's process
-    group and exits 130 or 143, saying so in one line on stderr."""
+    an interrupt signal during the run seals its receipt as incomplete, kills the producer's
+    process group and exits 128 + the signal's number, saying so in one line on stderr."""
+    from qualify.run.contract import default_identity_path
+
     args = _recipe_parser("qualify").parse_args(list(argv))
     _check_run_choices(args)
     options = RunOptions(
@@ -245,26 +419,45 @@ def run_cli(argv: Sequence[str]) -> int:
         consumer=args.consumer, reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
         receipts=args.receipts, command_line=["qualify", *argv], deadline_s=args.deadline_s,
     )
-    console = operator_console()
+    identity_path = args.identity or default_identity_path(args.recipe, args.producer, args.consumer)
+    console = json_progress_console() if args.json else operator_console()
     run = QualificationRun(options)
-    with interrupts_raise():  # the previous SIGINT/SIGTERM handlers come back when the run ends
+    with interrupts_raise():  # the previous handlers come back when the run ends
         try:
-            console.print(Text(f"qualify --recipe {args.recipe}", style="bold"))
-            return drive(run, console)
+            console.print(header_line(args.recipe))
+            code = drive(run, console)
+            if args.json:
+                with signals_held(discard=True):  # the run is sealed: its document is printed whole
+                    documents.emit(_recipe_json(run, code, refusal_line(run), identity_path))
+            return code
         except KeyboardInterrupt as exc:
             with signals_held(discard=True):  # a second signal does not cut the report short
-                return _report_interrupt(run, interrupt_signal(exc))
+                code, line = _report_interrupt(run, interrupt_signal(exc))
+                if args.json:
+                    documents.emit(_recipe_json(run, code, line, identity_path))
+                return code
 
 
-def _report_interrupt(run: QualificationRun, signum: int) -> int:
-    """Seal the interrupted run (if it is not already), say so in one line, exit 128 + ``signum``."""
+def _recipe_json(run: QualificationRun, code: int, message: str | None, identity_path: Path) -> dict[str, Any]:
+    """The run's ``--json`` document, from its sealed receipt."""
+    status = "incomplete" if run.interrupted_by is not None else documents.STATUS_BY_EXIT.get(code, "refused")
+    return documents.recipe_document(exit_code=code, message=message, recipe=run.options.recipe,
+                                     identity_path=identity_path, receipt=run.receipt_path, status=status)
+
+
+def _report_interrupt(run: QualificationRun, signum: int) -> tuple[int, str]:
+    """Seal the interrupted run (if it is not already), say so in one line; 128 + ``signum`` and the line."""
     run.interrupted(signum)
     where = run.interruption or f"interrupted by {signal.Signals(signum).name}"
     if run.receipt_path is not None and run.verdict is not None:
-        say_refusal(f"qualify: {where}; receipt: {run.receipt_path} ({run.verdict.status})")
+        line = f"qualify: {where}; receipt: {run.receipt_path} ({run.verdict.status})"
     else:
-        say_refusal(f"qualify: {where}; no receipt was written (none before the run's identity loads)")
-    return EXIT_SIGNAL_BASE + signum
+        line = f"qualify: {where}; no receipt was written (none before the run's identity loads)"
+    say_refusal(line)
+    return EXIT_SIGNAL_BASE + signum, line
+
+
+# --------------------------------------------------------------------------- calibrate, selftest
 
 
 def calibrate_cli(argv: Sequence[str]) -> int:
@@ -280,25 +473,37 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--repetitions", type=_repetitions, default=5,
                         help=f"handoffs to measure, 1 to {MAX_REPETITIONS} (default 5)")
     parser.add_argument("--receipts", type=path_argument, help="receipt archive for the calibration receipt")
+    parser.add_argument("--json", action="store_true", help=JSON_HELP.format("calibrate"))
     args = parser.parse_args(list(argv))
     spec = lane_spec(args.lane)
     if spec.recipe.value != args.recipe:
         raise Refused(f"calibrate --lane {args.lane}: its recipe is {spec.recipe.value}, the run is --recipe {args.recipe}")
     _receipt_archive(args.receipts)
-    console = operator_console()
+    console = json_progress_console() if args.json else operator_console()
     options = RunOptions(recipe=args.recipe, receipts=args.receipts,
                          command_line=["qualify", "calibrate", *argv])
-    result = calibrate(args.lane, args.recipe, args.repetitions, options,
-                       log=lambda line: console.print(Text(line, style="dim")))
+    with live_activity(console, f"calibrate {args.lane}: {args.repetitions} handoffs") as show:
+        def log(line: str) -> None:
+            console.print(Text(line, style="dim"))
+            show(f"calibrate {args.lane}: {line[:60]}")
+
+        result = calibrate(args.lane, args.recipe, args.repetitions, options, log=log)
+    code = EXIT_PASS if result.tokens_exact and result.deterministic and not result.failures else EXIT_FAILED
+    steps = next_steps(result, args.lane, args.recipe)
+    if args.json:
+        documents.emit(documents.calibration_document(result, exit_code=code, recipe=args.recipe,
+                                                      repetitions=args.repetitions, steps=steps))
+        return code
     console.print(sample_table(result.records))
     for line in _localisation_lines(result.records):
         console.print(Text(line, style="yellow"))
     console.print(f"observed envelope: max abs {result.observed_max_abs!r}, "
                   f"mean abs {result.observed_mean_abs!r}; tokens exact in every handoff: {result.tokens_exact}")
-    for step in next_steps(result, args.lane, args.recipe):
-        console.print(Text(step.text, style=step.style))
-    console.print(Text(f"receipt: {result.receipt_path}"))
-    return EXIT_PASS if result.tokens_exact and result.deterministic and not result.failures else EXIT_FAILED
+    for step in steps:
+        console.print(Text(step.text, style=step.style), soft_wrap=True)  # a command is one line, never wrapped
+    if result.receipt_path is not None:
+        console.print(receipt_line(result.receipt_path), soft_wrap=True)
+    return code
 
 
 def selftest_cli(argv: Sequence[str]) -> int:
@@ -312,6 +517,7 @@ def selftest_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--fault", action="append", help="only this fault (repeatable)")
     parser.add_argument("--receipts", type=path_argument,
                         help="archive for the self-test's failing receipts (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true", help=JSON_HELP.format("selftest"))
     args = parser.parse_args(list(argv))
     runs = all_fault_runs()
     known = sorted({name for name, _ in runs})
@@ -321,22 +527,23 @@ def selftest_cli(argv: Sequence[str]) -> int:
     pairs = [(name, rung) for name, rung in runs if not args.fault or name in args.fault]
     if args.receipts is not None:
         require_writable_directory("--receipts", args.receipts)
-    console = operator_console()
-    table = Table(title="fault lanes", header_style="bold")
-    for column in ("fault", "recipe", "caught", "localised", "finding"):
-        table.add_column(column)
-    all_passed = True
+    console = json_progress_console() if args.json else operator_console()
+    results: list[tuple[int, FaultResult]] = []
     with tempfile.TemporaryDirectory(prefix="qualify-selftest-") as scratch:
         receipts = args.receipts or Path(scratch)
         for name, rung in pairs:
-            with console.status(f"fault {name} (rung {rung}) …"):
-                result = run_fault(name, rung, receipts)
-            all_passed &= result.passed
-            table.add_row(name, result.recipe, "yes" if result.caught else Text("NO", style="red"),
-                          "yes" if result.localised else Text("NO", style="red"), result.finding)
-            console.print(f"{'✓' if result.passed else '✗'} {name} ({result.recipe}): {result.finding}")
-    console.print(table)
+            with live_activity(console, f"fault {name} (rung {rung})") as show:
+                result = run_fault(name, rung, receipts, on_step=lambda line: show(f"fault {line[:70]}"))
+            results.append((rung, result))
+            mark, style = ("✓", "green") if result.passed else ("✗", "red")
+            console.print(Text.assemble((mark, style), f" {name} ({result.recipe}): {result.finding}"))
+    all_passed = all(result.passed for _, result in results)
+    code = EXIT_PASS if all_passed else EXIT_FAILED
+    if args.json:
+        documents.emit(documents.selftest_document(results, exit_code=code, receipts_kept=args.receipts is not None))
+        return code
+    console.print(selftest_table([result for _, result in results]))
     console.print(Text("selftest passed: every fault lane failed where it was injected" if all_passed
                        else "selftest FAILED: a fault lane was not caught or not localised",
                        style="bold green" if all_passed else "bold red"))
-    return EXIT_PASS if all_passed else EXIT_FAILED
+    return code

@@ -1,28 +1,53 @@
 """pytest plugin: recipe options, the shared ``qualification`` fixture, and ordered recipe steps.
 
-A recipe module (``recipes/native_text.py``) holds one test per progress label. All tests of a
-module share one :class:`qualify.run.qualification.QualificationRun`; a step whose predecessor failed
-fails too (never skips), so a CI gate cannot pass on a partial run. Under pytest-xdist the
-module is the unit of distribution, so one run's handoffs stay ordered on one worker while
-independent runs spread over workers.
+Installed with the package (the ``pytest11`` entry point), so ``pytest recipes/`` works from any
+directory, checkout or not. A recipe module (``recipes/native_text.py``) holds one test per
+progress label. All tests of a module share one :class:`qualify.run.qualification.QualificationRun`.
+A step that fails is the run's one failure, naming its cause; the steps it blocks are skipped
+with "blocked by <step>: <cause>", so one bad handoff reads as one failure, and the session still
+fails on it (a CI gate never passes on a partial run). A step whose predecessor never ran (a
+``-k`` or ``--deselect`` that dropped it) fails. Under pytest-xdist the module is the unit of
+distribution, so one run's handoffs stay ordered on one worker while independent runs spread
+over workers.
 
-Interrupts: pytest turns SIGINT into KeyboardInterrupt, and while a run is open SIGTERM becomes one
-too (the previous handler comes back when the module's run ends). Either way the run's receipt is
-sealed as incomplete ("interrupted by SIGINT during <step>"), its producer's process group killed,
-and pytest exits 130 (SIGINT) or 143 (SIGTERM) instead of its own 2.
+JUnit XML (``--junitxml``): each test carries its step's numbers as properties
+(``sample_<n>_max_abs``, ``sample_<n>_mean_abs`` for the sample recorded at that step), and the
+test of the step that sealed the run's receipt (the verdict, or the step that failed) carries
+the run's: verdict status, lane, recipe, rung, identity digest, worst drift, scope and receipt,
+read back from the sealed receipt.
+
+Options are checked once, when pytest configures: a bad value is pytest's usage error (exit 4),
+one line naming the option, before anything is collected or run.
+
+Interrupts: pytest turns SIGINT into KeyboardInterrupt, and while a run is open SIGTERM and SIGHUP
+become one too (``qualify.run.qualification.INTERRUPT_SIGNALS``; the previous handlers come back
+when the module's run ends). Either way the run's receipt is sealed as incomplete ("interrupted by
+SIGINT during <step>"), its producer's process group killed, and pytest exits 128 + the signal's
+number (130 for SIGINT, 143 for SIGTERM) instead of its own 2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import argparse
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from qualify.core.arguments import deadline_seconds, path_argument
+from qualify.core.arguments import deadline_seconds, path_argument, printable_line, shown
 
 if TYPE_CHECKING:
-    from qualify.run.qualification import QualificationRun
+    from qualify.run.qualification import QualificationRun, StepOutcome
+
+RECIPES_DIRECTORY = "recipes"
+"""The directory whose modules are recipes: named on the command line, every module in it is
+collected, whatever ``python_files`` says (outside the checkout nothing else says so)."""
+
+RecordProperty = Callable[[str, object], None]
+"""pytest's ``record_property`` fixture: a (name, value) pair for the test's JUnit XML."""
 
 _OPEN_RUNS: list[QualificationRun] = []
 """The qualification runs whose module is running: an interrupt seals each one's receipt."""
@@ -30,11 +55,16 @@ _INTERRUPTED_BY: list[int] = []
 """The signal that interrupted an open run (pytest's exit status becomes 128 + it)."""
 
 
+# -- options ------------------------------------------------------------------------------------
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
+    # Values are plain strings here and checked in pytest_configure: an argparse ``type`` error
+    # would reach the operator as pytest's usage block, not one line.
     group = parser.getgroup("qualify", "trust-ladder qualification recipes")
-    group.addoption("--recipe", action="append", default=[],
+    group.addoption("--recipe", action="append", default=[], metavar="NAME",
                     help="run only recipe modules for this recipe name (repeatable)")
-    group.addoption("--identity", default=None, type=path_argument, help="frozen onboarding identity JSON for the run")
+    group.addoption("--identity", default=None, metavar="PATH", help="frozen onboarding identity JSON for the run")
     group.addoption("--producer", default="reference",
                     help="producer engine: reference (embedded default) or vllm")
     group.addoption("--consumer", default="reference",
@@ -43,22 +73,140 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="compute the cold local recompute once per run instead of per sample")
     group.addoption("--drift-graded", action="store_true", default=False,
                     help="rung 3: compute and grade deltas instead of refusing at the first digest mismatch")
-    group.addoption("--fault", default=None, help="run against a named fault lane (self-test)")
-    group.addoption("--receipts", default=None, type=path_argument, help="receipt archive directory")
-    group.addoption("--deadline-s", default=None, type=deadline_seconds, metavar="SECONDS",
+    group.addoption("--fault", default=None, metavar="NAME", help="run against a named fault lane (self-test)")
+    group.addoption("--receipts", default=None, metavar="DIR", help="receipt archive directory")
+    group.addoption("--deadline-s", default=None, metavar="SECONDS",
                     help="limit every producer phase to SECONDS (default: from the identity's basis receipt)")
+
+
+@dataclass(frozen=True)
+class RecipeOptions:
+    """The plugin's command-line options, checked once when pytest configures."""
+
+    recipes: frozenset[str]
+    identity: Path | None
+    producer: str
+    consumer: str
+    reference_once: bool
+    drift_graded: bool
+    fault: str | None
+    receipts: Path | None
+    deadline_s: float | None
+
+
+RECIPE_OPTIONS = pytest.StashKey[RecipeOptions]()
+"""Where :func:`pytest_configure` keeps the checked options (``config.stash[RECIPE_OPTIONS]``)."""
+
+
+def _usage_error(option: str, problem: str) -> pytest.UsageError:
+    """pytest's usage error (exit 4), printed as one line naming ``option``."""
+    return pytest.UsageError(printable_line(f"argument {option}: {problem}"))
+
+
+def _converted(config: pytest.Config, option: str, convert: Callable[[str], Any]) -> Any:
+    """``option``'s value through ``convert`` (None when not given); a value it refuses is a usage error."""
+    value = config.getoption(option)
+    if value is None:
+        return None
+    try:
+        return convert(value)
+    except argparse.ArgumentTypeError as exc:
+        raise _usage_error(option, str(exc)) from None
+
+
+def _recipe_names(names: Iterable[str]) -> frozenset[str]:
+    """``--recipe`` values, each a recipe this harness knows (a typo would deselect everything)."""
+    names = list(names)
+    if not names:  # the plugin loads in every pytest session: import nothing it does not need
+        return frozenset()
+    from qualify.contract.lanes import Recipe
+
+    known = sorted(recipe.value for recipe in Recipe)
+    for name in names:
+        if name not in known:
+            raise _usage_error("--recipe", f"found {shown(name)}, expected one of {', '.join(known)}")
+    return frozenset(names)
+
+
+def _checked_paths(identity: Path | None, receipts: Path | None, fault: str | None) -> None:
+    """What ``qualify --recipe`` refuses before any step, refused here as usage errors: an
+    identity that is not a regular file, an archive no receipt can be written to, an unknown fault."""
+    from qualify.core.arguments import require_regular_file, require_writable_directory
+    from qualify.core.errors import Refused
+
+    try:
+        if identity is not None:
+            require_regular_file("--identity", identity)
+        if receipts is not None:
+            require_writable_directory("--receipts", receipts)
+    except Refused as refusal:  # already one line naming the option
+        raise pytest.UsageError(printable_line(str(refusal))) from None
+    if fault is not None:
+        from qualify.engines.faults import FAULTS
+
+        if fault not in FAULTS:
+            raise _usage_error("--fault", f"found {shown(fault)}, expected one of {', '.join(sorted(FAULTS))}")
+
+
+def recipe_options(config: pytest.Config) -> RecipeOptions:
+    """The plugin's options from ``config``, checked; raises :class:`pytest.UsageError` (one line)."""
+    identity = _converted(config, "--identity", path_argument)
+    receipts = _converted(config, "--receipts", path_argument)
+    fault = config.getoption("--fault")
+    _checked_paths(identity, receipts, fault)
+    return RecipeOptions(
+        recipes=_recipe_names(config.getoption("--recipe")),
+        identity=identity,
+        producer=config.getoption("--producer"),
+        consumer=config.getoption("--consumer"),
+        reference_once=config.getoption("--reference-once"),
+        drift_graded=config.getoption("--drift-graded"),
+        fault=fault,
+        receipts=receipts,
+        deadline_s=_converted(config, "--deadline-s", deadline_seconds),
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    """Check the options (a bad one stops pytest with one line, exit 4), declare the ``recipe``
+    marker, and keep each module on one xdist worker."""
+    config.stash[RECIPE_OPTIONS] = recipe_options(config)
     config.addinivalue_line("markers", "recipe(name): a qualification recipe module")
     # One run's steps must stay ordered on one worker: distribute by module, never by test.
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadfile"
 
 
+# -- collection ---------------------------------------------------------------------------------
+
+
+class RecipeDirectory(pytest.Directory):
+    """A ``recipes/`` directory named on the command line: each module in it is a test module."""
+
+    def collect(self) -> Iterator[pytest.Item | pytest.Collector]:
+        for path in sorted(self.path.glob("*.py")):
+            if path.name.startswith("_") or path.name == "conftest.py":
+                continue
+            if self.ihook.pytest_ignore_collect(collection_path=path, config=self.config):
+                continue  # --ignore, collect_ignore
+            module: pytest.Module = self.ihook.pytest_pycollect_makemodule(module_path=path, parent=self)
+            yield module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    """``pytest recipes/`` collects the recipe modules there even where no ``python_files``
+    pattern names them (a copy of the recipes outside the checkout). Only a ``recipes``
+    directory named on the command line (and not a package): elsewhere collection is pytest's own."""
+    if path.name != RECIPES_DIRECTORY or not parent.session.isinitpath(path) or (path / "__init__.py").exists():
+        return None
+    return RecipeDirectory.from_parent(parent, path=path)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    wanted = set(config.getoption("--recipe"))
+    """``--recipe NAME``: deselect the recipe modules of other recipes (other tests stay)."""
+    wanted = config.stash[RECIPE_OPTIONS].recipes
     if not wanted:
         return
     kept, dropped = [], []
@@ -73,6 +221,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
 
 
+# -- the run ------------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
     """The module's qualification run, built from its ``RECIPE`` and the command-line options."""
@@ -82,18 +233,18 @@ def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
     recipe = getattr(request.module, "RECIPE", None)
     if recipe is None:
         pytest.fail(f"{request.module.__name__} defines no RECIPE", pytrace=False)
-    receipts = config.getoption("--receipts")
+    chosen = config.stash[RECIPE_OPTIONS]
     options = RunOptions(
         recipe=recipe,
-        identity=config.getoption("--identity"),
-        producer=config.getoption("--producer"),
-        consumer=config.getoption("--consumer"),
-        reference_once=config.getoption("--reference-once"),
-        drift_graded=config.getoption("--drift-graded"),
-        fault=config.getoption("--fault"),
-        receipts=receipts,
+        identity=chosen.identity,
+        producer=chosen.producer,
+        consumer=chosen.consumer,
+        reference_once=chosen.reference_once,
+        drift_graded=chosen.drift_graded,
+        fault=chosen.fault,
+        receipts=chosen.receipts,
         command_line=["pytest", *config.invocation_params.args],
-        deadline_s=config.getoption("--deadline-s"),
+        deadline_s=chosen.deadline_s,
     )
     run = QualificationRun(options)
     _OPEN_RUNS.append(run)
@@ -125,8 +276,101 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = 128 + _INTERRUPTED_BY[0]
 
 
-def run_recipe_step(run: QualificationRun, label: str) -> None:
-    """Run one labelled step; a failed or blocked step fails the test with its one-line reason."""
+def run_recipe_step(run: QualificationRun, label: str, record_property: RecordProperty) -> None:
+    """Run the step ``label`` of ``run`` as one test: skipped when an earlier step failed (its
+    cause is the reason), failed with the step's one-line cause when it fails. The numbers the
+    step recorded, and the run's once its receipt is sealed, go to ``record_property``."""
+    from qualify.core.errors import Refused
+
+    blocker = _failed_before(run, label)
+    if blocker is not None:
+        pytest.skip(f"blocked by {blocker.label}: {blocker.message}")
+    sealed_before = _sealed_receipt(run) is not None
+    recorded_before = len(run.records)
     outcome = run.step(label)
+    for record in run.records[recorded_before:]:
+        for name, value in sample_properties(record):
+            record_property(name, value)
+    receipt = _sealed_receipt(run)
+    if receipt is not None and not sealed_before:
+        try:
+            properties = receipt_properties(receipt)
+        except Refused as exc:
+            pytest.fail(f"{label}: {outcome.message}; its receipt cannot be read back: {exc}", pytrace=False)
+        for name, value in properties:
+            record_property(name, value)
     if not outcome.passed:
-        pytest.fail(f"{label}: {outcome.message}", pytrace=False)
+        where = f"; receipt: {receipt}" if receipt is not None else ""
+        pytest.fail(f"{label}: {outcome.message}{where}", pytrace=False)
+
+
+def _failed_before(run: QualificationRun, label: str) -> StepOutcome | None:
+    """The first step before ``label`` that ran and failed (it blocks ``label``), if any."""
+    from qualify.run.qualification import STEP_LABELS
+
+    earlier = STEP_LABELS[:STEP_LABELS.index(label)] if label in STEP_LABELS else ()
+    for previous in earlier:
+        outcome = run.outcomes.get(previous)
+        if outcome is not None and not outcome.passed:
+            return outcome
+    return None
+
+
+def _sealed_receipt(run: QualificationRun) -> Path | None:
+    """The run's receipt once it is sealed (a verdict, a refusal, or a failed step sealed it)."""
+    if run.receipt is None or not run.receipt.finalized:
+        return None
+    return run.receipt_path
+
+
+# -- JUnit properties ---------------------------------------------------------------------------
+
+
+def property_value(value: object) -> str:
+    """A receipt value as JUnit XML text: numbers as Python writes them, null as ``null``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def sample_properties(record: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """One sample's drift as it was recorded: ``sample_<n>_max_abs`` and ``sample_<n>_mean_abs``."""
+    repetition = record.get("repetition")
+    return [(f"sample_{repetition}_{name}", property_value(record.get(name))) for name in ("max_abs", "mean_abs")]
+
+
+def _worst(samples: list[Mapping[str, Any]], name: str) -> float | None:
+    """The largest ``name`` over ``samples`` as the judge bounds it, or None when any sample has
+    no finite value (a failed handoff) or there are none."""
+    values = [sample.get(name) for sample in samples]
+    finite = [float(v) for v in values
+              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return max(finite) if finite and len(finite) == len(values) else None
+
+
+def receipt_properties(receipt: Path) -> list[tuple[str, str]]:
+    """The run's conclusion, read back from its sealed receipt: ``verdict`` (its status: passed,
+    failed, refused or incomplete), ``headline``, ``recipe``, ``lane``, ``rung``,
+    ``identity_sha256``, the worst ``max_abs`` and ``mean_abs`` over the samples, ``scope`` (the
+    signed statement's sentence) and ``receipt`` (its path)."""
+    from qualify.archive.layout import HOST, SUMMARY
+    from qualify.archive.predicate import host_summary, scope
+    from qualify.archive.reader import read_receipt_json
+
+    summary = read_receipt_json(receipt, SUMMARY)
+    host = read_receipt_json(receipt, HOST)
+    samples = [read_receipt_json(receipt, f"samples/sample-{n}.json") for n in range(1, summary["samples"] + 1)]
+    return [
+        ("verdict", property_value(summary["status"])),
+        ("headline", summary["verdict"]),
+        ("recipe", property_value(summary["recipe"])),
+        ("lane", property_value(summary["lane"])),
+        ("rung", property_value(summary["rung"])),
+        ("identity_sha256", property_value(summary["identity_sha256"])),
+        ("max_abs", property_value(_worst(samples, "max_abs"))),
+        ("mean_abs", property_value(_worst(samples, "mean_abs"))),
+        ("scope", scope(summary, host_summary(host.get("consumer")))),
+        ("receipt", str(receipt)),
+    ]

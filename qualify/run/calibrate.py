@@ -13,7 +13,7 @@ from qualify.engines.base import LaneEngine
 from qualify.evidence.comparers import ComparerFactory
 from qualify.judge import judge_calibration
 from qualify.run.contract import calibration_contract
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportFactory
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportFactory, driven
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
     environments = calibration_environments() if environments is None else environments
     run = QualificationRun(options, calibration_contract(lane, recipe), log=log, transport=transport,
                            comparer=comparer, consumer=consumer)
-    try:
+    with driven(run):  # SIGINT, SIGTERM, SIGHUP stop it cleanly; closed however it ends
         for label in STEP_LABELS[:3]:
             outcome = run.step(label)
             if not outcome.passed:
@@ -113,8 +113,6 @@ def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
                                    repetitions=repetitions, environments=len(environments))
         run.verdict = judged.verdict
         run.receipt_path = run.finish(run.verdict)
-    finally:
-        run.close()
     return Calibration(lane, run.records, judged.observed_max_abs, judged.observed_mean_abs, judged.tokens_exact,
                        judged.proposed_maximum_absolute, judged.proposed_maximum_mean_absolute, run.receipt_path,
                        judged.failures, judged.deterministic, judged.verdict.headline)

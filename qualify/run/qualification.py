@@ -34,7 +34,14 @@ from qualify.evidence.comparers import Comparer, ComparerFactory, ComparerSetup,
 from qualify.evidence.records import SampleRecord, failed_sample_record, record_json
 from qualify.evidence.sample import sample_record
 from qualify.evidence.series import sample_series
-from qualify.judge import Verdict, judge_incomplete, judge_qualification, judge_refused, judge_sample
+from qualify.judge import (
+    Verdict,
+    judge_failed_step,
+    judge_incomplete,
+    judge_qualification,
+    judge_refused,
+    judge_sample,
+)
 from qualify.run.contract import (
     ORDERED_HANDOFFS,
     Contract,
@@ -134,9 +141,15 @@ class StepOutcome:
 # -- interrupts -----------------------------------------------------------------------------
 
 
+INTERRUPT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a run cleanly: Ctrl-C, a CI cancel or ``kill``, a closed terminal. Each ends the
+producer, removes its temporary directory and seals the receipt as incomplete; the process exits
+128 + the signal's number (130, 143, 129)."""
+
+
 class RunInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived during a run. A KeyboardInterrupt, so whatever stops on Ctrl-C
-    (pytest, the CLI) stops on either; the process exits 128 + the signal's number."""
+    """One of :data:`INTERRUPT_SIGNALS` arrived during a run. A KeyboardInterrupt, so whatever
+    stops on Ctrl-C (pytest, the CLI) stops on each; the process exits 128 + the signal's number."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -160,8 +173,8 @@ _HELD = _HeldSignals()
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
-    """The run's SIGINT/SIGTERM handler (runs in the main thread): raise, or, while a receipt is
-    being sealed, note the signal for :func:`signals_held` to raise once it is sealed."""
+    """The run's handler of :data:`INTERRUPT_SIGNALS` (runs in the main thread): raise, or, while a
+    receipt is being sealed, note the signal for :func:`signals_held` to raise once it is sealed."""
     if _HELD.depth > 0:
         _HELD.pending = _HELD.pending or signum
         return
@@ -170,15 +183,16 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 @contextmanager
 def interrupts_raise() -> Iterator[None]:
-    """For a run's duration: SIGTERM, and SIGINT, raise :class:`RunInterrupted` in the main thread
-    (so the run's cleanup runs: without a handler SIGTERM ends the process where it stands); a
-    signal the process ignores (nohup, a background job) stays ignored. The previous handlers come
-    back on exit. Outside the main thread, where no handler can be set, nothing changes."""
+    """For a run's duration: SIGINT, SIGTERM and SIGHUP raise :class:`RunInterrupted` in the main
+    thread (so the run's cleanup runs: without a handler SIGTERM and SIGHUP end the process where
+    it stands, leaving its producer, its temporary directory and a ``.partial-`` receipt); a signal
+    the process ignores (nohup, a background job) stays ignored. The previous handlers come back on
+    exit. Outside the main thread, where no handler can be set, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous: dict[signal.Signals, Any] = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in INTERRUPT_SIGNALS:
         current = signal.getsignal(signum)
         if current is signal.SIG_IGN:
             continue
@@ -194,7 +208,7 @@ def interrupts_raise() -> Iterator[None]:
 
 @contextmanager
 def signals_held(*, discard: bool = False) -> Iterator[None]:
-    """While a receipt is sealed (or an interrupted run is being stopped), a SIGINT or SIGTERM
+    """While a receipt is sealed (or an interrupted run is being stopped), an interrupt signal
     is held, not raised mid-write: raised once the block ends, or ``discard``-ed (a second
     signal while stopping for the first changes nothing). Held only under :func:`interrupts_raise`."""
     _HELD.depth += 1
@@ -206,6 +220,22 @@ def signals_held(*, discard: bool = False) -> Iterator[None]:
             signum, _HELD.pending = _HELD.pending, None
             if not discard:
                 raise RunInterrupted(signum)
+
+
+@contextmanager
+def driven(run: QualificationRun) -> Iterator[QualificationRun]:
+    """For code that drives a run's steps itself (calibration, the self-test): interrupt signals
+    raise (:func:`interrupts_raise`); one arriving between steps stops the run as one during a step
+    does (:meth:`QualificationRun.interrupted`: producer killed, receipt sealed incomplete) and is
+    raised on; however the block ends, the run is closed."""
+    with interrupts_raise():
+        try:
+            yield run
+        except KeyboardInterrupt as exc:
+            run.interrupted(interrupt_signal(exc))
+            raise
+        finally:
+            run.close()
 
 
 def _kill_process_group(producer: Transport) -> None:
@@ -252,7 +282,7 @@ class QualificationRun:
         # The step running now and the last one that ran, for "interrupted by SIGINT during <step>".
         self._running: str | None = None
         self._last_step: str | None = None
-        # The signal (SIGINT, SIGTERM) that stopped the run, once one did, and the receipt's words for it.
+        # The signal (SIGINT, SIGTERM, SIGHUP) that stopped the run, once one did, and the receipt's words for it.
         self.interrupted_by: int | None = None
         self.interruption: str | None = None
         self.consumer: LaneEngine | None = None
@@ -289,10 +319,11 @@ class QualificationRun:
                 return outcome
         started = time.perf_counter()
         self._running = self._last_step = label
+        failure: Verdict | None = None
         try:
             message = self._run(label)
             outcome = StepOutcome(label, True, message, time.perf_counter() - started)
-        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM under interrupts_raise()
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM/SIGHUP under interrupts_raise()
             self.outcomes[label] = StepOutcome(
                 label, False, f"interrupted by {signal.Signals(interrupt_signal(exc)).name}",
                 time.perf_counter() - started)
@@ -305,6 +336,7 @@ class QualificationRun:
                                   refused=index < STEP_LABELS.index(HANDOFF_STEPS[0]))
         except (ProducerFailed, StepFailed) as exc:
             outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started)
+            failure = judge_failed_step(label, outcome.message, self.sample_verdicts[-1] if self.sample_verdicts else None)
         finally:
             self._running = None
         self.outcomes[label] = outcome
@@ -312,6 +344,8 @@ class QualificationRun:
                  f"({outcome.seconds:.2f} s) {outcome.message}")
         if outcome.refused and self.receipt is not None and not self.receipt.finalized:
             self.finish(judge_refused(f"{label}: {outcome.message}"))
+        if failure is not None and self.receipt is not None and not self.receipt.finalized:
+            self.finish(self.verdict or failure)
         if not outcome.passed and label != "verdict":
             self._finish_failed(f"{label}: {outcome.message}")
         return outcome
@@ -333,15 +367,18 @@ class QualificationRun:
         return any(outcome.refused for outcome in self.outcomes.values())
 
     def close(self) -> None:
-        """Stop the comparer and producer; a receipt still open is sealed as incomplete."""
-        if self.comparer is not None:
-            self.comparer.close()
-            self.comparer = None
-        if self.producer is not None:
-            self.producer.close()
-            self.producer = None
-        if self.receipt is not None and not self.receipt.finalized:
-            self._finish_failed("run ended before its verdict")
+        """Stop the comparer and producer; a receipt still open is sealed as incomplete. An
+        interrupt signal meanwhile is held until all that is done (a producer stopped halfway
+        would keep its temporary directory), then raised."""
+        with signals_held():
+            if self.comparer is not None:
+                self.comparer.close()
+                self.comparer = None
+            if self.producer is not None:
+                self.producer.close()
+                self.producer = None
+            if self.receipt is not None and not self.receipt.finalized:
+                self._finish_failed("run ended before its verdict")
 
     def finish(self, verdict: Verdict) -> Path:
         """Seal the run's receipt with the judge's ``verdict`` and stop the producer: the one
@@ -360,8 +397,9 @@ class QualificationRun:
         self.finish(self.verdict or judge_incomplete(reason))
 
     def interrupted(self, signum: int) -> None:
-        """Stop the run after SIGINT or SIGTERM: kill the producer's process group, stop the
-        comparer and seal the receipt as incomplete ("interrupted by SIGINT during <step>"); one
+        """Stop the run after an interrupt signal: kill the producer's process group (its
+        temporary directory goes with it), stop the comparer and seal the receipt as incomplete
+        ("interrupted by SIGHUP during <step>"); one
         sealed already keeps its verdict. Idempotent; a second signal meanwhile is discarded. A
         run interrupted before its identity loaded has no receipt (nothing names what it was)."""
         with signals_held(discard=True):

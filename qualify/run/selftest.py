@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from qualify.contract.lanes import Recipe
+from qualify.core.errors import Refused
 from qualify.engines import faults
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, driven
 
 RUNG_RECIPES = {recipe.rung: recipe.value for recipe in Recipe}
 
@@ -114,15 +115,16 @@ def run_fault(fault: str, rung: int, receipts: Path | None,
     recipe = RUNG_RECIPES[rung]
     run = QualificationRun(RunOptions(recipe=recipe, fault=fault, receipts=receipts, reference_once=True,
                                       command_line=["qualify", "selftest", "--fault", fault]))
-    try:
+    with driven(run):  # SIGINT, SIGTERM, SIGHUP stop it cleanly; closed however it ends
         for label in STEP_LABELS:
             outcome = run.step(label)
             if on_step is not None:
                 on_step(f"{fault}: {label}: {'ok' if outcome.passed else outcome.message}")
             if not outcome.passed:
                 break
-    finally:
-        run.close()
+    refusal = next((outcome for outcome in run.outcomes.values() if outcome.refused), None)
+    if refusal is not None:  # the lane could not run here (a missing asset, say): exit 2, not "not caught"
+        raise Refused(f"selftest fault {fault}: {refusal.label}: {refusal.message}")
     caught = run.verdict is not None and not run.verdict.passed and not run.refused
     record = _failed_record(run)
     if record is None:
