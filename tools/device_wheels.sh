@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Download, into .whl/ (git-ignored), the pinned runtime wheels the harness needs on the GPU
 # machine, which has python 3.12, torch and transformers but no network and none of pydantic,
-# jsonschema or gguf. The pins are read from pyproject.toml; the wheels' own dependencies that the
-# machine lacks are pinned here to the versions `make test` installs. Run here, before a GPU call
-# that carries `.whl`; on the GPU machine, `source tools/device_env.sh`.
+# jsonschema or gguf. The runtime dependencies are read from pyproject.toml at the versions
+# constraints.txt pins (the tested set, which the identities' numeric pins match); the wheels' own
+# dependencies that the machine lacks are pinned here to the versions `make test` installs. Run
+# here, before a GPU call that carries `.whl`; on the GPU machine, `source tools/device_env.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pins=$(python3 - <<'PY'
-import tomllib
+import re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-# pytest, safetensors and tokenizers are on the GPU machine's image; the rest travel.
-print(" ".join(d for d in deps if d.split("==")[0] not in {"pytest", "safetensors", "tokenizers"}))
+locked = dict(line.strip().split("==", 1) for line in open("constraints.txt")
+              if "==" in line and not line.lstrip().startswith("#"))
+# safetensors and tokenizers are on the GPU machine's image; matplotlib only draws `qualify report`
+# pages, which are made off the GPU machine. The rest travel, at their locked versions.
+names = [re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", dep).group(0)).lower() for dep in deps]
+print(" ".join(f"{name}=={locked[name]}" for name in names if name not in {"safetensors", "tokenizers", "matplotlib"}))
 PY
 )
 transitive="pydantic-core==2.46.4 annotated-types==0.8.0 typing-inspection==0.4.5 \

@@ -56,12 +56,14 @@ wheel_started=$SECONDS
 [ ! -d out/wheel ] || chmod -R u+w out/wheel
 rm -rf out/wheel
 "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps -w out/wheel/dist . 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-python3 -m venv out/wheel/venv
-out/wheel/venv/bin/pip install -q --disable-pip-version-check -c constraints.txt out/wheel/dist/trust_ladder-*.whl 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-elsewhere="$(mktemp -d)"
+elsewhere="$(mktemp -d)"  # the venv, the working directory and the receipts: all outside the checkout
+python3 -m venv "$elsewhere/venv"
+"$elsewhere/venv/bin/pip" install -q --disable-pip-version-check -c constraints.txt out/wheel/dist/trust_ladder-*.whl 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 checkout="$PWD"
-(cd "$elsewhere" && "$checkout/out/wheel/venv/bin/qualify" --recipe native-text --reference-once --receipts "$elsewhere/receipts")
-(cd "$elsewhere" && "$checkout/out/wheel/venv/bin/qualify" receipts verify --trust "$checkout/out/trust.json" "$elsewhere"/receipts/2*)
+(cd "$elsewhere" && venv/bin/python -c "import qualify, sys; sys.exit(qualify.__file__.startswith(sys.argv[1]))" "$checkout") \
+  || { echo "test.sh: the wheel's venv imports the checkout's package; its run would prove nothing" >&2; exit 1; }
+(cd "$elsewhere" && venv/bin/qualify --recipe native-text --reference-once --receipts "$elsewhere/receipts")
+(cd "$elsewhere" && venv/bin/qualify receipts verify --trust "$checkout/out/trust.json" "$elsewhere"/receipts/2*)
 "$VENV/bin/python" tools/same_numbers.py out/offline-receipts/2* "$elsewhere"/receipts/2*
 chmod -R u+w "$elsewhere" && rm -rf "$elsewhere"
 echo "test.sh: the installed wheel ($(du -h out/wheel/dist/*.whl | cut -f1)) ran and verified outside the checkout in $((SECONDS - wheel_started)) s"
