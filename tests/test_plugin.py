@@ -273,6 +273,6 @@ def test_one_failing_handoff_is_one_failure_and_the_steps_it_blocks_are_skipped_
     summary = read_receipt_json(receipt, SUMMARY)
     assert (label, found["receipt"], found["verdict"], found["headline"]) == (
         HANDOFF_STEPS[0], receipt, summary["status"], summary["verdict"])
-    assert found["verdict"] == "incomplete" and cause in found["headline"]
+    assert found["verdict"] == "failed" and cause in found["headline"]
     # The refused handoff was never compared: its sample and the run have no drift to report.
     assert (found["sample_1_max_abs"], found["max_abs"]) == ("null", "null")
