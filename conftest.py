@@ -9,6 +9,7 @@ they fail, so a CI host without Chromium cannot pass them silently.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -43,19 +44,23 @@ _REQUIRED_BY = {"browser": "QUALIFY_REQUIRE_BROWSER"}
 """Requirements an environment variable set to 1 makes mandatory: absent, the test fails."""
 
 
+@functools.cache
+def _available(marker_name: str) -> bool:
+    """Whether ``marker_name``'s requirement is met, probed once per session."""
+    probe, _ = _REQUIREMENTS[marker_name]
+    return probe()
+
+
 def _required(marker_name: str) -> bool:
     return os.environ.get(_REQUIRED_BY.get(marker_name, ""), "") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    available: dict[str, bool] = {}
     for item in items:
-        for marker_name, (probe, reason) in _REQUIREMENTS.items():
+        for marker_name, (_, reason) in _REQUIREMENTS.items():
             if item.get_closest_marker(marker_name) is None:
                 continue
-            if marker_name not in available:
-                available[marker_name] = probe()
-            if not available[marker_name] and not _required(marker_name):
+            if not _available(marker_name) and not _required(marker_name):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
@@ -63,7 +68,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_call(item: pytest.Item) -> None:
     # In the call phase, before the test body: the test is reported failed, not a setup error.
     for marker_name, variable in _REQUIRED_BY.items():
-        if item.get_closest_marker(marker_name) is not None and _required(marker_name):
-            probe, reason = _REQUIREMENTS[marker_name]
-            if not probe():
-                pytest.fail(f"{variable}=1 and this test {reason}", pytrace=False)
+        if item.get_closest_marker(marker_name) is not None and _required(marker_name) and not _available(marker_name):
+            _, reason = _REQUIREMENTS[marker_name]
+            pytest.fail(f"{variable}=1 and this test {reason}", pytrace=False)

@@ -9,16 +9,23 @@ build time (``0.1.devN+g<commit>``, ``.d<date>`` when the tree was dirty). The e
 which identities pin, is :data:`qualify.engines.base.ENGINE_VERSION` and does not follow it.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+import sys
+from importlib.metadata import Distribution
+from pathlib import Path
+
+_CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def _distribution_version() -> str:
     """The installed trust-ladder version; ``0+unknown`` when the package runs uninstalled
-    (a checkout on ``PYTHONPATH``): receipts then name the checkout's commit in host.json."""
-    try:
-        return version("trust-ladder")
-    except PackageNotFoundError:
-        return "0+unknown"
+    (a checkout on ``PYTHONPATH``): receipts then name the checkout's commit in host.json.
+
+    The checkout itself is not searched: any setuptools build there leaves a
+    ``trust_ladder.egg-info`` of that moment, which Python started in the checkout would find
+    before the installed metadata, so the version would depend on the working directory."""
+    search = [entry for entry in sys.path if Path(entry or ".").resolve() != _CHECKOUT]
+    found = next(iter(Distribution.discover(name="trust-ladder", path=search)), None)
+    return found.version if found is not None else "0+unknown"
 
 
 __version__ = _distribution_version()

@@ -175,3 +175,20 @@ def test_the_wheel_ships_every_file_a_shipped_lane_reads() -> None:
         basis = assets.RECEIPTS_DIR / _basis_run_id(f"contracts/{identity.name}")
         needed |= {path.relative_to(assets.ASSET_ROOT).as_posix() for path in basis.rglob("*") if path.is_file()}
     assert LANE_IDENTITIES and needed - _package_data_files() == set()
+
+
+def test_the_version_is_the_installed_metadata_not_a_build_left_in_the_checkout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import qualify
+
+    # Any setuptools build in a checkout leaves trust_ladder.egg-info there; Python started in
+    # the checkout (sys.path[0] == "") would find it before the installed metadata.
+    stale = tmp_path / "trust_ladder.egg-info"
+    stale.mkdir()
+    (stale / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: trust-ladder\nVersion: 9.9.9\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    monkeypatch.setattr(qualify, "_CHECKOUT", tmp_path.resolve())
+    assert qualify._distribution_version() != "9.9.9"
+    monkeypatch.setattr(qualify, "_CHECKOUT", tmp_path / "elsewhere")  # the same layout, not the checkout
+    assert qualify._distribution_version() == "9.9.9"

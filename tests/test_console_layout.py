@@ -187,6 +187,15 @@ def test_a_long_step_message_wraps_under_itself() -> None:
     assert "1.27860451" in text and "0.079236013" in text
 
 
+def test_a_long_verdict_reason_wraps_under_itself() -> None:
+    text = render(operator.bullet("max abs 1.27860451 exceeds the sealed bound 0.125 in samples 1, 2 and 3 "
+                                  "of this lane's qualification"), 40)
+    assert_fits(text, 40)
+    first, *rest = text.rstrip("\n").splitlines()
+    assert first.startswith("  - max abs 1.27860451")
+    assert rest and all(line.startswith("    ") and line[4] != " " for line in rest), text
+
+
 def test_blocked_steps_are_one_line() -> None:
     blocked = [StepOutcome(label, False, "blocked: step 'identity sealed' failed", 0.0)
                for label in ("producer ready", "reference computed", "verdict")]

@@ -109,3 +109,19 @@ def test_json_progress_is_silent_when_stderr_is_not_a_terminal(monkeypatch: pyte
     console = operator.json_progress_console()
     assert operator.drive(FakeRun(), console) == 0  # type: ignore[arg-type]
     assert out.getvalue() == "" and err.getvalue() == ""
+
+
+@pytest.mark.parametrize("fail_at", [None, "identity sealed", "verdict"])
+def test_show_run_prints_again_what_drive_printed(monkeypatch: pytest.MonkeyPatch, fail_at: str | None) -> None:
+    """tools/console_screenshots.py renders a finished run with :func:`show_run`: the header and
+    exactly the lines :func:`drive` printed while it ran (a passing, refused and failed run)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # a refused run's one line is not the console's
+    live = Console(file=io.StringIO(), width=120, highlight=False, markup=False, emoji=False)
+    run = FakeRun(fail_at=fail_at, refused=fail_at == "identity sealed")
+    live.print(operator.header_line(run.options.recipe))
+    operator.drive(run, live)  # type: ignore[arg-type]
+    again = Console(file=io.StringIO(), width=120, highlight=False, markup=False, emoji=False)
+    operator.show_run(run, again)  # type: ignore[arg-type]
+    shown = again.file.getvalue()  # type: ignore[attr-defined]
+    assert shown == live.file.getvalue() and "qualify --recipe native-text" in shown  # type: ignore[attr-defined]

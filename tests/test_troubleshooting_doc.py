@@ -35,6 +35,7 @@ UNCOPIED_RUN = "20261201T001443Z-2365088d12ed757d"
 COMMAND_LIMIT_S = 300
 """A bound on any one command here (each takes seconds)."""
 
+
 def documented() -> dict[str, str]:
     """KEY -> the line the page quotes under ``<!-- message: KEY -->``."""
     return dict(MARKED.findall(DOC.read_text(encoding="utf-8")))

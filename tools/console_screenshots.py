@@ -22,6 +22,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qualify.run.qualification import QualificationRun
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,7 +44,7 @@ def _chromium() -> str:
     return found
 
 
-def _run(receipts: Path) -> object:
+def _run(receipts: Path) -> QualificationRun:
     """One finished qualification run of the default lane (its console output goes nowhere)."""
     from rich.console import Console
 
@@ -96,7 +100,7 @@ def main() -> int:
         for width in WIDTHS:
             console = Console(record=True, width=width, file=io.StringIO(), highlight=False, markup=False,
                               emoji=False, force_terminal=True, color_system="truecolor")
-            show_run(run, console)  # type: ignore[arg-type]
+            show_run(run, console)
             text = console.export_text(clear=False)
             svg = console.export_svg(title=f"qualify --recipe native-text ({width} columns)")
             (work / f"console-{width}.svg").write_text(svg, encoding="utf-8")

@@ -13,7 +13,7 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -371,8 +371,9 @@ State = Literal["verified", "unsigned", "untrusted", "tampered", "partial"]
 @dataclass
 class ReceiptCheck:
     """One receipt as ``receipts verify`` judges it: ``state`` (only ``verified`` and ``partial``
-    pass), the run ``status`` it records (authenticated only when verified), the signer and the
-    problems found (each one line)."""
+    pass), the run ``status`` it records (authenticated only when verified), the signer, the
+    problems found (each one line) and, once verified, the signed predicate (what a reader of the
+    receipt may quote as the signer's)."""
 
     name: str
     state: State
@@ -380,6 +381,7 @@ class ReceiptCheck:
     key_id: str | None = None
     files: int = 0
     problems: list[str] = field(default_factory=list)
+    predicate: Mapping[str, Any] | None = None
 
 
 def _recorded_status(root: Path) -> str | None:
@@ -483,6 +485,7 @@ def authenticate_receipt(directory: str | os.PathLike[str], trust: TrustFile | N
     check.problems.extend(_predicate_problems(root, attestation.predicate, check.status))
     if not check.problems:
         check.state = "verified"
+        check.predicate = attestation.predicate
     return check
 
 

@@ -112,14 +112,6 @@ def require_asset(relpath: str) -> Path:
     return path
 
 
-def require_asset_dir(relpath: str) -> Path:
-    """Like :func:`require_asset`, for a shipped folder (a basis receipt)."""
-    path = asset_path(relpath)
-    if not path.is_dir():
-        raise missing_asset(relpath)
-    return path
-
-
 def require_source_file(relpath: str) -> Path:
     """A harness source file by its package-relative name (``qualify/engines/kquant.py``), as
     installed (identities pin adapter sources by these names); refused like :func:`require_asset`."""

@@ -55,7 +55,7 @@ from qualify.core.arguments import (
 )
 from qualify.core.errors import Refused
 from qualify.interfaces import documents
-from qualify.interfaces.tables import Field, FittedTable
+from qualify.interfaces.tables import Field, FittedTable, hanging
 from qualify.run.qualification import (
     STEP_LABELS,
     QualificationRun,
@@ -181,7 +181,7 @@ SAMPLE_FIELDS = (Field("sample"), Field("tokens agreed"), Field("max abs"), Fiel
 def _sample_row(record: dict[str, Any]) -> list[str | Text]:
     if record.get("error"):
         return [str(record.get("repetition")), Text("failed", style="red"), *["-"] * (len(SAMPLE_FIELDS) - 2)]
-    agreed = documents.sample_document(record)["tokens_agreed"]
+    agreed = documents.tokens_agreed(record)
     payload = record.get("payload_bytes")
     return [
         str(record["repetition"]), f"{_fmt(agreed)}/{_fmt(record.get('output_tokens'))}",
@@ -308,11 +308,7 @@ def blocked_line(blocked: Sequence[StepOutcome]) -> Text:
 
 def bullet(text: str) -> Table:
     """``  - text``, wrapped lines indented under the text."""
-    grid = Table.grid(padding=(0, 1, 0, 0))
-    grid.add_column(no_wrap=True, width=3, justify="right")
-    grid.add_column(overflow="fold")
-    grid.add_row("-", text)
-    return grid
+    return hanging("  -", text, lead_width=3)
 
 
 def receipt_line(path: Path, note: str = "") -> Text:

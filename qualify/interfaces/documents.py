@@ -34,9 +34,6 @@ if TYPE_CHECKING:  # the run modules import torch-free but heavy engine code; on
     from qualify.run.onboarding import StepLine
     from qualify.run.selftest import FaultResult
 
-JSON_COMMANDS = ("recipe", "selftest", "receipts-verify", "calibrate", "identity-check")
-"""The commands that take ``--json``, by the name their schema file carries."""
-
 STATUS_BY_EXIT = {0: "passed", 1: "failed", 2: "refused"}
 
 PHASES = ("producer_compute", "serialize", "transport", "verify", "install", "decode", "recompute")
@@ -88,7 +85,9 @@ def _int_or_none(value: object) -> int | None:
     return value if type(value) is int else None
 
 
-def _tokens_agreed(record: Mapping[str, Any]) -> int | None:
+def tokens_agreed(record: Mapping[str, Any]) -> int | None:
+    """How many of the sample's output tokens agreed (its rate times its tokens), or None when
+    the record lacks either."""
     rate, tokens = record.get("token_agreement_rate"), record.get("output_tokens")
     if type(tokens) is not int or not isinstance(rate, int | float) or not math.isfinite(rate):
         return None
@@ -103,7 +102,7 @@ def sample_document(record: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "repetition": record.get("repetition"),
         "output_tokens": _int_or_none(record.get("output_tokens")),
-        "tokens_agreed": _tokens_agreed(record),
+        "tokens_agreed": tokens_agreed(record),
         "token_agreement_rate": json_number(record.get("token_agreement_rate")),
         "max_abs": json_number(record.get("max_abs")),
         "mean_abs": json_number(record.get("mean_abs")),

@@ -37,7 +37,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from qualify.core.arguments import deadline_seconds, path_argument, printable_line, shown
+from qualify.core.arguments import (
+    deadline_seconds,
+    path_argument,
+    printable_line,
+    require_regular_file,
+    require_writable_directory,
+    shown,
+)
+from qualify.core.errors import Refused
 
 if TYPE_CHECKING:
     from qualify.run.qualification import QualificationRun, StepOutcome
@@ -131,9 +139,6 @@ def _recipe_names(names: Iterable[str]) -> frozenset[str]:
 def _checked_paths(identity: Path | None, receipts: Path | None, fault: str | None) -> None:
     """What ``qualify --recipe`` refuses before any step, refused here as usage errors: an
     identity that is not a regular file, an archive no receipt can be written to, an unknown fault."""
-    from qualify.core.arguments import require_regular_file, require_writable_directory
-    from qualify.core.errors import Refused
-
     try:
         if identity is not None:
             require_regular_file("--identity", identity)
@@ -280,8 +285,6 @@ def run_recipe_step(run: QualificationRun, label: str, record_property: RecordPr
     """Run the step ``label`` of ``run`` as one test: skipped when an earlier step failed (its
     cause is the reason), failed with the step's one-line cause when it fails. The numbers the
     step recorded, and the run's once its receipt is sealed, go to ``record_property``."""
-    from qualify.core.errors import Refused
-
     blocker = _failed_before(run, label)
     if blocker is not None:
         pytest.skip(f"blocked by {blocker.label}: {blocker.message}")
@@ -358,10 +361,11 @@ def receipt_properties(receipt: Path) -> list[tuple[str, str]]:
     from qualify.archive.layout import HOST, SUMMARY
     from qualify.archive.predicate import host_summary, scope
     from qualify.archive.reader import read_receipt_json
+    from qualify.interfaces.documents import receipt_samples
 
     summary = read_receipt_json(receipt, SUMMARY)
     host = read_receipt_json(receipt, HOST)
-    samples = [read_receipt_json(receipt, f"samples/sample-{n}.json") for n in range(1, summary["samples"] + 1)]
+    samples = receipt_samples(receipt)
     return [
         ("verdict", property_value(summary["status"])),
         ("headline", summary["verdict"]),

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from qualify.archive.attestation import AttestationProblem, read_attestation
 from qualify.archive.keys import TrustFile
 from qualify.archive.layout import (
     HOST,
@@ -186,19 +185,6 @@ def _summary(root: Path) -> dict[str, Any]:
     return summary
 
 
-def _status(summary: Mapping[str, Any]) -> str:
-    """The run's status (v1 summaries have none: taken from ``passed`` and ``error``)."""
-    status = _text(summary.get("status"))
-    if status is not None:
-        return status
-    if summary.get("passed") is True:
-        return "passed"
-    error = _text(summary.get("error"))
-    if error is not None:
-        return "refused" if error.startswith("refused: ") else "incomplete"
-    return "failed"
-
-
 def _manifest_schema(root: Path) -> object:
     try:
         manifest = read_receipt_json(root, MANIFEST)
@@ -324,14 +310,6 @@ def _envelope(root: Path, identity: Mapping[str, Any] | None, rung: int | None, 
     return Envelope(None, f"envelope unavailable: {reasons[-1]}" if reasons else "envelope unavailable")
 
 
-def _signed_conclusion(root: Path, trust: TrustFile | None) -> Mapping[str, Any] | None:
-    """The verified statement's predicate (call only for a receipt that authenticated)."""
-    try:
-        return read_attestation(root, trust).predicate
-    except AttestationProblem:
-        return None
-
-
 def load_receipt(path: Path, trust: TrustFile | None) -> ReceiptView:
     """Read one receipt for the page; :class:`Refused` (one line) for a directory that is no
     receipt or a summary that cannot be read, every other problem kept as a note."""
@@ -345,7 +323,7 @@ def load_receipt(path: Path, trust: TrustFile | None) -> ReceiptView:
     summary = _summary(path)
     check = authenticate_receipt(path, trust)
     state = "partial" if path.name.startswith(PARTIAL_PREFIX) else check.state
-    predicate = _signed_conclusion(path, trust) if state == "verified" else None
+    predicate = check.predicate if state == "verified" else None
     notes: list[str] = []
 
     identity: Mapping[str, Any] | None = None
@@ -379,7 +357,12 @@ def load_receipt(path: Path, trust: TrustFile | None) -> ReceiptView:
         verdict, reasons, scope_text = predicate["verdict"], list(predicate["reasons"]), predicate["scope"]
         status = predicate["status"]
     else:
-        status, verdict, reasons = _status(summary), summary["verdict"], list(summary["reasons"])
+        # The status as verification reads it (v1 summaries: from ``passed`` and ``error``); a
+        # summary valid against its schema always yields one, unless it changed since it was read.
+        if check.status is None:
+            raise Refused(f"{where}: {SUMMARY}: no status on a second read, expected the summary "
+                          f"read a moment before (is the receipt being written?)")
+        status, verdict, reasons = check.status, summary["verdict"], list(summary["reasons"])
         consumer = host.get("consumer") if host is not None else None
         try:
             scope_text = scope(summary, host_summary(consumer if isinstance(consumer, Mapping) else None))

@@ -90,8 +90,6 @@ def number(value: object) -> str:
         return "—"
     if type(value) is int:
         return str(value)
-    if type(value) is float:
-        return f"{value:.6g}"
     if isinstance(value, (float, np.floating)):
         return f"{float(value):.6g}"
     return str(value)
@@ -452,7 +450,6 @@ def compare_page(views: Sequence[ReceiptView]) -> str:
     curves = [curve for index, view in enumerate(views, 1) if (curve := _receipt_curve(index, view)) is not None]
     missing = [f"{index}: {view.run_id}" for index, view in enumerate(views, 1)
                if not any(sample.series is not None for sample in view.samples)]
-    drift = ""
     if curves:
         caption = ("Per position, each receipt's largest over its samples, one colour per receipt: max |Δlogit| "
                    "against that receipt's max bound (dashed; a ringed point is over it), mean |Δlogit| (its bound "
