@@ -112,6 +112,19 @@ def test_a_manifest_integer_written_as_a_float_a_boolean_or_a_string_is_refused(
         in problems, problems
 
 
+@pytest.mark.parametrize("schema", [[], {}, 2, None, True, "trust-ladder.receipt-manifest.v9"])
+def test_a_manifest_schema_of_any_json_type_is_a_named_problem_never_cannot_check(receipt, schema):
+    # The slow manifest fuzz once found a list here raising TypeError (unhashable) in the lookup of
+    # the manifest's form: "cannot check", a caught surprise instead of a named problem.
+    manifest = json.loads(manifest_text(receipt))
+    manifest["schema"] = schema
+    (receipt / MANIFEST).write_bytes(jcs_bytes(manifest))
+    problems = verify_receipt(receipt)
+    assert_one_line_problems(problems, receipt)
+    assert not any("cannot check" in problem for problem in problems), problems
+    assert any("altered file manifest.json: schema" in problem for problem in problems), problems
+
+
 @pytest.mark.parametrize("literal", ["1e400", "-1e400"])
 def test_a_manifest_number_overflowing_to_infinity_is_refused(receipt, literal):
     text = manifest_text(receipt)

@@ -49,7 +49,7 @@ from qualify.core.strict_json import (
     render,
 )
 
-_MANIFEST_FORMS: dict[object, tuple[Path, Callable[[Any], bytes]]] = {
+_MANIFEST_FORMS: dict[str, tuple[Path, Callable[[Any], bytes]]] = {
     MANIFEST_SCHEMA: (MANIFEST_SCHEMA_PATH, jcs_bytes),
     LEGACY_MANIFEST_SCHEMA: (LEGACY_MANIFEST_SCHEMA_PATH, json_bytes),
 }
@@ -58,11 +58,17 @@ indented form (unsigned receipts from before signing)."""
 
 
 
-def manifest_schema_path(manifest: object) -> Path:
-    """The schema a manifest document is checked against: its own version's (v2 when it names
-    none it knows, so an unknown version fails as a v2 manifest)."""
+def _manifest_form(manifest: object) -> tuple[Path, Callable[[Any], bytes]]:
+    """A manifest document's schema and byte form: its own version's (v2 when it names none it
+    knows, a hostile ``schema`` of any JSON type included, so it fails as a v2 manifest)."""
     schema = manifest.get("schema") if isinstance(manifest, dict) else None
-    return _MANIFEST_FORMS.get(schema, _MANIFEST_FORMS[MANIFEST_SCHEMA])[0]
+    return _MANIFEST_FORMS[schema] if isinstance(schema, str) and schema in _MANIFEST_FORMS \
+        else _MANIFEST_FORMS[MANIFEST_SCHEMA]
+
+
+def manifest_schema_path(manifest: object) -> Path:
+    """The schema a manifest document is checked against (:func:`_manifest_form`)."""
+    return _manifest_form(manifest)[0]
 
 
 RECEIPT_JSON_MAX_BYTES = 16 << 20
@@ -119,8 +125,7 @@ def _read_listed_manifest(directory: Path, problems: list[str]) -> dict[str, Any
     try:
         data = read_bounded(manifest_path, RECEIPT_JSON_MAX_BYTES, where)
         manifest = parse_untrusted_json(data, where, max_bytes=RECEIPT_JSON_MAX_BYTES)
-        schema_path, render_bytes = _MANIFEST_FORMS.get(
-            manifest.get("schema") if isinstance(manifest, dict) else None, _MANIFEST_FORMS[MANIFEST_SCHEMA])
+        schema_path, render_bytes = _manifest_form(manifest)
         check_schema(manifest, schema_path, where)
     except Refused as exc:
         problems.append(str(exc))
