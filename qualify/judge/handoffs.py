@@ -1,4 +1,4 @@
-"""All judging of the trust ladder lives here: pure functions from records and a rule to a verdict.
+"""Judging of handoffs: pure functions from sample records and a rule to a verdict.
 
 Where is each rung judged?
 
