@@ -43,6 +43,7 @@ from qualify.evidence.records import (
     BoundedDriftRule,
     parse_rule,
 )
+from qualify.judge.scope import Scope
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NON_FINITE_TEXT = {"nan", "infinity", "-infinity", "inf", "-inf", "+infinity", "+inf"}
@@ -66,7 +67,8 @@ class Verdict:
     """A judgement: ``passed``; ``headline`` (one line); ``reasons`` in plain words (what failed
     when failed, what held when passed); ``checks`` with per-check details; ``error`` says why the
     run ended before it could be judged (only :func:`judge_incomplete` and :func:`judge_refused` set
-    it); ``refused``: the lane could not run here, so nothing was judged (exit 2, not 1)."""
+    it); ``refused``: the lane could not run here, so nothing was judged (exit 2, not 1); ``scope``:
+    the fixture and controls a qualification's verdict covers (:mod:`qualify.judge.scope`)."""
 
     passed: bool
     headline: str
@@ -74,6 +76,7 @@ class Verdict:
     checks: list[Check] = field(default_factory=list)
     error: str | None = None
     refused: bool = False
+    scope: Scope | None = None
 
     @property
     def status(self) -> Literal["passed", "failed", "refused", "incomplete"]:

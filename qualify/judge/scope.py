@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -89,3 +90,24 @@ def scope_line(passed: bool, scope: Scope, reason: str | None = None) -> str:
         return f"QUALIFIED on {fixture_words(scope)}; {controls_words(scope.controls)}"
     because = f": {reason}" if reason else ""
     return f"NOT QUALIFIED on {fixture_words(scope)}{because}; {controls_words(scope.controls)}"
+
+
+def scope_document(scope: Scope, passed: bool) -> dict[str, Any]:
+    """The scope as JSON (``--json``, receipts, JUnit): the same facts as :func:`scope_line`,
+    which it carries as ``line``."""
+    controls = scope.controls
+    return {
+        "line": scope_line(passed, scope),
+        "fixture": {"name": scope.fixture, "repetitions": scope.repetitions,
+                    "prompt_tokens": scope.prompt_tokens, "output_tokens": scope.output_tokens},
+        "controls": None if controls is None else {
+            "criteria": controls.criteria,
+            "source": controls.source,
+            "lengths": list(controls.lengths),
+            "documents_within": controls.within,
+            "documents_total": len(controls.documents),
+            "documents": [{"document": document.document, "within": document.within,
+                           "exceeding_lengths": list(document.exceeding_lengths)}
+                          for document in controls.documents],
+        },
+    }
