@@ -15,11 +15,13 @@ with float32 stand-ins for the duration of each timed call:
 
 Both engines are built once; each repetition times, interleaved and in alternating order,
 prefill of 2047 tokens and a 256-token greedy decode from it on each path. Reports median wall
-and process-CPU seconds per phase and path, the ratios numerics / BLAS, and, as a check that the
-stand-ins really are the float32 engine, how far the two paths' tokens and logits are apart.
-Speed depends on the machine and its load; nothing here is asserted.
+and process-CPU seconds per phase and path, the ratios numerics / BLAS with their spread over the
+paired repetitions, the parity judgement of the two paths' paired tokens/s cells
+(``qualify.judge.judge_parity``: a split inside the cells' spread is parity, neither path ahead),
+and, as a check that the stand-ins really are the float32 engine, how far the two paths' tokens and
+logits are apart. Speed depends on the machine and its load; nothing here is asserted.
 
-Usage: python bench/determinism.py [--repeats 3]. The last line is the headline
+Usage: python bench/determinism.py [--repeats 3] (at least 2). The last line is the headline
 ``determinism_cost_prefill_decode_ratio: <(prefill + decode) numerics / BLAS, wall medians>``.
 """
 
@@ -44,9 +46,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qualify import assets
+from qualify.core import assets
 from qualify.engines import reference
 from qualify.engines.reference import ReferenceEngine
+from qualify.judge import ThroughputCell, judge_parity
 
 HANDOFF = 2047
 DECODE = 256
@@ -175,8 +178,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per phase and path (median reported)")
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2: the parity judge needs each cell's spread")
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, load average {load:.2f}, numpy {np.__version__}")
@@ -216,10 +219,17 @@ def main() -> int:
         (exact_wall, exact_cpu), (blas_wall, blas_cpu) = (timings["numerics", phase].median(),
                                                           timings["blas", phase].median())
         ratios[phase] = exact_wall / blas_wall
+        paired = [e / b for e, b in zip(timings["numerics", phase].wall, timings["blas", phase].wall, strict=True)]
         print(f"{phase} ({tokens} tokens), medians of {args.repeats}: numerics {exact_wall:.3f} s wall "
               f"({exact_cpu:.3f} s CPU, {tokens / exact_wall:.0f} tokens/s); BLAS path {blas_wall:.3f} s wall "
               f"({blas_cpu:.3f} s CPU, {tokens / blas_wall:.0f} tokens/s); ratio numerics / BLAS "
-              f"{ratios[phase]:.2f} wall, {exact_cpu / blas_cpu:.2f} CPU")
+              f"{ratios[phase]:.2f} wall, {exact_cpu / blas_cpu:.2f} CPU; per paired repetition (wall) "
+              f"min {min(paired):.2f}, max {max(paired):.2f}")
+        workload = f"{phase} of {tokens} tokens" + (f" from the {HANDOFF}-token KV" if phase == "decode" else "")
+        judgement = judge_parity(
+            ThroughputCell("numerics", workload, "tokens/s (wall)", [tokens / s for s in timings["numerics", phase].wall]),
+            ThroughputCell("BLAS path", workload, "tokens/s (wall)", [tokens / s for s in timings["blas", phase].wall]))
+        print(f"{phase} rung 1 (paired cells): {judgement.words}")
     total = sum(timings["numerics", phase].median()[0] for phase in ("prefill", "decode")) / \
         sum(timings["blas", phase].median()[0] for phase in ("prefill", "decode"))
     print(f"determinism_cost_prefill_ratio: {ratios['prefill']:.2f}")

@@ -1,13 +1,18 @@
-"""Benchmark the numpy reference engine on this machine, and report how confident its greedy
-choices are on the main prompt.
+"""Benchmark the numpy reference engine on this machine, judge it against vLLM on paired cells,
+and report how confident its greedy choices are on the main prompt.
 
-Prints prefill tokens/s (2047 tokens) and decode tokens/s (256 greedy tokens), each beside the
-rate numpy's own float32 matmul reaches on exactly the matmul shapes that phase runs (measured in
-the same run, so the fraction says how much the engine loses to everything that is not a matmul).
-Then the top-1 minus top-2 logit gap over the 256 decoded tokens: near-ties are where tiny drift
-can flip a greedy token. Where vLLM is installed it is timed on the same checkpoint.
+Each repetition runs, interleaved and in alternating order: numpy's own float32 matmuls on exactly
+the matmul shapes each phase runs, the reference engine's prefill (2047 tokens) and greedy decode
+(256 tokens), and, where vLLM is installed, vLLM on the same checkpoint and prompt. Prints the
+reference's tokens/s per phase, the fraction of numpy's matmul rate the engine reaches (with its
+spread over the repetitions: how much it loses to everything that is not a matmul), and the top-1
+minus top-2 logit gap over the 256 decoded tokens (near-ties are where tiny drift can flip a greedy
+token). Reference and vLLM are compared only through ``qualify.judge.judge_parity`` on paired
+end-to-end cells (rung 1: a split inside the cells' spread is parity; no lane is put ahead from
+one ratio).
 
-Usage: python bench/engine.py [--repeats 3]. The last line is the headline ``name: value``.
+Usage: python bench/engine.py [--repeats 5] (.venv-vllm/bin/python to include vLLM). The last line
+is the headline ``name: value``.
 """
 
 from __future__ import annotations
@@ -19,27 +24,27 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from qualify.core import assets
+from qualify.engines.base import DecodeResult
 from qualify.engines.reference import PREFILL_QUERY_BLOCK, ReferenceEngine
+from qualify.judge import ThroughputCell, judge_parity
 
 HANDOFF = 2047
 DECODE = 256
 NEAR_TIE_GAPS = (0.02, 0.1)
+END_TO_END = f"the main prompt ({HANDOFF + 1} tokens) then {DECODE} greedy tokens, prefill + decode"
+# Before each lane's turn: OpenBLAS workers keep spinning a while after the last matmul, and vLLM's
+# OpenMP team, bound to the same cores, waits on them (measured on a 2-core host: a 128-token vLLM
+# generate took 0.5 s alone, 1.4 s right after a reference decode, 0.5 s after this pause).
+SETTLE_SECONDS = 0.5
 
 MatmulShape = tuple[tuple[int, ...], tuple[int, ...]]  # (a shape, b shape) for a @ b
-
-
-def best_and_median(run: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """Wall seconds of ``run``: best and median of ``repeats`` timings."""
-    seconds = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - began)
-    return min(seconds), statistics.median(seconds)
+Result = TypeVar("Result")
 
 
 def matmul_flops(shapes: list[MatmulShape]) -> float:
@@ -88,8 +93,8 @@ def decode_step_matmuls(engine: ReferenceEngine, position: int) -> list[MatmulSh
     return layer * g.layers + [((1, g.hidden), (g.hidden, g.vocab))]
 
 
-def numpy_matmul_seconds(shapes: list[MatmulShape], repeats: int) -> float:
-    """Best wall seconds for numpy to run exactly these float32 matmuls, one call each."""
+def matmul_replay(shapes: list[MatmulShape]) -> Callable[[], None]:
+    """A run of exactly these float32 matmuls through numpy, one call each, on fixed operands."""
     rng = np.random.default_rng(0)
     unique_shapes = sorted({shape for pair in shapes for shape in pair})
     operands = {shape: rng.standard_normal(shape, dtype=np.float32) for shape in unique_shapes}
@@ -99,7 +104,24 @@ def numpy_matmul_seconds(shapes: list[MatmulShape], repeats: int) -> float:
         for a, b in pairs:
             a @ b
 
-    return best_and_median(run, repeats)[0]
+    return run
+
+
+def timed(run: Callable[[], Result], seconds: list[float]) -> Result:
+    """``run()``, its wall seconds appended to ``seconds``."""
+    began = time.perf_counter()
+    result = run()
+    seconds.append(time.perf_counter() - began)
+    return result
+
+
+def spread(values: list[float], digits: str = ".2f") -> str:
+    """median, then min-max: a ratio is printed with its spread, never alone."""
+    return f"{statistics.median(values):{digits}} (min {min(values):{digits}}, max {max(values):{digits}})"
+
+
+def cv_percent(values: list[float]) -> str:
+    return f"{100 * statistics.stdev(values) / statistics.mean(values):.2f} %" if len(values) > 1 else "n/a"
 
 
 def logit_gaps(logits: np.ndarray) -> np.ndarray:
@@ -108,11 +130,32 @@ def logit_gaps(logits: np.ndarray) -> np.ndarray:
     return top_two[:, 1] - top_two[:, 0]
 
 
-def time_vllm(prompt: np.ndarray, reference_tokens: np.ndarray) -> float | None:
-    """Time vLLM (CPU build) on the same checkpoint: prefill-only and prefill+256 greedy; returns
-    the prefill+decode seconds, or None when vLLM is absent or failed."""
+@dataclass
+class VllmLane:
+    """vLLM (CPU build) on the shipped checkpoint; per repetition: the prompt with one sampled
+    token (its prefill) and with 256 greedy tokens (the end-to-end cell)."""
+
+    generate: Callable[[int], list[int]]
+    prefill_s: list[float] = field(default_factory=list)
+    total_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    failure: str | None = None  # set once a repetition fails; the lane is then left out
+
+    def repetition(self) -> None:
+        if self.failure is not None:
+            return
+        try:
+            timed(lambda: self.generate(1), self.prefill_s)
+            self.tokens = timed(lambda: self.generate(DECODE), self.total_s)
+        except Exception as exc:  # a bench reports, it does not crash on an optional engine
+            self.failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+
+
+def start_vllm(prompt: np.ndarray) -> VllmLane | None:
+    """vLLM built in this process and warmed up, or None (with the reason printed) when it is
+    absent or fails to start."""
     if importlib.util.find_spec("vllm") is None:
-        print("vllm: not installed")
+        print("vllm: not installed; no paired comparison (run with .venv-vllm/bin/python to include it)")
         return None
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -132,28 +175,19 @@ def time_vllm(prompt: np.ndarray, reference_tokens: np.ndarray) -> float | None:
             return list(llm.generate(request, params, use_tqdm=False)[0].outputs[0].token_ids)
 
         generate(1)  # warm-up
-        began = time.perf_counter()
-        generate(1)
-        prefill_seconds = time.perf_counter() - began
-        began = time.perf_counter()
-        tokens = generate(DECODE)
-        total_seconds = time.perf_counter() - began
-        decode_seconds = total_seconds - prefill_seconds
-        matching = int(np.sum(np.asarray(tokens[:DECODE]) == reference_tokens[:len(tokens)]))
-        print(f"vllm prefill: {len(prompt) / prefill_seconds:.0f} tokens/s ({prefill_seconds:.3f} s, "
-              f"{len(prompt)} tokens incl. first sample)")
-        print(f"vllm decode: {(DECODE - 1) / decode_seconds:.1f} tokens/s ({decode_seconds:.3f} s)")
-        print(f"vllm tokens equal to reference: {matching}/{DECODE}")
-        return total_seconds
+        return VllmLane(generate)
     except Exception as exc:  # a bench reports, it does not crash on an optional engine
-        print(f"vllm: failed ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
+        print(f"vllm: failed to start ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
         return None
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="timings per phase (best is reported)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="interleaved repetitions (at least 2: a paired cell needs a spread)")
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2: the parity judge needs each cell's spread")
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, load average {load:.2f}, "
@@ -161,27 +195,42 @@ def main() -> int:
     engine = ReferenceEngine.from_model_dir()
     prompt = assets.load_prompt()
     print(f"engine: {engine.name} {engine.version} abi {engine.abi}")
+    vllm = start_vllm(prompt)
 
     engine.decode(engine.prefill(prompt[:64]), prompt[64:65], 4)  # warm-up (BLAS threads, caches)
-    kv = engine.prefill(prompt[:HANDOFF])
-    prefill_best, prefill_median = best_and_median(lambda: engine.prefill(prompt[:HANDOFF]), args.repeats)
-    decode_best, decode_median = best_and_median(
-        lambda: engine.decode(kv, prompt[HANDOFF:], DECODE), args.repeats)
-    result = engine.decode(kv, prompt[HANDOFF:], DECODE)
-
     prefill_shapes = prefill_matmuls(engine, HANDOFF)
     decode_shapes = [s for step in range(DECODE) for s in decode_step_matmuls(engine, HANDOFF + step)]
-    prefill_matmul = numpy_matmul_seconds(prefill_shapes, args.repeats)
-    decode_matmul = numpy_matmul_seconds(decode_shapes, args.repeats)
-    for phase, tokens, best, median, shapes, matmul in (
-            ("prefill", HANDOFF, prefill_best, prefill_median, prefill_shapes, prefill_matmul),
-            ("decode", DECODE, decode_best, decode_median, decode_shapes, decode_matmul)):
-        flops = matmul_flops(shapes)
-        print(f"{phase}: {tokens / best:.0f} tokens/s ({tokens} tokens, best {best:.3f} s, "
-              f"median {median:.3f} s of {args.repeats})")
-        print(f"{phase} matmuls: engine {flops / best / 1e9:.2f} GFLOP/s; numpy alone on the same "
-              f"{len(shapes)} matmul calls {flops / matmul / 1e9:.2f} GFLOP/s; "
-              f"fraction of numpy matmul rate {matmul / best:.2f}")
+    replays = {"prefill": matmul_replay(prefill_shapes), "decode": matmul_replay(decode_shapes)}
+    engine_s: dict[str, list[float]] = {"prefill": [], "decode": []}
+    matmul_s: dict[str, list[float]] = {"prefill": [], "decode": []}
+    result: DecodeResult | None = None
+
+    def reference() -> None:
+        nonlocal result
+        kv = timed(lambda: engine.prefill(prompt[:HANDOFF]), engine_s["prefill"])
+        result = timed(lambda: engine.decode(kv, prompt[HANDOFF:], DECODE), engine_s["decode"])
+
+    def numpy_matmuls() -> None:
+        for phase, replay in replays.items():
+            timed(replay, matmul_s[phase])
+
+    # The reference sits in the middle, next to each of the others; the order reverses every
+    # repetition, so no lane always runs first, on a warmer cache or under the same load.
+    steps = [numpy_matmuls, reference] + ([vllm.repetition] if vllm is not None else [])
+    for repetition in range(args.repeats):
+        for step in steps if repetition % 2 == 0 else reversed(steps):
+            time.sleep(SETTLE_SECONDS)
+            step()
+    assert result is not None
+
+    for phase, tokens, shapes in (("prefill", HANDOFF, prefill_shapes), ("decode", DECODE, decode_shapes)):
+        seconds, flops = engine_s[phase], matmul_flops(shapes)
+        print(f"{phase}: {tokens / min(seconds):.0f} tokens/s best, {tokens / statistics.median(seconds):.0f} median, "
+              f"CV {cv_percent([tokens / s for s in seconds])} ({tokens} tokens, {args.repeats} runs)")
+        print(f"{phase} matmuls: engine {flops / statistics.median(seconds) / 1e9:.2f} GFLOP/s; numpy alone on the "
+              f"same {len(shapes)} matmul calls {flops / statistics.median(matmul_s[phase]) / 1e9:.2f} GFLOP/s "
+              f"(medians); fraction of numpy matmul rate per paired run "
+              f"{spread([m / e for m, e in zip(matmul_s[phase], seconds, strict=True)])}")
 
     gaps = logit_gaps(result.logits)
     near_ties = ", ".join(f"{int(np.sum(gaps < bound))} below {bound}" for bound in NEAR_TIE_GAPS)
@@ -189,11 +238,22 @@ def main() -> int:
           f"(step {int(gaps.argmin())}), p5 {np.percentile(gaps, 5):.4f}, median {np.median(gaps):.4f}; "
           f"{near_ties}; distinct tokens {len(np.unique(result.tokens))}")
 
-    vllm_seconds = time_vllm(prompt, result.tokens)
-    if vllm_seconds is not None:
-        print(f"reference prefill+decode over vLLM prefill+decode, same run: "
-              f"{(prefill_best + decode_best) / vllm_seconds:.2f} (below 1: the reference is faster)")
-    print(f"prefill_plus_decode_seconds: {prefill_best + decode_best:.2f}")
+    if vllm is not None and vllm.failure is not None:
+        print(f"vllm: failed during the runs ({vllm.failure}); no paired comparison")
+    elif vllm is not None:
+        decode_s = [total - prefill for total, prefill in zip(vllm.total_s, vllm.prefill_s, strict=True)]
+        print(f"vllm prefill: {(HANDOFF + 1) / statistics.median(vllm.prefill_s):.0f} tokens/s median "
+              f"({HANDOFF + 1} tokens incl. first sample, CV {cv_percent([(HANDOFF + 1) / s for s in vllm.prefill_s])})")
+        print(f"vllm decode: {(DECODE - 1) / statistics.median(decode_s):.1f} tokens/s median "
+              f"({DECODE - 1} tokens, end to end minus prefill per run)")
+        matching = int(np.sum(np.asarray(vllm.tokens[:DECODE]) == result.tokens[:len(vllm.tokens)]))
+        print(f"vllm tokens equal to reference: {matching}/{DECODE}")
+        reference_s = [p + d for p, d in zip(engine_s["prefill"], engine_s["decode"], strict=True)]
+        judgement = judge_parity(
+            ThroughputCell(engine.name, END_TO_END, "generated tokens/s", [DECODE / s for s in reference_s]),
+            ThroughputCell("vllm", END_TO_END, "generated tokens/s", [DECODE / s for s in vllm.total_s]))
+        print(f"rung 1 (paired cells): {judgement.words}")
+    print(f"prefill_plus_decode_seconds: {min(engine_s['prefill']) + min(engine_s['decode']):.2f}")
     return 0
 
 

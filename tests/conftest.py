@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,3 +98,18 @@ def isolate_cli_environment(monkeypatch: pytest.MonkeyPatch, *, cwd: Path, archi
     monkeypatch.setenv("XDG_CONFIG_HOME", str(data / "config"))
     for name in ("QUALIFY_REGISTRY", "QUALIFY_KEYS", "QUALIFY_DEBUG"):
         monkeypatch.delenv(name, raising=False)
+
+
+def small_calibration_set(directory: Path, prompt_lengths: tuple[int, ...] = (256,)) -> tuple[Any, str]:
+    """The committed calibration set's documents at shorter prompt lengths, written to
+    ``directory`` and loaded (set, digest): a real calibration in seconds, for tests of its path.
+    Its digest differs from the committed set's, so no shipped identity can be frozen from it."""
+    import json
+
+    from qualify.contract.controls import CALIBRATION_SET_PATH, load_calibration_set
+
+    document = json.loads(CALIBRATION_SET_PATH.read_text(encoding="utf-8"))
+    document["prompt_lengths"] = list(prompt_lengths)
+    path = directory / "calibration-set-small.json"
+    path.write_text(json.dumps(document), encoding="utf-8")
+    return load_calibration_set(path)

@@ -309,7 +309,7 @@ def test_sigkilled_run_still_ends_its_producer_and_its_archive_still_verifies(
 
 
 @pytest.mark.parametrize(("command", "signum"), [
-    pytest.param(["calibrate", "--recipe", "native-text", "--lane", "nvfp4-native-w4a4", "--repetitions", "2"],
+    pytest.param(["calibrate", "--recipe", "native-text", "--lane", "nvfp4-native-w4a4", "--no-controls"],
                  signal.SIGTERM, id="calibrate-SIGTERM"),
     pytest.param(["selftest", "--fault", "rope-offset"], signal.SIGHUP, id="selftest-SIGHUP"),
 ])

@@ -16,8 +16,12 @@ from rich.console import Console, RenderableType
 
 from qualify.interfaces import console as operator
 from qualify.interfaces.tables import WRAPPED_TEXT_MIN, Field, FittedTable
+from qualify.judge import judge_incomplete, judge_summary
 from qualify.run.qualification import StepOutcome
 from qualify.run.selftest import FaultResult
+from tests.receipt_forgery import RULE
+from tests.test_judge import rung2_record
+from tests.test_scope import scoped
 
 WIDTHS = st.integers(min_value=60, max_value=200)
 
@@ -215,3 +219,42 @@ def test_output_that_is_not_a_terminal_is_160_columns_unless_columns_says(
     monkeypatch.setattr("sys.stdout", io.StringIO())  # not a terminal
     assert operator.pipe_width() == width
     assert operator.operator_console().width == width
+
+
+# -- the verdict line ---------------------------------------------------------------------------
+
+
+def finished_run(verdict: Any) -> Any:
+    """What :func:`operator.show_report` reads of a finished run: its verdict, nothing else."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(refused=False, receipt_path=None, records=[], verdict=verdict, outcomes={})
+
+
+@pytest.mark.parametrize("records", [[rung2_record(n) for n in (1, 2, 3)], [rung2_record(1, max_abs=30.5)]],
+                         ids=["qualified", "not qualified"])
+@pytest.mark.parametrize("width", [40, 80, 160])
+def test_a_scoped_verdict_is_shown_once_whole_with_its_scope_line(records: list[dict[str, Any]], width: int) -> None:
+    verdict = scoped(judge_summary(records, RULE))
+    text = render(operator.verdict_line(verdict), width)
+    assert_fits(text, width)
+    assert " ".join(text.split()) == " ".join(verdict.headline.split())  # every word, none cut
+    report = _report_text(verdict, width)
+    assert report.count("QUALIFIED") == 1, report  # no second headline beside the judge's
+    word = "QUALIFIED on fixture" if verdict.passed else "NOT QUALIFIED on fixture"
+    assert " ".join(report.split()).startswith(f"{word} python-textwrap (3 × 2048/256)")
+
+
+def _report_text(verdict: Any, width: int) -> str:
+    console = Console(width=width, record=True, file=io.StringIO(), highlight=False, markup=False, emoji=False)
+    operator.show_report(finished_run(verdict), console)
+    return console.export_text()
+
+
+def test_a_verdict_without_a_scope_is_prefixed_with_its_word() -> None:
+    """A run stopped at a step carries no scope; its verdict says QUALIFIED or not once, in front."""
+    stopped = judge_incomplete("interrupted by SIGINT during handoff 2/3")
+    assert operator.verdict_line(stopped).plain == f"NOT QUALIFIED: {stopped.headline}"
+    passed = judge_summary([rung2_record(n) for n in (1, 2, 3)], RULE)
+    assert operator.verdict_line(passed).plain == f"QUALIFIED: {passed.headline}"
+    assert _report_text(stopped, 80).count("QUALIFIED") == 1

@@ -58,7 +58,7 @@ BAD_OPTIONS: list[tuple[list[str], str]] = [
     ([*RECIPE, "--deadline-s", "0"], "qualify: error: argument --deadline-s: found '0', expected a positive"),
     ([*RECIPE, "--reference-twice"], "qualify: error: unrecognized arguments: --reference-twice"),
     ([*RECIPE, "--json=yes"], "qualify: error: argument --json: ignored explicit argument 'yes'"),
-    ([*CALIBRATE, "--repetitions", "0"], "qualify calibrate: error: argument --repetitions: found '0'"),
+    ([*CALIBRATE, "--anchors", "1"], "qualify calibrate: error: argument --anchors: found '1'"),
     (["calibrate", "--recipe", "kquant-target-plus-dflash", "--lane", "nvfp4-native-f16"],
      "refused: calibrate --lane nvfp4-native-f16: its recipe is native-text"),
     ([*CALIBRATE, "--receipts", "FILE"], "refused: --receipts 'FILE': is a file or other non-directory"),

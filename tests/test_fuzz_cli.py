@@ -36,7 +36,7 @@ COMMAND_WORDS = {"identity", "receipts", "enroll", "calibrate", "selftest", "pro
 # Every option some parser knows (plus help and version, which exit 0 by design).
 KNOWN_OPTIONS = {"-h", "--help", "--version", "--recipe", "--identity", "--producer", "--consumer",
                  "--reference-once", "--drift-graded", "--fault", "--receipts", "--deadline-s", "--lane",
-                 "--repetitions", "--receipt", "--registry", "--keys", "--json"}
+                 "--anchors", "--no-controls", "--receipt", "--registry", "--keys", "--json"}
 # Calibration lanes whose recipe is not native-text: ``--recipe native-text --lane L`` is refused.
 OTHER_RECIPE_LANES = sorted(name for name, spec in LANES.items() if spec.recipe is not Recipe.NATIVE_TEXT)
 MAX_REPETITIONS = 1000
@@ -70,11 +70,11 @@ bad_deadlines = st.one_of(
     st.floats(min_value=7 * 24 * 3600 + 1, allow_infinity=True).map(repr),
     weird.filter(lambda text: not _is_number(text)),
 )
-bad_repetitions = st.one_of(
-    st.integers(max_value=0).map(str),
+bad_anchors = st.one_of(
+    st.integers(max_value=1).map(str),
     st.integers(min_value=MAX_REPETITIONS + 1).map(str),
     st.sampled_from(["", "1.5", "1e3", "nan", "inf", " 5", "5 ", "1_0", "\uff15", "\u0665", "+5", "0x5", "five"]),
-    weird.filter(lambda text: not (text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_REPETITIONS)),
+    weird.filter(lambda text: not (text.isascii() and text.isdigit() and 2 <= int(text) <= MAX_REPETITIONS)),
 )
 
 
@@ -150,16 +150,16 @@ def _invocation(draw: Any, fixtures: Fixtures) -> tuple[str, list[str]]:
     elif family == "calibrate":
         prefix = ["calibrate"]
         ok = [["--recipe", "native-text"], ["--lane", "nvfp4-native-f16"]]
-        ok += draw(st.lists(st.sampled_from([["--repetitions", "2"], ["--receipts", str(fixtures.good_receipts)]]),
+        ok += draw(st.lists(st.sampled_from([["--anchors", "2"], ["--receipts", str(fixtures.good_receipts)]]),
                             max_size=2, unique_by=lambda part: part[0]))
         bad = common_bad + [
             st.sampled_from(["--recipe", "--lane"]).map(lambda option: ["DROP", option]),
             weird.filter(lambda text: text not in LANES).map(lambda text: ["REPLACE", "--lane", text]),
             st.sampled_from(OTHER_RECIPE_LANES).map(lambda lane: ["REPLACE", "--lane", lane]),
             weird.filter(lambda text: text not in RECIPES).map(lambda text: ["REPLACE", "--recipe", text]),
-            bad_repetitions.map(lambda text: ["--repetitions", text]),
+            bad_anchors.map(lambda text: ["--anchors", text]),
             out_dirs.map(lambda path: ["--receipts", path]),
-            st.sampled_from(["--recipe", "--lane", "--repetitions", "--receipts"]).map(
+            st.sampled_from(["--recipe", "--lane", "--anchors", "--receipts"]).map(
                 lambda option: ["DANGLING", option]),
         ]
     elif family == "selftest":

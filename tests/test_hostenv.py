@@ -287,11 +287,14 @@ def test_run_without_a_producer_records_producer_null(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_full_calibration_receipt_holds_both_host_facts(tmp_path: Path) -> None:
-    """One real handoff end to end (``qualify calibrate --repetitions 1``: no sealed identity needed)."""
+    """A real calibration end to end (three short cells and two anchors: no sealed identity needed)."""
     from qualify.run.calibrate import calibrate, calibration_environments
     from qualify.run.qualification import RunOptions
 
-    calibration = calibrate(LANE, "native-text", 2, RunOptions(recipe="native-text", receipts=tmp_path))
+    from .conftest import small_calibration_set
+
+    calibration = calibrate(LANE, "native-text", RunOptions(recipe="native-text", receipts=tmp_path),
+                            calibration_set=small_calibration_set(tmp_path), controls=False)
     receipt = calibration.receipt_path
     assert calibration.failures == [] and receipt is not None and verify_receipt(receipt) == []
     assert check(receipt).state == "verified"

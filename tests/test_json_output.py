@@ -1,6 +1,7 @@
 """``--json``: one JSON document on stdout (nothing else there), validating against the command's
-committed schema ``contracts/cli-<command>.v1.schema.json``, its values the receipt's; exit codes
-as without it; a refusal still one line on stderr, and stdout the short refused document."""
+committed schema ``contracts/cli-<command>.v<n>.schema.json``, its values the receipt's (the
+verdict's scope included); exit codes as without it; a refusal still one line on stderr, and
+stdout the short refused document."""
 
 from __future__ import annotations
 
@@ -23,12 +24,16 @@ from qualify.contract.identity import identity_sha256, load_identity
 from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.strict_json import parse_untrusted_json, schema_validator
 from qualify.interfaces import cli, documents
+from qualify.judge import judge_summary
+from qualify.judge.scope import scope_document
 from qualify.run.calibrate import Calibration
 from qualify.run.selftest import FaultResult
 from tests.receipt_forgery import make_writable, statement_of, write_receipt
 from tests.test_console_layout import sample_records
 from tests.test_console_refusals import BAD_OPTIONS, Places, concrete, expected_line, places  # noqa: F401
 from tests.test_judge import rung2_record
+from tests.test_receipts import RULE, as_v2_receipt
+from tests.test_scope import scoped
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_IDENTITY = CONTRACTS_DIR / "nvfp4-native-w4a4-identity-v1.json"
@@ -60,8 +65,10 @@ def quiet_key() -> None:
 
 def test_every_json_command_has_a_committed_schema_naming_itself() -> None:
     commands = ("recipe", *(name for _, name in cli.JSON_COMMANDS))
+    superseded = [f"cli-{command}.v{n}.schema.json" for command, version in documents.SCHEMA_VERSIONS.items()
+                  for n in range(1, version)]  # kept for consumers of the older documents
     assert sorted(path.name for path in CONTRACTS_DIR.glob("cli-*.schema.json")) == sorted(
-        documents.schema_file(command) for command in commands)  # no command without one, no schema left over
+        [*(documents.schema_file(command) for command in commands), *superseded])  # none missing, none left over
     for command in commands:
         schema = json.loads((CONTRACTS_DIR / documents.schema_file(command)).read_text())
         assert schema["$id"] == documents.schema_id(command)
@@ -120,6 +127,7 @@ def assert_recipe_document_matches_receipt(document: dict[str, Any], receipt: Pa
     assert document["identity"]["sha256"] == summary["identity_sha256"] == predicate["identity_sha256"]
     assert document["verdict"] == {"passed": summary["passed"], "headline": summary["verdict"],
                                    "reasons": summary["reasons"], "scope": predicate["scope"]}
+    assert document["scope"] == summary.get("scope")  # null for a v2 summary, which has none
     assert document["harness_version"] == __version__ == predicate["harness_version"]
     assert document["receipt"] == {"path": str(receipt), "run_id": receipt.name}
     assert len(document["samples"]) == summary["samples"]
@@ -134,6 +142,48 @@ def assert_recipe_document_matches_receipt(document: dict[str, Any], receipt: Pa
         assert sample["first_divergence_position"] == localisation.get("first_divergence_position")
 
 
+@pytest.mark.parametrize("passed", [True, False])
+def test_the_recipe_document_carries_its_receipts_scope(tmp_path: Path, quiet_key: None, passed: bool) -> None:
+    records = [rung2_record(n) for n in (1, 2, 3)] if passed else [rung2_record(1, max_abs=10.9 * 2)]
+    verdict = scoped(judge_summary(records, RULE))
+    assert verdict.passed == passed
+    receipt = write_receipt(tmp_path, records, verdict=verdict)
+    document = documents.recipe_document(exit_code=0 if passed else 1, message=None, recipe="native-text",
+                                         identity_path=SHIPPED_IDENTITY, receipt=receipt, status=verdict.status)
+    validate("recipe", document)
+    assert_recipe_document_matches_receipt(document, receipt)
+    assert document["scope"] == scope_document(verdict.scope, passed)  # type: ignore[arg-type]
+    assert document["verdict"]["headline"].startswith(("QUALIFIED on " if passed else "NOT QUALIFIED on ")
+                                                      + document["scope"]["fixture_words"])
+
+
+def test_the_recipe_document_of_a_v2_receipt_has_a_null_scope(tmp_path: Path, quiet_key: None) -> None:
+    receipt = as_v2_receipt(write_receipt(tmp_path, [rung2_record(n) for n in (1, 2, 3)]))
+    document = documents.recipe_document(exit_code=0, message=None, recipe="native-text",
+                                         identity_path=SHIPPED_IDENTITY, receipt=receipt, status="passed")
+    validate("recipe", document)
+    assert document["scope"] is None and document["verdict"]["passed"] is True
+
+
+def test_the_recipe_document_v2_is_v1_with_the_scope_of_the_summary_v3() -> None:
+    """v2 adds ``scope`` and nothing else; its form is the receipt summary's, part for part."""
+    v1, v2 = (json.loads((CONTRACTS_DIR / f"cli-recipe.v{n}.schema.json").read_text()) for n in (1, 2))
+    summary_defs = json.loads((CONTRACTS_DIR / "validation-summary.v3.schema.json").read_text())["$defs"]
+    scope_parts = ("ScopeRecord", "ScopeFixture", "ScopeControls", "ScopeControlDocument")
+    assert {name: v2["$defs"].pop(name) for name in scope_parts} == {name: summary_defs[name] for name in scope_parts}
+    result = v2["$defs"]["result"]
+    assert result["properties"].pop("scope")["anyOf"] == [{"$ref": "#/$defs/ScopeRecord"}, {"type": "null"}]
+    result["required"].remove("scope")
+    for branch in ("refusal", "result"):
+        assert v2["$defs"][branch]["properties"]["schema"] == {"const": "trust-ladder.cli-recipe.v2"}
+        v2["$defs"][branch]["properties"]["schema"] = {"const": "trust-ladder.cli-recipe.v1"}
+    assert (v2.pop("$id"), v2.pop("description"), v1.pop("$id")) == (
+        "trust-ladder.cli-recipe.v2", v1.pop("description").replace(
+            "reasons and scope,", "reasons and scope, what the verdict covers (its fixture and the lane's controls),")
+        + " v2 adds scope (v1: the same document without it).", "trust-ladder.cli-recipe.v1")
+    assert v2 == v1
+
+
 @settings(derandomize=True, deadline=None, max_examples=200,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(records=sample_records(), divergence=st.one_of(st.none(), st.integers(min_value=0, max_value=10**6)))
@@ -144,7 +194,7 @@ def test_sample_documents_of_any_record_validate(records: list[dict[str, Any]], 
     records[0]["localisation"] = {"first_divergence_position": divergence}
     document = documents.head("recipe", 1, None)
     document.update({"recipe": "native-text", "lane": None, "rung": None, "identity": {"path": None, "sha256": None},
-                     "verdict": None, "receipt": None,
+                     "verdict": None, "scope": None, "receipt": None,
                      "samples": [documents.sample_document(record) for record in records]})
     validate("recipe", json.loads(documents.document_text(document)))
     assert document["samples"][0]["first_divergence_position"] == divergence
@@ -192,28 +242,33 @@ def test_identity_check_json_is_the_identity(capsys: pytest.CaptureFixture[str])
 @pytest.fixture
 def fake_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quiet_key: None) -> Iterator[Calibration]:
     """``calibrate`` measured (without running) three handoffs, archived as a real signed receipt."""
+    from qualify.judge.calibration import CellDrift
     from qualify.run import calibrate as calibrate_module
 
     records = [rung2_record(n, max_abs=1.5 + n) for n in (1, 2, 3)]
-    result = Calibration("nvfp4-native-f16", records, 4.5, 1.233789, True, 4.5, 1.233789,
-                         write_receipt(tmp_path / "archive", records), [], True, "calibrated: 3 handoffs")
+    cells = (CellDrift(1, "doc-a", 1024, 4.5, 1.233789, False), CellDrift(2, "doc-b", 1024, 2.5, 1.0, True))
+    result = Calibration("nvfp4-native-f16", records, cells, 4.5, 1.233789, None,
+                         write_receipt(tmp_path / "archive", records), [], True, True, True, "calibrated: 3 handoffs")
     monkeypatch.setattr(calibrate_module, "calibrate", lambda *args, **kwargs: result)
     yield result
 
 
-def test_calibrate_json_carries_the_envelope_and_next_steps(
+def test_calibrate_json_carries_the_cells_and_next_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_calibration: Calibration
 ) -> None:
     from qualify.run.onboarding import next_steps
 
     code, document, err = run_json(capsys, "calibrate", "--recipe", "native-text", "--lane", "nvfp4-native-f16",
-                                   "--repetitions", "3", "--receipts", str(tmp_path / "archive"), "--json")
+                                   "--anchors", "3", "--receipts", str(tmp_path / "archive"), "--json")
     validate("calibrate", document)
     assert code == 0 == document["exit_code"] and err == ""
     assert document["next_steps"] == [{"text": step.text, "style": step.style}
                                       for step in next_steps(fake_calibration, "nvfp4-native-f16", "native-text")]
     assert document["proposed_rule"] == {"maximum_absolute": 4.5, "maximum_mean_absolute": 1.233789}
-    assert document["observed"] == {"max_abs": 4.5, "mean_abs": 1.233789}
+    assert document["observed"] == {"max_abs": 4.5, "mean_abs": 1.233789} and document["anchors"] == 3
+    assert [(cell["document"], cell["max_abs"], cell["tokens_exact"]) for cell in document["cells"]] == [
+        ("doc-a", 4.5, False), ("doc-b", 2.5, True)]
+    assert document["controls"] is None and document["acceptance_floor"] is None
     receipt = fake_calibration.receipt_path
     assert receipt is not None and document["receipt"] == {"path": str(receipt), "run_id": receipt.name}
     assert [sample["max_abs"] for sample in document["samples"]] == [
@@ -223,7 +278,12 @@ def test_calibrate_json_carries_the_envelope_and_next_steps(
 def test_calibrate_json_of_a_non_finite_envelope_stays_strict_json(
     capsys: pytest.CaptureFixture[str], fake_calibration: Calibration
 ) -> None:
-    fake_calibration.observed_max_abs = float("nan")
+    from dataclasses import replace
+
+    from qualify.judge.calibration import CellDrift
+
+    fake_calibration.cells = (replace(fake_calibration.cells[0], max_abs=float("nan")), *fake_calibration.cells[1:])
+    assert isinstance(fake_calibration.cells[0], CellDrift)
     fake_calibration.proposed_maximum_absolute = None
     code, document, _err = run_json(capsys, "calibrate", "--recipe", "native-text", "--lane", "nvfp4-native-f16",
                                     "--json")

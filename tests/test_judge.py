@@ -19,15 +19,12 @@ from qualify.evidence.records import (
     parse_rule,
 )
 from qualify.judge import (
-    ZERO_DRIFT_BOUND,
-    judge_calibration,
     judge_draft_acceptance,
     judge_incomplete,
     judge_rung2_sample,
     judge_rung3_sample,
     judge_sample,
     judge_summary,
-    propose_bound,
 )
 
 RULE2 = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25)
@@ -524,84 +521,6 @@ def test_an_incomplete_run_without_a_reason_still_fails_with_words():
 
 def test_only_the_incomplete_judgement_carries_an_error():
     assert judge_summary(three(), RULE2).error is None
-
-
-# --------------------------------------------------------------------------- calibration
-
-
-@pytest.mark.parametrize(("observed", "proposed"), [
-    (10.884401, 10.884401), (1.278604507446289, 1.278604507446289), (1e-05, 1e-05),
-    (-1.0, None), (float("nan"), None), (float("inf"), None),
-])
-def test_calibration_proposes_the_observed_envelope_itself(observed, proposed):
-    """No margin is chosen: the calibration already ran under every environment it covers."""
-    assert propose_bound(observed) == proposed
-
-
-def test_a_lane_without_drift_gets_a_bound_only_zero_meets():
-    bound = propose_bound(0.0)
-    assert bound == ZERO_DRIFT_BOUND and bound > 0.0
-    # The smallest non-zero logit delta is a float32 subnormal; it is far above the bound.
-    assert math.ldexp(1.0, -149) > bound
-
-
-def measured(repetition, **changes):
-    """A calibration handoff's record: a rung-2 sample with the per-layer seams digest the recheck reads."""
-    return rung2_record(repetition, **({"seams_sha256": "7" * 64} | changes))
-
-
-def calibrate_judged(records, repetitions=None, **overrides):
-    options = {"lane": "nvfp4-native-splitk", "rung": 2, "draft": False,
-               "repetitions": len(records) if repetitions is None else repetitions, "environments": 5}
-    return judge_calibration(records, **(options | overrides))
-
-
-def test_a_calibration_of_exact_deterministic_handoffs_passes_and_proposes_the_worst_drift():
-    records = [measured(1, max_abs=9.5, mean_abs=1.1), measured(2, max_abs=10.25, mean_abs=1.0),
-               measured(3, max_abs=10.0, mean_abs=1.2)]
-    judged = calibrate_judged(records)
-    assert judged.verdict.passed, judged.verdict.reasons
-    assert (judged.observed_max_abs, judged.observed_mean_abs) == (10.25, 1.2)
-    assert (judged.proposed_maximum_absolute, judged.proposed_maximum_mean_absolute) == (10.25, 1.2)
-    assert judged.tokens_exact and judged.deterministic and judged.failures == []
-    assert judged.verdict.headline.startswith(
-        "calibration of nvfp4-native-splitk over 3 handoffs (a fresh producer each, 3 environments): "
-        "observed max abs 10.25, max mean abs 1.2")
-
-
-def test_a_calibration_with_diverging_tokens_fails_but_still_reports_the_envelope():
-    judged = calibrate_judged([measured(1), measured(2, token_agreement_rate=0.5)])
-    assert not judged.verdict.passed and not judged.tokens_exact
-    assert ("greedy tokens diverged: no bounded-drift rule can qualify this lane on this prompt"
-            in judged.verdict.reasons)
-    assert judged.proposed_maximum_absolute == 10.884401
-
-
-def test_a_calibration_whose_digests_move_across_restarts_is_not_deterministic():
-    judged = calibrate_judged([measured(1), measured(2, payload_sha256="9" * 64)])
-    assert not judged.verdict.passed and not judged.deterministic
-    assert any(reason.startswith("the producer's output differs across restarts or environments")
-               and "payload tree digest differs" in reason for reason in judged.verdict.reasons)
-
-
-def test_a_calibration_with_a_failed_handoff_fails_and_names_it():
-    failed = {"schema": SAMPLE_SCHEMA, "repetition": 2, "error": "producer failed: killed by signal 9"}
-    judged = calibrate_judged([measured(1), failed, measured(3)])
-    assert not judged.verdict.passed and not judged.deterministic
-    assert judged.failures == ["producer failed: killed by signal 9"]
-    assert "handoff failed: producer failed: killed by signal 9" in judged.verdict.reasons
-
-
-def test_a_calibration_refuses_drift_it_could_not_read_as_a_finite_number():
-    judged = calibrate_judged([measured(1), measured(2, max_abs="NaN")])
-    assert not judged.verdict.passed
-    assert math.isnan(judged.observed_max_abs) and judged.proposed_maximum_absolute is None
-    assert "max_abs is missing or not finite in handoff 2" in judged.verdict.reasons
-
-
-def test_a_calibration_without_samples_fails():
-    judged = calibrate_judged([], repetitions=3)
-    assert not judged.verdict.passed and judged.proposed_maximum_absolute is None
 
 
 # --------------------------------------------------------------------------- draft acceptance

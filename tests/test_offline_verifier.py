@@ -24,7 +24,7 @@ from qualify.archive.verify import authenticate_receipt
 from qualify.core.assets import REPO_ROOT
 from tests.scripts import load_script as load_script_at
 from tests.test_receipt_schemas import fresh_receipt
-from tests.test_receipts import make_writable
+from tests.test_receipts import as_v2_receipt, make_writable
 
 SCRIPT = REPO_ROOT / "tools" / "verify_receipt_offline.py"
 DOC = REPO_ROOT / "docs" / "receipts.md"
@@ -80,6 +80,31 @@ def test_a_fresh_receipt_verifies_offline(signed):
     (line,) = lines
     assert line.startswith(f"verified {receipt.name}: status failed, lane nvfp4-native-splitk, verdict failed: ")
     assert line.endswith("; 12 files")  # the envelope aside
+    assert harness_state(trust, receipt) == "verified"
+
+
+def test_a_scoped_receipt_verifies_offline_its_verdict_stating_its_scope(signed, tmp_path):
+    """The verdict the script prints is the signed one, which opens with the scope line: a v3
+    receipt needs nothing new of the script (the summary is one more signed file to it)."""
+    _, trust = signed
+    receipt = fresh_receipt(tmp_path / "archive", scope=True)
+    summary = json.loads((receipt / "validation-summary.json").read_bytes())
+    keyid = json.loads((receipt / ENVELOPE).read_bytes())["signatures"][0]["keyid"]
+    code, lines, stderr = run_script("--trust", trust, receipt)
+    assert (code, stderr) == (0, ""), lines
+    assert lines == [f"verified {receipt.name}: status failed, lane nvfp4-native-splitk, verdict "
+                     f"{summary['verdict']}; signed by key {keyid[:16]}; 12 files"]
+    assert lines[0].count("NOT QUALIFIED on " + summary["scope"]["fixture_words"]) == 1
+    assert lines[0].count(summary["scope"]["controls_words"]) == 1
+    assert harness_state(trust, receipt) == "verified"
+
+
+def test_a_v2_receipt_still_verifies_offline(signed, tmp_path):
+    _, trust = signed
+    receipt = as_v2_receipt(fresh_receipt(tmp_path / "archive", scope=True))
+    assert "scope" not in json.loads((receipt / "validation-summary.json").read_bytes())
+    code, lines, _ = run_script("--trust", trust, receipt)
+    assert code == 0 and lines[0].startswith(f"verified {receipt.name}: status failed"), lines
     assert harness_state(trust, receipt) == "verified"
 
 

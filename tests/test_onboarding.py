@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qualify.core.assets import REPO_ROOT
+from qualify.judge.calibration import CellDrift
 from qualify.run.calibrate import Calibration
 from qualify.run.onboarding import COMMAND_STYLE, COMMANDS_HEADING, StepLine, next_steps
 from tests.scripts import load_script
@@ -29,10 +30,13 @@ PRINT_LIMIT_S = 600
 
 def calibration(receipt: Path | None, *, maximum: float | None = 0.25, mean: float | None = 0.025,
                 observed: float = 0.25, tokens_exact: bool = True, deterministic: bool = True,
-                failures: list[str] | None = None) -> Calibration:
+                failures: list[str] | None = None, floor: float | None = None, passed: bool | None = None,
+                headline: str = "") -> Calibration:
     """A calibration result as ``qualify.run.calibrate.calibrate`` returns it (no records needed)."""
-    return Calibration(SPLITK, [], observed, observed / 10, tokens_exact, maximum, mean, receipt,
-                       failures or [], deterministic, "")
+    cells = tuple(CellDrift(n, "doc", 1024, observed * (1 - n / 10), observed / 10, False) for n in (0, 1))
+    ok = tokens_exact and deterministic and not failures
+    return Calibration(SPLITK, [], cells, maximum, mean, floor, receipt, failures or [], tokens_exact,
+                       deterministic, ok if passed is None else passed, headline)
 
 
 def commands(lines: list[StepLine]) -> list[list[str]]:
@@ -59,12 +63,13 @@ directory_names = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Cf", 
 @given(maximum=finite_positive, mean=finite_positive, archive=directory_names)
 @example(maximum=0.25, mean=0.025, archive="two\nlines")
 @example(maximum=0.25, mean=0.025, archive="tab\there")
-def test_rung2_freeze_command_round_trips_bounds_and_receipt_path(tmp_path: Path, fuzz_tally, maximum: float,
-                                                                   mean: float, archive: str) -> None:
-    """Any proposed bounds and any archive directory name: the printed commands split back into the
-    exact receipt path, and the freeze tool's parser reads back the lane, the exact bounds and the
-    basis URI of that receipt, with --write-sealed. A name no one-line command can carry (a line
-    break, a control character) gets no command, and a line that says so."""
+def test_rung2_freeze_command_round_trips_the_receipt_path(tmp_path: Path, fuzz_tally, maximum: float,
+                                                           mean: float, archive: str) -> None:
+    """Any derived bounds and any archive directory name: the printed commands split back into the
+    exact receipt path, and the freeze tool's parser reads back the lane and the basis URI of that
+    receipt, with --write-sealed, and no number (the tool derives them from the receipt again).
+    The derived bounds are printed for review. A name no one-line command can carry (a line break,
+    a control character) gets no command, and a line that says so."""
     fuzz_tally.add("examples")
     receipt = tmp_path / archive / RUN_ID
     lines = next_steps(calibration(receipt, maximum=maximum, mean=mean), SPLITK, "native-text")
@@ -77,7 +82,8 @@ def test_rung2_freeze_command_round_trips_bounds_and_receipt_path(tmp_path: Path
     assert argvs[0] == ["cd", str(REPO_ROOT)]
     assert argvs[1] == ["cp", "-r", str(receipt.resolve()), "receipts/"]
     args = freeze_arguments(lines)
-    assert (args.lane, args.maximum_absolute, args.maximum_mean_absolute) == (SPLITK, maximum, mean)
+    assert (args.lane, args.maximum_absolute, args.maximum_mean_absolute) == (SPLITK, None, None)
+    assert f"maximum_absolute {maximum!r}, maximum_mean_absolute {mean!r}" in lines[0].text
     assert args.basis == f"receipt://{RUN_ID}/command.log" and args.write_sealed and args.replace
     assert argvs[-1][-3:] == ["identity", "check", f"contracts/{SPLITK}-identity-v1.json"]
     fuzz_tally.add("accepted")
@@ -105,29 +111,32 @@ def test_new_lane_freeze_does_not_replace_an_identity(tmp_path: Path) -> None:
                        "nvfp4-exact", "native-text")
     args = freeze_arguments(lines)
     assert not args.replace and args.lane == "nvfp4-exact"
-    assert (args.maximum_absolute, args.maximum_mean_absolute) == (5e-324, 5e-324)
+    assert args.maximum_absolute is None and "maximum_absolute 5e-324, maximum_mean_absolute 5e-324" in lines[1].text
     assert lines[0].text.startswith("no drift observed")
 
 
-def test_rung3_keeps_the_sealed_acceptance_floor(tmp_path: Path) -> None:
-    """Rung 3 proposes no bound: the freeze command keeps the shipped identity's floor."""
-    identity = json.loads((REPO_ROOT / "contracts" / "kquant-exact-dflash-identity-v1.json").read_text())
-    lines = next_steps(calibration(tmp_path / RUN_ID, maximum=None, mean=None), "kquant-exact-dflash",
+def test_rung3_states_the_derived_floor_and_passes_no_number(tmp_path: Path) -> None:
+    """Rung 3 has no bound: the floor its rule derived from the anchor is printed, and the freeze
+    command passes no number (the tool derives the floor from the receipt again)."""
+    lines = next_steps(calibration(tmp_path / RUN_ID, maximum=None, mean=None, floor=0.828), "kquant-exact-dflash",
                        "kquant-target-plus-dflash")
     args = freeze_arguments(lines)
-    assert args.acceptance_floor == identity["speculative_draft"]["acceptance_floor"]
-    assert args.maximum_absolute is None and args.replace
+    assert args.acceptance_floor is None and args.maximum_absolute is None and args.replace
+    assert "draft acceptance floor 0.828" in lines[0].text
 
 
 @pytest.mark.parametrize("result, lane, recipe, words", [
-    (calibration(Path(RUN_ID), tokens_exact=False), SPLITK, "native-text", "no rule proposed"),
-    (calibration(Path(RUN_ID), failures=["handoff 2: producer failed"]), SPLITK, "native-text", "no rule proposed"),
-    (calibration(Path(RUN_ID), deterministic=False), SPLITK, "native-text", "differed across restarts"),
-    (calibration(Path(RUN_ID), maximum=None), SPLITK, "native-text", "no bound can be proposed"),
+    (calibration(Path(RUN_ID), tokens_exact=False), SPLITK, "native-text", "does not keep exact tokens"),
+    (calibration(Path(RUN_ID), failures=["handoff 2: producer failed"]), SPLITK, "native-text", "a handoff failed"),
+    (calibration(Path(RUN_ID), deterministic=False), SPLITK, "native-text", "anchors differ across restarts"),
+    (calibration(Path(RUN_ID), passed=False, headline="2 producer restarts (at least 3)"), SPLITK, "native-text",
+     "at least 3"),
+    (calibration(Path(RUN_ID), maximum=None), SPLITK, "native-text", "no bound can be derived"),
     (calibration(None), SPLITK, "native-text", "archived no receipt"),
     (calibration(Path(RUN_ID), maximum=None, mean=None), "kquant-native", "kquant-target-plus-dflash",
-     "no sealed draft acceptance floor"),
-], ids=["tokens-differ", "handoff-failed", "not-deterministic", "no-bound", "no-receipt", "rung3-no-floor"])
+     "no draft floor was derived"),
+], ids=["tokens-differ", "handoff-failed", "not-deterministic", "not-passed", "no-bound", "no-receipt",
+        "rung3-no-floor"])
 def test_no_rule_no_commands(result: Calibration, lane: str, recipe: str, words: str) -> None:
     """A calibration that cannot be frozen says why and prints no command."""
     lines = next_steps(result, lane, recipe)
@@ -156,7 +165,7 @@ def test_printed_commands_run_as_printed_after_a_real_calibration(tmp_path: Path
     sealed_before = file_sha256(sealed)
 
     calibrated = subprocess.run(
-        ["qualify", "calibrate", "--recipe", "native-text", "--lane", SPLITK, "--repetitions", "1",
+        ["qualify", "calibrate", "--recipe", "native-text", "--lane", SPLITK,
          "--receipts", str(tmp_path / "archive")],
         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=PRINT_LIMIT_S)
     assert calibrated.returncode == 0, calibrated.stdout[-3000:] + calibrated.stderr

@@ -24,7 +24,12 @@ from qualify.archive.attestation import ENVELOPE
 from qualify.archive.keys import ensure_signing_key
 from qualify.archive.layout import SUMMARY
 from qualify.archive.reader import read_receipt_json
+from qualify.interfaces.plugin import SCOPE_PROPERTIES, receipt_properties
+from qualify.judge import judge_summary
 from qualify.run.qualification import HANDOFF_STEPS, STEP_LABELS
+from tests.test_judge import rung2_record
+from tests.test_receipts import RULE, as_v2_receipt, write_receipt
+from tests.test_scope import scoped
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_MODULE = "qualify.interfaces.plugin"
@@ -98,6 +103,34 @@ def one_verdict_case(junit: Path) -> tuple[str, dict[str, str]]:
                 if "verdict" in properties(case)]
     assert len(carrying) == 1, f"verdict properties on {[label for label, _ in carrying]}"
     return carrying[0]
+
+
+# -- the scope properties (fast: receipts written here) ------------------------------------------
+
+
+def test_junit_scope_properties_quote_the_receipts_scope_word_for_word(tmp_path: Path) -> None:
+    records = [rung2_record(n) for n in (1, 2, 3)]
+    receipt = write_receipt(tmp_path, records, verdict=scoped(judge_summary(records, RULE)))
+    found = dict(receipt_properties(receipt))
+    summary = read_receipt_json(receipt, SUMMARY)
+    assert found["qualify.scope"] == summary["scope"]["line"] == (
+        f"QUALIFIED on {found['qualify.fixture']}; {found['qualify.controls']}")
+    assert found["qualify.fixture"] == "fixture python-textwrap (3 × 2048/256)" == summary["scope"]["fixture_words"]
+    assert found["qualify.controls"] == summary["scope"]["controls_words"]
+    assert "2 of 3 documents within E1 gates" in found["qualify.controls"]
+    assert "prose-idle-news exceeds at 1024–4096" in found["qualify.controls"]
+    assert found["headline"].startswith(found["qualify.scope"]) and found["verdict"] == "passed"
+
+
+def test_junit_scope_properties_are_null_without_a_scope(tmp_path: Path) -> None:
+    """A verdict without a scope, and a v2 receipt written before summaries held one."""
+    for receipt in (write_receipt(tmp_path / "unscoped"),
+                    as_v2_receipt(write_receipt(tmp_path / "v2", verdict=scoped(judge_summary(
+                        [rung2_record(n) for n in (1, 2, 3)], RULE))))):
+        found = dict(receipt_properties(receipt))
+        assert {name: found[name] for name, _ in SCOPE_PROPERTIES} == dict.fromkeys(
+            ("qualify.scope", "qualify.fixture", "qualify.controls"), "null")
+        assert found["verdict"] == "passed"
 
 
 # -- installation and collection (fast) ----------------------------------------------------------
@@ -244,6 +277,9 @@ def test_junit_properties_are_the_receipts_verdict_lane_identity_drift_scope_and
         "lane": summary["lane"], "rung": str(summary["rung"]), "identity_sha256": summary["identity_sha256"]}
     assert found["verdict"] == "passed" and found["recipe"] == "native-text" and found["rung"] == "2"
     assert found["scope"] == signed_predicate(receipt)["scope"]
+    verdict_scope = summary.get("scope")  # what the verdict covers: quoted from the summary, or null
+    assert {name: found[name] for name, _ in SCOPE_PROPERTIES} == {
+        name: "null" if verdict_scope is None else verdict_scope[field] for name, field in SCOPE_PROPERTIES}
     samples = [read_receipt_json(receipt, f"samples/sample-{n}.json") for n in range(1, summary["samples"] + 1)]
     assert len(samples) == len(HANDOFF_STEPS)
     cases = junit_cases(junit)

@@ -292,9 +292,9 @@ def check_receipt_host(environment: Environment, receipts: Path, host: Host) -> 
 
 
 def test_full_rung3_calibration_is_bit_identical_across_environments(host: Host, tmp_path: Path) -> None:
-    """``qualify calibrate`` on kquant-exact-dflash (2047 positions + draft context handed off,
-    256 speculative decode steps, cold recompute; one repetition, so the producer runs in the
-    operator's environment, not one of the calibration's own) under three environments, checked
+    """``qualify --recipe kquant-target-plus-dflash`` (2047 positions + draft context handed off,
+    256 speculative decode steps, one cold recompute; the producer runs in the operator's
+    environment, which a qualification never varies) under three environments, checked
     in the CLI process and in the receipt's host facts of both processes: three kernels, both
     thread counts and both dispatch settings appear among them. Two BLAS threads go with the
     fastest kernel: the oldest one (Prescott) on two threads next to another child on two cores
@@ -306,9 +306,9 @@ def test_full_rung3_calibration_is_bit_identical_across_environments(host: Host,
     ensure_signing_key()  # made once here, not raced for by three first runs at once
     for index, environment in enumerate(chosen):
         facts, receipts = tmp_path / f"facts-{index}.json", tmp_path / f"receipts-{index}"
-        commands.append((environment, [sys.executable, "-c", CLI_CHILD, str(facts), "calibrate",
-                                       "--recipe", "kquant-target-plus-dflash", "--lane", "kquant-exact-dflash",
-                                       "--repetitions", "1", "--receipts", str(receipts)]))
+        commands.append((environment, [sys.executable, "-c", CLI_CHILD, str(facts),
+                                       "--recipe", "kquant-target-plus-dflash", "--reference-once",
+                                       "--receipts", str(receipts)]))
     completed = run_children(commands, host)
     records, seen = {}, {}
     for index, (environment, child) in enumerate(zip(chosen, completed, strict=True)):
@@ -318,7 +318,7 @@ def test_full_rung3_calibration_is_bit_identical_across_environments(host: Host,
         check_environment(environment, seen[environment], host)
         check_receipt_host(environment, tmp_path / f"receipts-{index}", host)
         samples = sorted((tmp_path / f"receipts-{index}").glob("*/samples/*.json"))
-        assert len(samples) == 1, f"{environment.label}: sample records {samples}"
+        assert len(samples) == 3, f"{environment.label}: sample records {samples}"
         record = json.loads(samples[0].read_text(encoding="utf-8"))
         assert record["error"] is None and record["logit_row_digests_equal"] is True, environment.label
         missing = [name for name in SAMPLE_DIGEST_FIELDS if record.get(name) is None]

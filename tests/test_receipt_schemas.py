@@ -33,11 +33,12 @@ from qualify.judge import judge_summary
 from tests.scripts import load_script
 from tests.test_judge import rung2_record
 from tests.test_receipts import RULE
+from tests.test_scope import SCOPE, scoped
 
 TOOL = REPO_ROOT / "tools" / "receipt_schemas.py"
 IDENTITY = CONTRACTS_DIR / "nvfp4-native-splitk-identity-v1.json"
 SAMPLE = CONTRACTS_DIR / "sample-record.v1.schema.json"
-SUMMARY_V1, SUMMARY_V2 = (CONTRACTS_DIR / f"validation-summary.v{n}.schema.json" for n in (1, 2))
+SUMMARY_V1, SUMMARY_V2, SUMMARY_V3 = (CONTRACTS_DIR / f"validation-summary.v{n}.schema.json" for n in (1, 2, 3))
 HOST = CONTRACTS_DIR / "receipt-host.v1.schema.json"
 VERSIONS = CONTRACTS_DIR / "receipt-versions.v1.schema.json"
 IDENTITY_SCHEMAS = {f"trust-ladder.onboarding-identity.v{n}": CONTRACTS_DIR / f"onboarding-identity.v{n}.schema.json"
@@ -59,10 +60,11 @@ def series_tensors(positions: int = 256, layers: int = 2, handed_off: int = 8) -
     return {name: np.arange(lengths[name]).astype(dtype) for name, dtype in SERIES_DTYPES.items()}
 
 
-def fresh_receipt(archive: Path, *, signing_key: SigningKey | None = None) -> Path:
+def fresh_receipt(archive: Path, *, signing_key: SigningKey | None = None, scope: bool = False) -> Path:
     """A signed receipt holding every kind of file a run writes: a shipped identity, the versions a
     qualification records, two passing samples with their series, one failed sample with a
-    non-finite measurement, a producer start with host facts and one without."""
+    non-finite measurement, a producer start with host facts and one without; ``scope``: its
+    (failing) verdict states its scope, as a qualification's does."""
     records = [SampleRecord.model_validate(rung2_record(n)) for n in (1, 2)]
     records.append(failed_sample_record(3, "producer failed: silent for 15.0 s", max_abs=float("nan")))
     writer = ReceiptWriter(
@@ -77,7 +79,8 @@ def fresh_receipt(archive: Path, *, signing_key: SigningKey | None = None) -> Pa
         writer.add_sample(record)
         if record.error is None:
             writer.add_series(record.repetition, series_tensors())
-    return writer.finalize(judge_summary([record_json(record) for record in records], RULE))
+    verdict = judge_summary([record_json(record) for record in records], RULE)
+    return writer.finalize(scoped(verdict, SCOPE) if scope else verdict)
 
 
 # --------------------------------------------------------------------------- checking a receipt's files
@@ -125,7 +128,7 @@ def check_file(receipt: Path, name: str, *, legacy: bool) -> list[str]:
         kind = document.get("schema")
         return misfits(document, IDENTITY_SCHEMAS[kind]) if kind in IDENTITY_SCHEMAS else [f"identity kind {kind}"]
     schema = {"manifest.json": CONTRACTS_DIR / f"receipt-manifest.v{1 if legacy else 2}.schema.json",
-              "validation-summary.json": SUMMARY_V1 if legacy else SUMMARY_V2,
+              "validation-summary.json": SUMMARY_V1 if legacy else SUMMARY_V3,  # what the writer writes now
               "host.json": HOST, "versions.json": VERSIONS}.get(name, SAMPLE if name.startswith("samples/") else None)
     assert schema is not None, f"{name}: no documented form"
     return misfits(document, schema)
@@ -161,8 +164,10 @@ def test_the_check_names_a_schema_that_drifted(tmp_path):
     assert (done.returncode, done.stderr) == (0, "")
 
 
-def test_every_file_of_a_fresh_signed_receipt_fits_its_schema(tmp_path):
-    receipt = fresh_receipt(tmp_path / "archive")
+@pytest.mark.parametrize("scope", [False, True], ids=["no scope", "scoped"])
+def test_every_file_of_a_fresh_signed_receipt_fits_its_schema(tmp_path, scope):
+    receipt = fresh_receipt(tmp_path / "archive", scope=scope)
+    assert (json.loads((receipt / "validation-summary.json").read_bytes())["scope"] is not None) == scope
     kinds = Counter(name.split("/")[0] for name in (p.relative_to(receipt).as_posix()
                                                     for p in receipt.rglob("*") if p.is_file()))
     assert kinds == {"command.log": 1, "identity.json": 1, "identity.sha256": 1, "versions.json": 1, "host.json": 1,
@@ -231,7 +236,7 @@ def test_the_committed_legacy_receipts_fit_the_v1_schemas_but_for_the_known_gaps
 
 
 def fresh_documents(tmp_path: Path) -> dict[str, Any]:
-    receipt = fresh_receipt(tmp_path / "archive")
+    receipt = fresh_receipt(tmp_path / "archive", scope=True)
     return {name: json.loads((receipt / name).read_bytes())
             for name in ("samples/sample-1.json", "samples/sample-3.json", "validation-summary.json", "host.json",
                          "versions.json")}
@@ -245,9 +250,22 @@ def fresh_documents(tmp_path: Path) -> dict[str, Any]:
     ("samples/sample-1.json", SAMPLE, lambda d: d.update(repetition=1.0), "repetition: 1.0 is not of type 'integer'"),
     ("samples/sample-3.json", SAMPLE, lambda d: d.update(error=" "), "error: ' ' does not match"),
     ("samples/sample-3.json", SAMPLE, lambda d: d.update(extra=1), "extra: unexpected"),
-    ("validation-summary.json", SUMMARY_V2, lambda d: d.pop("status"), "status: missing"),
-    ("validation-summary.json", SUMMARY_V2, lambda d: d.update(status="passed"), "status: 'passed' should not be valid"),
-    ("validation-summary.json", SUMMARY_V2, lambda d: d["rule"].update(rung=4), "rule: {"),
+    ("validation-summary.json", SUMMARY_V3, lambda d: d.pop("status"), "status: missing"),
+    ("validation-summary.json", SUMMARY_V3, lambda d: d.update(status="passed"), "status: 'passed' should not be valid"),
+    ("validation-summary.json", SUMMARY_V3, lambda d: d["rule"].update(rung=4), "rule: {"),
+    ("validation-summary.json", SUMMARY_V3, lambda d: d.pop("scope"), "scope: missing"),
+    ("validation-summary.json", SUMMARY_V3, lambda d: d.update(status="incomplete", error="interrupted"),
+     "scope: {"),  # a run that judged nothing states no scope
+    ("validation-summary.json", SUMMARY_V3, lambda d: d["scope"].update(note="x"), "scope.note: unexpected"),
+    ("validation-summary.json", SUMMARY_V3, lambda d: d["scope"]["fixture"].update(repetitions=0),
+     "scope.fixture.repetitions: 0 is less than the minimum of 1"),
+    ("validation-summary.json", SUMMARY_V3, lambda d: d["scope"]["controls"].update(documents=[]),
+     "scope.controls.documents: [] should be non-empty"),
+    ("validation-summary.json", SUMMARY_V3, lambda d: d["scope"].update(line="QUALIFIED\non two lines"),
+     "scope.line: 'QUALIFIED\\non two lines' does not match"),
+    ("validation-summary.json", SUMMARY_V2, lambda d: None, "schema: 'trust-ladder.validation-summary.v2' was expected"),
+    ("validation-summary.json", SUMMARY_V2, lambda d: d.update(schema="trust-ladder.validation-summary.v2"),
+     "scope: unexpected"),  # a v2 summary has no scope
     ("validation-summary.json", SUMMARY_V1, lambda d: None, "schema: 'trust-ladder.validation-summary.v1' was expected"),
     ("host.json", HOST, lambda d: d["consumer"].pop("pid"), "consumer.pid: missing"),
     ("host.json", HOST, lambda d: d["producers"][1].update(note=None), "producers[1].facts: None is not of type 'object'"),
@@ -256,7 +274,7 @@ def fresh_documents(tmp_path: Path) -> dict[str, Any]:
 ])
 def test_a_file_that_breaks_its_form_is_refused_by_its_schema(tmp_path, name, schema, change, expected):
     document = fresh_documents(tmp_path)[name]
-    assert misfits(document, schema if schema is not SUMMARY_V1 else SUMMARY_V2) == []
+    assert misfits(document, schema if schema not in (SUMMARY_V1, SUMMARY_V2) else SUMMARY_V3) == []
     change(document)
     found = misfits(document, schema)
     assert any(line.startswith(expected) for line in found), found

@@ -3,7 +3,9 @@ is found (by the manifest, and by the signed statement that names every file).""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import stat
 from pathlib import Path
 
@@ -16,31 +18,37 @@ from qualify.archive.layout import (
     PARTIAL_PREFIX,
     REQUIRED_FILES,
     RUN_ID,
+    SUMMARY,
     archive_dir,
     default_archive_dir,
+    json_bytes,
     new_run_id,
 )
-from qualify.archive.reader import read_receipt_json, receipt_files, resolve_receipt_uri
+from qualify.archive.reader import read_receipt_json, read_summary, receipt_files, resolve_receipt_uri
 from qualify.archive.verify import verify_cli, verify_paths, verify_receipt
-from qualify.archive.writer import ReceiptWriter
+from qualify.archive.writer import SCOPED_SUMMARY_SCHEMA, ReceiptWriter
 from qualify.core.assets import REPO_ROOT
 from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused
-from qualify.evidence.records import SAMPLE_SCHEMA
-from qualify.judge import judge_incomplete, judge_summary
+from qualify.evidence.records import LEGACY_SUMMARY_SCHEMA, SAMPLE_SCHEMA, SUMMARY_SCHEMA
+from qualify.judge import judge_incomplete, judge_refused, judge_summary
+from qualify.judge.scope import scope_document, scope_line
 from tests.receipt_forgery import (
     IDENTITY,
     RULE,
     check,
     make_writable,
+    operator_key,
     operator_trust,
     rehash_manifest,
+    resign,
     statement_of,
     write_receipt,
 )
 from tests.test_judge import rung2_record
+from tests.test_scope import SCOPE, scoped
 
-__all__ = ["IDENTITY", "RULE", "make_writable", "write_receipt"]  # imported from here by other tests
+__all__ = ["IDENTITY", "RULE", "as_v2_receipt", "make_writable", "write_receipt"]  # imported from here by other tests
 
 
 @pytest.fixture
@@ -443,3 +451,115 @@ def test_every_single_byte_flip_of_the_manifest_is_caught(receipt):
             assert check(receipt).state == "tampered", f"byte {index} ^ {mask:#x} of the manifest"
     path.write_bytes(original)
     assert verify_receipt(receipt) == [] and check(receipt).state == "verified"
+
+
+# --------------------------------------------------------------------------- the summary's scope (v3) and older summaries
+
+
+def as_v2_receipt(receipt: Path) -> Path:
+    """``receipt`` as the harness wrote it before summaries held a scope: a v2 summary (no
+    ``scope``), the manifest re-hashed and the statement re-signed with the operator's own key,
+    so it is a genuine signed v2 receipt, not a forgery."""
+    make_writable(receipt)
+    path = receipt / SUMMARY
+    summary = json.loads(path.read_bytes())
+    del summary["scope"]
+    summary["schema"] = SUMMARY_SCHEMA
+    path.write_bytes(json_bytes(summary))
+    rehash_manifest(receipt)
+    resign(receipt, operator_key())
+    return receipt
+
+
+def test_a_scoped_verdict_is_written_whole_into_a_v3_summary_and_verifies(tmp_path):
+    records = [rung2_record(i) for i in (1, 2, 3)]
+    for verdict in (scoped(judge_summary(records, RULE)), scoped(judge_summary(records[:1], RULE))):
+        receipt = write_receipt(tmp_path / f"archive-{verdict.status}", records, verdict=verdict)
+        assert verify_receipt(receipt) == [] and check(receipt).state == "verified"
+        summary = read_summary(receipt)  # valid against the v3 schema
+        assert summary["schema"] == SCOPED_SUMMARY_SCHEMA and summary["status"] == verdict.status
+        assert summary["scope"] == scope_document(SCOPE, verdict.passed)
+        assert summary["verdict"] == verdict.headline and summary["verdict"].startswith(
+            scope_line(verdict.passed, SCOPE, None if verdict.passed else verdict.reasons[0]))
+        assert f"verdict: {verdict.headline}" in (receipt / "command.log").read_text()
+
+
+def test_a_verdict_without_a_scope_writes_a_null_scope(tmp_path):
+    receipt = write_receipt(tmp_path / "archive")
+    summary = read_summary(receipt)
+    assert (summary["schema"], summary["scope"]) == (SCOPED_SUMMARY_SCHEMA, None)
+    stopped = ReceiptWriter(tmp_path / "archive", command_line=["q"], identity=IDENTITY, recipe="native-text",
+                            lane="l", rule=RULE).finalize(judge_incomplete("interrupted by SIGINT during handoff 1/3"))
+    assert read_summary(stopped)["scope"] is None
+
+
+@pytest.mark.parametrize("verdict", [
+    dataclasses.replace(judge_incomplete("interrupted by SIGINT"), scope=SCOPE),
+    dataclasses.replace(judge_refused("no GPU"), scope=SCOPE),
+], ids=["incomplete", "refused"])
+def test_a_scope_on_a_verdict_that_judged_nothing_is_refused_and_the_run_sealed_incomplete(tmp_path, verdict):
+    archive = tmp_path / "archive"
+    with pytest.raises(Refused, match=f"^receipt: scope: a {verdict.status} verdict judged nothing"):
+        with ReceiptWriter(archive, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l",
+                           rule=RULE) as writer:
+            writer.finalize(verdict)
+    summary = read_summary(writer.path)  # the writer stayed open, and its context sealed the run
+    assert (summary["status"], summary["scope"]) == ("incomplete", None)
+    assert summary["error"].startswith(f"Refused: receipt: scope: a {verdict.status} verdict")
+    assert verify_receipt(writer.path) == []
+
+
+def test_a_scope_the_file_form_refuses_never_reaches_a_receipt(tmp_path, monkeypatch):
+    """Should the judge's words ever break the form (here: a line split in two), the receipt
+    refuses them in one line rather than store a scope it cannot state."""
+    import qualify.archive.writer as writer_module
+
+    def broken(scope, passed):
+        return {**scope_document(scope, passed), "line": "QUALIFIED\non two lines"}
+
+    monkeypatch.setattr(writer_module, "scope_document", broken)
+    writer = ReceiptWriter(tmp_path, command_line=["q"], identity=IDENTITY, recipe="native-text", lane="l", rule=RULE)
+    records = [rung2_record(1)]
+    with pytest.raises(Refused) as refused:
+        writer.finalize(scoped(judge_summary(records, RULE)))
+    assert str(refused.value).startswith("receipt: scope: ") and "line" in str(refused.value)
+    assert "\n" not in str(refused.value) and not writer.finalized
+
+
+def test_a_v2_receipt_still_verifies_and_reads_with_no_scope(tmp_path):
+    receipt = as_v2_receipt(write_receipt(tmp_path / "archive", verdict=scoped(judge_summary(
+        [rung2_record(i) for i in (1, 2, 3)], RULE))))
+    assert verify_receipt(receipt) == [] and check(receipt).state == "verified"
+    summary = read_summary(receipt)
+    assert summary["schema"] == SUMMARY_SCHEMA and "scope" not in summary and summary.get("scope") is None
+    code_and_lines = io.StringIO()
+    assert verify_paths([receipt], operator_trust(), code_and_lines) == 0
+    assert code_and_lines.getvalue().startswith(f"ok        {receipt.name}: passed; signed by ")
+
+
+def test_every_committed_legacy_summary_reads_as_its_own_version():
+    committed = sorted(p for p in (REPO_ROOT / "receipts").iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert {read_summary(path)["schema"] for path in committed} == {LEGACY_SUMMARY_SCHEMA}
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda s: s.update(schema="trust-ladder.validation-summary.v9"),
+     "found schema 'trust-ladder.validation-summary.v9', expected one of trust-ladder.validation-summary.v3, "
+     "trust-ladder.validation-summary.v2, trust-ladder.validation-summary.v1"),
+    (lambda s: s.pop("schema"), "found no schema, expected one of"),
+    (lambda s: s.pop("scope"), "scope: missing, expected this field"),
+    (lambda s: s["scope"].update(line=7), "scope.line: found 7, expected type string"),
+    (lambda s: s.update(scope={"line": "QUALIFIED"}), "scope: {'line': 'QUALIFIED'} is not valid"),
+    (lambda s: s.update(status="refused", passed=False, error="refused: no GPU"), "expected type null"),  # judged nothing
+])
+def test_a_summary_off_its_versions_form_is_refused_in_one_line(tmp_path, change, expected):
+    receipt = write_receipt(tmp_path / "archive", verdict=scoped(judge_summary([rung2_record(i) for i in (1, 2, 3)],
+                                                                               RULE)))
+    make_writable(receipt)
+    summary = json.loads((receipt / SUMMARY).read_bytes())
+    change(summary)
+    (receipt / SUMMARY).write_bytes(json_bytes(summary))
+    with pytest.raises(Refused) as refused:
+        read_summary(receipt)
+    message = str(refused.value)
+    assert message.startswith(f"receipt {receipt.name}: {SUMMARY}: ") and expected in message and "\n" not in message

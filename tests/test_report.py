@@ -36,9 +36,12 @@ from qualify.evidence.records import rule_from_identity
 from qualify.interfaces.report import MAX_RECEIPTS, report_cli
 from qualify.interfaces.report_check import outline_problems, page_outline
 from qualify.judge import judge_summary
+from qualify.judge.scope import Scope, scope_document
 from qualify.run.contract import identity_path_for_lane, kv_envelope_from_records, receipt_sample_records
 from tests.receipt_forgery import make_writable
 from tests.test_judge import rung2_record
+from tests.test_receipts import as_v2_receipt
+from tests.test_scope import SCOPE, scoped
 
 LANE = "nvfp4-native-w4a4"
 """The default lane of ``qualify --recipe native-text`` (rung 2; its basis receipt is committed)."""
@@ -99,9 +102,11 @@ def make_series(envelope: list[tuple[float, float]], *, seed: int = 0, diverge_a
 
 
 def write_lane_receipt(archive: Path, identity: Identity | Mapping[str, Any],
-                       series: list[dict[str, np.ndarray] | None], *, max_abs: float = 0.5) -> Path:
+                       series: list[dict[str, np.ndarray] | None], *, max_abs: float = 0.5,
+                       scope: Scope | None = None) -> Path:
     """A signed receipt of the default lane as the qualifier writes one: a record per series
-    (``None``: a sample that failed before its comparison, so it has no series file)."""
+    (``None``: a sample that failed before its comparison, so it has no series file); with
+    ``scope``, its verdict states it, as a qualification's does."""
     ensure_signing_key(announce=lambda line: None)
     loaded = identity if isinstance(identity, Identity) else load_identity(identity_path_for_lane(LANE))
     rule = rule_from_identity(loaded, drift_graded=True)
@@ -115,6 +120,7 @@ def write_lane_receipt(archive: Path, identity: Identity | Mapping[str, Any],
             if tensors is not None:
                 writer.add_series(index, tensors)
         verdict = judge_summary(records, rule)
+        verdict = scoped(verdict, scope) if scope is not None else verdict
     finally:
         path = writer.finalize(verdict)
     make_writable(path)  # tests that tamper with a copy need it writable; the original stays intact
@@ -352,6 +358,61 @@ def test_help_never_imports_matplotlib() -> None:
     assert done.stdout.strip() == "[0, 0] False"
 
 
+def controls_rows(page: Path) -> list[list[str]]:
+    """The controls table's body rows, cell texts in order (the header row aside)."""
+    rows = [row for row in element(page, "controls-table") if row.tag.endswith("tr")]
+    return [[" ".join("".join(cell.itertext()).split()) for cell in row] for row in rows[1:]]
+
+
+def has_element(page: Path, element_id: str) -> bool:
+    return any(found.get("id") == element_id for found in ET.parse(page).getroot().iter())
+
+
+def test_single_page_states_what_the_verdict_covers_and_its_controls(
+        identity: Identity, envelope: list[tuple[float, float]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    receipt = write_lane_receipt(tmp_path / "archive", identity, [make_series(envelope, seed=seed) for seed in (1, 2, 3)], scope=SCOPE)
+    page = tmp_path / "page.html"
+    assert report([receipt], page, capsys=capsys)[0] == 0
+    scope = summary_of(receipt)["scope"]
+    assert scope == scope_document(SCOPE, True)
+    assert text_of(page, "verdict-scope-line") == f"Covers: {scope['line']}"
+    assert text_of(page, "verdict-headline").startswith(scope["line"])
+    assert controls_rows(page) == [
+        [document["document"], "yes" if document["within"] else "no",
+         ", ".join(map(str, document["exceeding_lengths"])) or "—"] for document in scope["controls"]["documents"]]
+    (caption,) = [" ".join("".join(part.itertext()).split()) for part in element(page, "controls-table")
+                  if part.tag.endswith("caption")]
+    assert caption == (f"Controls e2-controls-v1: 2 of 3 documents within their E1 gates, at lengths 512, 1024, "
+                       f"2048, 4096; measured in {scope['controls']['source']}.")
+
+
+def test_a_lane_with_no_controls_shows_its_scope_line_and_no_table(
+        identity: Identity, envelope: list[tuple[float, float]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bare = Scope("python-textwrap", 3, 2048, 256, None)
+    receipt = write_lane_receipt(tmp_path / "archive", identity, [make_series(envelope, seed=seed) for seed in (1, 2, 3)], scope=bare)
+    page = tmp_path / "page.html"
+    assert report([receipt], page, capsys=capsys)[0] == 0
+    assert text_of(page, "verdict-scope-line") == (
+        "Covers: QUALIFIED on fixture python-textwrap (3 × 2048/256); controls: none declared for this lane")
+    assert not has_element(page, "controls-table")
+
+
+def test_a_page_without_a_scope_shows_neither_line_nor_table(
+        passing: Path, identity: Identity, envelope: list[tuple[float, float]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A verdict with no scope (a v3 summary's null), and a v2 receipt, signed, from before scopes."""
+    v2 = as_v2_receipt(write_lane_receipt(tmp_path / "archive", identity, [make_series(envelope, seed=1)],
+                                          scope=SCOPE))
+    for receipt in (passing, v2):
+        page = tmp_path / f"{receipt.name}.html"
+        assert report([receipt], page, capsys=capsys)[0] == 0
+        assert text_of(page, "signature").startswith("Signature verified")
+        assert not has_element(page, "verdict-scope-line") and not has_element(page, "controls-table")
+        assert text_of(page, "verdict-scope").startswith("Scope: lane nvfp4-native-w4a4")
+
+
 # --------------------------------------------------------------------------- several receipts
 
 
@@ -368,6 +429,17 @@ def test_comparison_page_puts_verdicts_side_by_side_with_overlaid_drift(
     assert_each_figure_holds_an_svg(page)
     assert "1 layer cell over the envelope" in text_of(page, "kv-heatmap-receipt-2")
     assert passing.name in text_of(page, "compare-drift") and faulty.name in text_of(page, "compare-drift")
+
+
+def test_comparison_page_states_what_each_verdict_covers(
+        passing: Path, identity: Identity, envelope: list[tuple[float, float]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    receipt = write_lane_receipt(tmp_path / "archive", identity, [make_series(envelope, seed=seed) for seed in (1, 2, 3)], scope=SCOPE)
+    page = tmp_path / "compare.html"
+    assert report([receipt, passing], page, capsys=capsys)[0] == 0
+    (covers,) = [row for row in element(page, "verdicts") if "".join(row[0].itertext()) == "covers"]
+    assert [" ".join("".join(cell.itertext()).split()) for cell in covers][1:] == [
+        summary_of(receipt)["scope"]["line"], "—"]
 
 
 def test_comparison_with_a_legacy_receipt_says_which_has_no_series(

@@ -1,4 +1,4 @@
-"""Seed 000's G3 recheck (a run's deterministic digests against its basis receipt), the host
+"""Seed 000's G3 recheck (a run's deterministic digests against its fixture anchor), the host
 refusal before any handoff, and the calibration's environment matrix."""
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ def record(repetition: int, **overrides: str) -> dict:
 BASIS = [record(1), record(2), record(3), record(4), record(5)]
 
 
-def test_equal_digests_reproduce_the_calibration() -> None:
+def test_equal_digests_reproduce_the_anchor() -> None:
     verdict = judge_reproduction([record(1), record(2), record(3)], BASIS, rung=2,
                                  deterministic_producer=True, draft=True)
     assert verdict.passed
-    assert verdict.headline.startswith("reproduced its calibration bit for bit")
+    assert verdict.headline.startswith("reproduced its anchor bit for bit")
     assert len(verdict.checks) == len(REPRODUCTION_FIELDS) + len(DRAFT_REPRODUCTION_FIELDS)
 
 
@@ -47,7 +47,7 @@ def test_any_changed_digest_fails_rung_3(name: str, words: str) -> None:
     assert not verdict.passed
     assert words in verdict.headline and "rung 3 requires it" in verdict.headline
     failing = [check for check in verdict.checks if not check.passed]
-    assert [check.name for check in failing] == [f"{words} as calibrated"]
+    assert [check.name for check in failing] == [f"{words} as anchored"]
     assert "repetition 2" in failing[0].detail
 
 
@@ -62,7 +62,7 @@ def test_rung_2_nondeterministic_producer_reports_without_failing() -> None:
     changed = [record(1, payload_sha256=digest("new")), record(2), record(3)]
     verdict = judge_reproduction(changed, BASIS, rung=2, deterministic_producer=False, draft=False)
     assert verdict.passed
-    assert verdict.headline.startswith("did not reproduce its calibration bit for bit: payload tree")
+    assert verdict.headline.startswith("did not reproduce its anchor bit for bit: payload tree")
 
 
 def test_draft_digests_count_only_on_a_lane_with_a_draft() -> None:

@@ -62,6 +62,7 @@ from qualify.contract.identity import (
     parse_identity_document,
 )
 from qualify.contract.lanes import TORCH_LLAMA_MODELS, LaneKind, LaneSpec, lane_spec, target_cache_identity
+from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
 from qualify.contract.units import parse_logit_units
 from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256
 from qualify.core.digests import jcs_sha256, sha256_bytes, sha256_file
@@ -249,10 +250,13 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
     prompt_tokens, prompt_digest = _prompt(args.prompt, args.prompt_tokens)
     theta, head_dim, max_positions = _geometry(config, config_path)
 
+    _basis_file(args.basis, Path(args.archive_dir))
+    derived = derived_numbers(spec, args.basis, Path(args.archive_dir))
     draft: dict[str, Any] | None = None
     if spec.speculative_draft:
-        if args.acceptance_floor is None or args.draft_proposal_tokens is None:
-            raise Refused(f"lane {spec.name}: pass --acceptance-floor and --draft-proposal-tokens")
+        if args.draft_proposal_tokens is None:
+            raise Refused(f"lane {spec.name}: pass --draft-proposal-tokens")
+        follows("--acceptance-floor", args.acceptance_floor, derived.acceptance_floor, FLOOR_RULE)
         draft_sha256 = repo_file_sha256(args.draft, "--draft")
         draft_config = _read_config(model_dir / "draft_config.json")
         draft = {
@@ -265,7 +269,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
                 "head_dim": head_dim,
                 "proposal_tokens": args.draft_proposal_tokens,
             },
-            "acceptance_floor": float(args.acceptance_floor),
+            "acceptance_floor": derived.acceptance_floor,
             "draft_sha256": draft_sha256,
         }
     elif args.acceptance_floor is not None or args.draft_proposal_tokens is not None or args.draft:
@@ -273,14 +277,13 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
 
     full_logits: dict[str, Any] = {"mode": spec.recipe.full_logits_mode}
     bounded = spec.recipe.full_logits_mode == "bounded-drift"
-    if bounded and (args.maximum_absolute is None or args.maximum_mean_absolute is None):
-        raise Refused(f"lane {spec.name}: pass --maximum-absolute and --maximum-mean-absolute")
     if not bounded and (args.maximum_absolute is not None or args.maximum_mean_absolute is not None):
         raise Refused(f"lane {spec.name}: recipe {spec.recipe.value} is exact; drop the bounds")
     if bounded:
-        full_logits["maximum_absolute"] = float(args.maximum_absolute)
-        full_logits["maximum_mean_absolute"] = float(args.maximum_mean_absolute)
-    _basis_file(args.basis, Path(args.archive_dir))
+        full_logits["maximum_absolute"] = follows("--maximum-absolute", args.maximum_absolute,
+                                                  derived.maximum_absolute, BOUND_RULE)
+        full_logits["maximum_mean_absolute"] = follows("--maximum-mean-absolute", args.maximum_mean_absolute,
+                                                       derived.maximum_mean_absolute, BOUND_RULE)
 
     return {
         "schema": IDENTITY_SCHEMA_ID,
@@ -313,7 +316,74 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         "rope": {"theta": theta, "cache_sha256": rope_cache_sha256(theta, head_dim, max_positions)},
         "logit_units": parse_logit_units(args.logit_units).model_dump(mode="json"),
         "speculative_draft": draft,
+        "calibration": derived.calibration,
+        "controls": derived.controls,
     }
+
+
+class Derived(NamedTuple):
+    """What the basis receipt gives by the stated rules (the only numbers a freeze may seal)."""
+
+    maximum_absolute: float | None
+    maximum_mean_absolute: float | None
+    acceptance_floor: float | None
+    calibration: dict[str, Any]
+    controls: dict[str, str] | None
+
+
+def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derived:
+    """The bounds and draft floor the basis calibration receipt gives by the stated rules, and the
+    calibration/controls blocks naming what it measured; refuses a basis that is not a calibration
+    of this lane under the committed calibration set, or that does not judge."""
+    from qualify.contract.controls import load_calibration_set, load_controls_criteria
+    from qualify.judge.calibration import anchor_draft_counts, calibration_cells, derive_acceptance_floor, derive_bounds
+    from qualify.run.contract import receipt_evidence, receipt_sample_records
+
+    run_id = basis_uri.removeprefix("receipt://").partition("/")[0]
+    receipt = archive_dir / run_id
+    evidence = receipt_evidence(receipt, "calibration")
+    records = receipt_sample_records(receipt)
+    if evidence.get("lane") != spec.name:
+        raise Refused(f"--basis {basis_uri}: a calibration of lane {evidence.get('lane')!r}, not {spec.name}")
+    calibration_set, set_digest = load_calibration_set()
+    stated_set = {"name": calibration_set.name, "sha256": set_digest}
+    if evidence.get("set") != stated_set:
+        raise Refused(f"--basis {basis_uri}: measured calibration set {evidence.get('set')!r}, the committed set is "
+                      f"{stated_set!r}; re-calibrate")
+    cells, problems = calibration_cells(evidence, records)
+    bounds = derive_bounds(cells)
+    if problems or bounds is None:
+        raise Refused(f"--basis {basis_uri}: its cells do not give a bound: {'; '.join(problems) or 'fewer than 2 cells'}")
+    counts = anchor_draft_counts(evidence)
+    floor = derive_acceptance_floor(*counts) if spec.speculative_draft and counts is not None else None
+    if spec.speculative_draft and floor is None:
+        raise Refused(f"--basis {basis_uri}: its fixture anchor recorded no draft counts; re-calibrate")
+    criteria, criteria_digest = load_controls_criteria()
+    controls = {"name": criteria.name, "sha256": criteria_digest} if spec.name in criteria.lanes else None
+    if controls is not None and evidence.get("controls") != controls:
+        raise Refused(f"--basis {basis_uri}: lane {spec.name} is preregistered in {criteria.name}, its basis "
+                      f"measured controls {evidence.get('controls')!r}; re-calibrate with the controls")
+    return Derived(
+        maximum_absolute=bounds.maximum_absolute if spec.recipe.full_logits_mode == "bounded-drift" else None,
+        maximum_mean_absolute=bounds.maximum_mean_absolute if spec.recipe.full_logits_mode == "bounded-drift" else None,
+        acceptance_floor=floor,
+        calibration={"set": stated_set,
+                     "bound_rule": {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT},
+                     "floor_rule": ({"name": FLOOR_RULE, "statement": FLOOR_RULE_STATEMENT}
+                                    if spec.speculative_draft else None)},
+        controls=controls,
+    )
+
+
+def follows(option: str, given: float | None, derived: float | None, rule: str) -> float:
+    """The derived number; a number given on the command line must be exactly it (a freeze seals
+    nothing its basis does not give by the stated rule)."""
+    if derived is None:
+        raise Refused(f"{option}: the basis gives no value by rule {rule}")
+    if given is not None and float(given) != derived:
+        raise Refused(f"{option}: found {given!r}, the basis gives {derived!r} by rule {rule}; a sealed number "
+                      f"must follow from its basis")
+    return derived
 
 
 def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str, Any]:
@@ -350,6 +420,19 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     if document["speculative_draft"] is not None:
         document["speculative_draft"]["draft_sha256"] = repo_file_sha256(args.draft or DEFAULT_DRAFT, "--draft")
     return document
+
+
+def check_follows_basis(identity: Identity, archive_dir: Path) -> None:
+    """The check every load repeats: the sealed numbers follow from the basis by the stated rules,
+    and the basis's controls judge (:mod:`qualify.run.contract`)."""
+    from qualify.run.contract import basis_controls, basis_rule_problems, receipt_evidence, receipt_sample_records
+
+    run_id = identity.onboarding_qualification.basis.removeprefix("receipt://").partition("/")[0]
+    receipt = archive_dir / run_id
+    problems = basis_rule_problems(identity, receipt_evidence(receipt, "calibration"), receipt_sample_records(receipt))
+    if problems:
+        raise Refused(f"identity {identity.lane}: {problems[0]}")
+    basis_controls(identity, receipt)
 
 
 def seal_of(identity: Identity, archive_dir: Path) -> Seal:
@@ -458,15 +541,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--write-sealed", action="store_true",
                         help="then regenerate qualify/contract/sealed_data.py from contracts/*-identity-v1.json")
     parser.add_argument("--write-schema", action="store_true",
-                        help="first regenerate contracts/onboarding-identity.v{1,2}.schema.json from the identity model")
+                        help="first regenerate contracts/onboarding-identity.v3.schema.json from the identity model")
     parser.add_argument("--producer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
                         help="default: what qualify.engines.factory.build_producer reports")
     parser.add_argument("--consumer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
                         help="default: what qualify.engines.factory.build_consumer reports")
     parser.add_argument("--basis", help="receipt://<run-id>/<file> of the calibration (with --lane)")
-    parser.add_argument("--maximum-absolute", type=float, help="rung-2 bound (max abs logit delta)")
-    parser.add_argument("--maximum-mean-absolute", type=float, help="rung-2 bound (mean abs delta)")
-    parser.add_argument("--acceptance-floor", type=float, help="rung-3 draft acceptance floor")
+    parser.add_argument("--maximum-absolute", type=float,
+                        help="rung-2 bound (max abs logit delta): derived from --basis; if given, must equal it")
+    parser.add_argument("--maximum-mean-absolute", type=float,
+                        help="rung-2 bound (mean abs delta): derived from --basis; if given, must equal it")
+    parser.add_argument("--acceptance-floor", type=float,
+                        help="rung-3 draft acceptance floor: derived from --basis; if given, must equal it")
     parser.add_argument("--draft-proposal-tokens", type=int,
                         help="rung-3 draft tokens per step (default: the speculative engine's)")
     parser.add_argument("--adapter", help="NAME=PATH of the producer adapter source (default per kind)")
@@ -500,6 +586,7 @@ def _freeze(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else CONTRACTS_DIR / f"{spec.name}-identity-v1.json"
     identity = parse_identity_document(build_document(args), where=f"identity {out}")
     seal = seal_of(identity, Path(args.archive_dir))
+    check_follows_basis(identity, Path(args.archive_dir))
     write_file(out, identity_bytes(identity), args.replace)
     print(f"# wrote {out} (identity_sha256 {seal.identity_sha256})")
     print(sealed_lines(identity.lane, seal), end="")
@@ -510,6 +597,7 @@ def _refreeze(path: Path, args: argparse.Namespace) -> None:
     old = parse_identity_document(read_strict_json(path, "identity"), where=where)
     identity = parse_identity_document(refrozen_document(old, args), where=where)
     seal = seal_of(identity, Path(args.archive_dir))
+    check_follows_basis(identity, Path(args.archive_dir))
     write_file(path, identity_bytes(identity), replace=True)
     print(f"# re-froze {path}: identity_sha256 {identity_sha256(old)} -> {seal.identity_sha256}")
     print(sealed_lines(identity.lane, seal), end="")

@@ -4,12 +4,11 @@
 # regenerate the sealed data, then qualify it and run one fault. Everything lands in $OUT.
 set -uo pipefail
 OUT="${OUT:?set OUT}"
-python3 bench/gpu_scale.py --calibrate --repetitions 5 --receipts receipts --json "$OUT/calibrate.json" \
+python3 bench/gpu_scale.py --calibrate --receipts receipts --json "$OUT/calibrate.json" \
     > "$OUT/calibrate.txt" 2>&1 || { tail -5 "$OUT/calibrate.txt"; exit 1; }
 basis=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['receipt'].split('/')[-1])" "$OUT/calibrate.json")
-read -r max_abs mean_abs < <(python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['calibration_proposed_bounds']; print(repr(b[0]), repr(b[1]))" "$OUT/calibrate.json")
-python3 tools/freeze_identity.py --lane llama3-8b-shape-pd --maximum-absolute "$max_abs" \
-    --maximum-mean-absolute "$mean_abs" --basis "receipt://$basis/command.log" --replace > "$OUT/freeze.txt" 2>&1 \
+python3 tools/freeze_identity.py --lane llama3-8b-shape-pd \
+    --basis "receipt://$basis/command.log" --replace > "$OUT/freeze.txt" 2>&1 \
     && python3 tools/freeze_identity.py --write-sealed >> "$OUT/freeze.txt" 2>&1 || { cat "$OUT/freeze.txt"; exit 1; }
 mkdir -p "$OUT/lane"
 for name in ${QUALIFY_RUNS:-qualify}; do

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Generate the JSON Schemas of a receipt's data files, so the committed ones never drift.
 
-The sample record and the validation summary (v2, and the legacy v1) are generated from their
-pydantic models (``qualify.evidence.records``); host.json and versions.json, which have no model,
+The sample record and the validation summary (v3, and the older v2 and v1) are generated from
+their pydantic models (``qualify.evidence.records``; v3's ``scope`` from
+``qualify.archive.writer.ScopeRecord``); host.json and versions.json, which have no model,
 from the constants their writers use (``qualify.core.hostenv``, ``qualify.archive.layout``). The
 manifest, envelope, statement and trust schemas are written by hand and not touched here. The
 format as a whole: docs/receipts.md.
@@ -27,6 +28,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
 from qualify.archive.layout import HOST_SCHEMA, RUN_ID
+from qualify.archive.writer import SCOPED_SUMMARY_SCHEMA, ScopeRecord
 from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.hostenv import HOST_FACTS_KEYS, HOST_FACTS_MAX_BYTES, HOST_FACTS_SCHEMA
 from qualify.evidence.records import (
@@ -107,9 +109,19 @@ def sample_record_schema() -> dict[str, Any]:
     return {**head, **generated}
 
 
+def scope_schema() -> dict[str, Any]:
+    """A verdict's scope (:class:`qualify.archive.writer.ScopeRecord`) with its parts under
+    ``$defs``: the form the v3 summary's ``scope`` and ``--json``'s recipe document share."""
+    generated = ScopeRecord.model_json_schema(by_alias=True, mode="serialization", schema_generator=_FileFormSchema)
+    defs = {**generated.pop("$defs"), "ScopeRecord": generated}
+    for part in defs.values():
+        part["description"] = part["description"].replace("\n", " ").replace(":func:", "")
+    return defs
+
+
 def summary_schema(schema_id: str) -> dict[str, Any]:
     """``validation-summary.json`` of one version: :class:`ValidationSummary` with its rule typed
-    as the judging rule it holds (v1 has no ``status``)."""
+    as the judging rule it holds (v1 has no ``status``; v3 adds the verdict's ``scope``)."""
     generated = ValidationSummary.model_json_schema(by_alias=True, mode="serialization",
                                                     schema_generator=_FileFormSchema)
     rule = TypeAdapter(QualificationRule).json_schema(mode="serialization", schema_generator=_FileFormSchema)
@@ -121,7 +133,7 @@ def summary_schema(schema_id: str) -> dict[str, Any]:
     properties["run_id"] = {"type": "string", "pattern": RUN_ID.pattern, "description": "the receipt directory's name"}
     properties["rule"] = {"oneOf": [{"type": "null"}, rule]}
     properties["started_utc"] = properties["finished_utc"] = {"type": "string", "pattern": TIMESTAMP}
-    if schema_id == SUMMARY_SCHEMA:
+    if schema_id in (SUMMARY_SCHEMA, SCOPED_SUMMARY_SCHEMA):
         properties["status"] = {"enum": ["passed", "failed", "refused", "incomplete"]}
         generated["allOf"] = [  # the model's own rules (ValidationSummary._status_matches)
             {"if": _is("passed", {"const": True}), "then": _is("status", {"const": "passed"}),
@@ -133,6 +145,17 @@ def summary_schema(schema_id: str) -> dict[str, Any]:
                 "incomplete (ended before its verdict); passed is true exactly when status is passed. "
                 "identity_sha256 is null only in a run refused before its identity loaded (no identity.json), "
                 "lane null only then too.")
+        if schema_id == SCOPED_SUMMARY_SCHEMA:
+            generated["$defs"].update(scope_schema())
+            properties["scope"] = {"oneOf": [{"type": "null"}, {"$ref": "#/$defs/ScopeRecord"}]}
+            generated["required"].append("scope")
+            generated["allOf"].append(  # a run that judged nothing states no scope
+                {"if": _is("status", {"enum": ["refused", "incomplete"]}), "then": _is("scope", {"type": "null"})})
+            note += (" scope: what the verdict covers (qualify.judge.scope.scope_document): the scope line, its "
+                     "fixture and controls halves word for word, the fixture, and the lane's E2 controls against "
+                     "their E1 gates (null when the lane declares none); null when the verdict has no scope (a "
+                     "calibration, a run refused or stopped before its verdict), always null for refused and "
+                     "incomplete.")
     else:
         del properties["status"]
         generated["required"].remove("status")
@@ -221,6 +244,7 @@ def versions_schema() -> dict[str, Any]:
 
 GENERATED: Mapping[str, Callable[[], dict[str, Any]]] = {
     "sample-record.v1.schema.json": sample_record_schema,
+    "validation-summary.v3.schema.json": lambda: summary_schema(SCOPED_SUMMARY_SCHEMA),
     "validation-summary.v2.schema.json": lambda: summary_schema(SUMMARY_SCHEMA),
     "validation-summary.v1.schema.json": lambda: summary_schema(LEGACY_SUMMARY_SCHEMA),
     "receipt-host.v1.schema.json": host_schema,

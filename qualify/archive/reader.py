@@ -1,5 +1,6 @@
-"""Reading receipts: the files a verified receipt lists, its JSON files parsed strictly, and
-``receipt://<run-id>/<file>`` URIs resolved to files of verified receipts."""
+"""Reading receipts: the files a verified receipt lists, its JSON files parsed strictly, its
+summary checked against its own version's schema, and ``receipt://<run-id>/<file>`` URIs
+resolved to files of verified receipts."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qualify.archive.layout import MANIFEST, RUN_ID, URI_PREFIX, is_safe_relative
+from qualify.archive.layout import MANIFEST, RUN_ID, SUMMARY, URI_PREFIX, is_safe_relative
 from qualify.archive.verify import load_receipt_json, manifest_schema_path, shown, verify_receipt
+from qualify.archive.writer import SCOPED_SUMMARY_SCHEMA
+from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.errors import Refused
 from qualify.core.strict_json import check_schema
+from qualify.evidence.records import LEGACY_SUMMARY_SCHEMA, SUMMARY_SCHEMA
+
+SUMMARY_SCHEMAS: dict[str, Path] = {
+    version: CONTRACTS_DIR / f"{version.removeprefix('trust-ladder.')}.schema.json"
+    for version in (SCOPED_SUMMARY_SCHEMA, SUMMARY_SCHEMA, LEGACY_SUMMARY_SCHEMA)
+}
+"""Every summary version a reader accepts, newest first, and its schema file: v3 (the verdict's
+``scope``), v2 (``status``, no scope) and v1 (legacy: neither)."""
 
 
 def receipt_files(directory: str | os.PathLike[str]) -> list[str]:
@@ -33,6 +44,22 @@ def read_receipt_json(directory: str | os.PathLike[str], relative: str) -> Any:
     if not is_safe_relative(relative):
         raise Refused(f"{where}: not a plain path inside the receipt")
     return load_receipt_json(root / relative, where)
+
+
+def read_summary(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """A receipt's ``validation-summary.json``, valid against its own version's schema
+    (:data:`SUMMARY_SCHEMAS`); :class:`Refused` (one line) for an unknown version or a summary
+    that breaks its schema. A v1 or v2 summary has no ``scope``: read it as null."""
+    root = Path(directory)
+    document = read_receipt_json(root, SUMMARY)
+    where = f"receipt {shown(root.name)}: {SUMMARY}"
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if not isinstance(schema, str) or schema not in SUMMARY_SCHEMAS:
+        found = "no schema" if schema is None else f"schema {ascii(schema)[:120]}"
+        raise Refused(f"{where}: found {found}, expected one of {', '.join(SUMMARY_SCHEMAS)}")
+    check_schema(document, SUMMARY_SCHEMAS[schema], where)
+    summary: dict[str, Any] = document
+    return summary
 
 
 def resolve_receipt_uri(uri: str, archive_dir: str | os.PathLike[str]) -> Path:

@@ -9,10 +9,13 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TextIO
+from typing import Annotated, Any, Final, Protocol, TextIO
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from qualify.archive.attestation import ENVELOPE, sign_statement
 from qualify.archive.keys import SigningKey, ensure_signing_key
@@ -41,6 +44,11 @@ from qualify.evidence.records import (
     record_json,
 )
 from qualify.judge import Verdict, judge_incomplete, judge_refused
+from qualify.judge.scope import NAME, scope_document
+
+SCOPED_SUMMARY_SCHEMA: Final = "trust-ladder.validation-summary.v3"
+"""The summary the writer writes: v2's fields and the verdict's ``scope``
+(:class:`ScopeRecord`, or null). v2 and v1 summaries stay readable."""
 
 
 class DocumentedIdentity(Protocol):
@@ -51,6 +59,89 @@ class DocumentedIdentity(Protocol):
 
 IdentitySource = str | os.PathLike[str] | Mapping[str, Any] | DocumentedIdentity
 """Where a receipt's identity.json comes from: a file (copied byte for byte), a document, or an Identity."""
+
+
+# --------------------------------------------------------------------------- the scope's file form
+
+
+_Name = Annotated[str, StringConstraints(pattern=f"^{NAME.pattern}$")]
+_Positive = Annotated[int, Field(ge=1)]
+_Line = Annotated[str, StringConstraints(min_length=1, pattern=r"^[^\n\r]+$")]
+
+
+class _ScopeForm(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+
+class ScopeFixture(_ScopeForm):
+    """The fixture a verdict ran on: its name, handoffs, and prompt and output tokens per handoff."""
+
+    name: _Name
+    repetitions: _Positive
+    prompt_tokens: _Positive
+    output_tokens: _Positive
+
+
+class ScopeControlDocument(_ScopeForm):
+    """One control document: within its E1 gates, or the grid lengths at which it exceeds them."""
+
+    document: _Name
+    within: bool
+    exceeding_lengths: list[_Positive]
+
+    @model_validator(mode="after")
+    def _within_means_no_exceedance(self) -> ScopeControlDocument:
+        if self.within == bool(self.exceeding_lengths):
+            raise ValueError(f"{self.document}: within is {self.within} with exceeding lengths {self.exceeding_lengths}")
+        return self
+
+
+class ScopeControls(_ScopeForm):
+    """The lane's E2 controls against their E1 gates: the criteria, the receipt that measured
+    them, the length grid, and each document's outcome with the counts the line states."""
+
+    criteria: _Name
+    source: _Line
+    lengths: list[_Positive] = Field(min_length=1)
+    documents_within: Annotated[int, Field(ge=0)]
+    documents_total: _Positive
+    documents: list[ScopeControlDocument] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _counts_are_the_documents(self) -> ScopeControls:
+        within = sum(document.within for document in self.documents)
+        if (self.documents_within, self.documents_total) != (within, len(self.documents)):
+            raise ValueError(f"{self.criteria}: counts {self.documents_within} of {self.documents_total}, the documents "
+                             f"say {within} of {len(self.documents)}")
+        outside = sorted({n for d in self.documents for n in d.exceeding_lengths} - set(self.lengths))
+        if outside:
+            raise ValueError(f"{self.criteria}: exceeding lengths {outside} are not on the grid {self.lengths}")
+        return self
+
+
+class ScopeRecord(_ScopeForm):
+    """What a verdict covers, as a summary holds it (:func:`qualify.judge.scope.scope_document`):
+    the scope line, its fixture and controls halves word for word, and the facts they state."""
+
+    line: _Line
+    fixture_words: _Line
+    controls_words: _Line
+    fixture: ScopeFixture
+    controls: ScopeControls | None
+
+
+def scope_record(verdict: Verdict) -> ScopeRecord | None:
+    """The verdict's scope in its file form; None when it has none (a calibration, a refused or
+    incomplete run). :class:`Refused` (one line) for a scope on a verdict that judged nothing, or
+    one the form refuses: the receipt never holds a scope it cannot state."""
+    if verdict.scope is None:
+        return None
+    if verdict.status not in ("passed", "failed"):
+        raise Refused(f"receipt: scope: a {verdict.status} verdict judged nothing, so it states no scope")
+    try:
+        return ScopeRecord.model_validate_json(json.dumps(scope_document(verdict.scope, verdict.passed)))
+    except (ValidationError, ValueError) as exc:
+        raise Refused(f"receipt: scope: {one_line(str(exc))[:300]}") from None
 
 
 def _utc_now() -> str:
@@ -253,6 +344,18 @@ class ReceiptWriter:
         self.log(f"series {repetition} recorded ({len(tensors)} tensors)")
         return self.path / "series" / name
 
+    def add_evidence(self, name: str, document: Mapping[str, Any]) -> Path:
+        """Write ``evidence/<name>.json`` once: a measurement beside the samples (a calibration's
+        cells, a lane's E2 controls), listed in the manifest and the signed statement."""
+        self._require_open()
+        if not re.fullmatch(r"[a-z][a-z0-9-]{0,63}", name):
+            raise Refused(f"receipt {self.run_id}: evidence name {name!r}, expected lower-case letters, digits, '-'")
+        evidence_dir = self.staging / "evidence"
+        evidence_dir.mkdir(exist_ok=True)
+        _write_new(evidence_dir / f"{name}.json", json_bytes(json_safe(dict(document))))
+        self.log(f"evidence {name} recorded")
+        return self.path / "evidence" / f"{name}.json"
+
     def set_producer_host(self, facts: Mapping[str, Any] | None, *, problem: str | None = None) -> None:
         """Record one producer start's host facts (as it reported them when ready) for host.json,
         after any earlier start's. A document that is not well-formed host facts is recorded as
@@ -292,6 +395,7 @@ class ReceiptWriter:
         if self.identity_sha256 is None and verdict.status != "refused":
             raise Refused(f"receipt {self.run_id}: status {verdict.status} without an identity; a receipt with no "
                           f"identity records a refused run")
+        scope = scope_record(verdict)  # before finalized: a refused scope leaves the receipt to seal
         self.finalized = True
         rung = self.rule.get("rung") if self.rule else None
         summary = ValidationSummary(
@@ -316,6 +420,8 @@ class ReceiptWriter:
         os.fsync(self._log.fileno())
         self._log.close()
         summary_document = json.loads(summary.model_dump_json(by_alias=True))
+        summary_document.update(schema=SCOPED_SUMMARY_SCHEMA,
+                                scope=None if scope is None else scope.model_dump(mode="json"))
         host_document = self._host_document()
         _write_new(self.staging / SUMMARY, json_bytes(summary_document))
         _write_new(self.staging / HOST, json_bytes(host_document))

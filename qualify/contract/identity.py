@@ -52,17 +52,24 @@ from qualify.contract.lanes import (
     check_speculative_draft,
     target_cache_identity,
 )
+from qualify.contract.rules import BOUND_RULE, FLOOR_RULE, STATED_RULES
 from qualify.contract.units import LogitUnits
 from qualify.core.assets import CONTRACTS_DIR, RECEIPTS_DIR, require_asset
 from qualify.core.digests import canonical_json_bytes, document_sha256, is_sha256_hex, sha256_bytes
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
 
-IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v1", "trust-ladder.onboarding-identity.v2"]
+IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v3"]
 IDENTITY_SCHEMA_IDS: tuple[str, ...] = get_args(IdentitySchemaId)
-"""Every ``schema`` string an onboarding identity document may declare, oldest first."""
+"""Every ``schema`` string an onboarding identity document may declare to load."""
 IDENTITY_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[-1]
-"""The ``schema`` string freezing writes (v2: the identity's digest is over its RFC 8785 bytes)."""
+"""The ``schema`` string freezing writes (v3: v2's RFC 8785 digest, plus the calibration set,
+the stated bound rule and the controls criteria, each pinned by digest)."""
+RETIRED_IDENTITY_SCHEMA_IDS: tuple[str, ...] = ("trust-ladder.onboarding-identity.v1",
+                                                "trust-ladder.onboarding-identity.v2")
+"""Versions that no longer load: their bounds were sealed from the fixture itself, with no
+calibration set or stated rule behind them (their schemas stay in ``contracts/`` for archived
+receipts)."""
 
 IDENTITY_SCHEMA_PATHS: Mapping[str, Path] = MappingProxyType({
     schema_id: CONTRACTS_DIR / f"onboarding-identity.{schema_id.rsplit('.', 1)[1]}.schema.json"
@@ -258,6 +265,35 @@ class ExactLogits(_Frozen):
 FullLogitsRule = Annotated[BoundedDriftLogits | ExactLogits, Field(discriminator="mode")]
 
 
+def _known_rule(name: str) -> str:
+    if name not in STATED_RULES:
+        raise _rule_error("", f"found {render(name)}, expected one of {', '.join(STATED_RULES)}")
+    return name
+
+
+class StatedRule(_Frozen):
+    """A rule by name, with the words that state it (both pinned by the identity's digest)."""
+
+    name: Annotated[Name, AfterValidator(_known_rule)]
+    statement: Annotated[str, Field(min_length=1, max_length=2000)]
+
+    @model_validator(mode="after")
+    def _states_the_rule(self) -> StatedRule:
+        if self.statement != STATED_RULES[self.name]:
+            raise _rule_error("statement", f"differs from rule {self.name}'s statement "
+                                           f"(qualify/contract/rules.py): {render(STATED_RULES[self.name])}")
+        return self
+
+
+class CalibrationBasis(_Frozen):
+    """How the rule was measured: the calibration set (documents and lengths, never the fixture or a
+    control) by the digest of its file, the stated bound rule, and for a draft the floor rule."""
+
+    set: NamedDigest
+    bound_rule: StatedRule
+    floor_rule: StatedRule | None = Field(description="null, or the rung-3 draft floor's rule")
+
+
 class OnboardingQualification(_Frozen):
     """The qualification rule, written before the run (seed §32.2)."""
 
@@ -304,6 +340,10 @@ class Identity(_Frozen):
     logit_units: LogitUnits
     speculative_draft: SpeculativeDraft | None = Field(
         description="null, or the rung-3 draft (never on a native-mode lane)"
+    )
+    calibration: CalibrationBasis
+    controls: NamedDigest | None = Field(
+        description="null, or the preregistered E2 controls criteria file (name and RFC 8785 digest)"
     )
 
     @property
@@ -374,6 +414,19 @@ class Identity(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _calibration_rules_fit(self) -> Identity:
+        """The bound rule is the bound rule; a floor rule is stated exactly when a draft is declared."""
+        basis = self.calibration
+        if basis.bound_rule.name != BOUND_RULE:
+            raise _rule_error("calibration.bound_rule.name", f"found {render(basis.bound_rule.name)}, expected {BOUND_RULE}")
+        if (basis.floor_rule is None) != (self.speculative_draft is None):
+            expected = "null (no draft is declared)" if self.speculative_draft is None else f"rule {FLOOR_RULE}"
+            raise _rule_error("calibration.floor_rule", f"expected {expected}")
+        if basis.floor_rule is not None and basis.floor_rule.name != FLOOR_RULE:
+            raise _rule_error("calibration.floor_rule.name", f"found {render(basis.floor_rule.name)}, expected {FLOOR_RULE}")
+        return self
+
+    @model_validator(mode="after")
     def _cache_identity_is_derived(self) -> Identity:
         """The target-cache identity is derived from lane, checkpoint and producer ABI, never stated."""
         derived = target_cache_identity(self.spec, self.checkpoint.files, self.producer_engine.abi)
@@ -411,7 +464,7 @@ class _ContractSchema(GenerateJsonSchema):
 
 
 _DIGEST_RULES: Mapping[str, str] = MappingProxyType({
-    "trust-ladder.onboarding-identity.v2": (
+    "trust-ladder.onboarding-identity.v3": (
         " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."),
 })
 """What a version's schema says about its digest (v1's text predates the rule and stays as committed)."""
@@ -471,6 +524,10 @@ def _schema_path_of(document: object, where: str) -> Path:
     """The JSON Schema of the version the document declares; the current one when it declares
     none (the schema layer then names what is missing)."""
     if isinstance(document, dict) and "schema" in document:
+        if document["schema"] in RETIRED_IDENTITY_SCHEMA_IDS:
+            raise Refused(f"{where}: schema: found {render(document['schema'])}, a retired version whose bounds "
+                          f"were sealed from the fixture itself; re-calibrate and re-freeze it as "
+                          f"{render(IDENTITY_SCHEMA_ID)} (docs/calibration.md)")
         path = IDENTITY_SCHEMA_PATHS.get(document["schema"]) if isinstance(document["schema"], str) else None
         if path is None:
             raise Refused(f"{where}: schema: found {render(document['schema'])}, expected one of "
@@ -631,6 +688,7 @@ __all__ = [
     "ReceiptResolver",
     "ReceiptVerifier",
     "BoundedDriftLogits",
+    "CalibrationBasis",
     "Checkpoint",
     "ContextPolicy",
     "DraftGeometry",
@@ -642,6 +700,7 @@ __all__ = [
     "PromptRef",
     "Rope",
     "SpeculativeDraft",
+    "StatedRule",
     "check_basis_receipt",
     "check_sealed",
     "identity_json_schema",

@@ -13,33 +13,33 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
-    "kquant-exact-dflash": "d478978caa860a339be77fdf39eb3f122fab8f21a9cf321e009bc74bba26af37",
-    "llama3-8b-shape-pd": "91af36e9ad67a12eb4caa52e4e2ae175f8d58e80df43c66c524ffefd9c274ef1",
-    "nvfp4-native-f16": "f0e7abd882842be4426bc63b35d4dcd2c14bf4cce753f8338f82273703b5e49a",
-    "nvfp4-native-splitk": "1ebf05cd79c8b9c7fc779005c3f468c5e5bc4af085f073530705e55b6ea69d49",
-    "nvfp4-native-w4a4": "230007ef3a59b1378323e74587f177c51b8503f82b474c72646b5c84ba84a253",
-    "reference-to-vllm": "5eae120d68d1039b406dce31ee8d3e2c916c1db4aa87a3a2726c411423c03580",
-    "transformers-cuda-bf16": "0d1c92832feaf44309b1ca798d7051fcf9bef5c3933da6338b469ca02b3c5527",
-    "transformers-cuda-fp32": "3347e34bed73ea7a4f5eb6a8fa6d2eec597f597137443116ad90eaa4d9bf55c5",
-    "transformers-cuda-tf32": "b61a53e98014e68b2b6d885b448979f20abaa26b83b691fda1b74dfcf55cb49f",
-    "vllm-to-reference": "f616164ae9627ad2af6633f55d9be0183f2d3b52baf93e4e80f18f50dd488801",
-    "vllm-to-vllm": "8dd354c723d28932a3cc5c70709aed4bbf7e0872fa9aef3d942a6e8529d1aa78",
+    "kquant-exact-dflash": "2f388778ea6a48805e1d3cdb63797c8a12889bb089899047d273d23bf289e93b",
+    "llama3-8b-shape-pd": "4c50b297f8127070712eb3a899af0b27bb960981f893a8417c64e1da919065e2",
+    "nvfp4-native-f16": "396c3d8c7f8785976ba43223ea7805267ea9ed0ff8cd9a11114611e55fc26312",
+    "nvfp4-native-splitk": "ec14968c6e0a6eb2b72554330eedaf00fdd1de3240f97f46af4fc0e4568a1a00",
+    "nvfp4-native-w4a4": "4c63677f709628ac80e748308c3e6cdb214e3e9e71400e572f765040630a97e5",
+    "reference-to-vllm": "fe6d0941f68d151b61c3aab59b7e498fddd2fd1df373e1daf7817bb8eb01346d",
+    "transformers-cuda-bf16": "bfb85507e4cfe7f4394a88dd11fbe8b9b39f9263800fdf7f1851e1b4f34655a2",
+    "transformers-cuda-fp32": "6b5dad7cfe71a635c32fc4ab475a8bb56275886677a1a73ba0361a2f102798ec",
+    "transformers-cuda-tf32": "370bcf418f77708071c11c25bed9b74e533125a852d28db27f7871b651197d9d",
+    "vllm-to-reference": "10aa2514b6487a08de9a7ab6d013f8c8d13f6e53d2726ebb55961bba7f04ea68",
+    "vllm-to-vllm": "a1b8f246687d3da33a17578490a22c3345fba53062343bea6e42a7188ce90ecf",
 })
 """Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the
 RFC 8785 bytes of a v2 identity)."""
 
 SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({
-    "kquant-exact-dflash": "07c81645b0ffe2f3a653621331b44e63d0c599390600c952713df6509e2ccd55",
-    "llama3-8b-shape-pd": "ee2080e35301cc36e0c8ede8aa5a92ee6fb474f49343dcac356520435dd299b7",
-    "nvfp4-native-f16": "5ecd745cb033e6225be4751bc3ad5c7924ce9156398ea26bf10e00247ae082be",
-    "nvfp4-native-splitk": "23eea4a0f14f52f44751680b9933348693c48d9b9b5d923a3cd0d877552c39a5",
-    "nvfp4-native-w4a4": "05cd0453ae64d53f6cdbe1f1e33a9efbe929f898cd2878734eac42ddff6aec68",
-    "reference-to-vllm": "9ad76bcc6d117c90e614417d6a6b28b4767ea7da49d31972207f952d651c4c82",
-    "transformers-cuda-bf16": "180f625a4ffc0b8f47210f9be079e3e21e451871856402395bb3e162aef9731e",
-    "transformers-cuda-fp32": "97de9aa8082d516e455055d32676cc7ae480c406f4b308a604cbc04c832279ae",
-    "transformers-cuda-tf32": "2d01ebdac82ed4c6fe06d83de475ded5fc563bd16e67199e83956c984a46e3d6",
-    "vllm-to-reference": "92cba5ee4a8a7d632d94edc8e61c810b56fb18d81b8bf0ded2454b0ff00fb9d1",
-    "vllm-to-vllm": "3d9449c91cfdeff0875825c0925efc2e86a1b302524eb73d602a622b2d374d33",
+    "kquant-exact-dflash": "f2c4d6828aa01075f5ec37db947e5df4ec4bd4ffd402e6adb060103cfaa46e00",
+    "llama3-8b-shape-pd": "fd41e698ad00e16aa75438c9d470df27deb16b6fc060a071f0f22f4ff1cbfae7",
+    "nvfp4-native-f16": "9654062e9d693b8e9d48a7603899577117cc66d61ca27d4733391f21fa260097",
+    "nvfp4-native-splitk": "fd2b226eb652c74fb5a5a9d34411ad57ffb86451e94c1ca2a0b7aac8f22de80e",
+    "nvfp4-native-w4a4": "d8057cfa2326fba2252b705d9dcdc8f39a5bcbfc5d3305fab3ed6b65278cb078",
+    "reference-to-vllm": "e46a37cf69e50a3bb379f8faaee23318e3039cfa3e24efbc9fbbf836f9f84bcf",
+    "transformers-cuda-bf16": "5e4a680edcb6613df1880e97e31ab48e45c5efd1006c24cd24a31f0a0df1a6f1",
+    "transformers-cuda-fp32": "d2d2611f93db5617940a7df3cee86478e5aaa843e8c9ffcfeb872c5231293a3d",
+    "transformers-cuda-tf32": "72d134e72d3c9831d4023b3c3e7dec63493c0e2ce2d908fd6c4c567d1425a831",
+    "vllm-to-reference": "002c89222d6dfa361b13befccd2d76b8b59a6e2251af920b5ec651c410f97b66",
+    "vllm-to-vllm": "bc6bf5237014244872dbf1bc754ee4936f54a01d7338e21e5108ae4ea47bbc86",
 })
 """Lane -> SHA-256 of the ``manifest.json`` of the basis receipt (``onboarding_qualification.basis``)
 its rule was calibrated from; ``qualify.contract.identity.check_basis_receipt`` also checks every

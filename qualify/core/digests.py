@@ -78,8 +78,10 @@ receipts (``identity.json``/``identity.sha256``) and v1 identities were sealed w
 
 JCS_SCHEMAS: frozenset[str] = frozenset({
     "trust-ladder.onboarding-identity.v2",
+    "trust-ladder.onboarding-identity.v3",
     "trust-ladder.handoff-manifest.v4",
     "trust-ladder.calibration.v2",
+    "trust-ladder.calibration.v3",
 })
 """Schemas digested (or MAC'd) over their RFC 8785 bytes (:func:`jcs_bytes`)."""
 

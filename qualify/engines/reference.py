@@ -24,6 +24,10 @@ Two forward paths share the layer weights and arithmetic kinds but not reduction
   at once, or a consumer that gets several pending tokens, reproduces plain one-token decode bit
   for bit.
 
+``score_rows`` (the E2 controls' consumer side) is batched like prefill but keeps decode's
+reduction shapes: row r is the decode step at position r after a handoff of r positions, bit for
+bit, for every r at once.
+
 Every contraction, sum and transcendental goes through ``qualify.core.numerics``, whose results
 are exact by construction (integer contractions, fixed-order sums, elementwise polynomials): the
 same bits on every x86-64 machine whatever BLAS kernel, thread count or numpy SIMD dispatch it
@@ -51,7 +55,16 @@ from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.hostenv import check_ieee_environment, numeric_environment
 from qualify.core.kv import KVCache, check_kv_fits
-from qualify.core.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
+from qualify.core.numerics import (
+    LEFT_BITS,
+    REDUCTION_CHUNK,
+    FixedPointRows,
+    cos_sin,
+    exp,
+    matmul_rows,
+    tree_sum,
+    weighted_sum,
+)
 from qualify.engines.base import ENGINE_VERSION, DecodeResult, GreedyDecoder, Linear, ModelGeometry, finished_decode
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
 
@@ -170,6 +183,67 @@ def softmax_(scores: np.ndarray) -> np.ndarray:
     return scores
 
 
+def visible_tree_sum(x: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """x [..., rows, keys], visible [rows] -> [..., rows, 1]: row i's sum over its first visible[i]
+    entries in exactly :func:`tree_sum`'s fixed pairwise order for that length (the entries after
+    them are never read), so a causal block's rows get decode's softmax denominators bit for bit.
+
+    Each level folds row i's entry j + half_i onto entry j (j < half_i, half_i = length_i // 2);
+    an odd row's last entry moves to slot half_i as ``0 + x`` (exact). Rows differ only in half_i,
+    so one gather per level serves them all."""
+    lengths = np.asarray(visible, dtype=np.int64)  # [rows]
+    rows = lengths.size
+    while lengths.max(initial=0) > 1:
+        half = lengths // 2  # [rows]
+        lengths = lengths - half  # ceil(length / 2): the folded pairs plus an odd last entry
+        width, keys = int(lengths.max()), x.shape[-1]
+        slot = np.arange(width)[None, :]  # [1, width]
+        # Slots past a row's new length read a clipped, meaningless partner: never read again.
+        partner = np.minimum(slot + half[:, None], keys - 1)  # [rows, width]
+        # One gather along the flattened [rows * keys] axis (faster than indexing two axes).
+        flat = np.ascontiguousarray(x).reshape(-1, rows * keys)
+        partners = np.take(flat, np.arange(rows)[:, None] * keys + partner, axis=1)
+        kept = np.where(slot < half[:, None], x[..., :width], np.float32(0))
+        x = kept + partners.reshape(*x.shape[:-1], width)
+    return x[..., :1]
+
+
+def weighted_sum_own_diagonal(probs: np.ndarray, past_value_rows: FixedPointRows,
+                              own_value_rows: FixedPointRows, start: int) -> np.ndarray:
+    """:func:`~qualify.core.numerics.weighted_sum` of a causal query block whose row i reads the
+    handed-off values at keys 0..start+i-1 and its own value at key start+i: probs [kv, group,
+    rows, keys], past values [kv, keys, hd], own values [kv, rows, hd] -> [kv, group, rows, hd].
+
+    Bit for bit the decode row's ``weighted_sum`` over its own slots: the same folded row (the own
+    value's scale at the diagonal), the same integers, the same REDUCTION_CHUNK-long exact partial
+    sums (the own term joins the chunk holding key start+i) added left to right; the chunks past a
+    row's keys add only zeros."""
+    rows = probs.shape[-2]
+    diagonal = np.arange(rows)
+    scales = np.swapaxes(past_value_rows.scale, -1, -2)[:, None]  # [kv, 1, 1, keys]
+    folded = probs.astype(np.float64) * scales  # [kv, group, rows, keys]
+    own_scales = own_value_rows.scale[:, None, :, 0]  # [kv, 1, rows]
+    folded[..., diagonal, start + diagonal] = probs[..., diagonal, start + diagonal] * own_scales
+    left = FixedPointRows.of(folded, LEFT_BITS, reuse=True)
+    own_weights = left.integers[..., diagonal, start + diagonal].copy()  # [kv, group, rows]
+    left.integers[..., diagonal, start + diagonal] = 0  # the diagonal multiplies the own value
+    own_terms = own_weights[..., None] * own_value_rows.integers[:, None]  # [kv, group, rows, hd], exact
+    own_chunks = (start + diagonal) // REDUCTION_CHUNK  # the chunk each row's own key falls in
+    kv_heads, group, _, keys = probs.shape
+    left_rows = left.integers.reshape(kv_heads, group * rows, keys)  # one BLAS batch per KV head
+    total: np.ndarray | None = None
+    for chunk, chunk_start in enumerate(range(0, keys, REDUCTION_CHUNK)):
+        keys_in_chunk = slice(chunk_start, chunk_start + REDUCTION_CHUNK)
+        partial = (left_rows[..., keys_in_chunk] @ past_value_rows.integers[:, keys_in_chunk]
+                   ).reshape(kv_heads, group, rows, -1)
+        in_chunk = own_chunks == chunk
+        partial[..., in_chunk, :] += own_terms[..., in_chunk, :]  # integers below 2^52: exact
+        total = partial if total is None else total + partial
+    assert total is not None
+    total *= left.scale  # exact: powers of two
+    return total.astype(np.float32)
+
+
 # --------------------------------------------------------------------------------------------
 # One decoder layer
 # --------------------------------------------------------------------------------------------
@@ -221,6 +295,16 @@ class DecoderLayer:
         """x [T, hidden] at positions 0..T-1 -> (x_out [T, hidden] or None, K, V), K post-RoPE
         and V as C-contiguous [kv_heads, T, head_dim]. ``need_output=False`` stops after K/V
         (the last layer's output only feeds logits, which prefill does not return)."""
+        q, k, v = self._project_qkv(x)
+        if not need_output:
+            return None, k, v
+        attended = self._prefill_attention(q, k, v)  # [T, heads * head_dim]
+        x = self.materialize(x + self.o_proj(attended))
+        return self._mlp_residual(x), k, v
+
+    def _project_qkv(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x [T, hidden] at positions 0..T-1 -> q [heads, T, hd], k [kv_heads, T, hd] (both
+        post-RoPE) and v [kv_heads, T, hd], C-contiguous float32."""
         positions = x.shape[0]
         cos, sin = self.rope_cos[:positions], self.rope_sin[:positions]  # [T, head_dim]
         h = self.materialize(rms_norm(x, self.attention_norm, self.eps))  # [T, hidden]
@@ -230,11 +314,7 @@ class DecoderLayer:
         q = np.ascontiguousarray(apply_rope(q, cos, sin))  # [heads, T, head_dim]
         k = np.ascontiguousarray(apply_rope(k, cos, sin))  # [kv_heads, T, head_dim]
         v = np.ascontiguousarray(v, dtype=np.float32)  # [kv_heads, T, head_dim]
-        if not need_output:
-            return None, k, v
-        attended = self._prefill_attention(q, k, v)  # [T, heads * head_dim]
-        x = self.materialize(x + self.o_proj(attended))
-        return self._mlp_residual(x), k, v
+        return q, k, v
 
     def _prefill_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Causal grouped-query attention over all positions, in query blocks (no Python loop
@@ -259,6 +339,55 @@ class DecoderLayer:
             probs = self.materialize(softmax_(scores))  # [kv, group, rows, stop]
             block = weighted_sum(probs.reshape(kv_heads, group * rows, stop), value_rows[:, :stop])
             out[:, :, start:stop] = block.reshape(kv_heads, group, rows, head_dim)
+        # [kv, group, T, hd] -> [heads, T, hd] -> [T, heads * hd] (heads concatenated per row)
+        merged = out.reshape(self.heads, positions, head_dim).transpose(1, 0, 2)
+        return self.materialize(merged.reshape(positions, self.heads * head_dim))
+
+    # ---- scoring after a handoff: every row at once, each one a decode step ------------------
+
+    def score_rows(self, x: np.ndarray, past_keys: np.ndarray, past_values: np.ndarray) -> np.ndarray:
+        """x [T, hidden] at positions 0..T-1 -> x_out [T, hidden], where row r attends over the
+        handed-off K/V of positions 0..r-1 (``past_keys``/``past_values`` [kv_heads, T, hd], K
+        post-RoPE) and its own K/V at r: each row is :meth:`decode_row` at position r after a
+        handoff of r positions, bit for bit."""
+        q, k, v = self._project_qkv(x)
+        attended = self._scoring_attention(q, k, v, past_keys, past_values)  # [T, heads * head_dim]
+        x = self.materialize(x + self.o_proj(attended))
+        return self._mlp_residual(x)
+
+    def _scoring_attention(self, q: np.ndarray, own_k: np.ndarray, own_v: np.ndarray,
+                           past_k: np.ndarray, past_v: np.ndarray) -> np.ndarray:
+        """Row r's grouped-query attention over keys 0..r: handed-off keys 0..r-1, its own key at
+        r, in prefill's query blocks with decode's reduction shapes. q [heads, T, hd], own and
+        past K/V [kv_heads, T, hd] -> [T, heads * hd]."""
+        kv_heads, group, head_dim = self.kv_heads, self.group, self.head_dim
+        positions = q.shape[1]
+        grouped = q.reshape(kv_heads, group, positions, head_dim)
+        past_key_rows, past_value_rows = FixedPointRows.of(past_k), FixedPointRows.of(past_v)
+        own_value_rows = FixedPointRows.of(own_v)  # [kv, T, hd], one scale per position
+        # Each row's score against its own key, [kv, group, T]: rows [kv, T, group, hd] against
+        # one key per row [kv, T, 1, hd] (matmul_rows gives each score the same bits alone).
+        own_key_rows = FixedPointRows.of(own_k[:, :, None, :])
+        own_scores = matmul_rows(grouped.transpose(0, 2, 1, 3), own_key_rows)[..., 0].transpose(0, 2, 1)
+        out = np.empty((kv_heads, group, positions, head_dim), dtype=np.float32)
+        for start in range(0, positions, PREFILL_QUERY_BLOCK):
+            stop = min(start + PREFILL_QUERY_BLOCK, positions)
+            rows = stop - start
+            diagonal = np.arange(rows)  # row i of the block sits at position start + i
+            q_block = grouped[:, :, start:stop].reshape(kv_heads, group * rows, head_dim)
+            scores = matmul_rows(q_block, past_key_rows[:, :stop])  # [kv, group * rows, stop]
+            scores = scores.reshape(kv_heads, group, rows, stop)
+            # Key r of row r is the row's own, not the handed-off one; keys after r are masked.
+            scores[..., diagonal, start + diagonal] = own_scores[:, :, start:stop]
+            scores *= self.scale
+            scores[..., start:stop] += CAUSAL_SQUARE[:rows, :rows]
+            # softmax_ with each row's denominator summed over exactly its start + i + 1 keys.
+            scores -= scores.max(axis=-1, keepdims=True)
+            scores[...] = exp(scores)
+            scores /= visible_tree_sum(scores, np.arange(start + 1, stop + 1))
+            probs = self.materialize(scores)  # [kv, group, rows, stop]
+            out[:, :, start:stop] = weighted_sum_own_diagonal(
+                probs, past_value_rows[:, :stop], own_value_rows[:, start:stop], start)
         # [kv, group, T, hd] -> [heads, T, hd] -> [T, heads * hd] (heads concatenated per row)
         merged = out.reshape(self.heads, positions, head_dim).transpose(1, 0, 2)
         return self.materialize(merged.reshape(positions, self.heads * head_dim))
@@ -532,6 +661,24 @@ class ReferenceEngine(GreedyDecoder):
             logits[row] = self._logits(x)[0]
             cache.length = position + 1
         return RowsOutput(logits=logits, hidden=hidden)
+
+    def score_rows(self, tokens: np.ndarray, past: KVCache) -> np.ndarray:
+        """Teacher-forced logits float32 [T, vocab] of ``tokens`` after a handoff: row r is exactly
+        ``teacher_forced(past[:r], tokens[r:r + 1], ...)[0]``, the decode step at position r from
+        the handed-off K/V of positions 0..r-1 and this engine's own K/V at r, computed for every
+        r at once (prefill's query blocks). ``past`` holds exactly T positions (a producer's
+        prefill of ``tokens``; its last position is never read)."""
+        tokens = self._tokens(tokens, "score tokens")
+        geometry = self.geometry
+        positions = check_kv_fits(past, geometry.layers, geometry.kv_heads, geometry.head_dim,
+                                  geometry.max_positions, extra_positions=0)
+        if positions != tokens.size:
+            raise Refused(f"score past: {positions} positions, expected {tokens.size} "
+                          "(the KV of exactly the scored tokens)")
+        x = self.embed[tokens]  # [T, hidden]
+        for layer, keys, values in zip(self.layers, past.keys, past.values, strict=True):
+            x = layer.score_rows(x, keys, values)
+        return self._logits(x)
 
     def _run(self, kv: KVCache, pending: np.ndarray, steps: int, forced: np.ndarray | None
              ) -> DecodeResult:

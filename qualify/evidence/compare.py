@@ -537,15 +537,20 @@ def draft_trace_sha256(trace: Sequence[tuple[Sequence[int], int]] | None) -> str
     return hashlib.sha256(json.dumps(steps, separators=(",", ":")).encode("ascii")).hexdigest()
 
 
-def draft_acceptance_rate(trace: Sequence[tuple[Sequence[int], int]] | None) -> float | None:
-    """Accepted over proposed draft tokens; None without a trace or with nothing proposed."""
+def draft_counts(trace: Sequence[tuple[Sequence[int], int]] | None) -> tuple[int, int] | None:
+    """(proposed, accepted) draft tokens over a trace; None without a trace. The counts a sealed
+    acceptance floor is derived from (a rate alone does not say how many tokens it rests on)."""
     if trace is None:
         return None
-    proposed = sum(len(tokens) for tokens, _ in trace)
-    accepted = sum(int(count) for _, count in trace)
-    if proposed == 0:
+    return sum(len(tokens) for tokens, _ in trace), sum(int(count) for _, count in trace)
+
+
+def draft_acceptance_rate(trace: Sequence[tuple[Sequence[int], int]] | None) -> float | None:
+    """Accepted over proposed draft tokens; None without a trace or with nothing proposed."""
+    counts = draft_counts(trace)
+    if counts is None or counts[0] == 0:
         return None
-    return accepted / proposed
+    return counts[1] / counts[0]
 
 
 def localise_divergence(
@@ -568,10 +573,11 @@ def localise_divergence(
 DraftTrace = Sequence[tuple[Sequence[int], int]] | None
 
 
-def draft_fields(handoff_trace: DraftTrace, cold_trace: DraftTrace) -> dict[str, str | float | None]:
-    """The five draft fields of a :class:`BranchComparison` from both branches' draft traces
+def draft_fields(handoff_trace: DraftTrace, cold_trace: DraftTrace) -> dict[str, str | float | tuple[int, int] | None]:
+    """The draft fields of a :class:`BranchComparison` from both branches' draft traces
     (all None without a draft)."""
     return {
+        "handoff_draft_counts": draft_counts(handoff_trace),
         "handoff_draft_tokens_sha256": draft_tokens_sha256(handoff_trace),
         "cold_draft_tokens_sha256": draft_tokens_sha256(cold_trace),
         "handoff_draft_trace_sha256": draft_trace_sha256(handoff_trace),
@@ -617,6 +623,8 @@ class BranchComparison:
     handoff_draft_trace_sha256: str | None
     cold_draft_trace_sha256: str | None
     draft_acceptance_rate: float | None
+    # (proposed, accepted) draft tokens of the handoff branch; None without a draft.
+    handoff_draft_counts: tuple[int, int] | None = None
 
     @property
     def max_abs(self) -> float:

@@ -61,7 +61,7 @@ from qualify.core.digests import canonical_json_bytes, is_sha256_hex
 from qualify.core.errors import Refused, one_line
 from qualify.core.hostenv import host_facts
 from qualify.engines.base import Engine, LaneEngine, ModelGeometry
-from qualify.engines.faults import FAULTS, faulty_producer
+from qualify.engines.faults import fault_named, faulty_producer
 from qualify.handoff.protocol import (
     DEFAULT_WARMUP_TOKENS,
     DEFAULT_WATCHDOG_S,
@@ -226,8 +226,11 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
         mode = ProducerMode(args.mode)
     except ValueError:
         raise StartRefused(f"--mode: found {args.mode!r}, expected exact or native") from None
-    if args.fault is not None and args.fault not in FAULTS:
-        raise StartRefused(f"--fault: found {args.fault!r}, expected one of {', '.join(sorted(FAULTS))}")
+    if args.fault is not None:
+        try:
+            fault_named(args.fault)
+        except Refused as refusal:
+            raise StartRefused(f"--fault: {one_line(str(refusal))}") from None
     if not LANE_PATTERN.fullmatch(args.lane):
         raise StartRefused(f"--lane: found {args.lane!r}, expected a lane name")
     if not ID_PATTERN.fullmatch(args.run_id):

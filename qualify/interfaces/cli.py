@@ -219,12 +219,11 @@ def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
 
 def identity_check(path: str | os.PathLike[str], *, as_json: bool = False) -> int:
     """``qualify identity check PATH [--json]``: 0 with lane and digest when valid, 2 on refusal."""
-    from qualify.archive.reader import resolve_receipt_uri
-    from qualify.archive.verify import check_receipt
-    from qualify.contract.identity import check_basis_receipt, identity_sha256, load_identity
+    from qualify.contract.identity import identity_sha256, load_identity
+    from qualify.run.contract import checked_basis
 
     identity = load_identity(path)
-    basis = check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=f"identity {path}")
+    basis = checked_basis(identity, where=f"identity {path}").path
     if as_json:
         from qualify.interfaces import documents
 

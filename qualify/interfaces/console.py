@@ -67,6 +67,7 @@ from qualify.run.qualification import (
 )
 
 if TYPE_CHECKING:
+    from qualify.judge import Verdict
     from qualify.run.selftest import FaultResult
 
 EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
@@ -83,7 +84,10 @@ PIPE_WIDTH = 160
 MIN_COLUMNS = 40
 """The narrowest ``$COLUMNS`` honoured for such output (a smaller or non-numeric value is ignored)."""
 
-JSON_HELP = "print one JSON document on stdout (contracts/cli-{}.v1.schema.json) instead of the report"
+
+def json_help(command: str) -> str:
+    """``--json``'s help, naming the command's current schema file."""
+    return f"print one JSON document on stdout (contracts/{documents.schema_file(command)}) instead of the report"
 
 
 def _recipe_parser(prog: str) -> argparse.ArgumentParser:
@@ -105,16 +109,16 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--deadline-s", type=deadline_seconds, metavar="SECONDS",
                         help="limit every producer phase (ready, verify, handoff) to SECONDS "
                              "(default: derived from the identity's basis receipt)")
-    parser.add_argument("--json", action="store_true", help=JSON_HELP.format("recipe"))
+    parser.add_argument("--json", action="store_true", help=json_help("recipe"))
     return parser
 
 
-def _repetitions(text: str) -> int:
-    """``--repetitions``: a whole number of handoffs, 1 to :data:`MAX_REPETITIONS` (ASCII digits
-    only: ``int`` would also take ``1_0``, spaces and other scripts' digits)."""
-    if not re.fullmatch(r"[0-9]{1,7}", text) or not 1 <= int(text) <= MAX_REPETITIONS:
+def _anchors(text: str) -> int:
+    """``--anchors``: a whole number of fixture anchor handoffs, 2 to :data:`MAX_REPETITIONS` (ASCII
+    digits only: a retained digest must be shown to reproduce at least once)."""
+    if not re.fullmatch(r"[0-9]{1,7}", text) or not 2 <= int(text) <= MAX_REPETITIONS:
         raise argparse.ArgumentTypeError(
-            f"found {shown(text)}, expected a whole number of handoffs from 1 to {MAX_REPETITIONS}")
+            f"found {shown(text)}, expected a whole number of anchor handoffs from 2 to {MAX_REPETITIONS}")
     return int(text)
 
 
@@ -311,6 +315,18 @@ def bullet(text: str) -> Table:
     return hanging("  -", text, lead_width=3)
 
 
+def verdict_line(verdict: Verdict) -> Text:
+    """The run's verdict, once: a verdict with a scope is its headline as the judge wrote it,
+    which opens with its scope line (QUALIFIED or NOT QUALIFIED on its fixture, its controls),
+    whole and wrapped, never cut; a verdict without one (a run stopped at a step) is prefixed
+    with the word, as it carries none of its own."""
+    style = "bold green" if verdict.passed else "bold red"
+    if verdict.scope is not None:
+        return Text(verdict.headline, style=style, overflow="fold")
+    return Text(("QUALIFIED: " if verdict.passed else "NOT QUALIFIED: ") + verdict.headline, style=style,
+                overflow="fold")
+
+
 def receipt_line(path: Path, note: str = "") -> Text:
     return Text(f"receipt: {path}{note}")
 
@@ -355,8 +371,7 @@ def show_report(run: QualificationRun, console: Console) -> None:
             console.print(Text(line, style="yellow" if failed else "dim"))
     verdict = run.verdict
     if verdict is not None:
-        style = "bold green" if verdict.passed else "bold red"
-        console.print(Text(("QUALIFIED: " if verdict.passed else "NOT QUALIFIED: ") + verdict.headline, style=style))
+        console.print(verdict_line(verdict))
         for reason in verdict.reasons:
             console.print(bullet(reason))
     if run.receipt_path is not None:
@@ -457,19 +472,24 @@ def _report_interrupt(run: QualificationRun, signum: int) -> tuple[int, str]:
 
 
 def calibrate_cli(argv: Sequence[str]) -> int:
-    """``qualify calibrate --recipe R --lane L --repetitions N``: measure, archive, propose."""
-    from qualify.run.calibrate import calibrate
+    """``qualify calibrate --recipe R --lane L [--anchors N] [--no-controls]``: measure the lane on
+    its calibration set, anchor its fixture, measure its controls, archive, derive the rule."""
+    from qualify.judge.scope import controls_words
+    from qualify.run.calibrate import ANCHOR_HANDOFFS, calibrate
     from qualify.run.onboarding import next_steps
 
     parser = OneLineParser(prog="qualify calibrate",
-                           description="Measure a lane's drift envelope and propose its sealed bounds.")
+                           description="Measure a lane on its calibration set, anchor its fixture and measure its "
+                                       "controls; derive its sealed bounds by the stated rule.")
     parser.add_argument("--recipe", required=True, choices=RECIPE_NAMES)
     parser.add_argument("--lane", required=True, choices=list(LANES), metavar="LANE",
                         help="lane name (qualify/contract/lanes.py)")
-    parser.add_argument("--repetitions", type=_repetitions, default=5,
-                        help=f"handoffs to measure, 1 to {MAX_REPETITIONS} (default 5)")
+    parser.add_argument("--anchors", type=_anchors, default=ANCHOR_HANDOFFS,
+                        help=f"fixture anchor handoffs, 2 to {MAX_REPETITIONS} (default {ANCHOR_HANDOFFS})")
+    parser.add_argument("--no-controls", action="store_true",
+                        help="skip the E2 controls (the receipt then cannot seal an identity that declares them)")
     parser.add_argument("--receipts", type=path_argument, help="receipt archive for the calibration receipt")
-    parser.add_argument("--json", action="store_true", help=JSON_HELP.format("calibrate"))
+    parser.add_argument("--json", action="store_true", help=json_help("calibrate"))
     args = parser.parse_args(list(argv))
     spec = lane_spec(args.lane)
     if spec.recipe.value != args.recipe:
@@ -478,23 +498,28 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     console = json_progress_console() if args.json else operator_console()
     options = RunOptions(recipe=args.recipe, receipts=args.receipts,
                          command_line=["qualify", "calibrate", *argv])
-    with live_activity(console, f"calibrate {args.lane}: {args.repetitions} handoffs") as show:
+    with live_activity(console, f"calibrate {args.lane}: calibration set, {args.anchors} anchors") as show:
         def log(line: str) -> None:
             console.print(Text(line, style="dim"))
             show(f"calibrate {args.lane}: {line[:60]}")
 
-        result = calibrate(args.lane, args.recipe, args.repetitions, options, log=log)
-    code = EXIT_PASS if result.tokens_exact and result.deterministic and not result.failures else EXIT_FAILED
+        result = calibrate(args.lane, args.recipe, options, log=log, anchors=args.anchors,
+                           controls=not args.no_controls)
+    code = EXIT_PASS if result.passed else EXIT_FAILED
     steps = next_steps(result, args.lane, args.recipe)
     if args.json:
         documents.emit(documents.calibration_document(result, exit_code=code, recipe=args.recipe,
-                                                      repetitions=args.repetitions, steps=steps))
+                                                      anchors=args.anchors, steps=steps))
         return code
     console.print(sample_table(result.records))
     for line in _localisation_lines(result.records):
         console.print(Text(line, style="yellow"))
-    console.print(f"observed envelope: max abs {result.observed_max_abs!r}, "
-                  f"mean abs {result.observed_mean_abs!r}; tokens exact in every handoff: {result.tokens_exact}")
+    for cell in result.cells:
+        console.print(f"cell {cell.document}@{cell.prompt_tokens}: teacher-forced max abs {cell.max_abs!r}, "
+                      f"mean abs {cell.mean_abs!r}; greedy tokens exact: {cell.tokens_exact}")
+    console.print(Text(result.headline, style="bold" if result.passed else "bold red"))
+    if result.controls is not None:
+        console.print(Text(controls_words(result.controls), style="bold"))
     for step in steps:
         console.print(Text(step.text, style=step.style), soft_wrap=True)  # a command is one line, never wrapped
     if result.receipt_path is not None:
@@ -513,7 +538,7 @@ def selftest_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--fault", action="append", help="only this fault (repeatable)")
     parser.add_argument("--receipts", type=path_argument,
                         help="archive for the self-test's failing receipts (default: a temporary directory)")
-    parser.add_argument("--json", action="store_true", help=JSON_HELP.format("selftest"))
+    parser.add_argument("--json", action="store_true", help=json_help("selftest"))
     args = parser.parse_args(list(argv))
     runs = all_fault_runs()
     known = sorted({name for name, _ in runs})

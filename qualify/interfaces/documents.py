@@ -1,5 +1,6 @@
 """What ``--json`` prints: one JSON document per command, each validating against its committed
-schema ``contracts/cli-<command>.v1.schema.json`` and naming it in its ``schema`` field.
+schema ``contracts/cli-<command>.v<n>.schema.json`` (:data:`SCHEMA_VERSIONS`) and naming it in its
+``schema`` field.
 
 Every document carries ``status`` (``passed`` exit 0, ``failed`` exit 1, ``refused`` exit 2;
 a recipe run interrupted by a signal exits 128 + its number with its receipt's status, normally
@@ -11,7 +12,8 @@ else; its refusal line still goes to stderr. Numbers are JSON numbers; a non-fin
 is the string ``NaN``, ``Infinity`` or ``-Infinity``, as the receipt's sample records hold it.
 
 The recipe run's document is read back from the receipt it sealed (summary, samples, host), so
-what ``--json`` reports is what the receipt says.
+what ``--json`` reports is what the receipt says, its ``scope`` (what the verdict covers: fixture
+and controls) included.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qualify import __version__
-from qualify.archive.layout import HOST, SAMPLE_PATH, SUMMARY
+from qualify.archive.layout import HOST, SAMPLE_PATH
 from qualify.archive.predicate import host_summary, scope
-from qualify.archive.reader import read_receipt_json, receipt_files
+from qualify.archive.reader import read_receipt_json, read_summary, receipt_files
+from qualify.judge.scope import controls_words
 
 if TYPE_CHECKING:  # the run modules import torch-free but heavy engine code; only their types here
     from qualify.contract.identity import Identity
@@ -40,14 +43,19 @@ PHASES = ("producer_compute", "serialize", "transport", "verify", "install", "de
 """A sample's timed phases; the record's field is ``<phase>_s``."""
 
 
+SCHEMA_VERSIONS: dict[str, int] = {"recipe": 2, "calibrate": 2}
+"""Each command's document version where it is past 1 (a closed schema gains a field only in a
+new version): the recipe document's v2 adds ``scope``. Older versions' schemas stay committed."""
+
+
 def schema_id(command: str) -> str:
     """The ``schema`` field of ``command``'s document (also its schema file's ``$id``)."""
-    return f"trust-ladder.cli-{command}.v1"
+    return f"trust-ladder.cli-{command}.v{SCHEMA_VERSIONS.get(command, 1)}"
 
 
 def schema_file(command: str) -> str:
     """The committed schema's file name under ``contracts/``."""
-    return f"cli-{command}.v1.schema.json"
+    return f"cli-{command}.v{SCHEMA_VERSIONS.get(command, 1)}.schema.json"
 
 
 def json_number(value: object) -> object:
@@ -128,20 +136,22 @@ def receipt_ref(path: Path | None) -> dict[str, Any] | None:
 def recipe_document(*, exit_code: int, message: str | None, recipe: str, identity_path: Path | None,
                     receipt: Path | None, status: str) -> dict[str, Any]:
     """A recipe run's document, read from the receipt it sealed (``receipt``: its status, verdict,
-    scope and samples); with no receipt (interrupted before its identity loaded) only what the
-    run knew: ``status``, no lane, verdict or samples."""
+    scope and samples; the summary checked against its version's schema); with no receipt
+    (interrupted before its identity loaded) only what the run knew: ``status``, no lane, verdict,
+    scope or samples. ``scope`` is the summary's (null when the verdict has none, or the summary
+    predates it)."""
     document = head("recipe", exit_code, message, status)
     document.update({"recipe": recipe, "lane": None, "rung": None,
                      "identity": {"path": None if identity_path is None else str(identity_path), "sha256": None},
-                     "verdict": None, "samples": [], "receipt": receipt_ref(receipt)})
+                     "verdict": None, "scope": None, "samples": [], "receipt": receipt_ref(receipt)})
     if receipt is None:
         return document
-    summary = read_receipt_json(receipt, SUMMARY)
+    summary = read_summary(receipt)
     host = read_receipt_json(receipt, HOST)
     consumer = host.get("consumer") if isinstance(host, Mapping) else None
     document.update({
         "status": summary["status"], "recipe": summary.get("recipe") or recipe,
-        "lane": summary.get("lane"), "rung": summary.get("rung"),
+        "lane": summary.get("lane"), "rung": summary.get("rung"), "scope": summary.get("scope"),
         "samples": [sample_document(record) for record in receipt_samples(receipt)],
         "verdict": {"passed": summary["passed"], "headline": summary["verdict"], "reasons": list(summary["reasons"]),
                     "scope": scope(summary, host_summary(consumer if isinstance(consumer, Mapping) else None))},
@@ -150,21 +160,27 @@ def recipe_document(*, exit_code: int, message: str | None, recipe: str, identit
     return document
 
 
-def calibration_document(result: Calibration, *, exit_code: int, recipe: str, repetitions: int,
+def calibration_document(result: Calibration, *, exit_code: int, recipe: str, anchors: int,
                          steps: Sequence[StepLine]) -> dict[str, Any]:
-    """A calibration's document: the measured envelope, the rule it proposes (or null), the
-    operator's next steps as the console prints them, and its receipt."""
+    """A calibration's document: its cells, the bounds and floor its rules derive (or null), its
+    controls, the operator's next steps as the console prints them, and its receipt."""
     proposed = None
     if result.proposed_maximum_absolute is not None:
         proposed = {"maximum_absolute": json_number(result.proposed_maximum_absolute),
                     "maximum_mean_absolute": json_number(result.proposed_maximum_mean_absolute)}
     document = head("calibrate", exit_code, None)
     document.update({
-        "lane": result.lane, "recipe": recipe, "repetitions": repetitions, "headline": result.headline,
+        "lane": result.lane, "recipe": recipe, "anchors": anchors, "headline": result.headline,
         "observed": {"max_abs": json_number(result.observed_max_abs),
                      "mean_abs": json_number(result.observed_mean_abs)},
+        "cells": [{"document": cell.document, "prompt_tokens": cell.prompt_tokens, "max_abs": json_number(cell.max_abs),
+                   "mean_abs": json_number(cell.mean_abs), "tokens_exact": cell.tokens_exact} for cell in result.cells],
         "tokens_exact": result.tokens_exact, "deterministic": result.deterministic,
-        "proposed_rule": proposed, "failures": list(result.failures),
+        "proposed_rule": proposed, "acceptance_floor": result.acceptance_floor, "failures": list(result.failures),
+        "controls": None if not result.controls_judgement else {
+            "words": controls_words(result.controls) if result.controls is not None
+            else "controls not established: " + "; ".join(result.controls_judgement.get("problems", [])),
+            "judgement": result.controls_judgement},
         "samples": [sample_document(record) for record in result.records],
         "next_steps": [{"text": step.text, "style": step.style} for step in steps],
         "receipt": receipt_ref(result.receipt_path),

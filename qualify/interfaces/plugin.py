@@ -14,7 +14,8 @@ JUnit XML (``--junitxml``): each test carries its step's numbers as properties
 (``sample_<n>_max_abs``, ``sample_<n>_mean_abs`` for the sample recorded at that step), and the
 test of the step that sealed the run's receipt (the verdict, or the step that failed) carries
 the run's: verdict status, lane, recipe, rung, identity digest, worst drift, scope and receipt,
-read back from the sealed receipt.
+and what the verdict covers (``qualify.scope``, ``qualify.fixture``, ``qualify.controls``: the
+summary's scope line and its two halves, word for word), read back from the sealed receipt.
 
 Options are checked once, when pytest configures: a bad value is pytest's usage error (exit 4),
 one line naming the option, before anything is collected or run.
@@ -45,7 +46,7 @@ from qualify.core.arguments import (
     require_writable_directory,
     shown,
 )
-from qualify.core.errors import Refused
+from qualify.core.errors import Refused, one_line
 
 if TYPE_CHECKING:
     from qualify.run.qualification import QualificationRun, StepOutcome
@@ -147,10 +148,12 @@ def _checked_paths(identity: Path | None, receipts: Path | None, fault: str | No
     except Refused as refusal:  # already one line naming the option
         raise pytest.UsageError(printable_line(str(refusal))) from None
     if fault is not None:
-        from qualify.engines.faults import FAULTS
+        from qualify.engines.faults import fault_named
 
-        if fault not in FAULTS:
-            raise _usage_error("--fault", f"found {shown(fault)}, expected one of {', '.join(sorted(FAULTS))}")
+        try:
+            fault_named(fault)
+        except Refused as refusal:
+            raise _usage_error("--fault", one_line(str(refusal))) from None
 
 
 def recipe_options(config: pytest.Config) -> RecipeOptions:
@@ -353,17 +356,31 @@ def _worst(samples: list[Mapping[str, Any]], name: str) -> float | None:
     return max(finite) if finite and len(finite) == len(values) else None
 
 
+SCOPE_PROPERTIES = (("qualify.scope", "line"), ("qualify.fixture", "fixture_words"),
+                    ("qualify.controls", "controls_words"))
+"""Each JUnit property of what the verdict covers, and the field of the summary's ``scope`` it
+quotes (``null`` when the verdict has no scope): quoted, never re-worded."""
+
+
+def scope_properties(verdict_scope: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """``qualify.scope`` (the scope line), ``qualify.fixture`` and ``qualify.controls`` (its two
+    halves) from a summary's ``scope``; each ``null`` when there is none."""
+    return [(name, property_value(None if verdict_scope is None else verdict_scope[field]))
+            for name, field in SCOPE_PROPERTIES]
+
+
 def receipt_properties(receipt: Path) -> list[tuple[str, str]]:
     """The run's conclusion, read back from its sealed receipt: ``verdict`` (its status: passed,
     failed, refused or incomplete), ``headline``, ``recipe``, ``lane``, ``rung``,
     ``identity_sha256``, the worst ``max_abs`` and ``mean_abs`` over the samples, ``scope`` (the
-    signed statement's sentence) and ``receipt`` (its path)."""
-    from qualify.archive.layout import HOST, SUMMARY
+    signed statement's sentence), ``receipt`` (its path) and :func:`scope_properties`. The
+    summary is checked against its version's schema first (a refusal is one line)."""
+    from qualify.archive.layout import HOST
     from qualify.archive.predicate import host_summary, scope
-    from qualify.archive.reader import read_receipt_json
+    from qualify.archive.reader import read_receipt_json, read_summary
     from qualify.interfaces.documents import receipt_samples
 
-    summary = read_receipt_json(receipt, SUMMARY)
+    summary = read_summary(receipt)
     host = read_receipt_json(receipt, HOST)
     samples = receipt_samples(receipt)
     return [
@@ -377,4 +394,5 @@ def receipt_properties(receipt: Path) -> list[tuple[str, str]]:
         ("mean_abs", property_value(_worst(samples, "mean_abs"))),
         ("scope", scope(summary, host_summary(host.get("consumer")))),
         ("receipt", str(receipt)),
+        *scope_properties(summary.get("scope")),
     ]

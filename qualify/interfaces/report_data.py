@@ -2,10 +2,11 @@
 
 :func:`load_receipt` authenticates the receipt (:func:`qualify.archive.verify.authenticate_receipt`)
 and gathers the verdict (from the signed predicate when verified, else from the summary, marked
-unauthenticated), the identity's bounds, the host facts, every sample record with its series and
-the calibrated KV envelope of the identity's basis receipt. Only a directory that is no receipt,
-or whose summary cannot be read, is refused (one line); anything else that cannot be read becomes
-a note the page shows, so a damaged receipt is still shown, never silently.
+unauthenticated), what it covers (the summary's ``scope``: fixture and controls), the identity's
+bounds, the host facts, every sample record with its series and the calibrated KV envelope of the
+identity's basis receipt. Only a directory that is no receipt, or whose summary cannot be read, is
+refused (one line); anything else that cannot be read becomes a note the page shows, so a damaged
+receipt is still shown, never silently.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from qualify.archive.layout import (
     SUMMARY,
 )
 from qualify.archive.predicate import host_summary, scope
-from qualify.archive.reader import read_receipt_json, resolve_receipt_uri
+from qualify.archive.reader import read_receipt_json, read_summary, resolve_receipt_uri
 from qualify.archive.verify import authenticate_receipt, shown
 from qualify.contract.identity import DEFAULT_ARCHIVE_DIR
 from qualify.core.assets import CONTRACTS_DIR
@@ -43,7 +44,6 @@ MAX_SAMPLES = 256
 """The most sample records one page shows (a qualification has 3, a calibration some tens)."""
 
 _SAMPLE_FILE = re.compile(r"^sample-([1-9][0-9]{0,5})\.json$")
-_SUMMARY_SCHEMAS = ("trust-ladder.validation-summary.v1", "trust-ladder.validation-summary.v2")
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,9 @@ class ReceiptView:
     verdict: str
     reasons: list[str]
     scope: str
+    # The summary's scope (qualify.archive.writer.ScopeRecord's form: the scope line, the fixture,
+    # the controls); None when the verdict has none or the summary predates it (v1, v2).
+    verdict_scope: Mapping[str, Any] | None
     lane: str | None
     recipe: str | None
     rung: int | None
@@ -171,18 +174,6 @@ def _kv_items(record: Mapping[str, Any] | None) -> list[tuple[int, float, float]
 def is_receipt_directory(path: Path) -> bool:
     """A directory holding a receipt's summary or manifest (a ``.partial-`` one included)."""
     return path.is_dir() and (os.path.lexists(path / SUMMARY) or os.path.lexists(path / MANIFEST))
-
-
-def _summary(root: Path) -> dict[str, Any]:
-    """The receipt's summary, valid against its own schema version; else :class:`Refused`."""
-    document = read_receipt_json(root, SUMMARY)
-    where = f"receipt {shown(root.name)}: {SUMMARY}"
-    schema = document.get("schema") if isinstance(document, dict) else None
-    if schema not in _SUMMARY_SCHEMAS:
-        raise Refused(f"{where}: schema {schema!r}, expected one of {', '.join(_SUMMARY_SCHEMAS)}")
-    check_schema(document, CONTRACTS_DIR / f"{str(schema).removeprefix('trust-ladder.')}.schema.json", where)
-    summary: dict[str, Any] = document
-    return summary
 
 
 def _manifest_schema(root: Path) -> object:
@@ -273,12 +264,26 @@ def _basis_records(basis_dir: Path) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     with os.scandir(basis_dir / "samples") as listing:
         names = sorted(entry.name for entry in listing if _SAMPLE_FILE.fullmatch(entry.name))
+    anchors = _anchor_repetitions(basis_dir)
+    if anchors is not None:  # a v3 basis: the envelope is its fixture anchors', as the run localises against
+        names = [name for name in names if int(name.removeprefix("sample-").removesuffix(".json")) in anchors]
     for name in names[:MAX_SAMPLES]:
         record = read_receipt_json(basis_dir, f"samples/{name}")
         items = _kv_items(record if isinstance(record, dict) else None)
         records.append({"localisation": {"kv_layer_max_abs": [
             {"layer": layer, "k": k, "v": v} for layer, k, v in items]}})
     return records
+
+
+def _anchor_repetitions(basis_dir: Path) -> set[int] | None:
+    """The fixture anchors' repetitions of a basis with ``evidence/calibration.json``; None for an
+    older basis (every sample was a fixture handoff)."""
+    if not (basis_dir / "evidence" / "calibration.json").is_file():
+        return None
+    evidence = read_receipt_json(basis_dir, "evidence/calibration.json")
+    handoffs = evidence.get("handoffs") if isinstance(evidence, dict) else None
+    return {h["repetition"] for h in handoffs or [] if isinstance(h, dict) and h.get("part") == "anchor"
+            and type(h.get("repetition")) is int}
 
 
 def _envelope(root: Path, identity: Mapping[str, Any] | None, rung: int | None, layers: int | None) -> Envelope:
@@ -305,7 +310,7 @@ def _envelope(root: Path, identity: Mapping[str, Any] | None, rung: int | None, 
             continue
         if envelope is None:
             return Envelope(None, f"envelope unavailable: basis receipt {basis.parent.name} records no per-layer KV deltas")
-        return Envelope(envelope, f"envelope: per-layer maxima over the samples of basis receipt {basis.parent.name}")
+        return Envelope(envelope, f"envelope: per-layer maxima over the fixture anchors of basis receipt {basis.parent.name}")
     # The last archive tried is the repository's, where shipped lanes keep their basis receipts.
     return Envelope(None, f"envelope unavailable: {reasons[-1]}" if reasons else "envelope unavailable")
 
@@ -320,7 +325,7 @@ def load_receipt(path: Path, trust: TrustFile | None) -> ReceiptView:
     if not is_receipt_directory(path):
         raise Refused(f"{where}: not a receipt (no {SUMMARY} or {MANIFEST}); to report on an archive, "
                       f"name its receipts")
-    summary = _summary(path)
+    summary = read_summary(path)  # valid against its own version's schema, else refused
     check = authenticate_receipt(path, trust)
     state = "partial" if path.name.startswith(PARTIAL_PREFIX) else check.state
     predicate = check.predicate if state == "verified" else None
@@ -372,6 +377,7 @@ def load_receipt(path: Path, trust: TrustFile | None) -> ReceiptView:
         path=path, run_id=shown(path.name), state=state, signer=check.key_id,
         trust_source=trust.source if trust is not None else "no trust file",
         problems=list(check.problems), status=status, verdict=verdict, reasons=reasons, scope=scope_text,
+        verdict_scope=summary.get("scope"),
         lane=_text(summary.get("lane")), recipe=_text(summary.get("recipe")), rung=rung,
         identity_sha256=_text(summary.get("identity_sha256")),
         started_utc=_text(summary.get("started_utc")), finished_utc=_text(summary.get("finished_utc")),

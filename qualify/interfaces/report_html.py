@@ -6,7 +6,9 @@ The page is well-formed XML as well as HTML, so a test reads it with ``xml.etree
 escaped, since a receipt is untrusted input.
 
 Element ids (stable, the browser test and the docs rely on them): ``verdict`` (the header),
-``signature``, ``verdict-status``, ``verdict-headline``, ``verdict-reasons``, ``verdict-scope``;
+``signature``, ``verdict-status``, ``verdict-headline``, ``verdict-reasons``, ``verdict-scope``,
+and when the summary states what the verdict covers ``verdict-scope-line`` and (the lane declaring
+controls) ``controls-table``;
 per sample ``drift-sample-<n>`` and ``margin-sample-<n>``; ``kv-heatmap``; ``identity``,
 ``host``, ``samples``. A comparison page: ``verdicts`` (the side-by-side table, one
 ``verdict-receipt-<i>`` cell each), ``compare-drift`` and ``kv-heatmap-receipt-<i>``.
@@ -321,13 +323,38 @@ def _margin_caption(sample: SampleView) -> str:
             f"(cold margin there {margin:.6g}).")
 
 
+def _controls_table(controls: Mapping[str, Any]) -> str:
+    """The lane's controls as the summary's scope states them: one row per document, within its
+    E1 gates or the lengths at which it exceeds them (published, never dropped)."""
+    rows = "".join(
+        f"<tr><td>{_e(document['document'])}</td><td>{'yes' if document['within'] else 'no'}</td>"
+        f"<td class=\"num\">{_e(', '.join(map(str, document['exceeding_lengths'])) or '—')}</td></tr>"
+        for document in controls["documents"])
+    caption = (f"Controls {controls['criteria']}: {controls['documents_within']} of {controls['documents_total']} "
+               f"documents within their E1 gates, at lengths {', '.join(map(str, controls['lengths']))}; measured "
+               f"in {controls['source']}.")
+    return (f'<table id="controls-table"><caption>{_e(caption)}</caption>'
+            f"<tr><th>control document</th><th>within E1 gates</th><th>exceeds at lengths</th></tr>{rows}</table>")
+
+
+def _scope_part(view: ReceiptView) -> str:
+    """The summary's scope line (fixture and controls) and its controls table; nothing when the
+    summary states no scope (a verdict without one, or a v1/v2 summary)."""
+    scope = view.verdict_scope
+    if scope is None:
+        return ""
+    controls = scope["controls"]
+    return (f'<p id="verdict-scope-line" class="scope"><strong>Covers:</strong> {_e(scope["line"])}</p>'
+            + (_controls_table(controls) if controls is not None else ""))
+
+
 def _verdict_header(view: ReceiptView) -> str:
     reasons = "".join(f"<li>{_e(reason)}</li>" for reason in view.reasons)
     return (f'<header id="verdict" class="verdict">{signature_banner(view)}'
             f'<h1><span id="verdict-status" class="status status-{_e(view.status)}">{_e(status_label(view.status))}'
             f'</span><span class="run-id">{_e(view.run_id)}</span></h1>'
             f'<p id="verdict-headline" class="headline">{_e(view.verdict)}</p>'
-            f'<ul id="verdict-reasons">{reasons}</ul>'
+            f'<ul id="verdict-reasons">{reasons}</ul>{_scope_part(view)}'
             f'<p id="verdict-scope" class="scope"><strong>Scope:</strong> {_e(view.scope)}</p></header>')
 
 
@@ -421,6 +448,8 @@ def _side_by_side(views: Sequence[ReceiptView]) -> str:
             f"<tr><th>bounds</th>{''.join(f'<td>{_bounds_text(view)}</td>' for view in views)}</tr>"]
     body.extend(f"<tr><th>{_e(label)}</th>{''.join(f'<td>{_e(cell)}</td>' for cell in cells)}</tr>"
                 for label, cells in rows)
+    covers = [view.verdict_scope["line"] if view.verdict_scope is not None else "—" for view in views]
+    body.append(f"<tr><th>covers</th>{''.join(f'<td>{_e(line)}</td>' for line in covers)}</tr>")
     body.append(f"<tr><th>scope</th>{''.join(f'<td>{_e(view.scope)}</td>' for view in views)}</tr>")
     consumers = []
     for view in views:

@@ -7,9 +7,9 @@ Where is each rung judged?
 * rung 3 (``kquant-target-plus-dflash``, bit-exact): :func:`judge_rung3_sample` per sample,
   :func:`judge_summary` over the repetitions;
 * the whole run: :func:`judge_qualification` (summary, then :func:`judge_reproduction` against
-  the basis receipt); a run that stopped before its verdict: :func:`judge_incomplete`;
-* a calibration (measure, propose bounds): :func:`judge_calibration`; a draft-acceptance
-  measurement (the sealed floor's basis): :func:`judge_draft_acceptance`.
+  the fixture anchor in the basis receipt); a run that stopped before its verdict: :func:`judge_incomplete`;
+* a draft-acceptance measurement over documents: :func:`judge_draft_acceptance` (a calibration
+  is judged in :mod:`qualify.judge.calibration`).
 
 No module outside this one builds a :class:`Verdict`.
 
@@ -43,7 +43,7 @@ from qualify.evidence.records import (
     BoundedDriftRule,
     parse_rule,
 )
-from qualify.judge.scope import Scope
+from qualify.judge.scope import Scope, scope_line
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NON_FINITE_TEXT = {"nan", "infinity", "-infinity", "inf", "-inf", "+infinity", "+inf"}
@@ -633,11 +633,13 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
             + "; generated-token and payload digests equal across repetitions"
         )
     else:
+        acceptance_rates = [x for x in (_finite(r.get("draft_acceptance_rate")) for r in mappings) if x is not None]
+        measured = _num(min(acceptance_rates)) if acceptance_rates else "missing"
+        acceptance = (f", draft tokens and trace equal, acceptance {measured} (floor {_num(rule.acceptance_floor)})"
+                      if rule.acceptance_floor is not None else "")
         headline = (
             f"{count}/{rule.repetitions} handoffs bit-exact: tokens, full logits (digests equal, deltas 0)"
-            + (", draft tokens and trace equal, acceptance at or above the floor"
-               if rule.acceptance_floor is not None else "")
-            + "; digests equal across repetitions"
+            + acceptance + "; digests equal across repetitions"
         )
     return judgement.verdict(headline)
 
@@ -670,7 +672,7 @@ REPRODUCTION_FIELDS: tuple[tuple[str, str], ...] = (
     ("handoff_generated_token_sha256", "generated tokens"),
     ("cold_generated_token_sha256", "cold generated tokens"),
 )
-"""The deterministic digests a qualification must share with its basis receipt (seed 000's G3
+"""The deterministic digests a qualification must share with its anchor (seed 000's G3
 recheck); the draft's tokens and trace join them on a lane with a draft."""
 DRAFT_REPRODUCTION_FIELDS: tuple[tuple[str, str], ...] = (
     ("handoff_draft_tokens_sha256", "draft tokens"),
@@ -680,9 +682,9 @@ DRAFT_REPRODUCTION_FIELDS: tuple[tuple[str, str], ...] = (
 
 def judge_reproduction(records: Sequence[Record], basis_records: Sequence[Record], *, rung: int,
                        deterministic_producer: bool, draft: bool) -> Verdict:
-    """Did the run reproduce its calibration bit for bit? Every sample's deterministic digests
-    (:data:`REPRODUCTION_FIELDS`) must equal the basis receipt's, which must agree among
-    themselves. A difference fails rung 3, and rung 2 when the identity declares a deterministic
+    """Did the run reproduce its anchor bit for bit (the fixture handoffs its basis receipt
+    retained)? Every sample's deterministic digests (:data:`REPRODUCTION_FIELDS`) must equal the
+    anchor's, which must agree among themselves. A difference fails rung 3, and rung 2 when the identity declares a deterministic
     producer (its output changed since calibration); otherwise it is reported, not failed."""
     judgement = _Judgement()
     fields = REPRODUCTION_FIELDS + (DRAFT_REPRODUCTION_FIELDS if draft else ())
@@ -690,14 +692,14 @@ def judge_reproduction(records: Sequence[Record], basis_records: Sequence[Record
     basis = [r for r in (_plain(record) for record in basis_records) if isinstance(r, Mapping)]
     changed: list[str] = []
     if not basis or len(basis) != len(basis_records):
-        judgement.check("basis samples", False, "the basis receipt has no readable samples")
-        changed.append("basis samples")
+        judgement.check("anchor samples", False, "the basis receipt has no readable anchor samples")
+        changed.append("anchor samples")
     for name, words in fields if basis else ():
         basis_values = {record.get(name) for record in basis}
         if len(basis_values) != 1 or None in basis_values:
-            detail = (f"basis receipt: {words} digest missing" if None in basis_values
-                      else f"basis receipt: {words} digest differs among its own samples")
-            judgement.check(f"{words} as calibrated", False, detail)
+            detail = (f"anchor: {words} digest missing" if None in basis_values
+                      else f"anchor: {words} digest differs among its own samples")
+            judgement.check(f"{words} as anchored", False, detail)
             changed.append(words)
             continue
         calibrated = next(iter(basis_values))
@@ -705,16 +707,16 @@ def judge_reproduction(records: Sequence[Record], basis_records: Sequence[Record
         if not run:
             differing = ["(no samples)"]
         judgement.check(
-            f"{words} as calibrated", not differing,
-            f"{words} digest equal to the basis receipt's in every repetition" if not differing
-            else f"{words} digest differs from the basis receipt's (repetition {', '.join(differing)})")
+            f"{words} as anchored", not differing,
+            f"{words} digest equal to the anchor's in every repetition" if not differing
+            else f"{words} digest differs from the anchor's (repetition {', '.join(differing)})")
         if differing:
             changed.append(words)
     if not changed:
-        return Verdict(True, "reproduced its calibration bit for bit (payload tree, seams, logit blocks "
-                             "and generated tokens equal the basis receipt's)",
+        return Verdict(True, "reproduced its anchor bit for bit (payload tree, seams, logit blocks "
+                             "and generated tokens equal the fixture anchor's in the basis receipt)",
                        [check.detail for check in judgement.checks], judgement.checks)
-    words = f"did not reproduce its calibration bit for bit: {', '.join(changed)} differ from the basis receipt"
+    words = f"did not reproduce its anchor bit for bit: {', '.join(changed)} differ from the fixture anchor in the basis receipt"
     if rung == 3:
         return Verdict(False, f"{words}; rung 3 requires it", [words], judgement.checks)
     if deterministic_producer:
@@ -723,20 +725,28 @@ def judge_reproduction(records: Sequence[Record], basis_records: Sequence[Record
     return Verdict(True, words, [words], judgement.checks)
 
 
-def judge_qualification(records: Sequence[Record], rule: Rule, basis_records: Sequence[Record], *,
-                        deterministic_producer: bool) -> Verdict:
+def judge_qualification(records: Sequence[Record], rule: Rule, anchor_records: Sequence[Record], *,
+                        deterministic_producer: bool, scope: Scope | None = None) -> Verdict:
     """The whole run's verdict: :func:`judge_summary` over the repetitions, then
-    :func:`judge_reproduction` against the identity's basis receipt."""
+    :func:`judge_reproduction` against the anchor (the fixture handoffs its basis receipt retained).
+    With a ``scope``, the headline is its scope line (:func:`qualify.judge.scope.scope_line`)
+    followed by the evidence: what the verdict covers is never left out of the words."""
     parsed = parse_rule(rule)
     summary = judge_summary(records, parsed)
     reproduction = judge_reproduction(
-        records, basis_records, rung=parsed.rung, deterministic_producer=deterministic_producer,
+        records, anchor_records, rung=parsed.rung, deterministic_producer=deterministic_producer,
         draft=isinstance(parsed, BitExactRule) and parsed.acceptance_floor is not None)
     passed = summary.passed and reproduction.passed
     failing = [r for verdict in (summary, reproduction) if not verdict.passed for r in verdict.reasons]
-    return Verdict(passed, f"{summary.headline}; {reproduction.headline}",
+    evidence = f"{summary.headline}; {reproduction.headline}"
+    if scope is not None:
+        line = scope_line(passed, scope, None if passed else (failing[0] if failing else None))
+        headline = f"{line}. Evidence: {evidence}"
+    else:
+        headline = evidence
+    return Verdict(passed, headline,
                    failing if not passed else summary.reasons + [reproduction.headline],
-                   summary.checks + reproduction.checks)
+                   summary.checks + reproduction.checks, scope=scope)
 
 
 
@@ -751,14 +761,16 @@ def judge_incomplete(reason: str) -> Verdict:
     return Verdict(False, f"not qualified: {line}", [line], [Check("verdict reached", False, line)], error=line)
 
 
-def judge_failed_step(label: str, reason: str, sample: Verdict | None = None) -> Verdict:
+def judge_failed_step(label: str, reason: str, sample: Verdict | None = None, scope: Scope | None = None) -> Verdict:
     """A run stopped by a failed step (a handoff the judge or the wire refused, a producer that
     failed): judged and not qualified, so its status is ``failed``, not ``incomplete``. A failing
-    ``sample`` judgement lends its reasons and checks."""
+    ``sample`` judgement lends its reasons and checks; a qualification's ``scope`` leads the headline."""
     line = one_line(reason) or "step failed without a reason"
     reasons = [f"{label}: {line}", *(sample.reasons if sample is not None and not sample.passed else [])]
     checks = [Check(label, False, line), *(sample.checks if sample is not None and not sample.passed else [])]
-    return Verdict(False, f"not qualified: {label}: {line}", reasons, checks)
+    headline = (scope_line(False, scope, f"{label}: {line}") if scope is not None
+                else f"not qualified: {label}: {line}")
+    return Verdict(False, headline, reasons, checks, scope=scope)
 
 
 REFUSED_PREFIX = "refused: "
@@ -771,102 +783,6 @@ def judge_refused(reason: str) -> Verdict:
     line = one_line(reason) or "run refused without a reason"
     return Verdict(False, f"{REFUSED_PREFIX}{line}", [line], [Check("lane runs here", False, line)],
                    error=f"{REFUSED_PREFIX}{line}", refused=True)
-
-
-# --------------------------------------------------------------------------- calibration
-
-
-ZERO_DRIFT_BOUND = 5e-324
-"""The least positive double: the bound of a lane that showed no drift in any calibration handoff.
-Deltas are non-negative, so only a zero delta meets it: the bit-exact rule, written in the
-positive-bound form a bounded-drift recipe's schema requires (never a margin chosen by taste)."""
-
-
-def propose_bound(observed: float) -> float | None:
-    """The bound a calibration proposes for an observed maximum: the maximum itself, with no
-    margin (the handoffs already ran under every calibration environment, and the engines'
-    output does not move with them); :data:`ZERO_DRIFT_BOUND` when it is exactly zero; None when
-    it is not a finite non-negative number."""
-    if not math.isfinite(observed) or observed < 0:
-        return None
-    return float(observed) if observed > 0 else ZERO_DRIFT_BOUND
-
-
-@dataclass(frozen=True)
-class CalibrationJudgement:
-    """A calibration's measured envelope over its successful handoffs, the bounds it proposes
-    (never applied by itself), and its verdict. ``failures`` are the failed handoffs' errors."""
-
-    observed_max_abs: float
-    observed_mean_abs: float
-    tokens_exact: bool
-    deterministic: bool
-    proposed_maximum_absolute: float | None
-    proposed_maximum_mean_absolute: float | None
-    failures: list[str]
-    verdict: Verdict
-
-
-def _worst(records: Sequence[Mapping[str, Any]], name: str, problems: list[str]) -> float:
-    """The largest finite ``name`` over ``records``; NaN (and one problem line) when any record
-    lacks a finite value, or when there are no records."""
-    values = [_finite(record.get(name)) for record in records]
-    missing = [str(record.get("repetition", "?")) for record, value in zip(records, values, strict=True)
-               if value is None]
-    if missing:
-        problems.append(f"{name} is missing or not finite in handoff {', '.join(missing)}")
-        return math.nan
-    return float(max((value for value in values if value is not None), default=math.nan))
-
-
-def judge_calibration(records: Sequence[Record], *, lane: str, rung: int, draft: bool, repetitions: int,
-                      environments: int) -> CalibrationJudgement:
-    """Judge a calibration of ``lane``: ``repetitions`` handoffs, each under a fresh producer in the
-    next of ``environments`` numeric environments, measured (not judged) against the cold recompute.
-
-    It passes when every handoff succeeded, tokens were exact in every one (else no bounded-drift
-    rule can qualify the lane), and every deterministic digest agreed across them
-    (:func:`judge_reproduction` with the samples as each other's basis). The proposed bounds are
-    :func:`propose_bound` of the worst observed max and mean abs delta.
-    """
-    plain = [_plain(record) for record in records]
-    mappings = [record for record in plain if isinstance(record, Mapping)]
-    failures = [f"sample is not a record: {type(record).__name__}" for record in plain
-                if not isinstance(record, Mapping)]
-    failures += [one_line(str(record["error"])) for record in mappings if record.get("error")]
-    measured = [record for record in mappings if not record.get("error")]
-    tokens_exact = bool(measured) and all(_finite(r.get("token_agreement_rate")) == 1.0 for r in measured)
-    drift_problems: list[str] = []
-    observed_max = _worst(measured, "max_abs", drift_problems)
-    observed_mean = _worst(measured, "mean_abs", drift_problems)
-    proposal = (propose_bound(observed_max), propose_bound(observed_mean))
-    determinism = judge_reproduction(measured, measured, rung=rung, deterministic_producer=True, draft=draft)
-    deterministic = determinism.passed and len(measured) == repetitions
-    headline = (f"calibration of {lane} over {repetitions} handoffs (a fresh producer each, "
-                f"{min(repetitions, environments)} environments): observed max abs {observed_max!r}, "
-                f"max mean abs {observed_mean!r}, tokens exact in every handoff: {tokens_exact}, "
-                f"deterministic digests equal in every handoff: {deterministic}; proposed rule "
-                f"maximum_absolute {proposal[0]}, maximum_mean_absolute {proposal[1]}")
-    judgement = _Judgement()
-    judgement.check("handoffs", not failures,
-                    f"{len(measured)}/{repetitions} handoffs measured" if not failures
-                    else f"{len(failures)} of {len(plain)} handoffs failed",
-                    reasons=[f"handoff failed: {failure}" for failure in failures])
-    if measured:
-        judgement.check("drift measured", not drift_problems,
-                        "max and mean abs deltas finite in every handoff" if not drift_problems
-                        else "; ".join(drift_problems), reasons=drift_problems)
-    judgement.check("tokens exact", tokens_exact,
-                    "greedy tokens exact in every handoff" if tokens_exact
-                    else "greedy tokens diverged: no bounded-drift rule can qualify this lane on this prompt")
-    judgement.check("deterministic", deterministic,
-                    "every deterministic digest equal across the handoffs" if deterministic
-                    else "the producer's output differs across restarts or environments: "
-                    + "; ".join(check.detail for check in determinism.checks if not check.passed))
-    reasons = judgement.failures
-    verdict = Verdict(not reasons, headline, list(reasons) or [headline], judgement.checks + determinism.checks)
-    return CalibrationJudgement(observed_max, observed_mean, tokens_exact, deterministic,
-                                proposal[0], proposal[1], failures, verdict)
 
 
 # --------------------------------------------------------------------------- draft acceptance

@@ -8,9 +8,24 @@ so the wording cannot drift from the judgement it states.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A fixture, control document or criteria name as a scope line shows it: one word with no
+separator of the line in it (``;``, ``,``, parentheses, spaces), so the line reads one way only."""
+
+
+def _name(value: object, what: str) -> None:
+    if not isinstance(value, str) or not NAME.fullmatch(value):
+        raise ValueError(f"scope: {what} {value!r}, expected a name of letters, digits, '.', '_' or '-'")
+
+
+def _count(value: object, what: str) -> None:
+    if type(value) is not int or value < 1:  # bool is no count
+        raise ValueError(f"scope: {what} {value!r}, expected a whole number >= 1")
 
 
 @dataclass(frozen=True)
@@ -21,6 +36,16 @@ class DocumentOutcome:
     document: str
     exceeding_lengths: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        _name(self.document, "control document")
+        if not isinstance(self.exceeding_lengths, tuple):
+            raise ValueError(f"scope: {self.document}: exceeding lengths {self.exceeding_lengths!r}, expected a tuple")
+        for length in self.exceeding_lengths:
+            _count(length, f"{self.document}: exceeding length")
+        if list(self.exceeding_lengths) != sorted(set(self.exceeding_lengths)):
+            raise ValueError(f"scope: {self.document}: exceeding lengths {self.exceeding_lengths}, expected "
+                             f"increasing lengths, each once")
+
     @property
     def within(self) -> bool:
         return not self.exceeding_lengths
@@ -28,12 +53,36 @@ class DocumentOutcome:
 
 @dataclass(frozen=True)
 class ControlsOutcome:
-    """The lane's E2 controls as judged against their E1 gates, from the measuring receipt."""
+    """The lane's E2 controls as judged against their E1 gates, from the measuring receipt.
+    Every exceeding length is one of ``lengths`` (the criteria's grid), so the line's length runs
+    are runs of that grid; a document appears once."""
 
     criteria: str
     lengths: tuple[int, ...]
     documents: tuple[DocumentOutcome, ...]
     source: str  # the receipt the controls were measured in (receipt://...)
+
+    def __post_init__(self) -> None:
+        _name(self.criteria, "controls criteria")
+        if not isinstance(self.lengths, tuple) or not self.lengths:
+            raise ValueError(f"scope: {self.criteria}: lengths {self.lengths!r}, expected a non-empty tuple")
+        for length in self.lengths:
+            _count(length, f"{self.criteria}: length")
+        if list(self.lengths) != sorted(set(self.lengths)):
+            raise ValueError(f"scope: {self.criteria}: lengths {self.lengths}, expected increasing lengths, each once")
+        if not isinstance(self.documents, tuple) or not self.documents:
+            raise ValueError(f"scope: {self.criteria}: documents {self.documents!r}, expected a non-empty tuple "
+                             f"(controls with no document measured state nothing)")
+        names = [document.document for document in self.documents]
+        if len(set(names)) != len(names):
+            raise ValueError(f"scope: {self.criteria}: a control document is named twice in {names}")
+        for document in self.documents:
+            outside = sorted(set(document.exceeding_lengths) - set(self.lengths))
+            if outside:
+                raise ValueError(f"scope: {self.criteria}: {document.document} exceeds at {outside}, "
+                                 f"lengths the criteria's grid {list(self.lengths)} does not hold")
+        if not isinstance(self.source, str) or not self.source.strip() or not self.source.isprintable():
+            raise ValueError(f"scope: {self.criteria}: source {self.source!r}, expected the measuring receipt's uri")
 
     @property
     def within(self) -> int:
@@ -49,6 +98,13 @@ class Scope:
     prompt_tokens: int
     output_tokens: int
     controls: ControlsOutcome | None
+
+    def __post_init__(self) -> None:
+        _name(self.fixture, "fixture")
+        for what in ("repetitions", "prompt_tokens", "output_tokens"):
+            _count(getattr(self, what), f"fixture {self.fixture}: {what}")
+        if self.controls is not None and not isinstance(self.controls, ControlsOutcome):
+            raise ValueError(f"scope: controls {type(self.controls).__name__}, expected a ControlsOutcome or None")
 
 
 def length_ranges(lengths: Sequence[int], grid: Sequence[int]) -> str:
@@ -79,6 +135,7 @@ def controls_words(controls: ControlsOutcome | None) -> str:
 
 
 def fixture_words(scope: Scope) -> str:
+    """The fixture half of a scope line: "fixture F (repetitions × prompt/output tokens)"."""
     return (f"fixture {scope.fixture} ({scope.repetitions} × "
             f"{scope.prompt_tokens}/{scope.output_tokens})")
 
@@ -94,10 +151,14 @@ def scope_line(passed: bool, scope: Scope, reason: str | None = None) -> str:
 
 def scope_document(scope: Scope, passed: bool) -> dict[str, Any]:
     """The scope as JSON (``--json``, receipts, JUnit): the same facts as :func:`scope_line`,
-    which it carries as ``line``."""
+    which it carries as ``line``, with the line's two halves as the line words them
+    (``fixture_words``, ``controls_words``), so a surface that shows one half quotes it, never
+    re-words it."""
     controls = scope.controls
     return {
         "line": scope_line(passed, scope),
+        "fixture_words": fixture_words(scope),
+        "controls_words": controls_words(controls),
         "fixture": {"name": scope.fixture, "repetitions": scope.repetitions,
                     "prompt_tokens": scope.prompt_tokens, "output_tokens": scope.output_tokens},
         "controls": None if controls is None else {

@@ -1,19 +1,45 @@
-"""Calibration: measure a lane's handoffs under every numeric environment this host can run, archive
-the measurement as the basis receipt a frozen identity cites, and propose the rule."""
+"""Calibration: measure a lane on its calibration set, retain its fixture anchor, measure its
+preregistered controls, and archive all of it as the basis receipt a frozen identity cites.
+
+The bounds come from the calibration set alone (documents and lengths kept apart from the
+qualification fixture and the controls), each cell under a freshly started producer in the next
+numeric environment this host can run; the fixture is then handed off (at least twice, across
+restarts) only to retain the digests a qualification must reproduce bit for bit, never to set a
+bound. The rules that turn these into sealed numbers are stated in :mod:`qualify.contract.rules`
+and applied by :mod:`qualify.judge.calibration`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qualify.contract.controls import CalibrationSet, load_calibration_set, load_controls_criteria, load_document
+from qualify.contract.lanes import lane_spec
+from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.engines.base import LaneEngine
 from qualify.evidence.comparers import ComparerFactory
-from qualify.judge import judge_calibration
-from qualify.run.contract import calibration_contract
+from qualify.judge.calibration import (
+    ANCHOR_PART,
+    CALIBRATION_EVIDENCE,
+    CALIBRATION_EVIDENCE_SCHEMA,
+    CALIBRATION_PART,
+    CellDrift,
+    judge_calibration,
+)
+from qualify.judge.scope import ControlsOutcome
+from qualify.run.contract import CalibrationHandoff, calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportFactory, driven
+
+CONTROLS_EVIDENCE = "controls"
+"""The receipt evidence name of a lane's E2 controls record (``evidence/controls.json``)."""
+
+ANCHOR_HANDOFFS = 2
+"""Fixture anchors per calibration: two, across a producer restart and another environment, so
+the retained digests are shown to reproduce before any qualification relies on them."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +57,7 @@ class CalibrationEnvironment:
 # Each calibration handoff restarts the producer under the next of these, so the measured envelope
 # covers producer restarts, BLAS kernels (the pinned OpenBLAS runs Zen as Haswell, so Sandybridge
 # is the third), BLAS and OpenMP thread counts and numpy's SIMD dispatch: an engine whose output
-# moved with any of them shows it as differing digests, and the calibration fails.
+# moved with any of them shows it as differing anchor digests, and the calibration fails.
 CALIBRATION_ENVIRONMENTS: tuple[CalibrationEnvironment, ...] = (
     CalibrationEnvironment({}),
     CalibrationEnvironment({"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"},
@@ -63,56 +89,154 @@ def calibration_environments() -> list[dict[str, str]]:
 
 @dataclass
 class Calibration:
-    """A calibration's measured envelope and the rule it proposes (never applied by itself)."""
+    """A calibration's cells, anchors, the numbers its rules derive (never applied by
+    themselves) and its controls outcome."""
 
     lane: str
     records: list[dict[str, Any]]
-    observed_max_abs: float
-    observed_mean_abs: float
-    tokens_exact: bool
+    cells: tuple[CellDrift, ...]
     proposed_maximum_absolute: float | None
     proposed_maximum_mean_absolute: float | None
+    acceptance_floor: float | None
     receipt_path: Path | None
     failures: list[str]
-    # Every deterministic digest equal across the handoffs (restarts, kernels, threads, dispatch).
+    # The fixture's greedy tokens exact in every anchor handoff.
+    tokens_exact: bool = False
+    # The anchors' deterministic digests equal across their restarts and environments.
     deterministic: bool = False
+    passed: bool = False
     headline: str = ""
+    controls: ControlsOutcome | None = None
+    # The controls judgement as JSON (every cell's gate and exceedance), empty without controls.
+    controls_judgement: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def observed_max_abs(self) -> float:
+        """The largest cell max abs delta (NaN without cells)."""
+        return max((cell.max_abs for cell in self.cells), default=float("nan"))
+
+    @property
+    def observed_mean_abs(self) -> float:
+        return max((cell.mean_abs for cell in self.cells), default=float("nan"))
 
 
-def calibrate(lane: str, recipe: str, repetitions: int, options: RunOptions,
+def calibration_handoffs(calibration_set: CalibrationSet, anchors: int = ANCHOR_HANDOFFS) -> list[CalibrationHandoff]:
+    """Every handoff a calibration makes, in order: each calibration document at each prompt
+    length of the set, then ``anchors`` handoffs of the qualification fixture."""
+    handoffs = [CalibrationHandoff(CALIBRATION_PART, entry.name, load_document(entry.name)[:length])
+                for entry in calibration_set.documents for length in calibration_set.prompt_lengths]
+    fixture = assets.load_prompt(assets.MAIN_PROMPT)
+    return handoffs + [CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, fixture)] * anchors
+
+
+def _measure_controls(lane: str, consumer: LaneEngine, log: Callable[[str], None]) -> dict[str, Any]:
+    """The lane's E2 controls record (:mod:`qualify.evidence.controls`), measured in this process:
+    the lane's producer engine and the yardstick built by the factory, scored by the run's consumer."""
+    from qualify.evidence.controls import build_control_engines, measure_controls, yardstick_identity
+
+    criteria, digest = load_controls_criteria()
+    engines = build_control_engines(lane)
+    documents = {entry.name: load_document(entry.name) for entry in criteria.documents}
+    return measure_controls(consumer, engines.producer, engines.yardstick, documents, criteria.lengths,
+                            criteria.profile_window, lane=lane, criteria={"name": criteria.name, "sha256": digest},
+                            yardstick_id=yardstick_identity(criteria), progress=lambda line: log(line))
+
+
+def calibrate(lane: str, recipe: str, options: RunOptions,
               log: Callable[[str], None] | None = None, *,
               transport: TransportFactory | None = None, comparer: ComparerFactory | None = None,
-              environments: list[dict[str, str]] | None = None, consumer: LaneEngine | None = None) -> Calibration:
-    """Measure ``repetitions`` handoffs of ``lane`` against the cold recompute, archive the run as
-    a receipt (the basis a frozen identity cites), and propose the observed envelope as the rule.
-    ``transport``/``comparer`` are the run's (default: producer process, host compare);
-    ``environments`` the producer environments cycled through (default: every one this CPU runs;
-    an in-process producer passes ``[{}]``, it has no environment of its own)."""
-    if repetitions < 1:
-        raise Refused(f"--repetitions: found {repetitions}, expected at least 1")
-    from qualify.contract.lanes import lane_spec
+              environments: list[dict[str, str]] | None = None, consumer: LaneEngine | None = None,
+              calibration_set: tuple[CalibrationSet, str] | None = None, anchors: int = ANCHOR_HANDOFFS,
+              controls: bool = True) -> Calibration:
+    """Measure ``lane`` on its calibration set and anchor its fixture (each handoff under a fresh
+    producer, cycling ``environments``: by default every one this CPU runs; an in-process
+    producer passes ``[{}]``), measure its E2 controls when the committed criteria preregister the
+    lane (``controls=False`` skips them, and the calibration then cannot seal an identity that
+    declares them), archive everything as one receipt and judge it."""
+    if anchors < 2:
+        raise Refused(f"--anchors: found {anchors}, expected at least 2 (a retained digest must be shown to reproduce)")
+    spec = lane_spec(lane)
+    chosen_set, set_digest = calibration_set or load_calibration_set()
+    criteria, criteria_digest = load_controls_criteria()
+    from qualify.contract.controls import check_disjoint
 
+    check_disjoint(criteria, chosen_set)
+    preregistered = lane in criteria.lanes
+    controls_ref = {"name": criteria.name, "sha256": criteria_digest} if preregistered and controls else None
+    handoffs = calibration_handoffs(chosen_set, anchors)
     environments = calibration_environments() if environments is None else environments
-    run = QualificationRun(options, calibration_contract(lane, recipe), log=log, transport=transport,
-                           comparer=comparer, consumer=consumer)
+    contract = calibration_contract(lane, recipe, handoffs,
+                                    calibration_set={"name": chosen_set.name, "sha256": set_digest},
+                                    controls=controls_ref, output_tokens=chosen_set.output_tokens)
+    run = QualificationRun(options, contract, log=log, transport=transport, comparer=comparer, consumer=consumer)
+    echo = log or (lambda line: None)
+    entries: list[dict[str, Any]] = []
+    controls_record: dict[str, Any] | None = None
     with driven(run):  # SIGINT, SIGTERM, SIGHUP stop it cleanly; closed however it ends
         for label in STEP_LABELS[:3]:
             outcome = run.step(label)
             if not outcome.passed:
                 raise Refused(f"calibration {label}: {outcome.message}")
-        for index in range(repetitions):
+        for index, handoff in enumerate(handoffs):
             environment = environments[index % len(environments)]
             if index > 0:  # the first handoff uses the producer the steps started (no overrides)
-                run.restart_producer(environment)
+                run.switch_prompt(handoff.document, handoff.prompt, environment)
             message = run._handoff(index)
-            run.log(f"calibration handoff {index + 1}/{repetitions} (fresh producer, environment "
-                    f"{environment or 'as the operator set it'}): {message}")
+            run.log(f"calibration handoff {index + 1}/{len(handoffs)} ({handoff.part} {handoff.document} "
+                    f"@{len(handoff.prompt)}, fresh producer, environment {environment or 'as the operator set it'}): "
+                    f"{message}")
+            entries.append({"repetition": index + 1, "part": handoff.part, "document": handoff.document,
+                            "prompt_tokens": len(handoff.prompt),
+                            "prompt_sha256": assets.prompt_sha256(handoff.prompt), "environment": environment})
         run.settle_all()  # a deferred comparer's last samples
-        spec = lane_spec(lane)
-        judged = judge_calibration(run.records, lane=lane, rung=spec.recipe.rung, draft=spec.speculative_draft,
-                                   repetitions=repetitions, environments=len(environments))
-        run.verdict = judged.verdict
-        run.receipt_path = run.finish(run.verdict)
-    return Calibration(lane, run.records, judged.observed_max_abs, judged.observed_mean_abs, judged.tokens_exact,
-                       judged.proposed_maximum_absolute, judged.proposed_maximum_mean_absolute, run.receipt_path,
-                       judged.failures, judged.deterministic, judged.verdict.headline)
+        for entry in entries:
+            counts = run.draft_counts.get(entry["repetition"])
+            entry["draft"] = None if counts is None else {"proposed": counts[0], "accepted": counts[1]}
+        if controls_ref is not None:
+            run.log(f"measuring E2 controls ({criteria.name}) in this process")
+            controls_record = _measure_controls(lane, run._consumer, echo)
+            run._receipt.add_evidence(CONTROLS_EVIDENCE, controls_record)
+        from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
+
+        evidence = {
+            "schema": CALIBRATION_EVIDENCE_SCHEMA,
+            "lane": lane,
+            "set": {"name": chosen_set.name, "sha256": set_digest},
+            "rule": {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT},
+            "floor_rule": {"name": FLOOR_RULE, "statement": FLOOR_RULE_STATEMENT} if spec.speculative_draft else None,
+            "fixture": {"name": assets.MAIN_PROMPT, "prompt_tokens": len(handoffs[-1].prompt),
+                        "prompt_sha256": assets.prompt_sha256(handoffs[-1].prompt),
+                        "output_tokens": chosen_set.output_tokens},
+            "handoffs": entries,
+            "controls": controls_ref,
+        }
+        run._receipt.add_evidence(CALIBRATION_EVIDENCE, evidence)
+        judged = judge_calibration(run.records, evidence, lane=lane, rung=spec.recipe.rung,
+                                   draft=spec.speculative_draft, restarts_minimum=chosen_set.producer_restarts_minimum)
+        outcome_words, controls_outcome, table = _judged_controls(controls_record, criteria, run)
+        verdict = judged.verdict
+        if outcome_words:
+            from dataclasses import replace
+
+            verdict = replace(verdict, headline=f"{verdict.headline}; {outcome_words}")
+        run.verdict = verdict
+        run.receipt_path = run.finish(verdict)
+    return Calibration(lane, run.records, judged.cells, judged.proposed_maximum_absolute,
+                       judged.proposed_maximum_mean_absolute, judged.acceptance_floor, run.receipt_path,
+                       judged.failures, judged.anchor_tokens_exact, judged.deterministic, verdict.passed,
+                       verdict.headline, controls_outcome, table)
+
+
+def _judged_controls(record: dict[str, Any] | None, criteria: Any, run: QualificationRun
+                     ) -> tuple[str, ControlsOutcome | None, dict[str, Any]]:
+    """The controls' judgement for the calibration's headline: words, outcome, judgement as JSON."""
+    if record is None:
+        return "", None, {}
+    from qualify.judge.controls import judge_controls
+    from qualify.judge.scope import controls_words
+
+    uri = f"receipt://{run._receipt.run_id}/evidence/{CONTROLS_EVIDENCE}.json"
+    judged = judge_controls(record, criteria.document(), source=uri, lane=run._contract.lane)
+    if judged.outcome is None:
+        return f"controls not established: {'; '.join(judged.problems)}", None, judged.document()
+    return controls_words(judged.outcome), judged.outcome, judged.document()

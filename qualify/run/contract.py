@@ -5,6 +5,7 @@ host or an identity before any handoff (exit 2)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from qualify.handoff.protocol import (
     ProducerExpectation,
     seconds_or_none,
 )
+from qualify.judge.scope import ControlsOutcome
 
 ORDERED_HANDOFFS = 3
 """Every recipe runs three ordered handoffs (an identity declaring another count is refused)."""
@@ -85,9 +87,13 @@ class Contract:
     # Per layer (K, V): the largest handed-off KV delta the lane's basis receipt measured; a
     # sample's layers above it are where a fault sits. Rung 3's envelope is zero everywhere.
     kv_envelope: list[tuple[float, float]] | None = None
-    # The basis receipt's sample records (the calibration the rule came from): the run's
-    # deterministic digests are rechecked against them. None for a calibration.
+    # The basis receipt's sample records (the calibration the rule came from). None for a calibration.
     basis_records: list[dict[str, Any]] | None = None
+    # Its fixture anchor's records: the run's deterministic digests are rechecked against them
+    # bit for bit (seed 000 §32.7, G3). None for a calibration.
+    anchor_records: list[Mapping[str, Any]] | None = None
+    # The lane's E2 controls as judged from the basis receipt (None: the identity declares none).
+    controls: ControlsOutcome | None = None
     # The identity declares the producer's output deterministic (require_deterministic_remote_output).
     deterministic_producer: bool = True
     # How long the consumer waits for the producer per phase (phase_deadlines of the basis receipt).
@@ -126,6 +132,113 @@ def receipt_sample_records(receipt_dir: Path) -> list[dict[str, Any]]:
         return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
     except (OSError, ValueError) as exc:
         raise Refused(f"basis receipt {receipt_dir.name}: unreadable sample ({one_line(str(exc))})") from None
+
+
+EVIDENCE_MAX_BYTES = 16 << 20
+"""Largest evidence document read from a basis receipt (a controls record is some tens of kB)."""
+
+
+def receipt_evidence(receipt_dir: Path, name: str) -> dict[str, Any]:
+    """A receipt's ``evidence/<name>.json`` (strict JSON, bounded), refused when absent or unreadable:
+    absent evidence is failed evidence."""
+    from qualify.core.strict_json import read_strict_json
+
+    path = receipt_dir / "evidence" / f"{name}.json"
+    if not path.is_file() or path.is_symlink():
+        raise Refused(f"basis receipt {receipt_dir.name}: evidence/{name}.json missing; it predates calibration "
+                      f"sets (re-calibrate the lane: docs/calibration.md)")
+    if path.stat().st_size > EVIDENCE_MAX_BYTES:
+        raise Refused(f"basis receipt {receipt_dir.name}: evidence/{name}.json larger than {EVIDENCE_MAX_BYTES} bytes")
+    document = read_strict_json(path, f"basis evidence {name}")
+    if not isinstance(document, dict):
+        raise Refused(f"basis receipt {receipt_dir.name}: evidence/{name}.json: found {type(document).__name__}, "
+                      f"expected a JSON object")
+    return document
+
+
+def basis_rule_problems(identity: Identity, evidence: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+    """Why the identity's sealed numbers do not follow from its basis by its stated rules: the
+    calibration set and rule the basis measured must be the identity's, and its bounds and draft
+    floor must be what the rules derive from the basis (:mod:`qualify.judge.calibration`)."""
+    from qualify.judge.calibration import bound_problems
+
+    basis = identity.calibration
+    problems = []
+    stated_set = {"name": basis.set.name, "sha256": basis.set.sha256}
+    if evidence.get("set") != stated_set:
+        problems.append(f"calibration.set: the basis measured {evidence.get('set')!r}, the identity names {stated_set!r}")
+    bounds = identity.onboarding_qualification.full_logits
+    draft = identity.speculative_draft
+    problems += bound_problems(
+        evidence, records,
+        maximum_absolute=getattr(bounds, "maximum_absolute", None),
+        maximum_mean_absolute=getattr(bounds, "maximum_mean_absolute", None),
+        acceptance_floor=None if draft is None else draft.acceptance_floor)
+    return problems
+
+
+def basis_controls(identity: Identity, basis_dir: Path) -> ControlsOutcome | None:
+    """The lane's E2 controls judged from its basis receipt against the committed criteria the
+    identity pins; None when the identity declares none (refused if the criteria list the lane)."""
+    from qualify.contract.controls import load_controls_criteria
+    from qualify.judge.controls import judge_controls
+
+    criteria, digest = load_controls_criteria()
+    where = f"identity {identity.lane}: controls"
+    if identity.controls is None:
+        if identity.lane in criteria.lanes:
+            raise Refused(f"{where}: found null, expected {criteria.name} (its criteria preregister lane {identity.lane})")
+        return None
+    if (identity.controls.name, identity.controls.sha256) != (criteria.name, digest):
+        raise Refused(f"{where}: found {identity.controls.name} {identity.controls.sha256}, the committed criteria are "
+                      f"{criteria.name} {digest}")
+    source = f"receipt://{basis_dir.name}/evidence/controls.json"
+    judged = judge_controls(receipt_evidence(basis_dir, "controls"), criteria.document(), source=source,
+                            lane=identity.lane)
+    if judged.outcome is None:
+        raise Refused(f"{where}: the basis receipt's controls do not judge: {'; '.join(judged.problems)[:300]}")
+    return judged.outcome
+
+
+@dataclass(frozen=True)
+class CheckedBasis:
+    """An identity's basis receipt once every check passed: its file, samples, fixture anchors and
+    judged controls."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    anchors: list[Mapping[str, Any]]
+    controls: ControlsOutcome | None
+
+
+def checked_basis(identity: Identity, *, where: str) -> CheckedBasis:
+    """Everything loading an identity checks of its basis (``qualify --recipe``, ``qualify identity
+    check`` and enrollment alike): the receipt whole against its sealed manifest digest, the
+    committed calibration set it names, every sealed number re-derived by the stated rules, at
+    least two fixture anchors, and its controls judged. Any failure is a one-line refusal (exit 2)."""
+    from qualify.archive.reader import resolve_receipt_uri
+    from qualify.archive.verify import check_receipt
+    from qualify.contract.controls import load_calibration_set
+    from qualify.contract.identity import check_basis_receipt
+    from qualify.judge.calibration import anchor_records
+
+    uri = identity.onboarding_qualification.basis
+    path = check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=where)
+    records = receipt_sample_records(path.parent)
+    calibration_set, set_digest = load_calibration_set()
+    if (identity.calibration.set.name, identity.calibration.set.sha256) != (calibration_set.name, set_digest):
+        raise Refused(f"{where}: calibration.set: found {identity.calibration.set.name} "
+                      f"{identity.calibration.set.sha256}, the committed set is {calibration_set.name} {set_digest}")
+    evidence = receipt_evidence(path.parent, "calibration")
+    problems = basis_rule_problems(identity, evidence, records)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise Refused(f"{where}: a sealed number does not follow from its basis {uri}: {problems[0]}{more}")
+    anchors = anchor_records(evidence, records)
+    if len(anchors) < 2:
+        raise Refused(f"{where}: basis {uri}: {len(anchors)} fixture anchor samples, expected at least 2 "
+                      f"to recheck a run against")
+    return CheckedBasis(path, records, anchors, basis_controls(identity, path.parent))
 
 
 def kv_envelope_from_records(records: list[dict[str, Any]], layers: int) -> list[tuple[float, float]] | None:
@@ -191,17 +304,17 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     qualification = identity.onboarding_qualification
     # Rung 2's rule is a bounded drift: it can only be judged by grading the deltas.
     graded = drift_graded or identity.rung == 2
-    from qualify.archive.reader import resolve_receipt_uri
-    from qualify.archive.verify import check_receipt
-    from qualify.contract.identity import check_basis_receipt
-
-    basis = check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=f"identity {identity_path}")
-    basis_records = receipt_sample_records(basis.parent)
+    basis = checked_basis(identity, where=f"identity {identity_path}")
+    basis_records, anchors, controls = basis.records, basis.anchors, basis.controls
+    # Localisation compares each layer's handed-off KV delta with the anchor's: the fixture's own,
+    # which a deterministic producer reproduces exactly (the calibration cells, other documents,
+    # would hide a small fault under their larger deltas).
     kv_envelope: list[tuple[float, float]] | None
     if identity.rung == 3:
         kv_envelope = [(0.0, 0.0)] * consumer_geometry.layers
     else:
-        kv_envelope = kv_envelope_from_records(basis_records, consumer_geometry.layers)
+        kv_envelope = kv_envelope_from_records([dict(record) for record in anchors], consumer_geometry.layers)
+
     return Contract(
         lane=identity.lane,
         recipe=identity.recipe,
@@ -221,6 +334,8 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         expectation=expectation_from_identity(identity, consumer_geometry),
         kv_envelope=kv_envelope,
         basis_records=basis_records,
+        anchor_records=anchors,
+        controls=controls,
         deterministic_producer=qualification.require_deterministic_remote_output,
         deadlines=phase_deadlines(basis_records),
     )
@@ -245,26 +360,39 @@ def check_lane_engines(lane: str, producer: str, consumer: str) -> None:
                       f"the run asked for --producer {producer} --consumer {consumer}")
 
 
-CALIBRATION_SCHEMA = "trust-ladder.calibration.v2"
-"""The document a calibration runs under in place of an identity; v2's digest is over its RFC 8785
-bytes (``qualify.core.digests.document_sha256``; v1 receipts keep the legacy form)."""
+CALIBRATION_SCHEMA = "trust-ladder.calibration.v3"
+"""The document a calibration runs under in place of an identity (digest over its RFC 8785 bytes):
+v3 names every handoff (the calibration set's cells, then the fixture anchors), the set and the
+stated rules, and the controls criteria (v1/v2 receipts measured the fixture itself)."""
 
 
-def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_PROMPT,
+@dataclass(frozen=True)
+class CalibrationHandoff:
+    """One handoff a calibration makes: a calibration-set cell or a fixture anchor."""
+
+    part: str  # qualify.judge.calibration.CALIBRATION_PART or ANCHOR_PART
+    document: str
+    prompt: np.ndarray
+
+
+def calibration_contract(lane: str, recipe: str, handoffs: list[CalibrationHandoff], *,
+                         calibration_set: dict[str, str], controls: dict[str, str] | None,
                          output_tokens: int = 256) -> Contract:
     """A contract for measuring a lane before its identity exists: the lane's real artifacts and
-    cache identity, a calibration document in place of the identity, and no rule."""
+    cache identity, a calibration document (every handoff it will make, the set and the rules)
+    in place of the identity, no rule, and the first handoff's prompt (the run switches prompts
+    per handoff: :meth:`qualify.run.qualification.QualificationRun.switch_prompt`)."""
     from qualify.contract.lanes import lane_spec
+    from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
     from qualify.engines.factory import build_cache_identity, checkpoint_digests, lane_kv_dtype, producer_facts
 
     spec = lane_spec(lane)
     if spec.recipe.value != recipe:
         raise Refused(f"lane {lane}: recipe: found {spec.recipe.value}, the run is --recipe {recipe}")
+    if not handoffs:
+        raise Refused(f"calibration of {lane}: no handoffs to make")
     producer = producer_facts(lane)
-    prompt = assets.load_prompt(prompt_name)
-    handoff_positions = len(prompt) - 1
     cache_identity = build_cache_identity(spec)
-    prompt_sha256 = assets.prompt_sha256(prompt)
     document: dict[str, Any] = {
         "schema": CALIBRATION_SCHEMA,
         "lane": lane,
@@ -272,22 +400,26 @@ def calibration_contract(lane: str, recipe: str, prompt_name: str = assets.MAIN_
         "producer_mode": spec.mode.value,
         "producer_engine": {"name": producer.name, "version": producer.version, "abi": producer.abi},
         "checkpoint": checkpoint_digests(spec.kind),
-        "prompt": {"name": prompt_name, "sha256": prompt_sha256},
-        "handoff_positions": handoff_positions,
+        "calibration_set": dict(calibration_set),
+        "bound_rule": {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT},
+        "floor_rule": ({"name": FLOOR_RULE, "statement": FLOOR_RULE_STATEMENT} if spec.speculative_draft else None),
+        "handoffs": [{"part": handoff.part, "document": handoff.document, "prompt_tokens": len(handoff.prompt),
+                      "prompt_sha256": assets.prompt_sha256(handoff.prompt)} for handoff in handoffs],
         "output_tokens": output_tokens,
+        "controls": None if controls is None else dict(controls),
         "target_cache_identity_sha256": cache_identity,
     }
     digest = document_sha256(document)
+    first = handoffs[0]
     return Contract(
         lane=lane, recipe=spec.recipe, rung=spec.recipe.rung, producer_mode=spec.mode,
         identity_document=document, identity_sha256=digest,
         target_cache_identity=cache_identity, logit_units="raw",
-        prompt_name=prompt_name, prompt=prompt, prompt_sha256=prompt_sha256,
-        handoff_positions=handoff_positions, output_tokens=output_tokens,
+        prompt_name=first.document, prompt=first.prompt, prompt_sha256=assets.prompt_sha256(first.prompt),
+        handoff_positions=len(first.prompt) - 1, output_tokens=output_tokens,
         repetitions=ORDERED_HANDOFFS, rule=None,
         expectation=ProducerExpectation(
             engine_version=producer.version, geometry=producer.geometry, identity_sha256=digest,
             engine_name=producer.name, engine_abi=producer.abi, digests=producer.digests,
             kv_dtype=lane_kv_dtype(spec)),
     )
-

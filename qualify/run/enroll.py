@@ -36,7 +36,7 @@ from qualify.archive.attestation import read_attestation
 from qualify.archive.keys import TrustFile, default_trust_path, load_trust
 from qualify.archive.layout import archive_dir, receipt_uri
 from qualify.archive.reader import read_receipt_json, receipt_files, resolve_receipt_uri
-from qualify.archive.verify import authenticate_receipt, check_receipt
+from qualify.archive.verify import authenticate_receipt
 from qualify.contract.lanes import LANES
 from qualify.contract.registry import LaneRegistry, RegistryEntry, RevokedKey, validate_registry_document
 from qualify.contract.registry import load_registry as _load_registry_file
@@ -106,10 +106,11 @@ def _identity_digest(identity: Any) -> str:
 def _load_identity(identity: Any) -> Any:
     """A path is loaded and sealed, and its basis receipt checked against the sealed digest."""
     if isinstance(identity, (str, os.PathLike)):
-        from qualify.contract.identity import check_basis_receipt, load_identity
+        from qualify.contract.identity import load_identity
+        from qualify.run.contract import checked_basis
 
         loaded = load_identity(identity)
-        check_basis_receipt(loaded, resolve_receipt_uri, check_receipt, where=f"identity {os.fspath(identity)}")
+        checked_basis(loaded, where=f"identity {os.fspath(identity)}")
         return loaded
     return identity
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qualify.contract.lanes import recipe_named
-from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
-from qualify.core.errors import Refused
+from qualify.core.assets import REPO_ROOT
 from qualify.run.calibrate import Calibration
 
 COMMAND_STYLE = "cyan"
@@ -44,57 +43,35 @@ class StepLine:
 
 
 def next_steps(result: Calibration, lane: str, recipe: str) -> list[StepLine]:
-    """The verdict on a calibration and, when it proposes a rule, the commands that seal it."""
-    if result.failures or not result.tokens_exact:
-        return [StepLine("no rule proposed: the lane does not keep exact tokens (or a handoff failed) "
-                         "on this prompt; publish this receipt as its result", "bold red")]
+    """The verdict on a calibration and, when its rules derive a rule, the commands that seal it
+    (the freeze tool derives every number from the receipt again: none is passed to it)."""
+    if result.failures:
+        return [StepLine("no rule derived: a handoff failed; publish this receipt as its result", "bold red")]
+    if not result.tokens_exact:
+        return [StepLine("no rule derived: the lane does not keep exact tokens on its fixture (an anchor handoff "
+                         "diverged); publish this receipt as its result", "bold red")]
     if not result.deterministic:
-        return [StepLine("no rule proposed: the producer's output differed across restarts or "
-                         "environments (see the receipt's verdict); no sealed identity can cover it", "bold red")]
+        return [StepLine("no rule derived: the fixture anchors differ across restarts or environments (see the "
+                         "receipt's verdict); no sealed identity can cover it", "bold red")]
+    if not result.passed:
+        return [StepLine(f"no rule derived: {result.headline}", "bold red")]
     if recipe_named(recipe).rung == 3:
-        return _rung3_steps(result, lane)
+        if result.acceptance_floor is None:
+            return [StepLine("rung 3 is bit-exact by its recipe; no draft floor was derived", "bold red")]
+        lead = StepLine(f"rung 3 is bit-exact by its recipe: no bound; draft acceptance floor {result.acceptance_floor!r} "
+                        f"(one-sided 95 % Wilson lower bound of the fixture anchor's counts)", "bold")
+        return [lead, *freeze_steps(lane, result.receipt_path)]
     if result.proposed_maximum_absolute is None or result.proposed_maximum_mean_absolute is None:
-        return [StepLine("no bound can be proposed from this envelope", "yellow")]
+        return [StepLine("no bound can be derived from these cells", "yellow")]
     lines = []
     if result.observed_max_abs == 0.0:
-        lines.append(StepLine("no drift observed in any handoff: the proposed bound is the least positive "
+        lines.append(StepLine("no drift observed in any cell: the derived bound is the least positive "
                               "double, which only a zero delta meets (a bit-exact rule)", "bold"))
     lines.append(StepLine(
-        f"proposed rule (the envelope over every calibration environment, no margin): maximum_absolute "
-        f"{result.proposed_maximum_absolute!r}, maximum_mean_absolute {result.proposed_maximum_mean_absolute!r}",
-        "bold"))
-    rule = ["--maximum-absolute", repr(result.proposed_maximum_absolute),
-            "--maximum-mean-absolute", repr(result.proposed_maximum_mean_absolute)]
-    return lines + freeze_steps(lane, result.receipt_path, rule)
-
-
-def _rung3_steps(result: Calibration, lane: str) -> list[StepLine]:
-    """Rung 3 has no bound to propose; its draft acceptance floor comes from a measurement
-    (``bench/measure_draft.py``), so only a floor already sealed for the lane can be reused."""
-    floor = sealed_acceptance_floor(lane)
-    if floor is None:
-        return [StepLine(f"rung 3 is bit-exact by its recipe; lane {lane} has no sealed draft acceptance floor "
-                         "to keep: measure one with bench/measure_draft.py, then freeze with "
-                         "tools/freeze_identity.py --acceptance-floor (docs/onboarding.md)", "bold")]
-    lead = StepLine(f"rung 3 is bit-exact by its recipe: no bound to propose; the draft acceptance floor stays "
-                    f"the sealed {floor!r} (a new floor is measured by bench/measure_draft.py)", "bold")
-    return [lead, *freeze_steps(lane, result.receipt_path, ["--acceptance-floor", repr(floor)])]
-
-
-def sealed_acceptance_floor(lane: str) -> float | None:
-    """The draft acceptance floor of the lane's shipped identity, if it has one that loads."""
-    from qualify.contract.identity import parse_identity_document
-    from qualify.core.strict_json import read_strict_json
-
-    path = CONTRACTS_DIR / identity_name(lane)
-    if not path.is_file():
-        return None
-    try:
-        identity = parse_identity_document(read_strict_json(path, "identity"), where=f"identity {path}")
-    except Refused:
-        return None
-    draft = identity.speculative_draft
-    return None if draft is None else draft.acceptance_floor
+        f"derived rule (largest cell value plus one standard deviation over {len(result.cells)} calibration cells): "
+        f"maximum_absolute {result.proposed_maximum_absolute!r}, "
+        f"maximum_mean_absolute {result.proposed_maximum_mean_absolute!r}", "bold"))
+    return lines + freeze_steps(lane, result.receipt_path)
 
 
 def identity_name(lane: str) -> str:
@@ -102,9 +79,10 @@ def identity_name(lane: str) -> str:
     return f"{lane}-identity-v1.json"
 
 
-def freeze_steps(lane: str, receipt: Path | None, rule: list[str]) -> list[StepLine]:
+def freeze_steps(lane: str, receipt: Path | None) -> list[StepLine]:
     """The heading and the commands that copy the receipt into ``receipts/``, freeze the lane's
-    identity from it under ``rule`` (freeze tool options), regenerate the sealed data and check it."""
+    identity from it (the tool derives its numbers by the stated rules), regenerate the sealed
+    data and check it."""
     if receipt is None:
         return [StepLine("the calibration archived no receipt: there is no basis to freeze from", "bold red")]
     if not (REPO_ROOT / FREEZE_TOOL).is_file():
@@ -112,7 +90,7 @@ def freeze_steps(lane: str, receipt: Path | None, rule: list[str]) -> list[StepL
                          f"installation ({REPO_ROOT})", "yellow")]
     receipt = receipt.resolve()
     identity = Path("contracts") / identity_name(lane)  # in the checkout, where the freeze writes
-    freeze = [_python(), str(FREEZE_TOOL), "--lane", lane, *rule,
+    freeze = [_python(), str(FREEZE_TOOL), "--lane", lane,
               "--basis", f"receipt://{receipt.name}/{BASIS_FILE}"]
     if (REPO_ROOT / identity).exists():  # a re-calibrated lane replaces its identity (the commit shows the change)
         freeze.append("--replace")

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +42,7 @@ from qualify.judge import (
     judge_refused,
     judge_sample,
 )
+from qualify.judge.scope import Scope
 from qualify.run.contract import (
     ORDERED_HANDOFFS,
     Contract,
@@ -293,6 +294,9 @@ class QualificationRun:
         self.producer_env: dict[str, str] = {}
         # Wall seconds per activity over the whole run, for bench/qualify.py's overhead split.
         self.seconds: dict[str, float] = {}
+        # Per repetition, the handoff branch's (proposed, accepted) draft tokens (None: no draft):
+        # a calibration records the anchor's, the counts a draft floor is derived from.
+        self.draft_counts: dict[int, tuple[int, int] | None] = {}
 
     def _add_seconds(self, activity: str, started: float) -> None:
         self.seconds[activity] = self.seconds.get(activity, 0.0) + time.perf_counter() - started
@@ -336,7 +340,8 @@ class QualificationRun:
                                   refused=index < STEP_LABELS.index(HANDOFF_STEPS[0]))
         except (ProducerFailed, StepFailed) as exc:
             outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started)
-            failure = judge_failed_step(label, outcome.message, self.sample_verdicts[-1] if self.sample_verdicts else None)
+            failure = judge_failed_step(label, outcome.message, self.sample_verdicts[-1] if self.sample_verdicts else None,
+                                        scope=self._scope())
         finally:
             self._running = None
         self.outcomes[label] = outcome
@@ -466,13 +471,7 @@ class QualificationRun:
                           f"{len(HANDOFF_STEPS)} ordered handoffs")
         # Both sides are compared in the contract's units; an engine emitting other units is
         # refused here (a soft cap cannot be undone).
-        maximum_absolute, maximum_mean_absolute = comparison_bounds(contract.rule)
-        self.comparer = self._comparer_factory(ComparerSetup(
-            consumer=self.consumer, prompt=contract.prompt, handoff_positions=contract.handoff_positions,
-            output_tokens=contract.output_tokens,
-            transform=transform_between(self.consumer.logit_units, contract.logit_units),
-            maximum_absolute=maximum_absolute, maximum_mean_absolute=maximum_mean_absolute,
-            reference_once=self.options.reference_once))
+        self.comparer = self._new_comparer()
         self.receipt = ReceiptWriter(
             archive_dir(options.receipts),
             command_line=options.command_line or ["qualify", "--recipe", options.recipe],
@@ -487,6 +486,37 @@ class QualificationRun:
         self.log(f"lane {contract.lane} (rung {contract.rung}, producer mode {contract.producer_mode.value}); "
                  f"identity sha256 {contract.identity_sha256}; fault {options.fault or 'none'}")
         return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
+
+    def _new_comparer(self) -> Comparer:
+        """A comparer for the contract's prompt, in the contract's units (an engine emitting other
+        units is refused here: a soft cap cannot be undone)."""
+        contract, consumer = self._contract, self._consumer
+        maximum_absolute, maximum_mean_absolute = comparison_bounds(contract.rule)
+        return self._comparer_factory(ComparerSetup(
+            consumer=consumer, prompt=contract.prompt, handoff_positions=contract.handoff_positions,
+            output_tokens=contract.output_tokens,
+            transform=transform_between(consumer.logit_units, contract.logit_units),
+            maximum_absolute=maximum_absolute, maximum_mean_absolute=maximum_mean_absolute,
+            reference_once=self.options.reference_once))
+
+    def switch_prompt(self, prompt_name: str, prompt: np.ndarray, env: dict[str, str]) -> str:
+        """A calibration's next cell: the same run and receipt, another prompt. Its own comparer
+        and cold recompute, and a freshly started producer under ``env`` (the handed-off prefix
+        and payload size follow from the prompt)."""
+        from qualify.core.assets import prompt_sha256
+
+        self.settle_all()
+        contract = self._contract
+        if contract.prompt_name == prompt_name and np.array_equal(contract.prompt, prompt):
+            self.restart_producer(env)  # the same prompt: its cold recompute stands
+            return "the same prompt: its cold recompute stands"
+        self.contract = replace(contract, prompt_name=prompt_name, prompt=prompt, prompt_sha256=prompt_sha256(prompt),
+                                handoff_positions=len(prompt) - 1)
+        if self.comparer is not None:
+            self.comparer.close()
+        self.comparer = self._new_comparer()
+        self.restart_producer(env)
+        return self._compute_reference()
 
     def _load_identity(self) -> tuple[Path, Identity]:
         """The run's identity, loaded and sealed (schema, strict model, sealed digest). A choice or
@@ -701,6 +731,7 @@ class QualificationRun:
         def build_record() -> SampleRecord:
             comparison = compared.result()
             self._series[repetition] = sample_series(comparison)
+            self.draft_counts[repetition] = comparison.handoff_draft_counts
             return sample_record(
                 repetition=repetition,
                 comparison=comparison,
@@ -763,15 +794,25 @@ class QualificationRun:
         while self._unsettled:
             self._settle()
 
+    def _scope(self) -> Scope | None:
+        """What this qualification's verdict covers: its fixture and its lane's controls (None for
+        a calibration, which qualifies nothing, or before the contract exists)."""
+        contract = self.contract
+        if contract is None or contract.rule is None:
+            return None
+        return Scope(fixture=contract.prompt_name, repetitions=contract.repetitions,
+                     prompt_tokens=len(contract.prompt), output_tokens=contract.output_tokens,
+                     controls=contract.controls)
+
     def _judge_summary(self) -> str:
         self.settle_all()
         contract = self._contract
         if contract.rule is None:
             raise StepFailed("calibration runs have no verdict step")
-        if contract.basis_records is None:
-            raise StepFailed("no basis receipt to recheck the run's digests against")
-        verdict = judge_qualification(self.records, contract.rule, contract.basis_records,
-                                      deterministic_producer=contract.deterministic_producer)
+        if contract.anchor_records is None:
+            raise StepFailed("no anchor in the basis receipt to recheck the run's digests against")
+        verdict = judge_qualification(self.records, contract.rule, contract.anchor_records,
+                                      deterministic_producer=contract.deterministic_producer, scope=self._scope())
         self.finish(verdict)  # finalize writes the receipt's one "verdict:" line
         if not verdict.passed:
             raise StepFailed(verdict.headline)

@@ -1,0 +1,618 @@
+"""Detection power: for each lane and fault class, the smallest injected fault the rule catches.
+
+For each lane the honest producer prefills the fixture's ``prompt[:2047]`` once and the exact
+consumer computes its cold reference once (256 greedy tokens). Each probe applies one fault of
+:mod:`qualify.engines.faults` (``NAME=VALUE``) to that KV, seals and opens it through the real
+wire (:mod:`qualify.handoff.wire`: payload tree and seam digests as a run computes them), decodes
+and compares it through :class:`~qualify.evidence.comparers.HostComparer`, builds the run's sample
+record (:func:`~qualify.evidence.sample.sample_record`), and judges it two ways:
+
+(a) drift rule: :func:`~qualify.judge.judge_summary` (every sample through
+    :func:`~qualify.judge.judge_sample`) under the lane's rung-2 rule, bounds from its identity
+    ``contracts/<lane>-identity-v1.json`` or ``--bounds MAX,MEAN``;
+(b) drift rule + G3 recheck: (a), and :func:`~qualify.judge.judge_reproduction` of the samples
+    against the honest producer's records (the anchor: its payload, seam, logit-block and
+    generated-token digests).
+
+A probe's three repetitions are one handoff recorded three times: the in-process producer and
+its fault are deterministic (checked: two honest prefills are compared bit for bit), so three
+handoffs would hand off the same bytes. Each class's parameter grid (``GRIDS``) is searched by
+bisection on the probe's caught/missed outcome, assuming it is monotone in the parameter; the
+boundary is then checked one step above and two below, and any disagreement reported.
+
+Prints one table, the commands that reproduce the default lane's V-scale boundary with real runs,
+and, as its last line, ``min_detected_v_scale_eps: <eps>`` (the default lane under rule (b)).
+Writes JSON to ``--out``.
+
+Usage: python bench/detection_power.py [--lanes LANE,...] [--classes CLASS,...] [--bounds MAX,MEAN] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np
+
+from qualify.contract.lanes import DEFAULT_NATIVE_TEXT_LANE, lane_spec
+from qualify.core import assets
+from qualify.core.digests import canonical_sha256
+from qualify.core.errors import Refused, one_line
+from qualify.core.kv import KVCache
+from qualify.engines import faults
+from qualify.engines.base import LaneEngine
+from qualify.engines.factory import build_consumer, build_producer, lane_kv_dtype
+from qualify.evidence.compare import transform_between
+from qualify.evidence.comparers import ComparerSetup, HostComparer
+from qualify.evidence.records import BoundedDriftRule, record_json
+from qualify.evidence.sample import sample_record
+from qualify.handoff.wire import Handoff, HandoffExpectation, mint_run_key, open_handoff, seal_handoff_parts
+from qualify.judge import Verdict, judge_reproduction, judge_summary
+from qualify.run.contract import identity_path_for_lane
+
+LANES = ("nvfp4-native-w4a4", "nvfp4-native-f16", "nvfp4-native-splitk")
+DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "detection-power" / "detection-power.json"
+RUN_ID = "detection-power"
+PROMPT_NOTE = "each lane's identity prompt (the fixture), prompt[:handoff_positions] handed off, output_tokens decoded"
+
+
+def one_two_five(first_exponent: int, last_exponent: int, top: float | None = None) -> tuple[str, ...]:
+    """1, 2, 5 times each power of ten from ``first_exponent`` to ``last_exponent`` (a near-geometric
+    grid, steps of x2, x2.5, x2), as exact decimal texts, none above ``top``."""
+    texts = [f"{mantissa}e{exponent}" for exponent in range(first_exponent, last_exponent + 1) for mantissa in (1, 2, 5)]
+    return tuple(text for text in texts if top is None or float(text) <= top)
+
+
+def powers_of_two(last_exponent: int) -> tuple[str, ...]:
+    return tuple(str(2**exponent) for exponent in range(last_exponent + 1))
+
+
+@dataclass(frozen=True)
+class ProbeClass:
+    """A fault class as the bench searches it: the figure it reports (``parameter``), the grid of
+    that figure, and the fault name each figure injects."""
+
+    name: str
+    parameter: str
+    grid: tuple[str, ...]
+    fault: Callable[[str], str]
+
+
+def _scale(kind: str) -> Callable[[str], str]:
+    # F = 1 + eps in exact decimal, so the name's text is the factor a real run parses.
+    return lambda eps: f"{kind}={Decimal(1) + Decimal(eps)}"
+
+
+def _plain(kind: str) -> Callable[[str], str]:
+    return lambda value: f"{kind}={faults.value_text(float(value))}"
+
+
+CLASSES: dict[str, ProbeClass] = {
+    probe.name: probe
+    for probe in (
+        ProbeClass("v-scale", f"eps: layer {faults.FAULT_LAYER} V x (1 + eps)", one_two_five(-7, -1), _scale("v-scale")),
+        ProbeClass("k-scale", f"eps: layer {faults.FAULT_LAYER} K x (1 + eps)", one_two_five(-7, -1), _scale("k-scale")),
+        ProbeClass("kv-ulp", f"N layer-{faults.FAULT_LAYER} K elements +1 ULP", powers_of_two(16), _plain("kv-ulp")),
+        ProbeClass("position-shift", "D: keys' RoPE positions + D", one_two_five(-6, 3, top=4096), _plain("position-shift")),
+        ProbeClass("block-swap", f"N: K spans of N positions from {faults.BLOCK_SWAP_START} swapped",
+                   powers_of_two(9), _plain("block-swap")),
+        ProbeClass("head-swap", f"N: layer-{faults.FAULT_LAYER} KV heads {faults.SWAPPED_HEADS} swapped, last N",
+                   powers_of_two(11), _plain("head-swap")),
+    )
+}
+
+
+@dataclass
+class Probe:
+    """One fault's handoff, recorded and judged both ways."""
+
+    figure: str | None
+    fault: str | None
+    noop: bool
+    caught_drift: bool
+    caught_g3: bool
+    max_abs: float
+    mean_abs: float
+    token_agreement_rate: float
+    drift_verdict: str
+    g3_verdict: str
+    over_kv_envelope: list[str]
+    seconds: float
+
+    def caught(self, rule: str) -> bool:
+        return self.caught_drift if rule == "drift" else self.caught_drift or self.caught_g3
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "value": self.figure, "fault": self.fault, "noop": self.noop,
+            "caught_drift_rule": self.caught_drift, "caught_drift_rule_and_g3": self.caught("g3"),
+            "max_abs": self.max_abs, "mean_abs": self.mean_abs, "token_agreement_rate": self.token_agreement_rate,
+            "drift_verdict": self.drift_verdict, "g3_verdict": self.g3_verdict,
+            "over_kv_envelope": self.over_kv_envelope, "seconds": round(self.seconds, 2),
+        }
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What the bench takes from a lane's identity file, read as written (any identity version
+    carrying these fields; a bench is not a qualification, so it does not seal-check the file)."""
+
+    lane: str
+    source: str
+    identity_sha256: str
+    prompt_name: str
+    handoff_positions: int
+    output_tokens: int
+    repetitions: int
+    maximum_absolute: float
+    maximum_mean_absolute: float
+    deterministic_producer: bool
+    basis: str | None
+    logit_units: str
+
+
+def _field(document: Any, path: str, kind: type, where: str) -> Any:
+    value = document
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise Refused(f"{where}: {path}: found {value!r}, expected {kind.__name__}")
+    return value
+
+
+def identity_terms(lane: str) -> Terms:
+    """The lane's terms from ``contracts/<lane>-identity-v1.json``; a missing or mistyped field is
+    refused naming it."""
+    from qualify.core.strict_json import read_strict_json
+
+    path = identity_path_for_lane(lane)
+    where = f"identity {path.relative_to(REPO_ROOT)}"
+    document = read_strict_json(path, "identity")
+    if _field(document, "lane", str, where) != lane:
+        raise Refused(f"{where}: lane: found {document['lane']!r}, expected {lane!r}")
+    qualification = "onboarding_qualification"
+    if _field(document, f"{qualification}.full_logits.mode", str, where) != "bounded-drift":
+        raise Refused(f"{where}: {qualification}.full_logits.mode: expected bounded-drift (a rung-2 lane)")
+    basis = document.get(qualification, {}).get("basis")
+    return Terms(
+        lane=lane, source=str(path.relative_to(REPO_ROOT)),
+        identity_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        prompt_name=_field(document, "prompt.name", str, where),
+        handoff_positions=_field(document, "context_policy.handoff_positions", int, where),
+        output_tokens=_field(document, f"{qualification}.output_tokens", int, where),
+        repetitions=_field(document, f"{qualification}.repetitions", int, where),
+        maximum_absolute=_field(document, f"{qualification}.full_logits.maximum_absolute", float, where),
+        maximum_mean_absolute=_field(document, f"{qualification}.full_logits.maximum_mean_absolute", float, where),
+        deterministic_producer=_field(document, f"{qualification}.require_deterministic_remote_output", bool, where),
+        basis=basis if isinstance(basis, str) else None,
+        logit_units=_field(document, "logit_units.transform", str, where),
+    )
+
+
+@dataclass
+class LaneBench:
+    """One lane's producer, consumer, honest KV, cold reference and anchor, reused by every probe."""
+
+    terms: Terms
+    rule: BoundedDriftRule
+    rule_source: str
+    prompt: np.ndarray
+    producer: LaneEngine
+    comparer: HostComparer
+    expectation: HandoffExpectation
+    honest_kv: KVCache
+    prefill_s: float
+    deterministic: bool
+    key: bytes = field(default_factory=mint_run_key)
+    anchor: list[dict[str, Any]] = field(default_factory=list)
+    kv_envelope: list[tuple[float, float]] | None = None
+    honest: Probe | None = None
+    probes: int = 0
+
+    @property
+    def lane(self) -> str:
+        return self.terms.lane
+
+    @property
+    def handed_off(self) -> int:
+        return self.terms.handoff_positions
+
+    def records(self, kv: KVCache) -> list[dict[str, Any]]:
+        """The sample records of handing off ``kv`` (sealed, opened, decoded, compared), one per
+        repetition of the rule."""
+        self.probes += 1
+        request_id = f"probe-{self.probes}"
+        sealed = seal_handoff_parts(
+            kv, key=self.key, identity_sha256=self.terms.identity_sha256,
+            target_cache_identity=self.expectation.cache_identity, producer_mode=self.expectation.producer_mode,
+            lane=self.lane, prompt_sha256=self.expectation.prompt_sha256, run_id=RUN_ID,
+            request_id=request_id, compute_s=self.prefill_s)
+        handoff = Handoff(sealed.manifest_bytes, sealed.mac, bytearray(b"".join(sealed.payload_parts)))
+        opened = open_handoff(handoff, key=self.key, expectation=replace(self.expectation, request_id=request_id))
+        manifest = opened.manifest
+        compared = self.comparer.compare(opened.kv, self.prompt[manifest.handed_off_positions:], meanwhile=lambda: None)
+        comparison = compared.result()
+        seams = canonical_sha256([[seam.layer, seam.k_sha256, seam.v_sha256] for seam in manifest.seams])
+        phases = {
+            "producer_compute_s": manifest.compute_s, "serialize_s": manifest.serialize_s + manifest.digest_s,
+            "transport_s": 0.0, "verify_s": opened.timings.verify_s, "install_s": opened.timings.install_s,
+            "decode_s": compared.seconds["decode"], "recompute_s": 0.0,
+        }
+        return [record_json(sample_record(
+            repetition=repetition, comparison=comparison, payload_sha256=manifest.payload_sha256,
+            seams_sha256=seams, payload_bytes=manifest.payload_size, payload_gbit_per_s=0.0,
+            handed_off_positions=manifest.handed_off_positions,
+            recomputed_positions=len(self.prompt) - manifest.handed_off_positions,
+            kv_envelope=self.kv_envelope, phases=phases,
+        )) for repetition in range(1, self.rule.repetitions + 1)]
+
+    def judge(self, records: list[dict[str, Any]]) -> tuple[Verdict, Verdict]:
+        drift = judge_summary(records, self.rule)
+        g3 = judge_reproduction(records, self.anchor, rung=self.rule.rung,
+                                deterministic_producer=self.terms.deterministic_producer, draft=False)
+        return drift, g3
+
+    def probe(self, figure: str, fault: str) -> Probe:
+        """Hand off the honest KV with ``fault`` applied; judge it both ways."""
+        started = time.perf_counter()
+        transform = faults.kv_transform(fault, self.producer.geometry.rope_theta)
+        if transform is None:
+            raise Refused(f"fault {fault}: corrupts nothing in the handed-off KV")
+        return self.judged(self.records(transform(self.honest_kv)), figure, fault, started)
+
+    def judged(self, records: list[dict[str, Any]], figure: str | None, fault: str | None, started: float) -> Probe:
+        drift, g3 = self.judge(records)
+        first = records[0]
+        over = [f"L{item['layer']}{item['tensor']}" for item in
+                ((first.get("localisation") or {}).get("kv_over_envelope") or [])]
+        noop = bool(self.anchor) and first["payload_sha256"] == self.anchor[0]["payload_sha256"]
+        return Probe(figure, None if fault is None else faults.fault_named(fault).name, noop,
+                     not drift.passed, not g3.passed, float(first["max_abs"]), float(first["mean_abs"]),
+                     float(first["token_agreement_rate"]), drift.headline, g3.headline, over,
+                     time.perf_counter() - started)
+
+
+def parse_bounds(text: str) -> tuple[float, float]:
+    """``--bounds MAX,MEAN``: two positive finite numbers."""
+    try:
+        maximum, mean = (float(part) for part in text.split(","))
+    except ValueError:
+        raise Refused(f"--bounds: found {text!r}, expected MAX,MEAN (two positive finite numbers)") from None
+    if not all(math.isfinite(x) and x > 0 for x in (maximum, mean)):
+        raise Refused(f"--bounds: found {text!r}, expected MAX,MEAN (two positive finite numbers)")
+    return maximum, mean
+
+
+def set_up_lane(lane: str, bounds: str | None) -> LaneBench:
+    """The lane's terms, engines, honest KV (prefilled twice: the two must be equal bit for bit to
+    call the producer deterministic), cold reference, anchor records and KV envelope."""
+    terms = identity_terms(lane)
+    maximum, mean = parse_bounds(bounds) if bounds is not None else (terms.maximum_absolute, terms.maximum_mean_absolute)
+    rule = BoundedDriftRule(repetitions=terms.repetitions, output_tokens=terms.output_tokens,
+                            maximum_absolute=maximum, maximum_mean_absolute=mean, drift_graded=True)
+    source = f"--bounds {bounds}" if bounds is not None else terms.source
+    spec = lane_spec(lane)
+    consumer = build_consumer(lane)
+    producer = build_producer(lane, spec.mode)
+    prompt = assets.load_prompt(terms.prompt_name)
+    prefix = prompt[:terms.handoff_positions]
+    started = time.perf_counter()
+    honest_kv = producer.prefill(prefix)
+    prefill_s = time.perf_counter() - started
+    again = producer.prefill(prefix)
+    deterministic = all(a.tobytes() == b.tobytes() for a, b in
+                        zip(honest_kv.keys + honest_kv.values, again.keys + again.values, strict=True))
+    comparer = HostComparer(ComparerSetup(
+        consumer=consumer, prompt=prompt, handoff_positions=terms.handoff_positions,
+        output_tokens=terms.output_tokens, transform=transform_between(consumer.logit_units, terms.logit_units),
+        maximum_absolute=maximum, maximum_mean_absolute=mean, reference_once=True))
+    comparer.reference()
+    expectation = HandoffExpectation(
+        identity_sha256=terms.identity_sha256, cache_identity=producer.target_cache_identity_sha256,
+        geometry=consumer.geometry.kv_geometry(terms.handoff_positions, lane_kv_dtype(spec)),
+        prompt_sha256=assets.prompt_sha256(prefix), run_id=RUN_ID, request_id="probe",
+        lane=lane, producer_mode=spec.mode)
+    bench = LaneBench(terms, rule, source, prompt, producer, comparer, expectation, honest_kv, prefill_s, deterministic)
+    started = time.perf_counter()
+    bench.anchor = bench.records(honest_kv)
+    bench.honest = bench.judged(bench.anchor, None, None, started)
+    # The honest handoff's per-layer KV deltas: a probe over them moved the KV where a KV-envelope
+    # check would see it (reported, not judged).
+    layers = (bench.anchor[0].get("localisation") or {}).get("kv_layer_max_abs") or []
+    bench.kv_envelope = [(float(item["k"]), float(item["v"])) for item in layers] or None
+    if bench.honest.caught_drift or bench.honest.caught_g3:
+        raise Refused(f"lane {lane}: the honest handoff fails the rule ({bench.honest.drift_verdict}); "
+                      "the bounds must admit the honest producer")
+    return bench
+
+
+def basis_check(terms: Terms, anchor: list[dict[str, Any]]) -> tuple[bool | None, str]:
+    """Does the in-process anchor equal a retained fixture handoff of the lane's basis receipt (every
+    G3 digest)? None when the basis receipt cannot be read here."""
+    from qualify.archive.reader import resolve_receipt_uri
+    from qualify.judge import REPRODUCTION_FIELDS
+    from qualify.run.contract import receipt_sample_records
+
+    if terms.basis is None:
+        return None, "the identity names no basis receipt"
+    try:
+        records = receipt_sample_records(resolve_receipt_uri(terms.basis, assets.RECEIPTS_DIR).parent)
+    except Refused as refusal:
+        return None, f"basis receipt unreadable: {one_line(str(refusal))}"
+    wanted = {name: anchor[0].get(name) for name, _ in REPRODUCTION_FIELDS}
+    equal = [r.get("repetition") for r in records if all(r.get(name) == value for name, value in wanted.items())]
+    if equal:
+        return True, f"{terms.basis}: sample {equal[0]} has every G3 digest of the in-process anchor"
+    return False, f"{terms.basis}: no sample has every G3 digest of the in-process anchor"
+
+
+@dataclass
+class Search:
+    """Where a class's grid turns from missed to caught under one rule."""
+
+    boundary: int | None  # grid index of the smallest caught value (monotone reading); None: never caught
+    seen: dict[int, bool]
+    non_monotone: list[int]
+
+    def document(self, grid: Sequence[str], probes: dict[int, Probe]) -> dict[str, Any]:
+        boundary = self.boundary
+        caught = None if boundary is None else grid[boundary]
+        missed = grid[-1] if boundary is None else (grid[boundary - 1] if boundary > 0 else None)
+        return {
+            "smallest_caught": caught,
+            "caught_at_grid_minimum": boundary == 0,
+            "largest_missed": missed,
+            "drift_at_smallest_caught": None if boundary is None else _drift(probes[boundary]),
+            "drift_at_largest_missed": None if missed is None else _drift(probes[grid.index(missed)]),
+            "probed": {grid[i]: self.seen[i] for i in sorted(self.seen)},
+            "monotone_at_boundary": not self.non_monotone,
+            "non_monotone": [grid[i] for i in self.non_monotone],
+        }
+
+
+def _drift(probe: Probe) -> dict[str, float]:
+    return {"max_abs": probe.max_abs, "mean_abs": probe.mean_abs, "token_agreement_rate": probe.token_agreement_rate}
+
+
+def bisect(size: int, caught: Callable[[int], bool]) -> Search:
+    """The smallest index whose probe is caught, reading the grid as monotone (missed below it,
+    caught from it on): the grid's first value, then bisection over the rest with a caught value
+    assumed just past the grid's end; then checked one step above and two below the boundary."""
+    seen: dict[int, bool] = {}
+
+    def at(index: int) -> bool:
+        if index not in seen:
+            seen[index] = caught(index)
+        return seen[index]
+
+    if at(0):
+        high = 0
+    else:
+        low, high = 0, size  # low missed; high caught (size: past the grid, never probed)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if at(middle):
+                high = middle
+            else:
+                low = middle
+    boundary = high if high < size else None
+    edge = size if boundary is None else boundary
+    for index in (edge + 1, edge - 2):
+        if 0 <= index < size:
+            at(index)
+    non_monotone = sorted(i for i, hit in seen.items() if hit != (i >= edge))
+    return Search(boundary, seen, non_monotone)
+
+
+def measure_class(bench: LaneBench, probe_class: ProbeClass, log: Callable[[str], None]) -> dict[str, Any]:
+    grid = probe_class.grid
+    probes: dict[int, Probe] = {}
+
+    def probe_at(index: int) -> Probe:
+        if index not in probes:
+            probe = bench.probe(grid[index], probe_class.fault(grid[index]))
+            probes[index] = probe
+            log(f"  {bench.lane} {probe.fault}: drift rule {'caught' if probe.caught_drift else 'missed'}, "
+                f"+G3 {'caught' if probe.caught('g3') else 'missed'}; max {probe.max_abs:.6g} mean {probe.mean_abs:.6g}"
+                f" tokens {probe.token_agreement_rate:.4g}{' (no-op: bytes unchanged)' if probe.noop else ''}"
+                f" [{probe.seconds:.1f} s]")
+        return probes[index]
+
+    drift = bisect(len(grid), lambda i: probe_at(i).caught("drift"))
+    g3 = bisect(len(grid), lambda i: probe_at(i).caught("g3"))
+    return {
+        "class": probe_class.name,
+        "parameter": probe_class.parameter,
+        "grid": list(grid),
+        "drift_rule": drift.document(grid, probes),
+        "drift_rule_and_g3": g3.document(grid, probes),
+        "noops": [grid[i] for i, probe in sorted(probes.items()) if probe.noop],
+        "probes": [probes[i].document() for i in sorted(probes)],
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _caught_text(result: dict[str, Any], grid_top: str) -> str:
+    caught = result["smallest_caught"]
+    if caught is None:
+        return f"none <= {grid_top}"
+    return f"<= {caught}" if result["caught_at_grid_minimum"] else caught
+
+
+def _drift_text(drift: dict[str, float] | None) -> str:
+    if drift is None:
+        return "-"
+    tokens = round(drift["token_agreement_rate"] * 256)
+    return f"{drift['max_abs']:.4f}/{drift['mean_abs']:.5f} {tokens}/256"
+
+
+def table(lanes: list[dict[str, Any]]) -> list[str]:
+    header = ("lane", "class", "parameter", "(a) caught", "(b) caught", "(a) missed", "at (a) caught",
+              "at (a) missed", "at (b) caught", "notes")
+    rows = [header]
+    for lane in lanes:
+        for result in lane["classes"]:
+            drift, g3 = result["drift_rule"], result["drift_rule_and_g3"]
+            notes = []
+            for label, search in (("(a)", drift), ("(b)", g3)):
+                if search["non_monotone"]:
+                    notes.append(f"{label} non-monotone at {', '.join(search['non_monotone'])}")
+            if result["noops"]:
+                notes.append(f"no-op at {', '.join(result['noops'])}")
+            rows.append((lane["lane"], result["class"], result["parameter"],
+                         _caught_text(drift, result["grid"][-1]), _caught_text(g3, result["grid"][-1]),
+                         drift["largest_missed"] or "-", _drift_text(drift["drift_at_smallest_caught"]),
+                         _drift_text(drift["drift_at_largest_missed"]), _drift_text(g3["drift_at_smallest_caught"]),
+                         "; ".join(notes) or "monotone at both boundaries"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "-+-".join("-" * width for width in widths))
+    return lines
+
+
+def v_scale_line(lanes: list[dict[str, Any]]) -> str:
+    """The last line: the default lane's smallest caught V eps under rule (b)."""
+    default = next((lane for lane in lanes if lane["lane"] == DEFAULT_NATIVE_TEXT_LANE), None)
+    result = None if default is None else next((r for r in default["classes"] if r["class"] == "v-scale"), None)
+    if result is None:
+        return f"min_detected_v_scale_eps: none (v-scale on {DEFAULT_NATIVE_TEXT_LANE} was not measured)"
+    caught = result["drift_rule_and_g3"]["smallest_caught"]
+    if caught is None:
+        return f"min_detected_v_scale_eps: none (not caught up to {result['grid'][-1]})"
+    return f"min_detected_v_scale_eps: {faults.value_text(float(caught))}"
+
+
+def lane_lines(lanes: list[dict[str, Any]]) -> list[str]:
+    """Per lane: the rule judged, the honest handoff, and what the anchor was checked against."""
+    return [f"{lane['lane']}: rule max <= {lane['rule']['maximum_absolute']!r}, mean <= "
+            f"{lane['rule']['maximum_mean_absolute']!r} ({lane['rule']['source']}); honest handoff max "
+            f"{lane['honest']['max_abs']!r}, mean {lane['honest']['mean_abs']!r}; two prefills bit-identical: "
+            f"{lane['deterministic_in_process']}; anchor vs basis receipt: {lane['anchor_basis_check']}"
+            for lane in lanes]
+
+
+def reproduce_lines(lanes: list[dict[str, Any]], bounds_given: bool) -> list[str]:
+    default = next((lane for lane in lanes if lane["lane"] == DEFAULT_NATIVE_TEXT_LANE), None)
+    result = None if default is None else next((r for r in default["classes"] if r["class"] == "v-scale"), None)
+    if result is None:
+        return []
+    fault = CLASSES["v-scale"].fault
+    lines = [f"real runs reproducing {DEFAULT_NATIVE_TEXT_LANE}'s v-scale boundaries (each run rechecks G3 "
+             "against the identity's basis receipt, so each is caught; the drift figures must match the table"
+             + ("; a real run judges under the identity's bounds, not --bounds, so its drift verdict may differ):"
+                if bounds_given else "):")]
+    for label, value, outcome in (
+        ("smallest caught under (b)", result["drift_rule_and_g3"]["smallest_caught"],
+         "samples pass the drift rule, the verdict fails the basis recheck"),
+        ("smallest caught under (a)", result["drift_rule"]["smallest_caught"], "sample 1 fails the drift rule"),
+        ("largest missed under (a)", result["drift_rule"]["largest_missed"],
+         "samples pass the drift rule, the verdict fails the basis recheck"),
+    ):
+        if value is not None:
+            lines.append(f"  {label} (eps {value}): qualify --recipe native-text --fault {fault(value)}   # {outcome}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--lanes", default=",".join(LANES), help=f"comma-separated lanes (default {','.join(LANES)})")
+    parser.add_argument("--classes", default=",".join(CLASSES),
+                        help=f"comma-separated fault classes (default {','.join(CLASSES)})")
+    parser.add_argument("--bounds", default=None, metavar="MAX,MEAN",
+                        help="judge every lane under these bounds instead of its identity's")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="write the JSON here")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        lanes = [lane for lane in args.lanes.split(",") if lane]
+        unknown = [lane for lane in lanes if lane not in LANES]
+        if unknown or not lanes:
+            raise Refused(f"--lanes: found {args.lanes!r}, expected some of {', '.join(LANES)}")
+        chosen = [name for name in args.classes.split(",") if name]
+        if not chosen or any(name not in CLASSES for name in chosen):
+            raise Refused(f"--classes: found {args.classes!r}, expected some of {', '.join(CLASSES)}")
+        if args.bounds is not None:
+            parse_bounds(args.bounds)
+        documents = []
+        for lane in lanes:
+            lane_started = time.perf_counter()
+            bench = set_up_lane(lane, args.bounds)
+            honest = bench.honest
+            assert honest is not None
+            reproduces, basis_words = basis_check(bench.terms, bench.anchor)
+            log(f"{lane}: rule max <= {bench.rule.maximum_absolute!r}, mean <= {bench.rule.maximum_mean_absolute!r} "
+                f"({bench.rule_source}); honest max {honest.max_abs!r} mean {honest.mean_abs!r}; producer "
+                f"deterministic in-process: {bench.deterministic}; anchor vs basis receipt: {basis_words}")
+            classes = [measure_class(bench, CLASSES[name], log) for name in chosen]
+            documents.append({
+                "lane": lane,
+                "prompt": bench.terms.prompt_name, "handoff_positions": bench.handed_off,
+                "output_tokens": bench.terms.output_tokens,
+                "rule": {"maximum_absolute": bench.rule.maximum_absolute,
+                         "maximum_mean_absolute": bench.rule.maximum_mean_absolute, "source": bench.rule_source},
+                "deterministic_producer_declared": bench.terms.deterministic_producer,
+                "deterministic_in_process": bench.deterministic,
+                "anchor_reproduces_basis_receipt": reproduces,
+                "anchor_basis_check": basis_words,
+                "kv_envelope_from_anchor": bench.kv_envelope,
+                "honest": honest.document(),
+                "probes": bench.probes,
+                "seconds": round(time.perf_counter() - lane_started, 1),
+                "classes": classes,
+            })
+    except Refused as refusal:
+        print(f"refused: {one_line(str(refusal))}", file=sys.stderr)
+        return 2
+    wall_s = time.perf_counter() - started
+    last = v_scale_line(documents)
+    document = {
+        "schema": "trust-ladder.detection-power.v1",
+        "prompt": PROMPT_NOTE,
+        "fault_site": {"layer": faults.FAULT_LAYER, "head": faults.FAULT_HEAD, "position": faults.FAULT_POSITION,
+                       "dim": faults.FAULT_DIM, "block_swap_start": faults.BLOCK_SWAP_START,
+                       "swapped_heads": list(faults.SWAPPED_HEADS), "kv_ulp_seed": faults.KV_ULP_SEED},
+        "grids": {name: {"parameter": CLASSES[name].parameter, "values": list(CLASSES[name].grid)} for name in chosen},
+        "rules": {"drift_rule": "judge_summary (each sample through judge_sample) under the lane's rung-2 rule",
+                  "drift_rule_and_g3": "drift_rule, and judge_reproduction against the honest producer's records"},
+        "lanes": documents,
+        "wall_s": round(wall_s, 1),
+        "last_line": last,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    for line in lane_lines(documents):
+        print(line)
+    print()
+    for line in table(documents):
+        print(line)
+    print()
+    for line in reproduce_lines(documents, args.bounds is not None):
+        print(line)
+    print(f"wall {wall_s:.1f} s, {sum(lane['probes'] for lane in documents)} handoffs; JSON: {args.out}")
+    print(last)
+    return 0
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,309 @@
+"""A calibration judged, and the numbers it seals derived by stated rules.
+
+A calibration measures a lane on its calibration set (documents and lengths kept apart from the
+qualification fixture and the controls), each handoff under a freshly started producer, then
+hands off the fixture itself as the anchor whose deterministic digests later qualifications must
+reproduce bit for bit (seed 000 §32.7, the G3 recheck). The bounds come from the calibration cells
+only, by :data:`BOUND_RULE`; the rung-3 draft floor from the anchor's counts, by
+:data:`FLOOR_RULE`. The same functions propose them at calibration, check them at freeze and
+re-derive them at every load, so a sealed number that does not follow from its basis is refused.
+
+Pure: sample records and the calibration evidence (``evidence/calibration.json``) in, numbers
+and verdicts out.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
+from qualify.core.errors import one_line
+from qualify.core.stats import wilson_interval
+from qualify.judge.handoffs import Check, Record, Verdict, _finite, _Judgement, _plain, judge_reproduction
+
+CALIBRATION_EVIDENCE = "calibration"
+"""The receipt evidence name of a calibration's cell map (``evidence/calibration.json``)."""
+CALIBRATION_EVIDENCE_SCHEMA = "trust-ladder.calibration-evidence.v1"
+
+ZERO_DRIFT_BOUND = 5e-324
+"""The least positive double: the bound of a lane that showed no drift in any calibration cell.
+Deltas are non-negative, so only a zero delta meets it: the bit-exact rule, written in the
+positive-bound form a bounded-drift recipe's schema requires (never a margin chosen by taste)."""
+
+CALIBRATION_PART = "calibration"
+ANCHOR_PART = "anchor"
+
+
+@dataclass(frozen=True)
+class CellDrift:
+    """One calibration cell's handoff: which document and length, and its drift."""
+
+    repetition: int
+    document: str
+    prompt_tokens: int
+    max_abs: float
+    mean_abs: float
+    tokens_exact: bool
+
+
+@dataclass(frozen=True)
+class DerivedBounds:
+    """The bounds :data:`BOUND_RULE` derives from the cells, and the spread it added."""
+
+    maximum_absolute: float
+    maximum_mean_absolute: float
+    max_abs_spread: float
+    mean_abs_spread: float
+    cells: tuple[CellDrift, ...]
+
+
+def _handoffs(evidence: Mapping[str, Any], problems: list[str]) -> list[Mapping[str, Any]]:
+    handoffs = evidence.get("handoffs") if isinstance(evidence, Mapping) else None
+    if not isinstance(handoffs, list) or not handoffs or not all(isinstance(h, Mapping) for h in handoffs):
+        problems.append("calibration evidence: handoffs missing or not a list of objects")
+        return []
+    return list(handoffs)
+
+
+def _records_by_repetition(records: Sequence[Record]) -> dict[int, Mapping[str, Any]]:
+    by_repetition: dict[int, Mapping[str, Any]] = {}
+    for record in (_plain(r) for r in records):
+        if isinstance(record, Mapping) and type(record.get("repetition")) is int:
+            by_repetition[record["repetition"]] = record
+    return by_repetition
+
+
+def _cell_drift(record: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The handoff's teacher-forced max and mean abs deltas: the localisation's teacher-forced
+    figures when tokens diverged (the free-running rows then score different contexts), else the
+    sample's own (equal, since the same tokens were fed)."""
+    localisation = record.get("localisation")
+    teacher = localisation.get("teacher_forced") if isinstance(localisation, Mapping) else None
+    if isinstance(teacher, Mapping):
+        maximum, mean = _finite(teacher.get("max_abs")), _finite(teacher.get("mean_abs"))
+    elif _finite(record.get("token_agreement_rate")) == 1.0:
+        maximum, mean = _finite(record.get("max_abs")), _finite(record.get("mean_abs"))
+    else:
+        return None
+    if maximum is None or mean is None or maximum < 0 or mean < 0:
+        return None
+    return float(maximum), float(mean)
+
+
+def calibration_cells(evidence: Mapping[str, Any], records: Sequence[Record]) -> tuple[list[CellDrift], list[str]]:
+    """The calibration cells (never the anchor) with their drift, and every problem that keeps a
+    cell from counting (a missing or failed sample, an unreadable drift)."""
+    problems: list[str] = []
+    by_repetition = _records_by_repetition(records)
+    cells: list[CellDrift] = []
+    for handoff in _handoffs(evidence, problems):
+        if handoff.get("part") != CALIBRATION_PART:
+            continue
+        repetition, document, tokens = handoff.get("repetition"), handoff.get("document"), handoff.get("prompt_tokens")
+        if type(repetition) is not int or not isinstance(document, str) or type(tokens) is not int:
+            problems.append(f"calibration evidence: a handoff entry is malformed: {one_line(repr(dict(handoff)))[:120]}")
+            continue
+        record = by_repetition.get(repetition)
+        if record is None:
+            problems.append(f"cell {document}@{tokens}: sample {repetition} missing")
+            continue
+        if record.get("error"):
+            problems.append(f"cell {document}@{tokens}: handoff failed: {one_line(str(record['error']))}")
+            continue
+        drift = _cell_drift(record)
+        if drift is None:
+            problems.append(f"cell {document}@{tokens}: sample {repetition} has no finite teacher-forced drift")
+            continue
+        cells.append(CellDrift(repetition, document, tokens, drift[0], drift[1],
+                               _finite(record.get("token_agreement_rate")) == 1.0))
+    return cells, problems
+
+
+def _bound(values: Sequence[float]) -> tuple[float, float]:
+    """(bound, spread) of :data:`BOUND_RULE` over per-cell values (at least two)."""
+    largest = max(values)
+    if largest == 0.0:
+        return ZERO_DRIFT_BOUND, 0.0
+    spread = statistics.stdev(values)  # exact rational arithmetic inside: the same float everywhere
+    return largest + spread, spread
+
+
+def derive_bounds(cells: Sequence[CellDrift]) -> DerivedBounds | None:
+    """The bounds :data:`BOUND_RULE` gives for ``cells``; None with fewer than two (no spread)."""
+    if len(cells) < 2:
+        return None
+    maximum, max_spread = _bound([cell.max_abs for cell in cells])
+    mean, mean_spread = _bound([cell.mean_abs for cell in cells])
+    return DerivedBounds(maximum, mean, max_spread, mean_spread, tuple(cells))
+
+
+def anchor_records(evidence: Mapping[str, Any], records: Sequence[Record]) -> list[Mapping[str, Any]]:
+    """The fixture's anchor samples: what a qualification must reproduce bit for bit."""
+    problems: list[str] = []
+    by_repetition = _records_by_repetition(records)
+    wanted = [h.get("repetition") for h in _handoffs(evidence, problems) if h.get("part") == ANCHOR_PART]
+    return [by_repetition[r] for r in wanted if type(r) is int and r in by_repetition]
+
+
+def anchor_draft_counts(evidence: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(proposed, accepted) of the first anchor handoff; None when it recorded no draft."""
+    problems: list[str] = []
+    for handoff in _handoffs(evidence, problems):
+        if handoff.get("part") != ANCHOR_PART:
+            continue
+        draft = handoff.get("draft")
+        if not isinstance(draft, Mapping):
+            return None
+        proposed, accepted = draft.get("proposed"), draft.get("accepted")
+        if type(proposed) is not int or type(accepted) is not int or not 0 <= accepted <= proposed or proposed < 1:
+            return None
+        return proposed, accepted
+    return None
+
+
+def derive_acceptance_floor(proposed: int, accepted: int) -> float:
+    """:data:`FLOOR_RULE`: the one-sided 95 % Wilson lower bound of ``accepted / proposed``."""
+    return wilson_interval(accepted, proposed, confidence=0.95, sides=1)[0]
+
+
+def _rule_stated(evidence: Mapping[str, Any]) -> list[str]:
+    rule = evidence.get("rule") if isinstance(evidence, Mapping) else None
+    if not isinstance(rule, Mapping) or rule.get("name") != BOUND_RULE or rule.get("statement") != BOUND_RULE_STATEMENT:
+        return [f"calibration evidence: rule: found {one_line(repr(rule))[:120]}, expected {BOUND_RULE} as stated"]
+    return []
+
+
+def bound_problems(evidence: Mapping[str, Any], records: Sequence[Record], *,
+                   maximum_absolute: float | None, maximum_mean_absolute: float | None,
+                   acceptance_floor: float | None) -> list[str]:
+    """Why sealed numbers do not follow from their basis by the stated rules (empty: they do).
+    ``maximum_*`` None is a rung-3 rule (bit-exact: every cell must show zero drift);
+    ``acceptance_floor`` None declares no draft."""
+    problems = _rule_stated(evidence)
+    cells, cell_problems = calibration_cells(evidence, records)
+    problems += cell_problems
+    derived = derive_bounds(cells)
+    if derived is None:
+        problems.append(f"calibration set: {len(cells)} measured cells, the rule needs at least 2")
+    elif maximum_absolute is None or maximum_mean_absolute is None:
+        drifting = [f"{c.document}@{c.prompt_tokens}" for c in cells if c.max_abs != 0.0 or c.mean_abs != 0.0]
+        if drifting:
+            problems.append(f"rung 3 is bit-exact but calibration cells drifted: {', '.join(drifting)}")
+    else:
+        for name, sealed, follows in (("maximum_absolute", maximum_absolute, derived.maximum_absolute),
+                                      ("maximum_mean_absolute", maximum_mean_absolute, derived.maximum_mean_absolute)):
+            if sealed != follows:
+                problems.append(f"{name}: sealed {sealed!r}, the basis gives {follows!r} by rule {BOUND_RULE}")
+    if acceptance_floor is not None:
+        counts = anchor_draft_counts(evidence)
+        if counts is None:
+            problems.append("acceptance floor: the basis anchor recorded no draft counts")
+        elif acceptance_floor != (follows_floor := derive_acceptance_floor(*counts)):
+            problems.append(f"acceptance floor: sealed {acceptance_floor!r}, the basis gives {follows_floor!r} "
+                            f"({counts[1]}/{counts[0]} accepted) by rule {FLOOR_RULE}")
+    return problems
+
+
+@dataclass(frozen=True)
+class CalibrationJudgement:
+    """A calibration's cells, the bounds and floor its rules derive (never applied by
+    themselves), and its verdict. ``failures`` are the failed handoffs' errors."""
+
+    cells: tuple[CellDrift, ...]
+    bounds: DerivedBounds | None
+    anchor_tokens_exact: bool
+    deterministic: bool
+    acceptance_floor: float | None
+    failures: list[str]
+    verdict: Verdict
+
+    @property
+    def proposed_maximum_absolute(self) -> float | None:
+        return None if self.bounds is None else self.bounds.maximum_absolute
+
+    @property
+    def proposed_maximum_mean_absolute(self) -> float | None:
+        return None if self.bounds is None else self.bounds.maximum_mean_absolute
+
+
+def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *, lane: str, rung: int,
+                      draft: bool, restarts_minimum: int) -> CalibrationJudgement:
+    """Judge a calibration of ``lane``. It passes when every handoff succeeded, at least
+    ``restarts_minimum`` producer restarts happened (every handoff after the first restarts it),
+    every calibration cell's drift is finite (and zero, on rung 3), the anchors' greedy tokens
+    are exact, and the anchors' deterministic digests agree across their restarts and
+    environments (:func:`judge_reproduction` with the anchors as each other's basis)."""
+    judgement = _Judgement()
+    plain = [_plain(record) for record in records]
+    failures = [one_line(str(r["error"])) for r in plain if isinstance(r, Mapping) and r.get("error")]
+    failures += [f"sample is not a record: {type(r).__name__}" for r in plain if not isinstance(r, Mapping)]
+    judgement.check("handoffs", not failures,
+                    f"{len(plain)} handoffs measured" if not failures else f"{len(failures)} of {len(plain)} handoffs failed",
+                    reasons=[f"handoff failed: {failure}" for failure in failures])
+    problems: list[str] = []
+    handoffs = _handoffs(evidence, problems)
+    restarts = max(len(handoffs) - 1, 0)
+    judgement.check("producer restarts", restarts >= restarts_minimum,
+                    f"{restarts} producer restarts (at least {restarts_minimum})")
+    judgement.check("rule stated", not _rule_stated(evidence), "; ".join(_rule_stated(evidence)) or f"rule {BOUND_RULE}")
+    cells, cell_problems = calibration_cells(evidence, records)
+    bounds = derive_bounds(cells)
+    judgement.check("calibration cells", not cell_problems and bounds is not None,
+                    f"{len(cells)} cells measured" if not cell_problems and bounds is not None
+                    else "; ".join(cell_problems) or f"{len(cells)} cells: the rule needs at least 2",
+                    reasons=cell_problems)
+    if rung == 3 and cells:
+        drifting = [f"{c.document}@{c.prompt_tokens}" for c in cells if c.max_abs != 0.0 or c.mean_abs != 0.0]
+        judgement.check("bit-exact cells", not drifting, "every cell bit-exact" if not drifting
+                        else f"rung 3 needs bit-exact handoffs; drifted: {', '.join(drifting)}")
+    anchors = anchor_records(evidence, records)
+    anchor_ok = [r for r in anchors if not r.get("error")]
+    anchor_tokens_exact = bool(anchor_ok) and all(_finite(r.get("token_agreement_rate")) == 1.0 for r in anchor_ok)
+    judgement.check("anchor tokens exact", anchor_tokens_exact,
+                    "the fixture's greedy tokens exact in every anchor handoff" if anchor_tokens_exact
+                    else "the fixture's greedy tokens diverged in an anchor handoff: no rule can qualify this lane on it")
+    determinism = judge_reproduction(anchor_ok, anchor_ok, rung=rung, deterministic_producer=True, draft=draft)
+    deterministic = determinism.passed and len(anchor_ok) >= 2
+    judgement.check("anchor reproduced", deterministic,
+                    f"every deterministic digest equal across {len(anchor_ok)} anchor handoffs" if deterministic
+                    else "the anchors differ (or fewer than 2): "
+                    + ("; ".join(c.detail for c in determinism.checks if not c.passed) or f"{len(anchor_ok)} anchors"))
+    counts = anchor_draft_counts(evidence) if draft else None
+    floor = derive_acceptance_floor(*counts) if counts is not None else None
+    if draft:
+        judgement.check("draft counts", counts is not None,
+                        f"anchor draft acceptance {counts[1]}/{counts[0]}" if counts is not None
+                        else "the anchor recorded no draft counts")
+    anchor_drift = [d for d in (_cell_drift(r) for r in anchor_ok) if d is not None]
+    fixture_note = ""
+    if bounds is not None and anchor_drift:
+        fixture_max = max(d[0] for d in anchor_drift)
+        fixture_mean = max(d[1] for d in anchor_drift)
+        within = fixture_max <= bounds.maximum_absolute and fixture_mean <= bounds.maximum_mean_absolute
+        fixture_note = (f"; the fixture's own drift (max {fixture_max!r}, mean {fixture_mean!r}) is "
+                        f"{'within' if within else 'OUTSIDE'} the derived bounds")
+    headline = (f"calibration of {lane}: {len(cells)} cells over {len({c.document for c in cells})} documents, "
+                f"{len(anchor_ok)} fixture anchors, {restarts} producer restarts; rule {BOUND_RULE} gives "
+                f"maximum_absolute {None if bounds is None else bounds.maximum_absolute!r}, maximum_mean_absolute "
+                f"{None if bounds is None else bounds.maximum_mean_absolute!r}"
+                + (f"; acceptance floor {floor!r} by {FLOOR_RULE}" if floor is not None else "") + fixture_note)
+    reasons = judgement.failures
+    verdict = Verdict(not reasons, headline, list(reasons) or [headline], judgement.checks + determinism.checks)
+    return CalibrationJudgement(tuple(cells), bounds, anchor_tokens_exact, deterministic, floor, failures, verdict)
+
+
+def cell_table(cells: Sequence[CellDrift]) -> list[dict[str, Any]]:
+    """The cells as rows (document, length, max, mean, tokens exact), for a receipt or a console."""
+    return [{"document": c.document, "prompt_tokens": c.prompt_tokens, "max_abs": c.max_abs,
+             "mean_abs": c.mean_abs, "tokens_exact": c.tokens_exact} for c in cells]
+
+
+__all__ = [
+    "ANCHOR_PART", "BOUND_RULE", "BOUND_RULE_STATEMENT", "CALIBRATION_EVIDENCE", "CALIBRATION_EVIDENCE_SCHEMA",
+    "CALIBRATION_PART", "FLOOR_RULE", "FLOOR_RULE_STATEMENT", "ZERO_DRIFT_BOUND", "CalibrationJudgement",
+    "CellDrift", "Check", "DerivedBounds", "anchor_draft_counts", "anchor_records", "bound_problems",
+    "calibration_cells", "cell_table", "derive_acceptance_floor", "derive_bounds", "judge_calibration",
+]

@@ -1,0 +1,213 @@
+"""The stated calibration rules (qualify/judge/calibration.py): bounds from the calibration cells
+only, the draft floor from the anchor's counts, and the refusal of any sealed number that does not
+follow from its basis by them."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT
+from qualify.core.stats import wilson_interval
+from qualify.judge.calibration import (
+    ANCHOR_PART,
+    CALIBRATION_PART,
+    ZERO_DRIFT_BOUND,
+    anchor_draft_counts,
+    anchor_records,
+    bound_problems,
+    calibration_cells,
+    derive_acceptance_floor,
+    derive_bounds,
+    judge_calibration,
+)
+
+DIGESTS = {name: f"{index:064x}" for index, name in enumerate((
+    "payload_sha256", "seams_sha256", "handoff_logit_block_sha256", "cold_logit_block_sha256",
+    "handoff_generated_token_sha256", "cold_generated_token_sha256"), start=1)}
+
+
+def record(repetition: int, max_abs: float, mean_abs: float, *, exact: bool = True,
+           teacher: tuple[float, float] | None = None, **overrides: Any) -> dict[str, Any]:
+    document: dict[str, Any] = {"repetition": repetition, "token_agreement_rate": 1.0 if exact else 0.5,
+                                "max_abs": max_abs, "mean_abs": mean_abs, **DIGESTS}
+    if teacher is not None:
+        document["localisation"] = {"teacher_forced": {"max_abs": teacher[0], "mean_abs": teacher[1]}}
+    document.update(overrides)
+    return document
+
+
+def evidence(parts: list[tuple[str, str, int]], *, draft: dict[str, int] | None = None) -> dict[str, Any]:
+    return {
+        "rule": {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT},
+        "handoffs": [{"repetition": index + 1, "part": part, "document": document, "prompt_tokens": tokens,
+                      "draft": draft if part == ANCHOR_PART else None}
+                     for index, (part, document, tokens) in enumerate(parts)],
+    }
+
+
+CELLS = [(CALIBRATION_PART, "doc-a", 1024), (CALIBRATION_PART, "doc-a", 1792), (CALIBRATION_PART, "doc-b", 1024)]
+ANCHORS = [(ANCHOR_PART, "python-textwrap", 2048)] * 2
+
+
+def calibrated(maxima: list[float], means: list[float], anchor: tuple[float, float] = (0.5, 0.05)
+               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    records = [record(i + 1, x, y) for i, (x, y) in enumerate(zip(maxima, means, strict=True))]
+    records += [record(len(maxima) + 1 + i, *anchor) for i in range(2)]
+    return evidence(CELLS[:len(maxima)] + ANCHORS), records
+
+
+def test_bounds_are_the_largest_cell_plus_one_sample_standard_deviation() -> None:
+    maxima, means = [1.0, 1.5, 1.25], [0.05, 0.07, 0.06]
+    document, records = calibrated(maxima, means)
+    cells, problems = calibration_cells(document, records)
+    assert problems == []
+    bounds = derive_bounds(cells)
+    assert bounds is not None
+    assert bounds.maximum_absolute == 1.5 + statistics.stdev(maxima)
+    assert bounds.maximum_mean_absolute == 0.07 + statistics.stdev(means)
+
+
+def test_the_anchor_never_sets_a_bound() -> None:
+    """A fixture anchor far above every cell moves no bound: the fixture is not in the set."""
+    low, _ = calibrated([1.0, 1.5], [0.05, 0.07])
+    high, records_high = calibrated([1.0, 1.5], [0.05, 0.07], anchor=(50.0, 5.0))
+    _, records_low = calibrated([1.0, 1.5], [0.05, 0.07])
+    assert derive_bounds(calibration_cells(high, records_high)[0]) == derive_bounds(calibration_cells(low, records_low)[0])
+
+
+def test_a_diverged_cell_counts_its_teacher_forced_drift_and_one_without_it_is_a_problem() -> None:
+    document = evidence(CELLS[:2] + ANCHORS)
+    records = [record(1, 19.7, 2.3, exact=False, teacher=(1.25, 0.066)), record(2, 1.5, 0.08),
+               record(3, 0.5, 0.05), record(4, 0.5, 0.05)]
+    cells, problems = calibration_cells(document, records)
+    assert problems == [] and [c.max_abs for c in cells] == [1.25, 1.5] and not cells[0].tokens_exact
+    records[0] = record(1, 19.7, 2.3, exact=False)
+    cells, problems = calibration_cells(document, records)
+    assert len(cells) == 1 and problems == ["cell doc-a@1024: sample 1 has no finite teacher-forced drift"]
+
+
+def test_zero_drift_everywhere_is_the_bit_exact_bound() -> None:
+    document, records = calibrated([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    bounds = derive_bounds(calibration_cells(document, records)[0])
+    assert bounds is not None and bounds.maximum_absolute == ZERO_DRIFT_BOUND == bounds.maximum_mean_absolute
+
+
+def test_one_cell_gives_no_spread_and_no_bound() -> None:
+    document, records = calibrated([1.0], [0.05])
+    assert derive_bounds(calibration_cells(document, records)[0]) is None
+    assert bound_problems(document, records, maximum_absolute=1.0, maximum_mean_absolute=0.05,
+                          acceptance_floor=None) == ["calibration set: 1 measured cells, the rule needs at least 2"]
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=100.0, allow_nan=False), min_size=2, max_size=8))
+def test_a_sealed_bound_one_ulp_off_the_derived_bound_is_refused(maxima: list[float]) -> None:
+    means = [value / 10 for value in maxima]
+    document, records = calibrated(maxima, means)
+    bounds = derive_bounds(calibration_cells(document, records)[0])
+    assert bounds is not None
+    exact = dict(maximum_absolute=bounds.maximum_absolute, maximum_mean_absolute=bounds.maximum_mean_absolute)
+    assert bound_problems(document, records, **exact, acceptance_floor=None) == []
+    relaxed = math.nextafter(bounds.maximum_absolute, math.inf)
+    problems = bound_problems(document, records, maximum_absolute=relaxed,
+                              maximum_mean_absolute=bounds.maximum_mean_absolute, acceptance_floor=None)
+    assert problems == [f"maximum_absolute: sealed {relaxed!r}, the basis gives {bounds.maximum_absolute!r} "
+                        f"by rule {BOUND_RULE}"]
+
+
+def test_a_basis_stating_another_rule_is_refused() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    document["rule"] = {"name": BOUND_RULE, "statement": "the fixture's own maximum"}
+    bounds = derive_bounds(calibration_cells(document, records)[0])
+    assert bounds is not None
+    problems = bound_problems(document, records, maximum_absolute=bounds.maximum_absolute,
+                              maximum_mean_absolute=bounds.maximum_mean_absolute, acceptance_floor=None)
+    assert len(problems) == 1 and problems[0].startswith("calibration evidence: rule: found")
+
+
+def test_rung3_cells_must_be_bit_exact() -> None:
+    document, records = calibrated([0.0, 0.25], [0.0, 0.01])
+    assert bound_problems(document, records, maximum_absolute=None, maximum_mean_absolute=None,
+                          acceptance_floor=None) == ["rung 3 is bit-exact but calibration cells drifted: doc-a@1792"]
+
+
+def test_the_draft_floor_is_the_one_sided_wilson_lower_bound_of_the_first_anchor() -> None:
+    document = evidence(CELLS[:2] + ANCHORS, draft={"proposed": 255, "accepted": 225})
+    assert anchor_draft_counts(document) == (255, 225)
+    floor = derive_acceptance_floor(255, 225)
+    assert floor == wilson_interval(225, 255, sides=1)[0]
+    assert 0.84 < floor < 225 / 255  # below the measured rate, one-sided 95 %
+    records = [record(1, 0.0, 0.0), record(2, 0.0, 0.0), record(3, 0.0, 0.0), record(4, 0.0, 0.0)]
+    assert bound_problems(document, records, maximum_absolute=None, maximum_mean_absolute=None,
+                          acceptance_floor=floor) == []
+    assert bound_problems(document, records, maximum_absolute=None, maximum_mean_absolute=None,
+                          acceptance_floor=0.82) == [
+        f"acceptance floor: sealed 0.82, the basis gives {floor!r} (225/255 accepted) by rule "
+        "wilson-one-sided-95-lower.v1"]
+
+
+@pytest.mark.parametrize("draft", [None, {"proposed": 0, "accepted": 0}, {"proposed": 5, "accepted": 6},
+                                   {"proposed": 5.0, "accepted": 2}, {"proposed": True, "accepted": 1}])
+def test_malformed_anchor_counts_give_no_floor(draft: dict[str, Any] | None) -> None:
+    assert anchor_draft_counts(evidence(ANCHORS, draft=draft)) is None
+
+
+def judged(records: list[dict[str, Any]], document: dict[str, Any], **kwargs: Any) -> Any:
+    options = dict(lane="lane-x", rung=2, draft=False, restarts_minimum=2) | kwargs
+    return judge_calibration(records, document, **options)
+
+
+def test_a_clean_calibration_passes_and_names_its_rule() -> None:
+    document, records = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06])
+    result = judged(records, document)
+    assert result.verdict.passed and result.deterministic and result.anchor_tokens_exact
+    assert BOUND_RULE in result.verdict.headline and "within the derived bounds" in result.verdict.headline
+    assert anchor_records(document, records) == records[3:]
+
+
+def test_anchors_that_differ_fail_the_calibration() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    records[-1]["payload_sha256"] = "f" * 64
+    result = judged(records, document)
+    assert not result.verdict.passed and not result.deterministic
+    assert any("payload tree" in reason or "anchors differ" in reason for reason in result.verdict.reasons)
+
+
+def test_one_anchor_is_not_enough() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    document["handoffs"] = document["handoffs"][:-1]
+    result = judged(records[:-1], document)
+    assert not result.verdict.passed and not result.deterministic
+
+
+def test_a_diverged_anchor_fails_and_a_diverged_cell_does_not() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    records[0] = record(1, 19.0, 2.0, exact=False, teacher=(1.0, 0.05))
+    assert judged(records, document).verdict.passed
+    records[2] = record(3, 0.5, 0.05, exact=False, teacher=(0.5, 0.05))
+    result = judged(records, document)
+    assert not result.verdict.passed and not result.anchor_tokens_exact
+
+
+def test_fewer_restarts_than_the_set_requires_fail() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    assert judged(records, document, restarts_minimum=3).verdict.passed  # 4 handoffs: 3 restarts
+    result = judged(records, document, restarts_minimum=4)
+    assert not result.verdict.passed and "3 producer restarts (at least 4)" in result.verdict.reasons
+
+
+def test_a_failed_handoff_fails_the_calibration() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    records[1] = {"repetition": 2, "error": "producer failed: stalled"}
+    result = judged(records, document)
+    assert not result.verdict.passed and result.failures == ["producer failed: stalled"]
+
+
+def test_the_fixture_outside_the_derived_bounds_is_said_in_the_headline() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07], anchor=(9.0, 0.05))
+    assert "is OUTSIDE the derived bounds" in judged(records, document).verdict.headline

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Print the E1/E2 tables of the shipped lanes from their basis receipts, as published in
+``docs/calibration.md``: every control cell (the yardstick's disagreeing rows, its two-sided 95 %
+Wilson upper bound, the gate, each lane's disagreeing rows and whether it exceeds), each
+document's 512-token position profile, and the preregistered length-effect criterion's outcome.
+
+Reads only what the identities pin (``contracts/<lane>-identity-v1.json`` -> its basis receipt's
+``evidence/controls.json``), judged by ``qualify.judge.controls.judge_controls`` against the
+committed criteria: the same judgement every qualification states in its scope line.
+
+Usage: python tools/e2_report.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from qualify.contract.controls import load_controls_criteria
+from qualify.contract.identity import load_identity
+from qualify.core.assets import CONTRACTS_DIR, RECEIPTS_DIR
+from qualify.core.errors import Refused, one_line
+from qualify.judge.controls import ControlsJudgement, judge_controls
+from qualify.judge.scope import controls_words
+from qualify.run.contract import receipt_evidence
+
+
+def judged_lane(lane: str, criteria_document: dict[str, object]) -> tuple[str, ControlsJudgement]:
+    """The lane's basis run id and its controls judged from that receipt."""
+    identity = load_identity(CONTRACTS_DIR / f"{lane}-identity-v1.json")
+    run_id = identity.onboarding_qualification.basis.removeprefix("receipt://").partition("/")[0]
+    record = receipt_evidence(RECEIPTS_DIR / run_id, "controls")
+    source = f"receipt://{run_id}/evidence/controls.json"
+    return run_id, judge_controls(record, criteria_document, source=source, lane=lane)
+
+
+def main() -> int:
+    try:
+        criteria, digest = load_controls_criteria()
+        judged = {lane: judged_lane(lane, criteria.document()) for lane in criteria.lanes}
+    except Refused as exc:
+        print(f"e2_report: refused: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    lanes = list(criteria.lanes)
+    print(f"criteria {criteria.name} (sha256 {digest}); gate: Wilson two-sided {criteria.gate.confidence:g} upper "
+          f"+ {criteria.gate.points:g}\n")
+    for lane, (run_id, judgement) in judged.items():
+        if judgement.outcome is None:
+            print(f"{lane}: controls do not judge: {'; '.join(judgement.problems)}")
+            return 1
+        print(f"- `{lane}` (basis `receipts/{run_id}`): {controls_words(judgement.outcome)}; "
+              f"length-effect criterion {judgement.length_effect}")
+    print("\n| document | L | yardstick k/L | Wilson upper | gate | " + " | ".join(f"{lane} k/L" for lane in lanes) + " |")
+    print("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in lanes) + " |")
+    first = judged[lanes[0]][1]
+    for index, document in enumerate(first.documents):
+        for position, cell in enumerate(document.cells):
+            values = []
+            for lane in lanes:
+                other = judged[lane][1].documents[index].cells[position]
+                rate = other.lane_disagreeing / other.rows
+                values.append(f"{other.lane_disagreeing}/{other.rows} ({rate:.4f}){' **exceeds**' if other.exceeds else ''}")
+            print(f"| {document.document} | {cell.length} | {cell.yardstick_disagreeing}/{cell.rows} "
+                  f"({cell.yardstick_disagreeing / cell.rows:.4f}) | {cell.yardstick_upper:.4f} | {cell.gate:.4f} | "
+                  + " | ".join(values) + " |")
+    print("\n512-token position profile (disagreeing rows per window; yardstick / " + " / ".join(lanes) + "):\n")
+    print("| document | " + " | ".join(f"{w.start}-{w.stop}" for w in first.documents[0].profile) + " |")
+    print("| --- | " + " | ".join("---" for _ in first.documents[0].profile) + " |")
+    for index, document in enumerate(first.documents):
+        cells = []
+        for position, window in enumerate(document.profile):
+            counts = [str(window.yardstick_disagreeing)] + [
+                str(judged[lane][1].documents[index].profile[position].lane_disagreeing) for lane in lanes]
+            cells.append(" / ".join(counts))
+        print(f"| {document.document} | " + " | ".join(cells) + " |")
+    exceeding = sum(1 for lane in lanes for d in judged[lane][1].documents for c in d.cells if c.exceeds)
+    print(f"\nexceeding cells over {len(lanes)} lanes: {exceeding}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
