@@ -786,7 +786,9 @@ class QualificationRun:
         self.sample_verdicts.append(verdict)
         self.log(f"sample {repetition}: {verdict.headline}")
         if not verdict.passed:
-            raise StepFailed(verdict.headline)
+            # A deferred comparer settles a sample during the next step: name the sample it was.
+            deferred = self.comparer is not None and self.comparer.deferred
+            raise StepFailed(f"sample {repetition}: {verdict.headline}" if deferred else verdict.headline)
         return verdict.headline
 
     def settle_all(self) -> None:
