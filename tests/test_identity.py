@@ -36,6 +36,7 @@ from qualify.contract.identity import (
     validate_identity_document,
 )
 from qualify.contract.lanes import LANES, target_cache_identity
+from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
 from qualify.contract.units import RawLogitUnits, SoftcapLogitUnits, logit_units_label, parse_logit_units
 from qualify.core.digests import document_sha256, sha256_bytes, sha256_file
 from qualify.core.errors import Refused
@@ -98,7 +99,7 @@ def make_document(
             "draft_sha256": digest("draft"),
         }
     return {
-        "schema": "trust-ladder.onboarding-identity.v2",
+        "schema": "trust-ladder.onboarding-identity.v3",
         "lane": lane,
         "lane_kind": spec.kind.value,
         "recipe": spec.recipe.value,
@@ -128,6 +129,12 @@ def make_document(
         "rope": {"theta": 10000.0, "cache_sha256": digest("rope")},
         "logit_units": dict(logit_units or {"transform": "tanh-softcap", "cap": 30.0}),
         "speculative_draft": draft,
+        "calibration": {
+            "set": {"name": "calibration-set-v1", "sha256": digest("calibration-set")},
+            "bound_rule": {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT},
+            "floor_rule": {"name": FLOOR_RULE, "statement": FLOOR_RULE_STATEMENT} if spec.speculative_draft else None,
+        },
+        "controls": None,
     }
 
 
@@ -401,8 +408,13 @@ STRUCTURAL = [
     (f"{RULE}.schema", "trust-ladder.native-text-onboarding.v2", "expected one of"),
     (f"{RULE}.basis", _REMOVE, "missing"),
     (f"{RULE}.extra", True, "found unexpected field"),
-    ("schema", "trust-ladder.onboarding-identity.v3",
-     'expected one of "trust-ladder.onboarding-identity.v1", "trust-ladder.onboarding-identity.v2"'),
+    ("schema", "trust-ladder.onboarding-identity.v2",
+     'found "trust-ladder.onboarding-identity.v2", a retired version whose bounds were sealed from the fixture'),
+    ("schema", "trust-ladder.onboarding-identity.v4", 'expected one of "trust-ladder.onboarding-identity.v3"'),
+    ("calibration.bound_rule.statement", "the fixture's own maximum", "differs from rule cell-max-plus-one-sd.v1"),
+    ("calibration.bound_rule.name", "wilson-one-sided-95-lower.v1", "differs from rule wilson-one-sided-95-lower.v1"),
+    ("calibration.bound_rule.name", "taste.v1", 'found "taste.v1", expected one of'),
+    ("calibration", _REMOVE, "missing"),
     ("lane_kind", "sglang", 'found "sglang", expected one of "nvfp4", "kquant", "vllm", "transformers"'),
     ("producer_mode", "fast", "expected one of"),
     ("tokenizer_sha256", digest("tokenizer").upper(), "64 lowercase hex"),
@@ -779,42 +791,57 @@ def _freeze_tool() -> types.ModuleType:
     return module
 
 
-def test_freeze_tool_writes_an_identity_and_prints_its_sealed_lines(
+def test_freeze_tool_derives_the_bounds_from_a_real_calibration_and_refuses_any_other(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The shipped splitk calibration copied into a scratch archive: the tool writes the identity
+    with the bounds the rule derives from it (none given), prints its sealed lines, and refuses a
+    bound one ULP off, a basis of another lane and an unresolvable basis, writing nothing."""
     pytest.importorskip("qualify.engines.reference")
+    import shutil
+
     freeze = _freeze_tool()
+    lane = "nvfp4-native-splitk"
+    shipped = json.loads((REPO / "contracts" / f"{lane}-identity-v1.json").read_bytes())
+    uri = shipped["onboarding_qualification"]["basis"]
+    run_id = uri.removeprefix("receipt://").partition("/")[0]
     archive = tmp_path / "receipts"
-    basis = make_basis_receipt(archive)
-    out = tmp_path / "nvfp4-native-splitk-identity-v1.json"
+    shutil.copytree(REPO / "receipts" / run_id, archive / run_id)
+    out = tmp_path / f"{lane}-identity-v1.json"
     argv = [
-        "--lane", "nvfp4-native-splitk",
+        "--lane", lane,
         "--producer-engine", "reference-numpy", "0.1.0", "abi-native",
         "--consumer-engine", "reference-numpy", "0.1.0", "abi-exact",
-        "--checkpoint", "model/config.json", "--checkpoint", "model/model.safetensors",
-        "--adapter", "qualify-lanes=qualify/contract/lanes.py",
-        "--maximum-absolute", "11.0", "--maximum-mean-absolute", "1.25",
-        "--basis", BASIS_URI, "--archive-dir", str(archive), "--out", str(out),
+        "--basis", uri, "--archive-dir", str(archive), "--out", str(out),
     ]
-    assert freeze.main(argv) == 0
+    assert freeze.main(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     sealed = document_sha256(json.loads(out.read_bytes()))
-    assert json.loads(out.read_bytes())["schema"] == "trust-ladder.onboarding-identity.v2"
-    assert freeze.sealed_lines("nvfp4-native-splitk",
-                               freeze.Seal(sealed, sha256_file(basis.parent / "manifest.json"))) in printed
-    identity = load_identity(out, sealed_identities={"nvfp4-native-splitk": sealed})
-    assert identity.onboarding_qualification.full_logits.maximum_absolute == 11.0  # type: ignore[union-attr]
-    assert identity.prompt.tokens == 2048 and identity.context_policy.handoff_positions == 2047
+    assert json.loads(out.read_bytes())["schema"] == "trust-ladder.onboarding-identity.v3"
+    assert freeze.sealed_lines(lane, freeze.Seal(sealed, sha256_file(archive / run_id / "manifest.json"))) in printed
+    identity = load_identity(out, sealed_identities={lane: sealed})
+    assert identity.onboarding_qualification.full_logits == type(identity.onboarding_qualification.full_logits)(
+        **shipped["onboarding_qualification"]["full_logits"])
+    assert identity.calibration.set.sha256 == shipped["calibration"]["set"]["sha256"]
     assert out.read_bytes() == freeze.identity_bytes(identity)
 
-    # Never over an existing file (unless --replace), and an unresolvable basis never freezes.
+    # Never over an existing file (unless --replace); a bound that does not follow, a basis of
+    # another lane and an unresolvable basis never freeze.
     before = out.read_bytes()
     assert freeze.main(argv) == 2
     assert out.read_bytes() == before
     assert "exists; pass --replace" in capsys.readouterr().err
+    derived = shipped["onboarding_qualification"]["full_logits"]["maximum_absolute"]
+    off = [*argv[:-2], "--out", str(tmp_path / "off.json"), "--maximum-absolute", repr(math.nextafter(derived, 0.0))]
+    assert freeze.main(off) == 2
+    assert f"the basis gives {derived!r} by rule cell-max-plus-one-sd.v1" in capsys.readouterr().err
+    other = [*argv[:-2], "--out", str(tmp_path / "other.json")]
+    other[other.index(lane)] = "nvfp4-native-f16"
+    assert freeze.main(other) == 2
+    assert f"a calibration of lane '{lane}', not nvfp4-native-f16" in capsys.readouterr().err
     assert freeze.main([*argv[:-2], "--out", str(tmp_path / "x.json"), "--basis", "receipt://nope/x"]) == 2
     assert "does not resolve" in capsys.readouterr().err
-    assert not (tmp_path / "x.json").exists()
+    assert not any((tmp_path / name).exists() for name in ("x.json", "off.json", "other.json"))
 
 
 def test_refreeze_recomputes_the_artifact_digests_and_keeps_the_rest(
