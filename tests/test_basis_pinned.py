@@ -1,6 +1,6 @@
 """The basis receipt is pinned whole: its ``manifest.json`` digest is sealed, and every file must
-match that manifest, so editing any file of it (a sample that sets the calibrated KV envelope) is
-refused at ``qualify identity check`` and at run start, even when the forger re-hashes the manifest.
+match that manifest, so editing any file of it (a fixture anchor sample, which sets the run's KV
+envelope) is refused at ``qualify identity check`` and at run start, even when the forger re-hashes the manifest.
 
 Each test copies a shipped lane's committed basis receipt into a temporary archive (the committed
 receipts under ``receipts/`` are never touched) and checks the shipped identity against the copy.
@@ -16,14 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from qualify.archive.layout import MANIFEST_SCHEMA
 from qualify.archive.reader import resolve_receipt_uri
 from qualify.archive.verify import check_receipt
 from qualify.contract import identity as identity_module
 from qualify.contract.identity import Identity, check_basis_receipt, load_identity
 from qualify.contract.sealed_data import SEALED_BASIS_MANIFESTS
 from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
+from qualify.core.digests import jcs_bytes
 from qualify.core.errors import Refused
 from qualify.interfaces import cli
+from qualify.judge.calibration import ANCHOR_PART
 from tests.conftest import isolate_cli_environment
 
 LANE = "nvfp4-native-splitk"
@@ -42,7 +45,8 @@ def shipped() -> Identity:
 
 @pytest.fixture
 def archive(tmp_path: Path, shipped: Identity) -> Path:
-    """A temporary archive holding a writable copy of the lane's committed basis receipt."""
+    """A temporary archive holding a writable copy of the lane's committed basis receipt (a signed
+    receipt since the lanes' re-calibration: its manifest is v2, in RFC 8785 bytes)."""
     run_id = _run_id(shipped)
     copy = tmp_path / "archive" / run_id
     shutil.copytree(REPO_ROOT / "receipts" / run_id, copy)
@@ -50,6 +54,7 @@ def archive(tmp_path: Path, shipped: Identity) -> Path:
         os.chmod(current, 0o755)
         for name in files:
             os.chmod(Path(current) / name, 0o644)
+    assert json.loads((copy / "manifest.json").read_bytes())["schema"] == MANIFEST_SCHEMA
     return copy.parent
 
 
@@ -64,18 +69,28 @@ def _check(identity: Identity, archive: Path) -> Path:
 
 def _rehash_manifest(receipt: Path) -> None:
     """What a forger does after editing a file: every manifest entry's size and SHA-256 made to
-    match, written in the receipt's own manifest form (the archive layer then finds nothing wrong)."""
+    match, written in the receipt's own manifest form, v2's RFC 8785 bytes (the archive layer then
+    finds nothing wrong)."""
     manifest_path = receipt / "manifest.json"
     manifest = json.loads(manifest_path.read_bytes())
     for entry in manifest["files"]:
         data = (receipt / entry["path"]).read_bytes()
         entry.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
-    text = json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    manifest_path.write_bytes(text.encode("utf-8"))
+    manifest_path.write_bytes(jcs_bytes(manifest))
+
+
+def _anchor_samples(receipt: Path) -> list[Path]:
+    """The basis's fixture anchor samples, as its calibration evidence names them: the run's KV
+    envelope (localisation) and the digests a run must reproduce come from these alone."""
+    evidence = json.loads((receipt / "evidence" / "calibration.json").read_bytes())
+    anchors = [receipt / "samples" / f"sample-{handoff['repetition']}.json"
+               for handoff in evidence["handoffs"] if handoff["part"] == ANCHOR_PART]
+    assert len(anchors) >= 2 and all(anchor.is_file() for anchor in anchors), anchors
+    return anchors
 
 
 def _widen_one_kv_envelope_entry(sample: Path) -> None:
-    """Raise one calibrated per-layer K delta: the run's KV envelope (localisation) comes from these."""
+    """Raise one per-layer K delta of an anchor sample: the run's KV envelope comes from these."""
     record = json.loads(sample.read_bytes())
     entry = record["localisation"]["kv_layer_max_abs"][0]
     entry["k"] = entry["k"] * 4 + 1.0
@@ -92,7 +107,7 @@ def test_an_edited_sample_with_its_manifest_rehashed_is_refused_naming_the_basis
     shipped: Identity, archive: Path
 ) -> None:
     receipt = _receipt(archive, shipped)
-    _widen_one_kv_envelope_entry(receipt / "samples" / "sample-1.json")
+    _widen_one_kv_envelope_entry(_anchor_samples(receipt)[0])
     _rehash_manifest(receipt)
     assert check_receipt(receipt)[0] == []  # the forgery is consistent: the per-file check alone passes
     with pytest.raises(Refused) as caught:
@@ -105,21 +120,25 @@ def test_an_edited_sample_with_its_manifest_rehashed_is_refused_naming_the_basis
 
 
 def test_an_edited_sample_left_unhashed_is_refused_naming_the_file(shipped: Identity, archive: Path) -> None:
-    _widen_one_kv_envelope_entry(_receipt(archive, shipped) / "samples" / "sample-1.json")
+    receipt = _receipt(archive, shipped)
+    anchor = _anchor_samples(receipt)[0]
+    _widen_one_kv_envelope_entry(anchor)
     with pytest.raises(Refused) as caught:
         _check(shipped, archive)
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"identity {IDENTITY_PATH}: {FIELD}: ")
-    assert "altered file samples/sample-1.json" in message, message
+    assert f"altered file {anchor.relative_to(receipt).as_posix()}" in message, message
 
 
 def test_an_extra_file_is_refused_naming_it(shipped: Identity, archive: Path) -> None:
-    (_receipt(archive, shipped) / "samples" / "sample-6.json").write_text("{}\n", encoding="utf-8")
+    receipt = _receipt(archive, shipped)
+    extra = f"samples/sample-{len(list((receipt / 'samples').glob('sample-*.json'))) + 1}.json"  # one past the last
+    (receipt / extra).write_text("{}\n", encoding="utf-8")
     with pytest.raises(Refused) as caught:
         _check(shipped, archive)
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"identity {IDENTITY_PATH}: {FIELD}: ")
-    assert "extra file samples/sample-6.json" in message, message
+    assert f"extra file {extra}" in message, message
 
 
 def test_an_extra_file_listed_in_a_rehashed_manifest_is_refused_by_the_seal(shipped: Identity, archive: Path) -> None:
@@ -175,7 +194,7 @@ def forged_archive(shipped: Identity, archive: Path, tmp_path: Path, monkeypatch
     """The CLI isolated in tmp_path, resolving shipped identities' bases in ``archive``, where the
     lane's basis holds an edited sample and a re-hashed manifest."""
     receipt = _receipt(archive, shipped)
-    _widen_one_kv_envelope_entry(receipt / "samples" / "sample-2.json")
+    _widen_one_kv_envelope_entry(_anchor_samples(receipt)[-1])
     _rehash_manifest(receipt)
     places = {name: tmp_path / name for name in ("cwd", "runs", "data")}
     for directory in places.values():

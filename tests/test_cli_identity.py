@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -95,7 +96,8 @@ def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 @pytest.fixture
 def sealed_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """A valid identity whose lane is sealed for this test only (the shipped table is untouched)."""
+    """A synthetic identity whose lane is sealed for this test only (the shipped table is untouched);
+    its basis passes the manifest seal but holds no calibration samples or evidence."""
     pair = make_pair(tmp_path)
     monkeypatch.setattr(sealed_data, "SEALED_IDENTITIES", pair.table)
     monkeypatch.setattr(sealed_data, "SEALED_BASIS_MANIFESTS", pair.bases)
@@ -103,12 +105,38 @@ def sealed_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignor
     return pair
 
 
-def test_valid_identity_exits_0_with_lane_and_digest(sealed_pair, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    code, out, err = _main(capsys, "identity", "check", str(sealed_pair.path))
+SHIPPED_LANE = "nvfp4-native-splitk"
+
+
+@pytest.fixture
+def shipped_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of a shipped identity, its basis resolved in a scratch archive holding a copy of the
+    committed basis receipt (samples, calibration evidence, controls): a basis the full check
+    (seal, re-derived bounds, anchors, controls) accepts, with ``receipts/`` never touched."""
+    shipped = REPO / "contracts" / f"{SHIPPED_LANE}-identity-v1.json"
+    run_id = load_identity(shipped).onboarding_qualification.basis.removeprefix("receipt://").partition("/")[0]
+    archive = tmp_path / "archive"
+    shutil.copytree(REPO / "receipts" / run_id, archive / run_id)
+    monkeypatch.setattr(identity_module, "DEFAULT_ARCHIVE_DIR", archive)
+    copy = tmp_path / shipped.name
+    shutil.copyfile(shipped, copy)
+    return copy
+
+
+def test_valid_identity_exits_0_with_lane_and_digest(shipped_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _main(capsys, "identity", "check", str(shipped_copy))
     assert code == 0, err
-    digest = identity_sha256(load_identity(sealed_pair.path))
-    assert "lane nvfp4-native-splitk" in out and f"identity_sha256 {digest}" in out
-    assert len(out.strip().splitlines()) == 1
+    digest = identity_sha256(load_identity(shipped_copy))
+    assert digest == sealed_data.SEALED_IDENTITIES[SHIPPED_LANE]
+    assert f"identity {shipped_copy}: valid: lane {SHIPPED_LANE} " in out and f"identity_sha256 {digest}" in out
+    assert len(out.strip().splitlines()) == 1 and err == ""
+
+
+def test_a_sealed_identity_whose_basis_holds_no_calibration_is_refused(sealed_pair, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """The synthetic pair's basis passes its manifest seal but records no sample to re-derive the
+    bounds from or recheck a run against: absent evidence is refused, naming the basis receipt."""
+    line = one_line_refusal(_main(capsys, "identity", "check", str(sealed_pair.path)))
+    assert f"basis receipt {BASIS_RUN_ID}: no samples/sample-*.json to recheck against" in line
 
 
 def test_relaxed_bound_exits_2_naming_lane_and_digests(sealed_pair, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from qualify.contract.controls import load_calibration_set
+from qualify.core import assets
 from qualify.core.assets import REPO_ROOT
 from qualify.engines.factory import build_producer
 from qualify.evidence.comparers import HostComparer
 from qualify.evidence.records import BoundedDriftRule
 from qualify.handoff.transport import InProcessTransport, PrefillProducer
-from qualify.run.contract import calibration_contract
+from qualify.judge.calibration import ANCHOR_PART
+from qualify.run.contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportSetup
 
 LANE = "nvfp4-native-splitk"
@@ -25,8 +28,12 @@ EVIDENCE = ("payload_sha256", "seams_sha256", "max_abs", "mean_abs", "token_agre
             "handoff_logit_block_sha256", "cold_logit_block_sha256", "handoff_generated_token_sha256")
 
 
-def _contract():  # a rule wide enough for the lane, so every step runs
-    contract = calibration_contract(LANE, "native-text")
+def _contract():  # the fixture three times, under a rule wide enough for the lane, so every step runs
+    calibration_set, set_digest = load_calibration_set()
+    fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, assets.load_prompt(assets.MAIN_PROMPT))
+    contract = calibration_contract(LANE, "native-text", [fixture] * ORDERED_HANDOFFS,
+                                    calibration_set={"name": calibration_set.name, "sha256": set_digest},
+                                    controls=None)
     return dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1),
                                basis_records=None)
 

@@ -177,8 +177,12 @@ BAD_OPTIONS = [
     pytest.param("--receipts=", "ERROR: argument --receipts: found an empty path '', expected a path", id="empty-receipts"),
     pytest.param("--recipe=native_text", "ERROR: argument --recipe: found 'native_text', expected one of kquant-target-plus-dflash, native-text",
                  id="unknown-recipe"),
-    pytest.param("--fault=v_scale", "ERROR: argument --fault: found 'v_scale', expected one of block-order, kv-ulp, other-mode, "
-                 "other-prompt, rope-offset, v-scale", id="unknown-fault"),
+    pytest.param("--fault=v_scale", "ERROR: argument --fault: fault: unknown name 'v_scale'; expected one of block-order, "
+                 "kv-ulp, other-mode, other-prompt, rope-offset, v-scale, or NAME=VALUE with NAME one of block-swap, "
+                 "head-swap, k-scale, kv-ulp, position-shift, v-scale", id="unknown-fault"),
+    # Exactly 1 scales by nothing: one below the range's lower end, refused like any value outside it.
+    pytest.param("--fault=k-scale=1", "ERROR: argument --fault: fault k-scale: found '1', expected a number from "
+                 "1.0000001 to 2 (F: layer 2 K multiplied by F)", id="fault-value-outside-its-range"),
     pytest.param("--identity={tmp}/missing.json", "ERROR: --identity '{tmp}/missing.json': no such file, expected a regular file",
                  id="missing-identity"),
     pytest.param("--receipts={tmp}/a-file", "ERROR: --receipts '{tmp}/a-file': is a file or other non-directory, expected a directory",

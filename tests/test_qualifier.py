@@ -14,9 +14,12 @@ import pytest
 
 from qualify.archive.reader import read_receipt_json
 from qualify.archive.verify import verify_receipt
+from qualify.contract.controls import load_calibration_set
+from qualify.core import assets
 from qualify.engines.factory import build_producer
 from qualify.evidence.records import BoundedDriftRule
-from qualify.run.contract import calibration_contract
+from qualify.judge.calibration import ANCHOR_PART
+from qualify.run.contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 from tests.receipt_forgery import check
 
@@ -42,7 +45,13 @@ def build_dying_producer(lane: str, mode: str):
 
 
 def _contract_with_rule():
-    contract = calibration_contract(LANE, "native-text")
+    """The lane's real artifacts handing off the fixture three times, under a rule wide enough for
+    the lane (the run's prompt is the contract's first handoff's: the fixture)."""
+    calibration_set, set_digest = load_calibration_set()
+    fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, assets.load_prompt(assets.MAIN_PROMPT))
+    contract = calibration_contract(LANE, "native-text", [fixture] * ORDERED_HANDOFFS,
+                                    calibration_set={"name": calibration_set.name, "sha256": set_digest},
+                                    controls=None)
     return dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1))
 
 

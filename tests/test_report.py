@@ -30,14 +30,20 @@ from hypothesis import strategies as st
 
 from qualify.archive.keys import default_trust_path, ensure_signing_key
 from qualify.archive.writer import ReceiptWriter
-from qualify.contract.identity import DEFAULT_ARCHIVE_DIR, Identity, load_identity
+from qualify.contract.identity import DEFAULT_ARCHIVE_DIR, BoundedDriftLogits, Identity, load_identity
 from qualify.core.assets import REPO_ROOT
 from qualify.evidence.records import rule_from_identity
 from qualify.interfaces.report import MAX_RECEIPTS, report_cli
 from qualify.interfaces.report_check import outline_problems, page_outline
 from qualify.judge import judge_summary
+from qualify.judge.calibration import anchor_records
 from qualify.judge.scope import Scope, scope_document
-from qualify.run.contract import identity_path_for_lane, kv_envelope_from_records, receipt_sample_records
+from qualify.run.contract import (
+    identity_path_for_lane,
+    kv_envelope_from_records,
+    receipt_evidence,
+    receipt_sample_records,
+)
 from tests.receipt_forgery import make_writable
 from tests.test_judge import rung2_record
 from tests.test_receipts import as_v2_receipt
@@ -59,10 +65,17 @@ def identity() -> Identity:
     return load_identity(identity_path_for_lane(LANE))
 
 
+def basis_run_id(identity: Identity) -> str:
+    return identity.onboarding_qualification.basis.removeprefix("receipt://").split("/")[0]
+
+
 def lane_envelope(identity: Identity) -> list[tuple[float, float]]:
-    """The lane's calibrated per-layer KV envelope, read the way the qualifier reads it."""
-    basis = DEFAULT_ARCHIVE_DIR / identity.onboarding_qualification.basis.removeprefix("receipt://").split("/")[0]
-    found = kv_envelope_from_records(receipt_sample_records(basis), LAYERS)
+    """The lane's calibrated per-layer KV envelope, read the way the qualifier reads it: over the
+    basis's fixture anchors only (its calibration cells hand off other documents)."""
+    basis = DEFAULT_ARCHIVE_DIR / basis_run_id(identity)
+    anchors = anchor_records(receipt_evidence(basis, "calibration"), receipt_sample_records(basis))
+    assert len(anchors) >= 2
+    found = kv_envelope_from_records([dict(record) for record in anchors], LAYERS)
     assert found is not None
     return found
 
@@ -75,7 +88,7 @@ def envelope(identity: Identity) -> list[tuple[float, float]]:
 def make_series(envelope: list[tuple[float, float]], *, seed: int = 0, diverge_at: int | None = None,
                 kv_scale: float = 0.5, over: tuple[int, int] | None = None,
                 max_scale: float = 0.8) -> dict[str, np.ndarray]:
-    """A sample's series: drift within ``max_scale`` of the lane's max bound, KV deltas at
+    """A sample's series: max-abs drift up to ``max_scale`` (logit units), KV deltas at
     ``kv_scale`` of the envelope (``over``: (layer, 0 K or 1 V) pushed 10% over it), tokens that
     differ from ``diverge_at`` on."""
     rng = np.random.default_rng(seed)
@@ -137,10 +150,19 @@ def passing(tmp_path_factory: pytest.TempPathFactory, identity: Identity,
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory, identity: Identity,
            envelope: list[tuple[float, float]]) -> Path:
-    """One sample over the max bound, its tokens diverging at position 7, V of layer 2 over the envelope."""
+    """One sample over the max bound (drift up to 1.6 times it), its tokens diverging at position 7,
+    V of layer 2 over the envelope."""
     archive = tmp_path_factory.mktemp("faulty")
+    over_bound = 1.6 * identity_bounds(identity)[0]
     return write_lane_receipt(archive, identity, [
-        make_series(envelope, seed=4, diverge_at=7, over=(2, 1), max_scale=1.6)], max_abs=1.6)
+        make_series(envelope, seed=4, diverge_at=7, over=(2, 1), max_scale=over_bound)], max_abs=over_bound)
+
+
+def identity_bounds(identity: Identity) -> tuple[float, float]:
+    """The lane's sealed (max, mean) full-logit bounds (rung 2: bounded drift)."""
+    full_logits = identity.onboarding_qualification.full_logits
+    assert isinstance(full_logits, BoundedDriftLogits), full_logits
+    return full_logits.maximum_absolute, full_logits.maximum_mean_absolute
 
 
 def report(receipts: list[Path], output: Path, *extra: str,
@@ -220,12 +242,12 @@ def test_identity_table_shows_the_sealed_bounds(passing: Path, tmp_path: Path,
     assert f"(bound {bounds['maximum_absolute']:.6g}) within its bound" in text_of(page, "drift-sample-1")
 
 
-def test_kv_heatmap_is_read_against_the_basis_receipts_envelope(passing: Path, tmp_path: Path,
+def test_kv_heatmap_is_read_against_the_basis_receipts_envelope(passing: Path, identity: Identity, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     page = tmp_path / "page.html"
     assert report([passing], page, capsys=capsys)[0] == 0
     caption = text_of(page, "kv-heatmap")
-    assert "envelope: per-layer maxima over the samples of basis receipt 20261130T140208Z-5967a65186cfb9b0" in caption
+    assert f"envelope: per-layer maxima over the fixture anchors of basis receipt {basis_run_id(identity)}" in caption
     assert caption.endswith("Every layer within the envelope.")
 
 
@@ -774,14 +796,26 @@ def test_real_passing_run_page(real_receipts: RealReceipts, tmp_path: Path, caps
 
 @pytest.mark.slow
 def test_real_fault_run_page(real_receipts: RealReceipts, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The v-scale fault (layer 2's V scaled by 1.02) runs all three handoffs; the verdict fails it
+    for not reproducing the basis's fixture anchor, and the heatmap puts it where it is: layer 2's
+    V over the anchors' envelope, in each sample and nowhere else."""
     page = tmp_path / "page.html"
     code, _out, err = report([real_receipts.fault], page, "--trust", str(real_receipts.trust), capsys=capsys)
     assert (code, err) == (0, [])
-    assert text_of(page, "verdict-status") != "QUALIFIED"
-    assert "native full-logit drift exceeds its identity rule" in text_of(page, "verdict-headline")
-    assert figure_ids(page) == ["drift-sample-1", "margin-sample-1", "kv-heatmap"]
-    assert "OVER its bound" in text_of(page, "drift-sample-1")
-    assert "over the envelope." in text_of(page, "kv-heatmap")
+    assert text_of(page, "verdict-status") == "NOT QUALIFIED"
+    headline = text_of(page, "verdict-headline")
+    assert headline == " ".join(summary_of(real_receipts.fault)["verdict"].split())
+    assert headline.startswith("NOT QUALIFIED on fixture python-textwrap (3 × 2048/256): "
+                               "did not reproduce its anchor bit for bit: "), headline
+    assert figure_ids(page) == [*(f"drift-sample-{n}" for n in (1, 2, 3)),
+                                *(f"margin-sample-{n}" for n in (1, 2, 3)), "kv-heatmap"]
+    assert_each_figure_holds_an_svg(page)
+    assert text_of(page, "kv-heatmap").endswith("3 layer cells over the envelope.")
+    envelope = lane_envelope(load_identity(identity_path_for_lane(LANE)))
+    over = [(record["repetition"], item["layer"], tensor) for record in receipt_sample_records(real_receipts.fault)
+            for item in record["localisation"]["kv_layer_max_abs"] for tensor, index in (("K", 0), ("V", 1))
+            if item[tensor.lower()] > envelope[item["layer"]][index]]
+    assert over == [(1, 2, "V"), (2, 2, "V"), (3, 2, "V")]
 
 
 @pytest.mark.slow

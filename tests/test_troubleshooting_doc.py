@@ -24,13 +24,21 @@ from pathlib import Path
 
 import pytest
 
+from qualify.archive.layout import MANIFEST_SCHEMA
+from qualify.core.digests import jcs_bytes
 from tests.test_onboarding_doc import REPO, masked, scratch_checkout, scratch_environment
 
 DOC = REPO / "docs" / "troubleshooting.md"
 MARKED = re.compile(r"^<!-- message: ([a-z0-9-]+) -->\n```text\n(.*?)\n```", re.MULTILINE)
-SPLITK_BASIS = "20261130T140940Z-cbd1eb64e4c79106"
 SPLITK_IDENTITY = "contracts/nvfp4-native-splitk-identity-v1.json"
-SPLITK_BOUNDS = ["--maximum-absolute", "0.2344517707824707", "--maximum-mean-absolute", "0.024274295797614587"]
+_SPLITK = json.loads((REPO / SPLITK_IDENTITY).read_text(encoding="utf-8"))["onboarding_qualification"]
+SPLITK_BASIS = _SPLITK["basis"].removeprefix("receipt://").partition("/")[0]
+"""The shipped splitk identity's basis receipt (signed, with its calibration evidence)."""
+SPLITK_BOUNDS = ["--maximum-absolute", repr(_SPLITK["full_logits"]["maximum_absolute"]),
+                 "--maximum-mean-absolute", repr(_SPLITK["full_logits"]["maximum_mean_absolute"])]
+"""The identity's sealed bounds: what the freeze re-derives from its basis, so only "exists" is left to refuse."""
+LEGACY_RECEIPT = "20261130T140940Z-cbd1eb64e4c79106"
+"""A committed receipt from before signing (the splitk lane's retired basis): unsigned."""
 UNCOPIED_RUN = "20261201T001443Z-2365088d12ed757d"
 COMMAND_LIMIT_S = 300
 """A bound on any one command here (each takes seconds)."""
@@ -148,13 +156,16 @@ def _basis_altered(bench: Bench) -> str:
 
 
 def _basis_rehashed(bench: Bench) -> str:
+    """command.log edited and the manifest recomputed in its own byte form (a v2 manifest's RFC
+    8785 bytes), so the receipt checks against itself and only the sealed digest refuses it."""
     receipt = _append_to_basis_log(bench)
     manifest = json.loads((receipt / "manifest.json").read_text())
+    assert manifest["schema"] == MANIFEST_SCHEMA
     for entry in manifest["files"]:
         if entry["path"] == "command.log":
             data = (receipt / "command.log").read_bytes()
             entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-    writable(receipt / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    writable(receipt / "manifest.json").write_bytes(jcs_bytes(manifest))
     return bench.run("qualify", "identity", "check", SPLITK_IDENTITY).stderr
 
 
@@ -206,10 +217,11 @@ CASES: dict[str, Callable[[Bench], str]] = {
     "basis-missing": _basis_missing,
     "freeze-not-copied": lambda bench: _freeze(bench, UNCOPIED_RUN, "--replace", "--write-sealed"),
     "freeze-exists": lambda bench: _freeze(bench, SPLITK_BASIS),
-    "verify-unsigned": lambda bench: _verify(bench, "out/trust.json", Path("receipts") / SPLITK_BASIS),
+    "freeze-legacy-basis": lambda bench: _freeze(bench, LEGACY_RECEIPT),
+    "verify-unsigned": lambda bench: _verify(bench, "out/trust.json", Path("receipts") / LEGACY_RECEIPT),
     "verify-untrusted": lambda bench: _verify(bench, "out/other-trust.json", bench.signed_receipt),
     "verify-tampered": _tampered,
-    "enroll-unsigned": lambda bench: _enroll(bench, SPLITK_IDENTITY, Path("receipts") / SPLITK_BASIS,
+    "enroll-unsigned": lambda bench: _enroll(bench, SPLITK_IDENTITY, Path("receipts") / LEGACY_RECEIPT,
                                              "--trust", "out/trust.json"),
     "enroll-untrusted": lambda bench: _enroll(bench, "contracts/nvfp4-native-w4a4-identity-v1.json",
                                               bench.signed_receipt, "--trust", "out/other-trust.json"),
