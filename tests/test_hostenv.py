@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from qualify.archive.keys import ensure_signing_key
 from qualify.archive.layout import HOST, HOST_SCHEMA
 from qualify.archive.reader import read_receipt_json, receipt_files
 from qualify.archive.verify import verify_receipt
@@ -25,10 +26,25 @@ from qualify.core.hostenv import (
     host_facts_problem,
 )
 from qualify.judge import judge_incomplete
-from tests.receipt_forgery import check, make_writable
+from qualify.run.contract import Contract
+from tests.receipt_forgery import check, envelope_of, make_writable
+from tests.test_receipts import committed_receipts
 
 IDENTITY = {"schema": "trust-ladder.calibration.v2", "lane": "nvfp4-native-splitk"}
 LANE = "nvfp4-native-w4a4"
+
+
+def lane_calibration_contract(lane: str = LANE) -> Contract:
+    """The contract ``qualify calibrate`` runs ``lane`` under (the committed calibration set's
+    cells, then two fixture anchors; no controls): the qualifier's own path, no identity needed."""
+    from qualify.contract.controls import load_calibration_set
+    from qualify.run.calibrate import calibration_handoffs
+    from qualify.run.contract import calibration_contract
+
+    calibration_set, digest = load_calibration_set()
+    return calibration_contract(lane, "native-text", calibration_handoffs(calibration_set, 2),
+                                calibration_set={"name": calibration_set.name, "sha256": digest}, controls=None,
+                                output_tokens=calibration_set.output_tokens)
 
 
 def facts_in_subprocess(env: dict[str, str]) -> dict:
@@ -227,25 +243,35 @@ def test_altered_or_unlisted_host_json_fails_verification(tmp_path: Path) -> Non
 
 
 def test_committed_receipts_without_host_json_are_intact_and_unsigned() -> None:
-    """The legacy basis receipts (no host.json, no signed statement) still match their own
-    manifests, and are reported unsigned, never verified."""
-    committed = [receipt for receipt in sorted((REPO_ROOT / "receipts").iterdir())
-                 if receipt.is_dir() and not receipt.name.startswith(".")]
-    assert committed
-    for receipt in committed:
+    """The legacy receipts (most without host.json, none with a signed statement) still match
+    their own manifests, and are reported unsigned, never verified. The signed ones all hold
+    host.json, covered by their manifests like every file, with the consumer's and every producer
+    start's facts; signed by keys this session does not trust, they are untrusted here."""
+    legacy, signed = committed_receipts()
+    assert legacy and signed
+    ensure_signing_key(announce=lambda line: None)  # the session's trust file, listing its own key only
+    for receipt in legacy:
         assert verify_receipt(receipt) == [], receipt.name
         checked = check(receipt)
         assert (checked.state, checked.problems) == ("unsigned", []), checked
+    for receipt in signed:
+        assert verify_receipt(receipt) == [], receipt.name  # host.json's facts included
+        assert HOST in receipt_files(receipt), receipt.name
+        host = read_receipt_json(receipt, HOST)
+        assert host["schema"] == HOST_SCHEMA and host_facts_problem(host["consumer"]) is None, receipt.name
+        assert host["producers"] and all(host_facts_problem(start["facts"]) is None for start in host["producers"])
+        checked = check(receipt)  # signed by a key this session's trust file does not list
+        [signature] = envelope_of(receipt)["signatures"]
+        assert (checked.state, len(checked.problems)) == ("untrusted", 1), checked
+        assert f"signed by key {signature['keyid'][:16]}…" in checked.problems[0]
 
 
 def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
     """The qualifier's own path (identity sealed, producer ready) with the producer's environment
     overridden: host.json records the producer as it ran, not the consumer's settings."""
-    from qualify.run.contract import calibration_contract
     from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
-    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path),
-                           calibration_contract(LANE, "native-text"))
+    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path), lane_calibration_contract())
     run.producer_env = {"OPENBLAS_NUM_THREADS": "1"}
     if "avx2" in cpu_flags():
         run.producer_env["OPENBLAS_CORETYPE"] = "Haswell"
@@ -273,11 +299,9 @@ def test_run_records_both_processes_host_facts(tmp_path: Path) -> None:
 
 
 def test_run_without_a_producer_records_producer_null(tmp_path: Path) -> None:
-    from qualify.run.contract import calibration_contract
     from qualify.run.qualification import QualificationRun, RunOptions
 
-    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path),
-                           calibration_contract(LANE, "native-text"))
+    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path), lane_calibration_contract())
     assert run.step("identity sealed").passed
     run.close()
     host = read_receipt_json(run.receipt_path, HOST)
@@ -287,28 +311,38 @@ def test_run_without_a_producer_records_producer_null(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_full_calibration_receipt_holds_both_host_facts(tmp_path: Path) -> None:
-    """A real calibration end to end (three short cells and two anchors: no sealed identity needed)."""
+    """A real calibration end to end (the calibration set's documents cut to 256 tokens, and two
+    anchors: no sealed identity needed)."""
     from qualify.run.calibrate import calibrate, calibration_environments
     from qualify.run.qualification import RunOptions
+    from tests.conftest import small_calibration_set
 
-    from .conftest import small_calibration_set
-
+    small_set = small_calibration_set(tmp_path)
     calibration = calibrate(LANE, "native-text", RunOptions(recipe="native-text", receipts=tmp_path),
-                            calibration_set=small_calibration_set(tmp_path), controls=False)
+                            calibration_set=small_set, controls=False)
     receipt = calibration.receipt_path
     assert calibration.failures == [] and receipt is not None and verify_receipt(receipt) == []
     assert check(receipt).state == "verified"
     assert "samples/sample-2.json" in receipt_files(receipt) and HOST in receipt_files(receipt)
     host = read_receipt_json(receipt, HOST)
     assert_facts_shape(host["consumer"])
-    # The calibration restarts its producer for the second handoff, under the next environment.
-    first, second = (start["facts"] for start in host["producers"])
-    for producer in (first, second):
+    handoffs = read_receipt_json(receipt, "evidence/calibration.json")["handoffs"]
+    cells = len(small_set[0].documents) * len(small_set[0].prompt_lengths)
+    assert [handoff["part"] for handoff in handoffs] == ["calibration"] * cells + ["anchor"] * 2
+    # Every handoff has a freshly started producer, the n-th under the n-th environment in turn
+    # (the first as the operator set it: the producer the steps started).
+    starts = [start["facts"] for start in host["producers"]]
+    assert len(starts) == len(handoffs)
+    environments = calibration_environments()
+    for index, (producer, handoff) in enumerate(zip(starts, handoffs, strict=True)):
         assert_facts_shape(producer)
         assert producer["pid"] != host["consumer"]["pid"] == os.getpid()
         assert producer["cpu"] == host["consumer"]["cpu"]  # one machine here
         assert producer["harness"] == host["consumer"]["harness"]
-    assert first["pid"] != second["pid"]
-    for name, value in calibration_environments()[1].items():
-        assert second["env"][name] == value
+        assert handoff["environment"] == environments[index % len(environments)]
+        for name, value in handoff["environment"].items():
+            if name in HOST_ENV_VARS:  # the variables host facts record
+                assert producer["env"][name] == value, (index, name)
+    assert len({producer["pid"] for producer in starts}) == len(starts)
+    assert any(set(handoff["environment"]) & set(HOST_ENV_VARS) for handoff in handoffs[1:])
     assert calibration.deterministic

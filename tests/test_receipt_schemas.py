@@ -1,6 +1,7 @@
 """Every file of a receipt has a documented form: a committed JSON Schema generated from its model
 (tools/receipt_schemas.py) for the data files, a fixed format for the rest. A fresh signed receipt
-fits them all; the committed legacy receipts fit the v1 schemas but for the gaps listed here."""
+fits them all; the committed legacy receipts fit the v1 schemas, and the committed signed ones the
+current schemas, but for the gaps listed here."""
 
 from __future__ import annotations
 
@@ -24,15 +25,17 @@ from jsonschema.exceptions import ValidationError, best_match
 from qualify import __version__
 from qualify.archive.keys import SigningKey
 from qualify.archive.writer import ReceiptWriter
+from qualify.contract.controls import CONTROLS_RECORD_SCHEMA_ID, CONTROLS_RECORD_SCHEMA_PATH
 from qualify.core.assets import CONTRACTS_DIR, REPO_ROOT
 from qualify.core.hostenv import HOST_FACTS_MAX_BYTES, host_facts, host_facts_problem
 from qualify.core.strict_json import format_path, parse_untrusted_json, schema_validator
 from qualify.evidence.records import SAMPLE_SCHEMA, SampleRecord, failed_sample_record, record_json
 from qualify.evidence.series import HANDED_OFF_TENSORS, LAYER_TENSORS, POSITION_TENSORS, SERIES_DTYPES, read_series
 from qualify.judge import judge_summary
+from qualify.judge.calibration import CALIBRATION_EVIDENCE_SCHEMA
 from tests.scripts import load_script
 from tests.test_judge import rung2_record
-from tests.test_receipts import RULE
+from tests.test_receipts import RULE, committed_receipts
 from tests.test_scope import SCOPE, scoped
 
 TOOL = REPO_ROOT / "tools" / "receipt_schemas.py"
@@ -42,7 +45,7 @@ SUMMARY_V1, SUMMARY_V2, SUMMARY_V3 = (CONTRACTS_DIR / f"validation-summary.v{n}.
 HOST = CONTRACTS_DIR / "receipt-host.v1.schema.json"
 VERSIONS = CONTRACTS_DIR / "receipt-versions.v1.schema.json"
 IDENTITY_SCHEMAS = {f"trust-ladder.onboarding-identity.v{n}": CONTRACTS_DIR / f"onboarding-identity.v{n}.schema.json"
-                    for n in (1, 2)}
+                    for n in (1, 2, 3)}
 TIMESTAMPED_LINE = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z \S.*$")
 
 
@@ -122,6 +125,12 @@ def check_file(receipt: Path, name: str, *, legacy: bool) -> list[str]:
         statement = json.loads(base64.b64decode(document["payload"]))
         return misfits(document, CONTRACTS_DIR / "dsse-envelope.v1.schema.json") + \
             misfits(statement, CONTRACTS_DIR / "receipt-statement.v1.schema.json")
+    if name == "evidence/controls.json":
+        kind = document.get("schema")
+        return misfits(document, CONTROLS_RECORD_SCHEMA_PATH) if kind == CONTROLS_RECORD_SCHEMA_ID else \
+            [f"controls kind {kind}"]
+    if name == "evidence/calibration.json":  # read by qualify.judge.calibration; no schema under contracts/
+        return [f"no committed schema for {document.get('schema')}"]
     if name.startswith("samples/") and document.get("schema") != SAMPLE_SCHEMA:
         return [f"not a sample record (schema {document.get('schema')})"]
     if name == "identity.json":
@@ -221,15 +230,45 @@ so. The schemas are not loosened for them: they describe what the writer writes 
 
 def test_the_committed_legacy_receipts_fit_the_v1_schemas_but_for_the_known_gaps():
     found: Counter[tuple[str, str]] = Counter()
-    receipts = sorted(path for path in (REPO_ROOT / "receipts").iterdir() if path.is_dir())
-    assert receipts
-    for receipt in receipts:
-        assert not (receipt / "attestation.dsse.json").exists(), f"{receipt.name}: committed receipts are unsigned (v1)"
+    legacy, _signed = committed_receipts()  # legacy: a v1 manifest and no signed statement
+    assert legacy
+    for receipt in legacy:
         for name, lines in receipt_misfits(receipt, legacy=True).items():
             found.update((name.split("/")[0], line) for line in lines)
     unexplained = {key: count for key, count in found.items() if key not in KNOWN_LEGACY_MISFITS}
     assert unexplained == {}, "legacy receipt files that fit no schema and are not listed as known gaps"
     assert dict(found) == KNOWN_LEGACY_MISFITS, "a known legacy gap changed: update KNOWN_LEGACY_MISFITS"
+
+
+KNOWN_SIGNED_GAPS: tuple[tuple[str, str], ...] = (
+    # A calibration runs under its calibration document in place of an identity, and records its
+    # cells and anchors as evidence: neither kind has a schema under contracts/ (they are read, and
+    # refused when off their form, by qualify.run.contract and qualify.judge.calibration).
+    ("identity.json", "identity kind trust-ladder.calibration.v3"),
+    ("evidence", f"no committed schema for {CALIBRATION_EVIDENCE_SCHEMA}"),
+)
+"""The ways a committed signed receipt's file does not fit the current schemas: each once per
+calibration receipt, nowhere else; every other file (v3 identities and summaries, controls
+records, host facts, manifests, statements) fits its schema."""
+
+
+def test_the_committed_signed_receipts_fit_the_current_schemas_but_for_the_known_gaps():
+    found: Counter[tuple[str, str]] = Counter()
+    _legacy, signed = committed_receipts()  # signed: a v2 manifest and its envelope
+    calibrations = 0
+    for receipt in signed:
+        document = json.loads((receipt / "identity.json").read_bytes())
+        calibrating = document["schema"] == "trust-ladder.calibration.v3"
+        calibrations += calibrating
+        if calibrating:  # its cells and anchors, and its controls exactly when it declares them
+            evidence = sorted(path.name for path in (receipt / "evidence").iterdir())
+            assert evidence == ["calibration.json", *(["controls.json"] if document["controls"] else [])], receipt.name
+        else:
+            assert not (receipt / "evidence").exists(), receipt.name
+        for name, lines in receipt_misfits(receipt, legacy=False).items():
+            found.update((name.split("/")[0], line) for line in lines)
+    assert calibrations and calibrations < len(signed)  # the v3 bases, and runs under their identities
+    assert dict(found) == dict.fromkeys(KNOWN_SIGNED_GAPS, calibrations)
 
 
 # --------------------------------------------------------------------------- the schemas refuse

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from qualify.archive.attestation import ENVELOPE
-from qualify.archive.keys import load_signing_key
+from qualify.archive.keys import ensure_signing_key, load_signing_key
 from qualify.archive.layout import (
+    LEGACY_MANIFEST_SCHEMA,
     MANIFEST,
+    MANIFEST_SCHEMA,
     PARTIAL_PREFIX,
     REQUIRED_FILES,
     RUN_ID,
@@ -28,7 +30,7 @@ from qualify.archive.reader import read_receipt_json, read_summary, receipt_file
 from qualify.archive.verify import verify_cli, verify_paths, verify_receipt
 from qualify.archive.writer import SCOPED_SUMMARY_SCHEMA, ReceiptWriter
 from qualify.core.assets import REPO_ROOT
-from qualify.core.digests import document_sha256
+from qualify.core.digests import document_sha256, sha256_file
 from qualify.core.errors import Refused
 from qualify.evidence.records import LEGACY_SUMMARY_SCHEMA, SAMPLE_SCHEMA, SUMMARY_SCHEMA
 from qualify.judge import judge_incomplete, judge_refused, judge_summary
@@ -37,6 +39,7 @@ from tests.receipt_forgery import (
     IDENTITY,
     RULE,
     check,
+    envelope_of,
     make_writable,
     operator_key,
     operator_trust,
@@ -48,7 +51,27 @@ from tests.receipt_forgery import (
 from tests.test_judge import rung2_record
 from tests.test_scope import SCOPE, scoped
 
-__all__ = ["IDENTITY", "RULE", "as_v2_receipt", "make_writable", "write_receipt"]  # imported from here by other tests
+__all__ = ["IDENTITY", "RULE", "as_v2_receipt", "committed_receipts", "make_writable",  # imported from here by
+           "write_receipt"]  # other tests
+
+
+def committed_receipts() -> tuple[list[Path], list[Path]]:
+    """The receipts committed under receipts/, sorted, as (legacy, signed): a legacy receipt has a
+    v1 manifest and no signed statement, a signed one a v2 manifest and its envelope. A receipt
+    that is neither (a v2 manifest without its envelope, say) fails here: it is tampered, not legacy."""
+    legacy: list[Path] = []
+    signed: list[Path] = []
+    for path in sorted(p for p in (REPO_ROOT / "receipts").iterdir() if p.is_dir() and not p.name.startswith(".")):
+        manifest = json.loads((path / MANIFEST).read_bytes())["schema"]
+        enveloped = (path / ENVELOPE).is_file()
+        if (manifest, enveloped) == (LEGACY_MANIFEST_SCHEMA, False):
+            legacy.append(path)
+        elif (manifest, enveloped) == (MANIFEST_SCHEMA, True):
+            signed.append(path)
+        else:
+            raise AssertionError(f"{path.name}: manifest {manifest} with{'' if enveloped else 'out'} {ENVELOPE}: "
+                                 f"neither a legacy nor a signed receipt")
+    return legacy, signed
 
 
 @pytest.fixture
@@ -406,19 +429,46 @@ def test_verify_cli_refuses_an_unusable_trust_file(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_the_committed_legacy_receipts_are_reported_unsigned(capsys):
-    """The basis receipts under receipts/ predate signing: intact against their own manifests, yet
-    never 'ok' (anyone can recompute such a manifest): UNSIGNED, exit 1."""
-    committed = sorted(p for p in (REPO_ROOT / "receipts").iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert committed
+def test_the_committed_legacy_receipts_are_reported_unsigned_and_the_signed_ones_untrusted_here(capsys):
+    """The legacy receipts under receipts/ predate signing: intact against their own manifests, yet
+    never 'ok' (anyone can recompute such a manifest): UNSIGNED. The signed ones (the v3 identities'
+    bases and the runs under them) were signed by the machines that ran them (the operator's key,
+    a GPU device's key), keys no trust file in the repository lists: under this session's trust
+    file each is UNTRUSTED, naming its key, never 'ok' and never unsigned. Exit 1."""
+    legacy, signed = committed_receipts()
+    assert legacy and signed
+    ensure_signing_key(announce=lambda line: None)  # the session's trust file exists, listing its own key only
+    trust = operator_trust()
     code, out = _verify(capsys, REPO_ROOT / "receipts")
     assert code == 1
-    assert out[:-1] == [f"UNSIGNED  {path.name}: legacy receipt with no signed statement; its files match its own "
-                        f"manifest, which anyone can recompute; records {check(path).status} (not authenticated)"
-                        for path in committed]
-    assert out[-1] == f"{len(committed)} receipts: 0 verified, {len(committed)} unsigned"
-    for path in committed:
+    expected = {path.name: f"UNSIGNED  {path.name}: legacy receipt with no signed statement; its files match its "
+                           f"own manifest, which anyone can recompute; records {check(path).status} (not authenticated)"
+                for path in legacy}
+    for path in signed:
+        [signature] = envelope_of(path)["signatures"]
+        assert trust.get(signature["keyid"]) is None, path.name
+        expected[path.name] = (f"UNTRUSTED {path.name}: signed by key {signature['keyid'][:16]}…, which "
+                               f"{trust.source} does not list")
+    assert out[:-1] == [expected[name] for name in sorted(expected)]
+    assert out[-1] == f"{len(legacy) + len(signed)} receipts: 0 verified, {len(legacy)} unsigned, {len(signed)} untrusted"
+    for path in [*legacy, *signed]:
         assert verify_receipt(path) == [], path.name
+
+
+def test_a_committed_signed_receipt_s_statement_names_its_files_and_its_summary_s_conclusion():
+    """What a signed committed receipt shows without its signer's public key: the statement its
+    envelope carries (decoded, not authenticated) names exactly its files, the manifest included,
+    each with the SHA-256 the file has, and concludes what its summary records."""
+    _legacy, signed = committed_receipts()
+    for path in signed:
+        statement = statement_of(path)
+        subjects = {subject["name"]: subject["digest"]["sha256"] for subject in statement["subject"]}
+        assert subjects == {name: sha256_file(path / name) for name in [*receipt_files(path), MANIFEST]}, path.name
+        summary = read_summary(path)
+        predicate = statement["predicate"]
+        assert (predicate["run_id"], predicate["status"]) == (path.name, summary["status"]), path.name
+        for name in ("lane", "recipe", "rung", "identity_sha256", "verdict"):
+            assert predicate[name] == summary[name], (path.name, name)
 
 
 def test_default_archive_is_outside_the_checkout(monkeypatch, tmp_path):
@@ -537,9 +587,26 @@ def test_a_v2_receipt_still_verifies_and_reads_with_no_scope(tmp_path):
     assert code_and_lines.getvalue().startswith(f"ok        {receipt.name}: passed; signed by ")
 
 
-def test_every_committed_legacy_summary_reads_as_its_own_version():
-    committed = sorted(p for p in (REPO_ROOT / "receipts").iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert {read_summary(path)["schema"] for path in committed} == {LEGACY_SUMMARY_SCHEMA}
+def test_every_committed_summary_reads_as_its_own_version():
+    """Legacy receipts hold v1 summaries; signed ones v3: a calibration's scope is null (it judged
+    no fixture), a qualification's states its scope, worded the same in its verdict."""
+    legacy, signed = committed_receipts()
+    assert {read_summary(path)["schema"] for path in legacy} == {LEGACY_SUMMARY_SCHEMA}
+    for path in signed:
+        summary = read_summary(path)
+        assert summary["schema"] == SCOPED_SUMMARY_SCHEMA, path.name
+        kind = json.loads((path / "identity.json").read_bytes())["schema"]
+        if kind == "trust-ladder.calibration.v3":
+            assert summary["scope"] is None, path.name
+        else:
+            assert kind == "trust-ladder.onboarding-identity.v3", path.name
+            scope, verdict = summary["scope"], summary["verdict"]
+            words = "QUALIFIED" if summary["passed"] else "NOT QUALIFIED"
+            assert scope["line"] == f"{words} on {scope['fixture_words']}; {scope['controls_words']}", path.name
+            # A failed verdict names its first reason between the line's halves.
+            because = "" if summary["passed"] else f": {summary['reasons'][0]}"
+            assert verdict.startswith(f"{words} on {scope['fixture_words']}{because}; {scope['controls_words']}"), \
+                path.name
 
 
 @pytest.mark.parametrize(("change", "expected"), [

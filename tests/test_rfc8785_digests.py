@@ -1,9 +1,10 @@
 """RFC 8785 digests in the current schema versions, legacy digests for the old ones.
 
-A v2 identity's digest is what a stock RFC 8785 library gives (``rfc8785.dumps``), so a verifier
-in another language reproduces it; a v1 identity and the committed (legacy) receipts keep the old
-canonical form; a document whose schema is neither is refused in one line. The wire manifest v4 is
-MAC'd over its RFC 8785 bytes, and v3 is refused naming its schema.
+A v3 identity's digest is what a stock RFC 8785 library gives (``rfc8785.dumps``), so a verifier
+in another language reproduces it; v1 and v2 identities are retired (refused at load, whatever
+their seal), while the committed legacy receipts keep the old canonical form and the committed
+signed ones RFC 8785; a document whose schema is neither is refused in one line. The wire manifest
+v4 is MAC'd over its RFC 8785 bytes, and v3 is refused naming its schema.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from qualify.contract.identity import (
     IDENTITY_SCHEMA_ID,
+    RETIRED_IDENTITY_SCHEMA_IDS,
     identity_sha256,
     load_identity,
     parse_identity_document,
@@ -41,21 +43,29 @@ from qualify.core.errors import HandoffRefused, Refused
 from qualify.run.contract import CALIBRATION_SCHEMA
 from tests.scripts import load_script
 from tests.test_identity import make_pair
+from tests.test_receipts import committed_receipts
 from tests.wire_mutants import RUN_KEY, pristine_expectation, pristine_handoff, pristine_kv, seal_pristine
 
 V1 = "trust-ladder.onboarding-identity.v1"
 V2 = "trust-ladder.onboarding-identity.v2"
+V3 = "trust-ladder.onboarding-identity.v3"
 SHIPPED = sorted(CONTRACTS_DIR.glob("*-identity-v1.json"))
-RECEIPTS = sorted(path for path in (REPO_ROOT / "receipts").iterdir() if (path / "identity.json").is_file())
+LEGACY_RECEIPTS, SIGNED_RECEIPTS = committed_receipts()
+
+
+def retired_refusal(where: str, schema: str) -> str:
+    """The one line a retired identity version is refused with."""
+    return (f'{where}: schema: found "{schema}", a retired version whose bounds were sealed from the fixture '
+            f'itself; re-calibrate and re-freeze it as "{V3}" (docs/calibration.md)')
 
 
 # --- identities ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_a_shipped_v2_identity_digest_is_reproduced_by_a_stock_rfc8785_library(path: Path) -> None:
+def test_a_shipped_v3_identity_digest_is_reproduced_by_a_stock_rfc8785_library(path: Path) -> None:
     document = json.loads(path.read_bytes())
-    assert document["schema"] == V2 == IDENTITY_SCHEMA_ID
+    assert document["schema"] == V3 == IDENTITY_SCHEMA_ID
     stock = hashlib.sha256(rfc8785.dumps(document)).hexdigest()
     assert stock == SEALED_IDENTITIES[document["lane"]] == identity_sha256(load_identity(path))
     # The legacy form differs for every shipped identity (1e-06 / 0.000001, 10000.0 / 10000), which
@@ -63,30 +73,50 @@ def test_a_shipped_v2_identity_digest_is_reproduced_by_a_stock_rfc8785_library(p
     assert canonical_json_bytes(document) != rfc8785.dumps(document)
 
 
-def test_a_v1_identity_still_loads_and_digests_the_legacy_way(tmp_path: Path) -> None:
+def test_a_v3_identity_is_sealed_by_its_rfc8785_digest_never_its_legacy_form(tmp_path: Path) -> None:
     pair = make_pair(tmp_path)
-    legacy = {**pair.document, "schema": V1}
-    pair.write(legacy)
-    identity = load_identity(pair.path, sealed_identities={"nvfp4-native-splitk": canonical_sha256(legacy)})
-    assert identity.schema_id == V1
-    assert identity_sha256(identity) == canonical_sha256(legacy) == sha256_bytes(canonical_json_bytes(legacy))
-    assert identity_sha256(identity) != hashlib.sha256(rfc8785.dumps(legacy)).hexdigest()
-    # Sealed under the other form, the same document is refused: the version is part of the seal.
+    document = pair.document
+    stock = hashlib.sha256(rfc8785.dumps(document)).hexdigest()
+    identity = load_identity(pair.path, sealed_identities={"nvfp4-native-splitk": stock})
+    assert identity.schema_id == V3 and identity_sha256(identity) == stock == document_sha256(document)
+    assert canonical_sha256(document) != stock  # rope.theta 10000.0: "10000.0" legacy, "10000" RFC 8785
+    # Sealed under the other form, the same document is refused: the form is part of the seal.
     with pytest.raises(Refused, match=", sealed "):
-        load_identity(pair.path, sealed_identities={"nvfp4-native-splitk": hashlib.sha256(
-            rfc8785.dumps(legacy)).hexdigest()})
+        load_identity(pair.path, sealed_identities={"nvfp4-native-splitk": canonical_sha256(document)})
+
+
+@pytest.mark.parametrize("retired", [V1, V2])
+def test_a_retired_identity_version_is_refused_at_load_whatever_its_seal(tmp_path: Path, retired: str) -> None:
+    """A v1 or v2 document (no calibration set, no stated rule) is refused in one line naming its
+    version, even with its own digest sealed; the digest function still computes the form the
+    version declared (archived receipts hold such documents)."""
+    assert RETIRED_IDENTITY_SCHEMA_IDS == (V1, V2)
+    pair = make_pair(tmp_path)
+    document = {key: value for key, value in pair.document.items() if key not in ("calibration", "controls")}
+    document["schema"] = retired
+    pair.write(document)
+    legacy, stock = canonical_sha256(document), hashlib.sha256(rfc8785.dumps(document)).hexdigest()
+    assert document_sha256(document) == (legacy if retired == V1 else stock) == sha256_bytes(document_bytes(document))
+    for sealed in (legacy, stock):
+        with pytest.raises(Refused) as caught:
+            load_identity(pair.path, sealed_identities={"nvfp4-native-splitk": sealed})
+        assert str(caught.value) == retired_refusal(f"identity {pair.path}", retired)
+    with pytest.raises(Refused) as caught:
+        parse_identity_document(document, where="identity (memory)")
+    assert str(caught.value) == retired_refusal("identity (memory)", retired)
 
 
 @pytest.mark.parametrize("path", SHIPPED[:3], ids=lambda p: p.name)
-def test_a_shipped_identity_relabelled_v1_is_refused_by_the_seal(path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("retired", [V1, V2])
+def test_a_shipped_identity_relabelled_retired_is_refused_in_one_line(path: Path, retired: str, tmp_path: Path) -> None:
     relabelled = tmp_path / path.name
-    relabelled.write_text(json.dumps({**json.loads(path.read_bytes()), "schema": V1}), encoding="utf-8")
+    relabelled.write_text(json.dumps({**json.loads(path.read_bytes()), "schema": retired}), encoding="utf-8")
     with pytest.raises(Refused) as caught:
         load_identity(relabelled)
-    assert "\n" not in str(caught.value) and ", sealed " in str(caught.value)
+    assert str(caught.value) == retired_refusal(f"identity {relabelled}", retired)
 
 
-@pytest.mark.parametrize("schema", ["trust-ladder.onboarding-identity.v3", "trust-ladder.onboarding-identity",
+@pytest.mark.parametrize("schema", ["trust-ladder.onboarding-identity.v4", "trust-ladder.onboarding-identity",
                                     "", 2, None])
 def test_an_unknown_identity_schema_is_refused_in_one_line(tmp_path: Path, schema: object) -> None:
     pair = make_pair(tmp_path)
@@ -94,22 +124,30 @@ def test_an_unknown_identity_schema_is_refused_in_one_line(tmp_path: Path, schem
     with pytest.raises(Refused) as caught:
         pair.load()
     message = str(caught.value)
-    assert message == (f"identity {pair.path}: schema: found {json.dumps(schema)}, expected one of "
-                       f'"{V1}", "{V2}"'), message
+    assert message == f'identity {pair.path}: schema: found {json.dumps(schema)}, expected one of "{V3}"', message
 
 
-def test_the_freeze_tool_refreezes_a_v1_identity_to_the_shipped_v2_file(
+def test_the_freeze_tool_refreezes_a_shipped_identity_to_itself_and_refuses_a_retired_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--refreeze writes the current schema: a v1 copy becomes the shipped v2 file, byte for byte."""
+    """--refreeze writes the current schema: a copy of the shipped v3 file, whose artifacts have not
+    moved, comes back byte for byte under its sealed digest; a v2 copy is refused in one line and
+    left as it was (a retired identity is re-calibrated, never relabelled)."""
     freeze = load_script(REPO_ROOT / "tools" / "freeze_identity.py")
     shipped = CONTRACTS_DIR / "nvfp4-native-splitk-identity-v1.json"
-    legacy = tmp_path / shipped.name
-    legacy.write_text(json.dumps({**json.loads(shipped.read_bytes()), "schema": V1}, indent=2) + "\n",
-                      encoding="utf-8")
-    assert freeze.main(["--refreeze", str(legacy)]) == 0, capsys.readouterr().err
-    assert legacy.read_bytes() == shipped.read_bytes()
+    copy_path = tmp_path / shipped.name
+    copy_path.write_bytes(shipped.read_bytes())
+    assert freeze.main(["--refreeze", str(copy_path)]) == 0, capsys.readouterr().err
+    assert copy_path.read_bytes() == shipped.read_bytes()
     assert SEALED_IDENTITIES["nvfp4-native-splitk"] in capsys.readouterr().out
+    retired = tmp_path / "retired" / shipped.name
+    retired.parent.mkdir()
+    text = json.dumps({**json.loads(shipped.read_bytes()), "schema": V2}, indent=2) + "\n"
+    retired.write_text(text, encoding="utf-8")
+    assert freeze.main(["--refreeze", str(retired)]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"freeze_identity: refused: {retired_refusal(f'identity {retired}', V2)}\n")
+    assert retired.read_text(encoding="utf-8") == text
 
 
 # --- the one digest function, by declared schema ---------------------------------------------
@@ -155,22 +193,33 @@ def test_what_rfc8785_cannot_write_is_refused_naming_the_schema() -> None:
 
 
 def test_a_calibration_document_is_digested_over_its_rfc8785_bytes() -> None:
-    assert CALIBRATION_SCHEMA == "trust-ladder.calibration.v2" and CALIBRATION_SCHEMA in JCS_SCHEMAS
+    assert CALIBRATION_SCHEMA == "trust-ladder.calibration.v3" and CALIBRATION_SCHEMA in JCS_SCHEMAS
     document = {"schema": CALIBRATION_SCHEMA, "output_tokens": 256, "theta": 10000.0, "tolerance": 1e-06}
-    assert document_sha256(document) == hashlib.sha256(b'{"output_tokens":256,"schema":"trust-ladder.calibration.v2",'
+    assert document_sha256(document) == hashlib.sha256(b'{"output_tokens":256,"schema":"trust-ladder.calibration.v3",'
                                                        b'"theta":10000,"tolerance":0.000001}').hexdigest()
 
 
-@pytest.mark.parametrize("receipt", RECEIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("receipt", LEGACY_RECEIPTS, ids=lambda p: p.name)
 def test_a_committed_legacy_receipt_s_identity_digest_still_verifies(receipt: Path) -> None:
-    """Every archived ``identity.json`` declares a schema the digest table knows, and its recorded
-    ``identity.sha256`` is still what :func:`document_sha256` computes (the legacy form)."""
+    """Every legacy receipt's ``identity.json`` declares a schema digested the legacy way, and its
+    recorded ``identity.sha256`` is still what :func:`document_sha256` computes."""
     document = json.loads((receipt / "identity.json").read_bytes())
     assert document["schema"] in LEGACY_SCHEMAS
+    assert document_sha256(document) == canonical_sha256(document)
     assert document_sha256(document) == (receipt / "identity.sha256").read_text(encoding="ascii").strip()
 
 
-def test_a_parsed_v2_identity_is_refused_when_its_typed_form_would_change_its_digest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("receipt", SIGNED_RECEIPTS, ids=lambda p: p.name)
+def test_a_committed_signed_receipt_s_identity_digest_is_its_rfc8785_digest(receipt: Path) -> None:
+    """Every signed receipt's ``identity.json`` (a v3 calibration document or a v3 identity)
+    declares an RFC 8785 schema, and its recorded ``identity.sha256`` is a stock library's digest."""
+    document = json.loads((receipt / "identity.json").read_bytes())
+    assert document["schema"] in {"trust-ladder.calibration.v3", V3} and document["schema"] in JCS_SCHEMAS
+    assert hashlib.sha256(rfc8785.dumps(document)).hexdigest() == document_sha256(document) == \
+        (receipt / "identity.sha256").read_text(encoding="ascii").strip()
+
+
+def test_a_parsed_v3_identity_is_refused_when_its_typed_form_would_change_its_digest(tmp_path: Path) -> None:
     """RFC 8785 writes 11.0 as 11: the model still keeps the document's own types, so a bound
     written as an integer is refused, not silently digested like the float."""
     pair = make_pair(tmp_path)

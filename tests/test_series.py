@@ -22,8 +22,8 @@ from qualify.engines.base import DecodeResult
 from qualify.evidence.compare import compare_branches, generated_token_sha256
 from qualify.evidence.records import BoundedDriftRule
 from qualify.evidence.series import MAX_SERIES_BYTES, SERIES_DTYPES, read_series, sample_series
-from qualify.run.contract import calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from tests.test_hostenv import lane_calibration_contract
 
 LANE = "nvfp4-native-splitk"
 ROWS, VOCAB, LAYERS, HEADS, HANDED_OFF, DIM = 16, 50, 3, 2, 7, 4
@@ -298,8 +298,9 @@ def test_a_failed_sample_without_a_comparison_gets_no_series(tmp_path: Path) -> 
 
 
 def _contract_with_rule():
-    """The shipped lane's contract with a rule wide enough that every handoff step runs."""
-    return dataclasses.replace(calibration_contract(LANE, "native-text"),
+    """The shipped lane's calibration contract (its steps run the first calibration cell's prompt)
+    with a rule wide enough that every handoff step runs."""
+    return dataclasses.replace(lane_calibration_contract(LANE),
                                rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1))
 
 
