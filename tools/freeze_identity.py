@@ -3,31 +3,34 @@
 
 Freeze (``--lane``): computes the SHA-256 of every pinned artifact (checkpoint files under
 ``model/``, tokenizer, main prompt via ``qualify.core.assets.prompt_sha256``, RoPE cache, adapter,
-draft), derives the lane's target-cache identity, validates the document through the identity
-model, writes the identity JSON (schema v2, whose digest is over its RFC 8785 bytes; never over an
-existing file unless ``--replace``; written whole via a temporary file) and prints its sealed-data
-lines: the identity's digest and its basis receipt's ``manifest.json`` digest, which pins every
-file of the (verified) basis receipt.
+draft), derives the lane's target-cache identity, derives the bounds (and a rung-3 draft floor)
+from the basis calibration receipt by the stated rules (``qualify/contract/rules.py``; a number
+given with ``--maximum-absolute``/``--maximum-mean-absolute``/``--acceptance-floor`` must equal
+the derived one, else the freeze is refused), pins the calibration set, the rules and the E2
+controls criteria by digest, validates the document through the identity model, checks it the way
+every load does, writes the identity JSON (schema v3, whose digest is over its RFC 8785 bytes;
+never over an existing file unless ``--replace``; written whole via a temporary file) and prints
+its sealed-data lines: the identity's digest and its basis receipt's ``manifest.json`` digest,
+which pins every file of the (verified) basis receipt.
 
-Re-freeze (``--refreeze PATH...``): recomputes those artifact digests of existing identities,
-keeping their engines, rules and basis URIs, and rewrites them at the current schema version (a v1
-identity becomes v2, its content otherwise unchanged) -- for a reviewed change (an adapter edit)
-that moves no number: ``--refreeze contracts/*-identity-v1.json --write-sealed``.
+Re-freeze (``--refreeze PATH...``): recomputes those artifact digests of existing v3 identities,
+keeping their engines, rules and basis URIs -- for a reviewed change (an adapter edit) that moves
+no number: ``--refreeze contracts/*-identity-v1.json --write-sealed``. (Retired v1/v2 identities
+are re-calibrated, not re-frozen.)
 
 ``--write-sealed`` regenerates ``qualify/contract/sealed_data.py`` whole from
 ``contracts/*-identity-v1.json`` and their basis receipts; ``--write-schema`` regenerates
-``contracts/onboarding-identity.v{1,2}.schema.json`` from the identity model. Both are committed
+``contracts/onboarding-identity.v3.schema.json`` from the identity model. Both are committed
 in a reviewed change. (The ``-v1`` in an identity's file name is the lane identity's version, not
 the schema's.)
 
 The basis receipt is read from ``--archive-dir`` (default the checkout's ``receipts/``), but
 ``qualify identity check`` and every run resolve it under ``receipts/`` only: copy the calibration
 receipt there first (``qualify calibrate`` prints the exact commands; ``docs/onboarding.md``).
-Example (rung 2, re-calibrating a shipped lane: ``--replace`` its identity)::
+Example (re-calibrating a shipped lane: ``--replace`` its identity)::
 
     cp -r ~/.local/share/trust-ladder/receipts/<run-id> receipts/
     .venv/bin/python tools/freeze_identity.py --lane nvfp4-native-splitk \\
-        --maximum-absolute 0.2344517707824707 --maximum-mean-absolute 0.024274295797614587 \\
         --basis receipt://<run-id>/command.log --replace --write-sealed
 """
 
@@ -476,7 +479,7 @@ def sealed_data_source(seals: Mapping[str, Seal]) -> str:
         f"{identities}"
         "})\n"
         '"""Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the\n'
-        'RFC 8785 bytes of a v2 identity)."""\n'
+        'RFC 8785 bytes of a v3 identity)."""\n'
         "\n"
         "SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({\n"
         f"{bases}"

@@ -1,14 +1,16 @@
 """The frozen onboarding identity: its one typed model, and loading it fail closed.
 
 The pydantic model :class:`Identity` is the only definition of an identity's shape and rules: the
-JSON Schemas ``contracts/onboarding-identity.v{1,2}.schema.json`` are generated from it
+JSON Schema ``contracts/onboarding-identity.v3.schema.json`` is generated from it
 (:func:`identity_json_schema`, written by ``tools/freeze_identity.py --write-schema``) and every
 content rule (consistency with the lane table, the rule, the prompt, the derived cache identity)
 is one of its validators, so they hold for every identity, sealed or being frozen.
 
-Two schema versions load; they differ only in the identity's digest (:func:`identity_sha256`,
-:func:`qualify.core.digests.document_sha256`): v2 (what freezing writes) is the SHA-256 of the
-document's RFC 8785 bytes, reproducible with a stock JCS library; v1 is the legacy canonical form.
+One schema version loads: v3, whose digest (:func:`identity_sha256`,
+:func:`qualify.core.digests.document_sha256`) is the SHA-256 of the document's RFC 8785 bytes,
+reproducible with a stock JCS library, and which pins the calibration set, the stated bound (and
+floor) rule and the E2 controls criteria. v1 and v2 are refused as retired: their bounds were
+sealed from the fixture itself (their schemas stay in ``contracts/`` for archived receipts).
 
 Loading is layered (``docs/architecture.md``, DESIGN "The frozen onboarding identity"):
 
@@ -510,7 +512,7 @@ def _describe_pydantic_error(exc: ValidationError) -> str:
 
 def identity_sha256(identity: Identity) -> str:
     """SHA-256 of the identity document as loaded, in the canonical form its schema version
-    declares (:func:`qualify.core.digests.document_sha256`: RFC 8785 for v2): part of the lane
+    declares (:func:`qualify.core.digests.document_sha256`: RFC 8785 for v3): part of the lane
     identity, written into every receipt."""
     if not isinstance(identity, Identity):
         raise Refused(f"identity digest: found {type(identity).__name__}, expected Identity")

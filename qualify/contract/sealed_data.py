@@ -26,7 +26,7 @@ SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "vllm-to-vllm": "a1b8f246687d3da33a17578490a22c3345fba53062343bea6e42a7188ce90ecf",
 })
 """Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the
-RFC 8785 bytes of a v2 identity)."""
+RFC 8785 bytes of a v3 identity)."""
 
 SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({
     "kquant-exact-dflash": "f2c4d6828aa01075f5ec37db947e5df4ec4bd4ffd402e6adb060103cfaa46e00",
