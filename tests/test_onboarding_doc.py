@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "onboarding.md"
 SH_BLOCK = re.compile(r"^```sh\n(.*?)^```", re.MULTILINE | re.DOTALL)
-CALIBRATE_EXAMPLE = re.compile(r"^```text\n(observed envelope: .*?)^```", re.MULTILINE | re.DOTALL)
+CALIBRATE_EXAMPLE = re.compile(r"^```text\n(cell .*?)^```", re.MULTILINE | re.DOTALL)
 WALKTHROUGH_LANE = "nvfp4-native-splitk"
 DOC_LIMIT_S = 1800
 """A bound on the whole walk-through (about 1.5 minutes on 2 idle cores, 10 on a 2-core machine with a

@@ -86,12 +86,17 @@ def seal_pristine(*, draft: bool = False, key: bytes = RUN_KEY, request_id: str 
 
 def canonical_bytes(document: Any) -> bytes:
     """``document`` as the honest producer writes a manifest (RFC 8785); a value RFC 8785 cannot
-    write (an integer past 2**53 - 1) makes it Python's sorted compact form, which a producer
-    holding the run key may send as well (the consumer's schema refuses that value first)."""
+    write (an integer past 2**53 - 1) makes it Python's sorted compact form, and a value no JSON
+    can hold (an infinite float) Python's ``Infinity`` token: a producer holding the run key may
+    send either (the consumer's strict JSON or its schema refuses that value first)."""
     try:
         return manifest_canonical_bytes(document)
-    except ValueError:
+    except (ValueError, OverflowError):
+        pass
+    try:
         return canonical_json_bytes(document)
+    except (ValueError, OverflowError):
+        return json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=True).encode("utf-8")
 
 
 def _remac(manifest_bytes: bytes, payload: bytes | bytearray | memoryview) -> Handoff:

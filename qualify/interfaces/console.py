@@ -517,9 +517,10 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     for cell in result.cells:
         console.print(f"cell {cell.document}@{cell.prompt_tokens}: teacher-forced max abs {cell.max_abs!r}, "
                       f"mean abs {cell.mean_abs!r}; greedy tokens exact: {cell.tokens_exact}")
-    console.print(Text(result.headline, style="bold" if result.passed else "bold red"))
+    # One line each, never wrapped: a reader greps them, and the docs quote them.
+    console.print(Text(result.headline, style="bold" if result.passed else "bold red"), soft_wrap=True)
     if result.controls is not None:
-        console.print(Text(controls_words(result.controls), style="bold"))
+        console.print(Text(controls_words(result.controls), style="bold"), soft_wrap=True)
     for step in steps:
         console.print(Text(step.text, style=step.style), soft_wrap=True)  # a command is one line, never wrapped
     if result.receipt_path is not None:
