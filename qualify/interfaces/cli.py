@@ -353,5 +353,23 @@ def _main(arguments: list[str]) -> int:
         return EXIT_REFUSED
 
 
+def console() -> None:
+    """The ``qualify`` executable: :func:`main`, then the interrupt signals blocked until the process
+    ends. A signal that lands after the command finished (its receipt whole, its verdict printed)
+    then cannot kill the interpreter during teardown and turn a decided exit code into a death by
+    signal; one that lands during the command is handled there (128 + the signal)."""
+    import signal
+
+    from qualify.run.qualification import INTERRUPT_SIGNALS
+
+    try:
+        code = main()
+    except KeyboardInterrupt as exc:  # landed between the command's end and the block below
+        code = 128 + int(getattr(exc, "signum", signal.SIGINT))
+    finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPT_SIGNALS)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
