@@ -11,8 +11,16 @@ token). Reference and vLLM are compared only through ``qualify.judge.judge_parit
 end-to-end cells (rung 1: a split inside the cells' spread is parity; no lane is put ahead from
 one ratio).
 
-Usage: python bench/engine.py [--repeats 5] (.venv-vllm/bin/python to include vLLM). The last line
-is the headline ``name: value``.
+Decode streams every weight once per token, so its floor is the time numpy's own float64 GEMV takes
+to stream the engine's fixed-point weight arrays once (measured in the same repetitions); the
+bench prints the engine's decode step against that floor.
+
+``--model NAME|PATH`` runs another model (``qualify.engines.model_source``: a published model's
+name, a Hugging Face directory or a GGUF file) on the first 2048 tokens of CPython's
+``Lib/textwrap.py`` under that model's tokenizer; vLLM runs only on the shipped model.
+
+Usage: python bench/engine.py [--repeats 5] [--model NAME|PATH] (.venv-vllm/bin/python to include
+vLLM). The last line is the headline ``name: value``.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import numpy as np
 
 from qualify.core import assets
 from qualify.engines.base import DecodeResult
-from qualify.engines.reference import PREFILL_QUERY_BLOCK, ReferenceEngine
+from qualify.engines.reference import PREFILL_QUERY_BLOCK, DenseLinear, ReferenceEngine
 from qualify.judge import ThroughputCell, judge_parity
 
 HANDOFF = 2047
@@ -105,6 +113,37 @@ def matmul_replay(shapes: list[MatmulShape]) -> Callable[[], None]:
             a @ b
 
     return run
+
+
+def weight_stream(engine: ReferenceEngine) -> tuple[Callable[[], None], int]:
+    """One decode step's weight traffic through numpy alone: a float64 GEMV over each of the
+    engine's fixed-point weight arrays (every projection and the tied head), and its bytes."""
+    arrays = [linear.weight_rows.integers for layer in engine.layers for linear in layer.linears
+              if isinstance(linear, DenseLinear)] + [engine.lm_head_rows.integers]
+    rows = {array.shape[1]: np.ones((1, array.shape[1])) for array in arrays}
+
+    def run() -> None:
+        for array in arrays:
+            rows[array.shape[1]] @ array.T
+
+    return run, sum(array.nbytes for array in arrays)
+
+
+def model_engine(argument: str) -> tuple[ReferenceEngine, np.ndarray, str]:
+    """The reference engine on ``--model``'s weights and the bench prompt under its tokenizer."""
+    import sysconfig
+    from pathlib import Path
+
+    from qualify.engines.model_source import load_model, resolve_model
+
+    model = load_model(resolve_model(argument))
+    engine = ReferenceEngine(model.geometry, model.weights, rms_norm_eps=model.config.rms_norm_eps)
+    source = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
+    token_ids = model.tokenizer.encode(source.read_text(encoding="utf-8")).ids[:HANDOFF + 1]
+    if len(token_ids) < HANDOFF + 1:
+        raise SystemExit(f"bench: {source} gives only {len(token_ids)} tokens under {argument}'s tokenizer")
+    files = ", ".join(f"{entry.name} {entry.sha256[:12]}" for entry in model.files)
+    return engine, np.asarray(token_ids, dtype=np.int64), f"{argument} ({model.kind}: {files})"
 
 
 def timed(run: Callable[[], Result], seconds: list[float]) -> Result:
@@ -185,6 +224,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5,
                         help="interleaved repetitions (at least 2: a paired cell needs a spread)")
+    parser.add_argument("--model", help="a published model's name, a Hugging Face directory or a GGUF "
+                                        "file (default: the shipped model)")
     args = parser.parse_args()
     if args.repeats < 2:
         parser.error("--repeats must be at least 2: the parity judge needs each cell's spread")
@@ -192,17 +233,21 @@ def main() -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, load average {load:.2f}, "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, numpy {np.__version__}")
-    engine = ReferenceEngine.from_model_dir()
-    prompt = assets.load_prompt()
-    print(f"engine: {engine.name} {engine.version} abi {engine.abi}")
-    vllm = start_vllm(prompt)
+    if args.model is None:
+        engine, prompt, model_words = ReferenceEngine.from_model_dir(), assets.load_prompt(), "shipped model"
+    else:
+        engine, prompt, model_words = model_engine(args.model)
+    print(f"engine: {engine.name} {engine.version} abi {engine.abi}; model {model_words}; geometry {engine.geometry}")
+    vllm = start_vllm(prompt) if args.model is None else None
 
     engine.decode(engine.prefill(prompt[:64]), prompt[64:65], 4)  # warm-up (BLAS threads, caches)
     prefill_shapes = prefill_matmuls(engine, HANDOFF)
     decode_shapes = [s for step in range(DECODE) for s in decode_step_matmuls(engine, HANDOFF + step)]
     replays = {"prefill": matmul_replay(prefill_shapes), "decode": matmul_replay(decode_shapes)}
+    stream, stream_bytes = weight_stream(engine)
     engine_s: dict[str, list[float]] = {"prefill": [], "decode": []}
     matmul_s: dict[str, list[float]] = {"prefill": [], "decode": []}
+    stream_s: list[float] = []
     result: DecodeResult | None = None
 
     def reference() -> None:
@@ -213,6 +258,7 @@ def main() -> int:
     def numpy_matmuls() -> None:
         for phase, replay in replays.items():
             timed(replay, matmul_s[phase])
+        timed(stream, stream_s)
 
     # The reference sits in the middle, next to each of the others; the order reverses every
     # repetition, so no lane always runs first, on a warmer cache or under the same load.
@@ -231,6 +277,12 @@ def main() -> int:
               f"same {len(shapes)} matmul calls {flops / statistics.median(matmul_s[phase]) / 1e9:.2f} GFLOP/s "
               f"(medians); fraction of numpy matmul rate per paired run "
               f"{spread([m / e for m, e in zip(matmul_s[phase], seconds, strict=True)])}")
+
+    step_s = [seconds / DECODE for seconds in engine_s["decode"]]
+    print(f"decode weight stream: {stream_bytes / 1e9:.3f} GB per step; numpy float64 GEMV over the same arrays "
+          f"{stream_bytes / statistics.median(stream_s) / 1e9:.1f} GB/s, {statistics.median(stream_s) * 1e3:.1f} ms "
+          f"(the floor); engine step {statistics.median(step_s) * 1e3:.1f} ms median; engine step over floor "
+          f"per paired run {spread([e / f for e, f in zip(step_s, stream_s, strict=True)])}")
 
     gaps = logit_gaps(result.logits)
     near_ties = ", ".join(f"{int(np.sum(gaps < bound))} below {bound}" for bound in NEAR_TIE_GAPS)
