@@ -414,3 +414,44 @@ def test_agrees_with_transformers(prompt: np.ndarray, handoff_kv: KVCache, main_
     assert matching == DECODE
     assert max_abs_logit_delta < 1e-3
     assert max_abs_key_delta < 1e-3
+
+
+def test_projections_sharing_an_input_run_stacked_with_each_projections_bits() -> None:
+    """q/k/v (and gate/up) run as one contraction over their stacked rows: every output equals the
+    projection's own, bit for bit, at one row (decode) and many (prefill), and the projections'
+    weight rows become views of the stacked rows (nothing held twice)."""
+    from qualify.engines.reference import DenseLinear, SharedInputProjections
+
+    rng = np.random.default_rng(7)
+    weights = [rng.standard_normal((n_out, 600)).astype(np.float32) * scale
+               for n_out, scale in ((96, 1.0), (32, 1e-3), (32, 40.0))]
+    alone = [DenseLinear(weight, f"p{index}") for index, weight in enumerate(weights)]
+    stacked_projections = [DenseLinear(weight, f"p{index}") for index, weight in enumerate(weights)]
+    shared = SharedInputProjections(*stacked_projections)
+    assert shared.stacked is not None
+    for rows in (1, 37):
+        x = rng.standard_normal((rows, 600)).astype(np.float32)
+        for together, single in zip(shared(x), alone, strict=True):
+            assert np.array_equal(together.view(np.uint32), single(x).view(np.uint32))
+    for projection in stacked_projections:
+        assert np.shares_memory(projection.weight_rows.integers, shared.stacked.integers)
+    # Another arithmetic is applied projection by projection.
+    doubling = _Doubling(alone[1])
+    other = SharedInputProjections(alone[0], doubling)
+    assert other.stacked is None
+    x = rng.standard_normal((3, 600)).astype(np.float32)
+    first, second = other(x)
+    assert np.array_equal(first, alone[0](x)) and np.array_equal(second, doubling(x))
+
+
+class _Doubling:
+    """A projection of another arithmetic (not DenseLinear): twice a dense one."""
+
+    kind = "doubling-test"
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.n_in, self.n_out = inner.n_in, inner.n_out  # type: ignore[attr-defined]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return 2 * self.inner(x)  # type: ignore[operator]

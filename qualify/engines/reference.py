@@ -111,6 +111,36 @@ class DenseLinear:
         return matmul_rows(x, self.weight_rows)  # [T, n_in] @ [n_in, n_out] -> [T, n_out]
 
 
+class SharedInputProjections:
+    """Projections that read the same input (q/k/v; gate/up), applied together. Dense ones run as
+    one contraction over their rows stacked: :func:`matmul_rows` converts each weight row on its
+    own and each output column depends on its row alone, so the bits are each projection's; one
+    call per chunk instead of one per projection (a decode step is mostly per-call cost). The
+    projections' own ``weight_rows`` become views of the stacked rows, so nothing is held twice.
+    Any other arithmetic is called projection by projection."""
+
+    def __init__(self, *projections: Linear) -> None:
+        self.projections = projections
+        self.stacked: FixedPointRows | None = None
+        if len(projections) > 1 and all(type(p) is DenseLinear for p in projections):
+            dense = [p for p in projections if isinstance(p, DenseLinear)]
+            self.stacked = FixedPointRows(np.concatenate([p.weight_rows.integers for p in dense]),
+                                          np.concatenate([p.weight_rows.scale for p in dense]))
+            first = 0
+            for projection in dense:
+                rows = slice(first, first + projection.n_out)
+                projection.weight_rows = self.stacked[(rows,)]
+                first += projection.n_out
+            self.splits = list(np.cumsum([p.n_out for p in dense])[:-1])
+            self.name = " + ".join(p.name for p in dense)
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        if self.stacked is None:
+            return [projection(x) for projection in self.projections]
+        check_finite_activations(x, self.name)
+        return np.split(matmul_rows(x, self.stacked), self.splits, axis=-1)
+
+
 def dense_linear(name: str, weight_f32: np.ndarray) -> DenseLinear:
     """The default ``make_linear`` factory: every projection dense (fixed-point contraction)."""
     return DenseLinear(weight_f32, name)
@@ -277,6 +307,9 @@ class DecoderLayer:
         self.up_proj = linear("mlp.up_proj.weight")  # hidden -> intermediate
         self.down_proj = linear("mlp.down_proj.weight")  # intermediate -> hidden
 
+        self.qkv = SharedInputProjections(self.q_proj, self.k_proj, self.v_proj)
+        self.gate_up = SharedInputProjections(self.gate_proj, self.up_proj)
+
     @property
     def linears(self) -> list[Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.o_proj,
@@ -285,7 +318,8 @@ class DecoderLayer:
     def _mlp_residual(self, x: np.ndarray) -> np.ndarray:
         """x [T, hidden] -> x + down(silu(gate(norm x)) * up(norm x)), materialized."""
         m = self.materialize(rms_norm(x, self.mlp_norm, self.eps))  # [T, hidden]
-        swiglu = self.materialize(silu(self.gate_proj(m)) * self.up_proj(m))  # [T, intermediate]
+        gate, up = self.gate_up(m)  # [T, intermediate] each
+        swiglu = self.materialize(silu(gate) * up)  # [T, intermediate]
         return self.materialize(x + self.down_proj(swiglu))
 
     # ---- prefill: all positions at once --------------------------------------------------
@@ -308,9 +342,10 @@ class DecoderLayer:
         positions = x.shape[0]
         cos, sin = self.rope_cos[:positions], self.rope_sin[:positions]  # [T, head_dim]
         h = self.materialize(rms_norm(x, self.attention_norm, self.eps))  # [T, hidden]
-        q = self.q_proj(h).reshape(positions, self.heads, self.head_dim).transpose(1, 0, 2)
-        k = self.k_proj(h).reshape(positions, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-        v = self.v_proj(h).reshape(positions, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+        q, k, v = self.qkv(h)  # [T, heads * hd], [T, kv_heads * hd] x 2
+        q = q.reshape(positions, self.heads, self.head_dim).transpose(1, 0, 2)
+        k = k.reshape(positions, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+        v = v.reshape(positions, self.kv_heads, self.head_dim).transpose(1, 0, 2)
         q = np.ascontiguousarray(apply_rope(q, cos, sin))  # [heads, T, head_dim]
         k = np.ascontiguousarray(apply_rope(k, cos, sin))  # [kv_heads, T, head_dim]
         v = np.ascontiguousarray(v, dtype=np.float32)  # [kv_heads, T, head_dim]
@@ -400,9 +435,10 @@ class DecoderLayer:
         code runs for every row whatever the block size."""
         cos, sin = self.rope_cos[position], self.rope_sin[position]  # [head_dim]
         h = self.materialize(rms_norm(x, self.attention_norm, self.eps))  # [1, hidden]
-        q = apply_rope(self.q_proj(h).reshape(self.heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(h).reshape(self.kv_heads, 1, self.head_dim), cos, sin)
-        cache.write(position, k, self.v_proj(h).reshape(self.kv_heads, 1, self.head_dim))
+        q, k, v = self.qkv(h)  # [1, heads * hd], [1, kv_heads * hd] x 2
+        q = apply_rope(q.reshape(self.heads, self.head_dim), cos, sin)
+        k = apply_rope(k.reshape(self.kv_heads, 1, self.head_dim), cos, sin)
+        cache.write(position, k, v.reshape(self.kv_heads, 1, self.head_dim))
         attended = self.materialize(self.attend_row(q, cache, visible=position + 1))
         x = self.materialize(x + self.o_proj(attended))
         return self._mlp_residual(x)
