@@ -18,6 +18,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from qualify.core.assets import MODEL_DIR
+from qualify.core.digests import sha256_bytes
 from qualify.core.errors import Refused
 from qualify.engines.checkpoint import load_config, load_weights
 from qualify.engines.kquant import permute_qk_rows_to_gguf
@@ -239,3 +240,66 @@ def test_a_path_that_is_neither_is_refused(tmp_path: Path) -> None:
     text = tmp_path / "notes.txt"
     text.write_text("hello")
     assert "notes.txt: model: neither a directory nor a GGUF file" in refusal(text)
+
+
+# ---- qualify model inspect: the same loader from the command line, exit 2 with one line ------
+
+
+def inspect(argument: str | Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from qualify.interfaces import cli
+
+    capsys.readouterr()
+    code = cli.main(["model", "inspect", str(argument)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_model_inspect_prints_geometry_and_every_file_digest(capsys: pytest.CaptureFixture[str]) -> None:
+    from qualify.core.digests import sha256_file
+
+    code, out, err = inspect(MODEL_DIR, capsys)
+    assert code == 0, err
+    assert "hf, llama, 4 layers, hidden 256, 8 heads / 4 KV heads x 32, intermediate 512, vocab 4096" in out
+    for name in HF_FILES:
+        assert f"file {name}: {(MODEL_DIR / name).stat().st_size} bytes, sha256 {sha256_file(MODEL_DIR / name)}" in out
+
+
+@pytest.mark.parametrize("damage", ["architecture", "missing tensor", "truncated", "wrong digest"])
+def test_model_inspect_refuses_damaged_models_in_one_line_with_exit_2(
+        damage: str, tmp_path: Path, shipped, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from qualify.engines import model_source
+
+    config, weights = shipped
+    argument: str | Path
+    if damage == "architecture":
+        argument = write_gguf(tmp_path / "g.gguf", config, weights, architecture="gpt2")
+        expected = "general.architecture: found 'gpt2', expected 'llama'"
+    elif damage == "missing tensor":
+        argument = write_gguf(tmp_path / "g.gguf", config, weights, skip="blk.3.ffn_down.weight")
+        expected = "model.layers.3.mlp.down_proj.weight: tensor missing"
+    elif damage == "truncated":
+        argument = hf_copy(tmp_path / "hf")
+        data = (argument / "model.safetensors").read_bytes()
+        (argument / "model.safetensors").write_bytes(data[: len(data) // 2])
+        expected = "model.safetensors: file: unreadable safetensors"
+    else:  # a published model whose installed file is not the pinned one
+        site = tmp_path / "site"
+        (site / "fake_model-1.0.dist-info").mkdir(parents=True)
+        (site / "fake_model-1.0.dist-info" / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: fake-model\nVersion: 1.0\n")
+        (site / "fake_model").mkdir()
+        (site / "fake_model" / "weights.gguf").write_bytes(b"GGUF not the pinned bytes")
+        monkeypatch.syspath_prepend(str(site))
+        pinned = model_source.PublishedModel(
+            name="pinned-test", distribution="fake-model", version="1.0", file="fake_model/weights.gguf",
+            sha256="0" * 64, upstream="test", license="test")
+        monkeypatch.setitem(model_source.PUBLISHED_MODELS, "pinned-test", pinned)
+        argument = "pinned-test"
+        expected = f"weights.gguf: sha256: {sha256_bytes(b'GGUF not the pinned bytes')}, expected the pinned {'0' * 64}"
+    code, out, err = inspect(argument, capsys)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("refused: ") and expected in lines[0], err
+    assert out == ""
+

