@@ -56,3 +56,16 @@ def test_the_reference_engine_predicts_held_out_python(smollm2) -> None:
     # Chance is 1 / 49152. Measured when this test was written: 0.479 as loaded, 0.125 with the
     # Q/K rows left in llama.cpp's interleaved order (the un-permutation skipped).
     assert accuracy > 0.35, accuracy
+
+
+def test_every_prompt_and_document_rule_holds_under_its_tokenizer(smollm2) -> None:
+    """Each record's rule ("the first N tokens of this source") can be applied to the shipped
+    source texts under the published model's tokenizer: every source is long enough."""
+    import json
+
+    from qualify.core import assets
+
+    for record in sorted({*assets.MODEL_DIR.glob("prompts/*.json"), *assets.MODEL_DIR.glob("documents/*.json")}):
+        document = json.loads(record.read_text(encoding="utf-8"))
+        available = len(smollm2.tokenizer.encode(assets.source_text(document["name"])).ids)  # type: ignore[attr-defined]
+        assert available >= len(document["token_ids"]), (document["name"], available)

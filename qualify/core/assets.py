@@ -145,3 +145,24 @@ def load_prompt(name: str = MAIN_PROMPT) -> np.ndarray:
         return np.asarray(document["token_ids"], dtype=np.int64)
     except (OSError, ValueError, KeyError) as exc:
         raise Refused(f"{path}: cannot read prompt token ids ({type(exc).__name__})") from None
+
+
+SOURCES_DIR = "model/sources"
+"""The held-out CPython 3.11.7 source texts the prompts and documents are cut from, as shipped
+copies (``<name>.txt``), so the same rule ("the first N tokens of this text under a model's
+tokenizer") gives the same prompt for any model on any Python, not only on this stdlib."""
+
+
+def source_text(name: str) -> str:
+    """The source text of prompt or document ``name``, checked against the ``source_sha256`` its
+    ``model/prompts`` or ``model/documents`` record states; a differing copy is refused."""
+    records = [relpath for relpath in (f"model/prompts/{name}.json", f"model/documents/{name}.json")
+               if asset_path(relpath).is_file()]
+    if not records:
+        raise Refused(f"source text: unknown name {name!r}; no model/prompts or model/documents record")
+    data = require_asset(f"{SOURCES_DIR}/{name}.txt").read_bytes()
+    for relpath in records:
+        expected = json.loads(asset_path(relpath).read_text(encoding="utf-8")).get("source_sha256")
+        if sha256_bytes(data) != expected:
+            raise Refused(f"{SOURCES_DIR}/{name}.txt: sha256 {sha256_bytes(data)}, expected {expected} ({relpath})")
+    return data.decode("utf-8")
