@@ -38,7 +38,7 @@ SINGLE_WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX_FILE = "model.safetensors.index.json"
 GGUF_MAGIC = b"GGUF"
 
-# safetensors dtype -> how its raw little-endian bytes widen to float32, exactly.
+
 def _widen_f32(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype="<f4").astype(np.float32)
 
@@ -52,6 +52,7 @@ def _widen_bf16(raw: bytes) -> np.ndarray:
     return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
 
 
+# safetensors dtype -> how its raw little-endian bytes widen to float32, exactly.
 SAFETENSORS_WIDENERS: dict[str, Callable[[bytes], np.ndarray]] = {
     "F32": _widen_f32, "F16": _widen_f16, "BF16": _widen_bf16,
 }
