@@ -255,10 +255,11 @@ def test_run_signalled_after_a_step_exits_by_the_signal_and_leaves_a_verifiable_
     stopped = stop_run_at(places, label, signum)
     context = (stopped.stdout, stopped.stderr)
     if label == "verdict" and stopped.code == 0:
-        # The verdict line is printed as sealing starts; on a loaded machine the whole command can
-        # finish before the signal lands. The signal is then blocked until the process ends
-        # (``cli.console``): the run's own exit code and whole receipt stand, nothing says
-        # "interrupted", and the process is not killed mid-teardown.
+        # The verdict line is printed as sealing starts; on a loaded machine the whole run can
+        # finish before the signal lands. The executable then notes the signal instead of dying
+        # by it (``cli.console``, ``hold_interrupts_after_runs``): the run's own exit code and
+        # whole receipt stand, nothing says "interrupted", and the process is not killed in its
+        # last output or teardown.
         assert "interrupted" not in stopped.stderr, context
         assert_finished_run_is_untouched(places, stopped, tmp_path, capsys)
         return
@@ -495,3 +496,28 @@ def test_sighup_ignored_by_nohup_stays_ignored_during_a_run() -> None:
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_the_executable_notes_a_signal_after_a_run_and_stops_the_next_run_with_it() -> None:
+    """Deterministic form of the race the verdict cases can hit: under
+    ``hold_interrupts_after_runs`` a SIGHUP or SIGTERM that lands after a run's scope is noted
+    (the process lives on and exits with its own code), and the next run stops at its start."""
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from qualify.run.qualification import RunInterrupted, hold_interrupts_after_runs, interrupts_raise
+        hold_interrupts_after_runs()
+        with interrupts_raise():
+            pass
+        for signum in (signal.SIGHUP, signal.SIGTERM):
+            os.kill(os.getpid(), signum)
+        print("alive after both signals")
+        try:
+            with interrupts_raise():
+                print("next run started")
+        except RunInterrupted as exc:
+            print(f"next run stopped by {signal.Signals(exc.signum).name}")
+        sys.exit(7)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7, done
+    assert done.stdout.splitlines() == ["alive after both signals", "next run stopped by SIGHUP"], done

@@ -362,14 +362,16 @@ def _main(arguments: list[str]) -> int:
 
 
 def console() -> None:
-    """The ``qualify`` executable: :func:`main`, then the interrupt signals blocked until the process
-    ends. A signal that lands after the command finished (its receipt whole, its verdict printed)
-    then cannot kill the interpreter during teardown and turn a decided exit code into a death by
-    signal; one that lands during the command is handled there (128 + the signal)."""
+    """The ``qualify`` executable: :func:`main`, with an interrupt signal that lands after a run
+    (its receipt whole, its verdict printed) noted rather than fatal
+    (:func:`~qualify.run.qualification.hold_interrupts_after_runs`), then the signals blocked
+    until the process ends. A decided exit code is never turned into a death by signal; a signal
+    during a run is handled there (128 + the signal)."""
     import signal
 
-    from qualify.run.qualification import INTERRUPT_SIGNALS
+    from qualify.run.qualification import INTERRUPT_SIGNALS, hold_interrupts_after_runs
 
+    hold_interrupts_after_runs()
     try:
         code = main()
     except KeyboardInterrupt as exc:  # landed between the command's end and the block below

@@ -182,6 +182,26 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise RunInterrupted(signum)
 
 
+_late_signals: list[int] = []
+"""Interrupt signals that arrived after a run ended, noted by :func:`_note_late_signal`."""
+_hold_after_runs = False
+
+
+def hold_interrupts_after_runs() -> None:
+    """For the ``qualify`` executable: once a run's :func:`interrupts_raise` ends, an interrupt
+    signal is noted instead of restored to its previous disposition. SIGTERM's and SIGHUP's is to
+    end the process on the spot, so a signal landing after a run's receipt was sealed and its
+    verdict printed would kill the process during its last output or teardown, turning a decided
+    exit code into a death by signal. A noted signal stops the next run of the same command, if
+    any, as it starts."""
+    global _hold_after_runs
+    _hold_after_runs = True
+
+
+def _note_late_signal(signum: int, frame: object) -> None:
+    _late_signals.append(signum)
+
+
 @contextmanager
 def interrupts_raise() -> Iterator[None]:
     """For a run's duration: SIGINT, SIGTERM and SIGHUP raise :class:`RunInterrupted` in the main
@@ -201,10 +221,12 @@ def interrupts_raise() -> Iterator[None]:
         # None: a handler set outside Python; the default is what it meant here.
         previous[signum] = signal.SIG_DFL if current is None else current
     try:
+        if _late_signals:
+            raise RunInterrupted(_late_signals.pop(0))
         yield
     finally:
         for restored, handler in previous.items():
-            signal.signal(restored, handler)
+            signal.signal(restored, _note_late_signal if _hold_after_runs else handler)
 
 
 @contextmanager
