@@ -19,7 +19,6 @@ partial model.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +27,20 @@ from typing import Any
 import numpy as np
 
 from qualify.core.digests import sha256_file
-from qualify.core.errors import Refused, one_line
+from qualify.core.errors import Refused
 from qualify.engines.base import ModelGeometry
-from qualify.engines.checkpoint import CONFIG_FILE, LlamaConfig, check_weights, load_config
+
+# The config validators are the checkpoint module's: one wording for a field refused in a config.json
+# or in GGUF metadata.
+from qualify.engines.checkpoint import (
+    CONFIG_FILE,
+    LlamaConfig,
+    _positive_float,
+    _positive_int,
+    _refuse,
+    check_weights,
+    load_config,
+)
 from qualify.engines.kquant import permute_qk_rows_from_gguf
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -161,10 +171,6 @@ class LoadedModel:
     def file_pins(self) -> dict[str, str]:
         """``{file name: sha256}``, what an identity pins."""
         return {entry.name: entry.sha256 for entry in self.files}
-
-
-def _refuse(path: Path, field: str, problem: str) -> Refused:
-    return Refused(one_line(f"{path}: {field}: {problem}"))
 
 
 def model_kind(path: Path) -> str:
@@ -301,18 +307,11 @@ def _gguf_field(reader: Any, path: Path, key: str) -> Any:
 
 
 def _gguf_int(reader: Any, path: Path, key: str) -> int:
-    value = _gguf_field(reader, path, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _refuse(path, key, f"expected a positive integer, found {value!r}")
-    return value
+    return _positive_int({key: _gguf_field(reader, path, key)}, key, path)
 
 
 def _gguf_float(reader: Any, path: Path, key: str) -> float:
-    value = _gguf_field(reader, path, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
-        raise _refuse(path, key, f"expected a positive finite number, found {value!r}")
-    return float(value)
+    return _positive_float({key: _gguf_field(reader, path, key)}, key, path)
 
 
 def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
