@@ -37,6 +37,7 @@ from qualify.engines.nvfp4_linear import (
     materialize_hook,
     quantize_activations_q8k,
     round_through_f16,
+    super_block_columns,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -416,5 +417,24 @@ def test_linear_refuses_bad_activations() -> None:
         linear(np.ones((1, 128), dtype=np.float32))
     with pytest.raises(Refused, match="p: activations contain non-finite values"):
         linear(np.full((1, 256), np.nan, dtype=np.float32))
-    with pytest.raises(Refused, match="not a multiple of the Q8_K super-block"):
-        ExactA16Q8Linear(quantize_nvfp4(np.ones((4, 128), dtype=np.float32), "short"))
+
+
+def test_a_row_not_a_multiple_of_256_ends_in_a_shorter_super_block_quantized_by_the_same_rule() -> None:
+    """A 576-wide model (SmolLM2): two 256-wide super-blocks and a 64-wide last one, each
+    quantized as if it stood alone; every arithmetic runs it, row by row as in a batch."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 576)).astype(np.float32)
+    q8, scale = quantize_activations_q8k(x)
+    assert scale.shape == (3, 3)
+    for columns, block in zip(super_block_columns(576), range(3), strict=True):
+        alone_q8, alone_scale = quantize_activations_q8k(np.ascontiguousarray(x[:, columns]))
+        assert np.array_equal(q8[:, columns], alone_q8)
+        assert np.array_equal(scale[:, block], alone_scale[:, 0])
+    assert [c.stop - c.start for c in super_block_columns(576)] == [256, 256, 64]
+    tensor = quantize_nvfp4(rng.standard_normal((8, 576)).astype(np.float32), "p")
+    for arithmetic in ARITHMETICS:
+        linear = make_nvfp4_linear(tensor, arithmetic)
+        batched = linear(x)
+        assert batched.shape == (3, 8)
+        for row in range(3):
+            assert np.array_equal(batched[row], linear(x[row : row + 1])[0])

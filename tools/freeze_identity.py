@@ -52,6 +52,7 @@ if str(REPO_ROOT) not in sys.path:
 import numpy as np
 
 from qualify.archive.reader import resolve_receipt_uri
+from qualify.contract.controls import model_contracts_dir
 from qualify.contract.identity import (
     BASIS_MANIFEST,
     DEFAULT_ARCHIVE_DIR,
@@ -67,6 +68,7 @@ from qualify.contract.identity import (
 from qualify.contract.lanes import TORCH_LLAMA_MODELS, LaneKind, LaneSpec, lane_spec, target_cache_identity
 from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
 from qualify.contract.units import parse_logit_units
+from qualify.core import model_choice
 from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256
 from qualify.core.digests import jcs_sha256, sha256_bytes, sha256_file
 from qualify.core.errors import Refused, one_line
@@ -127,6 +129,10 @@ def collect_checkpoint(spec: LaneSpec, override: Sequence[str] | None) -> tuple[
     ``qualify.engines.factory.checkpoint_digests`` derives (what the producer service compares)."""
     if override:
         return file_digests(override, "--checkpoint")
+    if model_choice.chosen() is not None:
+        from qualify.engines.factory import chosen_checkpoint
+
+        return chosen_checkpoint(spec.kind)
     try:
         from qualify.engines.factory import checkpoint_digests
 
@@ -165,6 +171,24 @@ def _engine(name: str, version: str, abi: str) -> dict[str, str]:
 
 TOKENIZER = MODEL_DIR / "tokenizer.json"
 """The tokenizer of the shipped prompts: every lane reads the same raw token ids."""
+
+
+def tokenizer_sha256() -> str:
+    """The shipped tokenizer's digest, or a chosen ``--model``'s (its tokenizer.json, or its GGUF)."""
+    choice = model_choice.chosen()
+    return sha256_file(TOKENIZER) if choice is None else choice.tokenizer_sha256
+
+
+def model_geometry(spec: LaneSpec, model_dir: Path) -> tuple[float, int, int]:
+    """(rope theta, head dim, max positions) of the lane's model: a chosen ``--model``'s as loaded,
+    else ``model_dir/config.json``'s."""
+    if model_choice.chosen() is not None:
+        from qualify.engines.chosen_model import loaded_model
+
+        geometry = loaded_model().geometry
+        return geometry.rope_theta, geometry.head_dim, geometry.max_positions
+    config_path = model_dir / "config.json"
+    return _geometry(_read_config(config_path), config_path)
 
 
 def lane_model_dir(spec: LaneSpec, override: str | None) -> Path:
@@ -232,8 +256,6 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
     validated: :func:`freeze` runs it through the identity model)."""
     spec: LaneSpec = lane_spec(args.lane)
     model_dir = lane_model_dir(spec, args.model_dir)
-    config_path = model_dir / "config.json"
-    config = _read_config(config_path)
 
     files, total_bytes = collect_checkpoint(spec, args.checkpoint)
     if args.producer_engine and args.consumer_engine:
@@ -251,7 +273,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
     if not adapter_path.is_file():
         raise Refused(f"adapter {adapter_name}: no file {adapter_path} (pass --adapter NAME=PATH)")
     prompt_tokens, prompt_digest = _prompt(args.prompt, args.prompt_tokens)
-    theta, head_dim, max_positions = _geometry(config, config_path)
+    theta, head_dim, max_positions = model_geometry(spec, model_dir)
 
     _basis_file(args.basis, Path(args.archive_dir))
     derived = derived_numbers(spec, args.basis, Path(args.archive_dir))
@@ -262,6 +284,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         follows("--acceptance-floor", args.acceptance_floor, derived.acceptance_floor, FLOOR_RULE)
         draft_sha256 = repo_file_sha256(args.draft, "--draft")
         draft_config = _read_config(model_dir / "draft_config.json")
+        config = _read_config(model_dir / "config.json")
         draft = {
             "geometry": {
                 "kind": draft_config.get("kind"),
@@ -312,7 +335,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         "producer_engine": producer,
         "consumer_engine": consumer,
         "adapter": {"name": adapter_name, "sha256": sha256_file(adapter_path)},
-        "tokenizer_sha256": sha256_file(TOKENIZER),
+        "tokenizer_sha256": tokenizer_sha256(),
         "prompt": {"name": args.prompt, "tokens": prompt_tokens, "sha256": prompt_digest},
         "prompt_template": {"name": RAW_TOKEN_TEMPLATE_NAME, "sha256": jcs_sha256(RAW_TOKEN_TEMPLATE_RULE)},
         "context_policy": {"handoff_positions": prompt_tokens - 1, "max_positions": max_positions},
@@ -399,7 +422,8 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     _, head_dim, _ = _geometry(_read_config(config_path), config_path)
     document = identity.document()
 
-    files, total_bytes = file_digests(list(identity.checkpoint.files), "checkpoint")
+    files, total_bytes = (collect_checkpoint(spec, None) if identity.model_name is not None
+                          else file_digests(list(identity.checkpoint.files), "checkpoint"))
     adapter_name, adapter_source = ADAPTER_SOURCES[spec.kind]
     if identity.adapter.name != adapter_name:
         raise Refused(f"--refreeze: adapter.name: found {identity.adapter.name!r}, the lane kind's adapter is "
@@ -415,7 +439,7 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
     document["target_cache_identity_sha256"] = target_cache_identity(spec, files, identity.producer_engine.abi)
     document["adapter"]["sha256"] = sha256_file(REPO_ROOT / adapter_source)
-    document["tokenizer_sha256"] = sha256_file(TOKENIZER)
+    document["tokenizer_sha256"] = tokenizer_sha256()
     document["prompt"]["sha256"] = prompt_digest
     document["onboarding_qualification"]["prompt_sha256"] = prompt_digest
     document["prompt_template"]["sha256"] = jcs_sha256(RAW_TOKEN_TEMPLATE_RULE)
@@ -491,14 +515,16 @@ def sealed_data_source(seals: Mapping[str, Seal]) -> str:
 
 
 def shipped_seals(contracts_dir: Path, archive_dir: Path) -> dict[str, Seal]:
-    """Lane -> seal of every identity file in ``contracts_dir``; a lane shipped twice is refused."""
+    """Seal name (the lane, or ``<model>/<lane>``) -> seal of every identity file in ``contracts_dir``
+    and its ``models/<name>/``; a lane shipped twice for one model is refused."""
     seals: dict[str, Seal] = {}
-    for path in sorted(contracts_dir.glob(SHIPPED_IDENTITIES)):
+    paths = [*contracts_dir.glob(SHIPPED_IDENTITIES), *contracts_dir.glob(f"models/*/{SHIPPED_IDENTITIES}")]
+    for path in sorted(paths):
         where = f"identity {path}"
         identity = parse_identity_document(read_strict_json(path, "identity"), where=where)
-        if identity.lane in seals:
-            raise Refused(f"{where}: lane {identity.lane} is already shipped by another identity file")
-        seals[identity.lane] = seal_of(identity, archive_dir)
+        if identity.seal_name in seals:
+            raise Refused(f"{where}: lane {identity.seal_name} is already shipped by another identity file")
+        seals[identity.seal_name] = seal_of(identity, archive_dir)
     return seals
 
 
@@ -571,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--logit-units", default="raw", help="raw or tanh-softcap:<cap>")
     parser.add_argument("--model-dir", default=None,
                         help="the model directory whose config.json gives RoPE and context (default: the lane's)")
+    parser.add_argument("--model", metavar="NAME|PATH",
+                        help="freeze (or re-freeze) for this model (a published name, a Hugging Face directory or a "
+                        "GGUF file); default out contracts/models/<name>/<lane>-identity-v1.json")
     parser.add_argument("--archive-dir", default=str(DEFAULT_ARCHIVE_DIR),
                         help="where receipt:// URIs resolve (default receipts/ in the checkout)")
     parser.add_argument("--out", help="identity JSON to write (default contracts/<lane>-identity-v1.json)")
@@ -586,13 +615,13 @@ def _freeze(args: argparse.Namespace) -> None:
         args.draft = args.draft or DEFAULT_DRAFT
         if args.draft_proposal_tokens is None:
             args.draft_proposal_tokens = default_proposal_tokens()
-    out = Path(args.out) if args.out else CONTRACTS_DIR / f"{spec.name}-identity-v1.json"
+    out = Path(args.out) if args.out else model_contracts_dir() / f"{spec.name}-identity-v1.json"
     identity = parse_identity_document(build_document(args), where=f"identity {out}")
     seal = seal_of(identity, Path(args.archive_dir))
     check_follows_basis(identity, Path(args.archive_dir))
     write_file(out, identity_bytes(identity), args.replace)
     print(f"# wrote {out} (identity_sha256 {seal.identity_sha256})")
-    print(sealed_lines(identity.lane, seal), end="")
+    print(sealed_lines(identity.seal_name, seal), end="")
 
 
 def _refreeze(path: Path, args: argparse.Namespace) -> None:
@@ -603,7 +632,7 @@ def _refreeze(path: Path, args: argparse.Namespace) -> None:
     check_follows_basis(identity, Path(args.archive_dir))
     write_file(path, identity_bytes(identity), replace=True)
     print(f"# re-froze {path}: identity_sha256 {identity_sha256(old)} -> {seal.identity_sha256}")
-    print(sealed_lines(identity.lane, seal), end="")
+    print(sealed_lines(identity.seal_name, seal), end="")
 
 
 def _write_sealed(args: argparse.Namespace) -> None:
@@ -627,6 +656,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
+        if args.model is not None:
+            from qualify.engines.chosen_model import use_model
+
+            use_model(args.model)
         if args.write_schema:
             _write_schema()
         if args.lane:

@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from qualify.contract.lanes import LANES
-from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, prompt_sha256, require_asset
+from qualify.core import model_choice
+from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, chosen_model_tokens, prompt_sha256, require_asset
 from qualify.core.digests import jcs_bytes, sha256_bytes, sha256_file
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_schema, format_path, read_strict_json, render
@@ -283,8 +284,9 @@ def read_document_file(name: str) -> DocumentFile:
 
 def load_document(name: str) -> np.ndarray:
     """The token ids (int64) of held-out document ``name`` (``model/documents/<name>.json``),
-    refused unless they hash to the file's ``token_sha256``."""
-    return np.asarray(read_document_file(name).token_ids, dtype=np.int64)
+    refused unless they hash to the file's ``token_sha256``; under a chosen ``--model``, the
+    file's rule applied under that model's tokenizer."""
+    return chosen_model_tokens(name, np.asarray(read_document_file(name).token_ids, dtype=np.int64))
 
 
 def _check_document_files(documents: Sequence[HeldOutDocument], role: str, where: str) -> None:
@@ -292,7 +294,7 @@ def _check_document_files(documents: Sequence[HeldOutDocument], role: str, where
     for index, entry in enumerate(documents):
         at = f"{where}: documents[{index}]"
         found = read_document_file(entry.name)
-        digest = prompt_sha256(np.asarray(found.token_ids, dtype=np.int64))
+        digest = prompt_sha256(load_document(entry.name))
         if digest != entry.token_sha256:
             raise Refused(f"{at}.token_sha256: found {entry.token_sha256}, {entry.file}'s ids hash to {digest}")
         for field in ("tokens", "source", "source_sha256", "kind"):
@@ -320,16 +322,27 @@ def _check_no_fixture(documents: Sequence[HeldOutDocument], where: str) -> None:
 
 
 
+def model_contracts_dir() -> Path:
+    """Where the process's model keeps its calibration set, controls criteria and identities:
+    ``contracts/`` for the shipped model, ``contracts/models/<name>/`` for a chosen ``--model``."""
+    choice = model_choice.chosen()
+    return CONTRACTS_DIR if choice is None else CONTRACTS_DIR / model_choice.MODELS_PREFIX / choice.name
+
+
 def load_controls_criteria(path: str | os.PathLike[str] | None = None) -> tuple[ControlsCriteria, str]:
     """The E2 controls criteria (default: the committed ``contracts/e2-controls-v1.json``) and the
     SHA-256 of its RFC 8785 bytes (what a controls record names); any doubt is a one-line refusal."""
-    file = CRITERIA_PATH if path is None else Path(path)
+    file = (model_contracts_dir() / CRITERIA_PATH.name) if path is None else Path(path)
     where = f"controls criteria {os.fspath(file)}"
     document = read_strict_json(file, "controls criteria")
     check_schema(document, CRITERIA_SCHEMA_PATH, where)
     criteria = _typed(ControlsCriteria, document, where)
     _check_no_fixture(criteria.documents, where)
     _check_document_files(criteria.documents, "control", where)
+    if model_choice.chosen() is not None:
+        # A chosen model's yardstick is derived in process: the engines check its digest when
+        # they build it (qualify.evidence.controls.yardstick_identity).
+        return criteria, sha256_bytes(_jcs(document, where))
     yardstick = require_asset(criteria.yardstick.file)
     found = sha256_file(yardstick)
     if found != criteria.yardstick.sha256:
@@ -341,7 +354,7 @@ def load_controls_criteria(path: str | os.PathLike[str] | None = None) -> tuple[
 def load_calibration_set(path: str | os.PathLike[str] | None = None) -> tuple[CalibrationSet, str]:
     """The calibration set (default: the committed ``contracts/calibration-set-v1.json``) and the
     SHA-256 of its RFC 8785 bytes; any doubt is a one-line refusal."""
-    file = CALIBRATION_SET_PATH if path is None else Path(path)
+    file = (model_contracts_dir() / CALIBRATION_SET_PATH.name) if path is None else Path(path)
     where = f"calibration set {os.fspath(file)}"
     document = read_strict_json(file, "calibration set")
     check_schema(document, CALIBRATION_SET_SCHEMA_PATH, where)

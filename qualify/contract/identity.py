@@ -59,6 +59,7 @@ from qualify.contract.units import LogitUnits
 from qualify.core.assets import CONTRACTS_DIR, RECEIPTS_DIR, require_asset
 from qualify.core.digests import canonical_json_bytes, document_sha256, is_sha256_hex, sha256_bytes
 from qualify.core.errors import Refused, one_line
+from qualify.core.model_choice import pinned_model_name
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
 
 IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v3"]
@@ -353,6 +354,28 @@ class Identity(_Frozen):
         """The lane table entry this identity is for."""
         return LANES[self.lane]
 
+    @property
+    def model_name(self) -> str | None:
+        """The chosen model the identity pins (``models/<name>/...`` checkpoint files), or None for
+        the shipped model."""
+        return pinned_model_name(self.checkpoint.files, f"identity {self.lane}")
+
+    @property
+    def seal_name(self) -> str:
+        """Its entry in ``sealed_data``: the lane for the shipped model, ``<model>/<lane>`` for a
+        chosen model's (each model's lanes are sealed apart)."""
+        name = self.model_name
+        return self.lane if name is None else f"{name}/{self.lane}"
+
+    @model_validator(mode="after")
+    def _one_model(self) -> Identity:
+        """The checkpoint pins one model's files (never the shipped model's beside another's)."""
+        try:
+            pinned_model_name(self.checkpoint.files, "checkpoint")
+        except Refused as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
     def document(self) -> dict[str, Any]:
         """The JSON document (plain dicts) this identity was loaded from."""
         return self.model_dump(mode="json", by_alias=True)
@@ -571,14 +594,14 @@ def _first_difference(found: object, typed: object, path: tuple[str | int, ...])
 def check_sealed(identity: Identity, where: str, sealed_identities: Mapping[str, str] | None = None) -> None:
     """Layer (d): the identity's canonical SHA-256 must equal the sealed digest of its lane."""
     table = sealed_data.SEALED_IDENTITIES if sealed_identities is None else sealed_identities
-    sealed = table.get(identity.lane)
+    sealed = table.get(identity.seal_name)
     if sealed is None:
         known = ", ".join(table) or "none yet"
-        raise Refused(f"{where}: lane: found {render(identity.lane)}, sealed lanes: {known}")
+        raise Refused(f"{where}: lane: found {render(identity.seal_name)}, sealed lanes: {known}")
     found = identity_sha256(identity)
     if found != sealed:
         raise Refused(
-            f"{where}: lane {identity.lane}: identity sha256 found {found}, sealed {sealed}; a sealed identity "
+            f"{where}: lane {identity.seal_name}: identity sha256 found {found}, sealed {sealed}; a sealed identity "
             f"changes only by re-freezing it with tools/freeze_identity.py in a reviewed commit"
         )
 
@@ -650,9 +673,9 @@ def check_basis_receipt(
     field = "onboarding_qualification.basis"
     uri = identity.onboarding_qualification.basis
     table = sealed_data.SEALED_BASIS_MANIFESTS if sealed_basis_manifests is None else sealed_basis_manifests
-    sealed = table.get(identity.lane)
+    sealed = table.get(identity.seal_name)
     if sealed is None:
-        raise Refused(f"{where}: {field}: lane {identity.lane} has no sealed basis receipt manifest digest")
+        raise Refused(f"{where}: {field}: lane {identity.seal_name} has no sealed basis receipt manifest digest")
     archive = Path(DEFAULT_ARCHIVE_DIR if archive_dir is None else archive_dir)
     # The URI pattern makes the run id one plain path segment (no '/', no leading '.').
     run_id = uri.removeprefix("receipt://").partition("/")[0]
@@ -673,7 +696,7 @@ def check_basis_receipt(
                       f"({exc.strerror or type(exc).__name__})") from None
     if found != sealed:
         raise Refused(f"{where}: {field}: {uri}: receipt {run_id} file {BASIS_MANIFEST} sha256 found {found}, "
-                      f"sealed {sealed} (lane {identity.lane}); its files differ from the calibration "
+                      f"sealed {sealed} (lane {identity.seal_name}); its files differ from the calibration "
                       f"the rule was frozen from")
     return path
 

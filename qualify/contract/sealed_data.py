@@ -15,9 +15,9 @@ from types import MappingProxyType
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "kquant-exact-dflash": "2f388778ea6a48805e1d3cdb63797c8a12889bb089899047d273d23bf289e93b",
     "llama3-8b-shape-pd": "4c50b297f8127070712eb3a899af0b27bb960981f893a8417c64e1da919065e2",
-    "nvfp4-native-f16": "396c3d8c7f8785976ba43223ea7805267ea9ed0ff8cd9a11114611e55fc26312",
-    "nvfp4-native-splitk": "ec14968c6e0a6eb2b72554330eedaf00fdd1de3240f97f46af4fc0e4568a1a00",
-    "nvfp4-native-w4a4": "4c63677f709628ac80e748308c3e6cdb214e3e9e71400e572f765040630a97e5",
+    "nvfp4-native-f16": "4f55e2d5b64ae63aac7b7ff6f3a40e8ab303e248394375039339b061b647ae9c",
+    "nvfp4-native-splitk": "b6897e59c03aaa5d3b6cdebe1357b9e42f04b8c3f0c1fe59d0fc9196403cac17",
+    "nvfp4-native-w4a4": "1633ed44851b44fef0dc744232f2ef5e024ea1d6efe02c69f7bce3eed1db3db6",
     "reference-to-vllm": "fe6d0941f68d151b61c3aab59b7e498fddd2fd1df373e1daf7817bb8eb01346d",
     "transformers-cuda-bf16": "bfb85507e4cfe7f4394a88dd11fbe8b9b39f9263800fdf7f1851e1b4f34655a2",
     "transformers-cuda-fp32": "6b5dad7cfe71a635c32fc4ab475a8bb56275886677a1a73ba0361a2f102798ec",

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from qualify.core import model_choice
 from qualify.core.digests import sha256_bytes
 from qualify.core.errors import Refused
 
@@ -136,15 +137,28 @@ def prompt_sha256(tokens: np.ndarray) -> str:
 
 
 def load_prompt(name: str = MAIN_PROMPT) -> np.ndarray:
-    """Token ids (int64 [2048]) of a held-out document, refusing unknown names."""
+    """Token ids (int64 [2048]) of a held-out document, refusing unknown names: the committed ids
+    of the shipped model, or under a chosen ``--model`` its rule applied under that model's
+    tokenizer (:func:`chosen_model_tokens`)."""
     if name not in PROMPT_NAMES:
         raise Refused(f"prompt: unknown name {name!r}; expected one of {', '.join(PROMPT_NAMES)}")
     path = require_asset(f"model/prompts/{name}.json")
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-        return np.asarray(document["token_ids"], dtype=np.int64)
+        committed = np.asarray(document["token_ids"], dtype=np.int64)
     except (OSError, ValueError, KeyError) as exc:
         raise Refused(f"{path}: cannot read prompt token ids ({type(exc).__name__})") from None
+    return chosen_model_tokens(name, committed)
+
+
+def chosen_model_tokens(name: str, committed: np.ndarray) -> np.ndarray:
+    """``committed`` (a record's shipped-tokenizer ids) for the shipped model; under a chosen
+    ``--model``, the record's rule (the first as many tokens of its source text) under that
+    model's tokenizer."""
+    choice = model_choice.chosen()
+    if choice is None:
+        return committed
+    return choice.rule_tokens(name, len(committed), source_text(name))
 
 
 SOURCES_DIR = "model/sources"

@@ -29,7 +29,7 @@ from qualify.contract.lanes import (
     lane_spec,
     target_cache_identity,
 )
-from qualify.core import assets
+from qualify.core import assets, model_choice
 from qualify.core.digests import sha256_file
 from qualify.core.errors import Refused
 from qualify.engines.base import Engine, LaneEngine, ModelGeometry
@@ -83,9 +83,37 @@ def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
     raise Refused(f"lane kind {kind.value}: no engine in this harness builds it")
 
 
+CHOSEN_MODEL_KINDS = (LaneKind.NVFP4,)
+"""The lane kinds a ``--model`` runs: their engines derive their weights from the model's floats."""
+
+
+def _require_chosen_model_kind(kind: LaneKind) -> None:
+    if kind not in CHOSEN_MODEL_KINDS:
+        choice = model_choice.chosen()
+        raise Refused(f"--model {choice.name if choice else ''}: lane kind {kind.value} runs only the shipped "
+                      f"model; expected a lane of kind {', '.join(k.value for k in CHOSEN_MODEL_KINDS)}")
+
+
+def chosen_checkpoint(kind: LaneKind) -> tuple[dict[str, str], int]:
+    """The chosen model's checkpoint map for a lane kind (``models/<name>/<file>`` -> SHA-256, plus
+    the digest of the quantized weights the kind derives in process) and its total bytes."""
+    from qualify.engines import chosen_model
+
+    choice = chosen_model.require_choice()
+    _require_chosen_model_kind(kind)
+    digests, total = dict(choice.files), sum(choice.file_sizes.values())
+    derived_sha256, derived_bytes = chosen_model.nvfp4_checkpoint_sha256()
+    digests[model_choice.file_key(choice.name, chosen_model.NVFP4_DERIVED)] = derived_sha256
+    return dict(sorted(digests.items())), total + derived_bytes
+
+
 def require_checkpoint_files(kind: LaneKind) -> None:
     """Refuse (:class:`~qualify.core.assets.AssetMissing`, naming the file) before any engine of the
-    lane kind opens its checkpoint, when one of its files is missing: the harness cannot run."""
+    lane kind opens its checkpoint, when one of its files is missing: the harness cannot run.
+    A chosen ``--model`` was loaded whole when it was chosen; only its lane kind is checked."""
+    if model_choice.chosen() is not None:
+        _require_chosen_model_kind(kind)
+        return
     for path in checkpoint_files(kind):
         assets.require_asset(assets.asset_relpath(path))
 
@@ -97,7 +125,10 @@ def _digest(path: Path) -> str:
 
 def checkpoint_digests(kind: LaneKind) -> dict[str, str]:
     """Asset name (``model/config.json``, as identities pin it) -> SHA-256 of every checkpoint file
-    the lane kind reads; a missing one is a broken install (:class:`~qualify.core.assets.AssetMissing`)."""
+    the lane kind reads; a missing one is a broken install (:class:`~qualify.core.assets.AssetMissing`).
+    Under a chosen ``--model``: its files and derived weights (:func:`chosen_checkpoint`)."""
+    if model_choice.chosen() is not None:
+        return chosen_checkpoint(kind)[0]
     digests = {}
     for path in checkpoint_files(kind):
         relpath = assets.asset_relpath(path)
@@ -126,6 +157,13 @@ def _nvfp4_engine(arithmetic: Arithmetic) -> Engine:
     from qualify.engines.reference import KeepFloat32, ReferenceEngine, RoundTripFloat16
 
     materialize = RoundTripFloat16() if arithmetic == "f16" else KeepFloat32()
+    if model_choice.chosen() is not None:
+        from qualify.engines import chosen_model
+
+        loaded = chosen_model.loaded_model()
+        return ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps,
+                               make_linear=make_nvfp4_linear_factory(chosen_model.nvfp4_checkpoint(), arithmetic),
+                               materialize=materialize)
     return ReferenceEngine.from_model_dir(
         assets.MODEL_DIR,
         make_linear=make_nvfp4_linear_factory(NVFP4_CHECKPOINT, arithmetic),

@@ -1,7 +1,8 @@
 """NVFP4 projections ``y[T, n_out] = x[T, n_in] @ W.T`` in four arithmetics, and their factories.
 
 * ``exact`` (consumer and verification anchor): seed 003 section 7.4.2, the integer-exact a16-q8
-  contraction. Activations become Q8_K integers per 256-value super-block; each super-block's
+  contraction. Activations become Q8_K integers per 256-value super-block (a shorter last one
+  where a row is not a multiple of 256); each super-block's
   weight(q1 * q9) x activation(q8) sum is an exact integer (done as a float64 BLAS matmul, exact
   because every partial sum stays below 2^53, checked at construction); a pinned float32 epilogue
   (x 2^-10, x 1/iscale, x scale2, sequential add over super-blocks); output rounded through
@@ -102,18 +103,26 @@ def round_through_f16(values_f32: np.ndarray) -> np.ndarray:
     return out
 
 
+def super_block_columns(n_in: int) -> list[slice]:
+    """The Q8_K super-blocks along K: 256 columns each; a row whose length is not a multiple of
+    256 (a 576-wide model) ends in one shorter block of the remaining columns (a multiple of 16),
+    quantized and contracted by the same rule. llama.cpp has no Q8_K for such rows; rows that are
+    multiples of 256 get exactly the super-blocks they always had."""
+    return [slice(start, min(start + SUPER_BLOCK, n_in)) for start in range(0, n_in, SUPER_BLOCK)]
+
+
 def quantize_activations_q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q8_K per 256-value super-block: signed first absolute maximum m, iscale = -127/m (float32),
-    q = min(127, round-half-even(iscale * x)); the block scale is 1/iscale (0 for an all-zero
-    block, whose codes are 0). x float32 [T, n_in] -> q8 int8 [T, n_in], q8_scale float32 [T, S]."""
+    """Q8_K per super-block (:func:`super_block_columns`): signed first absolute maximum m,
+    iscale = -127/m (float32), q = min(127, round-half-even(iscale * x)); the block scale is
+    1/iscale (0 for an all-zero block, whose codes are 0). x float32 [T, n_in] -> q8 int8
+    [T, n_in], q8_scale float32 [T, S]."""
     q8_values, q8_scale = _q8k_values(x)
     return q8_values.astype(np.int8), q8_scale
 
 
-def _q8k_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``quantize_activations_q8k`` with the codes left as integer-valued float32 [T, n_in]."""
-    rows, n_in = x.shape
-    blocks = x.reshape(rows, n_in // SUPER_BLOCK, SUPER_BLOCK)
+def _q8k_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_K of equal-width blocks float32 [T, S, width] -> integer-valued float32 codes of the same
+    shape and float32 scales [T, S]."""
     first_max_index = np.argmax(np.abs(blocks), axis=2)[:, :, None]  # argmax keeps the first
     signed_max = np.take_along_axis(blocks, first_max_index, axis=2)[:, :, 0]  # [T, S]
     zero_block = signed_max == 0
@@ -123,42 +132,57 @@ def _q8k_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     q8 = blocks * iscale[:, :, None]
     np.rint(q8, out=q8)
     np.minimum(q8, Q8_MAX, out=q8)
-    return q8.reshape(rows, n_in), q8_scale.astype(np.float32)
+    return q8, q8_scale.astype(np.float32)
+
+
+def _q8k_values(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_activations_q8k`` with the codes left as integer-valued float32 [T, n_in]."""
+    rows, n_in = x.shape
+    whole = n_in - n_in % SUPER_BLOCK
+    if whole == n_in:
+        q8, q8_scale = _q8k_blocks(x.reshape(rows, n_in // SUPER_BLOCK, SUPER_BLOCK))
+        return q8.reshape(rows, n_in), q8_scale
+    parts = [_q8k_blocks(x[:, whole:].reshape(rows, 1, n_in - whole))]
+    if whole:
+        parts.insert(0, _q8k_blocks(np.ascontiguousarray(x[:, :whole]).reshape(rows, whole // SUPER_BLOCK, SUPER_BLOCK)))
+    q8_values = np.concatenate([q8.reshape(rows, -1) for q8, _ in parts], axis=1)
+    return q8_values, np.concatenate([scale for _, scale in parts], axis=1)
 
 
 def _dequantized_q8_activations(x: np.ndarray) -> np.ndarray:
     """Q8_K round trip in float32 [T, n_in]: q8 * (1/iscale), the operand native lanes contract."""
     q8, q8_scale = _q8k_values(x)
-    rows, n_in = x.shape
-    blocks = q8.reshape(rows, -1, SUPER_BLOCK) * q8_scale[:, :, None]
-    dequantized: np.ndarray = blocks.reshape(rows, n_in)
+    dequantized = np.empty_like(q8)
+    for index, columns in enumerate(super_block_columns(x.shape[1])):
+        np.multiply(q8[:, columns], q8_scale[:, index : index + 1], out=dequantized[:, columns])
     return dequantized
 
 
-def _require_super_blocks(tensor: Nvfp4Tensor) -> None:
-    if tensor.n_in % SUPER_BLOCK:
-        raise Refused(f"{tensor.name}: n_in {tensor.n_in} is not a multiple of the Q8_K "
-                      f"super-block {SUPER_BLOCK}")
+def _require_whole_blocks(tensor: Nvfp4Tensor) -> None:
+    if tensor.n_in % BLOCK_SIZE:
+        raise Refused(f"{tensor.name}: n_in {tensor.n_in} is not a multiple of the NVFP4 block {BLOCK_SIZE}")
 
 
 class ExactA16Q8Linear:
     """Seed 003 section 7.4.2: integer-exact a16-q8 contraction with the pinned float32 epilogue.
 
-    Holds the folded integer weight (e2m1_q1 * e4m3fn_q9, units 2^-10) as float64
-    [S, 256, n_out] so each super-block's integer sum is one exact BLAS matmul."""
+    Holds the folded integer weight (e2m1_q1 * e4m3fn_q9, units 2^-10) as one float64 [width,
+    n_out] block per activation super-block, so each super-block's integer sum is one exact BLAS
+    matmul."""
 
     arithmetic = "exact"
     kind = "nvfp4-exact-a16q8-v1"
 
     def __init__(self, tensor: Nvfp4Tensor) -> None:
         validate_nvfp4_tensor(tensor)
-        _require_super_blocks(tensor)
+        _require_whole_blocks(tensor)
         _require_float64_exact(tensor.max_row_abs_weight_q10(), Q8_MAX, tensor.name)
         self.name, self.n_in, self.n_out = tensor.name, tensor.n_in, tensor.n_out
         self.scale2 = tensor.scale2
         weight_q10_t = np.ascontiguousarray(tensor.weight_q10().T, np.float64)  # [n_in, n_out]
-        # [S, 256, n_out]: one exact integer matmul per activation super-block
-        self._weight_q10_t_by_super_block = weight_q10_t.reshape(-1, SUPER_BLOCK, self.n_out)
+        # [width, n_out] per activation super-block: one exact integer matmul each
+        self._columns = super_block_columns(self.n_in)
+        self._weight_q10_t_by_super_block = [weight_q10_t[columns] for columns in self._columns]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x float32 [T, n_in] -> float32 [T, n_out] (values exactly representable in float16)."""
@@ -166,8 +190,8 @@ class ExactA16Q8Linear:
         q8, q8_scale = _q8k_values(x)  # integer-valued [T, n_in], float32 [T, S]
         q8_f64 = q8.astype(np.float64)
         total = np.zeros((x.shape[0], self.n_out), dtype=np.float32)
-        for s, weight_q10_t in enumerate(self._weight_q10_t_by_super_block):
-            columns = slice(s * SUPER_BLOCK, (s + 1) * SUPER_BLOCK)
+        for s, (columns, weight_q10_t) in enumerate(zip(self._columns, self._weight_q10_t_by_super_block,
+                                                        strict=True)):
             integer_total = q8_f64[:, columns] @ weight_q10_t  # [T, n_out], exact integers
             contribution = integer_total.astype(np.float32)  # exact integer, rounded once
             contribution *= TWO_POW_M10  # 1. x 2^-10
@@ -194,7 +218,7 @@ class SplitKLinear:
 
     def __init__(self, tensor: Nvfp4Tensor) -> None:
         validate_nvfp4_tensor(tensor)
-        _require_super_blocks(tensor)
+        _require_whole_blocks(tensor)
         self.name, self.n_in, self.n_out = tensor.name, tensor.n_in, tensor.n_out
         weight = dequantize_nvfp4(tensor)  # float32 [n_out, n_in]
         if self.operands_in_f16:

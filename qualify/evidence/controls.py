@@ -23,6 +23,7 @@ import numpy as np
 
 from qualify.contract.controls import CONTROLS_RECORD_SCHEMA_ID, DOCUMENT_NAME, ControlsCriteria, check_controls_record
 from qualify.contract.lanes import EngineChoice, LaneKind, LaneSpec, ProducerMode, lane_spec
+from qualify.core import model_choice
 from qualify.core.assets import MODEL_DIR, asset_relpath, prompt_sha256
 from qualify.core.digests import is_sha256_hex
 from qualify.core.errors import Refused
@@ -82,6 +83,11 @@ def build_control_engines(lane: str) -> ControlEngines:
     producer = build_producer(lane, spec.mode)
     # The yardstick is E1's second real quantization: the shipped Q8_0 target in llama.cpp's exact
     # arithmetic (ProducerMode.EXACT), the plain engine, never the speculative lane's draft.
+    if model_choice.chosen() is not None:
+        from qualify.engines import chosen_model
+
+        # A chosen model's E1 quantization: its own float weights to Q8_0, the same arithmetic.
+        return ControlEngines(lane=lane, consumer=consumer, producer=producer, yardstick=chosen_model.q8_0_engine())
     return ControlEngines(lane=lane, consumer=consumer, producer=producer,
                           yardstick=build_kquant_engine(ProducerMode.EXACT))
 
@@ -101,6 +107,17 @@ def yardstick_identity(criteria: ControlsCriteria) -> dict[str, str]:
     SHA-256), refused unless the criteria's file is the k-quant target this harness builds."""
     from qualify.engines import kquant
 
+    choice = model_choice.chosen()
+    if choice is not None:
+        from qualify.engines import chosen_model
+
+        derived = model_choice.file_key(choice.name, chosen_model.Q8_0_DERIVED)
+        digest, _ = chosen_model.q8_0_weights_sha256()
+        if (criteria.yardstick.file, criteria.yardstick.sha256) != (derived, digest):
+            raise Refused(f"controls criteria {criteria.name}: yardstick: found {criteria.yardstick.file} sha256 "
+                          f"{criteria.yardstick.sha256}, expected {derived} sha256 {digest} (the Q8_0 weights "
+                          f"derived from --model {choice.name})")
+        return {"name": criteria.yardstick.name, "sha256": criteria.yardstick.sha256}
     target = asset_relpath(MODEL_DIR / "gguf" / kquant.TARGET_GGUF_NAME)  # what load_kquant_model reads
     if criteria.yardstick.file != target:
         raise Refused(f"controls criteria {criteria.name}: yardstick.file: found {render(criteria.yardstick.file)}, "

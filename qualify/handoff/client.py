@@ -57,6 +57,7 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 
 from qualify.contract.lanes import ProducerMode
+from qualify.core import model_choice
 from qualify.core.assets import PACKAGE_PARENT
 from qualify.core.errors import ProducerFailed, Refused, one_line
 from qualify.core.hostenv import host_facts_problem
@@ -530,6 +531,9 @@ class ProducerProcess:
                 argv += ["--host", self.tcp_host, "--port", str(self.tcp_port)]
             if self.engine_factory is not None:
                 argv += ["--engine-factory", self.engine_factory]
+            chosen = model_choice.chosen()
+            if chosen is not None:  # the producer loads (and pins) the same model
+                argv += ["--model", chosen.argument]
             argv += list(self.extra_args)
             child_env = dict(os.environ)
             child_env.pop(KEY_ENV, None)

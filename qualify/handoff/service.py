@@ -194,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
                              "kernel SIGKILLs the producer when it dies; refused if it is not the parent)")
     parser.add_argument("--fault", default=None,
                         help="serve a named fault lane (qualify.engines.faults; self-tests and operators)")
+    parser.add_argument("--model", default=None, metavar="NAME|PATH",
+                        help="serve the lane on this model (a published name, a Hugging Face directory or a GGUF "
+                        "file) instead of the shipped one")
     return parser
 
 
@@ -217,6 +220,7 @@ class ServiceConfig:
     key_source: tuple[str, str] = field(repr=False)
     fault: str | None = None
     parent_pid: int | None = None
+    model: str | None = None
 
 
 def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
@@ -266,7 +270,7 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
         allow_non_loopback=args.allow_non_loopback, watchdog_s=float(args.watchdog_s),
         engine_factory=args.engine_factory, warmup_tokens=args.warmup_tokens,
         ready_fd=args.ready_fd, exit_with_stdin=args.exit_with_stdin,
-        key_source=(kind, str(value)), fault=args.fault, parent_pid=args.parent_pid,
+        key_source=(kind, str(value)), fault=args.fault, parent_pid=args.parent_pid, model=args.model,
     )
 
 
@@ -874,6 +878,10 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
             _exit_when_stdin_closes()
         build = factory if factory is not None else load_factory(config.engine_factory)
         try:
+            if config.model is not None:
+                from qualify.engines.chosen_model import use_model
+
+                use_model(config.model)
             engine = build(config.lane, config.mode)
             if config.fault is not None:
                 engine = _with_fault(build, engine, config.lane, config.mode, config.fault)

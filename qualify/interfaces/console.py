@@ -90,6 +90,10 @@ def json_help(command: str) -> str:
     return f"print one JSON document on stdout (contracts/{documents.schema_file(command)}) instead of the report"
 
 
+MODEL_HELP = ("a published model's name, a Hugging Face directory or a GGUF file: qualify that model "
+              "instead of the shipped one, under its own identities in contracts/models/<name>/ (docs/models.md)")
+
+
 def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description="Run a qualification recipe.")
     parser.add_argument("--recipe", required=True, choices=RECIPE_NAMES)
@@ -109,6 +113,7 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--deadline-s", type=deadline_seconds, metavar="SECONDS",
                         help="limit every producer phase (ready, verify, handoff) to SECONDS "
                              "(default: derived from the identity's basis receipt)")
+    parser.add_argument("--model", metavar="NAME|PATH", help=MODEL_HELP)
     parser.add_argument("--json", action="store_true", help=json_help("recipe"))
     return parser
 
@@ -428,24 +433,27 @@ def run_cli(argv: Sequence[str]) -> int:
     options = RunOptions(
         recipe=args.recipe, identity=args.identity, producer=args.producer,
         consumer=args.consumer, reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
-        receipts=args.receipts, command_line=["qualify", *argv], deadline_s=args.deadline_s,
+        receipts=args.receipts, command_line=["qualify", *argv], deadline_s=args.deadline_s, model=args.model,
     )
-    identity_path = args.identity or default_identity_path(args.recipe, args.producer, args.consumer)
     console = json_progress_console() if args.json else operator_console()
     run = QualificationRun(options)
+
+    def identity_path() -> Path:  # the default is the chosen model's: known once the run chose it
+        return args.identity or default_identity_path(args.recipe, args.producer, args.consumer)
+
     with interrupts_raise():  # the previous handlers come back when the run ends
         try:
             console.print(header_line(args.recipe))
             code = drive(run, console)
             if args.json:
                 with signals_held(discard=True):  # the run is sealed: its document is printed whole
-                    documents.emit(_recipe_json(run, code, refusal_line(run), identity_path))
+                    documents.emit(_recipe_json(run, code, refusal_line(run), identity_path()))
             return code
         except KeyboardInterrupt as exc:
             with signals_held(discard=True):  # a second signal does not cut the report short
                 code, line = _report_interrupt(run, interrupt_signal(exc))
                 if args.json:
-                    documents.emit(_recipe_json(run, code, line, identity_path))
+                    documents.emit(_recipe_json(run, code, line, identity_path()))
                 return code
 
 
@@ -489,8 +497,12 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--no-controls", action="store_true",
                         help="skip the E2 controls (the receipt then cannot seal an identity that declares them)")
     parser.add_argument("--receipts", type=path_argument, help="receipt archive for the calibration receipt")
+    parser.add_argument("--model", metavar="NAME|PATH", help=MODEL_HELP)
     parser.add_argument("--json", action="store_true", help=json_help("calibrate"))
     args = parser.parse_args(list(argv))
+    from qualify.engines.chosen_model import use_model
+
+    use_model(args.model)
     spec = lane_spec(args.lane)
     if spec.recipe.value != args.recipe:
         raise Refused(f"calibrate --lane {args.lane}: its recipe is {spec.recipe.value}, the run is --recipe {args.recipe}")

@@ -84,6 +84,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="rung 3: compute and grade deltas instead of refusing at the first digest mismatch")
     group.addoption("--fault", default=None, metavar="NAME", help="run against a named fault lane (self-test)")
     group.addoption("--receipts", default=None, metavar="DIR", help="receipt archive directory")
+    group.addoption("--model", default=None, metavar="NAME|PATH",
+                    help="qualify this model (a published name, a Hugging Face directory or a GGUF file) "
+                    "instead of the shipped one")
     group.addoption("--deadline-s", default=None, metavar="SECONDS",
                     help="limit every producer phase to SECONDS (default: from the identity's basis receipt)")
 
@@ -101,6 +104,7 @@ class RecipeOptions:
     fault: str | None
     receipts: Path | None
     deadline_s: float | None
+    model: str | None = None
 
 
 RECIPE_OPTIONS = pytest.StashKey[RecipeOptions]()
@@ -172,6 +176,7 @@ def recipe_options(config: pytest.Config) -> RecipeOptions:
         fault=fault,
         receipts=receipts,
         deadline_s=_converted(config, "--deadline-s", deadline_seconds),
+        model=config.getoption("--model"),
     )
 
 
@@ -253,6 +258,7 @@ def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
         receipts=chosen.receipts,
         command_line=["pytest", *config.invocation_params.args],
         deadline_s=chosen.deadline_s,
+        model=chosen.model,
     )
     run = QualificationRun(options)
     _OPEN_RUNS.append(run)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from qualify.contract.controls import model_contracts_dir
 from qualify.contract.identity import Identity
 from qualify.contract.lanes import (
     LaneSpec,
@@ -59,7 +60,7 @@ def default_identity_path(recipe: str, producer: str = "reference", consumer: st
 
 def identity_path_for_lane(lane: str) -> Path:
     """Where a lane's frozen identity lives in ``contracts/``."""
-    return assets.CONTRACTS_DIR / f"{lane}-identity-v1.json"
+    return model_contracts_dir() / f"{lane}-identity-v1.json"
 
 
 @dataclass
@@ -281,6 +282,27 @@ def check_engine_pins(identity: Identity, consumer: Engine, producer_abi: str) -
             f"to calibrate it for this host: {calibrate_hint}")
 
 
+def check_model(identity: Identity, where: str) -> None:
+    """Refuse (exit 2, before any engine runs) an identity frozen for another model than the
+    process's (``--model``, or the shipped model), or one whose pinned files differ from the
+    model's, naming the first differing file."""
+    from qualify.core import model_choice
+    from qualify.engines.factory import checkpoint_digests
+
+    choice = model_choice.chosen()
+    chosen_name = None if choice is None else choice.name
+    if identity.model_name != chosen_name:
+        pinned = "the shipped model" if identity.model_name is None else f"--model {identity.model_name}"
+        given = "the shipped model (no --model)" if chosen_name is None else f"--model {chosen_name}"
+        raise Refused(f"{where}: checkpoint.files: pins {pinned}, the run has {given}")
+    found = checkpoint_digests(identity.lane_kind)
+    for name in sorted(set(found) | set(identity.checkpoint.files)):
+        pinned_digest, found_digest = identity.checkpoint.files.get(name), found.get(name)
+        if pinned_digest != found_digest:
+            raise Refused(f"{where}: checkpoint.files: {name}: pinned sha256 {pinned_digest or 'absent'}, "
+                          f"found {found_digest or 'absent'}")
+
+
 def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer: Engine) -> Contract:
     """Load and seal the identity (schema, strict model, sealed digest, basis receipt), check the built
     engines against its pins and derive the run's contract; refuses an identity of another
@@ -292,6 +314,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     from qualify.handoff.protocol import expectation_from_identity
 
     identity = load_identity(identity_path)
+    check_model(identity, f"identity {identity_path}")
     check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
     if identity.recipe != recipe:
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")

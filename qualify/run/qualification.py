@@ -88,6 +88,9 @@ class RunOptions:
     # module:function building the producer engine in the producer process (tests inject faults
     # the fault lanes do not cover, e.g. a producer that dies mid-handoff).
     engine_factory: str | None = None
+    # ``--model``: a published model's name, a Hugging Face directory or a GGUF file (None: the
+    # shipped model); chosen for the whole process when the run loads its identity.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -551,6 +554,10 @@ class QualificationRun:
             chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
             if options.fault is not None:
                 faults.fault_named(options.fault)
+            if options.model is not None:
+                from qualify.engines.chosen_model import use_model
+
+                use_model(options.model)
             identity_path = options.identity or default_identity_path(
                 options.recipe, options.producer, options.consumer)
             identity = load_identity(identity_path)

@@ -1,0 +1,177 @@
+"""Loading the model ``--model`` names, once per process, and the weights its lanes derive from it.
+
+:func:`use_model` resolves the argument (a published model's name, a Hugging Face directory or a
+GGUF file), loads and validates the whole model, and records the choice in
+:mod:`qualify.core.model_choice` for the layers below. The lanes of a chosen model derive their
+quantized weights here, deterministically, from its float weights: the NVFP4 lanes quantize every
+projection with the same recipe the shipped NVFP4 checkpoint was made with, and the E2 yardstick
+quantizes them to Q8_0 through ``gguf``. Each derivation is pinned by a digest of its quantized
+bytes beside the model's files, so a changed quantizer changes the lane's cache identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from functools import cache
+from types import MappingProxyType
+
+import numpy as np
+
+from qualify.contract.lanes import ProducerMode
+from qualify.core import model_choice
+from qualify.core.errors import Refused
+from qualify.core.model_choice import ModelChoice
+from qualify.engines.kquant import KQuantConfig, KQuantEngine, KQuantModel, KQuantWeights, Q8Matrix
+from qualify.engines.model_source import PUBLISHED_MODELS, LoadedModel, load_model, resolve_model
+from qualify.engines.nvfp4 import (
+    ACTIVATION_PRECISION_KEY,
+    WEIGHT_PRECISION_KEY,
+    WEIGHT_PRECISION_NVFP4,
+    Nvfp4Checkpoint,
+    quantize_nvfp4,
+)
+
+QUANTIZED_PROJECTION = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+"""The projections a chosen model's NVFP4 lanes quantize (embeddings, the tied head and norms stay
+in the model's own precision), as ``tools/make_nvfp4.py`` does for the shipped model."""
+NVFP4_DERIVED = "derived/nvfp4-w4a16"
+"""Checkpoint key (under ``models/<name>/``) of the NVFP4 weights derived in process: its digest
+is over the quantized bytes (:func:`nvfp4_checkpoint_sha256`)."""
+Q8_0_DERIVED = "derived/q8_0"
+"""Checkpoint key of the Q8_0 yardstick weights derived in process (:func:`q8_0_weights`)."""
+
+_LOADED: list[LoadedModel] = []
+
+
+def use_model(argument: str | None) -> ModelChoice | None:
+    """Choose the process's model: None is the shipped model; anything else is loaded whole and
+    validated now (refused in one line, exit 2, before any engine is built)."""
+    if argument is None:
+        model_choice.choose(None)
+        _LOADED.clear()
+        return None
+    path = resolve_model(argument)
+    loaded = load_model(path)
+    name = model_choice.model_name_for(str(argument), path, published=str(argument) in PUBLISHED_MODELS)
+    choice = ModelChoice(
+        name=name, argument=str(argument), path=path,
+        files=MappingProxyType({model_choice.file_key(name, entry.name): entry.sha256 for entry in loaded.files}),
+        file_sizes=MappingProxyType({model_choice.file_key(name, entry.name): entry.size_bytes
+                                     for entry in loaded.files}),
+        tokenizer=loaded.tokenizer, tokenizer_sha256=_tokenizer_sha256(loaded))
+    _LOADED.clear()
+    _LOADED.append(loaded)
+    model_choice.choose(choice)
+    _nvfp4_derived.cache_clear()
+    _q8_0_derived.cache_clear()
+    return choice
+
+
+def _tokenizer_sha256(loaded: LoadedModel) -> str:
+    """A Hugging Face directory's ``tokenizer.json`` digest; a GGUF file's own digest (its
+    tokenizer is in its metadata, which the file digest covers)."""
+    wanted = "tokenizer.json" if loaded.kind == "hf" else loaded.path.name
+    return next(entry.sha256 for entry in loaded.files if entry.name == wanted)
+
+
+def loaded_model() -> LoadedModel:
+    """The chosen model as loaded; refused when no ``--model`` was chosen."""
+    if not _LOADED:
+        raise Refused("no --model chosen in this process")
+    return _LOADED[0]
+
+
+def require_choice() -> ModelChoice:
+    choice = model_choice.chosen()
+    if choice is None:
+        raise Refused("no --model chosen in this process")
+    return choice
+
+
+@cache
+def _nvfp4_derived() -> Nvfp4Checkpoint:
+    return _nvfp4_of(loaded_model())
+
+
+@cache
+def _q8_0_derived() -> KQuantWeights:
+    return _q8_0_of(loaded_model())
+
+
+def _nvfp4_of(loaded: LoadedModel) -> Nvfp4Checkpoint:
+    tensors = {name: quantize_nvfp4(np.ascontiguousarray(weight, dtype=np.float32), name)
+               for name, weight in sorted(loaded.weights.items()) if QUANTIZED_PROJECTION.match(name)}
+    if not tensors:
+        raise Refused(f"--model {loaded.path}: no projection weights to quantize to NVFP4")
+    metadata = {WEIGHT_PRECISION_KEY: WEIGHT_PRECISION_NVFP4, ACTIVATION_PRECISION_KEY: "a16",
+                "quantization_recipe": "nvfp4-modelopt-w4a16-v1"}
+    return Nvfp4Checkpoint(nvfp4=MappingProxyType(tensors), dense_f16=MappingProxyType({}),
+                           metadata=MappingProxyType(metadata), path=None)
+
+
+def nvfp4_checkpoint() -> Nvfp4Checkpoint:
+    """The chosen model's NVFP4 checkpoint, quantized in this process from its float weights
+    (W4A16, the shipped checkpoint's recipe)."""
+    return _nvfp4_derived()
+
+
+def nvfp4_checkpoint_sha256() -> tuple[str, int]:
+    """SHA-256 and byte count over the derived NVFP4 tensors, in name order: each name, its packed
+    E2M1 codes, its E4M3FN scale bytes (row-major [n_out, n_in/16]) and its float32 scale2."""
+    return _parts_sha256(
+        (name, np.ascontiguousarray(tensor.packed), np.ascontiguousarray(tensor.scale_bytes), np.float32(tensor.scale2))
+        for name, tensor in sorted(nvfp4_checkpoint().nvfp4.items()))
+
+
+def _parts_sha256(entries: Iterable[tuple[str, *tuple[np.ndarray | np.generic, ...]]]) -> tuple[str, int]:
+    """SHA-256 over each entry's name and arrays, every part prefixed by its 8-byte length (so no
+    two different splits hash alike), and the byte count of the parts."""
+    digest, size = hashlib.sha256(), 0
+    for name, *arrays in entries:
+        for part in (name.encode("utf-8"), *(array.tobytes() for array in arrays)):
+            digest.update(len(part).to_bytes(8, "little") + part)
+            size += len(part)
+    return digest.hexdigest(), size
+
+
+def _q8_0_of(loaded: LoadedModel) -> KQuantWeights:
+    import gguf
+
+    matrices: dict[str, Q8Matrix] = {}
+    vectors: dict[str, np.ndarray] = {}
+    for name, weight in sorted(loaded.weights.items()):
+        if QUANTIZED_PROJECTION.match(name) or name == "model.embed_tokens.weight":
+            raw = gguf.quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+            matrices[name.removesuffix(".weight")] = Q8Matrix.from_gguf_bytes(raw, *weight.shape)
+        else:
+            vectors[name] = np.ascontiguousarray(weight, dtype=np.float32)
+    return KQuantWeights(loaded.path, matrices, vectors)
+
+
+def q8_0_weights() -> KQuantWeights:
+    """The chosen model's Q8_0 weights (Hugging Face names), quantized in this process through
+    ``gguf.quants`` (llama.cpp's reference Q8_0)."""
+    return _q8_0_derived()
+
+
+def q8_0_weights_sha256() -> tuple[str, int]:
+    """SHA-256 and byte count over the derived Q8_0 matrices in name order (name, int8 quants,
+    float32 scales)."""
+    return _parts_sha256((name, matrix.quants, matrix.scales) for name, matrix in sorted(q8_0_weights().matrices.items()))
+
+
+def q8_0_engine() -> KQuantEngine:
+    """The chosen model's E2 yardstick: its Q8_0 weights in llama.cpp's exact arithmetic, plain
+    greedy decode."""
+    loaded = loaded_model()
+    geometry = loaded.geometry
+    config = KQuantConfig(vocab=geometry.vocab, hidden=geometry.hidden, intermediate=loaded.config.intermediate,
+                          layers=geometry.layers, heads=geometry.heads, kv_heads=geometry.kv_heads,
+                          head_dim=geometry.head_dim, max_positions=geometry.max_positions,
+                          rope_theta=geometry.rope_theta, rms_norm_eps=loaded.config.rms_norm_eps)
+    weights = q8_0_weights()
+    return KQuantEngine(KQuantModel(weights, config, ProducerMode.EXACT))
+
