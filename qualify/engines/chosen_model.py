@@ -15,6 +15,7 @@ import hashlib
 import re
 from collections.abc import Iterable
 from functools import cache
+from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
@@ -42,6 +43,9 @@ NVFP4_DERIVED = "derived/nvfp4-w4a16"
 is over the quantized bytes (:func:`nvfp4_checkpoint_sha256`)."""
 Q8_0_DERIVED = "derived/q8_0"
 """Checkpoint key of the Q8_0 yardstick weights derived in process (:func:`q8_0_weights`)."""
+HF_FLOAT32_DERIVED = "derived/hf-float32"
+"""Checkpoint key of the float32 Hugging Face directory a vLLM lane loads (:func:`hf_float32_dir`):
+its digest is over the float32 weights it holds, in name order."""
 
 _LOADED: list[LoadedModel] = []
 
@@ -175,3 +179,54 @@ def q8_0_engine() -> KQuantEngine:
     weights = q8_0_weights()
     return KQuantEngine(KQuantModel(weights, config, ProducerMode.EXACT))
 
+
+
+def hf_float32_sha256() -> tuple[str, int]:
+    """SHA-256 and byte count over the chosen model's float32 weights in name order (name, bytes)."""
+    return _parts_sha256((name, np.ascontiguousarray(weight, dtype=np.float32))
+                         for name, weight in sorted(loaded_model().weights.items()))
+
+
+def hf_float32_dir() -> Path:
+    """The chosen model as a float32 ``LlamaForCausalLM`` directory (``config.json``,
+    ``model.safetensors``, ``tokenizer.json``) for engines that load only that format (vLLM): the
+    same weights the reference engine runs, written once into the user cache directory under
+    their digest, and reused while it matches."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    loaded, choice = loaded_model(), require_choice()
+    digest, _ = hf_float32_sha256()
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trust-ladder" / "models"
+    target = cache_root / f"{choice.name}-{digest[:16]}"
+    if (target / "model.safetensors").is_file():
+        return target
+    geometry, config = loaded.geometry, loaded.config
+    document = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": geometry.vocab,
+        "hidden_size": geometry.hidden, "intermediate_size": config.intermediate,
+        "num_hidden_layers": geometry.layers, "num_attention_heads": geometry.heads,
+        "num_key_value_heads": geometry.kv_heads, "head_dim": geometry.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": geometry.max_positions, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": geometry.rope_theta, "rope_scaling": None, "tie_word_embeddings": True,
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 0,
+        "torch_dtype": "float32",
+    }
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_root))
+    try:
+        (staging / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        save_file({name: np.ascontiguousarray(weight, dtype=np.float32) for name, weight in loaded.weights.items()},
+                  str(staging / "model.safetensors"), metadata={"format": "pt"})
+        loaded.tokenizer.save(str(staging / "tokenizer.json"))
+        os.replace(staging, target)  # another process may have won: its copy holds the same bytes
+    except OSError:
+        if not (target / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -83,15 +83,16 @@ def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
     raise Refused(f"lane kind {kind.value}: no engine in this harness builds it")
 
 
-CHOSEN_MODEL_KINDS = (LaneKind.NVFP4,)
-"""The lane kinds a ``--model`` runs: their engines derive their weights from the model's floats."""
+CHOSEN_MODEL_KINDS = (LaneKind.NVFP4, LaneKind.VLLM)
+"""The lane kinds a ``--model`` runs: their engines derive their weights from the model's floats
+(NVFP4 quantized in process; vLLM from a float32 Hugging Face directory written from them)."""
 
 
 def _require_chosen_model_kind(kind: LaneKind) -> None:
     if kind not in CHOSEN_MODEL_KINDS:
         choice = model_choice.chosen()
         raise Refused(f"--model {choice.name if choice else ''}: lane kind {kind.value} runs only the shipped "
-                      f"model; expected a lane of kind {', '.join(k.value for k in CHOSEN_MODEL_KINDS)}")
+                      f"model; expected a lane of kind {' or '.join(k.value for k in CHOSEN_MODEL_KINDS)}")
 
 
 def chosen_checkpoint(kind: LaneKind) -> tuple[dict[str, str], int]:
@@ -102,8 +103,10 @@ def chosen_checkpoint(kind: LaneKind) -> tuple[dict[str, str], int]:
     choice = chosen_model.require_choice()
     _require_chosen_model_kind(kind)
     digests, total = dict(choice.files), sum(choice.file_sizes.values())
-    derived_sha256, derived_bytes = chosen_model.nvfp4_checkpoint_sha256()
-    digests[model_choice.file_key(choice.name, chosen_model.NVFP4_DERIVED)] = derived_sha256
+    derived_key, (derived_sha256, derived_bytes) = (
+        (chosen_model.NVFP4_DERIVED, chosen_model.nvfp4_checkpoint_sha256()) if kind is LaneKind.NVFP4
+        else (chosen_model.HF_FLOAT32_DERIVED, chosen_model.hf_float32_sha256()))
+    digests[model_choice.file_key(choice.name, derived_key)] = derived_sha256
     return dict(sorted(digests.items())), total + derived_bytes
 
 
@@ -174,12 +177,19 @@ def _nvfp4_engine(arithmetic: Arithmetic) -> Engine:
 def _vllm_lane_engine(spec: LaneSpec, role: Role, vllm_fault: str | None = None) -> Engine:
     """One side of a ``vllm`` lane: vLLM through the project connector, or the float32 reference."""
     producer, consumer = spec.engines
+    chosen = model_choice.chosen() is not None
     if (producer if role == "producer" else consumer) is EngineChoice.VLLM:
+        from qualify.engines.chosen_model import hf_float32_dir
         from qualify.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(role=role, fault=vllm_fault)
+        return VllmEngine(role=role, fault=vllm_fault, model_dir=hf_float32_dir() if chosen else assets.MODEL_DIR)
     from qualify.engines.reference import ReferenceEngine
 
+    if chosen:
+        from qualify.engines.chosen_model import loaded_model
+
+        loaded = loaded_model()
+        return ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps)
     return ReferenceEngine.from_model_dir(assets.MODEL_DIR)
 
 
@@ -326,6 +336,12 @@ def build_cache_identity(spec: LaneSpec) -> str:
     return target_cache_identity(spec, checkpoint_digests(spec.kind), _producer_abi(spec))
 
 
+def _chosen_geometry() -> ModelGeometry:
+    from qualify.engines.chosen_model import loaded_model
+
+    return loaded_model().geometry
+
+
 @dataclass(frozen=True)
 class ProducerFacts:
     """What a lane's producer pins in an identity or calibration contract."""
@@ -345,8 +361,10 @@ def producer_facts(lane: str) -> ProducerFacts:
         from qualify.engines.checkpoint import load_config
         from qualify.engines.vllm_engine import VllmEngine, check_pin, vllm_engine_abi
 
+        geometry = (load_config(assets.MODEL_DIR).geometry if model_choice.chosen() is None
+                    else _chosen_geometry())
         return ProducerFacts(name=VllmEngine.name, version=check_pin(), abi=vllm_engine_abi(),
-                             geometry=load_config(assets.MODEL_DIR).geometry,
+                             geometry=geometry,
                              digests=MappingProxyType(checkpoint_digests(spec.kind)))
     producer = build_producer(lane, spec.mode)
     return ProducerFacts(name=producer.name, version=producer.version, abi=producer.abi,

@@ -69,7 +69,8 @@ PLACEHOLDER_TOKEN = 0
 LAYOUT_PROBE_TOKENS = 256
 LAYOUT_TOLERANCE = 1e-4
 """Start-up layout test: K and V decoded from vLLM's pages must match the reference engine's
-within this (measured: under 1e-5 in float32)."""
+within this fraction of each layer's largest magnitude (measured in float32: under 1e-5 on the
+shipped model; 1.2e-4 absolute on SmolLM2-135M's last layer V, whose values are far larger)."""
 
 THREADS = 1
 """torch / OpenMP intra-op threads of every vLLM engine process (measured on the AVX-512 host: 1
@@ -385,11 +386,15 @@ class VllmEngine:
         for layer, (k, v, rk, rv) in enumerate(zip(exported.keys, exported.values, reference.keys,
                                                     reference.values, strict=True)):
             for part, ours, theirs in (("K", k, rk), ("V", v, rv)):
-                delta = float(np.max(np.abs(ours - theirs[:, : ours.shape[1]])))
-                if not delta <= LAYOUT_TOLERANCE:
+                expected = theirs[:, : ours.shape[1]]
+                delta = float(np.max(np.abs(ours - expected)))
+                # Relative to the layer's largest magnitude (at least 1): a misread page moves values
+                # by about that much, float32 kernels by a few units of its last place.
+                tolerance = LAYOUT_TOLERANCE * max(1.0, float(np.max(np.abs(expected))))
+                if not delta <= tolerance:
                     raise Refused(f"vllm KV page layout: the decoded layer {layer} {part} differs from "
-                                  f"the reference engine's by {delta:.3g} (> {LAYOUT_TOLERANCE}); "
-                                  f"layout not recognised, refusing to start")
+                                  f"the reference engine's by {delta:.3g} (> {tolerance:.3g}, {LAYOUT_TOLERANCE} of "
+                                  f"its largest magnitude); layout not recognised, refusing to start")
                 worst = max(worst, delta)
         return worst
 

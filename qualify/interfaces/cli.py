@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("path", metavar="PATH", type=path_argument, help="identity JSON file")
     check.add_argument("--json", action="store_true",
                        help="print one JSON document on stdout (contracts/cli-identity-check.v1.schema.json)")
+    check.add_argument("--model", metavar="NAME|PATH",
+                       help="the model the identity pins (default: a published model by the name it pins)")
 
     groups: dict[str, argparse._SubParsersAction[OneLineParser]] = {}
     for delegate in DELEGATES:
@@ -225,12 +227,28 @@ def run_delegate(delegate: Delegate, argv: Sequence[str]) -> int:
     return _exit_code(label, delegate.call(handler, list(argv)))
 
 
-def identity_check(path: str | os.PathLike[str], *, as_json: bool = False) -> int:
-    """``qualify identity check PATH [--json]``: 0 with lane and digest when valid, 2 on refusal."""
+def _choose_pinned_model(pinned: str | None, model: str | None, where: str) -> None:
+    """Choose the model an identity pins before its basis is rechecked: ``--model`` when given, a
+    published model by its name; an identity of a model at a path needs ``--model PATH``."""
+    from qualify.engines.chosen_model import use_model
+    from qualify.engines.model_source import PUBLISHED_MODELS
+
+    if model is not None:
+        use_model(model)
+    elif pinned is not None:
+        if pinned not in PUBLISHED_MODELS:
+            raise Refused(f"{where}: pins the model {pinned}; pass --model PATH (its Hugging Face directory or GGUF file)")
+        use_model(pinned)
+
+
+def identity_check(path: str | os.PathLike[str], *, as_json: bool = False, model: str | None = None) -> int:
+    """``qualify identity check PATH [--json] [--model NAME|PATH]``: 0 with lane and digest when
+    valid, 2 on refusal."""
     from qualify.contract.identity import identity_sha256, load_identity
     from qualify.run.contract import checked_basis
 
     identity = load_identity(path)
+    _choose_pinned_model(identity.model_name, model, f"identity {path}")
     basis = checked_basis(identity, where=f"identity {path}").path
     if as_json:
         from qualify.interfaces import documents
@@ -266,7 +284,7 @@ def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "identity":
-        return identity_check(args.path, as_json=args.json)
+        return identity_check(args.path, as_json=args.json, model=args.model)
     _say_error("qualify: expected a command or --recipe NAME (see qualify --help)")
     return EXIT_REFUSED
 
