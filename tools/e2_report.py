@@ -8,7 +8,13 @@ Reads only what the identities pin (``contracts/<lane>-identity-v1.json`` -> its
 ``evidence/controls.json``), judged by ``qualify.judge.controls.judge_controls`` against the
 committed criteria: the same judgement every qualification states in its scope line.
 
-Usage: python tools/e2_report.py
+``--model M --receipt RUN_ID ...`` reads a chosen model's calibration receipts instead (a lane
+whose anchors diverge has no identity to pin one), judged against that model's criteria, and
+prints each receipt's handoffs first: every calibration cell and fixture anchor with its tokens
+agreed, drift, and where its greedy tokens first diverged (the cold top-1 minus top-2 margin
+there, and the divergence class).
+
+Usage: python tools/e2_report.py [--model NAME|PATH --receipt RUN_ID [--receipt ...]]
 """
 
 from __future__ import annotations
@@ -38,14 +44,68 @@ def judged_lane(lane: str, criteria_document: dict[str, object]) -> tuple[str, C
     return run_id, judge_controls(record, criteria_document, source=source, lane=lane)
 
 
+def judged_receipt(run_id: str, criteria_document: dict[str, object]) -> tuple[str, str, ControlsJudgement | None]:
+    """A calibration receipt's lane, run id and controls judgement (None without controls)."""
+    calibration = receipt_evidence(RECEIPTS_DIR / run_id, "calibration")
+    lane = str(calibration["lane"])
+    if not (RECEIPTS_DIR / run_id / "evidence" / "controls.json").is_file():
+        return lane, run_id, None
+    record = receipt_evidence(RECEIPTS_DIR / run_id, "controls")
+    source = f"receipt://{run_id}/evidence/controls.json"
+    return lane, run_id, judge_controls(record, criteria_document, source=source, lane=lane)
+
+
+def print_handoffs(run_id: str) -> None:
+    """Every handoff of a calibration receipt: cell or anchor, tokens agreed, drift, divergence."""
+    import json
+
+    calibration = receipt_evidence(RECEIPTS_DIR / run_id, "calibration")
+    print(f"\n`{calibration['lane']}`, `receipts/{run_id}`:\n")
+    print("| handoff | document @ tokens | tokens agreed | max abs | mean abs | first divergence | cold margin there "
+          "| class | teacher-forced top-1 flips |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for handoff in calibration["handoffs"]:
+        record = json.loads((RECEIPTS_DIR / run_id / "samples" / f"sample-{handoff['repetition']}.json")
+                            .read_text(encoding="utf-8"))
+        where = record.get("localisation") or {}
+        forced = where.get("teacher_forced") or {}
+        margin, position = where.get("cold_margin_at_divergence"), where.get("first_divergence_position")
+        print(f"| {handoff['repetition']} {handoff['part']} | {handoff['document']} @ {handoff['prompt_tokens']} | "
+              f"{round(record['token_agreement_rate'] * record['output_tokens'])}/{record['output_tokens']} | "
+              f"{record['max_abs']:.4g} | {record['mean_abs']:.4g} | {'none' if position is None else position} | "
+              f"{'-' if margin is None else f'{margin:.4f}'} | {where.get('divergence_class') or '-'} | "
+              f"{forced.get('top1_flips', '-')} |")
+
+
 def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", metavar="NAME|PATH", help="a chosen model: judge against its criteria")
+    parser.add_argument("--receipt", action="append", default=[], metavar="RUN_ID",
+                        help="a calibration receipt under receipts/ (with --model; repeatable)")
+    args = parser.parse_args()
     try:
+        if args.model is not None:
+            from qualify.engines.chosen_model import use_model
+
+            use_model(args.model)
         criteria, digest = load_controls_criteria()
-        judged = {lane: judged_lane(lane, criteria.document()) for lane in criteria.lanes}
+        if args.receipt:
+            found = [judged_receipt(run_id, criteria.document()) for run_id in args.receipt]
+            for _, run_id, _ in found:
+                print_handoffs(run_id)
+            judged = {lane: (run_id, judgement) for lane, run_id, judgement in found if judgement is not None}
+            print()
+        else:
+            judged = {lane: judged_lane(lane, criteria.document()) for lane in criteria.lanes}
     except Refused as exc:
         print(f"e2_report: refused: {one_line(str(exc))}", file=sys.stderr)
         return 2
-    lanes = list(criteria.lanes)
+    if not judged:
+        print("no receipt measured controls")
+        return 0
+    lanes = list(judged)
     print(f"criteria {criteria.name} (sha256 {digest}); gate: Wilson two-sided {criteria.gate.confidence:g} upper "
           f"+ {criteria.gate.points:g}\n")
     for lane, (run_id, judgement) in judged.items():
