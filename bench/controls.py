@@ -1,6 +1,6 @@
 """Measure the E2 controls (seed 000 §32.10) of every lane the criteria name: one record per lane.
 
-Reads the preregistered criteria (``contracts/e2-controls-v1.json``, loaded and checked by
+Reads the preregistered criteria (``contracts/e2-controls-v2.json``, loaded and checked by
 :func:`qualify.contract.controls.load_controls_criteria`: document digests, yardstick file digest)
 and the control documents, then per lane runs :func:`qualify.evidence.controls.measure_controls`:
 per document one prefill by the lane's producer, one by the yardstick (the Q8_0 k-quant target)
@@ -49,7 +49,7 @@ def progress(line: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lanes", help="comma-separated lanes (default: the criteria's lanes)")
-    parser.add_argument("--criteria", help="criteria file (default: contracts/e2-controls-v1.json)")
+    parser.add_argument("--criteria", help="criteria file (default: contracts/e2-controls-v2.json)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder for the records (default: {DEFAULT_OUT})")
     parser.add_argument("--blas-threads", type=int, default=1, help="BLAS threads (default: 1)")
     args = parser.parse_args()

@@ -26,7 +26,7 @@ from qualify.core.digests import sha256_file
 from qualify.core.errors import Refused
 from qualify.engines import chosen_model
 from qualify.engines.factory import build_producer, checkpoint_digests
-from qualify.engines.nvfp4 import load_nvfp4_checkpoint
+from qualify.engines.nvfp4_layouts import load_checkpoint
 from qualify.interfaces import cli
 from qualify.run.contract import check_model
 
@@ -74,7 +74,7 @@ def test_rules_under_the_shipped_tokenizer_give_the_committed_prompts_and_docume
 
 def test_the_derived_nvfp4_weights_are_the_shipped_checkpoints_bit_for_bit(tiny: Path) -> None:
     """tools/make_nvfp4.py made the shipped checkpoint from these float16 weights by the same recipe."""
-    shipped = load_nvfp4_checkpoint(assets.MODEL_DIR / "nvfp4" / "model.safetensors")
+    shipped = load_checkpoint(assets.MODEL_DIR / "nvfp4")
     chosen_model.use_model(str(tiny))
     derived = chosen_model.nvfp4_checkpoint()
     assert sorted(derived.nvfp4) == sorted(shipped.nvfp4)

@@ -34,7 +34,7 @@ from qualify.judge.controls import DOCUMENT_WITHIN_WORDS, EXCEEDANCE_WORDS, GATE
 CRITERIA: dict[str, Any] = json.loads(CRITERIA_PATH.read_text(encoding="utf-8"))
 CALIBRATION: dict[str, Any] = json.loads(CALIBRATION_SET_PATH.read_text(encoding="utf-8"))
 SHLEX_IDS_SHA256 = "b4b55313ea1af4293c24238afb20d1d790f18808cca4287fd271e999e53965f1"
-YARDSTICK_SHA256 = "aa7bb4c8ebd604fd523c14dff91a44fd40791488f53280754140aee45bb97162"
+YARDSTICK_SHA256 = "9c55b5fc0d393746644287152fa8b36ae3078c09ac290c2af7f3f1e6f3df8d07"
 
 
 def test_the_committed_criteria_load_with_the_digest_of_their_rfc8785_bytes():
@@ -248,7 +248,7 @@ def test_the_fixture_in_either_set_is_refused_by_the_disjointness_check():
     criteria, _ = load_controls_criteria()
     calibration, _ = load_calibration_set()
     fixture = calibration.documents[0].model_copy(update={"name": "python-textwrap"})
-    with pytest.raises(Refused, match=r"^controls criteria e2-controls-v1: documents\[0\]\.name: found \"python-textwrap\""):
+    with pytest.raises(Refused, match=r"^controls criteria e2-controls-v2: documents\[0\]\.name: found \"python-textwrap\""):
         check_disjoint(criteria.model_copy(update={"documents": (fixture,)}), calibration)
     with pytest.raises(Refused, match=r"^calibration set calibration-set-v1: documents\[0\]\.name: found \"python-textwrap\""):
         check_disjoint(criteria, calibration.model_copy(update={"documents": (fixture,)}))
@@ -304,7 +304,7 @@ def test_a_tampered_document_file_is_refused_by_load_document_and_the_criteria(a
 
 
 def test_an_untampered_copy_loads_and_a_document_of_the_wrong_set_is_refused(asset_copy: Path):
-    assert load_controls_criteria()[0].name == "e2-controls-v1"
+    assert load_controls_criteria()[0].name == "e2-controls-v2"
     _edit_document(asset_copy, "prose-idle-news", _set("set", "calibration"))
     with pytest.raises(Refused, match=r"documents\[1\]\.name: model/documents/prose-idle-news.json is a calibration "
                                       r"document, expected a control document"):

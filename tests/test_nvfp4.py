@@ -459,11 +459,15 @@ def test_shipped_checkpoint_is_derived_deterministically(tmp_path: Path) -> None
     spec.loader.exec_module(make_nvfp4)
     rebuilt = make_nvfp4.derive(SHIPPED_SOURCE, tmp_path)
     assert rebuilt.read_bytes() == SHIPPED_NVFP4.read_bytes()
-    assert (tmp_path / "config.json").read_bytes() == (SHIPPED_NVFP4.parent / "config.json").read_bytes()
+    for name in ("config.json", "hf_quant_config.json"):
+        assert (tmp_path / name).read_bytes() == (SHIPPED_NVFP4.parent / name).read_bytes()
 
 
 def test_shipped_checkpoint_quantizes_projections_and_keeps_f16_head_and_norms() -> None:
-    checkpoint = load_nvfp4_checkpoint(SHIPPED_NVFP4)
+    from qualify.engines.nvfp4_layouts import detect_layout, load_checkpoint
+
+    assert detect_layout(SHIPPED_NVFP4.parent) == "modelopt"
+    checkpoint = load_checkpoint(SHIPPED_NVFP4.parent)
     source, _ = read_safetensors(SHIPPED_SOURCE)
     projections = {n for n in source if n.endswith("_proj.weight")}
     assert set(checkpoint.nvfp4) == projections and len(projections) == 28

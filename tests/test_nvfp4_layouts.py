@@ -9,7 +9,6 @@ with struct/json and E2M1/E4M3FN are decoded from their definitions, so the on-d
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import replace
@@ -219,12 +218,13 @@ def test_exact_reciprocal_metadata_only_where_the_reciprocal_does_not_round_trip
 
 
 def test_shipped_checkpoint_in_every_layout_dequantizes_bit_identically(tmp_path: Path) -> None:
-    shipped = load_nvfp4_checkpoint(SHIPPED_DIR / "model.safetensors")
-    model_config = json.loads((SHIPPED_DIR / "config.json").read_text())
+    shipped = load_checkpoint(SHIPPED_DIR)
+    model_config = {k: v for k, v in json.loads((SHIPPED_DIR / "config.json").read_text()).items()
+                    if k != "quantization_config"}
     for layout in LAYOUTS:
         directory = tmp_path / layout
         directory.mkdir()
-        shutil.copyfile(SHIPPED_DIR / "config.json", directory / "config.json")
+        (directory / "config.json").write_text(json.dumps(model_config), encoding="utf-8")
         write_layout(shipped, directory, layout)
         assert detect_layout(directory) == layout
         loaded = load_checkpoint(directory)
@@ -232,10 +232,10 @@ def test_shipped_checkpoint_in_every_layout_dequantizes_bit_identically(tmp_path
         assert dict(loaded.metadata) == dict(shipped.metadata)
         config = json.loads((directory / "config.json").read_text())
         assert {k: v for k, v in config.items() if k != "quantization_config"} == model_config
-    # The companion layout is nvfp4.py's writer: the shipped file's exact bytes.
-    assert (tmp_path / "companion" / "model.safetensors").read_bytes() == (SHIPPED_DIR / "model.safetensors").read_bytes()
-    assert detect_layout(SHIPPED_DIR) == "companion"
-    assert_same_model(shipped, load_checkpoint(SHIPPED_DIR))
+    # The shipped checkpoint is ModelOpt's layout (tools/make_nvfp4.py): rewriting it gives its exact bytes.
+    assert (tmp_path / "modelopt" / "model.safetensors").read_bytes() == (SHIPPED_DIR / "model.safetensors").read_bytes()
+    assert detect_layout(SHIPPED_DIR) == "modelopt"
+    assert_same_model(shipped, load_nvfp4_checkpoint(tmp_path / "companion" / "model.safetensors"))
 
 
 def test_layouts_can_be_converted_into_one_another(tmp_path: Path) -> None:

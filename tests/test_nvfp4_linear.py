@@ -23,10 +23,10 @@ from qualify.engines.nvfp4 import (
     E4M3FN_VALUES,
     Nvfp4Tensor,
     dequantize_nvfp4,
-    load_nvfp4_checkpoint,
     quantize_nvfp4,
     write_nvfp4_checkpoint,
 )
+from qualify.engines.nvfp4_layouts import load_checkpoint, write_checkpoint
 from qualify.engines.nvfp4_linear import (
     ARITHMETICS,
     ExactA16Q8Linear,
@@ -368,7 +368,7 @@ def test_round_through_f16_equals_numpy_cast() -> None:
 
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
 def test_factory_builds_linears_from_the_shipped_checkpoint(arithmetic: str) -> None:
-    checkpoint = load_nvfp4_checkpoint(SHIPPED_NVFP4)
+    checkpoint = load_checkpoint(SHIPPED_NVFP4.parent)
     make_linear = make_nvfp4_linear_factory(checkpoint, arithmetic)
     name = "model.layers.2.mlp.down_proj.weight"
     tensor = checkpoint.nvfp4[name]
@@ -383,8 +383,10 @@ def test_factory_builds_linears_from_the_shipped_checkpoint(arithmetic: str) -> 
         make_linear(name, np.zeros((512, 256), dtype=np.float32))
 
 
-def test_factory_loads_a_path_and_refuses_unknown_arithmetic() -> None:
-    make_linear = make_nvfp4_linear_factory(SHIPPED_NVFP4, "exact")
+def test_factory_loads_a_path_and_refuses_unknown_arithmetic(tmp_path: Path) -> None:
+    companion = tmp_path / "model.safetensors"
+    write_checkpoint(load_checkpoint(SHIPPED_NVFP4.parent), tmp_path, "companion")
+    make_linear = make_nvfp4_linear_factory(companion, "exact")
     assert make_linear("model.layers.0.self_attn.k_proj.weight", None).n_out == 128
     with pytest.raises(Refused, match="nvfp4 arithmetic: 'fp8' is not one of"):
         make_nvfp4_linear_factory(SHIPPED_NVFP4, "fp8")  # type: ignore[arg-type]

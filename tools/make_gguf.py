@@ -5,7 +5,9 @@ an integer quantization written by ``gguf`` itself (``gguf.GGUFWriter`` + ``gguf
 
 * ``model/gguf/target-q8_0.gguf``: llama.cpp's ``llama`` layout. Every projection and the tied
   token embedding / LM head (``token_embd.weight``) are Q8_0; norms are F32 (exact copies of the
-  float16 weights). Q and K rows are permuted the way ``convert_hf_to_gguf.py`` does, so the file
+  float16 weights). Its tokenizer is in the ``tokenizer.ggml.*`` keys (byte-level BPE: tokens,
+  types, merges), as llama.cpp needs to load it and ``qualify --model`` reads it back. Q and K
+  rows are permuted the way ``convert_hf_to_gguf.py`` does, so the file
   means what its ``llama`` architecture key says; the loader undoes the permutation exactly.
 * ``model/gguf/eagle1-draft-q8_0.gguf``: the draft head (``fc`` + one decoder layer) in the same
   tensor naming and Q/K layout, under the custom architecture ``trust-ladder-eagle1``.
@@ -39,6 +41,7 @@ from qualify.engines.kquant import (
     TARGET_GGUF_NAME,
     permute_qk_rows_to_gguf,
 )
+from qualify.engines.model_source import add_gguf_tokenizer
 
 # Hugging Face suffix inside one decoder layer -> llama.cpp tensor suffix inside ``blk.{i}``.
 LAYER_TENSORS: dict[str, str] = {
@@ -102,6 +105,7 @@ def write_target(model_dir: Path, out: Path) -> None:
     writer = gguf.GGUFWriter(out, "llama")
     add_hparams(writer, config, sha256_file(model_dir / "model.safetensors"))
     writer.add_block_count(geometry.layers)
+    add_gguf_tokenizer(writer, model_dir / "tokenizer.json")
     add_weight(writer, "token_embd.weight", tensors["model.embed_tokens.weight"])
     for index in range(geometry.layers):
         prefix = f"model.layers.{index}."

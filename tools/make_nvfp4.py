@@ -2,7 +2,10 @@
 
 Quantizes every attention and MLP projection (``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
 ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``) with the standard NVFP4 recipe; embeddings
-(the tied LM head) and norms stay float16. Weight-only (W4A16): no input_scale_inv tensors.
+(the tied LM head) and norms stay float16. Weight-only (W4A16): no input scales. Written in
+NVIDIA ModelOpt's layout (``weight``, ``weight_scale`` [n_out, n_in/16], ``weight_scale_2``;
+``config.json`` ``quantization_config`` and ``hf_quant_config.json``, quant_algo W4A16_NVFP4), as
+vLLM's ModelOpt NVFP4 reader expects (``qualify/engines/nvfp4_layouts.py``, docs/nvfp4-layouts.md).
 
 Usage: python tools/make_nvfp4.py [--source model/model.safetensors] [--out model/nvfp4]
 """
@@ -23,12 +26,15 @@ sys.path.insert(0, str(REPO_ROOT))
 from qualify.core.digests import sha256_file
 from qualify.core.errors import Refused
 from qualify.engines.nvfp4 import (
+    ACTIVATION_PRECISION_KEY,
+    WEIGHT_PRECISION_KEY,
+    WEIGHT_PRECISION_NVFP4,
+    Nvfp4Checkpoint,
     Nvfp4Tensor,
-    load_nvfp4_checkpoint,
     quantize_nvfp4,
     read_safetensors,
-    write_nvfp4_checkpoint,
 )
+from qualify.engines.nvfp4_layouts import detect_layout, load_checkpoint, write_checkpoint
 
 QUANTIZED_NAME = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
@@ -37,7 +43,8 @@ RECIPE = "nvfp4-modelopt-w4a16-v1"  # scale2 = amax/2688; E4M3FN(block amax/(6*s
 
 
 def derive(source: Path, out_dir: Path) -> Path:
-    """Quantize ``source`` into ``out_dir/model.safetensors`` and copy config.json beside it."""
+    """Quantize ``source`` into ``out_dir/model.safetensors`` (ModelOpt layout) with the source's
+    config.json beside it, its ``quantization_config`` added."""
     tensors, _ = read_safetensors(source)
     nvfp4: dict[str, Nvfp4Tensor] = {}
     dense_f16: dict[str, np.ndarray] = {}
@@ -52,11 +59,16 @@ def derive(source: Path, out_dir: Path) -> Path:
     if not nvfp4:
         raise Refused(f"{source}: no projection weights matched {QUANTIZED_NAME.pattern}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    out_path = out_dir / "model.safetensors"
-    metadata = {"quantization_recipe": RECIPE, "source_sha256": sha256_file(source)}
-    write_nvfp4_checkpoint(out_path, nvfp4, dense_f16, metadata)
+    for stale in ("model.safetensors", "config.json", "hf_quant_config.json"):
+        (out_dir / stale).unlink(missing_ok=True)
+    metadata = {"quantization_recipe": RECIPE, "source_sha256": sha256_file(source),
+                WEIGHT_PRECISION_KEY: WEIGHT_PRECISION_NVFP4, ACTIVATION_PRECISION_KEY: "a16"}
     shutil.copyfile(source.parent / "config.json", out_dir / "config.json")
-    load_nvfp4_checkpoint(out_path)  # the written file must pass the fail-closed loader
+    out_path = write_checkpoint(Nvfp4Checkpoint(nvfp4, dense_f16, metadata), out_dir, "modelopt")
+    # The written directory must pass the fail-closed loader, as ModelOpt's layout.
+    if detect_layout(out_dir) != "modelopt":
+        raise Refused(f"{out_dir}: written, but not detected as the ModelOpt layout")
+    load_checkpoint(out_dir)
     return out_path
 
 

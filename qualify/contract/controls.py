@@ -39,7 +39,9 @@ CONTROLS_RECORD_SCHEMA_ID = "trust-ladder.controls-record.v1"
 CRITERIA_SCHEMA_PATH = CONTRACTS_DIR / "e2-controls-criteria.v1.schema.json"
 CALIBRATION_SET_SCHEMA_PATH = CONTRACTS_DIR / "calibration-set.v1.schema.json"
 CONTROLS_RECORD_SCHEMA_PATH = CONTRACTS_DIR / "controls-record.v1.schema.json"
-CRITERIA_PATH = CONTRACTS_DIR / "e2-controls-v1.json"
+CRITERIA_PATH = CONTRACTS_DIR / "e2-controls-v2.json"
+MODEL_CRITERIA_FILE = "e2-controls-v1.json"
+"""A chosen model's criteria file in ``contracts/models/<name>/`` (``tools/model_contracts.py``)."""
 """The committed E2 controls criteria (what :func:`load_controls_criteria` reads by default)."""
 CALIBRATION_SET_PATH = CONTRACTS_DIR / "calibration-set-v1.json"
 """The committed calibration set (what :func:`load_calibration_set` reads by default)."""
@@ -141,7 +143,7 @@ class CriteriaWords(_Frozen):
 
 
 class ControlsCriteria(_Frozen):
-    """The preregistered E2 controls (``contracts/e2-controls-v1.json``)."""
+    """The preregistered E2 controls (``contracts/e2-controls-v2.json``)."""
 
     model_config = ConfigDict(title="trust-ladder E2 controls criteria")
 
@@ -330,9 +332,11 @@ def model_contracts_dir() -> Path:
 
 
 def load_controls_criteria(path: str | os.PathLike[str] | None = None) -> tuple[ControlsCriteria, str]:
-    """The E2 controls criteria (default: the committed ``contracts/e2-controls-v1.json``) and the
+    """The E2 controls criteria (default: the committed ``contracts/e2-controls-v2.json``, or a chosen
+    model's ``contracts/models/<name>/e2-controls-v1.json``) and the
     SHA-256 of its RFC 8785 bytes (what a controls record names); any doubt is a one-line refusal."""
-    file = (model_contracts_dir() / CRITERIA_PATH.name) if path is None else Path(path)
+    default = CRITERIA_PATH if model_choice.chosen() is None else model_contracts_dir() / MODEL_CRITERIA_FILE
+    file = default if path is None else Path(path)
     where = f"controls criteria {os.fspath(file)}"
     document = read_strict_json(file, "controls criteria")
     check_schema(document, CRITERIA_SCHEMA_PATH, where)

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
-    "kquant-exact-dflash": "2f388778ea6a48805e1d3cdb63797c8a12889bb089899047d273d23bf289e93b",
+    "kquant-exact-dflash": "c15a4f09652e35dbd33f6942faadea1ded6e9638c6d6e6b7d6c8fefe632a0638",
     "llama3-8b-shape-pd": "4c50b297f8127070712eb3a899af0b27bb960981f893a8417c64e1da919065e2",
-    "nvfp4-native-f16": "4f55e2d5b64ae63aac7b7ff6f3a40e8ab303e248394375039339b061b647ae9c",
-    "nvfp4-native-splitk": "b6897e59c03aaa5d3b6cdebe1357b9e42f04b8c3f0c1fe59d0fc9196403cac17",
-    "nvfp4-native-w4a4": "1633ed44851b44fef0dc744232f2ef5e024ea1d6efe02c69f7bce3eed1db3db6",
+    "nvfp4-native-f16": "92f5cf8a032fce71529aaedbfde139190fa81969e5a2fa2f0d55d77fd8953660",
+    "nvfp4-native-splitk": "35a8ba38179dc4d50ba480bd0b44b5d90a95e19195b57be6869107dada9f3b5d",
+    "nvfp4-native-w4a4": "4facb7902aff64946cda02c6ea4c3ec4d4b555164a1090296368bbda31efec9b",
     "reference-to-vllm": "fe6d0941f68d151b61c3aab59b7e498fddd2fd1df373e1daf7817bb8eb01346d",
     "transformers-cuda-bf16": "bfb85507e4cfe7f4394a88dd11fbe8b9b39f9263800fdf7f1851e1b4f34655a2",
     "transformers-cuda-fp32": "6b5dad7cfe71a635c32fc4ab475a8bb56275886677a1a73ba0361a2f102798ec",
@@ -29,11 +29,11 @@ SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
 RFC 8785 bytes of a v3 identity)."""
 
 SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({
-    "kquant-exact-dflash": "f2c4d6828aa01075f5ec37db947e5df4ec4bd4ffd402e6adb060103cfaa46e00",
+    "kquant-exact-dflash": "c04fd51046f4ebc6fc9ff48b8a1833aa67fe9ee476e9a32c2eac9537dcab0996",
     "llama3-8b-shape-pd": "fd41e698ad00e16aa75438c9d470df27deb16b6fc060a071f0f22f4ff1cbfae7",
-    "nvfp4-native-f16": "9654062e9d693b8e9d48a7603899577117cc66d61ca27d4733391f21fa260097",
-    "nvfp4-native-splitk": "fd2b226eb652c74fb5a5a9d34411ad57ffb86451e94c1ca2a0b7aac8f22de80e",
-    "nvfp4-native-w4a4": "d8057cfa2326fba2252b705d9dcdc8f39a5bcbfc5d3305fab3ed6b65278cb078",
+    "nvfp4-native-f16": "9875a14da895f6c557ec73e4bce6bd6a47db8edf77f5c54be5e6be365daa8275",
+    "nvfp4-native-splitk": "b2859282de07bb18c55847bed340b27f53a054f3cbb3ece414a083a87b63c0fc",
+    "nvfp4-native-w4a4": "5a02a43e87c752cfb79996a474a5a7f383b57f3def3dbe5e8bffcec71e443f39",
     "reference-to-vllm": "e46a37cf69e50a3bb379f8faaee23318e3039cfa3e24efbc9fbbf836f9f84bcf",
     "transformers-cuda-bf16": "5e4a680edcb6613df1880e97e31ab48e45c5efd1006c24cd24a31f0a0df1a6f1",
     "transformers-cuda-fp32": "d2d2611f93db5617940a7df3cee86478e5aaa843e8c9ffcfeb872c5231293a3d",

@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 
 TORCH_LLAMA_CACHE_POSITIONS = 2048 + 256
 
-NVFP4_CHECKPOINT = assets.MODEL_DIR / "nvfp4" / "model.safetensors"
+NVFP4_DIR = assets.MODEL_DIR / "nvfp4"
+"""The shipped NVFP4 checkpoint, in NVIDIA ModelOpt's layout (``tools/make_nvfp4.py``)."""
+NVFP4_FILES = ("config.json", "hf_quant_config.json", "model.safetensors")
 
 Role = Literal["producer", "consumer"]
 
@@ -69,7 +71,7 @@ def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
     """The checkpoint files a lane kind's engines read (what the identity pins)."""
     if kind is LaneKind.NVFP4:
         return (assets.MODEL_DIR / "config.json", assets.MODEL_DIR / "model.safetensors",
-                NVFP4_CHECKPOINT)
+                *(NVFP4_DIR / name for name in NVFP4_FILES))
     if kind is LaneKind.KQUANT:
         from qualify.engines import speculative
 
@@ -156,6 +158,7 @@ def _nvfp4_arithmetic(spec: LaneSpec, mode: ProducerMode) -> Arithmetic:
 
 
 def _nvfp4_engine(arithmetic: Arithmetic) -> Engine:
+    from qualify.engines.nvfp4_layouts import load_checkpoint
     from qualify.engines.nvfp4_linear import make_nvfp4_linear_factory
     from qualify.engines.reference import KeepFloat32, ReferenceEngine, RoundTripFloat16
 
@@ -169,7 +172,7 @@ def _nvfp4_engine(arithmetic: Arithmetic) -> Engine:
                                materialize=materialize)
     return ReferenceEngine.from_model_dir(
         assets.MODEL_DIR,
-        make_linear=make_nvfp4_linear_factory(NVFP4_CHECKPOINT, arithmetic),
+        make_linear=make_nvfp4_linear_factory(load_checkpoint(NVFP4_DIR), arithmetic),
         materialize=materialize,
     )
 

@@ -1,7 +1,7 @@
 """Measuring a lane's E2 controls (seed 000 §32.10): teacher-forced top-token disagreement with the
 reference per control document and nested length, for the lane and for the E1 yardstick.
 
-What is measured is the criteria's ``measure`` block (``contracts/e2-controls-v1.json``), one pass
+What is measured is the criteria's ``measure`` block (``contracts/e2-controls-v2.json``), one pass
 per document and KV source: the producer prefills the whole document once, and the lane's consumer
 scores every row r from that KV of positions 0..r-1 and its own computation at r
 (:meth:`~qualify.engines.reference.ReferenceEngine.score_rows`, a teacher-forced decode step per
