@@ -185,3 +185,23 @@ def test_printed_commands_run_as_printed_after_a_real_calibration(tmp_path: Path
     checked = subprocess.run(["qualify", "identity", "check", str(identity_file)], cwd=elsewhere, env=env,
                              capture_output=True, text=True, timeout=PRINT_LIMIT_S)
     assert checked.returncode == 0 and ": valid: lane nvfp4-native-splitk" in checked.stdout, checked
+
+
+def test_a_chosen_models_freeze_names_its_model_and_its_own_identity_file(tmp_path: Path) -> None:
+    """Under --model the freeze and the check carry the same --model, and the identity goes to
+    contracts/models/<name>/ (not over the shipped model's)."""
+    from types import MappingProxyType
+
+    from qualify.core import model_choice
+
+    choice = model_choice.ModelChoice(name="tiny", argument="path/to/tiny", path=tmp_path, files=MappingProxyType({}),
+                                      file_sizes=MappingProxyType({}), tokenizer=None, tokenizer_sha256="0" * 64)
+    model_choice.choose(choice)
+    try:
+        lines = next_steps(calibration(tmp_path / RUN_ID), SPLITK, "native-text")
+    finally:
+        model_choice.choose(None)
+    args = freeze_arguments(lines)
+    assert args.model == "path/to/tiny" and args.lane == SPLITK and not args.replace
+    check = commands(lines)[-1]
+    assert check[-4:] == ["check", f"contracts/models/tiny/{SPLITK}-identity-v1.json", "--model", "path/to/tiny"]

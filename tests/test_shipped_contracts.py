@@ -43,6 +43,9 @@ from qualify.engines.factory import (
 )
 
 SHIPPED = sorted(assets.CONTRACTS_DIR.glob("*-identity-v1.json"))
+"""The shipped model's identities (the tests below check these lanes' engines and artifacts)."""
+MODEL_IDENTITIES = sorted(assets.CONTRACTS_DIR.glob("models/*/*-identity-v1.json"))
+"""A published model's identities, sealed as ``<model>/<lane>`` (``docs/models.md``)."""
 
 
 def _cuda_available() -> bool:
@@ -55,6 +58,8 @@ def _cuda_available() -> bool:
 
 def test_every_sealed_lane_ships_an_identity_and_every_identity_is_sealed():
     shipped_lanes = {json.loads(path.read_text())["lane"] for path in SHIPPED}
+    shipped_lanes |= {f"{path.parent.name}/{json.loads(path.read_text())['lane']}" for path in MODEL_IDENTITIES}
+    assert MODEL_IDENTITIES
     assert shipped_lanes == set(SEALED_IDENTITIES) == set(SEALED_BASIS_MANIFESTS)
     assert {"native-text", "kquant-target-plus-dflash"} <= {
         json.loads(path.read_text())["recipe"] for path in SHIPPED}

@@ -44,10 +44,23 @@ def judged_lane(lane: str, criteria_document: dict[str, object]) -> tuple[str, C
     return run_id, judge_controls(record, criteria_document, source=source, lane=lane)
 
 
+def calibration_handoffs(run_id: str) -> tuple[str, list[dict[str, object]]]:
+    """A calibration receipt's lane and handoffs (repetition numbered): from its calibration
+    evidence, or, for one stopped before it wrote that (interrupted during its controls), from the
+    calibration document it ran under (``identity.json``), which lists every handoff in order."""
+    import json
+
+    if (RECEIPTS_DIR / run_id / "evidence" / "calibration.json").is_file():
+        calibration = receipt_evidence(RECEIPTS_DIR / run_id, "calibration")
+        return str(calibration["lane"]), list(calibration["handoffs"])
+    document = json.loads((RECEIPTS_DIR / run_id / "identity.json").read_text(encoding="utf-8"))
+    return str(document["lane"]), [{**handoff, "repetition": index}
+                                   for index, handoff in enumerate(document["handoffs"], start=1)]
+
+
 def judged_receipt(run_id: str, criteria_document: dict[str, object]) -> tuple[str, str, ControlsJudgement | None]:
     """A calibration receipt's lane, run id and controls judgement (None without controls)."""
-    calibration = receipt_evidence(RECEIPTS_DIR / run_id, "calibration")
-    lane = str(calibration["lane"])
+    lane, _ = calibration_handoffs(run_id)
     if not (RECEIPTS_DIR / run_id / "evidence" / "controls.json").is_file():
         return lane, run_id, None
     record = receipt_evidence(RECEIPTS_DIR / run_id, "controls")
@@ -59,12 +72,12 @@ def print_handoffs(run_id: str) -> None:
     """Every handoff of a calibration receipt: cell or anchor, tokens agreed, drift, divergence."""
     import json
 
-    calibration = receipt_evidence(RECEIPTS_DIR / run_id, "calibration")
-    print(f"\n`{calibration['lane']}`, `receipts/{run_id}`:\n")
+    lane, handoffs = calibration_handoffs(run_id)
+    print(f"\n`{lane}`, `receipts/{run_id}`:\n")
     print("| handoff | document @ tokens | tokens agreed | max abs | mean abs | first divergence | cold margin there "
           "| class | teacher-forced top-1 flips |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for handoff in calibration["handoffs"]:
+    for handoff in handoffs:
         record = json.loads((RECEIPTS_DIR / run_id / "samples" / f"sample-{handoff['repetition']}.json")
                             .read_text(encoding="utf-8"))
         where = record.get("localisation") or {}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qualify.contract.lanes import recipe_named
+from qualify.core import model_choice
 from qualify.core.assets import REPO_ROOT
 from qualify.run.calibrate import Calibration
 
@@ -89,8 +90,12 @@ def freeze_steps(lane: str, receipt: Path | None) -> list[StepLine]:
         return [StepLine(f"freezing needs the repository checkout: {FREEZE_TOOL} is not beside this "
                          f"installation ({REPO_ROOT})", "yellow")]
     receipt = receipt.resolve()
-    identity = Path("contracts") / identity_name(lane)  # in the checkout, where the freeze writes
-    freeze = [_python(), str(FREEZE_TOOL), "--lane", lane,
+    choice = model_choice.chosen()
+    # In the checkout, where the freeze writes: a chosen --model's identities live apart.
+    identity = (Path("contracts") / identity_name(lane) if choice is None
+                else Path("contracts") / model_choice.MODELS_PREFIX / choice.name / identity_name(lane))
+    model = [] if choice is None else ["--model", choice.argument]
+    freeze = [_python(), str(FREEZE_TOOL), *model, "--lane", lane,
               "--basis", f"receipt://{receipt.name}/{BASIS_FILE}"]
     if (REPO_ROOT / identity).exists():  # a re-calibrated lane replaces its identity (the commit shows the change)
         freeze.append("--replace")
@@ -99,7 +104,7 @@ def freeze_steps(lane: str, receipt: Path | None) -> list[StepLine]:
     if receipt.parent != (REPO_ROOT / "receipts").resolve():
         commands.append(["cp", "-r", str(receipt), "receipts/"])
     commands.append(freeze)
-    commands.append([*_qualify(), "identity", "check", str(identity)])
+    commands.append([*_qualify(), "identity", "check", str(identity), *model])
     unshowable = next((token for command in commands for token in command if not token.isprintable()), None)
     if unshowable is not None:  # a line break or control character: no one-line command can carry it
         return [StepLine(f"no command can be printed on one line for {unshowable!r} (it holds a line break or "
