@@ -177,3 +177,22 @@ def test_a_bad_model_refuses_the_run_in_one_line_with_exit_2_and_a_receipt(
     refusals = [line for line in err.splitlines() if "refused" in line]
     assert len(refusals) == 1 and says in refusals[0] and "Traceback" not in err, err
     assert [path.name.startswith(".") for path in archive.iterdir()] == [False]  # one receipt, published
+
+
+def test_the_vllm_lanes_directory_holds_the_pinned_arrays_privately(tiny: Path) -> None:
+    """vLLM reads a float32 Hugging Face directory this process wrote from the arrays it pinned:
+    loaded back it gives those arrays bit for bit, and no other user can write into it."""
+    from qualify.engines.checkpoint import load_config, load_weights
+
+    chosen_model.use_model(str(tiny))
+    directory = chosen_model.hf_float32_dir()
+    assert directory.stat().st_mode & 0o777 == 0o700
+    assert chosen_model.hf_float32_dir() == directory  # written once per process
+    config = load_config(directory)
+    assert config.geometry == chosen_model.loaded_model().geometry
+    weights = load_weights(directory, config)
+    pinned = chosen_model.loaded_model().weights
+    assert sorted(weights) == sorted(pinned)
+    assert all(np.array_equal(weights[name].view(np.uint32), pinned[name].view(np.uint32)) for name in pinned)
+    digest, _ = chosen_model.hf_float32_sha256()
+    assert checkpoint_digests(LaneKind.VLLM)["models/tiny/derived/hf-float32"] == digest

@@ -71,6 +71,7 @@ def use_model(argument: str | None) -> ModelChoice | None:
     model_choice.choose(choice)
     _nvfp4_derived.cache_clear()
     _q8_0_derived.cache_clear()
+    hf_float32_dir.cache_clear()
     return choice
 
 
@@ -187,24 +188,21 @@ def hf_float32_sha256() -> tuple[str, int]:
                          for name, weight in sorted(loaded_model().weights.items()))
 
 
+@cache
 def hf_float32_dir() -> Path:
     """The chosen model as a float32 ``LlamaForCausalLM`` directory (``config.json``,
     ``model.safetensors``, ``tokenizer.json``) for engines that load only that format (vLLM): the
-    same weights the reference engine runs, written once into the user cache directory under
-    their digest, and reused while it matches."""
+    very arrays the pin (:func:`hf_float32_sha256`) and the reference engine cover, written by this
+    process into its own private temporary directory (never a shared cache another process could
+    have changed), removed when the interpreter exits."""
+    import atexit
     import json
-    import os
     import shutil
     import tempfile
 
     from safetensors.numpy import save_file
 
     loaded, choice = loaded_model(), require_choice()
-    digest, _ = hf_float32_sha256()
-    cache_root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trust-ladder" / "models"
-    target = cache_root / f"{choice.name}-{digest[:16]}"
-    if (target / "model.safetensors").is_file():
-        return target
     geometry, config = loaded.geometry, loaded.config
     document = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": geometry.vocab,
@@ -216,17 +214,10 @@ def hf_float32_dir() -> Path:
         "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 0,
         "torch_dtype": "float32",
     }
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_root))
-    try:
-        (staging / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-        save_file({name: np.ascontiguousarray(weight, dtype=np.float32) for name, weight in loaded.weights.items()},
-                  str(staging / "model.safetensors"), metadata={"format": "pt"})
-        loaded.tokenizer.save(str(staging / "tokenizer.json"))
-        os.replace(staging, target)  # another process may have won: its copy holds the same bytes
-    except OSError:
-        if not (target / "model.safetensors").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    directory = Path(tempfile.mkdtemp(prefix=f"qualify-{choice.name}-hf-float32-"))  # mode 0700
+    atexit.register(shutil.rmtree, directory, True)
+    (directory / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    save_file({name: np.ascontiguousarray(weight, dtype=np.float32) for name, weight in loaded.weights.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    loaded.tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
