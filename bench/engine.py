@@ -136,14 +136,10 @@ def weight_stream(engine: ReferenceEngine) -> tuple[Callable[[], None], int]:
 def model_engine(argument: str) -> tuple[ReferenceEngine, np.ndarray, str, Path]:
     """The reference engine on ``--model``'s weights, its fixture prompt (the rule under its
     tokenizer), its description, and the float32 Hugging Face directory vLLM loads."""
-    from qualify.engines.chosen_model import hf_float32_dir, use_model
+    from qualify.engines.chosen_model import hf_float32_dir, loaded_model, reference_engine, use_model
 
-    choice = use_model(argument)
-    assert choice is not None
-    from qualify.engines.chosen_model import loaded_model
-
-    model = loaded_model()
-    engine = ReferenceEngine(model.geometry, model.weights, rms_norm_eps=model.config.rms_norm_eps)
+    use_model(argument)
+    model, engine = loaded_model(), reference_engine()
     files = ", ".join(f"{entry.name} {entry.sha256[:12]}" for entry in model.files)
     return engine, assets.load_prompt(), f"{argument} ({model.kind}: {files})", hf_float32_dir()
 

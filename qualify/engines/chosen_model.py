@@ -33,6 +33,7 @@ from qualify.engines.nvfp4 import (
     Nvfp4Checkpoint,
     quantize_nvfp4,
 )
+from qualify.engines.reference import MakeLinear, Materialize, ReferenceEngine
 
 QUANTIZED_PROJECTION = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
@@ -87,6 +88,14 @@ def loaded_model() -> LoadedModel:
     if not _LOADED:
         raise Refused("no --model chosen in this process")
     return _LOADED[0]
+
+
+def reference_engine(make_linear: MakeLinear | None = None, materialize: Materialize | None = None) -> ReferenceEngine:
+    """The numpy reference engine on the chosen model's float32 weights (``make_linear`` and
+    ``materialize`` as :class:`~qualify.engines.reference.ReferenceEngine` takes them)."""
+    loaded = loaded_model()
+    return ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps,
+                           make_linear=make_linear, materialize=materialize)
 
 
 def require_choice() -> ModelChoice:

@@ -166,10 +166,8 @@ def _nvfp4_engine(arithmetic: Arithmetic) -> Engine:
     if model_choice.chosen() is not None:
         from qualify.engines import chosen_model
 
-        loaded = chosen_model.loaded_model()
-        return ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps,
-                               make_linear=make_nvfp4_linear_factory(chosen_model.nvfp4_checkpoint(), arithmetic),
-                               materialize=materialize)
+        return chosen_model.reference_engine(
+            make_nvfp4_linear_factory(chosen_model.nvfp4_checkpoint(), arithmetic), materialize)
     return ReferenceEngine.from_model_dir(
         assets.MODEL_DIR,
         make_linear=make_nvfp4_linear_factory(load_checkpoint(NVFP4_DIR), arithmetic),
@@ -189,10 +187,9 @@ def _vllm_lane_engine(spec: LaneSpec, role: Role, vllm_fault: str | None = None)
     from qualify.engines.reference import ReferenceEngine
 
     if chosen:
-        from qualify.engines.chosen_model import loaded_model
+        from qualify.engines.chosen_model import reference_engine
 
-        loaded = loaded_model()
-        return ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps)
+        return reference_engine()
     return ReferenceEngine.from_model_dir(assets.MODEL_DIR)
 
 
