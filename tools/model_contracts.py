@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from qualify.contract.controls import (
     CALIBRATION_SET_PATH,
     CRITERIA_PATH,
+    MODEL_CALIBRATION_SET_FILE,
     MODEL_CRITERIA_FILE,
     load_calibration_set,
     load_controls_criteria,
@@ -63,7 +64,7 @@ def model_contracts(written: str) -> dict[str, dict[str, Any]]:
         "file": model_choice.file_key(choice.name, chosen_model.Q8_0_DERIVED),
         "sha256": digest,
     }
-    return {CALIBRATION_SET_PATH.name: calibration_set, MODEL_CRITERIA_FILE: criteria}
+    return {MODEL_CALIBRATION_SET_FILE: calibration_set, MODEL_CRITERIA_FILE: criteria}
 
 
 def main(argv: list[str] | None = None) -> int:

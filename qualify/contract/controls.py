@@ -40,11 +40,13 @@ CRITERIA_SCHEMA_PATH = CONTRACTS_DIR / "e2-controls-criteria.v1.schema.json"
 CALIBRATION_SET_SCHEMA_PATH = CONTRACTS_DIR / "calibration-set.v1.schema.json"
 CONTROLS_RECORD_SCHEMA_PATH = CONTRACTS_DIR / "controls-record.v1.schema.json"
 CRITERIA_PATH = CONTRACTS_DIR / "e2-controls-v2.json"
-MODEL_CRITERIA_FILE = "e2-controls-v1.json"
-"""A chosen model's criteria file in ``contracts/models/<name>/`` (``tools/model_contracts.py``)."""
 """The committed E2 controls criteria (what :func:`load_controls_criteria` reads by default)."""
 CALIBRATION_SET_PATH = CONTRACTS_DIR / "calibration-set-v1.json"
 """The committed calibration set (what :func:`load_calibration_set` reads by default)."""
+MODEL_CRITERIA_FILE = "e2-controls-v1.json"
+MODEL_CALIBRATION_SET_FILE = "calibration-set-v1.json"
+"""A chosen model's criteria and calibration set files in ``contracts/models/<name>/``
+(``tools/model_contracts.py``)."""
 
 FIXTURE_PROMPT_FILE = f"model/prompts/{MAIN_PROMPT}.json"
 """The qualification fixture's file: its name and source are barred from both sets."""
@@ -358,7 +360,9 @@ def load_controls_criteria(path: str | os.PathLike[str] | None = None) -> tuple[
 def load_calibration_set(path: str | os.PathLike[str] | None = None) -> tuple[CalibrationSet, str]:
     """The calibration set (default: the committed ``contracts/calibration-set-v1.json``) and the
     SHA-256 of its RFC 8785 bytes; any doubt is a one-line refusal."""
-    file = (model_contracts_dir() / CALIBRATION_SET_PATH.name) if path is None else Path(path)
+    default = (CALIBRATION_SET_PATH if model_choice.chosen() is None
+               else model_contracts_dir() / MODEL_CALIBRATION_SET_FILE)
+    file = default if path is None else Path(path)
     where = f"calibration set {os.fspath(file)}"
     document = read_strict_json(file, "calibration set")
     check_schema(document, CALIBRATION_SET_SCHEMA_PATH, where)
