@@ -305,7 +305,9 @@ def _type_swaps(current: object) -> list[object]:
         swaps += [float(current), bool(current), -current, current << 40, Raw(f"{current}.0"),
                   Raw(f"{current}e0"), Raw(f"{current}.000000000000000001")]
     elif type(current) is float:
-        swaps += [int(current), current * 1e10, -current - 1.0, Raw(f"{current!r}0"), Raw(f"{current}e0")]
+        # A value an earlier edit left infinite has no int (int() raises): only its other swaps.
+        swaps += [int(current)] if math.isfinite(current) else []
+        swaps += [current * 1e10, -current - 1.0, Raw(f"{current!r}0"), Raw(f"{current}e0")]
     elif isinstance(current, str):
         swaps += [current.upper(), current[1:] + current[:1], 0,
                   Raw('"' + "".join(f"\\u{ord(c):04x}" for c in current) + '"')]
