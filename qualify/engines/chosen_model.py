@@ -73,6 +73,9 @@ def use_model(argument: str | None) -> ModelChoice | None:
     _nvfp4_derived.cache_clear()
     _q8_0_derived.cache_clear()
     hf_float32_dir.cache_clear()
+    nvfp4_checkpoint_sha256.cache_clear()
+    q8_0_weights_sha256.cache_clear()
+    hf_float32_sha256.cache_clear()
     return choice
 
 
@@ -132,6 +135,7 @@ def nvfp4_checkpoint() -> Nvfp4Checkpoint:
     return _nvfp4_derived()
 
 
+@cache
 def nvfp4_checkpoint_sha256() -> tuple[str, int]:
     """SHA-256 and byte count over the derived NVFP4 tensors, in name order: each name, its packed
     E2M1 codes, its E4M3FN scale bytes (row-major [n_out, n_in/16]) and its float32 scale2."""
@@ -171,6 +175,7 @@ def q8_0_weights() -> KQuantWeights:
     return _q8_0_derived()
 
 
+@cache
 def q8_0_weights_sha256() -> tuple[str, int]:
     """SHA-256 and byte count over the derived Q8_0 matrices in name order (name, int8 quants,
     float32 scales)."""
@@ -191,6 +196,7 @@ def q8_0_engine() -> KQuantEngine:
 
 
 
+@cache
 def hf_float32_sha256() -> tuple[str, int]:
     """SHA-256 and byte count over the chosen model's float32 weights in name order (name, bytes)."""
     return _parts_sha256((name, np.ascontiguousarray(weight, dtype=np.float32))
