@@ -4,8 +4,18 @@ and row-independent."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from qualify.core.numerics import FixedPointRows, cos_sin, exp, matmul_rows, tree_sum, weighted_sum
+from qualify.core import numerics
+from qualify.core.numerics import (
+    FixedPointRows,
+    cos_sin,
+    exp,
+    matmul_rows,
+    tree_sum,
+    weighted_sum,
+    whole_rows_are_exact,
+)
 
 
 def ulps(found: np.ndarray, exact: np.ndarray) -> np.ndarray:
@@ -59,3 +69,38 @@ def test_weighted_sum_matches_probabilities_times_values() -> None:
     exact = probs.astype(np.float64) @ values.astype(np.float64)
     found = weighted_sum(probs, FixedPointRows.of(values))
     assert np.abs(found - exact).max() <= 1e-5
+
+
+def test_whole_rows_are_exact_up_to_the_last_row_sum_below_2_to_the_53() -> None:
+    # A row's absolute sum times the right operand's largest integer (2^21) bounds every partial sum.
+    limit = 2.0 ** (53 - 21)
+    below = np.zeros((2, 600))
+    below[:, :2] = [limit / 2, limit / 2 - 1]  # absolute sum limit - 1
+    assert whole_rows_are_exact(below)
+    at_limit = below.copy()
+    at_limit[1, 2] = -1.0  # the second row's absolute sum reaches the limit (signs do not cancel)
+    assert not whole_rows_are_exact(at_limit)
+    # Rows of largest-magnitude integers: 511 fit below 2^53, 512 reach it.
+    assert whole_rows_are_exact(np.full((1, 511), -2.0**23))
+    assert not whole_rows_are_exact(np.full((1, 512), -2.0**23))
+
+
+@pytest.mark.parametrize("left_scale", [1.0, 2.0**23], ids=["small rows", "rows too large for one product"])
+def test_one_product_gives_the_chunked_sums_bits(monkeypatch: pytest.MonkeyPatch, left_scale: float) -> None:
+    """matmul_rows and weighted_sum give the same bits whether a call is one product over the whole
+    reduction or the REDUCTION_CHUNK-long exact sums added left to right."""
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((16, 1536)).astype(np.float32)
+    a[:, 7] *= 50.0  # an outlier feature, as real residual streams have
+    if left_scale > 1.0:
+        a = np.sign(a) * np.float32(1.0)  # every entry at the row's largest magnitude
+    w = FixedPointRows.of(rng.standard_normal((96, 1536)).astype(np.float32))
+    probs = rng.dirichlet(np.ones(1536), size=(3, 4)).astype(np.float32)
+    values = FixedPointRows.of(rng.standard_normal((3, 1536, 64)).astype(np.float32))
+    left_rows = FixedPointRows.of(a, 23).integers
+    assert whole_rows_are_exact(left_rows) == (left_scale == 1.0)
+    fast = matmul_rows(a, w), weighted_sum(probs, values)
+    monkeypatch.setattr(numerics, "whole_rows_are_exact", lambda left, right_bits=21: False)
+    chunked = matmul_rows(a, w), weighted_sum(probs, values)
+    for found, expected in zip(fast, chunked, strict=True):
+        assert np.array_equal(found.view(np.uint32), expected.view(np.uint32))

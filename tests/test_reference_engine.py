@@ -455,3 +455,33 @@ class _Doubling:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return 2 * self.inner(x)  # type: ignore[operator]
+
+
+def test_one_product_reductions_keep_the_chunked_bits(engine: ReferenceEngine, prompt: np.ndarray,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill, decode and row scoring give the same bits whether reductions longer than
+    REDUCTION_CHUNK run as one product (the fast path) or as chunks added left to right."""
+    from qualify.core import numerics
+    from qualify.engines import reference
+
+    tokens = prompt[:600]  # attention over up to 600 keys, down_proj over 512 terms
+
+    def run() -> list[np.ndarray]:
+        kv = engine.prefill(tokens[:-4])
+        decoded = engine.teacher_forced(kv, tokens[-4:-3], tokens[-3:])  # [3, vocab]
+        return [*kv.keys, *kv.values, decoded, engine.score_rows(tokens[:300], engine.prefill(tokens[:300]))]
+
+    one_products = []
+
+    def counted(left: np.ndarray, right_bits: int = 21) -> bool:
+        exact = numerics.whole_rows_are_exact(left, right_bits)
+        one_products.append(exact and left.shape[-1] > numerics.REDUCTION_CHUNK)
+        return exact
+
+    monkeypatch.setattr(reference, "whole_rows_are_exact", counted)
+    fast = run()
+    assert any(one_products)  # the scoring attention took the fast path
+    monkeypatch.setattr(numerics, "whole_rows_are_exact", lambda left, right_bits=21: False)
+    monkeypatch.setattr(reference, "whole_rows_are_exact", lambda left, right_bits=21: False)
+    for found, chunked in zip(fast, run(), strict=True):
+        assert np.array_equal(found.view(np.uint32), chunked.view(np.uint32))

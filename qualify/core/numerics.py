@@ -12,7 +12,10 @@ to other SIMD code paths on another CPU. None of that may move a judged bit, so 
   product is then exact in float64 whatever order or kernel BLAS adds it with (every partial sum
   stays below 2^53), chunks are added left to right, and the result is scaled back and rounded
   once to float32. Its error is that of a float32 GEMM (each operand keeps 23 or 21 bits below
-  its vector's largest magnitude).
+  its vector's largest magnitude). When a call's rows are small enough that no partial sum of a
+  whole row can reach 2^53 (:func:`whole_rows_are_exact`, true of nearly every real call), the
+  chunks' left-to-right sum is the exact integer too, and one BLAS call over the whole reduction
+  gives the same bits with one pass over the right operand.
 * :func:`tree_sum`: a pairwise sum over the last axis in a fixed order, built from elementwise
   adds (each one IEEE-rounded, so SIMD width cannot change it).
 * :func:`exp` (float32) and :func:`cos_sin` (float64, rounded once to float32): polynomials
@@ -32,7 +35,8 @@ import numpy as np
 LEFT_BITS = 23  # |integer| <= 2^23 for the left operand (activations, probabilities)
 RIGHT_BITS = 21  # |integer| <= 2^21 for the right operand (weights, keys, values)
 REDUCTION_CHUNK = 256  # 2^8 terms: |sum| <= 2^(23 + 21 + 8) = 2^52 < 2^53, exact in float64
-assert LEFT_BITS + RIGHT_BITS + REDUCTION_CHUNK.bit_length() - 1 < 53
+EXACT_INTEGER_BITS = 53  # every integer of magnitude below 2^53 is a float64
+assert LEFT_BITS + RIGHT_BITS + REDUCTION_CHUNK.bit_length() - 1 < EXACT_INTEGER_BITS
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,24 @@ class FixedPointRows:
         return FixedPointRows(self.integers[index], self.scale[index])
 
 
+def whole_rows_are_exact(left: np.ndarray, right_bits: int = RIGHT_BITS) -> bool:
+    """Whether every row of integer-valued ``left`` [..., M, K] times integers of at most
+    ``right_bits`` bits stays below 2^53 at every partial sum, in any order: the row's absolute sum
+    times 2^right_bits bounds them all. Then the whole dot product is exact in float64, equal to
+    the chunked left-to-right sum, whatever BLAS kernel, blocking or thread split adds it."""
+    if left.shape[-1] <= REDUCTION_CHUNK:
+        return True
+    row_sums = np.abs(left).sum(axis=-1)  # non-negative integers below 2^53: summed exactly
+    return bool(row_sums.max(initial=0.0) < 2.0 ** (EXACT_INTEGER_BITS - right_bits))
+
+
 def _integer_product(left: np.ndarray, right_t: np.ndarray) -> np.ndarray:
-    """left [..., M, K] @ right_t [..., K, N], integer-valued float64: each REDUCTION_CHUNK-long
-    partial sum is exact (below 2^53) whatever order BLAS adds it in; chunks added left to right."""
+    """left [..., M, K] @ right_t [..., K, N] (right integers of at most RIGHT_BITS bits),
+    integer-valued float64: one BLAS call when :func:`whole_rows_are_exact`, else each
+    REDUCTION_CHUNK-long partial sum is exact (below 2^53) whatever order BLAS adds it in, and the
+    chunks are added left to right. Both give the same bits whenever the first applies."""
+    if whole_rows_are_exact(left):
+        return np.asarray(left @ right_t)
     total = left[..., :REDUCTION_CHUNK] @ right_t[..., :REDUCTION_CHUNK, :]
     for start in range(REDUCTION_CHUNK, left.shape[-1], REDUCTION_CHUNK):
         total += left[..., start:start + REDUCTION_CHUNK] @ right_t[..., start:start + REDUCTION_CHUNK, :]

@@ -64,6 +64,7 @@ from qualify.core.numerics import (
     matmul_rows,
     tree_sum,
     weighted_sum,
+    whole_rows_are_exact,
 )
 from qualify.engines.base import ENGINE_VERSION, DecodeResult, GreedyDecoder, Linear, ModelGeometry, finished_decode
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
@@ -255,23 +256,32 @@ def weighted_sum_own_diagonal(probs: np.ndarray, past_value_rows: FixedPointRows
     own_scales = own_value_rows.scale[:, None, :, 0]  # [kv, 1, rows]
     folded[..., diagonal, start + diagonal] = probs[..., diagonal, start + diagonal] * own_scales
     left = FixedPointRows.of(folded, LEFT_BITS, reuse=True)
+    # Row i's terms are its integers here, the own weight at its diagonal included.
+    one_product = whole_rows_are_exact(left.integers)
     own_weights = left.integers[..., diagonal, start + diagonal].copy()  # [kv, group, rows]
     left.integers[..., diagonal, start + diagonal] = 0  # the diagonal multiplies the own value
     own_terms = own_weights[..., None] * own_value_rows.integers[:, None]  # [kv, group, rows, hd], exact
     own_chunks = (start + diagonal) // REDUCTION_CHUNK  # the chunk each row's own key falls in
     kv_heads, group, _, keys = probs.shape
     left_rows = left.integers.reshape(kv_heads, group * rows, keys)  # one BLAS batch per KV head
-    total: np.ndarray | None = None
-    for chunk, chunk_start in enumerate(range(0, keys, REDUCTION_CHUNK)):
-        keys_in_chunk = slice(chunk_start, chunk_start + REDUCTION_CHUNK)
-        partial = (left_rows[..., keys_in_chunk] @ past_value_rows.integers[:, keys_in_chunk]
-                   ).reshape(kv_heads, group, rows, -1)
-        in_chunk = own_chunks == chunk
-        partial[..., in_chunk, :] += own_terms[..., in_chunk, :]  # integers below 2^52: exact
-        total = partial if total is None else total + partial
-    assert total is not None
+    if one_product:
+        # No partial sum of a row, its own term included, reaches 2^53: the chunked sum below is
+        # the exact integer, and so is one product over every key plus the own term.
+        total: np.ndarray = (left_rows @ past_value_rows.integers).reshape(kv_heads, group, rows, -1)
+        total += own_terms
+    else:
+        chunk_totals = []
+        for chunk, chunk_start in enumerate(range(0, keys, REDUCTION_CHUNK)):
+            keys_in_chunk = slice(chunk_start, chunk_start + REDUCTION_CHUNK)
+            partial = (left_rows[..., keys_in_chunk] @ past_value_rows.integers[:, keys_in_chunk]
+                       ).reshape(kv_heads, group, rows, -1)
+            in_chunk = own_chunks == chunk
+            partial[..., in_chunk, :] += own_terms[..., in_chunk, :]  # integers below 2^52: exact
+            chunk_totals.append(partial)
+        total = np.asarray(functools.reduce(np.add, chunk_totals))  # left to right
     total *= left.scale  # exact: powers of two
-    return total.astype(np.float32)
+    rounded: np.ndarray = total.astype(np.float32)
+    return rounded
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,7 +515,12 @@ class LayerKV:
         """A layer with room for ``capacity`` slots, slots 0.. filled from K/V [kv, P, hd]."""
         kv_heads, _, head_dim = keys.shape
         empty = np.zeros((kv_heads, capacity, head_dim), dtype=np.float32)
-        layer = cls(empty, empty.copy(), FixedPointRows.of(empty), FixedPointRows.of(empty))
+        # The keys' integers are stored head-dim-major, [kv, head_dim, capacity] viewed as
+        # [kv, capacity, head_dim]: a decode step's scores then read each head dim's visible keys
+        # as one contiguous run, not one short row per key (same values, so the same bits).
+        key_integers = np.zeros((kv_heads, head_dim, capacity)).swapaxes(-1, -2)
+        key_rows = FixedPointRows(key_integers, np.zeros((kv_heads, capacity, 1)))
+        layer = cls(empty, empty.copy(), key_rows, FixedPointRows.of(empty))
         layer.write(0, keys, values)
         return layer
 
