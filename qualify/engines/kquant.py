@@ -205,14 +205,15 @@ class ExactQ8Linear:
         act_quants, act_scales = _quantize_activations(x)  # [T, blocks, 32] ints as float32, [T, blocks]
         if float(np.abs(act_quants).max(initial=0)) > Q8_MAX:
             raise Refused(f"kquant: {self.name}: activation quant outside [-127, 127]")
-        # Exact integer block dots: [blocks, T, 32] @ [blocks, 32, n_out] -> [blocks, T, n_out].
-        terms = np.matmul(act_quants.transpose(1, 0, 2), self._quants_by_block)
-        # Epilogue, per block: float32(isum) * (d_w * d_a); then a left-to-right float32 sum over
-        # blocks starting from +0.0: acc = ((0 + t_0) + t_1) + ... (each add one IEEE rounding).
-        terms *= self._scales_by_block[:, None, :] * act_scales.T[:, :, None]
-        acc: np.ndarray = terms[0] + np.float32(0)
-        for block in range(1, self.blocks):
-            acc += terms[block]
+        # Epilogue, per block: float32(isum) * (d_w * d_a), each block's exact integer dot
+        # [T, 32] @ [32, n_out]; then a left-to-right float32 sum over blocks starting from +0.0:
+        # acc = ((0 + t_0) + t_1) + ... (each add one IEEE rounding). Block by block, so one
+        # [T, n_out] term is live at a time (all blocks' terms at once do not stay in cache).
+        acc: np.ndarray = np.zeros((x.shape[0], self.n_out), dtype=np.float32)
+        for block in range(self.blocks):
+            terms = act_quants[:, block] @ self._quants_by_block[block]  # [T, n_out], exact
+            terms *= self._scales_by_block[block][None, :] * act_scales[:, block][:, None]
+            acc += terms
         return acc
 
 
