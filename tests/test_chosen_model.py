@@ -114,11 +114,32 @@ def test_the_q8_0_yardstick_is_llama_cpps_q8_0_of_each_weight(tiny: Path) -> Non
     assert "model.norm.weight" in weights.vectors and "model.embed_tokens" in weights.matrices
 
 
-def test_lane_kinds_that_run_only_the_shipped_model_are_refused(tiny: Path) -> None:
+def test_lanes_that_run_only_the_shipped_model_are_refused(tiny: Path) -> None:
     chosen_model.use_model(str(tiny))
-    with pytest.raises(Refused, match=r"^--model tiny: lane kind kquant runs only the shipped model; expected "
-                                      r"a lane of kind nvfp4 or vllm$"):
+    with pytest.raises(Refused, match=r"^--model tiny: lane kind transformers runs only the shipped model; expected "
+                                      r"a lane of kind nvfp4, kquant or vllm$"):
+        build_producer("transformers-cuda-fp32", ProducerMode.NATIVE)
+    with pytest.raises(Refused, match=r"^lane kquant-exact-dflash: its draft was trained for the shipped target "
+                                      r"only; --model runs the draftless lane kquant-exact$"):
         build_producer("kquant-exact-dflash", ProducerMode.EXACT)
+
+
+def test_a_chosen_models_draftless_kquant_lane_hands_off_the_shipped_targets_kv(tiny: Path) -> None:
+    """tools/make_gguf.py quantized the shipped target from these float16 weights through gguf's
+    Q8_0, as the chosen model's lane does in process: the same KV, bit for bit."""
+    prompt = assets.load_prompt()[:48]
+    shipped = build_producer("kquant-exact", ProducerMode.EXACT)
+    assert "model/gguf/target-q8_0.gguf" in shipped.digests
+    shipped_kv = shipped.prefill(prompt)
+    chosen_model.use_model(str(tiny))
+    chosen = build_producer("kquant-exact", ProducerMode.EXACT)
+    assert chosen.digests == checkpoint_digests(LaneKind.KQUANT)
+    assert set(chosen.digests) == {*chosen_model.require_choice().files, "models/tiny/derived/q8_0"}
+    assert chosen.engine.abi == shipped.engine.abi
+    chosen_tensors, shipped_tensors = chosen.prefill(prompt).tensors(), shipped_kv.tensors()
+    assert sorted(chosen_tensors) == sorted(shipped_tensors)
+    for name, tensor in chosen_tensors.items():
+        assert np.array_equal(tensor, shipped_tensors[name]), name
 
 
 def _identity_pinning(files: dict[str, str], lane_kind: LaneKind = LaneKind.NVFP4) -> SimpleNamespace:

@@ -196,6 +196,7 @@ class LaneSpec:
 
 
 KQUANT_EXACT_DFLASH_LANE = "kquant-exact-dflash"
+KQUANT_EXACT_LANE = "kquant-exact"
 VLLM_TO_REFERENCE_LANE = "vllm-to-reference"
 VLLM_TO_VLLM_LANE = "vllm-to-vllm"
 REFERENCE_TO_VLLM_LANE = "reference-to-vllm"
@@ -276,6 +277,12 @@ _LANE_LIST: tuple[LaneSpec, ...] = (
     LaneSpec(
         KQUANT_EXACT_DFLASH_LANE, LaneKind.KQUANT, Recipe.KQUANT_TARGET_PLUS_DFLASH,
         ProducerMode.EXACT, None, speculative_draft=True,
+    ),
+    # The Q8_0 target alone, without a draft: rung 3 for any model (a --model's own Q8_0 weights;
+    # the shipped draft was trained for the shipped target only).
+    LaneSpec(
+        KQUANT_EXACT_LANE, LaneKind.KQUANT, Recipe.KQUANT_TARGET_PLUS_DFLASH, ProducerMode.EXACT,
+        None, speculative_draft=False,
     ),
     # Fault-test lane (float accumulation): rung 3 must refuse it; never enrollable.
     LaneSpec(

@@ -182,18 +182,17 @@ def q8_0_weights_sha256() -> tuple[str, int]:
     return _parts_sha256((name, matrix.quants, matrix.scales) for name, matrix in sorted(q8_0_weights().matrices.items()))
 
 
-def q8_0_engine() -> KQuantEngine:
-    """The chosen model's E2 yardstick: its Q8_0 weights in llama.cpp's exact arithmetic, plain
-    greedy decode."""
+def q8_0_engine(mode: ProducerMode = ProducerMode.EXACT) -> KQuantEngine:
+    """The chosen model's Q8_0 weights, plain greedy decode: in llama.cpp's exact arithmetic, the
+    ``kquant-exact`` lane's engine and the E2 yardstick; ``NATIVE`` is the ``kquant-native``
+    fault producer's float accumulation."""
     loaded = loaded_model()
     geometry = loaded.geometry
     config = KQuantConfig(vocab=geometry.vocab, hidden=geometry.hidden, intermediate=loaded.config.intermediate,
                           layers=geometry.layers, heads=geometry.heads, kv_heads=geometry.kv_heads,
                           head_dim=geometry.head_dim, max_positions=geometry.max_positions,
                           rope_theta=geometry.rope_theta, rms_norm_eps=loaded.config.rms_norm_eps)
-    weights = q8_0_weights()
-    return KQuantEngine(KQuantModel(weights, config, ProducerMode.EXACT))
-
+    return KQuantEngine(KQuantModel(q8_0_weights(), config, mode))
 
 
 @cache

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal
 
 from qualify.contract.lanes import (
+    KQUANT_EXACT_LANE,
     LANES,
     TORCH_LLAMA_MODELS,
     TRANSFORMERS_LANE_SETTINGS,
@@ -85,16 +86,19 @@ def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
     raise Refused(f"lane kind {kind.value}: no engine in this harness builds it")
 
 
-CHOSEN_MODEL_KINDS = (LaneKind.NVFP4, LaneKind.VLLM)
+CHOSEN_MODEL_KINDS = (LaneKind.NVFP4, LaneKind.KQUANT, LaneKind.VLLM)
 """The lane kinds a ``--model`` runs: their engines derive their weights from the model's floats
-(NVFP4 quantized in process; vLLM from a float32 Hugging Face directory written from them)."""
+(NVFP4 and Q8_0 quantized in process; vLLM from a float32 Hugging Face directory written from
+them). A k-quant lane with a draft still runs only the shipped model (its draft is the shipped
+target's)."""
 
 
 def _require_chosen_model_kind(kind: LaneKind) -> None:
     if kind not in CHOSEN_MODEL_KINDS:
         choice = model_choice.chosen()
+        *others, last = (k.value for k in CHOSEN_MODEL_KINDS)
         raise Refused(f"--model {choice.name if choice else ''}: lane kind {kind.value} runs only the shipped "
-                      f"model; expected a lane of kind {' or '.join(k.value for k in CHOSEN_MODEL_KINDS)}")
+                      f"model; expected a lane of kind {', '.join(others)} or {last}")
 
 
 def chosen_checkpoint(kind: LaneKind) -> tuple[dict[str, str], int]:
@@ -105,9 +109,11 @@ def chosen_checkpoint(kind: LaneKind) -> tuple[dict[str, str], int]:
     choice = chosen_model.require_choice()
     _require_chosen_model_kind(kind)
     digests, total = dict(choice.files), sum(choice.file_sizes.values())
-    derived_key, (derived_sha256, derived_bytes) = (
-        (chosen_model.NVFP4_DERIVED, chosen_model.nvfp4_checkpoint_sha256()) if kind is LaneKind.NVFP4
-        else (chosen_model.HF_FLOAT32_DERIVED, chosen_model.hf_float32_sha256()))
+    derived = {LaneKind.NVFP4: (chosen_model.NVFP4_DERIVED, chosen_model.nvfp4_checkpoint_sha256),
+               LaneKind.KQUANT: (chosen_model.Q8_0_DERIVED, chosen_model.q8_0_weights_sha256),
+               LaneKind.VLLM: (chosen_model.HF_FLOAT32_DERIVED, chosen_model.hf_float32_sha256)}
+    derived_key, derived_digest = derived[kind]
+    derived_sha256, derived_bytes = derived_digest()
     digests[model_choice.file_key(choice.name, derived_key)] = derived_sha256
     return dict(sorted(digests.items())), total + derived_bytes
 
@@ -173,6 +179,25 @@ def _nvfp4_engine(arithmetic: Arithmetic) -> Engine:
         make_linear=make_nvfp4_linear_factory(load_checkpoint(NVFP4_DIR), arithmetic),
         materialize=materialize,
     )
+
+
+def _kquant_engine(spec: LaneSpec, mode: ProducerMode) -> Engine:
+    """A k-quant lane's engine: the speculative target-plus-draft engine on a lane with a draft
+    (the shipped model only), else the plain Q8_0 target (a chosen model's derived in process)."""
+    if spec.speculative_draft:
+        if model_choice.chosen() is not None:
+            raise Refused(f"lane {spec.name}: its draft was trained for the shipped target only; "
+                          f"--model runs the draftless lane {KQUANT_EXACT_LANE}")
+        from qualify.engines import speculative
+
+        return speculative.build_engine(mode)
+    if model_choice.chosen() is not None:
+        from qualify.engines import chosen_model
+
+        return chosen_model.q8_0_engine(mode)
+    from qualify.engines.kquant import build_kquant_engine
+
+    return build_kquant_engine(mode)
 
 
 def _vllm_lane_engine(spec: LaneSpec, role: Role, vllm_fault: str | None = None) -> Engine:
@@ -244,9 +269,7 @@ def _build(spec: LaneSpec, mode: ProducerMode, role: Role = "producer",
     if spec.kind is LaneKind.NVFP4:
         return _nvfp4_engine(_nvfp4_arithmetic(spec, mode))
     if spec.kind is LaneKind.KQUANT:
-        from qualify.engines import speculative
-
-        return speculative.build_engine(mode)
+        return _kquant_engine(spec, mode)
     if spec.kind is LaneKind.TORCH_LLAMA:
         from qualify.engines.torch_llama import TorchLlama, random_model_weights
 

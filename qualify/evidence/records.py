@@ -122,8 +122,9 @@ class BitExactRule(_Frozen):
     """Rung 3 (``kquant-target-plus-dflash``): exact tokens, exact full logits, exact draft
     tokens and trace, draft acceptance at or above the sealed floor.
 
-    ``acceptance_floor`` None means the identity declares no speculative draft (only the
-    non-enrollable fault lane does); the draft checks then do not apply and the verdict says so.
+    ``acceptance_floor`` None means the identity declares no speculative draft (the draftless
+    ``kquant-exact`` lane, or the fault lane); the draft checks then do not apply and the verdict
+    says so.
     """
 
     rung: Literal[3] = 3

@@ -15,6 +15,7 @@ import numpy as np
 from qualify.contract.controls import model_contracts_dir
 from qualify.contract.identity import Identity
 from qualify.contract.lanes import (
+    KQUANT_EXACT_LANE,
     LaneSpec,
     ProducerMode,
     Recipe,
@@ -23,7 +24,7 @@ from qualify.contract.lanes import (
     lane_spec,
     recipe_named,
 )
-from qualify.core import assets
+from qualify.core import assets, model_choice
 from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.engines.base import Engine
@@ -54,8 +55,12 @@ def chosen_lane(recipe: str, producer: str, consumer: str) -> LaneSpec:
 
 def default_identity_path(recipe: str, producer: str = "reference", consumer: str = "reference") -> Path:
     """The shipped identity a recipe qualifies when ``--identity`` is not given (for a vLLM
-    producer or consumer, that pair's lane: ``--producer vllm`` alone is ``vllm-to-reference``)."""
-    return identity_path_for_lane(chosen_lane(recipe, producer, consumer).name)
+    producer or consumer, that pair's lane: ``--producer vllm`` alone is ``vllm-to-reference``).
+    A chosen ``--model`` has no speculative draft: its k-quant recipe qualifies the draftless lane."""
+    spec = chosen_lane(recipe, producer, consumer)
+    if spec.speculative_draft and model_choice.chosen() is not None:
+        return identity_path_for_lane(KQUANT_EXACT_LANE)
+    return identity_path_for_lane(spec.name)
 
 
 def identity_path_for_lane(lane: str) -> Path:
@@ -286,7 +291,6 @@ def check_model(identity: Identity, where: str) -> None:
     """Refuse (exit 2, before any engine runs) an identity frozen for another model than the
     process's (``--model``, or the shipped model), or one whose pinned files differ from the
     model's, naming the first differing file."""
-    from qualify.core import model_choice
     from qualify.engines.factory import checkpoint_digests
 
     choice = model_choice.chosen()
