@@ -124,6 +124,7 @@ def test_lane_table() -> None:
         "nvfp4-native-w4a4",
         "nvfp4-exact",
         "kquant-exact-dflash",
+        "kquant-exact",
         "kquant-native",
         "vllm-to-reference",
         "vllm-to-vllm",
@@ -145,6 +146,8 @@ def test_lane_table() -> None:
     assert LANES["kquant-exact-dflash"].recipe.rung == 3
     assert LANES["kquant-exact-dflash"].mode is ProducerMode.EXACT
     assert LANES["kquant-native"].mode is ProducerMode.NATIVE
+    assert not LANES["kquant-exact"].speculative_draft and LANES["kquant-exact"].recipe.rung == 3
+    assert LANES["kquant-exact"].mode is ProducerMode.EXACT and LANES["kquant-exact"].enrollable
     assert not LANES["nvfp4-exact"].enrollable and not LANES["kquant-native"].enrollable
     assert {spec.variant for spec in LANES.values() if spec.kind is LaneKind.NVFP4} == {
         *NativeVariant, None
@@ -210,7 +213,7 @@ def test_cache_identities_of_all_lanes_differ() -> None:
     identities = {name: target_cache_identity(spec, CHECKPOINT, "abi-1") for name, spec in LANES.items()}
     assert len(set(identities.values())) == len(LANES)
     kinds = [(spec.kind, spec.mode, spec.variant, lanes.VLLM_LANE_ENGINES.get(spec.name),
-              lanes.TRANSFORMERS_LANE_SETTINGS.get(spec.name)) for spec in LANES.values()]
+              lanes.TRANSFORMERS_LANE_SETTINGS.get(spec.name), spec.speculative_draft) for spec in LANES.values()]
     assert len(set(kinds)) == len(kinds), "two lanes would share a cache identity"
     exact = LANES["nvfp4-exact"]
     native = LANES["nvfp4-native-splitk"]

@@ -371,7 +371,8 @@ def target_cache_identity(
 
     Hashes ``{"lane_kind", "producer_mode", "native_variant", "checkpoint_sha256": {relpath:
     sha256}, "engine_abi"}`` (plus ``"vllm_lane_engines"``: [producer, consumer] for a ``vllm``
-    lane, ``"torch_settings"``: {device, dtype, tf32} for a ``transformers`` lane) with
+    lane, ``"torch_settings"``: {device, dtype, tf32} for a ``transformers`` lane,
+    ``"speculative_draft": false`` for a draftless ``kquant`` lane) with
     :func:`qualify.core.digests.canonical_sha256`.
     """
     if not isinstance(spec, LaneSpec):
@@ -400,6 +401,11 @@ def target_cache_identity(
     if spec.kind is LaneKind.VLLM:
         # vLLM lanes share kind, mode and variant: their (producer, consumer) engines separate them.
         document["vllm_lane_engines"] = list(VLLM_LANE_ENGINES[spec.name])
+    if spec.kind is LaneKind.KQUANT and not spec.speculative_draft:
+        # A draftless k-quant target hands off no draft context: never the draft lane's KV, though
+        # kind, mode and checkpoint can be the same. (Added with the draftless lane; the draft
+        # lane's document is unchanged, so its sealed identity stands.)
+        document["speculative_draft"] = False
     if spec.kind is LaneKind.TRANSFORMERS:
         # transformers lanes too: their torch settings separate them (the ABI names them as well).
         settings = TRANSFORMERS_LANE_SETTINGS[spec.name]
