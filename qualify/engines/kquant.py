@@ -66,6 +66,7 @@ DRAFT_ARCH = "trust-ladder-eagle1"
 # Rows of activations contracted per chunk: bounds the [blocks, rows, n_out] integer-sum buffer.
 # Rows are independent, so chunking never changes a result.
 ROW_CHUNK = 256
+BATCHED_BLOCK_ROWS = 16  # up to this many rows, a contraction's block dots run as one batched call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,15 +206,25 @@ class ExactQ8Linear:
         act_quants, act_scales = _quantize_activations(x)  # [T, blocks, 32] ints as float32, [T, blocks]
         if float(np.abs(act_quants).max(initial=0)) > Q8_MAX:
             raise Refused(f"kquant: {self.name}: activation quant outside [-127, 127]")
-        # Epilogue, per block: float32(isum) * (d_w * d_a), each block's exact integer dot
+        rows = x.shape[0]
+        # Epilogue, per block: float32(isum) * (d_w * d_a), isum the block's exact integer dot
         # [T, 32] @ [32, n_out]; then a left-to-right float32 sum over blocks starting from +0.0:
-        # acc = ((0 + t_0) + t_1) + ... (each add one IEEE rounding). Block by block, so one
-        # [T, n_out] term is live at a time (all blocks' terms at once do not stay in cache).
-        acc: np.ndarray = np.zeros((x.shape[0], self.n_out), dtype=np.float32)
+        # acc = ((0 + t_0) + t_1) + ... (each add one IEEE rounding).
+        acc: np.ndarray = np.zeros((rows, self.n_out), dtype=np.float32)
+        if rows <= BATCHED_BLOCK_ROWS:
+            # A few rows (decode): every block at once, where per-block calls would cost more than
+            # the arithmetic. [blocks, T, 32] @ [blocks, 32, n_out] -> [blocks, T, n_out].
+            terms = np.matmul(act_quants.transpose(1, 0, 2), self._quants_by_block)
+            terms *= self._scales_by_block[:, None, :] * act_scales.T[:, :, None]
+            for block_terms in terms:
+                acc += block_terms
+            return acc
+        # Many rows (prefill): block by block, so one [T, n_out] term is live at a time instead
+        # of every block's (which do not stay in cache).
         for block in range(self.blocks):
-            terms = act_quants[:, block] @ self._quants_by_block[block]  # [T, n_out], exact
-            terms *= self._scales_by_block[block][None, :] * act_scales[:, block][:, None]
-            acc += terms
+            block_terms = act_quants[:, block] @ self._quants_by_block[block]  # [T, n_out]
+            block_terms *= self._scales_by_block[block][None, :] * act_scales[:, block][:, None]
+            acc += block_terms
         return acc
 
 
