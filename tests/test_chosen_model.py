@@ -217,3 +217,12 @@ def test_the_vllm_lanes_directory_holds_the_pinned_arrays_privately(tiny: Path) 
     assert all(np.array_equal(weights[name].view(np.uint32), pinned[name].view(np.uint32)) for name in pinned)
     digest, _ = chosen_model.hf_float32_sha256()
     assert checkpoint_digests(LaneKind.VLLM)["models/tiny/derived/hf-float32"] == digest
+
+
+def test_a_chosen_models_kquant_recipe_defaults_to_the_draftless_lane(tiny: Path) -> None:
+    from qualify.run.contract import default_identity_path
+
+    assert default_identity_path("kquant-target-plus-dflash") == assets.CONTRACTS_DIR / "kquant-exact-dflash-identity-v1.json"
+    chosen_model.use_model(str(tiny))
+    assert default_identity_path("kquant-target-plus-dflash") == model_contracts_dir() / "kquant-exact-identity-v1.json"
+    assert default_identity_path("native-text") == model_contracts_dir() / "nvfp4-native-w4a4-identity-v1.json"

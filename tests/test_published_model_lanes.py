@@ -83,4 +83,3 @@ def test_the_vllm_cpu_lane_on_the_published_model_qualifies_where_its_identity_p
         assert sample["token_agreement_rate"] == 1.0
         # vLLM hands off whole blocks: the rest of the 2047-token prefix is recomputed.
         assert sample["handed_off_positions"] == 2047 // VLLM_BLOCK_SIZE * VLLM_BLOCK_SIZE
-
