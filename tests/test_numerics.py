@@ -12,6 +12,7 @@ from qualify.core.numerics import (
     cos_sin,
     exp,
     matmul_rows,
+    power,
     tree_sum,
     weighted_sum,
     whole_rows_are_exact,
@@ -104,3 +105,10 @@ def test_one_product_gives_the_chunked_sums_bits(monkeypatch: pytest.MonkeyPatch
     chunked = matmul_rows(a, w), weighted_sum(probs, values)
     for found, expected in zip(fast, chunked, strict=True):
         assert np.array_equal(found.view(np.uint32), expected.view(np.uint32))
+
+
+def test_power_is_exact_where_the_power_is_representable_and_keeps_shapes() -> None:
+    exponents = np.array([[0.0, 0.25], [0.5, 0.75]], dtype=np.float32)
+    assert power(10000.0, exponents).tolist() == [[1.0, 10.0], [100.0, 1000.0]]
+    assert power(4.0, np.array([0.5, -0.5], dtype=np.float32)).dtype == np.float32
+    assert power(4.0, np.array([0.5, -0.5], dtype=np.float32)).tolist() == [2.0, 0.5]

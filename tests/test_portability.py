@@ -96,16 +96,23 @@ def environment_facts():
 # split 2047 + 1) and 16 greedy decode steps; plus the default rung-2 handoff (the exact consumer
 # decoding the w4a4 producer's KV). The speculative engine's KV carries its draft context.
 MATRIX_CHILD = ENVIRONMENT_FACTS + r'''
-import hashlib, json
+import dataclasses, hashlib, json
 import numpy as np
 from qualify.core import assets
+from qualify.engines.checkpoint import load_config, load_weights
 from qualify.engines.factory import build_consumer, build_producer
 from qualify.engines.reference import ReferenceEngine
 
 PREFILLED, STEPS = 299, 16
 prompt = assets.load_prompt()
+config = load_config(assets.MODEL_DIR)
+# The shipped weights under another RoPE base (SmolLM2's): numpy's float32 power gave other
+# inverse frequencies there with AVX-512 than without, which the shipped base 10000 hid.
+rope_100000 = dataclasses.replace(config.geometry, rope_theta=100000.0)
 engines = {
     "reference": ReferenceEngine.from_model_dir(),
+    "reference@rope-theta-100000": ReferenceEngine(rope_100000, load_weights(assets.MODEL_DIR, config),
+                                                   rms_norm_eps=config.rms_norm_eps),
     "nvfp4-native-w4a4:producer": build_producer("nvfp4-native-w4a4", "native"),
     "nvfp4-native-splitk:producer": build_producer("nvfp4-native-splitk", "native"),
     "nvfp4-native-f16:producer": build_producer("nvfp4-native-f16", "native"),
@@ -251,14 +258,15 @@ def test_engines_are_bit_identical_across_blas_kernels_threads_and_simd_dispatch
     check_environments_differ({environment: output["environment"] for environment, output in outputs.items()}, host)
 
     first, baseline = matrix[0], outputs[matrix[0]]["digests"]
-    assert len(baseline) == 8 and all(baseline.values())
+    assert len(baseline) == 9 and all(baseline.values())
     differing = {f"{environment.label}: {engine}.{part}"
                  for environment in matrix[1:] for engine, parts in baseline.items()
                  for part, digest in parts.items()
                  if outputs[environment]["digests"].get(engine, {}).get(part) != digest}
     assert not differing, f"digests differ from {first.label}: {sorted(differing)}"
-    # The native producers really differ from the consumer (else this compared one engine 7 times).
-    assert len({parts["kv"] for engine, parts in baseline.items() if "kv" in parts}) == 7
+    # The native producers really differ from the consumer, and the other RoPE base from the
+    # shipped one (else this compared one engine 8 times).
+    assert len({parts["kv"] for engine, parts in baseline.items() if "kv" in parts}) == 8
 
 
 # Per-sample fields that must be bit-identical wherever the calibration runs (timings excluded).

@@ -19,7 +19,8 @@ to other SIMD code paths on another CPU. None of that may move a judged bit, so 
 * :func:`tree_sum`: a pairwise sum over the last axis in a fixed order, built from elementwise
   adds (each one IEEE-rounded, so SIMD width cannot change it).
 * :func:`exp` (float32) and :func:`cos_sin` (float64, rounded once to float32): polynomials
-  after a Cody-Waite range reduction, from elementwise ``+ - * rint ldexp`` only.
+  after a Cody-Waite range reduction, from elementwise ``+ - * rint ldexp`` only; :func:`power`
+  (RoPE's inverse frequencies, a few values per model) in decimal software arithmetic.
 
 Elementwise ufuncs (add, multiply, divide, sqrt, maximum, rint, ldexp, casts) are correctly
 rounded IEEE operations on every x86-64 SIMD path, so everything built from them is portable.
@@ -27,6 +28,7 @@ rounded IEEE operations on every x86-64 SIMD path, so everything built from them
 
 from __future__ import annotations
 
+import decimal
 import math
 from dataclasses import dataclass
 
@@ -156,6 +158,17 @@ def exp(x: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
             np.ldexp(p, n.astype(np.int32), out=flat_out[start:start + EXP_CHUNK])
     return out
+
+
+def power(base: float, exponents: np.ndarray) -> np.ndarray:
+    """float32 ``base ** exponents``, each power correctly rounded to float64 in decimal arithmetic
+    (software, so the same digits on every machine) and then rounded to float32. numpy's own
+    float32 ``power`` dispatches to SIMD code whose last bit depends on the CPU: with AVX-512 it
+    differs from the scalar result at some RoPE exponents (theta 100000, head_dim 64)."""
+    context = decimal.Context(prec=40)
+    powers = [float(context.power(decimal.Decimal(float(base)), decimal.Decimal(float(exponent))))
+              for exponent in np.asarray(exponents, dtype=np.float32).ravel()]
+    return np.array(powers, dtype=np.float64).astype(np.float32).reshape(np.shape(exponents))
 
 
 # cos/sin: x = n pi/2 + r, |r| <= pi/4, three-part pi/2 (fdlibm's) so n * part is exact for the

@@ -62,6 +62,7 @@ from qualify.core.numerics import (
     cos_sin,
     exp,
     matmul_rows,
+    power,
     tree_sum,
     weighted_sum,
     whole_rows_are_exact,
@@ -181,7 +182,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
 def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [positions, head_dim] float32, angles laid out [f, f] (HF rotate_half layout)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    inv_freq = np.float32(1.0) / (np.float32(theta) ** exponents)  # [head_dim / 2]
+    inv_freq = np.float32(1.0) / power(float(np.float32(theta)), exponents)  # [head_dim / 2]
     # One float32 product per angle, the same rounding as HF's float32 outer product.
     freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([freqs, freqs], axis=-1)  # [positions, head_dim]
