@@ -166,3 +166,23 @@ def test_a_run_refuses_an_identity_whose_adapter_source_changed():
     check_adapter(LaneKind.NVFP4, name, sha256_file(assets.REPO_ROOT / source))
     with pytest.raises(Refused, match="re-freeze the identity"):
         check_adapter(LaneKind.NVFP4, name, "0" * 63 + "1")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_identity_pins_the_rope_tables_this_host_builds(path: Path):
+    """A run recomputes the RoPE tables and refuses an identity pinning other ones (exit 2), so a
+    host whose RoPE arithmetic differs is refused before any handoff, never judged as drift."""
+    from qualify.core.errors import Refused
+    from qualify.run.contract import check_rope_cache
+
+    freeze = _freeze_tool()
+    identity = load_identity(path)
+    config_path = freeze.lane_model_dir(identity.spec, None) / "config.json"
+    _, head_dim, _ = freeze._geometry(freeze._read_config(config_path), config_path)
+    check_rope_cache(identity, head_dim, f"identity {path.name}")
+    stale = identity.model_copy(update={"rope": identity.rope.model_copy(update={"cache_sha256": "0" * 64})})
+    with pytest.raises(Refused, match=rf"^identity x: rope.cache_sha256: pinned {'0' * 64}, this host's RoPE "
+                                      rf"tables \(theta {identity.rope.theta}, head_dim {head_dim}, "
+                                      rf"{identity.context_policy.max_positions} positions\) give "
+                                      rf"{identity.rope.cache_sha256}; .*--lane {identity.lane}$"):
+        check_rope_cache(stale, head_dim, "identity x")

@@ -49,8 +49,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import numpy as np
-
 from qualify.archive.reader import resolve_receipt_uri
 from qualify.contract.controls import model_contracts_dir
 from qualify.contract.identity import (
@@ -70,10 +68,11 @@ from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE,
 from qualify.contract.units import parse_logit_units
 from qualify.core import model_choice
 from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256
-from qualify.core.digests import jcs_sha256, sha256_bytes, sha256_file
+from qualify.core.digests import jcs_sha256, sha256_file
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import read_strict_json, schema_validator
 from qualify.engines.factory import ADAPTER_SOURCES
+from qualify.engines.reference import rope_cache_sha256
 
 DEFAULT_DRAFT = "model/gguf/eagle1-draft-q8_0.gguf"
 """The k-quant lane's EAGLE-1 draft weights (what ``speculative_draft.draft_sha256`` pins)."""
@@ -95,15 +94,6 @@ class Seal(NamedTuple):
 
     identity_sha256: str
     basis_manifest_sha256: str
-
-
-def rope_cache_sha256(theta: float, head_dim: int, max_positions: int) -> str:
-    """SHA-256 of the RoPE cache the reference engine builds (``rope_tables``): float32
-    little-endian cos then sin, ``[max_positions, head_dim]``."""
-    from qualify.engines.reference import rope_tables
-
-    cos, sin = rope_tables(max_positions, head_dim, theta)
-    return sha256_bytes(np.asarray(cos, dtype="<f4").tobytes() + np.asarray(sin, dtype="<f4").tobytes())
 
 
 def file_digests(relpaths: Sequence[str], what: str) -> tuple[dict[str, str], int]:

@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "kquant-exact-dflash": "fc810ecfe46418dc66b4175e9d3aaf160cf55618f9d219246818f5f296c49417",
-    "llama3-8b-shape-pd": "4c50b297f8127070712eb3a899af0b27bb960981f893a8417c64e1da919065e2",
+    "llama3-8b-shape-pd": "c1bd42299b5887a7b7096244cc7e85a9b843b52805ff04ed71388506286b7edb",
     "nvfp4-native-f16": "92f5cf8a032fce71529aaedbfde139190fa81969e5a2fa2f0d55d77fd8953660",
     "nvfp4-native-splitk": "35a8ba38179dc4d50ba480bd0b44b5d90a95e19195b57be6869107dada9f3b5d",
     "nvfp4-native-w4a4": "4facb7902aff64946cda02c6ea4c3ec4d4b555164a1090296368bbda31efec9b",

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from qualify.core import assets
+from qualify.core.digests import sha256_bytes
 from qualify.core.errors import Refused
 from qualify.core.hostenv import check_ieee_environment, numeric_environment
 from qualify.core.kv import KVCache, check_kv_fits
@@ -187,6 +188,13 @@ def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray
     freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([freqs, freqs], axis=-1)  # [positions, head_dim]
     return cos_sin(angles)
+
+
+def rope_cache_sha256(theta: float, head_dim: int, max_positions: int) -> str:
+    """SHA-256 of :func:`rope_tables`: float32 little-endian cos then sin, ``[max_positions,
+    head_dim]``. An identity pins it, and every run recomputes it on its host."""
+    cos, sin = rope_tables(max_positions, head_dim, theta)
+    return sha256_bytes(np.asarray(cos, dtype="<f4").tobytes() + np.asarray(sin, dtype="<f4").tobytes())
 
 
 def rotate_half(x: np.ndarray) -> np.ndarray:

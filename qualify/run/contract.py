@@ -287,6 +287,20 @@ def check_engine_pins(identity: Identity, consumer: Engine, producer_abi: str) -
             f"to calibrate it for this host: {calibrate_hint}")
 
 
+def check_rope_cache(identity: Identity, head_dim: int, where: str) -> None:
+    """Refuse (exit 2, before any handoff) a host whose reference RoPE tables differ from the
+    tables the identity pins: the cold recompute and every numpy engine rotate with them, and their
+    inverse frequencies are a transcendental that must come out the same on every host."""
+    from qualify.engines.reference import rope_cache_sha256
+
+    found = rope_cache_sha256(identity.rope.theta, head_dim, identity.context_policy.max_positions)
+    if found != identity.rope.cache_sha256:
+        raise Refused(f"{where}: rope.cache_sha256: pinned {identity.rope.cache_sha256}, this host's RoPE tables "
+                      f"(theta {identity.rope.theta}, head_dim {head_dim}, {identity.context_policy.max_positions} "
+                      f"positions) give {found}; the identity was frozen with other RoPE arithmetic; to calibrate "
+                      f"it again: qualify calibrate --recipe {identity.recipe.value} --lane {identity.lane}")
+
+
 def check_model(identity: Identity, where: str) -> None:
     """Refuse (exit 2, before any engine runs) an identity frozen for another model than the
     process's (``--model``, or the shipped model), or one whose pinned files differ from the
@@ -324,6 +338,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")
     check_engine_pins(identity, consumer, lane_producer_abi(identity.lane))
     consumer_geometry = consumer.geometry
+    check_rope_cache(identity, consumer_geometry.head_dim, f"identity {identity_path}")
     prompt = assets.load_prompt(identity.prompt.name)
     if assets.prompt_sha256(prompt) != identity.onboarding_qualification.prompt_sha256:
         raise Refused(f"prompt {identity.prompt.name}: sha256 {assets.prompt_sha256(prompt)} differs from "
