@@ -233,7 +233,7 @@ def exchange(script: Script) -> str:
     expectation = script.mutant.expectation if script.mutant is not None else pristine_expectation()
     producer = threading.Thread(target=fake_producer, args=(producer_sock, script), daemon=True)
     producer.start()
-    connection = ProducerConnection(client_sock, key=RUN_KEY, deadlines=DEADLINES,
+    connection = ProducerConnection(client_sock, key=RUN_KEY, run_id="run-fuzz", deadlines=DEADLINES,
                                     expected_payload_bytes=expectation.expected_payload_bytes)
     try:
         connection.handshake()
@@ -283,7 +283,7 @@ def test_a_foreign_key_id_through_the_client_is_refused_naming_key_id() -> None:
     client_sock, producer_sock = socket.socketpair()
     thread = threading.Thread(target=fake_producer, args=(producer_sock, Script("key", answer=wire_answer(forged))))
     thread.start()
-    connection = ProducerConnection(client_sock, key=RUN_KEY, deadlines=DEADLINES)
+    connection = ProducerConnection(client_sock, key=RUN_KEY, run_id="run-fuzz", deadlines=DEADLINES)
     connection.handshake()
     handoff = connection.request_prefill([1, 2], REQUEST_ID)
     with pytest.raises(HandoffRefused, match="key_id") as refused:
@@ -324,7 +324,7 @@ def test_a_producer_silent_mid_answer_is_dropped_at_the_silence_deadline(cut: in
 
     thread = threading.Thread(target=stall, daemon=True)
     thread.start()
-    connection = ProducerConnection(client_sock, key=RUN_KEY, deadlines=silence)
+    connection = ProducerConnection(client_sock, key=RUN_KEY, run_id="run-fuzz", deadlines=silence)
     started = time.monotonic()
     connection.handshake()
     with pytest.raises(ConnectionBroken, match=r"silent for \d+\.\d s during handoff"):
@@ -394,7 +394,7 @@ def _broken_by(script: Script, **connection_options: object) -> ConnectionBroken
     client_sock, producer_sock = socket.socketpair()
     thread = threading.Thread(target=fake_producer, args=(producer_sock, script), daemon=True)
     thread.start()
-    connection = ProducerConnection(client_sock, key=RUN_KEY, deadlines=DEADLINES, **connection_options)  # type: ignore[arg-type]
+    connection = ProducerConnection(client_sock, key=RUN_KEY, run_id="run-fuzz", deadlines=DEADLINES, **connection_options)  # type: ignore[arg-type]
     try:
         with pytest.raises(ConnectionBroken) as broken:
             connection.handshake()

@@ -322,8 +322,8 @@ def test_client_with_wrong_key_is_turned_away() -> None:
             return decode_frame_header(sock.recv(length, socket.MSG_WAITALL))
 
         hello = read_header(intruder)
-        wrong = client_auth_mac(mint_run_key(), bytes.fromhex(hello["nonce"]))
-        intruder.sendall(encode_frame_header({"op": "auth", "mac": wrong.hex()}))
+        wrong = client_auth_mac(mint_run_key(), bytes.fromhex(hello["nonce"]), RUN_ID)
+        intruder.sendall(encode_frame_header({"op": "auth", "run_id": RUN_ID, "mac": wrong.hex()}))
         answer = read_header(intruder)
         assert answer["status"] == "error" and "authentication failed" in answer["error"]
         assert intruder.recv(1) == b""  # connection closed

@@ -13,6 +13,8 @@ which key replaced it), and nothing it signed verifies any more. ``<config>/trus
 operator's own trust file: ``keys init`` adds the new key to it. An auditor verifies with a trust
 file of their choosing (``qualify receipts verify --trust FILE``), e.g. one made by
 ``qualify keys show --trust-file`` on the operator's machine and carried over.
+
+``qualify keys tls`` issues the TLS set of a producer on another host (:mod:`qualify.handoff.tls`).
 """
 
 from __future__ import annotations
@@ -294,8 +296,9 @@ def _default_comment() -> str:
 
 
 def keys_cli(args: Sequence[str]) -> int:
-    """``qualify keys init|show|rotate``: exit 0 done, 2 refused (one line on stderr)."""
-    from qualify.core.arguments import OneLineParser, say_refusal
+    """``qualify keys init|show|rotate|tls``: exit 0 done, 2 refused (one line on stderr)."""
+    from qualify.core.arguments import OneLineParser, path_argument, say_refusal
+    from qualify.handoff.tls import DEFAULT_VALID_DAYS, SET_FILES, issue_tls_set
 
     parser = OneLineParser(prog="qualify keys", description="The operator's receipt-signing key.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -306,6 +309,13 @@ def keys_cli(args: Sequence[str]) -> int:
                       help="print a trust file holding only this key (for an auditor's --trust)")
     rotate = commands.add_parser("rotate", help="replace the key, recording the old one's revocation")
     rotate.add_argument("--reason", required=True, help="why the key is replaced (kept in the trust file)")
+    tls = commands.add_parser("tls", help="issue a TLS set for a producer on another host: CA, producer and "
+                              "consumer certificates and keys, a run key (docs/transport.md)")
+    tls.add_argument("--dir", required=True, type=path_argument, help="an empty or new directory for the set")
+    tls.add_argument("--producer-host", required=True, action="append", metavar="NAME|ADDRESS",
+                     help="a host name or IP address consumers dial the producer by (repeatable)")
+    tls.add_argument("--valid-days", type=int, default=DEFAULT_VALID_DAYS,
+                     help=f"how long the certificates are valid (default {DEFAULT_VALID_DAYS})")
     try:
         options = parser.parse_args(list(args))
     except SystemExit as exit_:
@@ -326,6 +336,12 @@ def keys_cli(args: Sequence[str]) -> int:
                 print(f"key id      {key.key_id}\nalgorithm   {ALGORITHM}\npublic key  {key.public.hex()}\n"
                       f"file        {key.path}")
                 sys.stdout.write(pem.decode("ascii"))
+        elif options.command == "tls":
+            issued = issue_tls_set(options.dir, options.producer_host, valid_days=options.valid_days)
+            print(f"TLS set written to {issued.directory}: {', '.join(SET_FILES)}\n"
+                  f"ca.crt        sha256 {issued.ca_sha256}\nproducer.crt  sha256 {issued.producer_sha256}\n"
+                  f"consumer.crt  sha256 {issued.consumer_sha256}\n"
+                  f"the CA's private key was not kept: no further certificate chains to this CA")
         else:
             key, old = rotate_key(options.reason)
             print(f"signing key {old} revoked ({one_line(options.reason)}); new key {key.key_id} at {key.path}")

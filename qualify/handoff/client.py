@@ -9,6 +9,10 @@ ready line (written only after a warm-up prefill), authenticates on the socket, 
 handoffs. It connects only to what it created (the Unix socket path it chose) or what the
 operator gave (a TCP host and port), never to an address the producer announces.
 
+:class:`RemoteProducer` is the transport of a producer an operator already runs, perhaps on
+another host (``--producer-at HOST:PORT``): TCP under mutual TLS 1.3 (plain TCP on loopback only),
+the same handshake and requests over :class:`ProducerConnection`, the same deadlines.
+
 The producer's own session keeps a signal sent to the harness's process group (a terminal's, a CI
 cancel's) from reaching it mid-write: the harness stops it (:meth:`ProducerProcess.kill`, then
 :meth:`~ProducerProcess.close`, which also removes its temporary directory). Should the harness die
@@ -36,6 +40,7 @@ facts are missing or malformed still serves, and the receipt records them as mis
 from __future__ import annotations
 
 import collections
+import ipaddress
 import json
 import mmap
 import os
@@ -44,6 +49,7 @@ import select
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -82,7 +88,8 @@ from qualify.handoff.protocol import (
     encode_frame_header,
     seconds_or_none,
 )
-from qualify.handoff.wire import MAC_BYTES, Handoff, TransportStats, key_id
+from qualify.handoff.tls import peer_certificate_sha256
+from qualify.handoff.wire import MAC_BYTES, Handoff, TransportKind, TransportStats, key_id
 
 # How often a blocked wait wakes to check the process and its deadline.
 POLL_S = 0.2
@@ -174,6 +181,17 @@ class ConnectionBroken(ProducerFailed):
         self.stuck = stuck
 
 
+def checked_host_facts(ready: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``host`` of a ready answer if it is a well-formed host-facts document, with None;
+    otherwise None and why not (informational: never a failure)."""
+    if "host" not in ready:
+        return None, "the producer's ready answer has no host facts"
+    problem = host_facts_problem(ready["host"])
+    if problem is None:
+        return dict(ready["host"]), None
+    return None, one_line(f"the producer's host facts are malformed: {problem}")[:400]
+
+
 def parse_ready_line(line: bytes, *, lane: str, mode: ProducerMode, run_key_id: str, pid: int) -> dict[str, Any]:
     """The producer's ready line, every field checked against what the client started (its lane,
     mode, run key, process); anything else raises :class:`ConnectionBroken` naming the field. The
@@ -209,11 +227,15 @@ class ProducerConnection:
     geometry implies, refused otherwise before anything is allocated.
     """
 
-    def __init__(self, sock: socket.socket, *, key: bytes, deadlines: PhaseDeadlines,
+    def __init__(self, sock: socket.socket, *, key: bytes, run_id: str, deadlines: PhaseDeadlines,
                  is_alive: Callable[[], bool] = lambda: True, expected_payload_bytes: int | None = None,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, kind: TransportKind = "unix") -> None:
+        if not isinstance(run_id, str) or not ID_PATTERN.fullmatch(run_id):
+            raise Refused(f"producer connection run_id: found {run_id!r}, expected [A-Za-z0-9._:-], 1-128")
         self._sock = sock
         self._key = key
+        self.run_id = run_id
+        self.kind: TransportKind = kind
         self.deadlines = deadlines
         self._is_alive = is_alive
         self.expected_payload_bytes = expected_payload_bytes
@@ -224,7 +246,8 @@ class ProducerConnection:
 
     def handshake(self) -> FrameHeader:
         """``hello`` (nonce), ``auth`` (our proof of the run key), ``ready?``; returns the
-        ``ready`` answer (with the producer's host facts), all within the verify deadline."""
+        ``ready`` answer (with the producer's host facts), all within the verify deadline. The
+        ``auth`` names this run: the producer seals every handoff of the connection under it."""
         deadline = time.monotonic() + self.deadlines.verify_s
         try:
             hello = self._read_header(deadline, phase="verify")
@@ -235,7 +258,8 @@ class ProducerConnection:
             if not isinstance(nonce_hex, str) or len(nonce_hex) != 64:
                 raise ConnectionBroken("greeting nonce: expected 64 hex characters", stuck=True)
             nonce = bytes.fromhex(nonce_hex)
-            self._send({"op": "auth", "mac": client_auth_mac(self._key, nonce).hex()})
+            self._send({"op": "auth", "run_id": self.run_id,
+                        "mac": client_auth_mac(self._key, nonce, self.run_id).hex()})
             self._expect_ok(self._read_header(deadline, phase="verify"), "auth")
             self._send({"op": "ready?"})
             ready = self._read_header(deadline, phase="verify")
@@ -296,6 +320,7 @@ class ProducerConnection:
             producer_compute_s=seconds_or_none(header.get("compute_s")),
             producer_seal_s=seconds_or_none(header.get("seal_s")),
             longest_silence_s=max(silence.longest_s, silence.current_s()),
+            kind=self.kind,
         )
         return Handoff(manifest_bytes, mac, payload, transport=stats)
 
@@ -390,8 +415,10 @@ class ProducerConnection:
                 if not self._is_alive():
                     raise ConnectionBroken("exited while the request was open") from None
                 continue
-            except OSError as exc:
-                raise ConnectionBroken(f"connection failed ({type(exc).__name__})") from None
+            except OSError as exc:  # a TLS alert or a broken record included (ssl.SSLError)
+                reason = getattr(exc, "reason", None)
+                raise ConnectionBroken(f"connection failed ({type(exc).__name__}"
+                                       f"{': ' + str(reason) if reason else ''})") from None
             if count == 0:
                 raise ConnectionBroken("closed the connection")
             silence.heard()
@@ -656,25 +683,13 @@ class ProducerProcess:
         except OSError as exc:
             self._raise_failure(f"cannot connect to {target} ({exc})", kill_now=True)
         self._connection = ProducerConnection(
-            sock, key=self._key, deadlines=self.deadlines, is_alive=lambda: self.exit_status is None,
-            expected_payload_bytes=self.expected_payload_bytes, max_payload_bytes=self.max_payload_bytes)
+            sock, key=self._key, run_id=self.run_id, deadlines=self.deadlines,
+            is_alive=lambda: self.exit_status is None, expected_payload_bytes=self.expected_payload_bytes,
+            max_payload_bytes=self.max_payload_bytes, kind=self.transport)
         try:
-            self._take_host_facts(self._connection.handshake())
+            self.host_facts, self.host_facts_problem = checked_host_facts(self._connection.handshake())
         except ConnectionBroken as broken:
             self._raise_failure(broken.reason, kill_now=broken.stuck, producer_message=broken.producer_message)
-
-    def _take_host_facts(self, ready: Mapping[str, Any]) -> None:
-        """Keep the ``host`` of a ready answer if it is a well-formed host-facts document;
-        otherwise record why not (informational: never a failure)."""
-        if "host" not in ready:
-            self.host_facts, self.host_facts_problem = None, "the producer's ready answer has no host facts"
-            return
-        problem = host_facts_problem(ready["host"])
-        if problem is None:
-            self.host_facts, self.host_facts_problem = dict(ready["host"]), None
-        else:
-            self.host_facts = None
-            self.host_facts_problem = one_line(f"the producer's host facts are malformed: {problem}")[:400]
 
     def close(self) -> None:
         """Ask the producer to shut down; stop its process group if it does not; clean up."""
@@ -781,5 +796,182 @@ class ProducerProcess:
         text = (f"producer {self.lane} ({self.mode.value}): {reason}; exit status {status_text}; "
                 f"producer said: {message}")
         failure = ProducerFailure(text, exit_status=status, producer_message=message)
+        self._failure = failure
+        raise failure
+
+
+# --------------------------------------------------------------------------------------------
+# a producer already running elsewhere
+
+
+def parse_producer_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[V6]:PORT`` for an IPv6 address) of ``--producer-at``; refused in one line
+    otherwise. HOST is a host name or an IP address; PORT 1-65535."""
+    host, separator, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not separator or not host or not port_text.isascii() or not port_text.isdigit() \
+            or not 0 < int(port_text) < 65536:
+        raise Refused(f"--producer-at: found {text!r}, expected HOST:PORT (PORT 1-65535; [ADDRESS]:PORT for IPv6)")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not all(label and len(label) <= 63 and label.isascii() and label.replace("-", "").isalnum()
+                   for label in host.split(".")):
+            raise Refused(f"--producer-at: host {host!r} is neither an IP address nor a host name") from None
+    return host, int(port_text)
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP address (a name that resolves elsewhere is not loopback)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class RemoteProducer:
+    """The :class:`~qualify.handoff.transport.Transport` of a producer an operator already runs
+    (``qualify producer serve --port``), perhaps on another host: connect to ``host:port``, under
+    TLS when ``tls`` is given (the producer's certificate checked against the pinned CA and
+    ``host``; our client certificate presented), then authenticate with the run key, naming the
+    run. Plain TCP is refused unless ``host`` is loopback.
+
+    The producer is not ours to stop: :meth:`close` closes the connection only. A failure (TLS or
+    authentication refused, a deadline, a broken or truncated stream) raises :class:`ProducerFailure`
+    with one line and ends the connection; nothing received from a failed request is returned.
+    """
+
+    def __init__(self, *, host: str, port: int, key: bytes, run_id: str, lane: str, mode: ProducerMode,
+                 deadlines: PhaseDeadlines = DEFAULT_DEADLINES, tls: ssl.SSLContext | None = None,
+                 expected_payload_bytes: int | None = None,
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+        if not (type(port) is int and 0 < port < 65536):
+            raise Refused(f"producer port: found {port!r}, expected 1-65535")
+        if tls is None and not is_loopback_host(host):
+            raise Refused(f"--producer-at {host}:{port}: not loopback; plain TCP would carry the KV in the clear, "
+                          f"give --tls-ca, --tls-cert and --tls-key")
+        if not isinstance(deadlines, PhaseDeadlines):
+            raise Refused(f"producer deadlines: found {type(deadlines).__name__}, expected PhaseDeadlines")
+        key_id(key)  # refuses a key that is not bytes of at least 32
+        self.host = host
+        self.port = port
+        self._key = bytes(key)
+        self.run_id = run_id
+        self.lane = lane
+        self.mode = ProducerMode(mode)
+        self.deadlines = deadlines
+        self._tls = tls
+        self.kind: TransportKind = "tcp" if tls is None else "tls"
+        self.expected_payload_bytes = expected_payload_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self.host_facts: dict[str, Any] | None = None
+        self.host_facts_problem: str | None = "the producer has not reported ready"
+        self.ready_silence_s = 0.0
+        # What the TLS session was (version, cipher, the producer's certificate), for the record.
+        self.tls_session: dict[str, str] | None = None
+        self._connection: ProducerConnection | None = None
+        self._failure: ProducerFailure | None = None
+        self._started = False
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.kind}:{host}:{self.port}"
+
+    def __enter__(self) -> RemoteProducer:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Connect, secure (TLS), authenticate and ask ``ready?``, all within the verify deadline;
+        the producer's answer must name this lane, mode and run."""
+        if self._started:
+            raise Refused("producer: already started")
+        self._started = True
+        deadline = time.monotonic() + self.deadlines.verify_s
+        sock = self._dial(deadline)
+        self._connection = ProducerConnection(
+            sock, key=self._key, run_id=self.run_id, deadlines=self.deadlines,
+            expected_payload_bytes=self.expected_payload_bytes, max_payload_bytes=self.max_payload_bytes,
+            kind=self.kind)
+        try:
+            ready = self._connection.handshake()
+        except ConnectionBroken as broken:
+            self._fail(broken.reason, broken.producer_message)
+        expected = {"lane": self.lane, "producer_mode": self.mode.value, "run_id": self.run_id}
+        for name, wanted in expected.items():
+            if ready.get(name) != wanted:
+                self._fail(f"ready answer {name}: found {str(ready.get(name))[:80]!r}, expected {wanted!r}")
+        self.host_facts, self.host_facts_problem = checked_host_facts(ready)
+
+    def _dial(self, deadline: float) -> socket.socket:
+        """A connected socket (TLS handshake done when TLS is on) within ``deadline``."""
+        try:
+            sock = socket.create_connection((self.host, self.port),
+                                            timeout=max(deadline - time.monotonic(), POLL_S))
+        except OSError as exc:
+            self._fail(f"cannot connect ({type(exc).__name__}: {one_line(str(exc))[:120]})")
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+            except OSError:
+                pass
+        if self._tls is None:
+            return sock
+        sock.settimeout(max(deadline - time.monotonic(), POLL_S))
+        try:
+            # A stream cut without TLS's close_notify is an error, never a quiet end.
+            secured = self._tls.wrap_socket(sock, server_hostname=self.host, suppress_ragged_eofs=False)
+        except ssl.SSLCertVerificationError as exc:
+            sock.close()
+            self._fail(f"TLS: the producer's certificate is refused ({one_line(exc.verify_message or str(exc))}; "
+                       f"checked against --tls-ca for host {self.host})")
+        except TimeoutError:
+            sock.close()
+            self._fail(f"TLS handshake not done within the verify deadline of {self.deadlines.verify_s:g} s")
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            reason = getattr(exc, "reason", None) or type(exc).__name__
+            self._fail(f"TLS handshake failed ({reason}; the producer may have refused our client certificate)")
+        certificate = peer_certificate_sha256(secured)
+        self.tls_session = {"version": str(secured.version()), "cipher": str((secured.cipher() or ("?",))[0]),
+                            "producer_certificate_sha256": certificate or "none"}
+        return secured
+
+    def request_prefill(self, prompt: np.ndarray | Sequence[int], request_id: str) -> Handoff:
+        """The sealed, not yet verified handoff of ``prompt``; see
+        :meth:`ProducerConnection.request_prefill`. Raises :class:`ProducerFailure`."""
+        if self._failure is not None:
+            raise self._failure
+        if self._connection is None:
+            raise ProducerFailure(f"producer at {self.address}: not connected", exit_status=None,
+                                  producer_message="")
+        try:
+            return self._connection.request_prefill(prompt, request_id)
+        except ConnectionBroken as broken:
+            self._fail(broken.reason, broken.producer_message)
+
+    def close(self) -> None:
+        """Close the connection; the producer stays up for its next client."""
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def kill(self) -> None:
+        """What an interrupted run does to its producer: here, drop the connection now."""
+        self.close()
+
+    def _fail(self, reason: str, producer_message: str | None = None) -> NoReturn:
+        self.close()
+        said = f"; producer said: {producer_message}" if producer_message else ""
+        failure = ProducerFailure(f"producer {self.lane} ({self.mode.value}) at {self.address}: {reason}{said}",
+                                  exit_status=None, producer_message=producer_message or "")
         self._failure = failure
         raise failure

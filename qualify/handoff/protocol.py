@@ -2,8 +2,9 @@
 
 Both sides of the socket import this module; neither imports the other. Every frame is a 4-byte
 big-endian length, a canonical-JSON header, then the raw blobs the header's ``blobs`` list
-sizes. On connect the producer sends ``hello`` with a nonce; the client answers ``auth`` with
-HMAC-SHA256(run key, :data:`CLIENT_AUTH_CONTEXT` || nonce) (:func:`client_auth_mac`); then
+sizes. On connect the producer sends ``hello`` with a nonce; the client answers ``auth`` with the
+run id its handoffs must be sealed under and HMAC-SHA256(run key, :data:`CLIENT_AUTH_CONTEXT` ||
+nonce || run id) (:func:`client_auth_mac`); then
 ``ready?``, ``prefill {tokens, request_id}`` (answered by ``handoff`` with blobs manifest, MAC,
 payload) and ``shutdown``. While a request (or the start-up, on the ready channel) is in progress the producer
 sends a ``progress`` heartbeat every :data:`HEARTBEAT_S`, so a consumer can tell a producer that
@@ -18,15 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from qualify.contract.lanes import LANES, lane_spec
+from qualify.core.arguments import require_private_file
 from qualify.core.digests import canonical_json_bytes, is_sha256_hex
 from qualify.core.errors import Refused
 from qualify.core.strict_json import parse_untrusted_json
@@ -36,14 +40,14 @@ from qualify.handoff.wire import KV_DTYPES
 if TYPE_CHECKING:
     from qualify.contract.identity import Identity
 
-PROTOCOL = "trust-ladder.handoff-protocol.v1"
+PROTOCOL = "trust-ladder.handoff-protocol.v2"
 EXIT_OK = 0
 EXIT_REFUSED = 2
 EXIT_TEMPFAIL = 75
 DEFAULT_WATCHDOG_S = 900.0
 DEFAULT_WARMUP_TOKENS = 16
 KEY_ENV = "QUALIFY_HANDOFF_KEY"
-CLIENT_AUTH_CONTEXT = b"trust-ladder.handoff.client-auth.v1\x00"
+CLIENT_AUTH_CONTEXT = b"trust-ladder.handoff.client-auth.v2\x00"
 MAX_HEADER_BYTES = 1 << 20
 FRAME_LENGTH = struct.Struct(">I")
 SOCKET_BUFFER_BYTES = 4 << 20
@@ -81,9 +85,40 @@ def decode_frame_header(body: bytes) -> FrameHeader:
     return header
 
 
-def client_auth_mac(key: bytes, nonce: bytes) -> bytes:
-    """What a client proves it holds the run key with (domain-separated from manifest MACs)."""
-    return hmac.new(key, CLIENT_AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+def client_auth_mac(key: bytes, nonce: bytes, run_id: str) -> bytes:
+    """What a client proves it holds the run key with, for this connection (the producer's fresh
+    nonce) and the run it names (the run id every handoff on the connection is then sealed under,
+    so a handoff of another run never verifies in this one); domain-separated from manifest MACs."""
+    return hmac.new(key, CLIENT_AUTH_CONTEXT + nonce + run_id.encode("ascii"), hashlib.sha256).digest()
+
+
+def read_run_key(source: tuple[str, str]) -> bytes:
+    """Read the hex run key from a descriptor, file (a regular file only its owner can read) or
+    environment variable (then forget it): ``("fd"|"file"|"env", value)``. The producer's
+    ``--key-fd/--key-file/--key-env`` and the consumer's ``--key-file/--key-env`` (``--producer-at``)."""
+    kind, value = source
+    try:
+        if kind == "fd":
+            with os.fdopen(int(value), "rb", closefd=True) as stream:
+                text = stream.read(4096)
+        elif kind == "file":
+            require_private_file(f"run key file {value}", Path(value), "no such file")
+            text = Path(value).read_bytes()[:4096]
+        elif kind == "env":
+            text = os.environ.pop(value, "").encode()
+        else:
+            raise StartRefused(f"run key: found source {kind!r}, expected fd, file or env")
+    except (OSError, ValueError) as exc:
+        raise StartRefused(f"run key: cannot read from {kind} ({type(exc).__name__})") from None
+    except Refused as exc:
+        raise StartRefused(str(exc)) from None
+    try:
+        key = bytes.fromhex(text.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise StartRefused(f"run key from {kind}: not hex text") from None
+    if len(key) < 32:
+        raise StartRefused(f"run key from {kind}: {len(key)} bytes, expected at least 32")
+    return key
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,6 +5,17 @@ Started by the harness (``qualify.handoff.client.ProducerProcess``) or by an ope
     python -m qualify.handoff.service --lane NAME --mode exact|native --socket PATH \\
         --run-id ID --expect EXPECT.json --key-fd N [--watchdog-s 900]
 
+or, for consumers on other hosts (``qualify --recipe ... --producer-at HOST:PORT``; mutual TLS 1.3
+with the set ``qualify keys tls`` issues, ``qualify.handoff.tls``; ``docs/transport.md``)::
+
+    qualify producer serve --lane NAME --mode native --expect EXPECT.json --key-file RUN.key \\
+        --host 0.0.0.0 --allow-non-loopback --port 7443 \\
+        --tls-cert producer.crt --tls-key producer.key --tls-client-ca ca.crt
+
+Without ``--run-id`` the producer seals each connection's handoffs under the run id its
+authenticated client names (``auth``, covered by the client's MAC); with one, a client naming
+another is turned away. A non-loopback address is refused without TLS.
+
 Start is fail-closed: a mode other than exact/native, a key that is missing or short, an engine
 whose version, geometry or digests differ from ``--expect`` all exit 2 before anything is served.
 Readiness means a warm-up prefill has completed (then one ready line is written), not that the
@@ -14,7 +25,7 @@ known state, a live one serving from a half-broken engine is not. Three consecut
 errors (bad frames, failed authentication) also exit 75.
 
 Protocol (:mod:`qualify.handoff.protocol`, shared with the client; Unix socket by default,
-loopback TCP on request): ``hello``/``auth`` with the run key, then ``ready?``, ``prefill`` and
+loopback TCP, or TCP under TLS): ``hello``/``auth`` with the run key, then ``ready?``, ``prefill`` and
 ``shutdown``. The ``ready`` answer carries ``host``: this process's
 :func:`qualify.core.hostenv.host_facts` (CPU, ISA flags, BLAS kernel and threads, numpy SIMD
 dispatch, GPU, harness commit), taken once after the warm-up prefill, so the consumer can record
@@ -44,6 +55,7 @@ import re
 import secrets
 import signal
 import socket
+import ssl
 import stat
 import sys
 import threading
@@ -83,13 +95,19 @@ from qualify.handoff.protocol import (
     decode_frame_header,
     encode_frame_header,
     handed_off_positions,
+    read_run_key,
 )
+from qualify.handoff.tls import server_context
 from qualify.handoff.wire import SealedHandoff, key_id, seal_handoff_parts
 
 DEFAULT_ENGINE_FACTORY = "qualify.engines.factory:build_producer"
 MAX_NON_ENGINE_ERRORS = 3
 # Once a frame has started, the rest must arrive within this many seconds.
 FRAME_STALL_S = 60.0
+# A client's TLS handshake must finish within this many seconds (a stalled one is dropped).
+TLS_HANDSHAKE_S = 30.0
+# The run id a producer without --run-id seals its warm-up prefill under (never sent).
+WARMUP_RUN_ID = "warmup"
 # A GIL-independent backstop (faulthandler, exits 1) behind the watchdog, for a hang in C code
 # that never releases the GIL and so never lets the watchdog thread run.
 BACKSTOP_GRACE_S = 60.0
@@ -168,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
                             description="KV handoff producer service (fails closed, exit 75).")
     parser.add_argument("--lane", required=True, help="lane name (e.g. nvfp4-native-splitk)")
     parser.add_argument("--mode", required=True, help="producer mode: exact or native")
-    parser.add_argument("--run-id", required=True, help="run id recorded in every manifest")
+    parser.add_argument("--run-id", help="run id recorded in every manifest (default: the one each "
+                        "authenticated client names)")
     parser.add_argument("--expect", required=True, type=Path,
                         help="JSON: expected engine version, geometry, digests, identity digest")
     parser.add_argument("--socket", type=Path, help="Unix socket path (default transport)")
@@ -176,7 +195,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="TCP address (loopback only unless "
                         "--allow-non-loopback)")
     parser.add_argument("--allow-non-loopback", action="store_true",
-                        help="permit a non-loopback TCP address (explicit opt-in)")
+                        help="permit a non-loopback TCP address (explicit opt-in; needs TLS)")
+    parser.add_argument("--tls-cert", type=Path, help="TLS: this producer's certificate (PEM; qualify keys tls)")
+    parser.add_argument("--tls-key", type=Path, help="TLS: its private key (PEM, mode 0600)")
+    parser.add_argument("--tls-client-ca", type=Path,
+                        help="TLS: the CA a consumer's client certificate must chain to (mutual TLS)")
     parser.add_argument("--watchdog-s", type=float, default=DEFAULT_WATCHDOG_S,
                         help="per-request watchdog in seconds; on expiry the producer exits 75")
     parser.add_argument("--key-fd", type=int, help="read the hex run key from this descriptor")
@@ -206,7 +229,7 @@ class ServiceConfig:
 
     lane: str
     mode: ProducerMode
-    run_id: str
+    run_id: str | None
     expect_path: Path
     socket_path: Path | None
     host: str
@@ -221,6 +244,8 @@ class ServiceConfig:
     fault: str | None = None
     parent_pid: int | None = None
     model: str | None = None
+    # (certificate, private key, client CA) when the TCP socket serves TLS.
+    tls: tuple[Path, Path, Path] | None = None
 
 
 def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
@@ -237,7 +262,7 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
             raise StartRefused(f"--fault: {one_line(str(refusal))}") from None
     if not LANE_PATTERN.fullmatch(args.lane):
         raise StartRefused(f"--lane: found {args.lane!r}, expected a lane name")
-    if not ID_PATTERN.fullmatch(args.run_id):
+    if args.run_id is not None and not ID_PATTERN.fullmatch(args.run_id):
         raise StartRefused(f"--run-id: found {args.run_id!r}, expected [A-Za-z0-9._:-], 1-128")
     if not (args.watchdog_s > 0 and np.isfinite(args.watchdog_s)):
         raise StartRefused(f"--watchdog-s: found {args.watchdog_s}, expected a positive number")
@@ -245,8 +270,14 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
         raise StartRefused("transport: give exactly one of --socket PATH or --port N")
     if args.port is not None and not 0 <= args.port <= 65535:
         raise StartRefused(f"--port: found {args.port}, expected 0-65535")
+    tls_files = (args.tls_cert, args.tls_key, args.tls_client_ca)
+    if any(path is not None for path in tls_files):
+        if not all(path is not None for path in tls_files):
+            raise StartRefused("TLS: give all of --tls-cert, --tls-key and --tls-client-ca, or none")
+        if args.port is None:
+            raise StartRefused("TLS: --tls-cert/--tls-key/--tls-client-ca serve TCP; give --port, not --socket")
     if args.port is not None:
-        _check_tcp_host(args.host, args.allow_non_loopback)
+        _check_tcp_host(args.host, args.allow_non_loopback, tls=args.tls_cert is not None)
     if args.ready_fd is not None:
         try:
             os.fstat(args.ready_fd)
@@ -271,40 +302,26 @@ def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
         engine_factory=args.engine_factory, warmup_tokens=args.warmup_tokens,
         ready_fd=args.ready_fd, exit_with_stdin=args.exit_with_stdin,
         key_source=(kind, str(value)), fault=args.fault, parent_pid=args.parent_pid, model=args.model,
+        tls=None if args.tls_cert is None else (args.tls_cert, args.tls_key, args.tls_client_ca),
     )
 
 
-def _check_tcp_host(host: str, allow_non_loopback: bool) -> None:
+def _check_tcp_host(host: str, allow_non_loopback: bool, *, tls: bool) -> None:
+    """Loopback, or a non-loopback address the operator opted into and serves under TLS (a
+    handed-off prompt's KV is never readable on a network)."""
     if host == "localhost":
         return
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         raise StartRefused(f"--host: found {host!r}, expected an IP address or localhost") from None
-    if not address.is_loopback and not allow_non_loopback:
+    if address.is_loopback:
+        return
+    if not allow_non_loopback:
         raise StartRefused(f"--host: {host} is not loopback; pass --allow-non-loopback to serve it")
-
-
-def read_key(source: tuple[str, str]) -> bytes:
-    """Read the hex run key from a descriptor, file or environment variable (then forget it)."""
-    kind, value = source
-    try:
-        if kind == "fd":
-            with os.fdopen(int(value), "rb", closefd=True) as stream:
-                text = stream.read(4096)
-        elif kind == "file":
-            text = Path(value).read_bytes()[:4096]
-        else:
-            text = os.environ.pop(value, "").encode()
-    except (OSError, ValueError) as exc:
-        raise StartRefused(f"run key: cannot read from {kind} ({type(exc).__name__})") from None
-    try:
-        key = bytes.fromhex(text.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise StartRefused(f"run key from {kind}: not hex text") from None
-    if len(key) < 32:
-        raise StartRefused(f"run key from {kind}: {len(key)} bytes, expected at least 32")
-    return key
+    if not tls:
+        raise StartRefused(f"--host: {host} is not loopback and plain TCP would put the KV on the network in "
+                           f"the clear; serve it with --tls-cert, --tls-key and --tls-client-ca")
 
 
 def load_factory(spec: str) -> EngineFactory:
@@ -430,8 +447,12 @@ class ProducerService:
         cache_identity: str,
         listener: socket.socket,
         address: str,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.engine = engine
+        self.tls = tls
+        # The run id handoffs are sealed under: --run-id, else the current client's (see _converse).
+        self.run_id = config.run_id if config.run_id is not None else WARMUP_RUN_ID
         self.config = config
         self.key = key
         self.expectation = expectation
@@ -573,7 +594,7 @@ class ProducerService:
             lane=self.config.lane,
             # The manifest names the tokens whose KV it carries (whole blocks for vLLM).
             prompt_sha256=prompt_sha256(tokens[:positions]),
-            run_id=self.config.run_id,
+            run_id=self.run_id,
             request_id=request_id,
             compute_s=compute_s,
         )
@@ -604,12 +625,31 @@ class ProducerService:
     def serve(self) -> int:
         """Accept connections until ``shutdown``; returns the exit status (0)."""
         while True:
-            conn, _ = self.listener.accept()
+            accepted, peer = self.listener.accept()
+            _tune(accepted)
+            conn = self._secured(accepted, peer)
+            if conn is None:
+                continue
             with conn:
-                _tune(conn)
                 if self._serve_connection(conn):
                     self.cleanup()
                     return EXIT_OK
+
+    def _secured(self, conn: socket.socket, peer: object) -> socket.socket | None:
+        """``conn`` itself without TLS; else its TLS side once the handshake (the client's
+        certificate verified against --tls-client-ca) completes within TLS_HANDSHAKE_S. A client
+        that fails or stalls it is dropped, logged, and counts for nothing: it never reached the
+        protocol."""
+        if self.tls is None:
+            return conn
+        conn.settimeout(TLS_HANDSHAKE_S)
+        try:
+            return self.tls.wrap_socket(conn, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            reason = getattr(exc, "reason", None) or type(exc).__name__
+            _log(f"TLS handshake with {peer} failed ({reason}); connection dropped")
+            conn.close()
+            return None
 
     def _non_engine_error(self, conn: socket.socket, op: str, message: str) -> None:
         self.non_engine_errors += 1
@@ -636,13 +676,22 @@ class ProducerService:
         except (_PeerGone, _BadFrame, OSError):
             return False
         proof = auth.get("mac") if auth.get("op") == "auth" else None
+        run_id = auth.get("run_id")
+        if not isinstance(run_id, str) or not ID_PATTERN.fullmatch(run_id):
+            self._non_engine_error(conn, "auth", f"auth run_id: found {str(run_id)[:80]!r}, expected an id")
+            return False
         try:
             proof_bytes = bytes.fromhex(proof) if isinstance(proof, str) else b""
         except ValueError:
             proof_bytes = b""
-        if not hmac.compare_digest(proof_bytes, client_auth_mac(self.key, nonce)):
+        if not hmac.compare_digest(proof_bytes, client_auth_mac(self.key, nonce, run_id)):
             self._non_engine_error(conn, "auth", "client authentication failed (wrong run key?)")
             return False
+        if self.config.run_id is not None and run_id != self.config.run_id:
+            self._non_engine_error(conn, "auth", f"auth run_id: found {run_id!r}, this producer serves run "
+                                                 f"{self.config.run_id!r}")
+            return False
+        self.run_id = run_id
         self._send(conn, {"op": "auth", "status": "ok"})
         while True:
             try:
@@ -658,7 +707,7 @@ class ProducerService:
                 self._send(conn, {
                     "op": "ready", "status": "ok", "ready": True, "lane": self.config.lane,
                     "producer_mode": self.config.mode.value, "engine": self.engine.name,
-                    "engine_version": self.engine.version, "run_id": self.config.run_id,
+                    "engine_version": self.engine.version, "run_id": self.run_id,
                     "requests_served": self.requests_served, "host": self.host_facts(),
                 })
             elif op == "prefill":
@@ -872,7 +921,7 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
             die_with_parent(config.parent_pid)
         if config.ready_fd is not None:
             heartbeat = StartHeartbeat(config.ready_fd)
-        key = read_key(config.key_source)
+        key = read_run_key(config.key_source)
         expectation = load_expectation(config.expect_path)
         if config.exit_with_stdin:
             _exit_when_stdin_closes()
@@ -892,6 +941,13 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
                 f"engine build for lane {config.lane} failed: {type(exc).__name__}: {exc}"
             )) from None
         cache_identity = check_engine(engine, mode=config.mode, expectation=expectation)
+        tls = None
+        if config.tls is not None:
+            cert, tls_key, client_ca = config.tls
+            try:
+                tls = server_context(cert=cert, key=tls_key, client_ca=client_ca)
+            except Refused as exc:
+                raise StartRefused(one_line(f"TLS: {exc}")) from None
         if config.socket_path is not None:
             listener = bind_unix(config.socket_path)
             address = f"unix:{config.socket_path}"
@@ -899,12 +955,12 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
             assert config.port is not None
             listener = bind_tcp(config.host, config.port)
             host, port = listener.getsockname()[:2]
-            address = f"tcp:{host}:{port}"
+            address = f"{'tcp' if tls is None else 'tls'}:{host}:{port}"
     except StartRefused as exc:
         _log(f"refused to start: {exc}")
         return EXIT_REFUSED
     service = ProducerService(engine=engine, config=config, key=key, expectation=expectation,
-                              cache_identity=cache_identity, listener=listener, address=address)
+                              cache_identity=cache_identity, listener=listener, address=address, tls=tls)
     service.start_heartbeat = heartbeat
     try:
         warmup_s = service.warm_up()

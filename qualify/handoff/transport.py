@@ -7,6 +7,8 @@ Two implement it:
 
 * :class:`qualify.handoff.client.ProducerProcess`: the producer service in its own process, over
   its Unix (or loopback TCP) socket;
+* :class:`qualify.handoff.client.RemoteProducer`: a producer service an operator already runs,
+  perhaps on another host, over TCP under mutual TLS (``--producer-at``; ``docs/transport.md``);
 * :class:`InProcessTransport`: a producer in the consumer's own process. It seals with
   :func:`~qualify.handoff.wire.seal_handoff_parts` under the run key (the service's manifest and
   MAC path), so its handoffs are opened and refused exactly like a socket handoff. A producer that
@@ -41,7 +43,7 @@ from qualify.handoff.wire import (
 )
 
 if TYPE_CHECKING:
-    from qualify.handoff.client import ProducerProcess
+    from qualify.handoff.client import ProducerProcess, RemoteProducer
 
 
 class Transport(Protocol):
@@ -296,6 +298,7 @@ def _in_place_payload(sealed: SealedHandoff, payload: np.ndarray) -> memoryview:
 
 
 if TYPE_CHECKING:
-    # Both implement the edge (checked by the type checker, not at run time).
+    # Each implements the edge (checked by the type checker, not at run time).
     _PRODUCER_PROCESS_IS_A_TRANSPORT: type[Transport] = ProducerProcess
     _IN_PROCESS_IS_A_TRANSPORT: type[Transport] = InProcessTransport
+    _REMOTE_PRODUCER_IS_A_TRANSPORT: type[Transport] = RemoteProducer

@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, the wire's BF16 tensors)
 import numpy as np
@@ -151,6 +151,10 @@ def _checked_key(key: object) -> bytes:
 # public data types
 
 
+TransportKind = Literal["unix", "tcp", "tls", "in-process"]
+"""How a handoff travels: the producer's Unix socket, loopback TCP, TCP under TLS, or in process."""
+
+
 @dataclass(frozen=True)
 class TransportStats:
     """How a handoff reached the consumer, measured by its transport.
@@ -171,6 +175,18 @@ class TransportStats:
     # The longest the producer sent nothing (no byte, no heartbeat) during the request: a stall
     # it recovered from when at least protocol.STALL_NOTE_S; 0 in process.
     longest_silence_s: float = 0.0
+    # What carried it: a Unix socket, plain TCP (loopback), TCP under TLS, or nothing (in process).
+    kind: TransportKind = "in-process"
+
+    @property
+    def phase_overlap_s(self) -> float | None:
+        """How long the producer's compute and sealing ran while the payload was already moving:
+        their sum plus the transfer, less the request's wall time (at least 0); 0 for a producer
+        that answers only once sealed, more for one that streams as it computes. None when the
+        producer reported no phase times (they are informational, from its frame header)."""
+        if self.producer_compute_s is None or self.producer_seal_s is None:
+            return None
+        return max(0.0, self.producer_compute_s + self.producer_seal_s + self.transfer_s - self.request_s)
 
 
 @dataclass(frozen=True)

@@ -132,13 +132,13 @@ class Delegate:
 DELEGATES: tuple[Delegate, ...] = (
     Delegate(("receipts", "verify"), _load_verify,
              "verify receipts: signature by a trusted key, the signed statement, every file"),
-    Delegate(("keys",), _load_keys, "the receipt-signing key: init, show, rotate"),
+    Delegate(("keys",), _load_keys, "the receipt-signing key: init, show, rotate; a TLS set: tls"),
     Delegate(("enroll",), _load_enroll, "enroll a qualified lane and mint its handoff key"),
     Delegate(("calibrate",), _load_calibrate,
              "measure a lane's drift envelope over repeated handoffs (the basis receipt)"),
     Delegate(("selftest",), _load_selftest, "run the harness's own end-to-end self checks"),
     Delegate(("report",), _load_report, "write an HTML report of one receipt, or a comparison of several"),
-    Delegate(("producer", "serve"), _load_producer_serve, "run a producer service process (Unix socket)"),
+    Delegate(("producer", "serve"), _load_producer_serve, "run a producer service process (Unix socket, or TCP under TLS)"),
     Delegate(("model", "inspect"), _load_model_inspect,
              "load a model (published name, Hugging Face directory or GGUF file) and print what it is"),
 )

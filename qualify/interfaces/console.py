@@ -59,6 +59,7 @@ from qualify.interfaces.tables import Field, FittedTable, hanging
 from qualify.run.qualification import (
     STEP_LABELS,
     QualificationRun,
+    RemoteProducerChoice,
     RunOptions,
     StepOutcome,
     interrupt_signal,
@@ -115,6 +116,18 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
                              "(default: derived from the identity's basis receipt)")
     parser.add_argument("--model", metavar="NAME|PATH", help=MODEL_HELP)
     parser.add_argument("--json", action="store_true", help=json_help("recipe"))
+    remote = parser.add_argument_group("a producer already running (docs/transport.md)")
+    remote.add_argument("--producer-at", metavar="HOST:PORT",
+                        help="connect to this running producer (qualify producer serve --port) instead of starting one")
+    remote.add_argument("--tls-ca", type=path_argument, metavar="FILE",
+                        help="TLS: the only CA the producer's certificate may chain to (qualify keys tls: ca.crt)")
+    remote.add_argument("--tls-cert", type=path_argument, metavar="FILE",
+                        help="TLS: this consumer's client certificate (consumer.crt)")
+    remote.add_argument("--tls-key", type=path_argument, metavar="FILE",
+                        help="TLS: its private key (consumer.key, mode 0600)")
+    remote.add_argument("--key-file", type=path_argument, metavar="FILE",
+                        help="the run key the producer was started with (hex, mode 0600; qualify keys tls: run.key)")
+    remote.add_argument("--key-env", metavar="VARIABLE", help="read that run key from this environment variable")
     return parser
 
 
@@ -155,6 +168,44 @@ def _check_run_choices(args: argparse.Namespace) -> None:
     if args.fault is not None:
         faults.fault_named(args.fault)
     _receipt_archive(args.receipts)
+
+
+def _remote_producer_choice(args: argparse.Namespace) -> RemoteProducerChoice | None:
+    """``--producer-at`` and what it needs (the run key; TLS unless loopback), refused in one line
+    before any step; None without it, and then none of its options may be given."""
+    from qualify.handoff.client import is_loopback_host, parse_producer_address
+    from qualify.handoff.protocol import KEY_ENV, read_run_key
+    from qualify.handoff.tls import client_context
+
+    tls_files = {"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert, "--tls-key": args.tls_key}
+    key_options = {"--key-file": args.key_file, "--key-env": args.key_env}
+    if args.producer_at is None:
+        given = [name for name, value in {**tls_files, **key_options}.items() if value is not None]
+        if given:
+            raise Refused(f"{given[0]}: only with --producer-at (a run that starts its producer mints its own "
+                          f"run key and speaks over a private socket)")
+        return None
+    if args.fault is not None:
+        raise Refused("--fault: not with --producer-at (a fault lane is served by a producer this run starts)")
+    host, port = parse_producer_address(args.producer_at)
+    if any(value is not None for value in tls_files.values()):
+        missing = [name for name, value in tls_files.items() if value is None]
+        if missing:
+            raise Refused(f"TLS: {', '.join(missing)} missing; give --tls-ca, --tls-cert and --tls-key together")
+        tls = client_context(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+    elif not is_loopback_host(host):
+        raise Refused(f"--producer-at {args.producer_at}: not loopback; plain TCP would carry the KV in the clear, "
+                      f"give --tls-ca, --tls-cert and --tls-key")
+    else:
+        tls = None
+    sources = [(kind, str(value)) for kind, value in (("file", args.key_file), ("env", args.key_env))
+               if value is not None]
+    if not sources and KEY_ENV in os.environ:
+        sources = [("env", KEY_ENV)]
+    if len(sources) != 1:
+        raise Refused(f"--producer-at: give the producer's run key with exactly one of --key-file or --key-env "
+                      f"(or set {KEY_ENV})")
+    return RemoteProducerChoice(host=host, port=port, key=read_run_key(sources[0]), tls=tls)
 
 
 # --------------------------------------------------------------------------- numbers and tables
@@ -430,10 +481,12 @@ def run_cli(argv: Sequence[str]) -> int:
 
     args = _recipe_parser("qualify").parse_args(list(argv))
     _check_run_choices(args)
+    producer_at = _remote_producer_choice(args)
     options = RunOptions(
         recipe=args.recipe, identity=args.identity, producer=args.producer,
         consumer=args.consumer, reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
         receipts=args.receipts, command_line=["qualify", *argv], deadline_s=args.deadline_s, model=args.model,
+        producer_at=producer_at,
     )
     console = json_progress_console() if args.json else operator_console()
     run = QualificationRun(options)

@@ -54,6 +54,8 @@ from qualify.run.contract import (
 )
 
 if TYPE_CHECKING:
+    import ssl
+
     from qualify.archive.writer import ReceiptWriter
     from qualify.contract.identity import Identity
     from qualify.handoff.protocol import PhaseDeadlines, ProducerExpectation
@@ -65,6 +67,19 @@ _T = TypeVar("_T")
 HANDOFF_STEPS: tuple[str, ...] = tuple(f"handoff {n}/{ORDERED_HANDOFFS}" for n in range(1, ORDERED_HANDOFFS + 1))
 STEP_LABELS: tuple[str, ...] = ("identity sealed", "producer ready", "reference computed", *HANDOFF_STEPS, "verdict")
 
+
+
+@dataclass(frozen=True)
+class RemoteProducerChoice:
+    """``--producer-at HOST:PORT``: a producer the operator already runs, perhaps on another host,
+    instead of one this run starts. The run key is the operator's (the one the producer was
+    started with), not minted; ``tls`` is the consumer's context (pinned CA, client certificate),
+    None for plain loopback TCP."""
+
+    host: str
+    port: int
+    key: bytes = field(repr=False)
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,8 @@ class RunOptions:
     # ``--model``: a published model's name, a Hugging Face directory or a GGUF file (None: the
     # shipped model); chosen for the whole process when the run loads its identity.
     model: str | None = None
+    # ``--producer-at``: connect to a running producer instead of starting one.
+    producer_at: RemoteProducerChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,24 @@ def producer_process(setup: TransportSetup) -> Transport:
         expectation=setup.expectation, watchdog_s=setup.watchdog_s, extra_args=setup.extra_args,
         engine_factory=setup.engine_factory, env=setup.env, deadlines=setup.deadlines,
         expected_payload_bytes=setup.expected_payload_bytes)
+
+
+def remote_producer(choice: RemoteProducerChoice) -> TransportFactory:
+    """The transport factory of ``--producer-at``: a connection to the operator's producer. What
+    only a started producer can take (a fault lane, an engine factory, environment overrides) is
+    refused: that producer runs as its operator started it."""
+
+    def connect(setup: TransportSetup) -> Transport:
+        from qualify.handoff.client import RemoteProducer
+
+        if setup.extra_args or setup.engine_factory is not None or setup.env:
+            raise Refused("--producer-at: the producer runs as its operator started it; a fault lane, an engine "
+                          "factory or producer environment overrides cannot be applied to it")
+        return RemoteProducer(host=choice.host, port=choice.port, key=setup.key, run_id=setup.run_id,
+                              lane=setup.lane, mode=setup.mode, deadlines=setup.deadlines, tls=choice.tls,
+                              expected_payload_bytes=setup.expected_payload_bytes)
+
+    return connect
 
 
 @dataclass(frozen=True)
@@ -265,10 +300,11 @@ def driven(run: QualificationRun) -> Iterator[QualificationRun]:
 
 
 def _kill_process_group(producer: Transport) -> None:
-    """Kill a producer process's group at once (an in-process producer has none)."""
-    from qualify.handoff.client import ProducerProcess
+    """Kill a producer process's group at once (an in-process producer has none; a remote one's
+    connection is dropped)."""
+    from qualify.handoff.client import ProducerProcess, RemoteProducer
 
-    if isinstance(producer, ProducerProcess):
+    if isinstance(producer, (ProducerProcess, RemoteProducer)):
         producer.kill()
 
 
@@ -286,7 +322,8 @@ class QualificationRun:
         self._given_consumer = consumer
         # Where handoffs come from (default: the lane's producer process over its socket) and
         # where the consumer decodes and compares (default: the host, numpy).
-        self._transport_factory: TransportFactory = transport or producer_process
+        self._transport_factory: TransportFactory = transport or (
+            producer_process if options.producer_at is None else remote_producer(options.producer_at))
         self._comparer_factory: ComparerFactory = comparer or HostComparer
         self.comparer: Comparer | None = None
         # Deferred comparisons not yet recorded: (repetition, the handoff's record builder).
@@ -655,7 +692,8 @@ class QualificationRun:
         contract = self._contract
         mode = contract.producer_mode
         extra_args = ["--fault", self.options.fault] if self.options.fault is not None else []
-        self._key = mint_run_key()
+        # A producer the operator runs was started with its run key; one this run starts gets a new one.
+        self._key = mint_run_key() if self.options.producer_at is None else self.options.producer_at.key
         deadlines = contract.deadlines.overridden(self.options.deadline_s)
         self.log(f"producer deadlines ({'--deadline-s' if self.options.deadline_s is not None else 'from the basis receipt'}): "
                  f"{deadlines.describe()}")
@@ -672,6 +710,7 @@ class QualificationRun:
         self._producer.start()
         # What the producer process runs on (CPU, BLAS kernel and threads, GPU, commit): host.json.
         self._receipt.set_producer_host(self._producer.host_facts, problem=self._producer.host_facts_problem)
+        self._log_link()
         if self._producer.ready_silence_s >= STALL_NOTE_S:
             self.log(f"producer stalled while starting: silent {self._producer.ready_silence_s:.2f} s, then recovered")
         self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode.value}, "
@@ -713,6 +752,19 @@ class QualificationRun:
         self.producer_env = dict(env)
         self._start_producer()
 
+    def _log_link(self) -> None:
+        """The record of how the producer is reached: its address, and under TLS the session's
+        version, cipher and the producer certificate's fingerprint (command.log)."""
+        from qualify.handoff.client import RemoteProducer
+
+        producer = self.producer
+        if isinstance(producer, RemoteProducer):
+            session = producer.tls_session
+            tls = ("no TLS (loopback)" if session is None else
+                   f"{session['version']}, {session['cipher']}, producer certificate sha256 "
+                   f"{session['producer_certificate_sha256']}")
+            self.log(f"producer at {producer.address} (--producer-at; {tls})")
+
     def _compute_reference(self) -> str:
         seconds = self._comparer.reference()
         self.seconds["recompute"] = self.seconds.get("recompute", 0.0) + seconds
@@ -747,6 +799,10 @@ class QualificationRun:
             # A producer that sent something refused is not asked for anything again.
             self._stop_producer()
             return self._keep(failed_sample_record(repetition, error, **measured), repetition)
+        overlap = transport.phase_overlap_s
+        self.log(f"{request_id}: transport {transport.kind}: {transport.payload_bytes} payload bytes in "
+                 f"{transport.transfer_s:.6f} s (link {transport.gbit_per_s:.3f} Gbit/s), request {transport.request_s:.6f} s, "
+                 f"phase overlap {'unknown' if overlap is None else f'{overlap:.6f} s'}")
         producer_stall_s = transport.longest_silence_s if transport.longest_silence_s >= STALL_NOTE_S else None
         if producer_stall_s is not None:
             self.log(f"{request_id}: producer stalled: silent {producer_stall_s:.2f} s, then recovered")
