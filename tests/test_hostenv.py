@@ -178,15 +178,12 @@ def test_producer_reports_its_own_host_facts(tmp_path: Path) -> None:
     ({"op": "ready", "status": "ok", "host": ["x"] * 10}, "malformed"),
 ])
 def test_client_records_missing_or_malformed_facts_as_missing(ready, problem) -> None:
-    from qualify.handoff.client import ProducerProcess
-    from tests.test_handoff_service import producer
+    from qualify.handoff.client import checked_host_facts
 
-    process: ProducerProcess = producer()  # not started: only the parsing is exercised
-    process._take_host_facts(ready)
-    assert process.host_facts is None and problem in process.host_facts_problem
-    facts = host_facts()
-    process._take_host_facts({"op": "ready", "status": "ok", "host": facts})
-    assert process.host_facts == facts and process.host_facts_problem is None
+    facts, why = checked_host_facts(ready)
+    assert facts is None and why is not None and problem in why
+    facts_here = host_facts()
+    assert checked_host_facts({"op": "ready", "status": "ok", "host": facts_here}) == (facts_here, None)
 
 
 # ------------------------------------------------------------------------------------------
