@@ -505,6 +505,31 @@ def test_a_peer_stalling_mid_payload_is_given_up_and_nothing_is_returned(tls_set
         peer.close()
 
 
+def test_a_peer_trickling_its_answer_past_the_deadline_is_given_up(tls_set: Path, captured: Handoff) -> None:
+    """An answer that keeps arriving, a few bytes at a time (a link, or a producer, far slower
+    than the deadline; never silent long enough for the silence deadline): the handoff deadline
+    still ends it, and nothing is returned. The whole answer would take about 200 x 50 ms."""
+    key = run_key(tls_set)
+
+    def trickle(conn: socket.socket) -> None:
+        greet(conn, key)
+        request = read_frame(conn)
+        frame = handoff_frame(captured, request["request_id"])
+        step = max(1, len(frame) // 200)
+        for start in range(0, len(frame), step):
+            conn.sendall(frame[start:start + step])
+            threading.Event().wait(0.05)
+
+    peer = HostilePeer(tls_set, trickle)
+    try:
+        with remote(peer.port, consumer_tls(tls_set), key=key, deadlines=SHORT_DEADLINES) as producer:
+            with pytest.raises(ProducerFailure, match="no answer within the handoff deadline of 1.5 s") as failed:
+                producer.request_prefill(TOKENS, "sample-1")
+        assert "\n" not in str(failed.value)
+    finally:
+        peer.close()
+
+
 @pytest.mark.parametrize("notify", [True, False], ids=["close-notify", "cut"])
 def test_a_truncated_stream_fails_the_request_and_nothing_is_returned(tls_set: Path, captured: Handoff,
                                                                       notify: bool) -> None:

@@ -396,18 +396,23 @@ class ProducerConnection:
 
     def _read_into(self, view: memoryview, deadline: float, first_byte: list[float] | None = None, *,
                    phase: _Phase = "handoff", silence: _Silence | None = None) -> None:
-        """Fill ``view`` from the socket, waking every POLL_S to check the phase deadline, the
-        producer's silence and its process."""
+        """Fill ``view`` from the socket, checking the phase deadline before every read and, waking
+        every POLL_S while nothing arrives, the producer's silence and its process."""
         silence = silence if silence is not None else _Silence()
         self._sock.settimeout(POLL_S)
         received = 0
         total = view.nbytes
+        limit = self.deadlines.handoff_s if phase == "handoff" else self.deadlines.verify_s
         while received < total:
+            # Checked before every read, not only when one times out: bytes trickling in (a link or
+            # a producer slower than the deadline, or heartbeats sent faster than POLL_S) never time
+            # a read out.
+            if time.monotonic() > deadline:
+                raise ConnectionBroken(f"no answer within the {phase} deadline of {limit:g} s", stuck=True)
             try:
                 count = self._sock.recv_into(view[received:], total - received)
             except TimeoutError:
                 if time.monotonic() > deadline:
-                    limit = self.deadlines.handoff_s if phase == "handoff" else self.deadlines.verify_s
                     raise ConnectionBroken(f"no answer within the {phase} deadline of {limit:g} s", stuck=True) from None
                 if silence.current_s() > self.deadlines.silence_s:
                     raise ConnectionBroken(f"silent for {silence.current_s():.1f} s during {phase} (stopped or "

@@ -29,6 +29,7 @@ command                handler
 ``selftest``           ``qualify.interfaces.console.selftest_cli``
 ``report``             ``qualify.interfaces.report.report_cli``
 ``producer serve``     ``qualify.handoff.service.main``
+``producer expect``    ``qualify.interfaces.producer.producer_expect_cli``
 =====================  =========================================================
 """
 
@@ -106,6 +107,12 @@ def _load_producer_serve() -> Handler:
     return main
 
 
+def _load_producer_expect() -> Handler:
+    from qualify.interfaces.producer import producer_expect_cli
+
+    return producer_expect_cli
+
+
 def _load_model_inspect() -> Handler:
     from qualify.interfaces.models import model_inspect_cli
 
@@ -139,6 +146,8 @@ DELEGATES: tuple[Delegate, ...] = (
     Delegate(("selftest",), _load_selftest, "run the harness's own end-to-end self checks"),
     Delegate(("report",), _load_report, "write an HTML report of one receipt, or a comparison of several"),
     Delegate(("producer", "serve"), _load_producer_serve, "run a producer service process (Unix socket, or TCP under TLS)"),
+    Delegate(("producer", "expect"), _load_producer_expect,
+             "write the --expect document of a producer a run reaches with --producer-at"),
     Delegate(("model", "inspect"), _load_model_inspect,
              "load a model (published name, Hugging Face directory or GGUF file) and print what it is"),
 )

@@ -75,12 +75,13 @@ def _check_output(output: Path, receipts: Sequence[Path]) -> Path:
     return output
 
 
-def write_atomically(output: Path, data: bytes) -> None:
+def write_atomically(output: Path, data: bytes, option: str = "--output") -> None:
     """Write ``data`` to a temporary file beside ``output`` and rename it over ``output``: the
-    page appears whole or not at all (the temporary is removed on any failure)."""
-    where = f"--output {shown(str(output))}"
+    file appears whole or not at all (the temporary is removed on any failure); a refusal names
+    ``option``. Also ``qualify producer expect --out``'s writer."""
+    where = f"{option} {shown(str(output))}"
     try:
-        descriptor, temporary = tempfile.mkstemp(prefix=".qualify-report-", suffix=".tmp",
+        descriptor, temporary = tempfile.mkstemp(prefix=".qualify-", suffix=".tmp",
                                                  dir=output.absolute().parent)
     except OSError as exc:
         raise Refused(f"{where}: cannot write there ({exc.strerror or type(exc).__name__})") from None
@@ -89,7 +90,7 @@ def write_atomically(output: Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)  # a page to share, not a secret (mkstemp makes it 0600)
+        os.chmod(temporary, 0o644)  # a page or document to share, not a secret (mkstemp makes it 0600)
         os.replace(temporary, output)
     except OSError as exc:
         with contextlib.suppress(OSError):

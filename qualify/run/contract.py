@@ -383,6 +383,17 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     )
 
 
+def run_contract(recipe: str, identity_path: Path) -> Contract:
+    """The contract a ``qualify --recipe`` run under ``identity_path`` checks against, derived as the
+    run derives it (the lane's consumer built, every check of :func:`contract_from_identity`), for
+    ``qualify producer expect``: the ``--expect`` document a remote producer is started with."""
+    from qualify.contract.identity import load_identity
+    from qualify.engines.factory import build_consumer
+
+    identity = load_identity(identity_path)
+    return contract_from_identity(identity_path, recipe, False, build_consumer(identity.lane))
+
+
 def comparison_bounds(rule: BoundedDriftRule | BitExactRule | None) -> tuple[float, float]:
     """The bounds a comparison localises against: rung 2's declared bounds, 0 for rung 3 (any
     difference breaks it), and no bound at all for a calibration, which only measures."""
