@@ -141,7 +141,9 @@ def build_engines(model_file: Path, max_length: int, decode: int, chunk: int) ->
     producer = TorchLlama(weights, cache_positions=cache_positions, max_decode_steps=max(decode, 1), cuda_graph=False)
     consumer = producer.sharing_weights(cuda_graph=True)
     reference = producer.sharing_weights(cuda_graph=True)
-    model = {"file": model_file.name, "file_sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(), "seed": seed,
+    resolved = model_file.resolve()
+    named = resolved.relative_to(REPO_ROOT).as_posix() if resolved.is_relative_to(REPO_ROOT) else model_file.name
+    model = {"file": named, "file_sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(), "seed": seed,
              "dtype": dtype, "device": device, "shape": dataclasses.asdict(shape),
              "weights_fingerprint": weights.fingerprint()}
     return GridEngines(producer, consumer, reference, model)
