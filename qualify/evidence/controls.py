@@ -187,7 +187,7 @@ class _ConsumerAsProducer:
 def score_shared(consumer: ReferenceEngine, yardstick: Producer, documents: Mapping[str, np.ndarray],
                  progress: Progress | None = None) -> SharedScoring:
     """The reference and yardstick passes over every document (see :class:`SharedScoring`)."""
-    checked = _checked_documents(documents, consumer.geometry.vocab)
+    checked = checked_documents(documents, consumer.geometry.vocab)
     reference: dict[str, TopTokens] = {}
     measured: dict[str, TopTokens] = {}
     for name, tokens in checked.items():
@@ -226,8 +226,8 @@ def measure_controls(consumer: object, producer: Producer, yardstick: Producer,
         raise Refused(f"lane {lane}: producer is lane {producer.spec.name}'s, expected lane {lane}'s")
     identification = {"criteria": _identification(criteria, "criteria"),
                       "yardstick": _identification(yardstick_id, "yardstick")}
-    checked = _checked_documents(documents, engine.geometry.vocab)
-    _check_layout(lengths, profile_window, {name: tokens.size for name, tokens in checked.items()})
+    checked = checked_documents(documents, engine.geometry.vocab)
+    check_layout(lengths, profile_window, {name: tokens.size for name, tokens in checked.items()})
     if shared is None:
         shared = score_shared(engine, yardstick, checked, progress)
     else:
@@ -257,22 +257,35 @@ def measure_controls(consumer: object, producer: Producer, yardstick: Producer,
 def _document_record(name: str, tokens: np.ndarray, reference: TopTokens, lane: TopTokens, yardstick: TopTokens,
                      lengths: Sequence[int], profile_window: int) -> dict[str, Any]:
     """One document's cells (rows 0..L-1 of its single pass) and profile windows."""
-    lane_differs = lane.tokens != reference.tokens  # [T] bool
-    yardstick_differs = yardstick.tokens != reference.tokens
-
-    def counts(rows: slice) -> dict[str, int]:
-        return {"lane_disagreeing": int(np.count_nonzero(lane_differs[rows])),
-                "yardstick_disagreeing": int(np.count_nonzero(yardstick_differs[rows]))}
-
+    cells, profile = disagreement_cells({"lane": lane.tokens != reference.tokens,
+                                         "yardstick": yardstick.tokens != reference.tokens}, lengths, profile_window)
     return {
         "document": name,
         "token_sha256": prompt_sha256(tokens),
         "rows": int(tokens.size),
-        "cells": [{"length": int(length), "rows": int(length), **counts(slice(0, length))} for length in lengths],
-        "profile": [{"start": start, "stop": start + profile_window, **counts(slice(start, start + profile_window))}
-                    for start in range(0, tokens.size, profile_window)],
+        "cells": cells,
+        "profile": profile,
         "top_tokens_sha256": {"reference": reference.sha256, "lane": lane.sha256, "yardstick": yardstick.sha256},
     }
+
+
+def disagreement_cells(differs: Mapping[str, np.ndarray], lengths: Sequence[int], profile_window: int
+                       ) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+    """Cells and profile of one document's pass from per-row disagreement flags (``label`` ->
+    bool [T], all of one length T): a cell of length L counts rows 0..L-1 (the nesting rule), a
+    profile window its ``profile_window`` rows; each count is keyed ``<label>_disagreeing``."""
+    rows = {int(flags.size) for flags in differs.values()}
+    if len(rows) != 1:
+        raise Refused(f"controls disagreement flags: passes of {sorted(rows)} rows, expected one length")
+    total = rows.pop()
+
+    def counts(window: slice) -> dict[str, int]:
+        return {f"{label}_disagreeing": int(np.count_nonzero(flags[window])) for label, flags in differs.items()}
+
+    cells = [{"length": int(length), "rows": int(length), **counts(slice(0, length))} for length in lengths]
+    profile = [{"start": start, "stop": start + profile_window, **counts(slice(start, start + profile_window))}
+               for start in range(0, total, profile_window)]
+    return cells, profile
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +305,7 @@ def _identification(block: object, field: str) -> dict[str, str]:
     return {"name": name, "sha256": sha256}
 
 
-def _checked_documents(documents: object, vocab: int) -> dict[str, np.ndarray]:
+def checked_documents(documents: object, vocab: int) -> dict[str, np.ndarray]:
     """Name -> token ids (int64 [T]), in the given order; refuses no documents, a bad name or ids."""
     if not isinstance(documents, Mapping) or not documents:
         raise Refused(f"controls documents: found {render(documents)}, expected a mapping of names to token ids")
@@ -311,7 +324,7 @@ def _whole(value: object) -> int | None:
     return None
 
 
-def _check_layout(lengths: object, profile_window: object, rows: Mapping[str, int]) -> None:
+def check_layout(lengths: object, profile_window: object, rows: Mapping[str, int]) -> None:
     """Lengths positive, strictly increasing, whole multiples of the window and within every
     document; the window a whole divisor of every document's rows (the judge reads exactly that)."""
     window = _whole(profile_window)

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Build the long-context control documents (32768 tokens each) that ``bench/gpu_e2_grid.py`` reads.
+
+The E2 control documents (``model/documents``) stop at 4096 tokens, and their sources are too
+short for 32768. These three are fixed by the same kind of rule, before any long cell was
+measured: the first 32768 tokens of one held-out CPython 3.11.7 stdlib file under the shipped
+tokenizer (``model/tokenizer.json``, 4096 ids, all inside the 8B shape's vocabulary). None is in
+the training corpus, the calibration set, the controls or the fixture. The token ids are
+committed (``bench/documents/<name>.json``), so the device machine, on another Python, reads the
+very same ids; each file states its rule, source digest and token digest.
+
+Usage: python tools/build_long_documents.py [--stdlib DIR] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from build_documents import DOCUMENTS, FIXTURE_SOURCE, token_sha256
+
+LONG_TOKENS = 32768
+LONG_DOCUMENTS: dict[str, tuple[str, str]] = {
+    # name: (stdlib-relative source, kind)
+    "python-test-descr": ("test/test_descr.py", "python source (tests, held out of training)"),
+    "c-test-clinic": ("test/clinic.test.c", "C source (Argument Clinic test input)"),
+    "data-decimal-squareroot": ("test/decimaltestdata/squareroot.decTest", "test-case table (decimal arithmetic)"),
+}
+OUT_DIR = ROOT / "bench" / "documents"
+
+
+def build(stdlib: Path) -> dict[str, dict[str, object]]:
+    tokenizer_path = ROOT / "model" / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    trained = {entry["path"] for entry in json.loads((ROOT / "model" / "corpus-manifest.json").read_text())["files"]}
+    taken = {relpath for relpath, *_ in DOCUMENTS.values()} | {FIXTURE_SOURCE}
+    documents: dict[str, dict[str, object]] = {}
+    for name, (relpath, kind) in LONG_DOCUMENTS.items():
+        if relpath in trained or relpath in taken:
+            raise SystemExit(f"build_long_documents: {relpath} is trained on, the fixture, or another set's document")
+        source = stdlib / relpath
+        token_ids = tokenizer.encode(source.read_text(encoding="utf-8")).ids
+        if len(token_ids) < LONG_TOKENS:
+            raise SystemExit(f"build_long_documents: {relpath} has {len(token_ids)} tokens, need {LONG_TOKENS}")
+        kept = token_ids[:LONG_TOKENS]
+        documents[name] = {
+            "name": name,
+            "kind": kind,
+            "set": "long-control",
+            "source": f"CPython 3.11.7 Lib/{relpath}",
+            "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+            "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),
+            "rule": f"the first {LONG_TOKENS} tokens of Lib/{relpath} under the shipped tokenizer",
+            "tokens": LONG_TOKENS,
+            "token_sha256": token_sha256(kept),
+            "token_ids": kept,
+        }
+    return documents
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
+    parser.add_argument("--check", action="store_true", help="compare with the committed files, write nothing")
+    args = parser.parse_args()
+    if sys.version_info[:3] != (3, 11, 7):
+        print("build_long_documents: expected CPython 3.11.7's stdlib", file=sys.stderr)
+        return 2
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    differing = []
+    for name, document in build(args.stdlib).items():
+        text = json.dumps(document) + "\n"
+        path = OUT_DIR / f"{name}.json"
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                differing.append(name)
+            continue
+        path.write_text(text, encoding="utf-8")
+        print(f"{name}: {document['tokens']} tokens, token_sha256 {document['token_sha256']}")
+    if differing:
+        print(f"build_long_documents: differs from the committed files: {', '.join(differing)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
