@@ -98,42 +98,51 @@ def parse_lengths(text: str) -> list[int]:
 
 @dataclasses.dataclass
 class GridEngines:
-    """The lane's producer (eager), its consumer (CUDA-graph decode; scores rows and decodes) and the
-    reference source (an engine identical to the consumer, with its own cache), on shared weights."""
+    """The lane's producer (eager), its consumer (CUDA-graph decode; scores rows), the reference
+    source (an engine identical to the consumer, with its own cache), and per cell length a decoder:
+    the consumer's engine with a cache of that length plus the decode. The decode step attends over
+    every cache slot (masked past its position, so the graph is capturable once), so a 2048-token
+    cell decoded in a 33k-slot cache would pay for 33k slots a step."""
 
     producer: Any
     consumer: Any
     reference: Any
+    decoders: dict[int, Any]
     model: dict[str, Any]
 
 
-def required_bytes(shape: Any, element: int, cache_positions: int, rows: int, chunk: int) -> int:
-    """What the grid holds on the device at its peak: the weights, three KV caches, a prefill's
+def required_bytes(shape: Any, element: int, cache_positions: int, rows: int, chunk: int,
+                   decoder_positions: int = 0) -> int:
+    """What the grid holds on the device at its peak: the weights, three KV caches and the cell
+    decoders' (``decoder_positions`` slots in all), a prefill's
     activations over ``rows`` (float32 RoPE temporaries, the MLP's gate|up) and a scored chunk's
     float32 logits and expanded keys."""
     layer = shape.qkv_width * shape.hidden + shape.hidden * shape.heads * shape.head_dim + 3 * shape.intermediate * shape.hidden
     weights = (shape.layers * layer + (1 if shape.tied_embeddings else 2) * shape.vocab * shape.hidden) * element
-    cache = shape.layers * 2 * shape.kv_heads * (cache_positions + 2) * shape.head_dim * element
+    slot = shape.layers * 2 * shape.kv_heads * shape.head_dim * element
+    cache = (cache_positions + 2) * slot
     prefill = rows * (3 * shape.intermediate * element + 4 * shape.qkv_width * 4)
     scoring = 2 * chunk * shape.vocab * 4 + 4 * shape.heads * (rows + chunk) * shape.head_dim * element
-    return int(weights + 3 * cache + prefill + scoring)
+    return int(weights + 3 * cache + decoder_positions * slot + prefill + scoring)
 
 
-def build_engines(model_file: Path, max_length: int, decode: int, chunk: int) -> GridEngines:
-    """The three engines on the random weights ``model_file`` names, with room for ``max_length``
-    positions plus ``decode``; refused in one line when the device is absent or short of memory."""
+def build_engines(model_file: Path, lengths: Sequence[int], decode: int, chunk: int) -> GridEngines:
+    """The engines on the random weights ``model_file`` names, with room for the longest length
+    plus ``decode``; refused in one line when the device is absent or short of memory."""
     import torch
 
     from qualify.engines.torch_llama import TorchLlama, check_dtype_device, random_model, random_weights
 
     shape, seed, dtype, device = random_model(model_file)
     torch_dtype = check_dtype_device(dtype, device)
+    max_length = max(lengths)
     cache_positions = max_length + decode
     shape = dataclasses.replace(shape, max_positions=max(shape.max_positions, cache_positions))
     if device == "cuda":
         free, total = torch.cuda.mem_get_info()
         need = required_bytes(shape, torch.empty((), dtype=torch_dtype).element_size(), cache_positions,
-                              max_length, chunk) + MEMORY_MARGIN_BYTES
+                              max_length, chunk, sum(length + decode for length in lengths) if decode else 0
+                              ) + MEMORY_MARGIN_BYTES
         if need > free:
             raise Refused(f"device memory: the grid needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB "
                           f"of {total / 2**30:.1f} GiB free; use shorter --lengths or a smaller --chunk")
@@ -141,12 +150,14 @@ def build_engines(model_file: Path, max_length: int, decode: int, chunk: int) ->
     producer = TorchLlama(weights, cache_positions=cache_positions, max_decode_steps=max(decode, 1), cuda_graph=False)
     consumer = producer.sharing_weights(cuda_graph=True)
     reference = producer.sharing_weights(cuda_graph=True)
+    decoders = {length: producer.sharing_weights(cuda_graph=True, cache_positions=length + decode)
+                for length in lengths} if decode else {}
     resolved = model_file.resolve()
     named = resolved.relative_to(REPO_ROOT).as_posix() if resolved.is_relative_to(REPO_ROOT) else model_file.name
     model = {"file": named, "file_sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(), "seed": seed,
              "dtype": dtype, "device": device, "shape": dataclasses.asdict(shape),
              "weights_fingerprint": weights.fingerprint()}
-    return GridEngines(producer, consumer, reference, model)
+    return GridEngines(producer, consumer, reference, decoders, model)
 
 
 def synchronize(device: Any) -> None:
@@ -167,9 +178,9 @@ def warm_up(engines: GridEngines, decode: int, chunk: int) -> None:
     for engine in (engines.producer, engines.reference):
         engine.prefill_device(ids)
     score_top_tokens(engines.consumer, ids, engines.reference.kv_device(), chunk)
-    if decode:
-        engines.consumer.warm_up()
-        decode_cell(engines.consumer, ids, ids.shape[0], min(decode, 2), engines.reference.kv_device(),
+    for length, decoder in engines.decoders.items():
+        decoder.warm_up()
+        decode_cell(decoder, ids, min(ids.shape[0], length), min(decode, 2), engines.reference.kv_device(),
                     engines.producer.kv_device())
     synchronize(device)
 
@@ -229,8 +240,8 @@ def measure_document(engines: GridEngines, name: str, ids: np.ndarray, lengths: 
     for cell in cells:
         cell["rate"] = cell["lane_disagreeing"] / cell["rows"]
         if decode:
-            run = watch("decode", functools.partial(decode_cell, consumer, tokens, cell["length"], decode, reference_kv,
-                                                    lane_kv))
+            run = watch("decode", functools.partial(decode_cell, engines.decoders[cell["length"]], tokens,
+                                                    cell["length"], decode, reference_kv, lane_kv))
             cell["decode"] = {"steps": decode, "disagreeing": run.disagreeing, "first_divergence": run.first_divergence,
                               "reference_tokens_sha256": prompt_sha256(run.reference_tokens)}
     record = {"document": name, "token_sha256": prompt_sha256(ids), "rows": int(ids.size),
@@ -303,7 +314,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     check_layout(lengths, options.profile_window, {name: ids.size for name, (ids, _) in documents.items()})
     if options.fault is not None and options.fault not in FAULTS:
         raise Refused(f"--fault: found {options.fault!r}, expected one of {', '.join(FAULTS)}")
-    engines = build_engines(options.model_file, max(lengths), options.decode, options.chunk)
+    engines = build_engines(options.model_file, lengths, options.decode, options.chunk)
     synchronize(engines.consumer.device)
     weights_s = time.perf_counter() - began
     warm_began = time.perf_counter()

@@ -59,7 +59,7 @@ def test_row_r_is_scored_from_the_sources_first_r_positions_and_its_own_step(ben
 
     from qualify.evidence.controls_device import score_logit_chunks
 
-    engines = bench.build_engines(tiny_model, 64, 4, 16)
+    engines = bench.build_engines(tiny_model, [64], 4, 16)
     tokens = torch.from_numpy(bench.load_documents(REPO / "bench" / "documents", 40)["c-test-clinic"][0])
     engines.producer.prefill_device(tokens)
     # A source unlike the consumer's own prefill, so a row that read its own K/V would show it.
