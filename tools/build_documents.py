@@ -77,30 +77,44 @@ def build(stdlib: Path) -> dict[str, dict[str, object]]:
     return documents
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
-    parser.add_argument("--check", action="store_true", help="compare with the committed files, write nothing")
-    args = parser.parse_args()
-    if sys.version_info[:3] != (3, 11, 7):
-        print("build_documents: expected CPython 3.11.7's stdlib", file=sys.stderr)
-        return 2
-    out = ROOT / "model" / "documents"
-    out.mkdir(exist_ok=True)
+def write_documents(prog: str, documents: dict[str, dict[str, object]], out: Path, check: bool) -> int:
+    """Write each document to ``out/<name>.json`` (or, with ``check``, compare it with the committed
+    file and write nothing): 0 done or the same, 1 some differ (named on stderr)."""
+    out.mkdir(parents=True, exist_ok=True)
     differing = []
-    for name, document in build(args.stdlib).items():
+    for name, document in documents.items():
         text = json.dumps(document) + "\n"
         path = out / f"{name}.json"
-        if args.check:
+        if check:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
                 differing.append(name)
             continue
         path.write_text(text, encoding="utf-8")
         print(f"{name}: {document['tokens']} tokens, token_sha256 {document['token_sha256']}")
     if differing:
-        print(f"build_documents: differs from the committed files: {', '.join(differing)}", file=sys.stderr)
+        print(f"{prog}: differs from the committed files: {', '.join(differing)}", file=sys.stderr)
         return 1
     return 0
+
+
+def stdlib_arguments(doc: str | None, prog: str) -> argparse.Namespace | None:
+    """``--stdlib`` and ``--check``; None (after one line on stderr) when this is not CPython 3.11.7,
+    whose stdlib every rule names."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
+    parser.add_argument("--check", action="store_true", help="compare with the committed files, write nothing")
+    args = parser.parse_args()
+    if sys.version_info[:3] != (3, 11, 7):
+        print(f"{prog}: expected CPython 3.11.7's stdlib", file=sys.stderr)
+        return None
+    return args
+
+
+def main() -> int:
+    args = stdlib_arguments(__doc__, "build_documents")
+    if args is None:
+        return 2
+    return write_documents("build_documents", build(args.stdlib), ROOT / "model" / "documents", args.check)
 
 
 if __name__ == "__main__":

@@ -14,18 +14,16 @@ Usage: python tools/build_long_documents.py [--stdlib DIR] [--check]
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
-import sysconfig
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from build_documents import DOCUMENTS, FIXTURE_SOURCE, token_sha256
+from build_documents import DOCUMENTS, FIXTURE_SOURCE, stdlib_arguments, token_sha256, write_documents
 
 LONG_TOKENS = 32768
 LONG_DOCUMENTS: dict[str, tuple[str, str]] = {
@@ -67,28 +65,10 @@ def build(stdlib: Path) -> dict[str, dict[str, object]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
-    parser.add_argument("--check", action="store_true", help="compare with the committed files, write nothing")
-    args = parser.parse_args()
-    if sys.version_info[:3] != (3, 11, 7):
-        print("build_long_documents: expected CPython 3.11.7's stdlib", file=sys.stderr)
+    args = stdlib_arguments(__doc__, "build_long_documents")
+    if args is None:
         return 2
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    differing = []
-    for name, document in build(args.stdlib).items():
-        text = json.dumps(document) + "\n"
-        path = OUT_DIR / f"{name}.json"
-        if args.check:
-            if not path.is_file() or path.read_text(encoding="utf-8") != text:
-                differing.append(name)
-            continue
-        path.write_text(text, encoding="utf-8")
-        print(f"{name}: {document['tokens']} tokens, token_sha256 {document['token_sha256']}")
-    if differing:
-        print(f"build_long_documents: differs from the committed files: {', '.join(differing)}", file=sys.stderr)
-        return 1
-    return 0
+    return write_documents("build_long_documents", build(args.stdlib), OUT_DIR, args.check)
 
 
 if __name__ == "__main__":
