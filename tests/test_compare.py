@@ -14,6 +14,7 @@ from qualify.core.errors import Refused
 from qualify.engines.base import DecodeResult
 from qualify.evidence import compare
 from qualify.evidence.compare import (
+    KVComparison,
     classify_divergence,
     compare_branches,
     compare_kv,
@@ -451,3 +452,114 @@ def test_sample_record_builder_refuses_missing_or_unknown_phases():
         sample_record(repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=1,
                       payload_gbit_per_s=1.0, handed_off_positions=1, recomputed_positions=0,
                       phases={**{name: 0.0 for name in PHASE_FIELDS}, "warmup_s": 1.0})
+
+
+# --------------------------------------------------------------------------- boundaries (issue 20)
+
+# Dyadic deltas: row 1 of the handoff block is the cold row plus [0.5, 0, 0, 0], so that row's max
+# abs delta is exactly 0.5 and its mean exactly 0.125 (every other row is equal).
+EXACT_MAX, EXACT_MEAN = 0.5, 0.125
+
+
+def _dyadic_blocks() -> tuple[np.ndarray, np.ndarray]:
+    cold = np.arange(12, dtype=np.float32).reshape(3, 4)
+    handoff = cold.copy()
+    handoff[1, 0] += np.float32(EXACT_MAX)
+    return handoff, cold
+
+
+def test_a_row_exactly_at_both_bounds_is_within_the_rule():
+    handoff, cold = _dyadic_blocks()
+    delta = compare_logit_blocks(handoff, cold, maximum_absolute=EXACT_MAX, maximum_mean_absolute=EXACT_MEAN)
+    assert (float(delta.row_max_abs[1]), float(delta.row_mean_abs[1])) == (EXACT_MAX, EXACT_MEAN)
+    assert delta.first_row_over_rule is None
+
+
+@pytest.mark.parametrize(
+    ("maximum_absolute", "maximum_mean_absolute"),
+    [(math.nextafter(EXACT_MAX, 0.0), EXACT_MEAN), (EXACT_MAX, math.nextafter(EXACT_MEAN, 0.0))],
+    ids=["max-one-ulp-over", "mean-one-ulp-over"],
+)
+def test_a_row_one_ulp_over_either_bound_breaks_the_rule(maximum_absolute, maximum_mean_absolute):
+    handoff, cold = _dyadic_blocks()
+    delta = compare_logit_blocks(handoff, cold, maximum_absolute=maximum_absolute,
+                                 maximum_mean_absolute=maximum_mean_absolute)
+    assert delta.first_row_over_rule == 1
+
+
+@pytest.mark.parametrize("bound", ["max", "mean"])
+def test_only_one_bound_given_still_locates_a_row_over_it(bound):
+    handoff, cold = _dyadic_blocks()
+    if bound == "max":
+        delta = compare_logit_blocks(handoff, cold, maximum_absolute=math.nextafter(EXACT_MAX, 0.0))
+    else:
+        delta = compare_logit_blocks(handoff, cold, maximum_mean_absolute=math.nextafter(EXACT_MEAN, 0.0))
+    assert delta.first_row_over_rule == 1
+
+
+def test_teacher_forced_drift_locates_a_row_over_the_mean_bound_alone():
+    forced, cold = _dyadic_blocks()
+    under_mean = math.nextafter(EXACT_MEAN, 0.0)
+    drift = teacher_forced_drift(forced, cold, maximum_absolute=EXACT_MAX, maximum_mean_absolute=under_mean)
+    assert drift.first_row_over_rule == 1
+    at_mean = teacher_forced_drift(forced, cold, maximum_absolute=EXACT_MAX, maximum_mean_absolute=EXACT_MEAN)
+    assert at_mean.first_row_over_rule is None
+
+
+def test_compare_branches_locates_a_teacher_forced_row_over_the_mean_bound_alone():
+    forced, cold = _dyadic_blocks()
+    tokens = np.asarray(cold.argmax(axis=1), dtype=np.int64)
+    same = DecodeResult(tokens=tokens, logits=cold.copy())
+    comparison = compare_branches(same, DecodeResult(tokens=tokens, logits=cold), "raw",
+                                  maximum_absolute=EXACT_MAX, maximum_mean_absolute=math.nextafter(EXACT_MEAN, 0.0),
+                                  teacher_forced_logits=forced)
+    assert comparison.teacher_forced is not None
+    assert comparison.teacher_forced.first_row_over_rule == 1
+    assert comparison.delta.first_row_over_rule is None  # the free-running branches are equal
+
+
+def _kv_with_one_delta(at: float) -> KVComparison:
+    """One layer, positions 0..3; the handed-off K differs from the consumer's own by ``at`` at position 2."""
+    own = np.zeros((1, 4, 2), dtype=np.float64)
+    handed = own.copy()
+    handed[0, 2, 1] = at
+    return compare_kv([handed], [own.copy()], [own], [own])
+
+
+def test_first_position_over_is_none_exactly_at_the_threshold_and_found_one_ulp_over():
+    comparison = _kv_with_one_delta(0.25)
+    assert comparison.first_position_over(0.25) is None
+    assert comparison.first_position_over(math.nextafter(0.25, 0.0)) == 2
+    assert comparison.first_position_over(0.0) == 2
+
+
+def test_compare_kv_keeps_k_and_v_apart():
+    own_keys = [np.zeros((2, 5, 3), np.float32)]
+    own_values = [np.full((2, 5, 3), 10.0, np.float32)]
+    handed_keys = [own_keys[0].copy()]
+    handed_values = [own_values[0].copy()]
+    handed_keys[0][1, 1, 0] = 0.5  # K: 0.5 at position 1
+    handed_values[0][0, 3, 2] = 12.0  # V: 2.0 at position 3
+    [layer] = compare_kv(handed_keys, handed_values, own_keys, own_values).layers
+    assert (layer.k, layer.k_position, layer.v, layer.v_position) == (0.5, 1, 2.0, 3)
+
+
+@pytest.mark.parametrize("tensor", ["K", "V"])
+def test_compare_kv_refusals_name_the_tensor_at_fault(tensor):
+    good = np.zeros((2, 5, 4), np.float32)
+    longer = np.zeros((2, 6, 4), np.float32)
+    flat = np.zeros((5, 4), np.float32)
+    keys, values = ([flat], [good]) if tensor == "K" else ([good], [flat])
+    with pytest.raises(Refused, match=f"^kv layer 0 {tensor}: expected \\[kv_heads, positions, head_dim\\]"):
+        compare_kv(keys, values, [good], [good])
+    keys, values = ([longer], [good]) if tensor == "K" else ([good], [longer])
+    if tensor == "K":
+        with pytest.raises(Refused, match="^kv layer 0 V: 5 handed-off positions, layer 0 has 6$"):
+            compare_kv(keys, values, [good], [good])
+    else:
+        with pytest.raises(Refused, match="^kv layer 0 V: 6 handed-off positions, layer 0 has 5$"):
+            compare_kv(keys, values, [good], [good])
+    own_short = np.zeros((2, 4, 4), np.float32)
+    own_keys, own_values = ([own_short], [good]) if tensor == "K" else ([good], [own_short])
+    with pytest.raises(Refused, match=f"^kv layer 0 {tensor}: handed-off shape \\[2, 5, 4\\] does not fit"):
+        compare_kv([good], [good], own_keys, own_values)

@@ -696,3 +696,147 @@ def test_a_malformed_expectation_is_refused_before_anything_is_opened(change: di
 def test_open_handoff_takes_only_an_expectation_object() -> None:
     with pytest.raises(Refused, match="open_handoff expectation: found dict, expected HandoffExpectation"):
         open_handoff(SEALED, key=KEY, expectation={"identity_sha256": IDENTITY})  # type: ignore[arg-type]  # the wrong type is the point
+
+
+# ------------------------------------------------------------------------------------------
+# payload refusals after the MAC, each reached by a producer that holds the key (issue 20)
+
+HEADER_SIZE = HEADER_END - 8
+SHORT_NAMES = {name: f"t{index}" for index, name in enumerate(json.loads(PAYLOAD[8:HEADER_END]))}
+
+
+def with_header(header: object) -> bytes:
+    """PAYLOAD's data under another header, space-padded to the original's bytes: the payload
+    keeps its length, so only the checks after the size check can refuse it."""
+    text = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= HEADER_SIZE, "the changed header must fit the original header's bytes"
+    return struct.pack("<Q", HEADER_SIZE) + text + b" " * (HEADER_SIZE - len(text)) + PAYLOAD[HEADER_END:]
+
+
+def with_header_length(claimed: int) -> bytes:
+    """PAYLOAD with its 8-byte header length replaced by ``claimed``."""
+    return struct.pack("<Q", claimed) + PAYLOAD[8:]
+
+
+def short_named_header() -> dict[str, dict[str, object]]:
+    """PAYLOAD's header with every tensor renamed ``t<i>``: the same structure, with room to spare."""
+    return {SHORT_NAMES[name]: dict(entry) for name, entry in json.loads(PAYLOAD[8:HEADER_END]).items()}
+
+
+def sent_with_valid_mac(payload: bytes) -> Handoff:
+    """``payload`` under a manifest MACed with the run key, its byte count right and its tree digest
+    the pristine one: refusals at the header stage come before any hashing."""
+    document = json.loads(SEALED.manifest_bytes)
+    document["payload"]["bytes"] = len(payload)
+    manifest_bytes = manifest_canonical_bytes(document)
+    return Handoff(manifest_bytes, manifest_mac(KEY, manifest_bytes), payload)
+
+
+def edited(**entries: dict[str, object]) -> dict[str, dict[str, object]]:
+    header = short_named_header()
+    for name, change in entries.items():
+        header[name] = {**header[name], **change}
+    return header
+
+
+LAST = f"t{2 * GEOMETRY.layers - 1}"
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (with_header_length(len(PAYLOAD) - 7),
+         f"handoff payload: header length {len(PAYLOAD) - 7} exceeds the payload"),
+        (with_header(b"[]"), "handoff payload header: not a JSON object"),
+        (with_header({**short_named_header(), "t0": [1]}), "handoff payload: tensor t0 header is malformed"),
+        (with_header(edited(t0={"extra": 0})), "handoff payload: tensor t0 header is malformed"),
+        (with_header({**short_named_header(), "t0": {"dtype": "F32", "shape": [2, 6, 4]}}),
+         "handoff payload: tensor t0 header is malformed"),
+        (with_header(edited(t0={"data_offsets": "0,192"})), "handoff payload: tensor t0 data_offsets is malformed"),
+        (with_header(edited(t0={"data_offsets": [0, 96, 192]})),
+         "handoff payload: tensor t0 data_offsets is malformed"),
+        (with_header(edited(t0={"data_offsets": [-1, 192]})),
+         "handoff payload: tensor t0 data_offsets is malformed"),
+        (with_header(edited(t0={"data_offsets": [0.0, 192]})),
+         "handoff payload: tensor t0 data_offsets is malformed"),
+        (with_header(edited(t0={"data_offsets": [False, 192]})),
+         "handoff payload: tensor t0 data_offsets is malformed"),
+        (with_header(edited(t0={"data_offsets": [192, 0]})), "handoff payload: tensor t0 data_offsets is malformed"),
+        (with_header(edited(t0={"data_offsets": [0, 188]})),
+         "handoff payload: tensor t1 data_offsets are not contiguous"),
+        (with_header(edited(t0={"data_offsets": [0, 196]})),
+         "handoff payload: tensor t1 data_offsets are not contiguous"),
+        (with_header(edited(**{LAST: {"data_offsets": [
+            short_named_header()[LAST]["data_offsets"][0], len(PAYLOAD) - HEADER_END - 4]}})),  # type: ignore[index]
+         f"handoff payload: tensors end at byte {len(PAYLOAD) - 4}, payload has {len(PAYLOAD)}"),
+    ],
+    ids=["header-length-one-over", "not-an-object", "entry-not-a-mapping", "entry-extra-key", "entry-missing-key",
+         "offsets-text", "offsets-three", "offsets-negative", "offsets-float", "offsets-bool", "offsets-reversed",
+         "gap", "overlap", "trailing-bytes"],
+)
+def test_a_malformed_payload_header_under_a_valid_mac_is_refused_before_hashing(payload: bytes, message: str) -> None:
+    assert len(payload) == len(PAYLOAD)
+    with pytest.raises(HandoffRefused) as refusal:
+        open_(sent_with_valid_mac(payload))
+    assert (refusal.value.check, str(refusal.value)) == ("payload.header", message)
+
+
+def test_a_header_exactly_as_long_as_the_payload_allows_is_not_refused_as_too_long() -> None:
+    payload = with_header_length(len(PAYLOAD) - 8)
+    with pytest.raises(HandoffRefused) as refusal:
+        open_(sent_with_valid_mac(payload))
+    assert "exceeds the payload" not in str(refusal.value)
+
+
+def test_a_zero_length_tensor_is_well_formed_structure() -> None:
+    header = short_named_header()
+    header["z"] = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    with pytest.raises(HandoffRefused) as refusal:
+        open_(sent_with_valid_mac(with_header(header)))
+    assert refusal.value.check == "payload.tree_sha256", str(refusal.value)  # past the header stage
+
+
+def header_text_edited(old: bytes, new: bytes) -> bytes:
+    """PAYLOAD with one byte string of its header replaced by another of the same length."""
+    assert len(old) == len(new) and PAYLOAD[8:HEADER_END].count(old) == 1
+    return PAYLOAD[:8] + PAYLOAD[8:HEADER_END].replace(old, new) + PAYLOAD[HEADER_END:]
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (header_text_edited(b'"layers.0.k":{"dtype":"F32"', b'"layers.0.k":{"dtype":"F16"'),
+         "handoff payload: tensor layers.0.k dtype F16, manifest geometry says float32"),
+        (header_text_edited(b'"layers.0.k":{"dtype":"F32"', b'"layers.0.k":{"dtype":12345'),
+         "handoff payload: tensor layers.0.k dtype 12345, manifest geometry says float32"),
+        (header_text_edited(b'"layers.0.k":{"dtype":"F32","shape":[2,6,4]',
+                            b'"layers.0.k":{"dtype":"F32","shape":[4,6,2]'),
+         "handoff payload: tensor layers.0.k shape [4, 6, 2], manifest geometry says [2, 6, 4]"),
+        (header_text_edited(b'"data_offsets":[0,192]},"layers.0.v":{"dtype":"F32","shape":[2,6,4],'
+                            b'"data_offsets":[192,384]',
+                            b'"data_offsets":[0,188]},"layers.0.v":{"dtype":"F32","shape":[2,6,4],'
+                            b'"data_offsets":[188,384]'),
+         f"handoff payload: tensor layers.0.k holds 188 bytes, manifest geometry says {TENSOR_BYTES}"),
+        (header_text_edited(b'"layers.0.k":{"dtype":"F32","shape":[2,6,4]',
+                            b'"layers.0.k":{"shape":[2,6,4],"dtype":"F32"'),
+         "handoff payload: header is not the canonical safetensors header"),
+        (PAYLOAD[:HEADER_END - 1] + b"\t" + PAYLOAD[HEADER_END:],
+         "handoff payload: header is not the canonical safetensors header"),
+    ],
+    ids=["dtype", "dtype-not-text", "shape", "byte-count", "key-order", "padding"],
+)
+def test_a_payload_layout_other_than_the_geometry_s_is_refused_after_the_tree_digest(payload: bytes,
+                                                                                      message: str) -> None:
+    assert len(payload) == len(PAYLOAD)
+    with pytest.raises(HandoffRefused) as refusal:
+        open_(reseal(payload))
+    assert (refusal.value.check, str(refusal.value)) == ("payload.layout", message)
+
+
+@pytest.mark.parametrize("change", [-4, -1, 1, 8], ids=["4-short", "1-short", "1-over", "8-over"])
+def test_a_payload_whose_size_agrees_with_its_manifest_but_not_the_geometry_is_refused(change: int) -> None:
+    payload = PAYLOAD[:change] if change < 0 else PAYLOAD + b"\0" * change
+    with pytest.raises(HandoffRefused) as refusal:
+        open_(sent_with_valid_mac(payload))
+    assert (refusal.value.check, str(refusal.value)) == (
+        "payload.bytes", f"payload.bytes is {len(PAYLOAD) + change}, expected {len(PAYLOAD)} for the expected geometry")

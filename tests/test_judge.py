@@ -555,3 +555,161 @@ def test_the_judge_imports_no_numpy_engines_or_comparison_code():
             "if m.startswith(('numpy', 'torch', 'qualify.engines', 'qualify.evidence.compare', 'qualify.handoff'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- boundaries (issue 20)
+
+ONE_ULP_OVER_MAX = math.nextafter(RULE2.maximum_absolute, math.inf)
+ONE_ULP_OVER_MEAN = math.nextafter(RULE2.maximum_mean_absolute, math.inf)
+
+
+@pytest.mark.parametrize(
+    ("field", "at_bound"),
+    [("max_abs", RULE2.maximum_absolute), ("mean_abs", RULE2.maximum_mean_absolute)],
+    ids=["max", "mean"],
+)
+def test_summary_passes_a_repetition_exactly_at_a_bound(field, at_bound):
+    records = three()
+    records[1][field] = at_bound
+    verdict = judge_summary(records, RULE2)
+    assert verdict.passed, verdict.reasons
+    assert next(c for c in verdict.checks if c.name == "bounded drift in every repetition").passed
+
+
+@pytest.mark.parametrize(
+    ("field", "over"), [("max_abs", ONE_ULP_OVER_MAX), ("mean_abs", ONE_ULP_OVER_MEAN)], ids=["max", "mean"],
+)
+def test_summary_fails_a_repetition_one_ulp_over_a_bound(field, over):
+    records = three()
+    records[1][field] = over
+    verdict = judge_summary(records, RULE2)
+    assert not verdict.passed
+    assert not next(c for c in verdict.checks if c.name == "bounded drift in every repetition").passed
+    assert any(r.startswith("repetition 2: native full-logit drift exceeds its identity rule") for r in verdict.reasons)
+
+
+@pytest.mark.parametrize("field", ["max_abs", "mean_abs"])
+def test_a_delta_one_ulp_below_zero_is_refused_not_read_as_inside_the_bound(field):
+    below_zero = math.nextafter(0.0, -math.inf)
+    verdict = judge_sample(rung2_record(**{field: below_zero}), RULE2)
+    assert not verdict.passed
+    assert f"sample {field} is {below_zero:.9g}, below 0" in verdict.reasons
+
+
+def test_a_draft_acceptance_one_ulp_over_one_is_refused_not_read_as_above_the_floor():
+    over_one = math.nextafter(1.0, math.inf)
+    verdict = judge_rung3_sample(rung3_record(draft_acceptance_rate=over_one), RULE3)
+    assert not verdict.passed
+    assert f"sample draft_acceptance_rate is {over_one:.9g}, above 1" in verdict.reasons
+    assert judge_rung3_sample(rung3_record(draft_acceptance_rate=1.0), RULE3).passed
+
+
+RULE3_GRADED = BitExactRule(acceptance_floor=0.95, drift_graded=True)
+
+
+def test_drift_graded_rung3_passes_a_bit_exact_sample():
+    verdict = judge_rung3_sample(rung3_record(), RULE3_GRADED)
+    assert verdict.passed, verdict.reasons
+    assert "full-logit deltas exactly 0" in verdict.reasons
+    assert "logit digests equal in every row and over the block" in verdict.reasons
+
+
+def test_drift_graded_rung3_still_requires_the_logit_digest_evidence():
+    record = rung3_record()
+    del record["logit_row_digests_equal"]
+    assert "sample omits logit_row_digests_equal" in judge_rung3_sample(record, RULE3_GRADED).reasons
+    record = rung3_record()
+    del record["first_logit_digest_mismatch_row"]
+    assert "sample omits first_logit_digest_mismatch_row" in judge_rung3_sample(record, RULE3_GRADED).reasons
+
+
+SMALLEST_DELTA = math.nextafter(0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"max_abs": SMALLEST_DELTA},
+         f"full logits differ: max={SMALLEST_DELTA:.9g}, mean=0 (bit-exact requires 0)"),
+        ({"mean_abs": SMALLEST_DELTA},
+         f"full logits differ: max=0, mean={SMALLEST_DELTA:.9g} (bit-exact requires 0)"),
+        ({"logit_row_digests_equal": False}, "logit block digests differ"),
+        ({"first_logit_digest_mismatch_row": 3}, "logit digest mismatch at row 3"),
+        ({"handoff_logit_block_sha256": LOGITS_HANDOFF_SHA}, "logit block digests differ"),
+    ],
+    ids=["max-one-denormal", "mean-one-denormal", "rows-not-equal", "mismatch-row", "block-digests"],
+)
+def test_drift_graded_rung3_fails_on_any_one_departure_from_bit_exact(changes, reason):
+    verdict = judge_rung3_sample(rung3_record(**changes), RULE3_GRADED)
+    assert not verdict.passed
+    assert reason in verdict.reasons, verdict.reasons
+
+
+@pytest.mark.parametrize("delta", [False, True, None, "0", [0.0], math.nan, -SMALLEST_DELTA, SMALLEST_DELTA],
+                         ids=["false", "true", "none", "text", "list", "nan", "below-zero", "one-denormal"])
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_rung3_kv_delta_that_is_not_the_number_zero_is_refused(tensor, delta):
+    record = rung3_record()
+    record["localisation"]["kv_layer_max_abs"][1][tensor] = delta
+    verdict = judge_rung3_sample(record, RULE3)
+    assert not verdict.passed
+    assert any(f"layer 1 {tensor.upper()}" in reason for reason in verdict.reasons), verdict.reasons
+
+
+@pytest.mark.parametrize("zero", [0, 0.0, -0.0], ids=["int", "float", "negative-zero"])
+def test_rung3_kv_delta_of_numeric_zero_passes(zero):
+    record = rung3_record()
+    record["localisation"]["kv_layer_max_abs"][1].update(k=zero, v=zero)
+    assert judge_rung3_sample(record, RULE3).passed
+
+
+ROW = "a" * 64
+OTHER_ROW = "b" * 64
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        {"handoff_logit_row_sha256": [ROW] * 256},
+        {"cold_logit_row_sha256": [ROW] * 256},
+        {"handoff_logit_row_sha256": [ROW] * 256, "cold_logit_row_sha256": None},
+        {"handoff_logit_row_sha256": ROW * 256, "cold_logit_row_sha256": [ROW] * 256},
+        {"handoff_logit_row_sha256": [ROW] * 256, "cold_logit_row_sha256": ROW * 256},
+        {"handoff_logit_row_sha256": {"0": ROW}, "cold_logit_row_sha256": {"0": ROW}},
+        {"handoff_logit_row_sha256": [1] * 256, "cold_logit_row_sha256": [1] * 256},
+        {"handoff_logit_row_sha256": [ROW.upper()] * 256, "cold_logit_row_sha256": [ROW.upper()] * 256},
+        {"handoff_logit_row_sha256": "", "cold_logit_row_sha256": ""},
+    ],
+    ids=["handoff-only", "cold-only", "cold-null", "handoff-text", "cold-text", "mappings", "integers",
+         "uppercase-hex", "empty-text"],
+)
+def test_rung3_row_digest_lists_that_are_one_sided_or_malformed_are_refused(rows):
+    verdict = judge_rung3_sample(rung3_record(**rows), RULE3)
+    assert not verdict.passed
+    assert "sample row digests are malformed" in verdict.reasons
+
+
+def test_rung3_row_digest_lists_of_unequal_length_disagree_at_the_shorter_length():
+    verdict = judge_rung3_sample(
+        rung3_record(handoff_logit_row_sha256=[ROW] * 256, cold_logit_row_sha256=[ROW] * 255), RULE3)
+    assert not verdict.passed
+    assert "recorded row digests disagree with the reported first mismatch (rows say 255)" in verdict.reasons
+    # the same lists agree with a record that reports its first mismatch at the shorter length
+    reported = rung3_record(handoff_logit_row_sha256=[ROW] * 256, cold_logit_row_sha256=[ROW] * 255,
+                            first_logit_digest_mismatch_row=255)
+    row_check = next(c for c in judge_rung3_sample(reported, RULE3).checks if c.name == "row digests")
+    assert row_check.passed
+
+
+def test_rung3_row_digest_lists_shorter_than_the_decode_are_refused():
+    verdict = judge_rung3_sample(
+        rung3_record(handoff_logit_row_sha256=[ROW] * 255, cold_logit_row_sha256=[ROW] * 255), RULE3)
+    assert not verdict.passed
+    assert "recorded row digests disagree with the reported first mismatch (rows say None)" in verdict.reasons
+
+
+def test_rung3_row_digest_lists_differing_in_the_last_row_report_it():
+    cold = [ROW] * 256
+    cold[255] = OTHER_ROW
+    verdict = judge_rung3_sample(rung3_record(handoff_logit_row_sha256=[ROW] * 256, cold_logit_row_sha256=cold), RULE3)
+    assert "recorded row digests disagree with the reported first mismatch (rows say 255)" in verdict.reasons

@@ -36,6 +36,7 @@ def test_split_exactly_at_the_spread_is_parity() -> None:
     assert judgement.outcome == "parity"
     assert judgement.split == pytest.approx(-1 / 6) and judgement.bound == pytest.approx(1 / 6)
     assert judgement.words.startswith("parity: ") and "neither lane is ahead" in judgement.words
+    assert "gap 2 <= summed sd 2 tokens/s" in judgement.words
 
 
 def test_split_one_ulp_over_the_spread_is_ahead_and_says_so_with_both_cvs() -> None:
@@ -149,3 +150,14 @@ def test_swapping_a_and_b_mirrors_the_outcome(cells: tuple[list[float], list[flo
         assert backward.words == forward.words  # the leader is named first either way
     for words in (forward.words, backward.words):
         assert "faster" not in words and "slower" not in words
+
+
+@pytest.mark.parametrize("lane", ["A", "B"])
+def test_a_cell_one_ulp_away_from_no_spread_is_judged_and_an_exactly_flat_one_is_refused(lane: str) -> None:
+    flat, barely = [10.0, 10.0, 10.0], [10.0, 10.0, math.nextafter(10.0, math.inf)]
+    other = [9.0, 10.0, 11.0]
+    refused = judge_parity(*((cell("a", flat), cell("b", other)) if lane == "A" else (cell("a", other), cell("b", flat))))
+    assert refused.outcome == "refused"
+    assert any(f"cell {lane} (" in problem and "has no spread" in problem for problem in refused.problems)
+    judged = judge_parity(*((cell("a", barely), cell("b", other)) if lane == "A" else (cell("a", other), cell("b", barely))))
+    assert judged.outcome == "parity"

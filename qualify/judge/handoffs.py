@@ -510,12 +510,22 @@ def _check_kv_bit_exact(record: Mapping[str, Any], judgement: _Judgement) -> Non
     judgement.check("kv", True, "handed-off KV equals the consumer's own prefill in every layer (K and V)")
 
 
+def _digest_list(value: object) -> list[str] | None:
+    """``value`` as a list of SHA-256 hex digests, or None when it is not one."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    digests = [row for row in value if isinstance(row, str) and _SHA256.fullmatch(row)]
+    return digests if len(digests) == len(value) else None
+
+
 def _check_row_digest_lists(record: Mapping[str, Any], values: Mapping[str, Any], judgement: _Judgement) -> None:
-    """When per-row digests are recorded, they must agree with the reported first mismatch."""
-    handoff_rows, cold_rows = record.get("handoff_logit_row_sha256"), record.get("cold_logit_row_sha256")
-    if handoff_rows is None and cold_rows is None:
+    """When per-row digests are recorded, both sides must be lists of SHA-256 hex digests that agree
+    with the reported first mismatch; one side alone, or anything else, is malformed evidence."""
+    if record.get("handoff_logit_row_sha256") is None and record.get("cold_logit_row_sha256") is None:
         return
-    if not (isinstance(handoff_rows, Sequence) and isinstance(cold_rows, Sequence)) or isinstance(handoff_rows, str):
+    handoff_rows = _digest_list(record.get("handoff_logit_row_sha256"))
+    cold_rows = _digest_list(record.get("cold_logit_row_sha256"))
+    if handoff_rows is None or cold_rows is None:
         judgement.check("row digests", False, "sample row digests are malformed")
         return
     # Lists of unequal length are evidence too: the shorter one ends at the first mismatch.
