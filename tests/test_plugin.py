@@ -24,7 +24,7 @@ from qualify.archive.attestation import ENVELOPE
 from qualify.archive.keys import ensure_signing_key
 from qualify.archive.layout import SUMMARY
 from qualify.archive.reader import read_receipt_json
-from qualify.interfaces.plugin import SCOPE_PROPERTIES, receipt_properties
+from qualify.interfaces.plugin import SCOPE_PROPERTIES, SPLITTING_DIST_MODES, receipt_properties, recipe_dist_mode
 from qualify.judge import judge_summary
 from qualify.run.qualification import HANDOFF_STEPS, STEP_LABELS
 from tests.test_judge import rung2_record
@@ -316,3 +316,24 @@ def test_one_failing_handoff_is_one_failure_and_the_steps_it_blocks_are_skipped_
     assert found["verdict"] == "failed" and cause in found["headline"]
     # The refused handoff was never compared: its sample and the run have no drift to report.
     assert (found["sample_1_max_abs"], found["max_abs"]) == ("null", "null")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(SPLITTING_DIST_MODES))
+def test_a_dist_mode_that_would_split_a_run_keeps_each_recipe_on_one_worker(mode: str, tmp_path: Path) -> None:
+    """``-n 2 --dist worksteal`` (or load, loadgroup) would hand one run's steps to two workers,
+    and a step whose predecessor ran elsewhere fails; the plugin runs each recipe module whole on
+    one worker instead, so both recipes pass side by side."""
+    recipes = copied_recipes(tmp_path)
+    junit = tmp_path / "x.xml"
+    done = run_pytest(tmp_path, str(recipes), "-n", "2", "--dist", mode, "--reference-once", f"--junitxml={junit}",
+                      "--receipts", str(tmp_path / "receipts"), timeout=RUN_TIMEOUT_S)
+    assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
+    assert counts(junit)["failures"] == 0 and counts(junit)["tests"] > len(STEP_LABELS)
+    assert len([path for path in (tmp_path / "receipts").iterdir() if not path.name.startswith(".")]) == 2
+
+
+def test_dist_modes_that_keep_a_module_together_are_left_alone() -> None:
+    for mode in ("no", "loadfile", "loadscope", "each"):
+        assert recipe_dist_mode(mode) == mode
+    assert {recipe_dist_mode(mode) for mode in SPLITTING_DIST_MODES} == {"loadfile"}

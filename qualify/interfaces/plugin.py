@@ -183,12 +183,24 @@ def recipe_options(config: pytest.Config) -> RecipeOptions:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """Check the options (a bad one stops pytest with one line, exit 4), declare the ``recipe``
-    marker, and keep each module on one xdist worker."""
+    marker, and keep each module on one xdist worker (:func:`recipe_dist_mode`)."""
     config.stash[RECIPE_OPTIONS] = recipe_options(config)
     config.addinivalue_line("markers", "recipe(name): a qualification recipe module")
-    # One run's steps must stay ordered on one worker: distribute by module, never by test.
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadfile"
+    mode = getattr(config.option, "dist", "no")
+    if recipe_dist_mode(mode) != mode:
+        config.option.dist = recipe_dist_mode(mode)
+
+
+SPLITTING_DIST_MODES = frozenset({"load", "loadgroup", "worksteal"})
+"""xdist modes that hand a module's tests to different workers (``loadgroup`` does for tests
+without an ``xdist_group`` mark, as recipe steps are)."""
+
+
+def recipe_dist_mode(mode: str) -> str:
+    """The xdist mode recipes run under: one run's steps must stay ordered on one worker, so a
+    mode that would split a module becomes ``loadfile`` (one worker per recipe module); ``no``,
+    ``loadfile``, ``loadscope`` and ``each`` (every worker runs every recipe) are kept."""
+    return "loadfile" if mode in SPLITTING_DIST_MODES else mode
 
 
 # -- collection ---------------------------------------------------------------------------------
