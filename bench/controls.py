@@ -15,7 +15,7 @@ the last line is ``controls_wall_s: <seconds>``. Judging is not done here
 BLAS runs on ``--blas-threads`` threads (default 1: on a shared machine spinning BLAS threads slow
 every pass many times over; the engines' bits do not depend on it).
 
-Usage: python bench/controls.py [--lanes LANE,...] [--criteria FILE] [--out DIR] [--blas-threads N]
+Usage: python bench/controls.py [--lanes LANE,...] [--criteria FILE] [--out DIR] [--blas-threads N] [--model M]
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def main() -> int:
     parser.add_argument("--criteria", help="criteria file (default: contracts/e2-controls-v2.json)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder for the records (default: {DEFAULT_OUT})")
     parser.add_argument("--blas-threads", type=int, default=1, help="BLAS threads (default: 1)")
+    parser.add_argument("--model", metavar="NAME|PATH",
+                        help="a chosen model (docs/models.md): its criteria and documents, its lanes' engines")
     args = parser.parse_args()
     with threadpool_limits(limits=args.blas_threads, user_api="blas"):
         return run(args)
@@ -60,6 +62,10 @@ def main() -> int:
 def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     try:
+        if args.model is not None:
+            from qualify.engines.chosen_model import use_model
+
+            use_model(args.model)
         criteria, criteria_sha256 = load_controls_criteria(args.criteria)
         lanes = args.lanes.split(",") if args.lanes else list(criteria.lanes)
         documents = {entry.name: load_document(entry.name) for entry in criteria.documents}
