@@ -10,6 +10,8 @@ prompts and derived NVFP4 weights must then be the shipped ones, bit for bit.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,5 +226,23 @@ def test_a_chosen_models_kquant_recipe_defaults_to_the_draftless_lane(tiny: Path
 
     assert default_identity_path("kquant-target-plus-dflash") == assets.CONTRACTS_DIR / "kquant-exact-dflash-identity-v1.json"
     chosen_model.use_model(str(tiny))
-    assert default_identity_path("kquant-target-plus-dflash") == model_contracts_dir() / "kquant-exact-identity-v1.json"
-    assert default_identity_path("native-text") == model_contracts_dir() / "nvfp4-native-w4a4-identity-v1.json"
+    with pytest.raises(Refused, match=r"kquant-exact-identity-v1.json: no such file: lane kquant-exact has no frozen "
+                                      r"identity for --model tiny \(docs/models.md\); frozen for it: none$"):
+        default_identity_path("kquant-target-plus-dflash")
+
+
+def test_a_chosen_models_missing_identity_names_the_lanes_frozen_for_it(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qualify.run import contract
+
+    frozen = tmp_path / "contracts-of-tiny"
+    frozen.mkdir()
+    (frozen / "kquant-exact-identity-v1.json").write_text(
+        json.dumps({"lane": "kquant-exact", "recipe": "kquant-target-plus-dflash"}), encoding="utf-8")
+    monkeypatch.setattr(contract, "model_contracts_dir", lambda: frozen)
+    chosen_model.use_model(str(tiny))
+    assert contract.default_identity_path("kquant-target-plus-dflash") == frozen / "kquant-exact-identity-v1.json"
+    with pytest.raises(Refused, match=r"lane nvfp4-native-w4a4 has no frozen identity for --model tiny .*; frozen for "
+                                      r"it: kquant-exact \(qualify --recipe kquant-target-plus-dflash --identity "
+                                      rf"{re.escape(str(frozen / 'kquant-exact-identity-v1.json'))}\)$"):
+        contract.default_identity_path("native-text")

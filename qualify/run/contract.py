@@ -58,9 +58,28 @@ def default_identity_path(recipe: str, producer: str = "reference", consumer: st
     producer or consumer, that pair's lane: ``--producer vllm`` alone is ``vllm-to-reference``).
     A chosen ``--model`` has no speculative draft: its k-quant recipe qualifies the draftless lane."""
     spec = chosen_lane(recipe, producer, consumer)
-    if spec.speculative_draft and model_choice.chosen() is not None:
-        return identity_path_for_lane(KQUANT_EXACT_LANE)
-    return identity_path_for_lane(spec.name)
+    choice = model_choice.chosen()
+    if choice is None:
+        return identity_path_for_lane(spec.name)
+    path = identity_path_for_lane(KQUANT_EXACT_LANE if spec.speculative_draft else spec.name)
+    if not path.is_file():
+        frozen = [_frozen_lane_hint(other) for other in sorted(path.parent.glob("*-identity-v1.json"))]
+        raise Refused(f"identity {path}: no such file: lane {path.name.removesuffix('-identity-v1.json')} has no "
+                      f"frozen identity for --model {choice.name} (docs/models.md); frozen for it: "
+                      f"{'; '.join(frozen) or 'none'}")
+    return path
+
+
+def _frozen_lane_hint(path: Path) -> str:
+    """``lane (qualify --recipe R --identity PATH)`` for an identity file, or its name when unreadable
+    (the hint only points; loading it is what checks it)."""
+    try:
+        from qualify.core.strict_json import read_strict_json
+
+        document = read_strict_json(path, "identity")
+        return f"{document['lane']} (qualify --recipe {document['recipe']} --identity {path})"
+    except (Refused, KeyError, TypeError, ValueError):
+        return path.name
 
 
 def identity_path_for_lane(lane: str) -> Path:
