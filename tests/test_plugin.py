@@ -24,7 +24,7 @@ from qualify.archive.attestation import ENVELOPE
 from qualify.archive.keys import ensure_signing_key
 from qualify.archive.layout import SUMMARY
 from qualify.archive.reader import read_receipt_json
-from qualify.interfaces.plugin import SCOPE_PROPERTIES, SPLITTING_DIST_MODES, receipt_properties, recipe_dist_mode
+from qualify.interfaces.plugin import SCOPE_PROPERTIES, SPLITTING_DIST_MODES, receipt_properties
 from qualify.judge import judge_summary
 from qualify.run.qualification import HANDOFF_STEPS, STEP_LABELS
 from tests.test_judge import rung2_record
@@ -332,8 +332,3 @@ def test_a_dist_mode_that_would_split_a_run_keeps_each_recipe_on_one_worker(mode
     assert counts(junit)["failures"] == 0 and counts(junit)["tests"] > len(STEP_LABELS)
     assert len([path for path in (tmp_path / "receipts").iterdir() if not path.name.startswith(".")]) == 2
 
-
-def test_dist_modes_that_keep_a_module_together_are_left_alone() -> None:
-    for mode in ("no", "loadfile", "loadscope", "each"):
-        assert recipe_dist_mode(mode) == mode
-    assert {recipe_dist_mode(mode) for mode in SPLITTING_DIST_MODES} == {"loadfile"}

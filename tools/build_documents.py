@@ -51,6 +51,29 @@ def token_sha256(token_ids: list[int]) -> str:
     return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
 
 
+def document_record(prog: str, tokenizer: Tokenizer, stdlib: Path, name: str, relpath: str, kind: str, role: str,
+                    keep: int, extra: dict[str, object] | None = None) -> dict[str, object]:
+    """One document: the first ``keep`` tokens of ``Lib/<relpath>`` under ``tokenizer``, with its rule
+    and digests (``extra`` goes after the source digest); exits naming the file when it is shorter."""
+    source = stdlib / relpath
+    token_ids = tokenizer.encode(source.read_text(encoding="utf-8")).ids
+    if len(token_ids) < keep:
+        raise SystemExit(f"{prog}: {relpath} has {len(token_ids)} tokens, need {keep}")
+    kept = token_ids[:keep]
+    return {
+        "name": name,
+        "kind": kind,
+        "set": role,
+        "source": f"CPython 3.11.7 Lib/{relpath}",
+        "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+        **(extra or {}),
+        "rule": f"the first {keep} tokens of Lib/{relpath} under the shipped tokenizer",
+        "tokens": keep,
+        "token_sha256": token_sha256(kept),
+        "token_ids": kept,
+    }
+
+
 def build(stdlib: Path) -> dict[str, dict[str, object]]:
     tokenizer = Tokenizer.from_file(str(ROOT / "model" / "tokenizer.json"))
     trained = {entry["path"] for entry in json.loads((ROOT / "model" / "corpus-manifest.json").read_text())["files"]}
@@ -58,22 +81,7 @@ def build(stdlib: Path) -> dict[str, dict[str, object]]:
     for name, (relpath, kind, role, keep) in DOCUMENTS.items():
         if relpath in trained or relpath == FIXTURE_SOURCE:
             raise SystemExit(f"build_documents: {relpath} is in the training corpus or is the fixture")
-        source = stdlib / relpath
-        token_ids = tokenizer.encode(source.read_text(encoding="utf-8")).ids
-        if len(token_ids) < keep:
-            raise SystemExit(f"build_documents: {relpath} has {len(token_ids)} tokens, need {keep}")
-        kept = token_ids[:keep]
-        documents[name] = {
-            "name": name,
-            "kind": kind,
-            "set": role,
-            "source": f"CPython 3.11.7 Lib/{relpath}",
-            "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
-            "rule": f"the first {keep} tokens of Lib/{relpath} under the shipped tokenizer",
-            "tokens": keep,
-            "token_sha256": token_sha256(kept),
-            "token_ids": kept,
-        }
+        documents[name] = document_record("build_documents", tokenizer, stdlib, name, relpath, kind, role, keep)
     return documents
 
 

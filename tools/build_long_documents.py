@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from build_documents import DOCUMENTS, FIXTURE_SOURCE, stdlib_arguments, token_sha256, write_documents
+from build_documents import DOCUMENTS, FIXTURE_SOURCE, document_record, stdlib_arguments, write_documents
 
 LONG_TOKENS = 32768
 LONG_DOCUMENTS: dict[str, tuple[str, str]] = {
@@ -44,23 +44,9 @@ def build(stdlib: Path) -> dict[str, dict[str, object]]:
     for name, (relpath, kind) in LONG_DOCUMENTS.items():
         if relpath in trained or relpath in taken:
             raise SystemExit(f"build_long_documents: {relpath} is trained on, the fixture, or another set's document")
-        source = stdlib / relpath
-        token_ids = tokenizer.encode(source.read_text(encoding="utf-8")).ids
-        if len(token_ids) < LONG_TOKENS:
-            raise SystemExit(f"build_long_documents: {relpath} has {len(token_ids)} tokens, need {LONG_TOKENS}")
-        kept = token_ids[:LONG_TOKENS]
-        documents[name] = {
-            "name": name,
-            "kind": kind,
-            "set": "long-control",
-            "source": f"CPython 3.11.7 Lib/{relpath}",
-            "source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
-            "tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest(),
-            "rule": f"the first {LONG_TOKENS} tokens of Lib/{relpath} under the shipped tokenizer",
-            "tokens": LONG_TOKENS,
-            "token_sha256": token_sha256(kept),
-            "token_ids": kept,
-        }
+        documents[name] = document_record(
+            "build_long_documents", tokenizer, stdlib, name, relpath, kind, "long-control", LONG_TOKENS,
+            extra={"tokenizer_sha256": hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()})
     return documents
 
 
