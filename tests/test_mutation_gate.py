@@ -1,0 +1,120 @@
+"""The mutation gate (tools/mutation.py) on a one-function project mutmut really runs: a boundary
+its test does not pin survives and fails the gate; an equivalent entry naming exactly that mutant
+excuses it; an entry matching no mutant, or a broken gate file, is refused (exit 2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+mutation = load_script(ROOT / "tools" / "mutation.py")
+
+pytestmark = pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("mutmut") is None, reason="mutmut (the dev extra) is not installed"
+)
+
+SOURCE = """\
+def within(value, bound):
+    if bound is None:
+        return False
+    return value <= bound
+"""
+# Never tests value == bound, so `<=` -> `<` survives; every other mutant is killed.
+TEST = """\
+from bound import within
+
+
+def test_below_above_and_unbounded():
+    assert within(1, 2) is True
+    assert within(3, 2) is False
+    assert within(1, None) is False
+"""
+GATE = """\
+threshold = 95.0
+
+[groups]
+bound = ["bound.py"]
+"""
+BOUNDARY = """
+[[equivalent]]
+function = "bound.x_within"
+removed = ["return value <= bound"]
+added = ["return value < bound"]
+reason = "{reason}"
+"""
+
+
+@pytest.fixture(scope="module")
+def mutated_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    project = tmp_path_factory.mktemp("project")
+    (project / "bound.py").write_text(SOURCE)
+    (project / "tests").mkdir()
+    (project / "tests" / "test_bound.py").write_text(TEST)
+    (project / "pyproject.toml").write_text(
+        '[tool.mutmut]\nsource_paths = ["bound.py"]\npytest_add_cli_args = ["-p", "no:cacheprovider"]\n'
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
+    subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", "1"], cwd=project, env=env, check=True, capture_output=True
+    )
+    return project
+
+
+def gate(project: Path, text: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    path = project / "gate.toml"
+    path.write_text(text)
+    code = mutation.main(["--tree", str(project), "--gate", str(path)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_a_surviving_boundary_fails_the_gate(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = gate(mutated_project, GATE, capsys)
+    assert code == 1
+    assert out.strip().splitlines()[-1] == "mutation_score: 66.7"  # 2 of 3 killed
+
+
+def test_an_equivalent_entry_excuses_exactly_its_mutant(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = gate(mutated_project, GATE + BOUNDARY.format(reason="test only"), capsys)
+    assert out.strip().splitlines()[-1] == "mutation_score: 100.0"
+    assert "equivalent mutants excused: 1" in out
+    assert code == 0
+
+
+def test_an_entry_matching_no_mutant_is_stale_and_refused(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stale = GATE + BOUNDARY.format(reason="test only").replace("value < bound", "value > bound")
+    code, out, err = gate(mutated_project, stale, capsys)
+    assert code == 2
+    assert "stale" in err and "value > bound" in err and len(err.strip().splitlines()) == 1
+    assert "mutation_score" not in out
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("threshold = 120\n[groups]\nbound = ['bound.py']\n", "threshold"),
+        ("threshold = 95\n[groups]\nbound = []\n", "groups"),
+        (GATE + BOUNDARY.format(reason=" "), "equivalent[0]"),
+        ("threshold = ", "cannot read"),
+    ],
+)
+def test_a_broken_gate_file_is_refused_naming_the_field(
+    mutated_project: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
+) -> None:
+    code, out, err = gate(mutated_project, text, capsys)
+    assert code == 2
+    assert named in err and len(err.strip().splitlines()) == 1
+    assert out == ""
+
+
+def test_a_group_whose_files_were_not_mutated_is_refused(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = gate(mutated_project, GATE + 'other = ["elsewhere.py"]\n', capsys)
+    assert code == 2
+    assert "other" in err

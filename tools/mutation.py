@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""The mutation gate: mutmut over the judging core, the comparers, the wire and manifest checks,
+identity validation and receipt verification, scored per group against tools/mutation.toml.
+
+mutmut (configured in pyproject.toml's ``[tool.mutmut]``) runs in a copy of the working tree, so
+the checkout gets no ``mutants/`` directory. A group's score is killed / (mutants - equivalent):
+a mutant no selected test runs counts as surviving. The equivalent mutants are the reviewed
+entries of tools/mutation.toml, each matched by its function and its exact changed lines (never
+by mutmut's number, which moves when the function changes); an entry that matches no mutant is
+stale and fails the gate, so the list cannot silently excuse a different mutant.
+
+    python tools/mutation.py                        # the gate: exit 1 below the threshold
+    python tools/mutation.py --survivors out/s.json # also write every survivor's diff
+
+The last line is ``mutation_score: <lowest group's score, in percent>``. Exit 0 at or above the
+threshold in every group, 1 below it, 2 when the run or the equivalent list cannot be trusted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GATE = ROOT / "tools" / "mutation.toml"
+# mutmut's exit codes for a mutant's test run (mutmut.stats.status_by_exit_code, 3.8): the ones
+# that detect the mutant. Anything else (survived, no tests, suspicious, segfault, not checked)
+# is a mutant the tests did not catch.
+DETECTED_EXIT_CODES = {1: "killed", 3: "killed", 36: "timeout", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout"}
+
+
+class GateError(Exception):
+    """The run or the gate's own file cannot be trusted (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Equivalent:
+    function: str
+    removed: tuple[str, ...]
+    added: tuple[str, ...]
+    reason: str
+
+
+@dataclass
+class GroupScore:
+    name: str
+    mutants: int = 0
+    equivalent: int = 0
+    detected: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def score(self) -> float:
+        counted = self.mutants - self.equivalent
+        return 100.0 * self.detected / counted if counted else 0.0
+
+
+def load_gate(path: Path) -> tuple[float, dict[str, list[str]], list[Equivalent]]:
+    """The threshold, the groups (name -> source files) and the equivalent mutants, checked."""
+    try:
+        gate = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise GateError(f"{path.name}: cannot read: {error}") from None
+    threshold = gate.get("threshold")
+    if not isinstance(threshold, (int, float)) or not 0 < threshold <= 100:
+        raise GateError(f"{path.name}: threshold: expected a percentage in (0, 100]")
+    groups = gate.get("groups")
+    if (
+        not isinstance(groups, dict)
+        or not groups
+        or not all(isinstance(files, list) and files and all(isinstance(f, str) for f in files) for files in groups.values())
+    ):
+        raise GateError(f"{path.name}: groups: expected a table of group -> non-empty list of source files")
+    equivalents = []
+    for index, entry in enumerate(gate.get("equivalent", [])):
+        if (
+            set(entry) != {"function", "removed", "added", "reason"}
+            or not all(isinstance(entry[key], str) and entry[key].strip() for key in ("function", "reason"))
+            or not all(
+                isinstance(entry[key], list) and all(isinstance(line, str) for line in entry[key]) for key in ("removed", "added")
+            )
+        ):
+            raise GateError(f"{path.name}: equivalent[{index}]: expected function, removed, added and a reason")
+        equivalents.append(Equivalent(entry["function"], tuple(entry["removed"]), tuple(entry["added"]), entry["reason"]))
+    return float(threshold), groups, equivalents
+
+
+def copy_tree(destination: Path) -> None:
+    """The working tree's tracked and unignored files, as `git ls-files` names them."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True, capture_output=True
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / name)
+
+
+def run_mutmut(tree: Path, jobs: int) -> None:
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # one BLAS thread per mutant worker
+    done = subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise GateError(f"mutmut run exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+
+
+def exit_codes(tree: Path, sources: set[str]) -> dict[str, tuple[str, int | None]]:
+    """mutant name -> (its source file, its test run's exit code), from mutmut's .meta files."""
+    results: dict[str, tuple[str, int | None]] = {}
+    for meta in sorted((tree / "mutants").rglob("*.py.meta")):
+        source = meta.relative_to(tree / "mutants").as_posix().removesuffix(".meta")
+        if source not in sources:
+            continue
+        try:
+            recorded = json.loads(meta.read_text(encoding="utf-8"))["exit_code_by_key"]
+        except (OSError, ValueError, KeyError) as error:
+            raise GateError(f"{meta.name}: mutmut's results are unreadable: {error}") from None
+        for name, code in recorded.items():
+            results[name] = (source, code)
+    if not results:
+        raise GateError("mutmut produced no mutants: nothing was tested")
+    return results
+
+
+def changed_lines(diff: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    body = [line for line in diff.splitlines() if not line.startswith(("---", "+++", "@@"))]
+    return (
+        tuple(line[1:].strip() for line in body if line.startswith("-")),
+        tuple(line[1:].strip() for line in body if line.startswith("+")),
+    )
+
+
+def function_of(mutant: str) -> str:
+    return mutant.rsplit("__mutmut_", 1)[0]
+
+
+def diffs_of(tree: Path, names: dict[str, str]) -> dict[str, str]:
+    """Each named mutant's diff (name -> its source file), from mutmut's own renderer."""
+    previous = Path.cwd()
+    os.chdir(tree)  # mutmut reads its configuration and mutants/ from the working directory
+    try:
+        from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+        return {name: get_diff_for_mutant(name, path=source) for name, source in names.items()}
+    finally:
+        os.chdir(previous)
+
+
+def score(
+    tree: Path, groups: dict[str, list[str]], equivalents: list[Equivalent], survivors_out: Path | None
+) -> list[GroupScore]:
+    group_of = {source: group for group, files in groups.items() for source in files}
+    results = exit_codes(tree, set(group_of))
+    scores = {group: GroupScore(group) for group in groups}
+    if any(code is None for _, code in results.values()):
+        raise GateError("mutmut left mutants not checked: its run did not finish")
+    undetected = {name: source for name, (source, code) in results.items() if code not in DETECTED_EXIT_CODES}
+    diffs = diffs_of(tree, undetected)
+    equivalents = [e for e in equivalents if any(function_of(name) == e.function for name in results)]
+    candidates = {
+        equivalent: [
+            name
+            for name in undetected
+            if function_of(name) == equivalent.function and changed_lines(diffs[name]) == (equivalent.removed, equivalent.added)
+        ]
+        for equivalent in equivalents
+    }
+    stale = [equivalent for equivalent, matches in candidates.items() if not matches]
+    if stale:
+        raise GateError(
+            "equivalent entries that match no surviving mutant (stale, or now killed: remove them): "
+            + "; ".join(f"{e.function}: {' | '.join(e.added)}" for e in stale)
+        )
+    excused = {name for matches in candidates.values() for name in matches}
+    survivors = []
+    for name, (source, code) in results.items():
+        group = scores[group_of[source]]
+        group.mutants += 1
+        if code in DETECTED_EXIT_CODES:
+            group.detected += 1
+            group.outcomes[DETECTED_EXIT_CODES[code]] += 1
+        elif name in excused:
+            group.equivalent += 1
+        else:
+            from mutmut.stats import status_by_exit_code
+
+            group.outcomes[status_by_exit_code[code]] += 1
+            survivors.append({"mutant": name, "file": source, "status": status_by_exit_code[code], "diff": diffs[name]})
+    missing = [group.name for group in scores.values() if group.mutants == 0]
+    if missing:
+        raise GateError(f"groups with no mutants (their files are not mutated): {', '.join(missing)}")
+    if survivors_out is not None:
+        survivors_out.parent.mkdir(parents=True, exist_ok=True)
+        survivors_out.write_text(json.dumps(survivors, indent=1) + "\n", encoding="utf-8")
+    return list(scores.values())
+
+
+def report(scores: list[GroupScore], threshold: float) -> bool:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"mutation score per group (threshold {threshold:g} %)")
+    for column in ("group", "mutants", "equivalent", "killed", "timeout", "survived", "no tests", "other", "score %"):
+        table.add_column(column, justify="left" if column == "group" else "right")
+    for group in scores:
+        other = sum(n for status, n in group.outcomes.items() if status not in {"killed", "timeout", "survived", "no tests"})
+        table.add_row(
+            group.name,
+            str(group.mutants),
+            str(group.equivalent),
+            str(group.outcomes["killed"]),
+            str(group.outcomes["timeout"]),
+            str(group.outcomes["survived"]),
+            str(group.outcomes["no tests"]),
+            str(other),
+            f"{group.score:.1f}",
+        )
+    Console(width=120).print(table)
+    return all(group.score >= threshold for group in scores)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutant workers (default: all cores)")
+    parser.add_argument("--survivors", type=Path, help="write every uncaught mutant's diff here (JSON)")
+    parser.add_argument("--tree", type=Path, help="an already-run mutmut tree to score (skips the run)")
+    parser.add_argument("--gate", type=Path, default=GATE, help="the gate file (default: tools/mutation.toml)")
+    parser.add_argument("--groups", help="score only these groups (comma-separated); the gate needs all")
+    arguments = parser.parse_args(argv)
+    try:
+        threshold, groups, equivalents = load_gate(arguments.gate)
+        if arguments.groups:
+            chosen = arguments.groups.split(",")
+            if unknown := sorted(set(chosen) - set(groups)):
+                raise GateError(f"--groups: no such group {', '.join(unknown)} (groups: {', '.join(groups)})")
+            groups = {name: groups[name] for name in chosen}
+        with tempfile.TemporaryDirectory(prefix="mutation-") as scratch:
+            tree = arguments.tree
+            if tree is None:
+                tree = Path(scratch)
+                copy_tree(tree)
+                run_mutmut(tree, arguments.jobs)
+            scores = score(tree.resolve(), groups, equivalents, arguments.survivors)
+    except GateError as error:
+        print(f"mutation: {error}", file=sys.stderr)
+        return 2
+    passed = report(scores, threshold)
+    lowest = min(scores, key=lambda group: group.score)
+    print(f"lowest: {lowest.name}; equivalent mutants excused: {sum(g.equivalent for g in scores)}")
+    print(f"mutation_score: {lowest.score:.1f}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
