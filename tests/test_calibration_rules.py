@@ -211,3 +211,79 @@ def test_a_failed_handoff_fails_the_calibration() -> None:
 def test_the_fixture_outside_the_derived_bounds_is_said_in_the_headline() -> None:
     document, records = calibrated([1.0, 1.5], [0.05, 0.07], anchor=(9.0, 0.05))
     assert "is OUTSIDE the derived bounds" in judged(records, document).verdict.headline
+
+
+def check(result: Any, name: str) -> Any:
+    (found,) = [c for c in result.verdict.checks if c.name == name]
+    return found
+
+
+def test_a_rung3_calibration_passes_only_when_every_cell_is_bit_exact() -> None:
+    document, records = calibrated([0.0, 0.0, 0.0], [0.0, 0.0, 0.0], anchor=(0.0, 0.0))
+    exact = judged(records, document, rung=3)
+    assert exact.verdict.passed
+    assert (check(exact, "bit-exact cells").passed, check(exact, "bit-exact cells").detail) == (True, "every cell bit-exact")
+    # A cell drifting in its maximum only, or in its mean only, breaks rung 3; the same cells pass rung 2.
+    for drifted in (record(2, 2.0 ** -149, 0.0), record(2, 0.0, 2.0 ** -149)):
+        records[1] = drifted
+        failed = judged(records, document, rung=3)
+        assert not failed.verdict.passed
+        assert failed.verdict.reasons == ["rung 3 needs bit-exact handoffs; drifted: doc-a@1792"]
+        assert not check(failed, "bit-exact cells").passed
+        assert judged(records, document, rung=2).verdict.passed
+        assert "bit-exact cells" not in [c.name for c in judged(records, document, rung=2).verdict.checks]
+
+
+def test_the_calibration_checks_are_named_and_say_what_held() -> None:
+    document, records = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06])
+    result = judged(records, document)
+    names = [c.name for c in result.verdict.checks]
+    assert names[:6] == ["handoffs", "producer restarts", "rule stated", "calibration cells", "anchor tokens exact",
+                         "anchor reproduced"]
+    assert check(result, "handoffs").detail == "5 handoffs measured"
+    assert check(result, "rule stated").detail == f"rule {BOUND_RULE}"
+    assert check(result, "calibration cells").detail == "3 cells measured"
+    assert check(result, "producer restarts").detail == "4 producer restarts (at least 2)"
+
+
+def test_failed_and_foreign_samples_are_each_named_in_the_verdict() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    samples: list[Any] = [*records[:1], {"repetition": 2, "error": "producer failed: stalled"}, *records[2:], "junk"]
+    result = judged(samples, document)
+    assert not result.verdict.passed
+    assert check(result, "handoffs").detail == "2 of 5 handoffs failed"
+    assert result.verdict.reasons[:2] == ["handoff failed: producer failed: stalled", "handoff failed: sample is not a record: str"]
+
+
+def test_too_few_cells_fail_naming_the_rule_minimum_and_a_missing_rule_fails_naming_it() -> None:
+    document, records = calibrated([1.0], [0.05])
+    result = judged(records, document, restarts_minimum=0)
+    assert not check(result, "calibration cells").passed
+    assert check(result, "calibration cells").detail == "1 cells: the rule needs at least 2"
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    del document["rule"]
+    result = judged(records, document)
+    assert not check(result, "rule stated").passed and result.verdict.reasons == [check(result, "rule stated").detail]
+    assert "rule" in check(result, "rule stated").detail
+
+
+def test_evidence_without_handoffs_gives_no_anchors_no_counts_and_no_restarts_never_an_exception() -> None:
+    for broken in ({}, {"handoffs": "none"}, {"handoffs": []}, {"handoffs": [1, 2]}):
+        assert anchor_records(broken, [record(1, 0.0, 0.0)]) == []
+        assert anchor_draft_counts(broken) is None
+        result = judged([record(1, 0.0, 0.0)], broken, restarts_minimum=0)
+        assert not result.verdict.passed
+        assert check(result, "producer restarts").detail == "0 producer restarts (at least 0)"
+
+
+def test_an_anchor_whose_sample_is_missing_is_skipped() -> None:
+    document, records = calibrated([1.0, 1.5], [0.05, 0.07])
+    assert anchor_records(document, records[:-1]) == [records[2]]  # repetition 4 has no sample
+    document["handoffs"][3]["repetition"] = "4"
+    assert anchor_records(document, records) == [records[2]]
+
+
+@pytest.mark.parametrize(("proposed", "accepted"), [(1, 0), (1, 1), (7, 0), (7, 7)])
+def test_anchor_counts_at_their_bounds_are_kept(proposed: int, accepted: int) -> None:
+    document = evidence(ANCHORS, draft={"proposed": proposed, "accepted": accepted})
+    assert anchor_draft_counts(document) == (proposed, accepted)

@@ -37,10 +37,13 @@ def test_below_above_and_unbounded():
     assert within(1, None) is False
 """
 GATE = """\
-threshold = 95.0
+target = 95.0
 
 [groups]
 bound = ["bound.py"]
+
+[floors]
+bound = {floor}
 """
 BOUNDARY = """
 [[equivalent]]
@@ -76,20 +79,27 @@ def gate(project: Path, text: str, capsys: pytest.CaptureFixture[str]) -> tuple[
 
 
 def test_a_surviving_boundary_fails_the_gate(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = gate(mutated_project, GATE, capsys)
+    code, out, _ = gate(mutated_project, GATE.format(floor=95), capsys)
     assert code == 1
     assert out.strip().splitlines()[-1] == "mutation_score: 66.7"  # 2 of 3 killed
+    assert "target 95 %: not reached in bound" in out
+
+
+def test_a_score_at_its_floor_passes_and_one_below_fails(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    at_floor, _, _ = gate(mutated_project, GATE.format(floor=200 / 3), capsys)
+    above_floor, _, _ = gate(mutated_project, GATE.format(floor=200 / 3 + 1e-9), capsys)
+    assert (at_floor, above_floor) == (0, 1)
 
 
 def test_an_equivalent_entry_excuses_exactly_its_mutant(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = gate(mutated_project, GATE + BOUNDARY.format(reason="test only"), capsys)
+    code, out, _ = gate(mutated_project, GATE.format(floor=95) + BOUNDARY.format(reason="test only"), capsys)
     assert out.strip().splitlines()[-1] == "mutation_score: 100.0"
     assert "equivalent mutants excused: 1" in out
     assert code == 0
 
 
 def test_an_entry_matching_no_mutant_is_stale_and_refused(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    stale = GATE + BOUNDARY.format(reason="test only").replace("value < bound", "value > bound")
+    stale = GATE.format(floor=95) + BOUNDARY.format(reason="test only").replace("value < bound", "value > bound")
     code, out, err = gate(mutated_project, stale, capsys)
     assert code == 2
     assert "stale" in err and "value > bound" in err and len(err.strip().splitlines()) == 1
@@ -99,9 +109,11 @@ def test_an_entry_matching_no_mutant_is_stale_and_refused(mutated_project: Path,
 @pytest.mark.parametrize(
     ("text", "named"),
     [
-        ("threshold = 120\n[groups]\nbound = ['bound.py']\n", "threshold"),
-        ("threshold = 95\n[groups]\nbound = []\n", "groups"),
-        (GATE + BOUNDARY.format(reason=" "), "equivalent[0]"),
+        (GATE.format(floor=95).replace("target = 95.0", "target = 120"), "target"),
+        ("target = 95\n[groups]\nbound = []\n", "groups"),
+        (GATE.format(floor=0), "floors"),
+        (GATE.format(floor=95) + "[floors.other]\n", "floors"),
+        (GATE.format(floor=95) + BOUNDARY.format(reason=" "), "equivalent[0]"),
         ("threshold = ", "cannot read"),
     ],
 )
@@ -115,6 +127,7 @@ def test_a_broken_gate_file_is_refused_naming_the_field(
 
 
 def test_a_group_whose_files_were_not_mutated_is_refused(mutated_project: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = gate(mutated_project, GATE + 'other = ["elsewhere.py"]\n', capsys)
+    text = GATE.format(floor=95).replace('bound = ["bound.py"]', 'bound = ["bound.py"]\nother = ["elsewhere.py"]', 1)
+    code, _, err = gate(mutated_project, text + "other = 95\n", capsys)
     assert code == 2
     assert "other" in err

@@ -161,3 +161,31 @@ def test_a_cell_one_ulp_away_from_no_spread_is_judged_and_an_exactly_flat_one_is
     assert any(f"cell {lane} (" in problem and "has no spread" in problem for problem in refused.problems)
     judged = judge_parity(*((cell("a", barely), cell("b", other)) if lane == "A" else (cell("a", other), cell("b", barely))))
     assert judged.outcome == "parity"
+
+
+def test_a_lead_is_stated_as_the_leaders_gain_over_the_trailer_with_every_figure() -> None:
+    judgement = judge_parity(cell("a-lane", [9.0, 10.0, 11.0]), cell("b-lane", [19.0, 20.0, 21.0]))
+    assert judgement.outcome == "b-ahead"
+    assert judgement.workload == WORKLOAD and judgement.unit == UNIT
+    assert judgement.words == (
+        "b-lane ahead of a-lane by 100 % (outside both cells' CV: b-lane CV 5 %, a-lane CV 10 %, spread 20 % of "
+        "a-lane; gap 10 > summed sd 2 tokens/s): b-lane 20 tokens/s vs a-lane 10 tokens/s, 3 interleaved runs "
+        "each of decode 256 tokens")
+
+
+@pytest.mark.parametrize(
+    ("rates_a", "rates_b", "split_words", "bound_words"),
+    [
+        ([9.0, 10.0, 11.0], [10.0, 11.0, 12.0], "split -9.091 %", "(18.18 %;"),
+        ([10.0, 11.0, 12.0], [9.0, 10.0, 11.0], "split +10 %", "(20 %;"),
+        ([9.0, 10.0, 11.0], [8.0, 10.0, 12.0], "split +0 %", "(30 %;"),
+    ],
+)
+def test_parity_states_the_signed_split_and_the_spread_as_percentages_of_b(
+    rates_a: list[float], rates_b: list[float], split_words: str, bound_words: str
+) -> None:
+    judgement = judge_parity(cell("a-lane", rates_a), cell("b-lane", rates_b))
+    assert judgement.outcome == "parity"
+    assert f"{split_words} of b-lane is inside the cells' spread {bound_words}" in judgement.words
+    assert "3 interleaved runs each of decode 256 tokens" in judgement.words
+    assert judgement.a is not None and judgement.a.runs == 3

@@ -9,11 +9,13 @@ entries of tools/mutation.toml, each matched by its function and its exact chang
 by mutmut's number, which moves when the function changes); an entry that matches no mutant is
 stale and fails the gate, so the list cannot silently excuse a different mutant.
 
-    python tools/mutation.py                        # the gate: exit 1 below the threshold
+    python tools/mutation.py                        # the gate: exit 1 below a group's floor
     python tools/mutation.py --survivors out/s.json # also write every survivor's diff
 
-The last line is ``mutation_score: <lowest group's score, in percent>``. Exit 0 at or above the
-threshold in every group, 1 below it, 2 when the run or the equivalent list cannot be trusted.
+Each group has a committed floor, the score the tree has reached (raised as tests land, never
+lowered), and all share a target that the report says each group has or has not reached. The last
+line is ``mutation_score: <lowest group's score, in percent>``. Exit 0 at or above every floor,
+1 below one, 2 when the run or the gate file cannot be trusted.
 """
 
 from __future__ import annotations
@@ -64,15 +66,19 @@ class GroupScore:
         return 100.0 * self.detected / counted if counted else 0.0
 
 
-def load_gate(path: Path) -> tuple[float, dict[str, list[str]], list[Equivalent]]:
-    """The threshold, the groups (name -> source files) and the equivalent mutants, checked."""
+def load_gate(path: Path) -> tuple[float, dict[str, float], dict[str, list[str]], list[Equivalent]]:
+    """The target, each group's floor and source files, and the equivalent mutants, checked."""
     try:
         gate = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise GateError(f"{path.name}: cannot read: {error}") from None
-    threshold = gate.get("threshold")
-    if not isinstance(threshold, (int, float)) or not 0 < threshold <= 100:
-        raise GateError(f"{path.name}: threshold: expected a percentage in (0, 100]")
+
+    def percentage(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 100
+
+    target = gate.get("target")
+    if not percentage(target):
+        raise GateError(f"{path.name}: target: expected a percentage in (0, 100]")
     groups = gate.get("groups")
     if (
         not isinstance(groups, dict)
@@ -80,18 +86,19 @@ def load_gate(path: Path) -> tuple[float, dict[str, list[str]], list[Equivalent]
         or not all(isinstance(files, list) and files and all(isinstance(f, str) for f in files) for files in groups.values())
     ):
         raise GateError(f"{path.name}: groups: expected a table of group -> non-empty list of source files")
+    floors = gate.get("floors")
+    if not isinstance(floors, dict) or set(floors) != set(groups) or not all(map(percentage, floors.values())):
+        raise GateError(f"{path.name}: floors: expected a percentage in (0, 100] for each group, and only those")
     equivalents = []
     for index, entry in enumerate(gate.get("equivalent", [])):
-        if (
-            set(entry) != {"function", "removed", "added", "reason"}
-            or not all(isinstance(entry[key], str) and entry[key].strip() for key in ("function", "reason"))
-            or not all(
-                isinstance(entry[key], list) and all(isinstance(line, str) for line in entry[key]) for key in ("removed", "added")
-            )
-        ):
+        texts_ok = all(isinstance(entry.get(key), str) and entry[key].strip() for key in ("function", "reason"))
+        lines_ok = all(
+            isinstance(entry.get(key), list) and all(isinstance(line, str) for line in entry[key]) for key in ("removed", "added")
+        )
+        if set(entry) != {"function", "removed", "added", "reason"} or not texts_ok or not lines_ok:
             raise GateError(f"{path.name}: equivalent[{index}]: expected function, removed, added and a reason")
         equivalents.append(Equivalent(entry["function"], tuple(entry["removed"]), tuple(entry["added"]), entry["reason"]))
-    return float(threshold), groups, equivalents
+    return float(target), {name: float(value) for name, value in floors.items()}, groups, equivalents
 
 
 def copy_tree(destination: Path) -> None:
@@ -211,12 +218,13 @@ def score(
     return list(scores.values())
 
 
-def report(scores: list[GroupScore], threshold: float) -> bool:
+def report(scores: list[GroupScore], target: float, floors: dict[str, float]) -> bool:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"mutation score per group (threshold {threshold:g} %)")
-    for column in ("group", "mutants", "equivalent", "killed", "timeout", "survived", "no tests", "other", "score %"):
+    table = Table(title=f"mutation score per group (target {target:g} %; the gate fails below a group's floor)")
+    columns = ("group", "mutants", "equivalent", "killed", "timeout", "survived", "no tests", "other", "score %", "floor %")
+    for column in columns:
         table.add_column(column, justify="left" if column == "group" else "right")
     for group in scores:
         other = sum(n for status, n in group.outcomes.items() if status not in {"killed", "timeout", "survived", "no tests"})
@@ -230,9 +238,12 @@ def report(scores: list[GroupScore], threshold: float) -> bool:
             str(group.outcomes["no tests"]),
             str(other),
             f"{group.score:.1f}",
+            f"{floors[group.name]:g}",
         )
     Console(width=120).print(table)
-    return all(group.score >= threshold for group in scores)
+    short = [group.name for group in scores if group.score < target]
+    print(f"target {target:g} %: " + (f"not reached in {', '.join(short)}" if short else "reached in every group"))
+    return all(group.score >= floors[group.name] for group in scores)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", help="score only these groups (comma-separated); the gate needs all")
     arguments = parser.parse_args(argv)
     try:
-        threshold, groups, equivalents = load_gate(arguments.gate)
+        target, floors, groups, equivalents = load_gate(arguments.gate)
         if arguments.groups:
             chosen = arguments.groups.split(",")
             if unknown := sorted(set(chosen) - set(groups)):
@@ -260,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     except GateError as error:
         print(f"mutation: {error}", file=sys.stderr)
         return 2
-    passed = report(scores, threshold)
+    passed = report(scores, target, floors)
     lowest = min(scores, key=lambda group: group.score)
     print(f"lowest: {lowest.name}; equivalent mutants excused: {sum(g.equivalent for g in scores)}")
     print(f"mutation_score: {lowest.score:.1f}")
