@@ -6,6 +6,7 @@ import copy
 import math
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,8 @@ from qualify.evidence.records import (
     parse_rule,
 )
 from qualify.judge import (
+    Check,
+    Verdict,
     judge_draft_acceptance,
     judge_incomplete,
     judge_rung2_sample,
@@ -713,3 +716,28 @@ def test_rung3_row_digest_lists_differing_in_the_last_row_report_it():
     cold[255] = OTHER_ROW
     verdict = judge_rung3_sample(rung3_record(handoff_logit_row_sha256=[ROW] * 256, cold_logit_row_sha256=cold), RULE3)
     assert "recorded row digests disagree with the reported first mismatch (rows say 255)" in verdict.reasons
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [(None, True, "held"), ("", True, "held"), ("kv", None, "held"), ("kv", 1, "held"), ("kv", False, None)],
+)
+def test_a_check_without_a_name_a_yes_or_no_or_words_is_refused_where_it_is_made(fields: tuple[Any, ...]) -> None:
+    with pytest.raises(TypeError, match="malformed check"):
+        Check(*fields)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        (None, "passed: x", ["x"], []),
+        (True, "", ["x"], []),
+        (True, "passed: x", None, []),
+        (True, "passed: x", [None], []),
+        (True, "passed: x", ["x"], None),
+        (True, "passed: x", ["x"], ["kv"]),
+    ],
+)
+def test_a_malformed_verdict_is_refused_where_it_is_made(fields: tuple[Any, ...]) -> None:
+    with pytest.raises(TypeError, match="malformed verdict"):
+        Verdict(*fields)

@@ -61,6 +61,12 @@ class Check:
     passed: bool
     detail: str
 
+    def __post_init__(self) -> None:
+        # A receipt records every check: one without a name, a yes/no or words is a judging bug,
+        # refused where it is made rather than archived.
+        if not isinstance(self.name, str) or not self.name or type(self.passed) is not bool or not isinstance(self.detail, str):
+            raise TypeError(f"malformed check: name {self.name!r}, passed {self.passed!r}, detail {self.detail!r}")
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -77,6 +83,19 @@ class Verdict:
     error: str | None = None
     refused: bool = False
     scope: Scope | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            type(self.passed) is not bool
+            or not isinstance(self.headline, str)
+            or not self.headline
+            or not isinstance(self.reasons, list)
+            or not all(isinstance(reason, str) for reason in self.reasons)
+            or not isinstance(self.checks, list)
+            or not all(isinstance(check, Check) for check in self.checks)
+        ):
+            raise TypeError(f"malformed verdict: passed {self.passed!r}, headline {self.headline!r}, "
+                            f"reasons {self.reasons!r}, checks of {type(self.checks).__name__}")
 
     @property
     def status(self) -> Literal["passed", "failed", "refused", "incomplete"]:
