@@ -23,7 +23,9 @@ from qualify.judge import (
     Check,
     Verdict,
     judge_draft_acceptance,
+    judge_failed_step,
     judge_incomplete,
+    judge_refused,
     judge_rung2_sample,
     judge_rung3_sample,
     judge_sample,
@@ -547,7 +549,54 @@ def test_draft_acceptance_refuses_counts_that_are_not_a_measurement(document):
 
 
 def test_draft_acceptance_of_no_documents_fails():
-    assert not judge_draft_acceptance({}, proposal_tokens=4).passed
+    verdict = judge_draft_acceptance({}, proposal_tokens=4)
+    assert not verdict.passed and verdict.reasons == ["no documents measured"]
+    assert [(c.name, c.passed) for c in verdict.checks] == [("documents", False)]
+
+
+def test_draft_acceptance_names_every_bad_document_not_only_the_first():
+    bad = {"proposed": 0, "accepted": 0}
+    verdict = judge_draft_acceptance({"a": bad, "b": {"proposed": 4, "accepted": 3}, "c": bad}, proposal_tokens=4)
+    assert [reason.split(":")[0] for reason in verdict.reasons] == ["document a", "document c"]
+    assert [(c.name, c.passed) for c in verdict.checks] == [("document a", False), ("document b", True), ("document c", False)]
+    assert verdict.headline.startswith("failed: document a: found proposed 0, accepted 0")
+
+
+@pytest.mark.parametrize(("proposed", "accepted"), [(1, 0), (1, 1), (7, 0), (7, 7)])
+def test_draft_acceptance_counts_at_their_bounds_are_a_measurement(proposed, accepted):
+    verdict = judge_draft_acceptance({"a": {"proposed": proposed, "accepted": accepted}}, proposal_tokens=4)
+    assert verdict.passed and verdict.reasons == [verdict.headline]
+    assert verdict.checks == [Check("document a", True, f"document a: acceptance {accepted / proposed:.6f}")]
+
+
+# --------------------------------------------------------------------------- failed steps and refusals
+
+
+def test_a_failed_step_is_judged_not_qualified_naming_the_step_in_one_line():
+    verdict = judge_failed_step("handoff 2", "wire refused\nthe manifest's lane differs")
+    assert verdict.status == "failed"
+    assert verdict.headline == "not qualified: handoff 2: wire refused the manifest's lane differs"
+    assert verdict.reasons == ["handoff 2: wire refused the manifest's lane differs"]
+    assert verdict.checks == [Check("handoff 2", False, "wire refused the manifest's lane differs")]
+    assert judge_failed_step("handoff 2", "  ").reasons == ["handoff 2: step failed without a reason"]
+
+
+def test_a_failed_step_lends_a_failing_samples_reasons_and_checks_and_ignores_a_passing_one():
+    failing = Verdict(False, "failed: kv", ["kv differs at layer 3"], [Check("kv", False, "kv differs at layer 3")])
+    passing = Verdict(True, "passed: all", ["all held"], [Check("kv", True, "kv equal")])
+    lent = judge_failed_step("handoff 1", "judge refused", failing)
+    assert lent.reasons == ["handoff 1: judge refused", "kv differs at layer 3"]
+    assert lent.checks == [Check("handoff 1", False, "judge refused"), Check("kv", False, "kv differs at layer 3")]
+    kept = judge_failed_step("handoff 1", "judge refused", passing)
+    assert kept.reasons == ["handoff 1: judge refused"] and len(kept.checks) == 1
+
+
+def test_a_refused_run_is_neither_passed_nor_failed_and_says_why_in_one_line():
+    verdict = judge_refused("no GPU\nhere")
+    assert verdict.status == "refused" and verdict.refused and not verdict.passed
+    assert verdict.headline == verdict.error == "refused: no GPU here"
+    assert verdict.reasons == ["no GPU here"] and verdict.checks == [Check("lane runs here", False, "no GPU here")]
+    assert judge_refused("").reasons == ["run refused without a reason"]
 
 
 # --------------------------------------------------------------------------- purity
