@@ -512,6 +512,44 @@ def test_another_intact_basis_is_refused_by_the_sealed_manifest_digest(pair: Pai
                             archive_dir=pair.archive, sealed_basis_manifests={})
 
 
+@pytest.mark.parametrize(
+    ("problems", "said"),
+    [(["command.log: sha256 differs"], "command.log: sha256 differs"),
+     (["a: missing", "b: extra", "c: size"], "a: missing (and 2 more)"),
+     (["a: missing", "b: extra"], "a: missing (and 1 more)")],
+)
+def test_a_failing_basis_is_refused_naming_its_first_problem_and_counting_the_rest(
+        pair: Pair, problems: list[str], said: str) -> None:
+    identity = pair.load()
+    checked: list[Path] = []
+
+    def verify(receipt: Path) -> tuple[list[str], int]:
+        checked.append(receipt)
+        return problems, 3
+
+    with pytest.raises(Refused) as caught:
+        check_basis_receipt(identity, resolve_receipt_uri, verify, where="identity x", archive_dir=pair.archive)
+    assert str(caught.value) == (
+        f"identity x: onboarding_qualification.basis: {BASIS_URI}: receipt fails verification: {said}")
+    assert checked == [pair.archive / BASIS_RUN_ID]  # the receipt directory, named by the URI's first segment
+
+
+def test_a_basis_that_cannot_be_read_is_refused_naming_the_os_error(pair: Pair) -> None:
+    identity = pair.load()
+
+    def unreadable(receipt: Path) -> tuple[list[str], int]:
+        raise PermissionError(13, "Permission denied")
+
+    with pytest.raises(Refused, match=r"cannot read its receipt's manifest.json \(Permission denied\)$"):
+        check_basis_receipt(identity, resolve_receipt_uri, unreadable, where="identity x", archive_dir=pair.archive)
+
+    def nameless(receipt: Path) -> tuple[list[str], int]:
+        raise OSError()
+
+    with pytest.raises(Refused, match=r"cannot read its receipt's manifest.json \(OSError\)$"):
+        check_basis_receipt(identity, resolve_receipt_uri, nameless, where="identity x", archive_dir=pair.archive)
+
+
 # --- logit units (seed §32.6) -------------------------------------------------------------------
 
 
