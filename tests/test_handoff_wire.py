@@ -840,3 +840,24 @@ def test_a_payload_whose_size_agrees_with_its_manifest_but_not_the_geometry_is_r
         open_(sent_with_valid_mac(payload))
     assert (refusal.value.check, str(refusal.value)) == (
         "payload.bytes", f"payload.bytes is {len(PAYLOAD) + change}, expected {len(PAYLOAD)} for the expected geometry")
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_digest_that_raises_raises_in_the_caller_and_one_that_returns_gives_its_value(threaded: bool) -> None:
+    def fails() -> None:
+        raise ZeroDivisionError("digest failed")
+
+    with pytest.raises(ZeroDivisionError, match="digest failed"):
+        wire._Concurrent(fails, threaded=threaded).result()
+    assert wire._Concurrent(lambda: 7, threaded=threaded).result() == 7
+
+
+def test_an_unexpected_exceptions_text_is_one_line_of_at_most_160_characters() -> None:
+    assert wire._exception_text(ValueError("a\nb")) == "a b"
+    assert wire._exception_text(ValueError("x" * 161)) == "x" * 160
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    assert wire._exception_text(Unprintable()) == "no message"
