@@ -304,6 +304,37 @@ def test_kv_refusals_and_nan():
     assert result.first_position_over(1e9) == 3
 
 
+@pytest.mark.parametrize("own_shape", [(3, 5, 4), (2, 5, 5), (2, 4, 4), (2, 5, 4, 1)])
+def test_own_kv_of_another_head_count_head_dim_or_fewer_positions_does_not_fit(own_shape):
+    handed = [np.zeros((2, 5, 4), np.float32)]
+    with pytest.raises(Refused, match=r"kv layer 0 K: handed-off shape \[2, 5, 4\] does not fit own prefill"):
+        compare_kv(handed, handed, [np.zeros(own_shape, np.float32)], handed)
+
+
+def test_own_kv_with_more_positions_compares_only_the_handed_off_ones():
+    own = np.zeros((2, 9, 4), np.float32)
+    own[:, 5:] = 100.0  # beyond the handed-off positions: not compared
+    result = compare_kv([np.zeros((2, 5, 4), np.float32)], [np.zeros((2, 5, 4), np.float32)], [own], [own])
+    assert (result.layers[0].k, result.layers[0].v) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("positions", [0, 1])
+def test_a_one_or_zero_position_handoff_reports_its_delta(positions):
+    handed = np.full((2, positions, 4), 0.5, np.float32)
+    own = np.zeros((2, positions, 4), np.float32)
+    result = compare_kv([handed], [own], [own], [own])
+    assert (result.layers[0].k, result.layers[0].k_position) == (0.5 if positions else 0.0, 0)
+    assert (result.layers[0].v, result.layers[0].v_position) == (0.0, 0)
+    assert result.position_max_abs.shape == (positions,)
+
+
+def test_half_precision_kv_is_subtracted_in_float32_and_does_not_overflow():
+    handed = np.full((1, 2, 4), 65504.0, np.float16)  # float16's largest finite value
+    own = np.full((1, 2, 4), -65504.0, np.float16)
+    result = compare_kv([handed], [own], [own], [own])
+    assert result.layers[0].k == 131008.0 and result.layers[0].v == 0.0
+
+
 def test_draft_digests():
     trace = [((5, 6, 7), 2), ((8,), 0)]
     assert draft_tokens_sha256(trace) == hashlib.sha256(np.array([5, 6, 7, 8], "<u4").tobytes()).hexdigest()
