@@ -102,7 +102,7 @@ def test_an_entry_matching_no_mutant_is_stale_and_refused(mutated_project: Path,
     stale = GATE.format(floor=95) + BOUNDARY.format(reason="test only").replace("value < bound", "value > bound")
     code, out, err = gate(mutated_project, stale, capsys)
     assert code == 2
-    assert "stale" in err and "value > bound" in err and len(err.strip().splitlines()) == 1
+    assert "match no mutant" in err and "value > bound" in err and len(err.strip().splitlines()) == 1
     assert "mutation_score" not in out
 
 
@@ -131,3 +131,13 @@ def test_a_group_whose_files_were_not_mutated_is_refused(mutated_project: Path, 
     code, _, err = gate(mutated_project, text + "other = 95\n", capsys)
     assert code == 2
     assert "other" in err
+
+
+def test_an_entry_for_a_killed_mutant_is_not_stale_and_excuses_nothing(
+    mutated_project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    killed = BOUNDARY.format(reason="test only").replace('["return value <= bound"]', '["if bound is None:"]')
+    killed = killed.replace('["return value < bound"]', '["if bound is not None:"]')
+    code, out, _ = gate(mutated_project, GATE.format(floor=95) + killed, capsys)
+    assert code == 1
+    assert "equivalent mutants excused: 0" in out and out.strip().splitlines()[-1] == "mutation_score: 66.7"

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -178,12 +179,18 @@ def score(
     if any(code is None for _, code in results.values()):
         raise GateError("mutmut left mutants not checked: its run did not finish")
     undetected = {name: source for name, (source, code) in results.items() if code not in DETECTED_EXIT_CODES}
-    diffs = diffs_of(tree, undetected)
-    equivalents = [e for e in equivalents if any(function_of(name) == e.function for name in results)]
+    # Entries of the scored files only (a --groups run); each must match a mutant mutmut made,
+    # detected or not: one matching none names code that is gone or changed.
+    scored_modules = {source.removesuffix(".py").replace("/", ".") for source in group_of}
+    equivalents = [e for e in equivalents if e.function.rsplit(".", 1)[0] in scored_modules]
+    listed = {e.function for e in equivalents}
+    diffs = diffs_of(
+        tree, {name: source for name, (source, _) in results.items() if name in undetected or function_of(name) in listed}
+    )
     candidates = {
         equivalent: [
             name
-            for name in undetected
+            for name in diffs
             if function_of(name) == equivalent.function and changed_lines(diffs[name]) == (equivalent.removed, equivalent.added)
         ]
         for equivalent in equivalents
@@ -191,10 +198,10 @@ def score(
     stale = [equivalent for equivalent, matches in candidates.items() if not matches]
     if stale:
         raise GateError(
-            "equivalent entries that match no surviving mutant (stale, or now killed: remove them): "
+            "equivalent entries that match no mutant (the code changed: correct or remove them): "
             + "; ".join(f"{e.function}: {' | '.join(e.added)}" for e in stale)
         )
-    excused = {name for matches in candidates.values() for name in matches}
+    excused = {name for matches in candidates.values() for name in matches if name in undetected}
     survivors = []
     for name, (source, code) in results.items():
         group = scores[group_of[source]]
@@ -261,19 +268,25 @@ def main(argv: list[str] | None = None) -> int:
             if unknown := sorted(set(chosen) - set(groups)):
                 raise GateError(f"--groups: no such group {', '.join(unknown)} (groups: {', '.join(groups)})")
             groups = {name: groups[name] for name in chosen}
+        started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="mutation-") as scratch:
             tree = arguments.tree
             if tree is None:
                 tree = Path(scratch)
                 copy_tree(tree)
                 run_mutmut(tree, arguments.jobs)
+            ran = (
+                f"mutmut ran in {time.monotonic() - started:.0f} s with {arguments.jobs} workers"
+                if arguments.tree is None
+                else "scored an existing run"
+            )
             scores = score(tree.resolve(), groups, equivalents, arguments.survivors)
     except GateError as error:
         print(f"mutation: {error}", file=sys.stderr)
         return 2
     passed = report(scores, target, floors)
     lowest = min(scores, key=lambda group: group.score)
-    print(f"lowest: {lowest.name}; equivalent mutants excused: {sum(g.equivalent for g in scores)}")
+    print(f"{ran}; lowest: {lowest.name}; equivalent mutants excused: {sum(g.equivalent for g in scores)}")
     print(f"mutation_score: {lowest.score:.1f}")
     return 0 if passed else 1
 
