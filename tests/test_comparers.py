@@ -66,3 +66,50 @@ def test_an_exact_handoff_compares_to_zero_on_the_device() -> None:
         device.close()
     assert comparison.delta.max_abs == 0.0 and comparison.first_logit_digest_mismatch is None
     assert comparison.handoff_digests == comparison.cold_digests
+
+
+def _timed_compare(comparer, kv, pending):
+    import time
+
+    started = time.perf_counter()
+    compared = comparer.compare(kv, pending, meanwhile=lambda: None)
+    result = compared.result()
+    return result, compared.seconds, time.perf_counter() - started
+
+
+@pytest.mark.parametrize("reference_once", [True, False])
+def test_a_diverging_handoff_is_teacher_forced_and_timed_alike_on_host_and_device(reference_once: bool) -> None:
+    import dataclasses
+
+    from qualify.evidence.compare import compare_kv, first_row_over_rule
+
+    setup, engine = _setup()
+    setup = dataclasses.replace(setup, reference_once=reference_once, maximum_absolute=1e-3, maximum_mean_absolute=1e-4)
+    own = engine.prefill(setup.prompt[:setup.handoff_positions])
+    kv = engine.prefill(setup.prompt[:setup.handoff_positions])
+    for layer in range(SHAPE["layers"]):
+        kv.values[layer][:] *= -4.0  # far enough to part the greedy tokens
+    pending = setup.prompt[setup.handoff_positions:]
+    results = {}
+    for name, comparer in (("host", HostComparer(setup)), ("device", DeviceComparer(setup, engine, "cpu", digest_threads=2))):
+        try:
+            comparer.reference()
+            first = _timed_compare(comparer, kv, pending)
+            second = _timed_compare(comparer, kv, pending)
+        finally:
+            comparer.close()
+        results[name] = first[0]
+        for result, seconds, wall in (first, second):
+            assert result.first_divergence is not None and result.teacher_forced is not None
+            assert all(0.0 <= taken <= wall for taken in seconds.values()), (name, seconds, wall)
+            assert "teacher_forced" in seconds
+        if name == "host":
+            assert ("recompute" in second[1]) is (not reference_once)
+    host, device = results["host"], results["device"]
+    assert device.teacher_forced.max_abs == host.teacher_forced.max_abs > 0
+    assert host.delta.first_row_over_rule == first_row_over_rule(
+        host.delta.row_max_abs, host.delta.row_mean_abs, 1e-3, 1e-4) == 0
+    expected = compare_kv(kv.keys, kv.values, own.keys, own.values)
+    for found in (host.kv, device.kv):
+        assert [(layer.k, layer.v) for layer in found.layers] == [(layer.k, layer.v) for layer in expected.layers]
+    assert max(layer.v for layer in host.kv.layers) > 0 and max(layer.k for layer in host.kv.layers) == 0.0
