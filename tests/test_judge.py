@@ -25,7 +25,9 @@ from qualify.judge import (
     judge_draft_acceptance,
     judge_failed_step,
     judge_incomplete,
+    judge_qualification,
     judge_refused,
+    judge_reproduction,
     judge_rung2_sample,
     judge_rung3_sample,
     judge_sample,
@@ -790,3 +792,43 @@ def test_a_check_without_a_name_a_yes_or_no_or_words_is_refused_where_it_is_made
 def test_a_malformed_verdict_is_refused_where_it_is_made(fields: tuple[Any, ...]) -> None:
     with pytest.raises(TypeError, match="malformed verdict"):
         Verdict(*fields)
+
+
+# --------------------------------------------------------------------------- the whole run
+
+SEAMS_SHA = "7" * 64
+
+
+def test_a_qualification_passes_only_when_its_repetitions_pass_and_reproduce_the_anchor():
+    records, anchors = three(seams_sha256=SEAMS_SHA), three(seams_sha256=SEAMS_SHA)
+    verdict = judge_qualification(records, RULE2, anchors, deterministic_producer=True)
+    summary, reproduction = judge_summary(records, RULE2), judge_reproduction(
+        records, anchors, rung=2, deterministic_producer=True, draft=False)
+    assert verdict.passed and verdict.status == "passed" and verdict.scope is None
+    assert verdict.headline == f"{summary.headline}; {reproduction.headline}"
+    assert verdict.reasons == [*summary.reasons, reproduction.headline]
+    assert verdict.checks == [*summary.checks, *reproduction.checks]
+
+
+def test_a_qualification_fails_with_the_failing_halfs_reasons_only():
+    anchors = three(seams_sha256=SEAMS_SHA)
+    over = three(seams_sha256=SEAMS_SHA)
+    over[1]["max_abs"] = 11.5  # over RULE2's 11.0
+    failed_summary = judge_qualification(over, RULE2, anchors, deterministic_producer=True)
+    assert not failed_summary.passed
+    assert failed_summary.reasons == [r for r in judge_summary(over, RULE2).reasons]
+    moved = three(seams_sha256=SEAMS_SHA, payload_sha256="8" * 64)
+    failed_reproduction = judge_qualification(moved, RULE2, anchors, deterministic_producer=True)
+    assert not failed_reproduction.passed
+    assert failed_reproduction.reasons == judge_reproduction(
+        moved, anchors, rung=2, deterministic_producer=True, draft=False).reasons
+    assert judge_qualification(moved, RULE2, anchors, deterministic_producer=False).passed
+
+
+def test_a_bit_exact_lane_with_a_floor_must_reproduce_its_draft_and_one_without_a_floor_need_not():
+    anchors = three(rung3_record, seams_sha256=SEAMS_SHA)
+    redrafted = three(rung3_record, seams_sha256=SEAMS_SHA, handoff_draft_tokens_sha256="9" * 64,
+                      cold_draft_tokens_sha256="9" * 64)
+    with_floor = judge_qualification(redrafted, RULE3, anchors, deterministic_producer=True)
+    assert not with_floor.passed and any("draft tokens" in reason for reason in with_floor.reasons)
+    assert judge_qualification(redrafted, BitExactRule(acceptance_floor=None), anchors, deterministic_producer=True).passed
