@@ -832,3 +832,21 @@ def test_a_bit_exact_lane_with_a_floor_must_reproduce_its_draft_and_one_without_
     with_floor = judge_qualification(redrafted, RULE3, anchors, deterministic_producer=True)
     assert not with_floor.passed and any("draft tokens" in reason for reason in with_floor.reasons)
     assert judge_qualification(redrafted, BitExactRule(acceptance_floor=None), anchors, deterministic_producer=True).passed
+
+
+@pytest.mark.parametrize(
+    ("changes", "detail"),
+    [
+        (dict(first_logit_digest_mismatch_row=7, logit_row_digests_equal=False), "logit digest mismatch at row 7"),
+        (dict(handoff_logit_block_sha256=LOGITS_HANDOFF_SHA),
+         "logit digest mismatch: block digests differ while every row digest is reported equal"),
+        (dict(handoff_logit_block_sha256=LOGITS_HANDOFF_SHA, logit_row_digests_equal=False),
+         "logit digest mismatch at an unreported row"),
+        (dict(logit_row_digests_equal=False), "logit digest mismatch at an unreported row"),
+    ],
+)
+def test_rung3_names_how_its_logit_digests_disagree(changes, detail):
+    verdict = judge_rung3_sample(rung3_record(**changes), RULE3)
+    assert not verdict.passed
+    assert [(c.passed, c.detail) for c in verdict.checks if c.name == "logit digests"] == [(False, detail)]
+    assert "logit deltas" not in [c.name for c in verdict.checks]  # no delta verdict over unequal digests
