@@ -287,3 +287,14 @@ def test_an_anchor_whose_sample_is_missing_is_skipped() -> None:
 def test_anchor_counts_at_their_bounds_are_kept(proposed: int, accepted: int) -> None:
     document = evidence(ANCHORS, draft={"proposed": proposed, "accepted": accepted})
     assert anchor_draft_counts(document) == (proposed, accepted)
+
+
+def test_a_fixture_exactly_at_the_derived_bounds_is_within_them_and_one_ulp_over_is_outside() -> None:
+    document, records = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06])
+    bounds = derive_bounds(calibration_cells(document, records)[0])
+    assert bounds is not None
+    for anchor, said in (((bounds.maximum_absolute, bounds.maximum_mean_absolute), "within"),
+                         ((math.nextafter(bounds.maximum_absolute, math.inf), bounds.maximum_mean_absolute), "OUTSIDE"),
+                         ((bounds.maximum_absolute, math.nextafter(bounds.maximum_mean_absolute, math.inf)), "OUTSIDE")):
+        at, records_at = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06], anchor=anchor)
+        assert f"is {said} the derived bounds" in judged(records_at, at).verdict.headline
