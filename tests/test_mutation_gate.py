@@ -141,3 +141,16 @@ def test_an_entry_for_a_killed_mutant_is_not_stale_and_excuses_nothing(
     code, out, _ = gate(mutated_project, GATE.format(floor=95) + killed, capsys)
     assert code == 1
     assert "equivalent mutants excused: 0" in out and out.strip().splitlines()[-1] == "mutation_score: 66.7"
+
+
+def test_a_run_whose_clean_tests_fail_is_refused_naming_the_failing_test(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bound.py").write_text(SOURCE)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_bound.py").write_text(TEST + "\n\ndef test_broken():\n    assert within(5, 2)\n")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.mutmut]\nsource_paths = ["bound.py"]\npytest_add_cli_args = ["-p", "no:cacheprovider"]\n'
+    )
+    with pytest.raises(mutation.GateError, match=r"mutmut run exited 1: .*FAILED tests/test_bound.py::test_broken"):
+        mutation.run_mutmut(tmp_path, 1)

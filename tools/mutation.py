@@ -116,16 +116,17 @@ def copy_tree(destination: Path) -> None:
 
 def run_mutmut(tree: Path, jobs: int) -> None:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # one BLAS thread per mutant worker
-    done = subprocess.run(
-        [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)],
-        cwd=tree,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    log = tree / "mutmut.log"
+    with log.open("wb") as output:
+        done = subprocess.run(
+            [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)], cwd=tree, env=env, stdout=output, stderr=output
+        )
     if done.returncode != 0:
-        raise GateError(f"mutmut run exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+        # mutmut draws progress with carriage returns; its cause is a pytest FAILED line or its last words.
+        lines = [line.strip() for line in log.read_text(encoding="utf-8", errors="replace").replace("\r", "\n").splitlines()]
+        failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+        cause = "; ".join(failed[:3]) or next((line for line in reversed(lines) if line), "no output")
+        raise GateError(f"mutmut run exited {done.returncode}: {cause}")
 
 
 def exit_codes(tree: Path, sources: set[str]) -> dict[str, tuple[str, int | None]]:
