@@ -16,9 +16,7 @@ from tests.scripts import load_script
 ROOT = Path(__file__).resolve().parents[1]
 mutation = load_script(ROOT / "tools" / "mutation.py")
 
-pytestmark = pytest.mark.skipif(
-    __import__("importlib.util").util.find_spec("mutmut") is None, reason="mutmut (the dev extra) is not installed"
-)
+pytest.importorskip("mutmut", reason="mutmut (the dev extra) is not installed")
 
 SOURCE = """\
 def within(value, bound):

@@ -202,6 +202,8 @@ def score(
             "equivalent entries that match no mutant (the code changed: correct or remove them): "
             + "; ".join(f"{e.function}: {' | '.join(e.added)}" for e in stale)
         )
+    from mutmut.stats import status_by_exit_code  # after diffs_of: mutmut reads its config on import
+
     excused = {name for matches in candidates.values() for name in matches if name in undetected}
     survivors = []
     for name, (source, code) in results.items():
@@ -213,8 +215,6 @@ def score(
         elif name in excused:
             group.equivalent += 1
         else:
-            from mutmut.stats import status_by_exit_code
-
             group.outcomes[status_by_exit_code[code]] += 1
             survivors.append({"mutant": name, "file": source, "status": status_by_exit_code[code], "diff": diffs[name]})
     missing = [group.name for group in scores.values() if group.mutants == 0]
