@@ -23,6 +23,7 @@ from qualify.core.stats import wilson_interval
 from qualify.judge import judge_controls
 from qualify.judge.controls import cell_gate, exceeds_gate
 from qualify.judge.scope import controls_words
+from tests.fuzz_budget import fuzz_examples
 
 CRITERIA: dict[str, Any] = json.loads((CONTRACTS_DIR / "e2-controls-v1.json").read_text(encoding="utf-8"))
 LENGTHS: list[int] = CRITERIA["lengths"]
@@ -211,7 +212,7 @@ def test_a_content_local_exceedance_is_published_in_the_scope_line():
 window_counts = st.lists(st.tuples(st.integers(0, WINDOW), st.integers(0, WINDOW)), min_size=WINDOWS, max_size=WINDOWS)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=fuzz_examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.fixed_dictionaries({name: window_counts for name in NAMES}),
        st.sampled_from([0.0, 0.02, 0.05]), st.sampled_from([0.9, 0.95, 0.99]))
 def test_exceeding_lengths_are_exactly_the_cells_whose_rate_exceeds_the_gate(
@@ -424,14 +425,14 @@ def assert_all_or_nothing(judgement: Any) -> None:
         assert judgement.documents == () and judgement.length_effect is None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(st.data())
 def test_any_corruption_of_a_record_is_named_never_raised(data: st.DataObject):
     record = corrupted(data, record_for(uniform(1, 10)))
     assert_all_or_nothing(judge_controls(record, CRITERIA, source=SOURCE))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=fuzz_examples(100), deadline=None)
 @given(st.data())
 def test_any_corruption_of_the_criteria_is_named_never_raised(data: st.DataObject):
     record = record_for(uniform(1, 10))

@@ -39,6 +39,7 @@ from qualify.handoff.wire import (
     payload_tree_sha256,
     seal_handoff_parts,
 )
+from tests.fuzz_budget import fuzz_examples
 
 KEY = mint_run_key()
 IDENTITY = hashlib.sha256(b"identity").hexdigest()
@@ -624,7 +625,7 @@ def test_every_tampered_handoff_is_refused() -> None:
     """1,000 tampered handoffs; each refused, and one changed tensor byte at the right check."""
     TAMPER_COUNTS.clear()
 
-    @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=fuzz_examples(1000), deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(TAMPERS)
     def check(tamper: tuple[str, int, int]) -> None:
@@ -643,7 +644,7 @@ def test_every_tampered_handoff_is_refused() -> None:
         TAMPER_COUNTS[kind] += 1
 
     check()
-    assert TAMPER_COUNTS["examples"] >= 1000
+    assert TAMPER_COUNTS["examples"] >= fuzz_examples(1000)
     assert TAMPER_COUNTS["refused"] == TAMPER_COUNTS["examples"]
     kinds = {"payload-byte", "manifest-byte", "mac-byte", "truncated-payload", "swapped-layers",
              "swapped-layers-resealed", "reordered-header-resealed", "payload-byte-resealed"}

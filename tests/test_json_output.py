@@ -28,6 +28,7 @@ from qualify.judge import judge_summary
 from qualify.judge.scope import scope_document
 from qualify.run.calibrate import Calibration
 from qualify.run.selftest import FaultResult
+from tests.fuzz_budget import fuzz_examples
 from tests.receipt_forgery import make_writable, statement_of, write_receipt
 from tests.test_console_layout import sample_records
 from tests.test_console_refusals import BAD_OPTIONS, Places, concrete, expected_line, places  # noqa: F401
@@ -184,7 +185,7 @@ def test_the_recipe_document_v2_is_v1_with_the_scope_of_the_summary_v3() -> None
     assert v2 == v1
 
 
-@settings(derandomize=True, deadline=None, max_examples=200,
+@settings(derandomize=True, deadline=None, max_examples=fuzz_examples(200),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(records=sample_records(), divergence=st.one_of(st.none(), st.integers(min_value=0, max_value=10**6)))
 def test_sample_documents_of_any_record_validate(records: list[dict[str, Any]], divergence: int | None,

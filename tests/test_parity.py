@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from qualify.judge import REFUSED_PREFIX, ThroughputCell, judge_parity
+from tests.fuzz_budget import fuzz_examples
 
 WORKLOAD, UNIT = "decode 256 tokens", "tokens/s"
 
@@ -132,7 +133,7 @@ rates = st.floats(min_value=1.0, max_value=2.0)  # narrow: both parity and ahead
 MIRROR = {"parity": "parity", "a-ahead": "b-ahead", "b-ahead": "a-ahead"}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=fuzz_examples(300), deadline=None)
 @given(st.integers(min_value=2, max_value=6).flatmap(
     lambda runs: st.tuples(st.lists(rates, min_size=runs, max_size=runs), st.lists(rates, min_size=runs, max_size=runs))))
 @example((CELL_A, CELL_B))

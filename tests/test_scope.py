@@ -29,6 +29,7 @@ from qualify.judge.scope import (
     scope_document,
     scope_line,
 )
+from tests.fuzz_budget import fuzz_examples
 
 GRID = (512, 1024, 2048, 4096)
 SCOPE = Scope("python-textwrap", 3, 2048, 256, ControlsOutcome(
@@ -116,7 +117,7 @@ def controls_outcomes(draw: st.DrawFn) -> ControlsOutcome:
 
 SCOPES = st.builds(Scope, NAMES, COUNTS, COUNTS, COUNTS, st.none() | controls_outcomes())
 REASONS = st.none() | st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9 .,:=<>/|()-]{0,60}\Z")
-FUZZ = settings(derandomize=True, max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(derandomize=True, max_examples=fuzz_examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @FUZZ

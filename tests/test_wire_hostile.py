@@ -22,6 +22,7 @@ from qualify.contract.lanes import ProducerMode
 from qualify.core.errors import HandoffRefused, Refused
 from qualify.handoff import wire
 from qualify.handoff.wire import Handoff, OpenedHandoff, key_id, manifest_mac, open_handoff, payload_layout
+from tests.fuzz_budget import fuzz_examples
 from tests.wire_mutants import (
     DRAFT_GEOMETRY,
     GEOMETRY,
@@ -412,7 +413,7 @@ def run_mutants(examples: int, fuzz_tally) -> None:
 
 
 def test_every_hostile_mutant_is_refused_unless_equivalent(fuzz_tally) -> None:
-    run_mutants(500, fuzz_tally)
+    run_mutants(fuzz_examples(500), fuzz_tally)
 
 
 @pytest.mark.slow
@@ -420,7 +421,7 @@ def test_ten_thousand_hostile_mutants_are_refused_unless_equivalent(fuzz_tally) 
     run_mutants(10_000, fuzz_tally)
 
 
-@settings(max_examples=200, deadline=None, database=None, derandomize=True,
+@settings(max_examples=fuzz_examples(200), deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.floats(min_value=0.0, max_value=2.0**53 - 1, allow_nan=False, allow_infinity=False), st.sampled_from(
     ("compute_s", "serialize_s", "digest_s")))

@@ -38,7 +38,17 @@ GATE = ROOT / "tools" / "mutation.toml"
 # mutmut's exit codes for a mutant's test run (mutmut.stats.status_by_exit_code, 3.8): the ones
 # that detect the mutant. Anything else (survived, no tests, suspicious, segfault, not checked)
 # is a mutant the tests did not catch.
-DETECTED_EXIT_CODES = {1: "killed", 3: "killed", 36: "timeout", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout"}
+# 37 is a mutant strict mypy rejects (tools/mutation_typecheck.py): CI's type check would refuse it.
+DETECTED_EXIT_CODES = {
+    1: "killed",
+    3: "killed",
+    37: "caught by type check",
+    36: "timeout",
+    -24: "timeout",
+    24: "timeout",
+    152: "timeout",
+    255: "timeout",
+}
 
 
 class GateError(Exception):
@@ -115,7 +125,11 @@ def copy_tree(destination: Path) -> None:
 
 
 def run_mutmut(tree: Path, jobs: int) -> None:
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # one BLAS thread per mutant worker
+    # One BLAS thread per mutant worker; this interpreter's `python` first on PATH for mutmut's
+    # type_check_command (pyproject.toml); the property tests at a tenth of their examples
+    # (tests/fuzz_budget.py says why).
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PATH=path, QUALIFY_MUTATION_RUN="1")
     log = tree / "mutmut.log"
     with log.open("wb") as output:
         done = subprocess.run(
@@ -231,16 +245,20 @@ def report(scores: list[GroupScore], target: float, floors: dict[str, float]) ->
     from rich.table import Table
 
     table = Table(title=f"mutation score per group (target {target:g} %; the gate fails below a group's floor)")
-    columns = ("group", "mutants", "equivalent", "killed", "timeout", "survived", "no tests", "other", "score %", "floor %")
+    columns = (
+        "group", "mutants", "equivalent", "killed", "type check", "timeout", "survived", "no tests", "other", "score %", "floor %"
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "group" else "right")
     for group in scores:
-        other = sum(n for status, n in group.outcomes.items() if status not in {"killed", "timeout", "survived", "no tests"})
+        shown = {"killed", "caught by type check", "timeout", "survived", "no tests"}
+        other = sum(n for status, n in group.outcomes.items() if status not in shown)
         table.add_row(
             group.name,
             str(group.mutants),
             str(group.equivalent),
             str(group.outcomes["killed"]),
+            str(group.outcomes["caught by type check"]),
             str(group.outcomes["timeout"]),
             str(group.outcomes["survived"]),
             str(group.outcomes["no tests"]),

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""mutmut's type-check pre-filter: strict mypy over mutmut's rewritten tree, reporting only the
+errors that lie inside one mutant's own function.
+
+CI runs strict mypy on the package (tools/test.sh), so a mutant that mypy rejects could never land:
+it is detected without running a test. mutmut (``type_check_command`` in pyproject.toml) runs this
+in its ``mutants/`` directory and reads mypy's JSON lines from its output; the word ``mypy`` among
+its arguments is how mutmut knows that format.
+
+mutmut's rewrite itself confuses mypy in places (its trampolines' ``type: ignore`` comments, and
+a few type narrowings across its decorated copies), and mutmut refuses a run with any error outside
+a mutant. Those errors are not a mutant's doing: the unmutated tree is mypy-clean, which CI checks.
+So an error counts only inside a mutant's function (``…__mutmut_<N>``), and only where mutmut's
+unmutated copy of that same function (``…__mutmut_orig``) has no error: a function whose copy
+already errs gets no mutant caught by type check, and its mutants run the tests instead.
+
+    cd mutants && python ../tools/mutation_typecheck.py mypy     # what mutmut runs
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+MUTMUT_FUNCTION = re.compile(r"(?P<function>.+)__mutmut_(?P<which>\d+|orig)")
+
+
+def mutmut_functions(source: str) -> list[tuple[int, int, str, str]]:
+    """(first line, last line, function, mutant number or "orig") of each mutmut copy, in a module
+    or a class body (where mutmut puts them)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+            if named := MUTMUT_FUNCTION.fullmatch(node.name):
+                found.append((node.lineno, node.end_lineno, named["function"], named["which"]))
+    return found
+
+
+def mutant_errors(errors: list[dict[str, object]], sources: dict[str, str]) -> list[dict[str, object]]:
+    """The errors inside a mutant whose function's unmutated copy type-checks clean."""
+    kept = []
+    by_file: dict[str, list[dict[str, object]]] = defaultdict(list)
+    for error in errors:
+        by_file[str(error["file"])].append(error)
+    for file, file_errors in by_file.items():
+        copies = mutmut_functions(sources[file])
+        placed = []
+        for error in file_errors:
+            line = error["line"]
+            copy = next((c for c in copies if isinstance(line, int) and c[0] <= line <= c[1]), None)
+            placed.append((error, copy))
+        erring_originals = {copy[2] for _, copy in placed if copy is not None and copy[3] == "orig"}
+        kept += [error for error, copy in placed if copy is not None and copy[3] != "orig" and copy[2] not in erring_originals]
+    return kept
+
+
+def main() -> int:
+    # --no-warn-unused-ignores: mutmut's trampolines carry `type: ignore` comments mypy may not need.
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--output", "json", "--no-warn-unused-ignores"], capture_output=True, text=True
+    )
+    if done.returncode not in (0, 1):
+        # mypy itself failed: words that are not JSON make mutmut refuse the run (never "no errors").
+        print(f"mutation_typecheck: mypy exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
+        return done.returncode
+    errors = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    errors = [error for error in errors if error.get("severity") == "error"]
+    sources = {file: Path(file).read_text(encoding="utf-8") for file in {str(error["file"]) for error in errors}}
+    for error in mutant_errors(errors, sources):
+        print(json.dumps(error))
+    print()  # mutmut reads mypy's "no errors" as a lone newline
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
