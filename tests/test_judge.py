@@ -418,7 +418,7 @@ def test_rung3_refuses_block_digest_mismatch_even_if_rows_claim_equal():
     ("changes", "reason"),
     [
         ({"handoff_draft_tokens_sha256": "7" * 64}, "draft tokens differ from the cold run's"),
-        ({"cold_draft_trace_sha256": "7" * 64}, "draft trace differ from the cold run's"),
+        ({"cold_draft_trace_sha256": "7" * 64}, "draft trace differs from the cold run's"),
         ({"draft_acceptance_rate": 0.94}, "draft acceptance 0.94 is below the sealed floor 0.95"),
         ({"token_agreement_rate": 0.5}, "tokens diverge: agreement 0.5 (128/256)"),
     ],

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from qualify.evidence.records import BitExactRule, BoundedDriftRule
-from qualify.judge import judge_sample, judge_summary
+from qualify.judge import (
+    Verdict,
+    judge_reproduction,
+    judge_rung2_sample,
+    judge_rung3_sample,
+    judge_sample,
+    judge_summary,
+)
 from tests.test_judge import RULE2, RULE3, rung2_record, rung3_record
 
 PASSING_SAMPLE_CHECKS = [
@@ -194,3 +201,208 @@ def test_an_empty_summary_says_no_samples() -> None:
     assert "no samples" in verdict.reasons
     assert all(detail == f"{words} missing" for (_, _, detail), words in zip(checks_of(verdict)[4:], SUMMARY_DIGESTS,
                                                                                  strict=True))
+
+
+KV_EQUAL = ("kv", True, "handed-off KV equals the consumer's own prefill in every layer (K and V)")
+DRAFT_EQUAL = [("draft tokens", True, "draft tokens equal to the cold run's"),
+               ("draft trace", True, "draft trace equal to the cold run's")]
+
+
+def rung3_checks(verdict) -> list[tuple[str, bool, str]]:
+    """The rung-3 checks after the seven every sample has (evidence ... handed-off positions)."""
+    assert [name for name, _, _ in checks_of(verdict)[:7]] == [name for name, _, _ in PASSING_SAMPLE_CHECKS[:7]]
+    return checks_of(verdict)[7:]
+
+
+def test_a_passing_rung3_sample_shows_each_bit_exact_check_in_words() -> None:
+    verdict = judge_sample(rung3_record(), RULE3)
+    assert rung3_checks(verdict) == [
+        ("logit digests", True, "logit digests equal in every row and over the block"),
+        ("logit deltas", True, "full-logit deltas exactly 0"),
+        KV_EQUAL, *DRAFT_EQUAL,
+        ("draft acceptance", True, "draft acceptance 0.97 >= floor 0.95"),
+    ]
+    assert verdict.headline == ("passed: bit-exact: tokens 256/256, full-logit digests equal, deltas 0; "
+                                "draft tokens and trace equal, acceptance at or above the floor")
+
+
+def test_draft_acceptance_exactly_at_its_floor_passes() -> None:
+    verdict = judge_sample(rung3_record(draft_acceptance_rate=0.95), RULE3)
+    assert verdict.passed and rung3_checks(verdict)[-1] == ("draft acceptance", True, "draft acceptance 0.95 >= floor 0.95")
+
+
+def test_a_rung3_sample_failing_its_kv_and_draft_names_the_layer_tensor_and_position() -> None:
+    layers = [{"layer": 0, "k": 0.0, "v": 0.0}, {"layer": 1, "k": 0.0, "v": 2.5, "v_position": 17}]
+    record = rung3_record(draft_acceptance_rate=0.9, cold_draft_tokens_sha256="7" * 64,
+                          cold_draft_trace_sha256="8" * 64, localisation={"kv_layer_max_abs": layers})
+    verdict = judge_sample(record, RULE3)
+    kv = "handed-off KV differs from the consumer's own prefill at layer 1 V (max abs delta 2.5 at position 17)"
+    assert rung3_checks(verdict)[2:] == [
+        ("kv", False, kv),
+        ("draft tokens", False, "draft tokens differ from the cold run's"),
+        ("draft trace", False, "draft trace differs from the cold run's"),
+        ("draft acceptance", False, "draft acceptance 0.9 is below the sealed floor 0.95"),
+    ]
+    assert verdict.headline == f"failed: {kv} (and 3 more)"
+
+
+@pytest.mark.parametrize(
+    ("layers", "words"),
+    [
+        ([{"k": "x", "v": 0.0}], "handed-off KV differs from the consumer's own prefill at layer ? K (max abs delta 'x')"),
+        ([{"layer": 2, "k": 0.0}], "handed-off KV differs from the consumer's own prefill at layer 2 V (max abs delta None)"),
+        (["not a layer"], "handed-off KV differs from the consumer's own prefill at layer ? K (max abs delta None)"),
+        ([], "sample omits kv_layer_max_abs (per-layer KV deltas against the consumer's own prefill)"),
+        ("0.0", "sample omits kv_layer_max_abs (per-layer KV deltas against the consumer's own prefill)"),
+    ],
+)
+def test_kv_evidence_that_is_not_a_number_per_layer_is_refused_never_read_as_zero(layers: object, words: str) -> None:
+    verdict = judge_sample(rung3_record(localisation={"kv_layer_max_abs": layers}), RULE3)
+    assert ("kv", False, words) in rung3_checks(verdict)
+    assert verdict.headline == f"failed: {words}"
+
+
+def test_a_draftless_rung3_sample_says_no_draft_was_declared() -> None:
+    verdict = judge_sample(rung3_record(), BitExactRule(acceptance_floor=None))
+    assert rung3_checks(verdict)[-2:] == [KV_EQUAL, ("draft", True, "no speculative draft declared by the identity")]
+    assert verdict.headline == "passed: bit-exact: tokens 256/256, full-logit digests equal, deltas 0"
+
+
+def test_drift_graded_rung3_reports_the_deltas_then_the_digests() -> None:
+    graded = BitExactRule(acceptance_floor=0.95, drift_graded=True)
+    assert rung3_checks(judge_sample(rung3_record(), graded))[:2] == [
+        ("logit deltas", True, "full-logit deltas exactly 0"),
+        ("logit digests", True, "logit digests equal in every row and over the block"),
+    ]
+    record = rung3_record(max_abs=0.5, mean_abs=0.01, logit_row_digests_equal=False, first_logit_digest_mismatch_row=4,
+                          handoff_logit_block_sha256="9" * 64)
+    verdict = judge_sample(record, graded)
+    deltas = "full logits differ: max=0.5, mean=0.01 (bit-exact requires 0); logit digest mismatch at row 4"
+    assert rung3_checks(verdict)[:2] == [("logit deltas", False, deltas),
+                                         ("logit digests", False, "logit digest mismatch at row 4")]
+    assert verdict.headline == f"failed: {deltas} (and 1 more)"
+
+
+def test_equal_digests_over_nonzero_deltas_are_not_bit_exact() -> None:
+    verdict = judge_sample(rung3_record(max_abs=0.5, mean_abs=0.01), RULE3)
+    assert rung3_checks(verdict)[:2] == [
+        ("logit digests", True, "logit digests equal in every row and over the block"),
+        ("logit deltas", False, "full logits not bit-exact despite equal digests: max=0.5, mean=0.01"),
+    ]
+
+
+@pytest.mark.parametrize(("kind", "shown"), [("near-tie", " (near-tie)"), ("decisive", " (decisive)"), ("other", "")])
+def test_a_divergence_names_its_class_only_when_it_is_a_known_one(kind: str, shown: str) -> None:
+    where = {"first_divergence_position": 9, "cold_margin_at_divergence": True, "divergence_class": kind}
+    checks = dict((name, detail) for name, _, detail in checks_of(
+        judge_sample(rung2_record(token_agreement_rate=0.5, localisation=where), RULE2)))
+    # A bool margin is no number: it is left out, never shown as 1.
+    assert checks["tokens exact"] == f"tokens diverge: agreement 0.5 (128/256); first divergence at token 9{shown}"
+
+
+def test_a_rule_breaking_row_is_named_for_drift_and_never_for_tokens() -> None:
+    where = {"first_rule_breaking_row": 11, "first_divergence_position": True}
+    checks = dict((name, detail) for name, _, detail in checks_of(
+        judge_sample(rung2_record(token_agreement_rate=0.5, max_abs=12.0, localisation=where), RULE2)))
+    assert checks["tokens exact"] == "tokens diverge: agreement 0.5 (128/256)"
+    assert checks["bounded drift"].endswith("(rule: max <= 11, mean <= 1.25); first rule-breaking logit row 11")
+    bool_row = dict((name, detail) for name, _, detail in checks_of(judge_sample(
+        rung2_record(max_abs=12.0, localisation={"first_rule_breaking_row": True}), RULE2)))
+    assert bool_row["bounded drift"].endswith("(rule: max <= 11, mean <= 1.25)")
+
+
+@pytest.mark.parametrize(("judge", "rule", "name"), [
+    (judge_rung2_sample, RULE3, "judge_rung2_sample needs a BoundedDriftRule"),
+    (judge_rung3_sample, RULE2, "judge_rung3_sample needs a BitExactRule"),
+])
+def test_a_judge_given_another_rungs_rule_names_itself_and_the_rule_it_needs(judge, rule, name: str) -> None:
+    with pytest.raises(TypeError, match=f"^{name}$"):
+        judge(rung2_record(), rule)
+
+
+def digest_check(records: list, words: str = "payload digest") -> tuple[str, bool, str]:
+    return next(c for c in checks_of(judge_summary(records, RULE2)) if c[0] == f"{words} across repetitions")
+
+
+def test_a_digest_differing_across_repetitions_names_them_against_the_first() -> None:
+    records = [rung2_record(1), rung2_record(2, payload_sha256="8" * 64), rung2_record(3, payload_sha256="8" * 64)]
+    assert digest_check(records) == ("payload digest across repetitions", False,
+                                     "payload digest differs across repetitions (repetition 2, 3 vs 1): "
+                                     "output is not deterministic")
+
+
+def test_repetitions_without_an_index_are_named_by_their_place() -> None:
+    first, third = rung2_record(), rung2_record(payload_sha256="8" * 64)
+    del first["repetition"], third["repetition"]
+    records = [first, rung2_record(2, payload_sha256="8" * 64), third]
+    assert digest_check(records)[2] == ("payload digest differs across repetitions (repetition 2, 3 vs 1): "
+                                        "output is not deterministic")
+
+
+def test_a_missing_digest_names_the_repetitions_that_lack_it() -> None:
+    second, third = rung2_record(2), rung2_record()
+    del second["payload_sha256"], third["payload_sha256"], third["repetition"]
+    assert digest_check([rung2_record(1), second, third])[1:] == (False, "payload digest missing in repetition 2, ?")
+    # A flag where a digest belongs is not a digest: missing, with no repetition to name.
+    assert digest_check([rung2_record(1), rung2_record(2, payload_sha256=True), rung2_record(3)])[1:] == (
+        False, "payload digest missing")
+
+
+def anchored(run: list, basis: list, **how) -> Verdict:
+    return judge_reproduction(run, basis, **{"rung": 2, "deterministic_producer": False, "draft": False, **how})
+
+
+ANCHOR = [rung2_record(i, seams_sha256="a" * 64) for i in (1, 2, 3)]
+REPRODUCED = ("reproduced its anchor bit for bit (payload tree, seams, logit blocks and generated tokens equal "
+              "the fixture anchor's in the basis receipt)")
+ANCHORED_WORDS = ("payload tree", "per-layer seams", "handoff logit block", "cold logit block", "generated tokens",
+                  "cold generated tokens")
+
+
+def test_a_reproduced_anchor_shows_each_digest_equal_in_words() -> None:
+    verdict = anchored(ANCHOR, ANCHOR)
+    assert (verdict.passed, verdict.headline) == (True, REPRODUCED)
+    assert checks_of(verdict) == [
+        (f"{words} as anchored", True, f"{words} digest equal to the anchor's in every repetition") for words in ANCHORED_WORDS
+    ]
+    assert verdict.reasons == [detail for _, _, detail in checks_of(verdict)]
+    draft = anchored(ANCHOR, ANCHOR, draft=True)
+    assert [name for name, _, _ in checks_of(draft)][-2:] == ["draft tokens as anchored", "draft trace as anchored"]
+
+
+def test_a_changed_digest_is_reported_on_rung2_and_fails_rung3_and_a_deterministic_producer() -> None:
+    run = [rung2_record(1, seams_sha256="a" * 64), rung2_record(2, seams_sha256="b" * 64), ANCHOR[2]]
+    words = ("did not reproduce its anchor bit for bit: per-layer seams differ from the fixture anchor in the "
+             "basis receipt")
+    reported = anchored(run, ANCHOR)
+    assert (reported.passed, reported.headline, reported.reasons) == (True, words, [words])
+    assert ("per-layer seams as anchored", False, "per-layer seams digest differs from the anchor's (repetition 2)") \
+        in checks_of(reported)
+    rung3 = anchored(run, ANCHOR, rung=3)
+    assert (rung3.passed, rung3.headline) == (False, f"{words}; rung 3 requires it")
+    deterministic = anchored(run, ANCHOR, deterministic_producer=True)
+    assert (deterministic.passed, deterministic.headline) == (
+        False, f"{words}: the producer's output changed since calibration (the identity declares a deterministic producer)")
+
+
+def test_an_anchor_missing_or_disagreeing_on_a_digest_is_named_and_the_rest_still_compared() -> None:
+    missing = [rung2_record(i) for i in (1, 2, 3)]  # no seams digest in the anchor
+    verdict = anchored(ANCHOR, missing)
+    assert checks_of(verdict)[1] == ("per-layer seams as anchored", False, "anchor: per-layer seams digest missing")
+    assert len(checks_of(verdict)) == len(ANCHORED_WORDS)
+    split = [ANCHOR[0], rung2_record(2, seams_sha256="c" * 64), ANCHOR[2]]
+    assert checks_of(anchored(ANCHOR, split))[1] == (
+        "per-layer seams as anchored", False, "anchor: per-layer seams digest differs among its own samples")
+    assert anchored(ANCHOR, split).passed  # rung 2, a producer not declared deterministic: reported, not failed
+
+
+def test_a_run_with_no_samples_or_unnamed_repetitions_against_its_anchor() -> None:
+    assert checks_of(anchored([], ANCHOR))[0] == (
+        "payload tree as anchored", False, "payload tree digest differs from the anchor's (repetition (no samples))")
+    unnamed = rung2_record(seams_sha256="b" * 64)
+    del unnamed["repetition"]
+    assert checks_of(anchored([ANCHOR[0], unnamed], ANCHOR))[1][2] == (
+        "per-layer seams digest differs from the anchor's (repetition ?)")
+    no_anchor = anchored(ANCHOR, [])
+    assert checks_of(no_anchor) == [("anchor samples", False, "the basis receipt has no readable anchor samples")]
+    assert no_anchor.headline.startswith("did not reproduce its anchor bit for bit: anchor samples differ")

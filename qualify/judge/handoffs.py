@@ -474,14 +474,14 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
 
     _check_kv_bit_exact(evidence.record, judgement)
     if draft_declared:
-        for what, left, right in (
-            ("draft tokens", "handoff_draft_tokens_sha256", "cold_draft_tokens_sha256"),
-            ("draft trace", "handoff_draft_trace_sha256", "cold_draft_trace_sha256"),
+        for what, left, right, differ in (
+            ("draft tokens", "handoff_draft_tokens_sha256", "cold_draft_tokens_sha256", "differ"),
+            ("draft trace", "handoff_draft_trace_sha256", "cold_draft_trace_sha256", "differs"),
         ):
             if values[left] is not None and values[right] is not None:
                 same = values[left] == values[right]
                 judgement.check(what, same,
-                                f"{what} equal to the cold run's" if same else f"{what} differ from the cold run's")
+                                f"{what} equal to the cold run's" if same else f"{what} {differ} from the cold run's")
         acceptance = values["draft_acceptance_rate"]
         floor = parsed.acceptance_floor
         if acceptance is not None and floor is not None:
@@ -522,7 +522,8 @@ def _check_kv_bit_exact(record: Mapping[str, Any], judgement: _Judgement) -> Non
                 judgement.check(
                     "kv", False,
                     f"handed-off KV differs from the consumer's own prefill at layer {entry.get('layer', '?')} "
-                    f"{tensor.upper()} (max abs delta {_num(delta) if isinstance(delta, (int, float)) else delta!r}"
+                    # repr() only for a non-number: `!r` there would quote the formatted number too.
+                    f"{tensor.upper()} (max abs delta {_num(delta) if isinstance(delta, (int, float)) else repr(delta)}"
                     + (f" at position {position})" if position is not None else ")"),
                 )
                 return
