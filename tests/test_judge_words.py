@@ -406,3 +406,51 @@ def test_a_run_with_no_samples_or_unnamed_repetitions_against_its_anchor() -> No
     no_anchor = anchored(ANCHOR, [])
     assert checks_of(no_anchor) == [("anchor samples", False, "the basis receipt has no readable anchor samples")]
     assert no_anchor.headline.startswith("did not reproduce its anchor bit for bit: anchor samples differ")
+
+
+NOT_GRADED = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25, drift_graded=False)
+
+
+@pytest.mark.parametrize(
+    ("changes", "check"),
+    [
+        ({"logit_row_digests_equal": True, "first_logit_digest_mismatch_row": None, "handoff_logit_block_sha256": "3" * 64},
+         ("logit digests", True, "logit digests equal in every row and over the block")),
+        ({"logit_row_digests_equal": True, "first_logit_digest_mismatch_row": None},
+         ("logit digests", False, "logit digest mismatch: block digests differ while every row digest is reported equal")),
+        ({"logit_row_digests_equal": False, "first_logit_digest_mismatch_row": None},
+         ("logit digests", False, "logit digest mismatch at an unreported row")),
+        ({"first_logit_digest_mismatch_row": 5}, ("logit digests", False, "logit digest mismatch at row 5")),
+    ],
+)
+def test_default_judging_refuses_the_first_logit_digest_mismatch_in_words(changes: dict, check: tuple) -> None:
+    verdict = judge_sample(rung2_record(**changes), NOT_GRADED)
+    assert checks_of(verdict)[-1] == check
+    assert verdict.passed is check[1]
+
+
+@pytest.mark.parametrize("absent", ["logit_row_digests_equal", "handoff_logit_block_sha256", "cold_logit_block_sha256"])
+def test_default_judging_without_a_digest_gives_no_digest_verdict_only_the_omission(absent: str) -> None:
+    verdict = judge_sample(rung2_record(**{absent: None}), NOT_GRADED)
+    assert not verdict.passed
+    assert "logit digests" not in [name for name, _, _ in checks_of(verdict)]
+
+
+ROW = "a" * 64
+
+
+@pytest.mark.parametrize(
+    ("handoff_rows", "cold_rows", "check"),
+    [
+        ([ROW] * 256, [ROW] * 256, ("row digests", True, "recorded row digests agree with the reported first mismatch")),
+        ([ROW] * 256, None, ("row digests", False, "sample row digests are malformed")),
+        ([ROW] * 256, [ROW] * 255 + ["b" * 64], ("row digests", False,
+                                                  "recorded row digests disagree with the reported first mismatch (rows say 255)")),
+        ([ROW] * 256, [ROW] * 255, ("row digests", False,
+                                     "recorded row digests disagree with the reported first mismatch (rows say 255)")),
+    ],
+)
+def test_recorded_row_digests_must_agree_with_the_reported_first_mismatch(handoff_rows, cold_rows, check) -> None:
+    verdict = judge_sample(rung3_record(handoff_logit_row_sha256=handoff_rows, cold_logit_row_sha256=cold_rows), RULE3)
+    assert check in rung3_checks(verdict)
+    assert verdict.passed is check[1]
