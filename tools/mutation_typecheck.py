@@ -14,18 +14,26 @@ So an error counts only inside a mutant's function (``…__mutmut_<N>``), and on
 unmutated copy of that same function (``…__mutmut_orig``) has no error: a function whose copy
 already errs gets no mutant caught by type check, and its mutants run the tests instead.
 
-    cd mutants && python ../tools/mutation_typecheck.py mypy     # what mutmut runs
+mutmut maps each error to its mutant by parsing the mutated files with libcst, which took over 7
+minutes on these files; ``mutmut`` as the first argument runs mutmut with that step done by the
+standard library's ``ast`` instead (seconds), the same mapping. tools/mutation.py runs it so.
+
+    python tools/mutation_typecheck.py mutmut run --max-children 2   # mutmut, with the fast mapping
+    cd mutants && python tools/mutation_typecheck.py mypy           # what mutmut runs to type-check
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 MUTMUT_FUNCTION = re.compile(r"(?P<function>.+)__mutmut_(?P<which>\d+|orig)")
 
@@ -59,7 +67,45 @@ def mutant_errors(errors: list[dict[str, object]], sources: dict[str, str]) -> l
     return kept
 
 
-def main() -> int:
+def caught_by_type_check() -> dict[str, Any]:
+    """mutmut's ``filter_mutants_with_type_checker`` (mutmut 3.8): mutant name -> its first type error,
+    from its ``type_check_command`` run in ``mutants/``, each error placed in its function by ``ast``."""
+    from mutmut.configuration import config
+    from mutmut.mutation.file_mutation import FailedTypeCheckMutant, MutatedMethodLocation
+    from mutmut.type_checking import run_type_checker
+    from mutmut.utils.format_utils import get_mutant_name
+
+    caught: dict[str, Any] = {}
+    with contextlib.chdir("mutants"):
+        errors = run_type_checker(config().type_check_command)
+        by_file: dict[Path, list[Any]] = defaultdict(list)
+        for error in errors:
+            by_file[error.file_path].append(error)
+        for path, file_errors in by_file.items():
+            copies = mutmut_functions(path.read_text(encoding="utf-8"))
+            for error in file_errors:
+                first, last, function, which = next(c for c in copies if c[0] <= error.line_number <= c[1])
+                method = f"{function}__mutmut_{which}"
+                name = get_mutant_name(path.relative_to(Path(".").absolute()), method)
+                location = MutatedMethodLocation(file=path, function_name=method, line_number_start=first, line_number_end=last)
+                caught.setdefault(name, FailedTypeCheckMutant(method_location=location, name=name, error=error))
+    return caught
+
+
+def run_mutmut(arguments: list[str]) -> int:
+    """``mutmut <arguments>`` in this process, its type-check mapping done by :func:`caught_by_type_check`."""
+    import mutmut.__main__ as mutmut_main
+
+    sys.path[0] = os.getcwd()  # as under `python -m mutmut`: the working directory, not this script's folder
+    mutmut_main.filter_mutants_with_type_checker = caught_by_type_check
+    try:
+        mutmut_main.cli(arguments, prog_name="mutmut")
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+    return 0
+
+
+def type_check() -> int:
     # --no-warn-unused-ignores: mutmut's trampolines carry `type: ignore` comments mypy may not need.
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--output", "json", "--no-warn-unused-ignores"], capture_output=True, text=True
@@ -78,4 +124,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["mutmut"]:
+        sys.exit(run_mutmut(sys.argv[2:]))
+    sys.exit(type_check())
