@@ -9,12 +9,15 @@ import pytest
 from qualify.evidence.records import BitExactRule, BoundedDriftRule
 from qualify.judge import (
     Verdict,
+    judge_failed_step,
+    judge_qualification,
     judge_reproduction,
     judge_rung2_sample,
     judge_rung3_sample,
     judge_sample,
     judge_summary,
 )
+from qualify.judge.scope import Scope
 from tests.test_judge import RULE2, RULE3, rung2_record, rung3_record
 
 PASSING_SAMPLE_CHECKS = [
@@ -454,3 +457,45 @@ def test_recorded_row_digests_must_agree_with_the_reported_first_mismatch(handof
     verdict = judge_sample(rung3_record(handoff_logit_row_sha256=handoff_rows, cold_logit_row_sha256=cold_rows), RULE3)
     assert check in rung3_checks(verdict)
     assert verdict.passed is check[1]
+
+
+SCOPE = Scope("python-textwrap", 3, 2048, 256, None)
+FIXTURE = "fixture python-textwrap (3 × 2048/256)"
+NO_CONTROLS = "controls: none declared for this lane"
+
+
+def test_a_failed_step_under_a_scope_leads_with_it_and_carries_it() -> None:
+    verdict = judge_failed_step("handoff 2", "wire refused  the\nmanifest", scope=SCOPE)
+    assert verdict.headline == f"NOT QUALIFIED on {FIXTURE}: handoff 2: wire refused the manifest; {NO_CONTROLS}"
+    assert verdict.scope == SCOPE and verdict.status == "failed"
+    assert judge_failed_step("handoff 2", "refused").headline == "not qualified: handoff 2: refused"
+
+
+def test_a_qualification_under_a_scope_states_it_then_the_evidence() -> None:
+    passing = judge_qualification([rung2_record(i) for i in (1, 2, 3)], RULE2, [rung2_record(i) for i in (1, 2, 3)],
+                                  deterministic_producer=False, scope=SCOPE)
+    assert passing.passed and passing.scope == SCOPE
+    assert passing.headline.startswith(f"QUALIFIED on {FIXTURE}; {NO_CONTROLS}. Evidence: passed: 3/3 handoffs")
+    failing = judge_qualification([rung2_record(1), rung2_record(2, token_agreement_rate=0.5), rung2_record(3)], RULE2,
+                                  [rung2_record(i) for i in (1, 2, 3)], deterministic_producer=False, scope=SCOPE)
+    first = "repetition 2: tokens diverge: agreement 0.5 (128/256)"
+    assert not failing.passed and failing.scope == SCOPE and failing.reasons[0] == first
+    assert failing.headline.startswith(f"NOT QUALIFIED on {FIXTURE}: {first}; {NO_CONTROLS}. Evidence: failed: ")
+
+
+def test_every_changed_digest_is_listed_and_a_reported_change_keeps_its_checks() -> None:
+    run = [rung2_record(1, seams_sha256="b" * 64, payload_sha256="9" * 64), rung2_record(2, seams_sha256="b" * 64),
+           rung2_record(3, seams_sha256="a" * 64)]
+    verdict = anchored(run, ANCHOR)
+    assert verdict.headline == ("did not reproduce its anchor bit for bit: payload tree, per-layer seams differ from "
+                                "the fixture anchor in the basis receipt")
+    assert ("per-layer seams as anchored", False, "per-layer seams digest differs from the anchor's (repetition 1, 2)") \
+        in checks_of(verdict)
+    assert len(verdict.checks) == len(ANCHORED_WORDS)
+    assert len(anchored(run, ANCHOR, deterministic_producer=True).checks) == len(ANCHORED_WORDS)
+
+
+def test_an_anchor_with_an_unreadable_sample_is_no_anchor() -> None:
+    verdict = anchored(ANCHOR, [*ANCHOR[:2], "not a record"])
+    assert checks_of(verdict)[0] == ("anchor samples", False, "the basis receipt has no readable anchor samples")
+    assert verdict.headline.startswith("did not reproduce its anchor bit for bit: anchor samples differ")
