@@ -89,7 +89,7 @@ def test_a_diverged_cell_counts_its_teacher_forced_drift_and_one_without_it_is_a
     assert problems == [] and [c.max_abs for c in cells] == [1.25, 1.5] and not cells[0].tokens_exact
     records[0] = record(1, 19.7, 2.3, exact=False)
     cells, problems = calibration_cells(document, records)
-    assert len(cells) == 1 and problems == ["cell doc-a@1024: sample 1 has no finite teacher-forced drift"]
+    assert len(cells) == 1 and problems == ["cell doc-a@1024: sample 1 has no teacher-forced drift that is a finite number >= 0"]
 
 
 def test_zero_drift_everywhere_is_the_bit_exact_bound() -> None:

@@ -392,7 +392,8 @@ class Identity(_Frozen):
             ("native_variant", self.native_variant, spec.variant),
         ):
             if found != expected:
-                raise _rule_error(field, f"found {_plain(found)}, lane {spec.name} is {_plain(expected)}")
+                # render() writes a str-enum member as its JSON value.
+                raise _rule_error(field, f"found {render(found)}, lane {spec.name} is {render(expected)}")
         try:
             check_speculative_draft(spec.name, spec.mode, self.speculative_draft is not None)
         except Refused as exc:
@@ -462,11 +463,6 @@ class Identity(_Frozen):
         return self
 
 
-def _plain(value: object) -> str:
-    """An enum member as its JSON value, for refusal messages."""
-    return render(getattr(value, "value", value))
-
-
 # --- the generated JSON Schema ------------------------------------------------------------------
 
 
@@ -480,8 +476,8 @@ class _ContractSchema(GenerateJsonSchema):
 
     def dict_schema(self, schema: core_schema.DictSchema) -> JsonSchemaValue:
         json_schema = super().dict_schema(schema)
-        patterns = json_schema.pop("patternProperties", None)
-        if patterns is not None:
+        if "patternProperties" in json_schema:
+            patterns = json_schema.pop("patternProperties")
             ((key_pattern, value_schema),) = patterns.items()
             json_schema["propertyNames"] = {"pattern": key_pattern, **json_schema.get("propertyNames", {})}
             json_schema["additionalProperties"] = value_schema
@@ -501,14 +497,14 @@ def identity_json_schema(schema_id: str = IDENTITY_SCHEMA_ID) -> dict[str, Any]:
     if schema_id not in IDENTITY_SCHEMA_PATHS:
         raise Refused(f"identity schema: found {render(schema_id)}, expected one of "
                       f"{', '.join(render(known) for known in IDENTITY_SCHEMA_IDS)}")
-    generated = Identity.model_json_schema(by_alias=True, schema_generator=_ContractSchema)
+    generated = Identity.model_json_schema(schema_generator=_ContractSchema)  # by alias (pydantic's default)
     version = schema_id.rsplit(".", 1)[1]
     generated["properties"]["schema"] = {"const": schema_id, "type": "string"}
     head = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": f"https://trust-ladder.invalid/contracts/{IDENTITY_SCHEMA_PATHS[schema_id].name}",
         "title": f"{generated.pop('title')} {version}",
-        "description": generated.pop("description") + _DIGEST_RULES.get(schema_id, ""),
+        "description": generated.pop("description") + _DIGEST_RULES[schema_id],
     }
     return {**head, **generated}
 
@@ -522,12 +518,11 @@ def identity_schema_text(schema_id: str = IDENTITY_SCHEMA_ID) -> str:
 
 
 def _describe_pydantic_error(exc: ValidationError) -> str:
-    error = exc.errors(include_url=False)[0]
+    error = exc.errors()[0]
     location = [part for part in error["loc"] if isinstance(part, (str, int))]
     context = error.get("ctx") or {}
     if error["type"] == "identity_rule":
-        field = str(context.get("field", ""))
-        problem = str(context.get("problem", ""))
+        field, problem = str(context["field"]), str(context["problem"])  # what _rule_error always sets
         path = location + (field.split(".") if field else [])
         return f"{format_path(path)}: {problem}" if path else problem
     return f"{format_path(location)}: {one_line(error['msg'])}, found {render(error.get('input'))}"
@@ -568,7 +563,8 @@ def parse_identity_document(document: object, *, where: str) -> Identity:
     check_json_values(document, where)
     check_schema(document, _schema_path_of(document, where), where)
     try:
-        identity = Identity.model_validate_json(json.dumps(document, allow_nan=False), strict=True)
+        # Strict by the model's own config; check_json_values above has refused NaN and infinities.
+        identity = Identity.model_validate_json(json.dumps(document))
     except ValidationError as exc:
         raise Refused(f"{where}: {_describe_pydantic_error(exc)}") from None
     typed = identity.document()
@@ -645,7 +641,7 @@ BASIS_MANIFEST_MAX_BYTES = 16 << 20
 
 def _read_basis_manifest(path: Path) -> bytes:
     """The manifest's bytes, bounded (never following a link: a receipt is untrusted input)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
     descriptor = os.open(path, flags)
     with os.fdopen(descriptor, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):

@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 import secrets
 import struct
@@ -461,7 +462,7 @@ def _wire_array(array: np.ndarray) -> np.ndarray:
 
 
 def _byte_view(array: np.ndarray) -> memoryview:
-    return array.reshape(-1).view(np.uint8).data
+    return array.ravel().view(np.uint8).data
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,7 +547,7 @@ class _Concurrent:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if threaded:
-            self._thread = threading.Thread(target=self._run, name="handoff-digest", daemon=True)
+            self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
@@ -602,7 +603,9 @@ def seal_handoff_parts(
     ):
         if not is_sha256_hex(digest):
             raise Refused(f"{field_name}: found {digest!r}, expected 64 lowercase hex characters")
-    if not (isinstance(compute_s, (int, float)) and 0 <= compute_s < float("inf")):
+    # A bool is an int in Python but no duration.
+    if not (isinstance(compute_s, (int, float)) and not isinstance(compute_s, bool) and math.isfinite(compute_s)
+            and compute_s >= 0):
         raise Refused(f"compute_s: found {compute_s!r}, expected a finite number >= 0")
     started = time.perf_counter()
     keys = [_wire_array(a) for a in kv.keys]
