@@ -115,7 +115,8 @@ def calibration_cells(evidence: Mapping[str, Any], records: Sequence[Record]) ->
             continue
         drift = _cell_drift(record)
         if drift is None:
-            problems.append(f"cell {document}@{tokens}: sample {repetition} has no teacher-forced drift that is a finite number >= 0")
+            problems.append(
+                f"cell {document}@{tokens}: sample {repetition} has no teacher-forced drift that is a finite number >= 0")
             continue
         cells.append(CellDrift(repetition, document, tokens, drift[0], drift[1],
                                _finite(record.get("token_agreement_rate")) == 1.0))
