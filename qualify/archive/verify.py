@@ -661,7 +661,11 @@ def verify_cli(args: Sequence[str]) -> int:
         for target in targets:
             if not target.is_dir():
                 raise Refused(f"receipts verify: {shown(str(target))}: no such directory")
-            os.listdir(target)
+            try:
+                os.listdir(target)
+            except OSError as exc:  # named: with several paths the operator must see which one
+                raise Refused(f"receipts verify: {shown(str(target))}: cannot list "
+                              f"({exc.strerror or type(exc).__name__})") from None
         if not options.json:
             return verify_paths(targets, trust, sys.stdout)
         document = verify_document(targets, trust, trust_path)
