@@ -277,8 +277,10 @@ def _read_criteria(criteria: object, problems: list[str]) -> _Criteria | None:
             documents.append((entry_name, str(token)))
     if not documents:
         problems.append("criteria.documents: found none, expected the control documents")
+    # A value that is no list was named by _list; the rule below is about a list's entries.
     lengths = _list(criteria.get("lengths"), "criteria.lengths", problems)
-    if not lengths or not all(_is_count(length) and length > 0 for length in lengths) or \
+    listed = isinstance(criteria.get("lengths"), (list, tuple))
+    if listed and not lengths or not all(_is_count(length) and length > 0 for length in lengths) or \
             any(b <= a for a, b in zip(lengths, lengths[1:], strict=False)):
         problems.append(f"criteria.lengths: found {render(lengths)}, expected positive whole lengths, strictly increasing")
         lengths = ()
@@ -317,7 +319,8 @@ def _read_criteria(criteria: object, problems: list[str]) -> _Criteria | None:
         problems.append(f"criteria.criteria.document_within: found {render(words.get('document_within'))} over "
                         f"{len(lengths)} lengths, expected {DOCUMENT_WITHIN_WORDS!r} over four lengths")
     lanes = _list(criteria.get("lanes"), "criteria.lanes", problems)
-    if not lanes or not all(isinstance(lane, str) and NAME.fullmatch(lane) for lane in lanes):
+    listed = isinstance(criteria.get("lanes"), (list, tuple))
+    if listed and not lanes or not all(isinstance(lane, str) and NAME.fullmatch(lane) for lane in lanes):
         problems.append(f"criteria.lanes: found {render(lanes)}, expected the lane names the controls apply to")
     if len(problems) > before or name is None or yardstick_name is None or rule is None \
             or not _is_count(window) or not _is_number(confidence) or not _is_number(points):
@@ -463,7 +466,7 @@ def _check_header(record: Mapping[str, Any], rule: _Criteria, lane: str | None, 
     if "lane" in record and found_lane not in rule.lanes:
         problems.append(f"record.lane: found {render(found_lane)}, expected one of the criteria's lanes "
                         f"{', '.join(rule.lanes)}")
-    elif lane is not None and found_lane != lane:
+    elif "lane" in record and lane is not None and found_lane != lane:  # a missing lane is already named
         problems.append(f"record.lane: found {render(found_lane)}, expected the lane judged, {lane}")
     yardstick = _present(record, "yardstick", ("name", "sha256"), problems)
     if "name" in yardstick and yardstick["name"] != rule.yardstick:
