@@ -1,0 +1,98 @@
+"""Which check refuses a handoff, and in what words: every refusal carries the name of the check
+that refused it (receipts and the tampering tallies group refusals by it), from the MAC through the
+payload header, its tree digest, its layout and seams."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from qualify.core.errors import HandoffRefused
+from qualify.handoff import wire
+from qualify.handoff.wire import Handoff, manifest_canonical_bytes, manifest_mac
+from tests.test_handoff_wire import HEADER_END, KEY, PAYLOAD, SEALED, open_, tampered
+
+
+def refusal(handoff: Handoff) -> tuple[str, str]:
+    with pytest.raises(HandoffRefused) as refused:
+        open_(handoff)
+    return refused.value.check, str(refused.value)
+
+
+def sealed_over(payload: bytes) -> Handoff:
+    """A producer holding the key seals a payload of the expected size whose header is broken: the
+    manifest's tree digest can be anything, because the header is read before the digest."""
+    document = json.loads(SEALED.manifest_bytes)
+    document["payload"] = {"format": "safetensors", "tree_sha256": "0" * 64, "bytes": len(payload)}
+    manifest_bytes = manifest_canonical_bytes(document)
+    return Handoff(manifest_bytes, manifest_mac(KEY, manifest_bytes), payload)
+
+
+def with_header(header: bytes, size: int | None = None) -> bytes:
+    """PAYLOAD's length, its first 8 bytes saying ``size`` (the header's own length by default)."""
+    body = struct.pack("<Q", len(header) if size is None else size) + header
+    return body + b"\0" * (len(PAYLOAD) - len(body))
+
+
+def test_a_tampered_mac_or_manifest_is_refused_by_the_mac_check() -> None:
+    for handoff in (tampered("mac-byte", 0, 1), tampered("manifest-byte", 5, 1)):
+        check, words = refusal(handoff)
+        assert check == "mac" and words.startswith("handoff MAC does not verify under key ")
+
+
+def test_a_short_payload_is_refused_by_its_byte_count() -> None:
+    assert refusal(tampered("truncated-payload", 9, 0)) == (
+        "payload.bytes", f"handoff payload: 9 bytes, manifest payload.bytes says {len(PAYLOAD)}")
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (with_header(b"{}", size=len(PAYLOAD) - 7), f"handoff payload: header length {len(PAYLOAD) - 7} exceeds the payload"),
+        (with_header(b"{}", size=2**63 + 5), f"handoff payload: header length {2**63 + 5} exceeds the payload"),
+        (with_header(b"[1]"), "handoff payload header: not a JSON object"),
+        (with_header(b'{"t": 1}'), "handoff payload: tensor t header is malformed"),
+        (with_header(b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}'),
+         "handoff payload: tensor t data_offsets is malformed"),
+    ],
+)
+def test_a_broken_payload_header_is_refused_by_the_header_check(payload: bytes, words: str) -> None:
+    assert refusal(sealed_over(payload)) == ("payload.header", words)
+
+
+def test_a_header_that_is_not_json_is_refused_by_the_header_check_naming_it() -> None:
+    check, words = refusal(sealed_over(with_header(b"{not json")))
+    assert check == "payload.header" and words.startswith("handoff payload header")
+
+
+def test_the_payload_is_read_as_unsigned_bytes_whatever_buffer_carries_it() -> None:
+    signed = memoryview(bytearray(SEALED.payload_bytes)).cast("b")
+    opened = open_(Handoff(SEALED.manifest_bytes, SEALED.mac, signed))
+    assert opened.manifest.payload_size == len(PAYLOAD)
+
+
+@pytest.mark.parametrize(("kind", "a", "b", "check", "start"), [
+    ("payload-byte", HEADER_END + 3, 1, "payload.tree_sha256", "handoff payload tree digest mismatch: found "),
+    ("swapped-layers-resealed", 0, 1, "seam", "seam digest mismatch at layer 0 K"),
+    ("reordered-header-resealed", 0, 1, "payload.layout",
+     "handoff payload: tensor order: position 0 holds layers.1.k, expected layers.0.k"),
+])
+def test_payload_tampering_is_refused_by_the_check_it_breaks(kind: str, a: int, b: int, check: str, start: str) -> None:
+    refused_by, words = refusal(tampered(kind, a, b))
+    assert refused_by == check and words.startswith(start)
+
+
+@pytest.mark.parametrize("size", [0, 7])
+def test_fewer_than_8_bytes_hold_no_safetensors_header(size: int) -> None:
+    with pytest.raises(HandoffRefused) as refused:
+        wire._locate_tensors(memoryview(bytes(size)))
+    assert (refused.value.check, str(refused.value)) == (
+        "payload.header", f"handoff payload: {size} bytes, too short for a safetensors header")
+
+
+def test_8_bytes_hold_a_header_length_and_nothing_else() -> None:
+    with pytest.raises(HandoffRefused) as refused:
+        wire._locate_tensors(memoryview(struct.pack("<Q", 0)))
+    assert refused.value.check == "payload.header" and "too short" not in str(refused.value)
