@@ -9,10 +9,23 @@ import struct
 
 import pytest
 
-from qualify.core.errors import HandoffRefused
+from qualify.core.errors import HandoffRefused, Refused
 from qualify.handoff import wire
 from qualify.handoff.wire import Handoff, manifest_canonical_bytes, manifest_mac
-from tests.test_handoff_wire import HEADER_END, KEY, PAYLOAD, SEALED, open_, tampered
+from tests.test_handoff_wire import (
+    DRAFT_GEOMETRY,
+    GEOMETRY,
+    HEADER_END,
+    KEY,
+    MANIFEST,
+    PAYLOAD,
+    SEALED,
+    open_,
+    random_kv,
+    reseal,
+    seal,
+    tampered,
+)
 
 
 def refusal(handoff: Handoff) -> tuple[str, str]:
@@ -96,3 +109,75 @@ def test_8_bytes_hold_a_header_length_and_nothing_else() -> None:
     with pytest.raises(HandoffRefused) as refused:
         wire._locate_tensors(memoryview(struct.pack("<Q", 0)))
     assert refused.value.check == "payload.header" and "too short" not in str(refused.value)
+
+
+class SquaresClock:
+    """perf_counter reading 0, 1, 4, 9, 16, ...: each phase between two readings has its own length."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> float:
+        reading = float(self.calls * self.calls)
+        self.calls += 1
+        return reading
+
+
+def test_opening_times_each_phase_between_its_own_two_readings(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = SquaresClock()
+    monkeypatch.setattr(wire.time, "perf_counter", clock)
+    timings = open_(SEALED).timings
+    assert clock.calls == 6  # started, MAC, manifest, digest, checks, installed
+    assert (timings.mac_s, timings.manifest_s, timings.digest_s, timings.checks_s, timings.install_s) == (1, 3, 5, 7, 9)
+
+
+NONCANONICAL = SEALED.manifest_bytes.replace(b'{"', b'{ "', 1)
+SCHEMA = json.loads(SEALED.manifest_bytes)["schema"]
+
+
+@pytest.mark.parametrize(
+    ("handoff", "check", "words"),
+    [
+        (Handoff(b"{", manifest_mac(KEY, b"{"), PAYLOAD), "manifest.json",
+         "handoff manifest: not JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
+        (Handoff(NONCANONICAL, manifest_mac(KEY, NONCANONICAL), PAYLOAD), "manifest.canonical",
+         "handoff manifest: not in canonical JSON form (RFC 8785)"),
+        (reseal(PAYLOAD, schema="trust-ladder.handoff-manifest.v3"), "manifest.schema",
+         f'handoff manifest: schema: found "trust-ladder.handoff-manifest.v3", expected "{SCHEMA}" (producer and '
+         "consumer run the same harness version; a manifest is never archived, so no other version is read)"),
+        (reseal(PAYLOAD, handed_off_positions=7), "manifest.handed_off_positions",
+         "handoff manifest: handed_off_positions 7 disagrees with geometry.positions 6"),
+        (reseal(PAYLOAD, seams=MANIFEST["seams"][:-1]), "manifest.seams",
+         "handoff manifest: seams lists 4 layers, geometry.layers is 5"),
+        (reseal(PAYLOAD, seams=[MANIFEST["seams"][1], MANIFEST["seams"][0], *MANIFEST["seams"][2:]]), "manifest.seams",
+         "handoff manifest: seams[0] is for layer 1, expected layer 0"),
+    ],
+    ids=["not-json", "not-canonical", "other-schema", "positions", "seam-count", "seam-order"],
+)
+def test_a_broken_manifest_is_refused_by_the_manifest_check_it_breaks(handoff: Handoff, check: str, words: str) -> None:
+    assert refusal(handoff) == (check, words)
+
+
+def test_a_draft_context_where_none_is_expected_or_none_where_one_is_names_both_sides() -> None:
+    kv = random_kv(GEOMETRY, seed=4)
+    kv.draft = random_kv(DRAFT_GEOMETRY, seed=5)
+    with_draft = seal(kv)
+    with pytest.raises(HandoffRefused) as present:
+        open_(with_draft)
+    with pytest.raises(HandoffRefused) as absent:
+        open_(SEALED, draft_geometry=DRAFT_GEOMETRY)
+    assert (present.value.check, str(present.value)) == (
+        "draft_geometry", "draft_geometry: draft context present, consumer expects none")
+    assert (absent.value.check, str(absent.value)) == (
+        "draft_geometry", "draft_geometry: draft context absent, consumer expects one")
+
+
+@pytest.mark.parametrize("threads", [1, 256])
+def test_digest_threads_from_1_to_256_open_the_same_handoff(threads: int) -> None:
+    assert open_(SEALED, digest_threads=threads).manifest.payload_tree_sha256 == MANIFEST["payload"]["tree_sha256"]
+
+
+@pytest.mark.parametrize("threads", [0, 257, True])
+def test_digest_threads_outside_1_to_256_are_refused(threads: int) -> None:
+    with pytest.raises(Refused, match=f"^digest_threads: found {threads}, expected an int from 1 to 256$"):
+        open_(SEALED, digest_threads=threads)
