@@ -17,7 +17,7 @@ from qualify.judge import (
     judge_sample,
     judge_summary,
 )
-from qualify.judge.scope import Scope
+from qualify.judge.scope import DocumentOutcome, Scope
 from tests.test_judge import RULE2, RULE3, rung2_record, rung3_record
 
 PASSING_SAMPLE_CHECKS = [
@@ -499,3 +499,34 @@ def test_an_anchor_with_an_unreadable_sample_is_no_anchor() -> None:
     verdict = anchored(ANCHOR, [*ANCHOR[:2], "not a record"])
     assert checks_of(verdict)[0] == ("anchor samples", False, "the basis receipt has no readable anchor samples")
     assert verdict.headline.startswith("did not reproduce its anchor bit for bit: anchor samples differ")
+
+
+def test_rung3_without_its_digest_flag_judges_no_deltas_only_the_omission() -> None:
+    verdict = judge_sample(rung3_record(logit_row_digests_equal=None), RULE3)
+    names = [name for name, _, _ in checks_of(verdict)]
+    assert not verdict.passed and "logit digests" not in names and "logit deltas" not in names
+
+
+def test_drift_graded_rung3_with_one_delta_missing_judges_no_deltas() -> None:
+    verdict = judge_sample(rung3_record(mean_abs=None), BitExactRule(acceptance_floor=0.95, drift_graded=True))
+    assert not verdict.passed and "logit deltas" not in [name for name, _, _ in checks_of(verdict)]
+
+
+def test_a_one_sided_draft_digest_is_an_omission_not_a_difference() -> None:
+    verdict = judge_sample(rung3_record(cold_draft_tokens_sha256=None), RULE3)
+    names = [name for name, _, _ in checks_of(verdict)]
+    assert not verdict.passed and "draft tokens" not in names and "draft trace" in names
+
+
+@pytest.mark.parametrize(("rate", "words"), [
+    (0.9500000001, "draft acceptance 0.9500000001 >= floor 0.95"),
+    (0.9499999999, "draft acceptance 0.9499999999 is below the sealed floor 0.95"),
+])
+def test_an_acceptance_a_hair_from_its_floor_is_printed_in_full(rate: float, words: str) -> None:
+    # Nine significant digits would print both as 0.95: a reader could not see why one failed.
+    assert rung3_checks(judge_sample(rung3_record(draft_acceptance_rate=rate), RULE3))[-1][2] == words
+
+
+def test_a_control_document_without_a_name_is_refused_naming_what_it_is() -> None:
+    with pytest.raises(ValueError, match=r"^scope: control document 'no spaces', expected a name of letters"):
+        DocumentOutcome("no spaces", ())

@@ -57,7 +57,7 @@ from qualify.contract.lanes import (
 from qualify.contract.rules import BOUND_RULE, FLOOR_RULE, STATED_RULES
 from qualify.contract.units import LogitUnits
 from qualify.core.assets import CONTRACTS_DIR, RECEIPTS_DIR, require_asset
-from qualify.core.digests import canonical_json_bytes, document_sha256, is_sha256_hex, sha256_bytes
+from qualify.core.digests import canonical_json_bytes, document_sha256, sha256_bytes
 from qualify.core.errors import Refused, one_line
 from qualify.core.model_choice import pinned_model_name
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
@@ -95,11 +95,6 @@ LANE_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
 # alike; ``fullmatch`` keeps Python's ``$`` from accepting a trailing newline.
 RELPATH = re.compile(RELPATH_PATTERN)
 RECEIPT_URI = re.compile(RECEIPT_URI_PATTERN)
-
-
-def is_sealable_sha256(value: object) -> bool:
-    """True for 64 lowercase hex characters that are not the all-zero placeholder."""
-    return is_sha256_hex(value) and value != ZERO_SHA256
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -727,7 +722,6 @@ __all__ = [
     "identity_json_schema",
     "identity_schema_text",
     "identity_sha256",
-    "is_sealable_sha256",
     "load_identity",
     "parse_identity_document",
     "validate_identity_document",

@@ -106,9 +106,6 @@ class DigestJob:
     def __init__(self, block: Future[str], rows: list[Future[list[str]]]) -> None:
         self._block, self._rows = block, rows
 
-    def done(self) -> bool:
-        return self._block.done() and all(part.done() for part in self._rows)
-
     def result(self) -> LogitDigests:
         block = self._block.result()
         return LogitDigests(tuple(digest for part in self._rows for digest in part.result()), block)
