@@ -156,12 +156,12 @@ class LogitDigester:
         """Start hashing ``logits`` (float32 [rows, vocab], any device)."""
         logits = _check_logits(logits, "logits")
         rows, vocab = logits.shape
-        on_cuda = logits.device.type == "cuda"
+        on_cuda = logits.device.type == "cuda"  # pragma: no mutate (CUDA only)
         buffer = self._acquire(rows * vocab, pinned=on_cuda)
         host = buffer[:rows * vocab].view(rows, vocab)
         ready = None
         if on_cuda:
-            host.copy_(logits, non_blocking=True)
+            host.copy_(logits, non_blocking=True)  # pragma: no mutate (CUDA only)
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch ships Event unannotated
             ready.record()
         else:
@@ -227,12 +227,15 @@ class DeviceClock:
     GPU (read later, without a host sync in between), wall time on the CPU (which runs
     synchronously)."""
 
+    # Lines marked "pragma: no mutate (CUDA only)" here and in comparers.py act only on a GPU: the
+    # host mutation run (docs/mutation.md) cannot tell their mutants apart; the gpu tests run them.
+    # torch leaves cuda.Event unannotated (the type: ignore).
     def __init__(self, device: str) -> None:
-        self.cuda = device == "cuda"
+        self.cuda = device == "cuda"  # pragma: no mutate (CUDA only)
 
     def start(self) -> Any:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event unannotated
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # pragma: no mutate (CUDA only)
             event.record()
             return event
         return time.perf_counter()
@@ -240,12 +243,12 @@ class DeviceClock:
     def stop(self, started: Any) -> Callable[[], float]:
         """A function returning the elapsed seconds (it waits for the stop event)."""
         if self.cuda:
-            stopped = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event unannotated
+            stopped = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # pragma: no mutate (CUDA only)
             stopped.record()
 
             def seconds() -> float:
                 stopped.synchronize()
-                return float(started.elapsed_time(stopped)) / 1000.0
+                return float(started.elapsed_time(stopped)) / 1000.0  # pragma: no mutate (CUDA only)
             return seconds
         elapsed = time.perf_counter() - started
         return lambda: elapsed
@@ -366,7 +369,7 @@ def compare_kv_device(handoff_keys: Sequence[torch.Tensor], handoff_values: Sequ
                 per_position.append(difference.amax(dim=(0, 2)))  # [positions]; amax keeps NaN
         profile = torch.stack(per_position)  # [2 * layers, positions]
         maxima, where = profile.max(dim=1)  # first position of each maximum
-        overall = torch.maximum(profile.amax(dim=0), torch.zeros((), device=profile.device))
+        overall = torch.maximum(profile.amax(dim=0), torch.zeros((), device=profile.device))  # pragma: no mutate (CUDA only)
         summary = torch.cat([maxima.double(), where.double(), overall.double()]).cpu().numpy()
     count = profile.shape[0]
     maxima_host, where_host = summary[:count], summary[count:2 * count].astype(np.int64)

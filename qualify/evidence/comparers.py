@@ -170,9 +170,9 @@ class DeviceComparer:
         from qualify.evidence.compare_device import DeviceClock, LogitDigester
 
         self.setup, self.engine, self.device, self.torch = setup, engine, device, torch
-        self.clock = DeviceClock(device)
+        self.clock = DeviceClock(device)  # pragma: no mutate (CUDA only)
         self.digester: LogitDigester = LogitDigester(digest_threads)
-        self.prompt = torch.from_numpy(np.ascontiguousarray(setup.prompt)).to(device)
+        self.prompt = torch.from_numpy(np.ascontiguousarray(setup.prompt)).to(device)  # pragma: no mutate (CUDA only)
         self._cold: ColdReference | None = None
         self._cold_tokens: Any = None
         self._own_kv: tuple[list[Any], list[Any]] | None = None
@@ -195,7 +195,8 @@ class DeviceComparer:
         decode_s = clock.stop(started)
         # The digests' pinned host buffers are allocated while the device decodes (hundreds of MB
         # of page-locked memory take a noticeable fraction of a second to pin).
-        self.digester.reserve(setup.output_tokens, setup.consumer.geometry.vocab, 2, pinned=self.device == "cuda")
+        pinned = self.device == "cuda"  # pragma: no mutate (CUDA only)
+        self.digester.reserve(setup.output_tokens, setup.consumer.geometry.vocab, 2, pinned=pinned)
         cold = DeviceBranch(cold_run.tokens.clone(), cold_run.logits.clone())
         self._cold_tokens = cold.tokens
         self.engine_seconds["reference prefill"].append(prefill_s())
@@ -213,7 +214,7 @@ class DeviceComparer:
         started_wall = time.perf_counter()
         engine.install_device([host_tensor(k) for k in kv.keys], [host_tensor(v) for v in kv.values])
         seconds["install"] = time.perf_counter() - started_wall
-        pending_ids = torch.from_numpy(np.ascontiguousarray(pending)).to(self.device)
+        pending_ids = torch.from_numpy(np.ascontiguousarray(pending)).to(self.device)  # pragma: no mutate (CUDA only)
         started = clock.start()
         branch = engine.decode_device(pending_ids, setup.output_tokens)
         decode_s = clock.stop(started)
