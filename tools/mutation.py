@@ -134,7 +134,7 @@ def run_mutmut(tree: Path, jobs: int) -> None:
     with log.open("wb") as output:
         done = subprocess.run(
             # mutmut run, its type-check step's slow libcst parse replaced (tools/mutation_typecheck.py)
-            [sys.executable, "tools/mutation_typecheck.py", "mutmut", "run", "--max-children", str(jobs)],
+            [sys.executable, str(ROOT / "tools" / "mutation_typecheck.py"), "mutmut", "run", "--max-children", str(jobs)],
             cwd=tree, env=env, stdout=output, stderr=output,
         )
     if done.returncode != 0:
