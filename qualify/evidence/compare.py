@@ -194,7 +194,7 @@ def logit_digests(logits: np.ndarray) -> LogitDigests:
 def _digest_blocks_in_background(*blocks: np.ndarray) -> list[Future[LogitDigests]]:
     """Hash each block on its own worker thread (hashlib releases the GIL on large buffers), so
     SHA-256, the slowest part of a comparison, overlaps the delta pass on the calling thread."""
-    executor = ThreadPoolExecutor(max_workers=min(DIGEST_THREADS, len(blocks)), thread_name_prefix="logit-digest")
+    executor = ThreadPoolExecutor(max_workers=min(DIGEST_THREADS, len(blocks)))
     try:
         return [executor.submit(logit_digests, block) for block in blocks]
     finally:
@@ -275,8 +275,8 @@ class _DeltaStream:
 
     def __init__(self, rows: int, vocab: int, chunk: int) -> None:
         self.vocab = vocab
-        self.row_max = np.empty(rows, dtype=np.float64)
-        self.row_sum = np.empty(rows, dtype=np.float64)
+        self.row_max = np.empty(rows)  # float64, numpy's default, as every array below
+        self.row_sum = np.empty(rows)
         self._scratch = np.empty((chunk, vocab), dtype=np.float32)
 
     def update(self, start: int, left: np.ndarray, right: np.ndarray) -> None:
@@ -340,7 +340,7 @@ def _top1_minus_top2(rows: np.ndarray) -> np.ndarray:
     if vocab < 2:
         return np.full(count, math.inf)
     best = rows.argmax(axis=1)
-    margins = np.empty(count, dtype=np.float64)
+    margins = np.empty(count)
     for index in range(count):
         row = rows[index]
         column = int(best[index])
@@ -359,7 +359,7 @@ def top1_top2_margins(logits: np.ndarray, transform: LogitTransform | str = "raw
     rows, vocab = array.shape
     step = _chunk_rows(vocab)
     scratch = np.empty((step, vocab), dtype=np.float32) if transform.cap is not None else None
-    margins = np.empty(rows, dtype=np.float64)
+    margins = np.empty(rows)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         chunk = array[start:stop]
@@ -467,7 +467,7 @@ def _tensor_delta(handoff: np.ndarray, own: np.ndarray, what: str, profile: np.n
     heads, positions, dim = handoff.shape
     if own.ndim != 3 or own.shape[0] != heads or own.shape[2] != dim or own.shape[1] < positions:
         raise Refused(f"{what}: handed-off shape {list(handoff.shape)} does not fit own prefill {list(own.shape)}")
-    per_position = np.full(positions, -np.inf, dtype=np.float64)
+    per_position = np.full(positions, -np.inf)
     for head in range(heads):
         diff = np.subtract(handoff[head], own[head, :positions], dtype=np.float32)
         np.abs(diff, out=diff)
@@ -498,7 +498,7 @@ def compare_kv(
     if not handoff_keys:
         raise Refused("kv: no layers to compare")
     positions: int | None = None
-    profile = np.zeros(0, dtype=np.float64)
+    profile = np.zeros(0)
     layers = []
     for layer, tensors in enumerate(zip(handoff_keys, handoff_values, own_keys, own_values, strict=True)):
         key, value, own_key, own_value = (np.asarray(t) for t in tensors)
@@ -508,7 +508,7 @@ def compare_kv(
                               f"found {list(tensor.shape)}")
             if positions is None:
                 positions = tensor.shape[1]
-                profile = np.zeros(positions, dtype=np.float64)
+                profile = np.zeros(positions)
             if tensor.shape[1] != positions:
                 raise Refused(f"kv layer {layer} {name}: {tensor.shape[1]} handed-off positions, "
                               f"layer 0 has {positions}")
@@ -679,7 +679,7 @@ def compare_branches(
     digest_jobs = _digest_blocks_in_background(handoff_logits, cold_logits)
     deltas = _DeltaStream(rows, vocab, step)
     forced_deltas = _DeltaStream(rows, vocab, step) if forced is not None else None
-    margins = np.empty(rows, dtype=np.float64)
+    margins = np.empty(rows)
     flips = 0
     capped = transform.cap is not None
     handoff_units = np.empty((step, vocab), dtype=np.float32) if capped else None

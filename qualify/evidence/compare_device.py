@@ -128,7 +128,7 @@ class LogitDigester:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 2:
             raise Refused(f"logit digester threads: expected an integer >= 2, found {threads!r}")
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="logit-digest")
+        self._pool = ThreadPoolExecutor(max_workers=threads)
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
         # Seconds the hashing threads spent, and bytes hashed (row and block passes both count).

@@ -823,7 +823,7 @@ def _locate_tensors(payload: memoryview) -> _LocatedPayload:
             f"handoff payload: {size} bytes, too short for a safetensors header",
             check="payload.header",
         )
-    (header_size,) = struct.unpack_from("<Q", payload, 0)
+    (header_size,) = struct.unpack_from("<Q", payload)
     if header_size > min(_MAX_HEADER_BYTES, size - 8):
         raise HandoffRefused(
             f"handoff payload: header length {header_size} exceeds the payload",

@@ -176,7 +176,7 @@ class ControlsJudgement:
 def cell_gate(yardstick_disagreeing: int, rows: int, *, confidence: float, points: float) -> tuple[float, float]:
     """(Wilson upper bound, gate) of one cell under rule ``wilson-upper-plus-points``: the upper end
     of the two-sided ``confidence`` Wilson interval of the yardstick's rate, and it plus ``points``."""
-    upper = wilson_interval(yardstick_disagreeing, rows, confidence=confidence, sides=2)[1]
+    upper = wilson_interval(yardstick_disagreeing, rows, confidence=confidence)[1]
     return upper, upper + points
 
 
