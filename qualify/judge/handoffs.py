@@ -228,7 +228,8 @@ class _Judgement:
             self.failures.extend(reasons or [detail])
         return passed
 
-    def verdict(self, pass_headline: str) -> Verdict:
+    def verdict(self, pass_headline: str = "") -> Verdict:
+        """The failed verdict when any check failed (what an early return gives), else passed."""
         if self.failures:
             more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
             return Verdict(False, f"failed: {self.failures[0]}{more}", list(self.failures), list(self.checks))
@@ -378,10 +379,10 @@ def judge_rung2_sample(record: Record, rule: Rule) -> Verdict:
     parsed = _rule_of(rule, BoundedDriftRule, "judge_rung2_sample")
     judgement, evidence = _open_sample(record)
     if evidence is None:
-        return judgement.verdict("")
+        return judgement.verdict()
     values = _common_sample_checks(evidence, judgement, parsed, ())
     if values is None:
-        return judgement.verdict("")
+        return judgement.verdict()
     maximum, mean = values["max_abs"], values["mean_abs"]
     bound, mean_bound = parsed.maximum_absolute, parsed.maximum_mean_absolute
     if maximum is not None and mean is not None:
@@ -434,11 +435,11 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
     parsed = _rule_of(rule, BitExactRule, "judge_rung3_sample")
     judgement, evidence = _open_sample(record)
     if evidence is None:
-        return judgement.verdict("")
+        return judgement.verdict()
     draft_declared = parsed.acceptance_floor is not None
     values = _common_sample_checks(evidence, judgement, parsed, RUNG3_DRAFT_FIELDS if draft_declared else ())
     if values is None:
-        return judgement.verdict("")
+        return judgement.verdict()
 
     _check_row_digest_lists(evidence.record, values, judgement)
     maximum, mean = values["max_abs"], values["mean_abs"]
@@ -591,7 +592,7 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
             problems.append(f"repetition {index} missing")
         elif seen > 1:
             problems.append(f"repetition {index} appears {seen} times")
-    strays = sorted({repr(i) for i in indices if i not in expected})
+    strays = sorted({repr(i) for i in indices if isinstance(i, bool) or i not in expected})  # True == 1, yet no index
     if strays:
         problems.append(f"unexpected repetition index {', '.join(strays)}")
     judgement.check(
@@ -664,7 +665,7 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
         )
     else:
         acceptance_rates = [x for x in (_finite(r.get("draft_acceptance_rate")) for r in mappings) if x is not None]
-        measured = _num(min(acceptance_rates)) if acceptance_rates else "missing"
+        measured = _num(min(acceptance_rates, default=None))  # none only when a sample has failed already
         acceptance = (f", draft tokens and trace equal, acceptance {measured} (floor {_num(rule.acceptance_floor)})"
                       if rule.acceptance_floor is not None else "")
         headline = (
@@ -841,7 +842,7 @@ def judge_draft_acceptance(documents: Mapping[str, Mapping[str, Any]], *, propos
     if not documents:
         judgement.check("documents", False, "no documents measured")
     if judgement.failures:
-        return judgement.verdict("")
+        return judgement.verdict()
     pooled = accepted_total / proposed_total
     headline = (f"draft acceptance measured at k={proposal_tokens}: pooled {pooled:.6f} over {len(rates)} "
                 f"documents, minimum document {min(rates.values()):.6f}")
