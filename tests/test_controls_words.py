@@ -77,6 +77,13 @@ CRITERIA_WORDS: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ('criteria.documents[1].name: found "python-test-shlex" twice, expected each document once',)),
     ("a length of zero", {"lengths": [0, 512, 2048, 4096]},
      ("criteria.lengths: found [0, 512, 2048, 4096], expected positive whole lengths, strictly increasing",)),
+    ("no lengths", {"lengths": []},
+     ("criteria.lengths: found [], expected positive whole lengths, strictly increasing",)),
+    ("a lane that is no name", {"lanes": ["ok", 7]},
+     ('criteria.lanes: found ["ok", 7], expected the lane names the controls apply to',)),
+    ("a criterion that is no text", {"criteria": {"length_effect_supported": ["x"], "document_within": WITHIN_WORDS}},
+     ("criteria.criteria.length_effect_supported: found [\"x\"], expected a criterion this judge evaluates: "
+      "'every control document exceeds its gate at 2048 and at 4096 and stays within it at 512'",)),
     ("a length twice", {"lengths": [512, 512, 2048, 4096]},
      ("criteria.lengths: found [512, 512, 2048, 4096], expected positive whole lengths, strictly increasing",)),
     ("a length not a whole number of windows", {"lengths": [512, 1000, 2048, 4096]},
@@ -358,3 +365,20 @@ def test_a_record_without_its_lane_is_named_once_even_when_a_lane_is_judged() ->
     del record["lane"]
     problems = judge_controls(record, CRITERIA, source=SOURCE, lane=LANE).problems
     assert [problem for problem in problems if problem.startswith("record.lane")] == ["record.lane: missing, expected this field"]
+
+
+def test_an_outcome_the_scope_refuses_is_the_judgements_one_problem_never_raised(monkeypatch):
+    from qualify.judge import controls as controls_module
+
+    record = record_for(uniform(1, 10))
+    judged = judge_controls(record, CRITERIA, source=SOURCE)
+    assert judged.outcome is not None and judged.problems == ()
+
+    def refuse(**_fields: Any) -> None:
+        raise ValueError("documents out\nof order")
+
+    monkeypatch.setattr(controls_module, "ControlsOutcome", refuse)
+    refused = judge_controls(record, CRITERIA, source=SOURCE)
+    assert refused.problems == ("documents out of order",) and refused.outcome is None
+    assert (refused.criteria, refused.criteria_sha256, refused.lane, refused.source) == (
+        judged.criteria, judged.criteria_sha256, LANE, SOURCE)

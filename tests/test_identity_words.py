@@ -251,3 +251,21 @@ def test_the_receipt_is_named_by_the_first_segment_of_a_nested_basis_uri(tmp_pat
         f"{WHERE}: {FIELD}: {nested}: receipt {BASIS_RUN_ID} file manifest.json sha256 found {sha256_bytes(data)}, "
         f"sealed {digest('another')} (lane nvfp4-native-splitk); its files differ from the calibration the rule "
         "was frozen from")
+
+
+def test_an_identity_digest_of_no_identity_or_of_one_with_no_canonical_form_is_refused_in_one_line(monkeypatch):
+    from qualify.contract import identity as identity_module
+    from qualify.run.contract import identity_path_for_lane
+
+    with pytest.raises(Refused) as refused:
+        identity_module.identity_sha256({"lane": "x"})  # type: ignore[arg-type]
+    assert str(refused.value) == "identity digest: found dict, expected Identity"
+    identity = identity_module.load_identity(identity_path_for_lane("nvfp4-native-splitk"))
+
+    def no_canonical_form(_document: object) -> str:
+        raise ValueError("no canonical\nform")
+
+    monkeypatch.setattr(identity_module, "document_sha256", no_canonical_form)
+    with pytest.raises(Refused) as refused:
+        identity_module.identity_sha256(identity)
+    assert str(refused.value) == "identity nvfp4-native-splitk: no canonical form"

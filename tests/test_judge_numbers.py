@@ -10,7 +10,7 @@ import math
 import pytest
 
 from qualify.evidence.records import BitExactRule, BoundedDriftRule
-from qualify.judge import judge_rung2_sample, judge_rung3_sample, judge_summary
+from qualify.judge import judge_draft_acceptance, judge_rung2_sample, judge_rung3_sample, judge_summary
 from qualify.judge.handoffs import _num
 from tests.test_judge import RULE2, RULE3, rung2_record, rung3_record
 
@@ -150,3 +150,46 @@ def test_a_record_of_another_schema_or_type_fails_its_record_check(judge, rule) 
 def test_a_record_carrying_an_error_fails_its_error_check() -> None:
     verdict = judge_rung2_sample(rung2_record(error="producer  went\naway"), RULE2)
     assert detail_of(verdict, "error") == (False, "sample failed: producer went away")
+
+
+def test_every_omitted_and_every_invalid_field_is_named_in_one_detail() -> None:
+    record = rung2_record(token_agreement_rate=2.0, payload_gbit_per_s=-1.0)
+    del record["max_abs"], record["mean_abs"]
+    verdict = judge_rung2_sample(record, RULE2)
+    assert detail_of(verdict, "evidence") == (False, "sample omits max_abs; sample omits mean_abs")
+    assert detail_of(verdict, "values") == (
+        False, "sample payload_gbit_per_s is -1, below 0; sample token_agreement_rate is 2, above 1")
+
+
+def test_a_repetition_index_below_1_is_an_invalid_value() -> None:
+    verdict = judge_rung2_sample(rung2_record(repetition=0), RULE2)
+    assert detail_of(verdict, "values") == (False, "sample repetition is 0, below 1")
+
+
+def test_draft_acceptance_refuses_a_count_naming_what_it_expected() -> None:
+    verdict = judge_draft_acceptance({"b": {"proposed": 10, "accepted": 11}}, proposal_tokens=4)
+    assert verdict.reasons == ["document b: found proposed 10, accepted 11; expected whole counts with "
+                               "0 <= accepted <= proposed and at least one proposed token"]
+
+
+@pytest.mark.parametrize(("localisation", "words"), [
+    ({"first_divergence_position": 3}, "first divergence at token 3"),
+    ({"first_divergence_position": 3, "divergence_class": "other"}, "first divergence at token 3"),
+    ({"first_divergence_position": True}, ""),
+    ({"first_rule_breaking_row": 7}, ""),
+])
+def test_a_token_divergence_is_located_only_by_its_own_position(localisation, words) -> None:
+    verdict = judge_rung2_sample(rung2_record(token_agreement_rate=0.5, localisation=localisation), RULE2)
+    passed, detail = detail_of(verdict, "tokens exact")
+    assert not passed and detail.startswith("tokens diverge: agreement 0.5 (128/256)")
+    assert detail.removeprefix("tokens diverge: agreement 0.5 (128/256)") == (f"; {words}" if words else "")
+
+
+@pytest.mark.parametrize(("localisation", "words"), [
+    ({"first_rule_breaking_row": 7}, "; first rule-breaking logit row 7"),
+    ({"first_rule_breaking_row": False}, ""),
+    ({"first_divergence_position": 3}, ""),
+])
+def test_a_drift_over_its_bound_is_located_only_by_its_rule_breaking_row(localisation, words) -> None:
+    verdict = judge_rung2_sample(rung2_record(max_abs=12.0, localisation=localisation), RULE2)
+    assert detail_of(verdict, "bounded drift")[1].endswith("(rule: max <= 11, mean <= 1.25)" + words)

@@ -293,8 +293,7 @@ def _consistency_problems(root: Path, listed: list[str]) -> list[str]:
         summary = None
         problems.append(str(exc))
     if summary is not None and not isinstance(summary, dict):
-        problems.append(f"{SUMMARY} is not a JSON object")
-        summary = None
+        problems.append(f"{SUMMARY} is not a JSON object")  # checked no further: each use below needs a dict
     held = [name for name in IDENTITY_FILES if name in listed]
     if isinstance(summary, dict) and "identity_sha256" in summary and summary["identity_sha256"] is None:
         if summary.get("status") != "refused":

@@ -167,7 +167,7 @@ def anchor_draft_counts(evidence: Mapping[str, Any]) -> tuple[int, int] | None:
 
 def derive_acceptance_floor(proposed: int, accepted: int) -> float:
     """:data:`FLOOR_RULE`: the one-sided 95 % Wilson lower bound of ``accepted / proposed``."""
-    return wilson_interval(accepted, proposed, confidence=0.95, sides=1)[0]
+    return wilson_interval(accepted, proposed, sides=1)[0]  # at the default confidence, 0.95
 
 
 def _rule_stated(evidence: Mapping[str, Any]) -> list[str]:

@@ -125,7 +125,7 @@ def _num(value: float | int | None, against: float | None = None) -> str:
 
 def _plain(record: Record) -> Any:
     if isinstance(record, BaseModel):
-        return record.model_dump(mode="python", by_alias=True)
+        return record.model_dump(by_alias=True)  # python mode: values as they are
     return record
 
 
@@ -245,21 +245,18 @@ def _localisation_words(record: Mapping[str, Any], *, tokens: bool) -> str:
     where = record.get("localisation")
     if not isinstance(where, Mapping):
         return ""
-    parts = []
-    position = where.get("first_divergence_position")
-    if tokens and isinstance(position, int) and not isinstance(position, bool):
+    if tokens:
+        position = where.get("first_divergence_position")
+        if not isinstance(position, int) or isinstance(position, bool):
+            return ""
         text = f"first divergence at token {position}"
         margin = where.get("cold_margin_at_divergence")
         if isinstance(margin, (int, float)) and not isinstance(margin, bool):
             text += f", cold margin {_num(margin)}"
         kind = where.get("divergence_class")
-        if kind in ("near-tie", "decisive"):
-            text += f" ({kind})"
-        parts.append(text)
+        return text + (f" ({kind})" if kind in ("near-tie", "decisive") else "")
     row = where.get("first_rule_breaking_row")
-    if not tokens and isinstance(row, int) and not isinstance(row, bool):
-        parts.append(f"first rule-breaking logit row {row}")
-    return "; ".join(parts)
+    return f"first rule-breaking logit row {row}" if isinstance(row, int) and not isinstance(row, bool) else ""
 
 
 def _common_sample_checks(
@@ -289,14 +286,16 @@ def _common_sample_checks(
         reasons=evidence.omitted,
     )
 
+    # Validated, not read here: the summary reads each sample's repetition, and the link rate is a
+    # figure for the receipt, not a judged one.
+    evidence.whole("repetition", minimum=1)
+    evidence.number("payload_gbit_per_s", minimum=0.0)
     values: dict[str, Any] = {
-        "repetition": evidence.whole("repetition", minimum=1),
         "output_tokens": evidence.whole("output_tokens", minimum=1),
         "token_agreement_rate": evidence.number("token_agreement_rate", minimum=0.0, maximum=1.0),
         "max_abs": evidence.number("max_abs", minimum=0.0),
         "mean_abs": evidence.number("mean_abs", minimum=0.0),
         "payload_bytes": evidence.whole("payload_bytes"),
-        "payload_gbit_per_s": evidence.number("payload_gbit_per_s", minimum=0.0),
         "handed_off_positions": evidence.whole("handed_off_positions"),
         "recomputed_positions": evidence.whole("recomputed_positions"),
         "logit_row_digests_equal": evidence.flag("logit_row_digests_equal"),
@@ -771,7 +770,7 @@ def judge_qualification(records: Sequence[Record], rule: Rule, anchor_records: S
     failing = [r for verdict in (summary, reproduction) if not verdict.passed for r in verdict.reasons]
     evidence = f"{summary.headline}; {reproduction.headline}"
     if scope is not None:
-        line = scope_line(passed, scope, None if passed else (failing[0] if failing else None))
+        line = scope_line(passed, scope, failing[0] if failing else None)  # a passed run has no failing reason
         headline = f"{line}. Evidence: {evidence}"
     else:
         headline = evidence
