@@ -657,12 +657,12 @@ def verify_cli(args: Sequence[str]) -> int:
         trust_path = options.trust or default_trust_path()
         trust = load_trust(trust_path) if options.trust or os.path.lexists(trust_path) else None
         targets = [Path(path).expanduser() for path in options.paths] or [default_archive_dir()]
-        for target in targets:  # every path usable before any report: named, for several paths
+        for target in targets:  # each checked before any report, and named: with several, which one
             try:
                 if not target.is_dir():
                     raise Refused(f"receipts verify: {shown(str(target))}: no such directory")
                 os.listdir(target)
-            except OSError as exc:  # also a name too long for is_dir, which raises rather than answers
+            except OSError as exc:  # is_dir itself raises for some, a name too long say
                 raise Refused(f"receipts verify: {shown(str(target))}: cannot list "
                               f"({exc.strerror or type(exc).__name__})") from None
         if not options.json:
