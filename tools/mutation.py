@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The mutation gate: mutmut over the judging core, the comparers, the wire and manifest checks,
-identity validation and receipt verification, scored per group against tools/mutation.toml.
+identity validation, receipt verification and its signature check, scored per group against
+tools/mutation.toml.
 
 mutmut (configured in pyproject.toml's ``[tool.mutmut]``) runs in a copy of the working tree, so
 the checkout gets no ``mutants/`` directory. A group's score is killed / (mutants - equivalent):

@@ -79,7 +79,7 @@ echo "test.sh: the installed wheel ($(du -h out/wheel/dist/*.whl | cut -f1)) ran
 bash tools/install_vllm.sh
 VENV=.venv-vllm run_pytest tests -m vllm -q --junitxml=out/vllm-tests.xml
 # The mutation gate (tools/mutation.py, docs/mutation.md): mutmut over the judge, the comparers,
-# the wire checks, identity validation and receipt verification, in a copy of the tree. It fails
-# below a group's committed floor (tools/mutation.toml) and prints `mutation_score: …` last; every
-# uncaught mutant's diff goes to out/mutation-survivors.json.
+# the wire checks, identity validation, receipt verification and its signatures, in a copy of the
+# tree. It fails below a group's committed floor (tools/mutation.toml) and prints
+# `mutation_score: …` last; every uncaught mutant's diff goes to out/mutation-survivors.json.
 "$VENV/bin/python" tools/mutation.py --jobs 2 --survivors out/mutation-survivors.json
