@@ -265,6 +265,14 @@ def test_kv_evidence_that_is_not_a_number_per_layer_is_refused_never_read_as_zer
     assert verdict.headline == f"failed: {words}"
 
 
+def test_a_kv_delta_prints_as_verdicts_print_numbers_not_as_its_repr() -> None:
+    """Nine significant digits, as every number in a verdict, not repr's thirteen."""
+    layers = [{"layer": 3, "k": 0.0, "v": 0.1234567891234}]
+    verdict = judge_sample(rung3_record(localisation={"kv_layer_max_abs": layers}), RULE3)
+    words = "handed-off KV differs from the consumer's own prefill at layer 3 V (max abs delta 0.123456789)"
+    assert ("kv", False, words) in rung3_checks(verdict)
+
+
 def test_a_draftless_rung3_sample_says_no_draft_was_declared() -> None:
     verdict = judge_sample(rung3_record(), BitExactRule(acceptance_floor=None))
     assert rung3_checks(verdict)[-2:] == [KV_EQUAL, ("draft", True, "no speculative draft declared by the identity")]

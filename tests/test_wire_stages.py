@@ -142,6 +142,8 @@ def test_an_expectation_checks_its_draft_geometry_too():
 def test_a_geometry_or_draft_geometry_other_than_expected_is_refused_by_its_own_check():
     assert refusal(SEALED, geometry=replace(GEOMETRY, kv_heads=1))[0] == "geometry"
     assert refusal(drafted(), draft_geometry=replace(DRAFT_GEOMETRY, layers=3))[0] == "draft_geometry"
+    assert refusal(SEALED, geometry=replace(GEOMETRY, positions=7)) == (
+        "geometry", "geometry positions: handoff has 6, expected 7 handed-off positions")
 
 
 def test_a_draft_context_digest_other_than_the_drafts_is_refused_in_those_words():

@@ -228,11 +228,15 @@ class _Judgement:
             self.failures.extend(reasons or [detail])
         return passed
 
-    def verdict(self, pass_headline: str = "") -> Verdict:
-        """The failed verdict when any check failed (what an early return gives), else passed."""
+    def failed(self) -> Verdict:
+        """The failed verdict, headed by the first failure: what a return after a failed check gives."""
+        more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+        return Verdict(False, f"failed: {self.failures[0]}{more}", list(self.failures), list(self.checks))
+
+    def verdict(self, pass_headline: str) -> Verdict:
+        """The failed verdict when any check failed, else passed under ``pass_headline``."""
         if self.failures:
-            more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
-            return Verdict(False, f"failed: {self.failures[0]}{more}", list(self.failures), list(self.checks))
+            return self.failed()
         return Verdict(True, f"passed: {pass_headline}", list(self.held), list(self.checks))
 
 
@@ -378,10 +382,10 @@ def judge_rung2_sample(record: Record, rule: Rule) -> Verdict:
     parsed = _rule_of(rule, BoundedDriftRule, "judge_rung2_sample")
     judgement, evidence = _open_sample(record)
     if evidence is None:
-        return judgement.verdict()
+        return judgement.failed()
     values = _common_sample_checks(evidence, judgement, parsed, ())
     if values is None:
-        return judgement.verdict()
+        return judgement.failed()
     maximum, mean = values["max_abs"], values["mean_abs"]
     bound, mean_bound = parsed.maximum_absolute, parsed.maximum_mean_absolute
     if maximum is not None and mean is not None:
@@ -434,11 +438,11 @@ def judge_rung3_sample(record: Record, rule: Rule) -> Verdict:
     parsed = _rule_of(rule, BitExactRule, "judge_rung3_sample")
     judgement, evidence = _open_sample(record)
     if evidence is None:
-        return judgement.verdict()
+        return judgement.failed()
     draft_declared = parsed.acceptance_floor is not None
     values = _common_sample_checks(evidence, judgement, parsed, RUNG3_DRAFT_FIELDS if draft_declared else ())
     if values is None:
-        return judgement.verdict()
+        return judgement.failed()
 
     _check_row_digest_lists(evidence.record, values, judgement)
     maximum, mean = values["max_abs"], values["mean_abs"]
@@ -611,7 +615,7 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
         f"every sample passes its rung-{rule.rung} judgement" if not failing and count > 0
         else "no samples" if count == 0
         else f"{sum(not v.passed for v in sample_verdicts)} of {count} samples refused",
-        reasons=failing or (["no samples"] if count == 0 else []),
+        reasons=failing,
     )
 
     mappings = [r for r in plain if isinstance(r, Mapping)]
@@ -841,7 +845,7 @@ def judge_draft_acceptance(documents: Mapping[str, Mapping[str, Any]], *, propos
     if not documents:
         judgement.check("documents", False, "no documents measured")
     if judgement.failures:
-        return judgement.verdict()
+        return judgement.failed()
     pooled = accepted_total / proposed_total
     headline = (f"draft acceptance measured at k={proposal_tokens}: pooled {pooled:.6f} over {len(rates)} "
                 f"documents, minimum document {min(rates.values()):.6f}")
