@@ -65,6 +65,13 @@ def write_receipt(archive: Path, records: Sequence[Mapping[str, Any]] | None = N
     return path
 
 
+def writable_receipt(archive: Path) -> Path:
+    """A receipt as :func:`write_receipt` writes one by default, made writable for tampering."""
+    path = write_receipt(archive)
+    make_writable(path)
+    return path
+
+
 def make_writable(path: Path) -> None:
     """Finalized receipts are read-only; tests that tamper with them lift that first."""
     for current, _dirs, files in os.walk(path):

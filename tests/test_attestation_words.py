@@ -21,22 +21,19 @@ from qualify.core.errors import Refused
 from tests.receipt_forgery import (
     envelope_of,
     forger_key,
-    make_writable,
     operator_key,
     operator_trust,
     signed_envelope,
     statement_of,
+    writable_receipt,
     write_envelope,
-    write_receipt,
 )
 
 
 @pytest.fixture
 def receipt(tmp_path: Path) -> Path:
     """A genuine signed receipt, writable, whose envelope each test replaces."""
-    path = write_receipt(tmp_path / "archive")
-    make_writable(path)
-    return path
+    return writable_receipt(tmp_path / "archive")
 
 
 def problem(receipt: Path) -> AttestationProblem:

@@ -83,6 +83,13 @@ def open_(handoff: Handoff, *, key: bytes = KEY, digest_threads: int = wire.DEFA
                         digest_threads=digest_threads)
 
 
+def refusal(handoff: Handoff, **changes: object) -> tuple[str, str]:
+    """The check that refuses ``handoff`` (opened as :func:`open_` does) and its words."""
+    with pytest.raises(HandoffRefused) as refused:
+        open_(handoff, **changes)
+    return refused.value.check, str(refused.value)
+
+
 def tensor_spans_of(payload: bytes) -> list[tuple[str, int, int]]:
     """``(name, begin, end)`` of every tensor in payload layout order (ascending data_offsets)."""
     header_end = 8 + struct.unpack_from("<Q", payload)[0]

@@ -22,7 +22,15 @@ from qualify.archive.verify import RECEIPT_JSON_MAX_BYTES, verify_cli, verify_re
 from qualify.core.digests import jcs_bytes
 from qualify.core.errors import Refused
 from qualify.interfaces.cli import main
-from tests.receipt_forgery import check, forger_key, make_writable, rehash_manifest, resign, write_receipt
+from tests.receipt_forgery import (
+    check,
+    forger_key,
+    make_writable,
+    rehash_manifest,
+    resign,
+    writable_receipt,
+    write_receipt,
+)
 
 DEEP = 100_000
 """Nesting far past both the parser's recursion limit and the strict reader's 32 levels."""
@@ -30,9 +38,7 @@ DEEP = 100_000
 
 @pytest.fixture
 def receipt(tmp_path: Path) -> Path:
-    path = write_receipt(tmp_path / "archive")
-    make_writable(path)
-    return path
+    return writable_receipt(tmp_path / "archive")
 
 
 def manifest_text(receipt: Path) -> str:

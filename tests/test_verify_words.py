@@ -43,6 +43,7 @@ from tests.receipt_forgery import (
     rehash_manifest,
     resign,
     statement_of,
+    writable_receipt,
     write_receipt,
 )
 from tests.test_receipts import committed_receipts
@@ -62,9 +63,7 @@ MISSING_WITHOUT_MANIFEST = [
 @pytest.fixture
 def receipt(tmp_path: Path) -> Path:
     """A signed receipt of this test's own, writable: to tamper with."""
-    path = write_receipt(tmp_path / "archive")
-    make_writable(path)
-    return path
+    return writable_receipt(tmp_path / "archive")
 
 
 @pytest.fixture(scope="module")
