@@ -53,8 +53,8 @@ def test_the_genuine_envelope_is_read(receipt):
 def test_an_envelope_that_is_not_json_is_tampered_naming_the_parse_error(receipt):
     (receipt / ENVELOPE).write_bytes(b"{not json")
     found = problem(receipt)
-    assert found.kind == "tampered"
-    assert str(found).startswith(f"{ENVELOPE}: ") and "None" not in str(found), str(found)
+    assert (found.kind, str(found)) == (
+        "tampered", f"{ENVELOPE}: not JSON (Expecting property name enclosed in double quotes at line 1 column 2)")
 
 
 def test_a_payload_with_stray_pad_bits_is_named_as_the_payload(receipt):
@@ -92,9 +92,7 @@ def test_a_signature_that_does_not_verify_names_the_claimed_key_by_its_first_16_
 def test_a_malformed_statement_signed_by_a_trusted_key_is_tampered_naming_the_statement(receipt):
     write_envelope(receipt, signed_envelope({"_type": STATEMENT_TYPE}, operator_key()))
     found = problem(receipt)
-    assert found.kind == "tampered"
-    assert str(found).startswith(f"{ENVELOPE} statement: "), str(found)
-    assert "None" not in str(found)
+    assert (found.kind, str(found)) == ("tampered", f"{ENVELOPE} statement: subject: missing, expected this field")
 
 
 def test_a_statement_naming_one_file_twice_is_tampered_naming_the_file(receipt):
@@ -109,6 +107,6 @@ def test_a_statement_naming_one_file_twice_is_tampered_naming_the_file(receipt):
 def test_signing_a_statement_its_schema_refuses_is_refused_naming_the_receipt_statement():
     """The signer checks first: a receipt never carries a statement its verifier would refuse."""
     with pytest.raises(Refused) as refusal:
-        sign_statement([(SUMMARY, "not a digest")], {}, operator_key())
-    assert str(refusal.value).startswith("receipt statement: "), str(refusal.value)
+        sign_statement([(SUMMARY, "0" * 64)], {}, operator_key())  # a predicate without its schema
+    assert str(refusal.value) == "receipt statement: predicate.schema: missing, expected this field"
 
