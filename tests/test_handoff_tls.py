@@ -620,6 +620,52 @@ def test_a_run_qualifies_handoffs_from_a_producer_over_tls(tls_set: Path, tmp_pa
     for repetition in (1, 2, 3):
         assert f"sample-{repetition}: transport tls: " in log
     assert log.count("phase overlap ") == 3
+    # The records a producer over a link really sent, judged against a declared link floor.
+    from qualify.judge import judge_link_floor
+
+    slowest = min(record["payload_gbit_per_s"] for record in run.records)
+    assert judge_link_floor(run.records, slowest).passed
+    assert not judge_link_floor(run.records, slowest * 2).passed
+
+
+def test_a_floor_with_the_producer_on_this_host_is_refused_before_any_handoff(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from qualify.run.qualification import QualificationRun, RunOptions
+
+    run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path / "receipts", reference_once=True),
+                           replace(short_contract(), link_floor_gbit_per_s=2.5))
+    outcome = run.step("identity sealed")
+    run.close()
+    assert outcome.refused and not outcome.passed
+    assert outcome.message == (f"lane {LANE}: link_floor: 2.5 Gbit/s is judged on handoffs across a network link; "
+                               "run with --producer-at HOST:PORT (docs/transport.md)")
+
+
+def test_an_identity_declaring_a_floor_run_without_a_link_exits_2_with_a_refused_receipt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from qualify.contract import sealed_data
+    from qualify.contract.identity import LINK_FLOOR_SCHEMA_ID, identity_sha256, parse_identity_document
+    from qualify.archive.verify import check_receipt
+    from qualify.interfaces.cli import main
+
+    shipped = json.loads((REPO_ROOT / "contracts" / f"{LANE}-identity-v1.json").read_text(encoding="utf-8"))
+    declared = {**shipped, "schema": LINK_FLOOR_SCHEMA_ID, "link_floor": {"gbit_per_s_minimum": 9.5}}
+    path = tmp_path / "floored-identity.json"
+    path.write_text(json.dumps(declared), encoding="utf-8")
+    digest = identity_sha256(parse_identity_document(declared, where="floored"))
+    monkeypatch.setattr(sealed_data, "SEALED_IDENTITIES", {**sealed_data.SEALED_IDENTITIES, LANE: digest})
+    receipts = tmp_path / "receipts"
+    assert main(["--recipe", "native-text", "--identity", str(path), "--receipts", str(receipts)]) == 2
+    words = (f"identity {path}: link_floor: 9.5 Gbit/s is judged on handoffs across a network link; "
+             "run with --producer-at HOST:PORT (docs/transport.md)")
+    assert words in capsys.readouterr().err
+    (receipt,) = receipts.iterdir()
+    summary = json.loads((receipt / "validation-summary.json").read_text(encoding="utf-8"))
+    assert summary["status"] == "refused" and summary["verdict"] == f"refused: identity sealed: {words}"
+    assert summary["identity_sha256"] == digest
+    problems, _ = check_receipt(receipt)
+    assert problems == []
 
 
 INSTALLS: list[int] = []

@@ -410,7 +410,8 @@ STRUCTURAL = [
     (f"{RULE}.extra", True, "found unexpected field"),
     ("schema", "trust-ladder.onboarding-identity.v2",
      'found "trust-ladder.onboarding-identity.v2", a retired version whose bounds were sealed from the fixture'),
-    ("schema", "trust-ladder.onboarding-identity.v4", 'expected one of "trust-ladder.onboarding-identity.v3"'),
+    ("schema", "trust-ladder.onboarding-identity.v9", 'expected one of "trust-ladder.onboarding-identity.v3", '
+                                                      '"trust-ladder.onboarding-identity.v4"'),
     ("calibration.bound_rule.statement", "the fixture's own maximum", "differs from rule cell-max-plus-one-sd.v1"),
     ("calibration.bound_rule.name", "wilson-one-sided-95-lower.v1", "differs from rule wilson-one-sided-95-lower.v1"),
     ("calibration.bound_rule.name", "taste.v1", 'found "taste.v1", expected one of'),

@@ -34,7 +34,7 @@ from tests.test_identity import BASIS_RUN_ID, BASIS_URI, digest, make_document, 
 
 WHERE = "identity x"
 ZERO = "0" * 64
-V3 = '"trust-ladder.onboarding-identity.v3"'
+LOADABLE = '"trust-ladder.onboarding-identity.v3", "trust-ladder.onboarding-identity.v4"'  # every version that loads
 
 
 def parse_refusal(document: Any) -> str:
@@ -119,21 +119,21 @@ def test_a_retired_schema_is_refused_naming_the_version_to_refreeze_as(version: 
     retired = f"trust-ladder.onboarding-identity.{version}"
     assert parse_refusal(mutated(make_document(), "schema", retired)) == (
         f'{WHERE}: schema: found "{retired}", a retired version whose bounds were sealed from the fixture '
-        f"itself; re-calibrate and re-freeze it as {V3} (docs/calibration.md)")
+        'itself; re-calibrate and re-freeze it as "trust-ladder.onboarding-identity.v3" (docs/calibration.md)')
 
 
 @pytest.mark.parametrize(("value", "shown"), [("trust-ladder.onboarding-identity.v9", '"trust-ladder.onboarding-identity.v9"'),
                                               (["x"], '["x"]'), ({"v": 3}, '{"v": 3}')])
 def test_an_unknown_schema_even_an_unhashable_one_is_refused_naming_it(value: Any, shown: str) -> None:
     assert parse_refusal(mutated(make_document(), "schema", value)) == (
-        f"{WHERE}: schema: found {shown}, expected one of {V3}")
+        f"{WHERE}: schema: found {shown}, expected one of {LOADABLE}")
 
 
 def test_generating_the_schema_of_an_unknown_version_is_refused_naming_both() -> None:
     with pytest.raises(Refused) as caught:
         identity_json_schema("trust-ladder.onboarding-identity.v2")
     assert str(caught.value) == (
-        f'identity schema: found "trust-ladder.onboarding-identity.v2", expected one of {V3}')
+        f'identity schema: found "trust-ladder.onboarding-identity.v2", expected one of {LOADABLE}')
     assert identity_json_schema(IDENTITY_SCHEMA_ID)["properties"]["schema"] == {
         "const": IDENTITY_SCHEMA_ID, "type": "string"}
 

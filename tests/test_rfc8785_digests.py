@@ -49,6 +49,7 @@ from tests.wire_mutants import RUN_KEY, pristine_expectation, pristine_handoff, 
 V1 = "trust-ladder.onboarding-identity.v1"
 V2 = "trust-ladder.onboarding-identity.v2"
 V3 = "trust-ladder.onboarding-identity.v3"
+V4 = "trust-ladder.onboarding-identity.v4"
 SHIPPED = sorted(CONTRACTS_DIR.glob("*-identity-v1.json"))
 LEGACY_RECEIPTS, SIGNED_RECEIPTS = committed_receipts()
 
@@ -116,7 +117,7 @@ def test_a_shipped_identity_relabelled_retired_is_refused_in_one_line(path: Path
     assert str(caught.value) == retired_refusal(f"identity {relabelled}", retired)
 
 
-@pytest.mark.parametrize("schema", ["trust-ladder.onboarding-identity.v4", "trust-ladder.onboarding-identity",
+@pytest.mark.parametrize("schema", ["trust-ladder.onboarding-identity.v9", "trust-ladder.onboarding-identity",
                                     "", 2, None])
 def test_an_unknown_identity_schema_is_refused_in_one_line(tmp_path: Path, schema: object) -> None:
     pair = make_pair(tmp_path)
@@ -124,7 +125,7 @@ def test_an_unknown_identity_schema_is_refused_in_one_line(tmp_path: Path, schem
     with pytest.raises(Refused) as caught:
         pair.load()
     message = str(caught.value)
-    assert message == f'identity {pair.path}: schema: found {json.dumps(schema)}, expected one of "{V3}"', message
+    assert message == f'identity {pair.path}: schema: found {json.dumps(schema)}, expected one of "{V3}", "{V4}"', message
 
 
 def test_the_freeze_tool_refreezes_a_shipped_identity_to_itself_and_refuses_a_retired_one(

@@ -57,6 +57,7 @@ from qualify.contract.identity import (
     IDENTITY_SCHEMA_ID,
     IDENTITY_SCHEMA_IDS,
     IDENTITY_SCHEMA_PATHS,
+    LINK_FLOOR_SCHEMA_ID,
     RELPATH,
     Identity,
     identity_schema_text,
@@ -425,7 +426,7 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     rope = identity.rope
     max_positions = identity.context_policy.max_positions
 
-    document["schema"] = IDENTITY_SCHEMA_ID
+    document["schema"] = LINK_FLOOR_SCHEMA_ID if "link_floor" in document else IDENTITY_SCHEMA_ID
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
     document["target_cache_identity_sha256"] = target_cache_identity(spec, files, identity.producer_engine.abi)
     document["adapter"]["sha256"] = sha256_file(REPO_ROOT / adapter_source)
@@ -574,6 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rung-3 draft acceptance floor: derived from --basis; if given, must equal it")
     parser.add_argument("--draft-proposal-tokens", type=int,
                         help="rung-3 draft tokens per step (default: the speculative engine's)")
+    parser.add_argument("--link-floor-gbps", type=float, metavar="GBIT_PER_S",
+                        help="declare a link-rate floor (schema v4): every handoff must cross its network link at "
+                             "this payload rate or faster, so the lane qualifies only against a producer at "
+                             "--producer-at HOST:PORT")
     parser.add_argument("--adapter", help="NAME=PATH of the producer adapter source (default per kind)")
     parser.add_argument("--checkpoint", action="append", metavar="RELPATH",
                         help="repository-relative checkpoint file (repeatable; default: "
@@ -597,6 +602,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def declare_link_floor(document: dict[str, Any], gbit_per_s: float | None) -> dict[str, Any]:
+    """The document with a link-rate floor declared (schema v4), or as it was when none is given."""
+    if gbit_per_s is None:
+        return document
+    return {**document, "schema": LINK_FLOOR_SCHEMA_ID, "link_floor": {"gbit_per_s_minimum": gbit_per_s}}
+
+
 def _freeze(args: argparse.Namespace) -> None:
     spec = lane_spec(args.lane)
     if args.basis is None:
@@ -606,7 +618,8 @@ def _freeze(args: argparse.Namespace) -> None:
         if args.draft_proposal_tokens is None:
             args.draft_proposal_tokens = default_proposal_tokens()
     out = Path(args.out) if args.out else model_contracts_dir() / f"{spec.name}-identity-v1.json"
-    identity = parse_identity_document(build_document(args), where=f"identity {out}")
+    identity = parse_identity_document(declare_link_floor(build_document(args), args.link_floor_gbps),
+                                       where=f"identity {out}")
     seal = seal_of(identity, Path(args.archive_dir))
     check_follows_basis(identity, Path(args.archive_dir))
     write_file(out, identity_bytes(identity), args.replace)
@@ -617,7 +630,8 @@ def _freeze(args: argparse.Namespace) -> None:
 def _refreeze(path: Path, args: argparse.Namespace) -> None:
     where = f"identity {path}"
     old = parse_identity_document(read_strict_json(path, "identity"), where=where)
-    identity = parse_identity_document(refrozen_document(old, args), where=where)
+    identity = parse_identity_document(declare_link_floor(refrozen_document(old, args), args.link_floor_gbps),
+                                       where=where)
     seal = seal_of(identity, Path(args.archive_dir))
     check_follows_basis(identity, Path(args.archive_dir))
     write_file(path, identity_bytes(identity), replace=True)

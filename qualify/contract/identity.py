@@ -1,16 +1,18 @@
 """The frozen onboarding identity: its one typed model, and loading it fail closed.
 
 The pydantic model :class:`Identity` is the only definition of an identity's shape and rules: the
-JSON Schema ``contracts/onboarding-identity.v3.schema.json`` is generated from it
+JSON Schemas ``contracts/onboarding-identity.v3.schema.json`` and ``.v4`` are generated from it
 (:func:`identity_json_schema`, written by ``tools/freeze_identity.py --write-schema``) and every
 content rule (consistency with the lane table, the rule, the prompt, the derived cache identity)
 is one of its validators, so they hold for every identity, sealed or being frozen.
 
-One schema version loads: v3, whose digest (:func:`identity_sha256`,
+Two schema versions load. v3's digest (:func:`identity_sha256`,
 :func:`qualify.core.digests.document_sha256`) is the SHA-256 of the document's RFC 8785 bytes,
-reproducible with a stock JCS library, and which pins the calibration set, the stated bound (and
-floor) rule and the E2 controls criteria. v1 and v2 are refused as retired: their bounds were
-sealed from the fixture itself (their schemas stay in ``contracts/`` for archived receipts).
+reproducible with a stock JCS library; it pins the calibration set, the stated bound (and floor)
+rule and the E2 controls criteria. v4 is v3 plus a declared link-rate floor (``link_floor``):
+freezing writes v4 only for an identity that declares one, so every v3 identity keeps its
+digest. v1 and v2 are refused as retired: their bounds were sealed from the fixture itself (their
+schemas stay in ``contracts/`` for archived receipts).
 
 Loading is layered (``docs/architecture.md``, DESIGN "The frozen onboarding identity"):
 
@@ -62,12 +64,15 @@ from qualify.core.errors import Refused, one_line
 from qualify.core.model_choice import pinned_model_name
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
 
-IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v3"]
+IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v3", "trust-ladder.onboarding-identity.v4"]
 IDENTITY_SCHEMA_IDS: tuple[str, ...] = get_args(IdentitySchemaId)
 """Every ``schema`` string an onboarding identity document may declare to load."""
-IDENTITY_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[-1]
-"""The ``schema`` string freezing writes (v3: v2's RFC 8785 digest, plus the calibration set,
-the stated bound rule and the controls criteria, each pinned by digest)."""
+IDENTITY_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[0]
+"""The ``schema`` string freezing writes for an identity without a link-rate floor (v3: v2's
+RFC 8785 digest, plus the calibration set, the stated bound rule and the controls criteria, each
+pinned by digest)."""
+LINK_FLOOR_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[1]
+"""The ``schema`` string of an identity that declares a link-rate floor (v4: v3 plus ``link_floor``)."""
 RETIRED_IDENTITY_SCHEMA_IDS: tuple[str, ...] = ("trust-ladder.onboarding-identity.v1",
                                                 "trust-ladder.onboarding-identity.v2")
 """Versions that no longer load: their bounds were sealed from the fixture itself, with no
@@ -292,6 +297,14 @@ class CalibrationBasis(_Frozen):
     floor_rule: StatedRule | None = Field(description="null, or the rung-3 draft floor's rule")
 
 
+class LinkFloor(_Frozen):
+    """The least payload rate each handoff must cross its network link at (seed 000, section 32.3:
+    each handoff's payload rate, against the qualifier's link-rate minimum). Judged on a producer
+    reached over TCP; a run whose producer is on the consumer's host crosses no link and is refused."""
+
+    gbit_per_s_minimum: PositiveFloat
+
+
 class OnboardingQualification(_Frozen):
     """The qualification rule, written before the run (seed §32.2)."""
 
@@ -343,6 +356,9 @@ class Identity(_Frozen):
     controls: NamedDigest | None = Field(
         description="null, or the preregistered E2 controls criteria file (name and RFC 8785 digest)"
     )
+    link_floor: LinkFloor | None = Field(
+        default=None, description="v4 only, and required there: the link-rate floor every handoff is judged against"
+    )
 
     @property
     def spec(self) -> LaneSpec:
@@ -372,8 +388,20 @@ class Identity(_Frozen):
         return self
 
     def document(self) -> dict[str, Any]:
-        """The JSON document (plain dicts) this identity was loaded from."""
-        return self.model_dump(mode="json", by_alias=True)
+        """The JSON document (plain dicts) this identity was loaded from (a v3 document has no
+        ``link_floor``, not a null one: its digest stays what it was sealed as)."""
+        return self.model_dump(mode="json", by_alias=True,
+                               exclude={"link_floor"} if self.schema_id == IDENTITY_SCHEMA_ID else None)
+
+    @model_validator(mode="after")
+    def _link_floor_follows_version(self) -> Identity:
+        """v4 declares a link floor and v3 none (the schemas say so too; this holds for an
+        identity built in Python)."""
+        if (self.link_floor is not None) != (self.schema_id == LINK_FLOOR_SCHEMA_ID):
+            expected = (f"a floor (schema {LINK_FLOOR_SCHEMA_ID})" if self.schema_id == LINK_FLOOR_SCHEMA_ID
+                        else f"none (schema {self.schema_id}; a floor needs {LINK_FLOOR_SCHEMA_ID})")
+            raise _rule_error("link_floor", f"expected {expected}")
+        return self
 
     @model_validator(mode="after")
     def _follows_its_lane(self) -> Identity:
@@ -482,19 +510,29 @@ class _ContractSchema(GenerateJsonSchema):
 _DIGEST_RULES: Mapping[str, str] = MappingProxyType({
     "trust-ladder.onboarding-identity.v3": (
         " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."),
+    "trust-ladder.onboarding-identity.v4": (
+        " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."
+        " v4 is v3 plus link_floor, the link-rate floor every handoff is judged against."),
 })
 """What a version's schema says about its digest (v1's text predates the rule and stays as committed)."""
 
 
 def identity_json_schema(schema_id: str = IDENTITY_SCHEMA_ID) -> dict[str, Any]:
     """The JSON Schema of an identity document of one version, generated from :class:`Identity`
-    (draft 2020-12): the versions differ only in their ``schema`` constant, id and title."""
+    (draft 2020-12): the versions differ in their ``schema`` constant, id and title, and in
+    ``link_floor``, which v3 has not and v4 requires."""
     if schema_id not in IDENTITY_SCHEMA_PATHS:
         raise Refused(f"identity schema: found {render(schema_id)}, expected one of "
                       f"{', '.join(render(known) for known in IDENTITY_SCHEMA_IDS)}")
     generated = Identity.model_json_schema(schema_generator=_ContractSchema)  # by alias (pydantic's default)
     version = schema_id.rsplit(".", 1)[1]
     generated["properties"]["schema"] = {"const": schema_id, "type": "string"}
+    if schema_id == LINK_FLOOR_SCHEMA_ID:
+        generated["properties"]["link_floor"] = {"$ref": "#/$defs/LinkFloor", "description": (
+            "the link-rate floor every handoff is judged against")}
+        generated["required"].append("link_floor")
+    else:
+        del generated["properties"]["link_floor"], generated["$defs"]["LinkFloor"]
     head = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": f"https://trust-ladder.invalid/contracts/{IDENTITY_SCHEMA_PATHS[schema_id].name}",
@@ -699,6 +737,7 @@ __all__ = [
     "IDENTITY_SCHEMA_IDS",
     "IDENTITY_SCHEMA_PATH",
     "IDENTITY_SCHEMA_PATHS",
+    "LINK_FLOOR_SCHEMA_ID",
     "RECEIPT_URI",
     "RELPATH",
     "ReceiptResolver",
@@ -711,6 +750,7 @@ __all__ = [
     "EngineRef",
     "ExactLogits",
     "Identity",
+    "LinkFloor",
     "NamedDigest",
     "OnboardingQualification",
     "PromptRef",

@@ -79,6 +79,7 @@ receipts (``identity.json``/``identity.sha256``) and v1 identities were sealed w
 JCS_SCHEMAS: frozenset[str] = frozenset({
     "trust-ladder.onboarding-identity.v2",
     "trust-ladder.onboarding-identity.v3",
+    "trust-ladder.onboarding-identity.v4",
     "trust-ladder.handoff-manifest.v4",
     "trust-ladder.calibration.v2",
     "trust-ladder.calibration.v3",

@@ -26,6 +26,7 @@ from qualify.judge.handoffs import (
     judge_draft_acceptance,
     judge_failed_step,
     judge_incomplete,
+    judge_link_floor,
     judge_qualification,
     judge_refused,
     judge_reproduction,
@@ -45,7 +46,7 @@ from qualify.judge.parity import (
 __all__ = [
     "DRAFT_REPRODUCTION_FIELDS", "REFUSED_PREFIX", "REPRODUCTION_FIELDS", "ZERO_DRIFT_BOUND",
     "CalibrationJudgement", "Check", "Verdict", "judge_calibration", "judge_draft_acceptance",
-    "judge_failed_step", "judge_incomplete", "judge_qualification", "judge_refused", "judge_reproduction",
+    "judge_failed_step", "judge_incomplete", "judge_link_floor", "judge_qualification", "judge_refused", "judge_reproduction",
     "judge_rung2_sample", "judge_rung3_sample", "judge_sample", "judge_summary",
     "CellSummary", "ParityJudgement", "ParityOutcome", "ThroughputCell", "judge_parity",
 ]

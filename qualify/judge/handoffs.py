@@ -7,7 +7,8 @@ Where is each rung judged?
 * rung 3 (``kquant-target-plus-dflash``, bit-exact): :func:`judge_rung3_sample` per sample,
   :func:`judge_summary` over the repetitions;
 * the whole run: :func:`judge_qualification` (summary, then :func:`judge_reproduction` against
-  the fixture anchor in the basis receipt); a run that stopped before its verdict: :func:`judge_incomplete`;
+  the fixture anchor in the basis receipt, then :func:`judge_link_floor` when the identity
+  declares a link-rate floor); a run that stopped before its verdict: :func:`judge_incomplete`;
 * a draft-acceptance measurement over documents: :func:`judge_draft_acceptance` (a calibration
   is judged in :mod:`qualify.judge.calibration`).
 
@@ -759,28 +760,58 @@ def judge_reproduction(records: Sequence[Record], basis_records: Sequence[Record
     return Verdict(True, words, [words], judgement.checks)
 
 
+def judge_link_floor(records: Sequence[Record], gbit_per_s_minimum: float) -> Verdict:
+    """Did every handoff cross its link at the identity's floor or faster (seed 000, section 32.3:
+    each handoff's payload rate)? Each sample's ``payload_gbit_per_s`` must be a finite number at
+    least ``gbit_per_s_minimum``; a sample without one fails, as does a run with no samples."""
+    judgement = _Judgement()
+    floor = _num(gbit_per_s_minimum)
+    rates: list[tuple[object, float | int | None]] = []
+    for position, record in enumerate(_plain(record) for record in records):
+        values = record if isinstance(record, Mapping) else {}
+        rates.append((values.get("repetition", f"#{position + 1}"), _finite(values.get("payload_gbit_per_s"))))
+    missing = [str(repetition) for repetition, rate in rates if rate is None]
+    slow = [f"{repetition} ({_num(rate, gbit_per_s_minimum)} Gbit/s)" for repetition, rate in rates
+            if rate is not None and rate < gbit_per_s_minimum]
+    problems = ([f"payload rate missing or not a number in repetition {', '.join(missing)}"] if missing else []) + (
+        [f"payload rate below the link floor {floor} Gbit/s in repetition {', '.join(slow)}"] if slow else [])
+    if not rates:
+        problems = ["no samples to judge the link floor on"]
+    slowest = min((rate for _, rate in rates if rate is not None), default=None)
+    judgement.check("link floor", not problems,
+                    f"payload rate at or above the link floor {floor} Gbit/s in every repetition "
+                    f"(slowest {_num(slowest)} Gbit/s)" if not problems else "; ".join(problems),
+                    reasons=problems)
+    return judgement.verdict(judgement.checks[0].detail)
+
+
 def judge_qualification(records: Sequence[Record], rule: Rule, anchor_records: Sequence[Record], *,
-                        deterministic_producer: bool, scope: Scope | None = None) -> Verdict:
+                        deterministic_producer: bool, scope: Scope | None = None,
+                        link_floor_gbit_per_s: float | None = None) -> Verdict:
     """The whole run's verdict: :func:`judge_summary` over the repetitions, then
-    :func:`judge_reproduction` against the anchor (the fixture handoffs its basis receipt retained).
-    With a ``scope``, the headline is its scope line (:func:`qualify.judge.scope.scope_line`)
-    followed by the evidence: what the verdict covers is never left out of the words."""
+    :func:`judge_reproduction` against the anchor (the fixture handoffs its basis receipt
+    retained), then :func:`judge_link_floor` when the identity declares a floor. With a
+    ``scope``, the headline is its scope line (:func:`qualify.judge.scope.scope_line`) followed
+    by the evidence: what the verdict covers is never left out of the words."""
     parsed = parse_rule(rule)
     summary = judge_summary(records, parsed)
     reproduction = judge_reproduction(
         records, anchor_records, rung=parsed.rung, deterministic_producer=deterministic_producer,
         draft=isinstance(parsed, BitExactRule) and parsed.acceptance_floor is not None)
-    passed = summary.passed and reproduction.passed
-    failing = [r for verdict in (summary, reproduction) if not verdict.passed for r in verdict.reasons]
-    evidence = f"{summary.headline}; {reproduction.headline}"
+    parts = [summary, reproduction]
+    if link_floor_gbit_per_s is not None:
+        parts.append(judge_link_floor(records, link_floor_gbit_per_s))
+    passed = all(verdict.passed for verdict in parts)
+    failing = [r for verdict in parts if not verdict.passed for r in verdict.reasons]
+    evidence = "; ".join(verdict.headline for verdict in parts)
     if scope is not None:
         line = scope_line(passed, scope, failing[0] if failing else None)  # a passed run has no failing reason
         headline = f"{line}. Evidence: {evidence}"
     else:
         headline = evidence
     return Verdict(passed, headline,
-                   failing if not passed else summary.reasons + [reproduction.headline],
-                   summary.checks + reproduction.checks, scope=scope)
+                   failing if not passed else summary.reasons + [verdict.headline for verdict in parts[1:]],
+                   [check for verdict in parts for check in verdict.checks], scope=scope)
 
 
 

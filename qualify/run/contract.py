@@ -123,6 +123,9 @@ class Contract:
     deterministic_producer: bool = True
     # How long the consumer waits for the producer per phase (phase_deadlines of the basis receipt).
     deadlines: PhaseDeadlines = DEFAULT_DEADLINES
+    # The identity's link-rate floor in Gbit/s (None: it declares none): every handoff's payload
+    # rate must reach it, so the producer must be reached over a network link.
+    link_floor_gbit_per_s: float | None = None
 
 
 def phase_deadlines(basis_records: list[dict[str, Any]]) -> PhaseDeadlines:
@@ -399,6 +402,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         controls=controls,
         deterministic_producer=qualification.require_deterministic_remote_output,
         deadlines=phase_deadlines(basis_records),
+        link_floor_gbit_per_s=None if identity.link_floor is None else identity.link_floor.gbit_per_s_minimum,
     )
 
 

@@ -517,6 +517,7 @@ class QualificationRun:
                 self.consumer = self._given_consumer or build_consumer(identity.lane)
                 self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
                                                        self.consumer)
+                self._check_link_floor(self.contract, f"identity {identity_path}")
             except Refused as refusal:
                 # A sealed identity whose lane cannot run here (no GPU, no vLLM, another numeric
                 # environment) or whose basis receipt fails its check: the refusal gets a receipt
@@ -527,6 +528,7 @@ class QualificationRun:
             if options.fault is not None:
                 faults.fault_named(options.fault)
             self.consumer = self._given_consumer or build_consumer(self.contract.lane)
+            self._check_link_floor(self.contract, f"lane {self.contract.lane}")
         contract = self.contract
         if contract.repetitions != ORDERED_HANDOFFS:
             raise Refused(f"identity repetitions: found {contract.repetitions}, this recipe runs "
@@ -548,6 +550,13 @@ class QualificationRun:
         self.log(f"lane {contract.lane} (rung {contract.rung}, producer mode {contract.producer_mode.value}); "
                  f"identity sha256 {contract.identity_sha256}; fault {options.fault or 'none'}")
         return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
+
+    def _check_link_floor(self, contract: Contract, where: str) -> None:
+        """A link-rate floor is judged on a handoff that crossed a network link: a producer this
+        run starts on its own host crosses none, so the run is refused rather than judged."""
+        if contract.link_floor_gbit_per_s is not None and self.options.producer_at is None:
+            raise Refused(f"{where}: link_floor: {contract.link_floor_gbit_per_s:g} Gbit/s is judged on handoffs "
+                          f"across a network link; run with --producer-at HOST:PORT (docs/transport.md)")
 
     def _new_comparer(self) -> Comparer:
         """A comparer for the contract's prompt, in the contract's units (an engine emitting other
@@ -899,7 +908,8 @@ class QualificationRun:
         if contract.anchor_records is None:
             raise StepFailed("no anchor in the basis receipt to recheck the run's digests against")
         verdict = judge_qualification(self.records, contract.rule, contract.anchor_records,
-                                      deterministic_producer=contract.deterministic_producer, scope=self._scope())
+                                      deterministic_producer=contract.deterministic_producer, scope=self._scope(),
+                                      link_floor_gbit_per_s=contract.link_floor_gbit_per_s)
         self.finish(verdict)  # finalize writes the receipt's one "verdict:" line
         if not verdict.passed:
             raise StepFailed(verdict.headline)
