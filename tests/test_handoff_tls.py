@@ -588,14 +588,21 @@ def short_contract():
     return replace(contract, rule=rule, basis_records=None)
 
 
-def run_against(port: int, tls_set: Path, receipts: Path, **interfaces):
+def run_against(port: int, tls_set: Path, receipts: Path, contract=None, *, verdict: bool = False, **interfaces):
+    """The handoff steps against the producer at ``port``; with ``verdict``, the verdict step too,
+    its anchor the run's own samples (the short contract has no basis receipt)."""
+    from dataclasses import replace
+
     from qualify.run.qualification import STEP_LABELS, QualificationRun, RemoteProducerChoice, RunOptions
 
     choice = RemoteProducerChoice(host="127.0.0.1", port=port, key=run_key(tls_set), tls=consumer_tls(tls_set))
     run = QualificationRun(RunOptions(recipe="native-text", receipts=receipts, reference_once=True,
-                                      producer_at=choice, deadline_s=30.0), short_contract(), **interfaces)
+                                      producer_at=choice, deadline_s=30.0), contract or short_contract(), **interfaces)
     outcomes = [run.step(label) for label in STEP_LABELS[:6]]
     run.settle_all()
+    if verdict:
+        run.contract = replace(run.contract, anchor_records=[dict(record) for record in run.records])
+        outcomes.append(run.step(STEP_LABELS[6]))
     run.close()
     return run, outcomes
 
@@ -628,6 +635,32 @@ def test_a_run_qualifies_handoffs_from_a_producer_over_tls(tls_set: Path, tmp_pa
     assert not judge_link_floor(run.records, slowest * 2).passed
 
 
+@pytest.mark.parametrize("floor_gbit_per_s", [1e-6, 1e6])
+def test_a_verdict_over_tls_judges_the_identitys_link_floor(tls_set: Path, tmp_path: Path, floor_gbit_per_s: float) -> None:
+    from dataclasses import replace
+
+    contract = replace(short_contract(), link_floor_gbit_per_s=floor_gbit_per_s)
+    served = serve_producer(tls_set, tmp_path, lane=LANE, mode=contract.producer_mode.value,
+                            expectation=contract.expectation.to_document(), factory=None)
+    try:
+        run, outcomes = run_against(served.port, tls_set, tmp_path / "receipts", contract, verdict=True)
+    finally:
+        served.process.kill()
+        served.process.communicate()
+    assert [outcome.passed for outcome in outcomes[:6]] == [True] * 6, [outcome.message for outcome in outcomes]
+    rates = ", ".join(f"{record['repetition']} ({record['payload_gbit_per_s']:.9g} Gbit/s)" for record in run.records)
+    summary = json.loads((run.receipt_path / "validation-summary.json").read_text(encoding="utf-8"))
+    (check,) = [check for check in summary["checks"] if check["name"] == "link floor"]
+    if floor_gbit_per_s < 1:
+        assert outcomes[6].passed and summary["status"] == "passed", outcomes[6].message
+        assert check["passed"] and check["detail"].startswith("payload rate at or above the link floor 1e-06 Gbit/s")
+    else:
+        words = f"payload rate below the link floor 1000000 Gbit/s in repetition {rates}"
+        assert not outcomes[6].passed and summary["status"] == "failed"
+        assert check == {"name": "link floor", "passed": False, "detail": words}
+        assert summary["reasons"] == [words]
+
+
 def test_a_floor_with_the_producer_on_this_host_is_refused_before_any_handoff(tmp_path: Path) -> None:
     from dataclasses import replace
 
@@ -644,9 +677,9 @@ def test_a_floor_with_the_producer_on_this_host_is_refused_before_any_handoff(tm
 
 def test_an_identity_declaring_a_floor_run_without_a_link_exits_2_with_a_refused_receipt(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from qualify.archive.verify import check_receipt
     from qualify.contract import sealed_data
     from qualify.contract.identity import LINK_FLOOR_SCHEMA_ID, identity_sha256, parse_identity_document
-    from qualify.archive.verify import check_receipt
     from qualify.interfaces.cli import main
 
     shipped = json.loads((REPO_ROOT / "contracts" / f"{LANE}-identity-v1.json").read_text(encoding="utf-8"))

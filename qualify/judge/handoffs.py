@@ -777,10 +777,10 @@ def judge_link_floor(records: Sequence[Record], gbit_per_s_minimum: float) -> Ve
         [f"payload rate below the link floor {floor} Gbit/s in repetition {', '.join(slow)}"] if slow else [])
     if not rates:
         problems = ["no samples to judge the link floor on"]
-    slowest = min((rate for _, rate in rates if rate is not None), default=None)
     judgement.check("link floor", not problems,
-                    f"payload rate at or above the link floor {floor} Gbit/s in every repetition "
-                    f"(slowest {_num(slowest)} Gbit/s)" if not problems else "; ".join(problems),
+                    "; ".join(problems) if problems else
+                    f"payload rate at or above the link floor {floor} Gbit/s in every repetition (slowest "
+                    f"{_num(min(rate for _, rate in rates if rate is not None))} Gbit/s)",
                     reasons=problems)
     return judgement.verdict(judgement.checks[0].detail)
 
