@@ -151,6 +151,29 @@ def test_the_freeze_tool_refreezes_a_shipped_identity_to_itself_and_refuses_a_re
     assert retired.read_text(encoding="utf-8") == text
 
 
+def test_the_freeze_tool_declares_a_link_floor_and_a_refreeze_keeps_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--link-floor-gbps writes v4 with the floor; a later --refreeze without it keeps both; a
+    floor the schema refuses is refused in one line, the file left as it was."""
+    freeze = load_script(REPO_ROOT / "tools" / "freeze_identity.py")
+    shipped = CONTRACTS_DIR / "nvfp4-native-splitk-identity-v1.json"
+    path = tmp_path / shipped.name
+    path.write_bytes(shipped.read_bytes())
+    assert freeze.main(["--refreeze", str(path), "--link-floor-gbps", "2.5"]) == 0, capsys.readouterr().err
+    assert json.loads(path.read_bytes()) == {**json.loads(shipped.read_bytes()), "schema": V4,
+                                             "link_floor": {"gbit_per_s_minimum": 2.5}}
+    floored = path.read_bytes()
+    assert freeze.main(["--refreeze", str(path)]) == 0, capsys.readouterr().err
+    assert path.read_bytes() == floored
+    capsys.readouterr()
+    assert freeze.main(["--refreeze", str(path), "--link-floor-gbps", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"freeze_identity: refused: identity {path}: link_floor.gbit_per_s_minimum: "
+                            "found 0.0, expected a number > 0\n")
+    assert path.read_bytes() == floored
+
+
 # --- the one digest function, by declared schema ---------------------------------------------
 
 JSON_LEAVES = (st.none() | st.booleans() | st.integers(min_value=-(2**53) + 1, max_value=2**53 - 1)
