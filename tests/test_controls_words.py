@@ -193,6 +193,14 @@ def test_every_header_defect_is_named_with_what_was_found_and_what_was_expected(
     assert judgement.outcome is None and judgement.documents == ()
 
 
+def test_a_record_without_documents_is_named_once_and_never_read():
+    record = record_for(uniform(1, 10))
+    del record["documents"]
+    judgement = judge_controls(record, CRITERIA, source=SOURCE)
+    assert judgement.problems == ("record.documents: missing, expected this field",)
+    assert judgement.outcome is None and judgement.documents == ()
+
+
 def test_documents_not_a_list_and_bad_seconds_are_named():
     record = record_for(uniform(1, 10))
     record["documents"], record["seconds"] = "none", {"prefill": -1, "scoring": "3"}
