@@ -1,10 +1,10 @@
 """A declared link-rate floor: the identity that declares it (schema v4), and its judgement over a
-run's samples, word for word. The run that refuses it without a network link, and the judgement
-on records a TLS producer really sent, are in tests/test_handoff_tls.py."""
+run's samples, word for word. The run that refuses it without a network link, and verdicts on
+records a TLS producer really sent, are in tests/test_handoff_tls.py; freezing one, in
+tests/test_rfc8785_digests.py."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import jsonschema
@@ -111,16 +111,6 @@ def test_only_v4s_schema_has_the_floor_and_there_it_is_required() -> None:
                                                                    "required", "$defs")} == {
         key: value for key, value in v3.items() if key not in ("$id", "title", "description", "properties",
                                                                "required", "$defs")}
-
-
-def test_refreezing_keeps_a_declared_floor_and_freezing_declares_one_only_when_given() -> None:
-    from tools.freeze_identity import declare_link_floor
-
-    document = shipped_document()
-    assert declare_link_floor(document, None) is document
-    declared = declare_link_floor(copy.deepcopy(document), 2.5)
-    assert declared["schema"] == LINK_FLOOR_SCHEMA_ID and declared["link_floor"] == {"gbit_per_s_minimum": 2.5}
-    assert parse_identity_document(declared, where="identity x").link_floor.gbit_per_s_minimum == 2.5
 
 
 # --------------------------------------------------------------------------- the judgement
