@@ -1,10 +1,18 @@
-"""Root conftest: skips optional-dependency tests with a reason.
+"""Root conftest: a test's optional dependency follows from its folder.
 
-Markers (declared in pyproject.toml): ``torch``, ``vllm`` and ``cuda`` tests run only where their
-dependency is importable (or a GPU is present) and are skipped with a stated reason otherwise;
-``slow`` tests run in CI (.ci/run) like the rest. ``browser`` tests need headless Chromium and are
-skipped with a reason where it is absent, unless ``QUALIFY_REQUIRE_BROWSER=1`` (CI sets it): then
-they fail, so a CI host without Chromium cannot pass them silently.
+``tests/unit/<layer>/`` mirrors ``qualify/<layer>/`` and needs only the base install;
+``tests/system/`` runs the harness end to end; ``tests/tools/`` checks the repo's own tools. Each
+optional dependency has one folder, and a test needs it exactly when it lives there:
+
+- ``tests/torch/`` (torch and transformers), ``tests/cuda/`` (an NVIDIA GPU under torch),
+  ``tests/vllm/`` (vLLM, in ``.venv-vllm``), ``tests/browser/`` (headless Chromium), and
+  ``tests/netns/`` (root and ``ip netns``; that folder's tests probe it themselves).
+
+Every item collected there gets the folder's marker, so ``-m "not torch"`` selects by folder. A
+module whose dependency is missing is not imported: it is reported skipped, naming what it needs.
+A ``QUALIFY_REQUIRE_<NAME>=1`` variable (CI sets the ones its host must have) makes it a failure
+instead, so a host without the dependency cannot pass those tests silently. Writing one of these
+markers by hand outside its folder is a collection error: the folder is the one place that says it.
 """
 
 from __future__ import annotations
@@ -12,12 +20,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+TESTS = Path(__file__).resolve().parent / "tests"
+
+
+def _importable(*modules: str) -> Callable[[], bool]:
+    return lambda: all(importlib.util.find_spec(module) is not None for module in modules)
+
 
 def _cuda_available() -> bool:
-    if importlib.util.find_spec("torch") is None:
+    if not _importable("torch")():
         return False
     import torch
 
@@ -30,44 +46,89 @@ def _chromium_available() -> bool:
     return find_chromium() is not None
 
 
-_REQUIREMENTS = {
-    "torch": (lambda: importlib.util.find_spec("torch") is not None
-              and importlib.util.find_spec("transformers") is not None,
-              "needs the torch extra: pip install -e '.[torch]'"),
-    "vllm": (lambda: importlib.util.find_spec("vllm") is not None,
-             "needs the vllm extra: tools/install_vllm.sh"),
-    "cuda": (_cuda_available, "needs an NVIDIA GPU with CUDA; none is present here"),
+# folder (= marker) -> (probe, what it needs). netns has no probe here: its tests check root and
+# `ip netns` themselves (QUALIFY_REQUIRE_NETNS turns their skip into a failure).
+FOLDER_REQUIREMENTS: dict[str, tuple[Callable[[], bool] | None, str]] = {
+    "torch": (_importable("torch", "transformers"), "needs the torch extra: pip install -e '.[torch]'"),
+    "cuda": (_cuda_available, "needs an NVIDIA GPU with CUDA under torch; none is present here"),
+    "vllm": (_importable("vllm"), "needs the vllm extra: bash tools/install_vllm.sh, then run it with .venv-vllm/bin/python"),
     "browser": (_chromium_available, "needs headless Chromium (Debian: apt-get install chromium)"),
+    "netns": (None, "needs root and ip netns"),
 }
 
-_REQUIRED_BY = {"browser": "QUALIFY_REQUIRE_BROWSER"}
-"""Requirements an environment variable set to 1 makes mandatory: absent, the test fails."""
+
+def _folder_of(path: Path) -> str | None:
+    """The optional-dependency folder ``path`` lies in, if any."""
+    try:
+        first = path.resolve().relative_to(TESTS).parts[0]
+    except (ValueError, IndexError):
+        return None
+    return first if first in FOLDER_REQUIREMENTS else None
 
 
 @functools.cache
-def _available(marker_name: str) -> bool:
-    """Whether ``marker_name``'s requirement is met, probed once per session."""
-    probe, _ = _REQUIREMENTS[marker_name]
-    return probe()
+def _available(folder: str) -> bool:
+    probe, _ = FOLDER_REQUIREMENTS[folder]
+    return probe is None or probe()
 
 
-def _required(marker_name: str) -> bool:
-    return os.environ.get(_REQUIRED_BY.get(marker_name, ""), "") == "1"
+def _required(folder: str) -> bool:
+    return os.environ.get(f"QUALIFY_REQUIRE_{folder.upper()}", "") == "1"
+
+
+class MissingDependency(pytest.File):
+    """A test module whose folder's dependency is absent: never imported, one skip naming it."""
+
+    reason: str = ""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        raise pytest.skip.Exception(self.reason, allow_module_level=True)
+
+
+class RequiredButMissing(pytest.Item):
+    """The same module where the dependency is required (QUALIFY_REQUIRE_<NAME>=1): one failure."""
+
+    reason: str = ""
+
+    def runtest(self) -> None:
+        raise pytest.fail.Exception(self.reason, pytrace=False)
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, self.name
+
+
+class RequiredModule(pytest.File):
+    reason: str = ""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        item = RequiredButMissing.from_parent(self, name="dependency")
+        item.reason = self.reason
+        yield item
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.File | None:
+    folder = _folder_of(module_path)
+    if folder is None or _available(folder):
+        return None
+    _, needs = FOLDER_REQUIREMENTS[folder]
+    if _required(folder):
+        module: pytest.File = RequiredModule.from_parent(parent, path=module_path)
+        module.reason = f"QUALIFY_REQUIRE_{folder.upper()}=1 and tests/{folder}/ {needs}"  # type: ignore[attr-defined]
+    else:
+        module = MissingDependency.from_parent(parent, path=module_path)
+        module.reason = f"tests/{folder}/ {needs}"  # type: ignore[attr-defined]
+    return module
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        for marker_name, (_, reason) in _REQUIREMENTS.items():
-            if item.get_closest_marker(marker_name) is None:
-                continue
-            if not _available(marker_name) and not _required(marker_name):
-                item.add_marker(pytest.mark.skip(reason=reason))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_call(item: pytest.Item) -> None:
-    # In the call phase, before the test body: the test is reported failed, not a setup error.
-    for marker_name, variable in _REQUIRED_BY.items():
-        if item.get_closest_marker(marker_name) is not None and _required(marker_name) and not _available(marker_name):
-            _, reason = _REQUIREMENTS[marker_name]
-            pytest.fail(f"{variable}=1 and this test {reason}", pytrace=False)
+        folder = _folder_of(item.path)
+        if folder is not None:
+            item.add_marker(getattr(pytest.mark, folder))
+            if folder == "cuda":  # a CUDA test needs torch too
+                item.add_marker(pytest.mark.torch)
+        # TODO(move): tests still marked by hand outside their folder move into it; then this is a UsageError.
+        for name in FOLDER_REQUIREMENTS:
+            if name != folder and item.get_closest_marker(name) is not None and not _available(name):
+                item.add_marker(pytest.mark.skip(reason=f"marked {name}: {FOLDER_REQUIREMENTS[name][1]}"))

@@ -11,7 +11,7 @@ import pytest
 
 from qualify.core import assets
 from qualify.engines.reference import ReferenceEngine
-from tests import fuzz_budget  # noqa: F401  (loads hypothesis's smaller profile in a mutation run)
+from tests.support import fuzz_budget  # noqa: F401  (loads hypothesis's smaller profile in a mutation run)
 
 
 @pytest.fixture(scope="session", autouse=True)

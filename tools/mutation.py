@@ -128,7 +128,7 @@ def copy_tree(destination: Path) -> None:
 def run_mutmut(tree: Path, jobs: int) -> None:
     # One BLAS thread per mutant worker; this interpreter's `python` first on PATH for mutmut's
     # type_check_command (pyproject.toml); the property tests at a tenth of their examples
-    # (tests/fuzz_budget.py says why).
+    # (tests/support/fuzz_budget.py says why).
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PATH=path, QUALIFY_MUTATION_RUN="1")
     log = tree / "mutmut.log"

@@ -48,7 +48,7 @@ TIMESTAMP = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6
 SHA256 = r"^[0-9a-f]{64}$"
 HOST_TEXT_MAX, HOST_ITEMS_MAX, HOST_DEPTH_MAX = 512, 256, 6
 """host_facts_problem's bounds (``qualify.core.hostenv``): string length, list and object size,
-nesting depth; tests/test_receipt_schemas.py checks the schema refuses what it refuses."""
+nesting depth; tests/unit/contract/test_receipt_schemas.py checks the schema refuses what it refuses."""
 
 
 class _FileFormSchema(GenerateJsonSchema):

@@ -30,7 +30,7 @@ mkdir -p out
 "$VENV/bin/lint-imports"
 "$VENV/bin/mypy"
 # No BLAS thread count is forced for results: the numpy engines' bits do not depend on it, nor on
-# the BLAS kernel or numpy's SIMD dispatch (qualify.core.numerics); tests/test_portability.py checks
+# the BLAS kernel or numpy's SIMD dispatch (qualify.core.numerics); tests/system/test_portability.py checks
 # that with its own per-child environments (kernels x threads 1, 2 x dispatch on/off), whatever is
 # set here. The two xdist runs below get one BLAS thread per worker for speed only: two workers x
 # two OpenBLAS threads on two cores spin-wait on each other (measured 3x slower wall, same bits).

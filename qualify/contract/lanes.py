@@ -5,7 +5,7 @@ producer mode (``exact``: integer-exact, bit-identical to the consumer; ``native
 own fast arithmetic) and, for native NVFP4, a variant. The lane kind picks the qualification
 recipe (and so the rung) through :func:`recipe_for`, an exhaustive ``match`` ending in
 ``assert_never``: a new :class:`LaneKind` without a recipe fails the type checker and
-``tests/test_lanes.py``. Exact and native lanes derive different target-cache identities, so a KV
+``tests/unit/contract/test_lanes.py``. Exact and native lanes derive different target-cache identities, so a KV
 entry from one can never be installed where the other is expected (seed §32.8).
 
 Lane table decisions (documented here, enforced by tests):

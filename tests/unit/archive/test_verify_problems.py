@@ -1,0 +1,323 @@
+"""What ``verify_receipt`` / ``check_receipt`` say about one broken receipt, problem by problem: the
+exact lines, that the walk goes on past each problem (every missing, resized or unreadable file is
+named, not only the first), and that a receipt's files are counted only when its manifest is usable.
+Each case breaks one thing in a copy of a freshly written receipt."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qualify.archive import verify as verify_module
+from qualify.archive.attestation import ENVELOPE
+from qualify.archive.layout import HOST, HOST_SCHEMA, LEGACY_MANIFEST_SCHEMA, MANIFEST, MANIFEST_SCHEMA, SUMMARY, json_bytes
+from qualify.archive.verify import check_receipt, verify_cli, verify_receipt
+from qualify.core.digests import document_sha256, jcs_bytes
+from qualify.core.errors import Refused
+from tests.support.receipt_forgery import make_writable, regular_files, rehash_manifest, sha256_of, write_receipt
+from tests.unit.archive.test_receipts import committed_receipts
+from tests.unit.archive.test_signed_receipts import edit_json
+
+OTHER_RUN = "20260101T000000Z-bbbbbbbbbbbbbbbb"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One signed receipt, written once for the module; each test breaks its own copy."""
+    return write_receipt(tmp_path_factory.mktemp("pristine"))
+
+
+@pytest.fixture
+def receipt(pristine: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / pristine.name
+    shutil.copytree(pristine, copy)
+    make_writable(copy)
+    return copy
+
+
+def problems_of(receipt: Path) -> list[str]:
+    """verify_receipt's problems without the ``<run id>: `` each carries."""
+    prefix = f"{receipt.name}: "
+    problems = verify_receipt(receipt)
+    assert all(problem.startswith(prefix) for problem in problems), problems
+    return [problem.removeprefix(prefix) for problem in problems]
+
+
+def listed(receipt: Path) -> list[str]:
+    return [entry["path"] for entry in json.loads((receipt / MANIFEST).read_bytes())["files"]]
+
+
+def write_manifest(receipt: Path, paths: list[str]) -> None:
+    """A v2 manifest listing ``paths`` in the order given, each with its true digest and size."""
+    entries = [{"path": name, "sha256": sha256_of(receipt / name), "bytes": (receipt / name).stat().st_size}
+               for name in paths]
+    (receipt / MANIFEST).write_bytes(jcs_bytes({"schema": MANIFEST_SCHEMA, "run_id": receipt.name, "files": entries}))
+
+
+# --------------------------------------------------------------------------- the manifest
+
+
+def test_a_receipt_under_another_run_id_names_the_manifests_run_id(receipt):
+    moved = receipt.rename(receipt.parent / OTHER_RUN)
+    assert problems_of(moved) == [f"manifest run_id {receipt.name!r} does not match the directory name"]
+
+
+@pytest.mark.parametrize("own_file", [MANIFEST, ENVELOPE])
+def test_a_manifest_listing_its_own_file_or_the_envelope_lists_an_invalid_path(receipt, own_file):
+    write_manifest(receipt, sorted([*regular_files(receipt), own_file]))
+    assert problems_of(receipt) == [f"manifest lists an invalid path {own_file!r}"]
+
+
+def test_a_manifest_out_of_path_order_is_named_so(receipt):
+    paths = regular_files(receipt)
+    write_manifest(receipt, [paths[-1], *paths[:-1]])
+    assert problems_of(receipt) == ["manifest files are not sorted by path"]
+
+
+def test_every_missing_file_is_named_not_only_the_first(receipt):
+    for name in ("samples/sample-1.json", "samples/sample-3.json"):
+        (receipt / name).unlink()
+    assert problems_of(receipt) == ["missing file samples/sample-1.json", "missing file samples/sample-3.json"]
+
+
+def test_every_resized_file_is_named_with_both_sizes(receipt):
+    sizes = {}
+    for name in ("command.log", "versions.json"):
+        sizes[name] = (receipt / name).stat().st_size
+        with open(receipt / name, "ab") as handle:
+            handle.write(b"\n")
+    assert problems_of(receipt) == [f"altered file {name}: {size + 1} bytes, manifest says {size}"
+                                    for name, size in sizes.items()]
+
+
+def test_a_listed_file_that_cannot_be_opened_is_named_and_the_rest_still_checked(receipt, monkeypatch):
+    size = (receipt / "versions.json").stat().st_size
+    with open(receipt / "versions.json", "ab") as handle:
+        handle.write(b" ")
+    real_open = verify_module.open_regular_file
+
+    def swapped_away(path: Any, where: str) -> tuple[int, int]:
+        if Path(path).name == "command.log":
+            raise Refused(f"{where}: cannot open (Permission denied), expected a regular file")
+        return real_open(path, where)
+
+    monkeypatch.setattr(verify_module, "open_regular_file", swapped_away)
+    assert problems_of(receipt) == [
+        "altered file command.log: cannot open (Permission denied), expected a regular file",
+        f"altered file versions.json: {size + 1} bytes, manifest says {size}",
+    ]
+
+
+def test_a_legacy_manifest_beside_an_envelope_names_the_envelope_extra(tmp_path):
+    legacy = committed_receipts()[0][0]
+    copy = tmp_path / legacy.name
+    shutil.copytree(legacy, copy)
+    make_writable(copy)
+    (copy / ENVELOPE).write_bytes(b"{}")
+    assert problems_of(copy) == [f"extra file {ENVELOPE} beside a {LEGACY_MANIFEST_SCHEMA} manifest"]
+
+
+# --------------------------------------------------------------------------- what check_receipt returns
+
+
+def test_files_are_counted_only_through_a_usable_manifest(receipt):
+    assert check_receipt(receipt) == ([], len(listed(receipt)) + 1)
+    (receipt / MANIFEST).unlink()
+    problems, count = check_receipt(receipt)
+    assert count == 0 and problems[0] == (f"{receipt.name}: missing file {MANIFEST} "
+                                          "(incomplete receipt: a run in progress or interrupted)")
+
+
+def test_a_file_or_a_missing_path_is_not_a_receipt_directory_and_counts_nothing(tmp_path):
+    file = tmp_path / OTHER_RUN
+    file.write_text("x")
+    missing = tmp_path / "gone"
+    assert check_receipt(file) == ([f"{file}: not a receipt directory"], 0)
+    assert check_receipt(missing) == ([f"{missing}: not a receipt directory"], 0)
+
+
+def test_a_surprise_while_checking_is_the_receipts_problem_and_counts_nothing(receipt, monkeypatch):
+    def surprise(root: Path, problems: list[str]) -> Any:
+        raise RuntimeError("walk failed")
+
+    monkeypatch.setattr(verify_module, "_walk", surprise)
+    assert check_receipt(receipt) == ([f"{receipt.name}: cannot check: RuntimeError: walk failed"], 0)
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+def refuse_scandir(monkeypatch: pytest.MonkeyPatch, directory: Path, error: OSError) -> None:
+    """``os.scandir`` fails on ``directory`` only (as root a mode-000 directory still lists)."""
+    real_scandir = os.scandir
+
+    def scandir(path: Any) -> Any:
+        if Path(path) == directory:
+            raise error
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+@pytest.mark.parametrize(("error", "why"), [(PermissionError(13, "Permission denied"), "Permission denied"),
+                                            (PermissionError(), "PermissionError")])
+def test_an_unreadable_directory_is_named_and_the_walk_goes_on(receipt, monkeypatch, error, why):
+    # "aaa" is pushed before "samples" and so walked after it: its file is still found
+    (receipt / "aaa").mkdir()
+    (receipt / "aaa" / "x").write_text("x")
+    samples = [name for name in listed(receipt) if name.startswith("samples/")]
+    refuse_scandir(monkeypatch, receipt / "samples", error)
+    assert problems_of(receipt) == [f"cannot read directory samples ({why})",
+                                    *(f"missing file {name}" for name in samples),
+                                    "extra file aaa/x", "extra directory aaa"]
+
+
+def test_an_unreadable_receipt_directory_is_named_as_dot(receipt, monkeypatch):
+    refuse_scandir(monkeypatch, receipt, PermissionError(13, "Permission denied"))
+    problems = problems_of(receipt)
+    assert problems[0] == "cannot read directory . (Permission denied)"
+    assert problems[1:] == [f"missing file {name}" for name in sorted(listed(receipt))]
+
+
+class _Entry:
+    """A directory entry whose ``stat`` fails when ``fails``."""
+
+    def __init__(self, entry: os.DirEntry[str], error: OSError | None) -> None:
+        self.name, self.path, self._entry, self._error = entry.name, entry.path, entry, error
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        if self._error is not None:
+            raise self._error
+        return self._entry.stat(follow_symlinks=follow_symlinks)
+
+
+@pytest.mark.parametrize(("error", "why"), [(PermissionError(13, "Permission denied"), "Permission denied"),
+                                            (PermissionError(), "PermissionError")])
+def test_an_entry_that_cannot_be_statted_is_named_and_its_siblings_still_walked(receipt, monkeypatch, error, why):
+    real_scandir = os.scandir
+
+    @contextlib.contextmanager
+    def scandir(path: Any) -> Iterator[list[_Entry]]:
+        with real_scandir(path) as listing:
+            yield [_Entry(entry, error if entry.name == HOST else None) for entry in listing]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert problems_of(receipt) == [f"cannot read {HOST} ({why})", f"missing file {HOST}"]
+
+
+# --------------------------------------------------------------------------- the files' agreement
+
+
+def test_an_unparsable_summary_is_its_one_problem(receipt):
+    (receipt / SUMMARY).write_bytes(b"not json")
+    rehash_manifest(receipt)
+    problems = problems_of(receipt)
+    assert len(problems) == 1 and problems[0].startswith(f"{SUMMARY}: "), problems
+
+
+def test_a_summary_naming_no_identity_names_its_status_and_each_identity_file(receipt):
+    edit_json(receipt / SUMMARY, lambda summary: summary.update(identity_sha256=None, status="passed"))
+    rehash_manifest(receipt)
+    assert problems_of(receipt) == [
+        f'{SUMMARY} names no identity, status "passed"; only a run refused before its identity loaded has none',
+        f"{SUMMARY} names no identity, the receipt holds identity.json",
+        f"{SUMMARY} names no identity, the receipt holds identity.sha256",
+    ]
+
+
+def test_a_summary_naming_another_run_names_it(receipt):
+    edit_json(receipt / SUMMARY, lambda summary: summary.update(run_id=OTHER_RUN))
+    rehash_manifest(receipt)
+    assert problems_of(receipt) == [f'{SUMMARY} names run "{OTHER_RUN}"']
+
+
+def test_a_sample_file_not_named_as_a_sample_is_named_so(receipt):
+    shutil.copy(receipt / "samples" / "sample-1.json", receipt / "samples" / "extra.json")
+    rehash_manifest(receipt)
+    assert problems_of(receipt) == ["samples/ holds a file not named sample-<n>.json"]
+
+
+def test_a_summary_counting_other_than_the_samples_held_names_both_counts(receipt):
+    edit_json(receipt / SUMMARY, lambda summary: summary.update(samples=2))
+    rehash_manifest(receipt)
+    assert problems_of(receipt) == [f"{SUMMARY} counts 2 samples, the receipt holds 3"]
+
+
+def test_an_identity_digest_file_of_undecodable_bytes_is_no_digest_never_a_crash(receipt):
+    (receipt / "identity.sha256").write_bytes(b"\xff" * 64 + b"\n")
+    rehash_manifest(receipt)
+    assert problems_of(receipt) == [
+        "identity.sha256 does not hold a SHA-256 hex digest",
+        "identity.sha256 is not the canonical digest of identity.json",
+        f"{SUMMARY} names another identity digest",
+    ]
+
+
+def test_an_identity_of_no_hashed_schema_is_named_with_what_its_digest_refused(receipt):
+    (receipt / "identity.json").write_bytes(json_bytes({"schema": "unknown"}))
+    rehash_manifest(receipt)
+    with pytest.raises(ValueError) as refused:
+        document_sha256({"schema": "unknown"})
+    assert str(refused.value).startswith("document digest: found schema 'unknown'")
+    assert problems_of(receipt) == [f"identity.json: {refused.value}"]
+
+
+GOOD_START = {"facts": {}, "note": None}
+
+
+@pytest.mark.parametrize(("host", "problem"), [
+    ([], f"{HOST} is not a {HOST_SCHEMA} document"),
+    ({"schema": HOST_SCHEMA, "consumer": {}, "producers": [], "extra": 1}, f"{HOST} is not a {HOST_SCHEMA} document"),
+    ({"schema": "other", "consumer": {}, "producers": []}, f"{HOST} is not a {HOST_SCHEMA} document"),
+    ({"schema": HOST_SCHEMA, "consumer": None, "producers": []}, f"{HOST} has no consumer facts"),
+    ({"schema": HOST_SCHEMA, "consumer": {}, "producers": {}}, f"{HOST} producers is not a list"),
+    *(({"schema": HOST_SCHEMA, "consumer": {}, "producers": [GOOD_START, start]},
+       f"{HOST} producers[1] must hold facts, or a note saying why they are missing")
+      for start in (["facts", "note"], {"facts": {}}, {**GOOD_START, "extra": 1}, {"facts": 1, "note": 5},
+                    {"facts": None, "note": None}, {"facts": {}, "note": "both"})),
+])
+def test_a_host_document_out_of_its_form_is_named(receipt, host, problem):
+    (receipt / HOST).write_bytes(json_bytes(host))
+    rehash_manifest(receipt)
+    assert problems_of(receipt) == [problem]
+
+
+def test_a_host_document_with_facts_or_a_note_per_start_passes(receipt):
+    host = {"schema": HOST_SCHEMA, "consumer": {}, "producers": [GOOD_START, {"facts": None, "note": "no reply"}]}
+    (receipt / HOST).write_bytes(json_bytes(host))
+    rehash_manifest(receipt)
+    assert problems_of(receipt) == []
+
+
+# --------------------------------------------------------------------------- the command's paths
+
+
+def test_every_path_is_checked_listable_before_any_receipt_is_reported(pristine, tmp_path, monkeypatch, capsys):
+    unlistable = tmp_path / "unlistable"
+    unlistable.mkdir()
+    real_listdir = os.listdir
+
+    def listdir(path: Any = ".") -> list[str]:
+        if path is not None and Path(path) == unlistable:
+            raise PermissionError(13, "Permission denied")
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    assert verify_cli([str(pristine.parent), str(unlistable)]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"receipts verify: {unlistable}: cannot list (Permission denied)\n")
+
+
+def test_a_path_too_long_to_look_up_is_refused_naming_it(tmp_path, capsys):
+    too_long = tmp_path / ("a" * 300)  # one name over NAME_MAX: the lookup itself fails
+    assert verify_cli([str(too_long)]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"receipts verify: {too_long}: cannot list (File name too long)\n")
+
