@@ -122,13 +122,15 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    misplaced = []
     for item in items:
         folder = _folder_of(item.path)
+        misplaced += [f"{item.nodeid} is marked {name} outside tests/{name}/"
+                      for name in FOLDER_REQUIREMENTS if name != folder and item.get_closest_marker(name) is not None]
         if folder is not None:
             item.add_marker(getattr(pytest.mark, folder))
             if folder == "cuda":  # a CUDA test needs torch too
                 item.add_marker(pytest.mark.torch)
-        # TODO(move): tests still marked by hand outside their folder move into it; then this is a UsageError.
-        for name in FOLDER_REQUIREMENTS:
-            if name != folder and item.get_closest_marker(name) is not None and not _available(name):
-                item.add_marker(pytest.mark.skip(reason=f"marked {name}: {FOLDER_REQUIREMENTS[name][1]}"))
+    if misplaced:
+        shown = "; ".join(misplaced[:5]) + (f"; and {len(misplaced) - 5} more" if len(misplaced) > 5 else "")
+        raise pytest.UsageError(f"optional-dependency markers follow the folder; move these tests: {shown}")

@@ -103,9 +103,7 @@ other orders). Measured on this split: reference 1.1e-5, transformers 6.2e-6, nv
 the others 0."""
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(name, marks=[pytest.mark.torch] if name in TORCH_ENGINES else []) for name in BUILDERS
-])
+@pytest.fixture(scope="module", params=[name for name in BUILDERS if name not in TORCH_ENGINES])
 def engine(request: pytest.FixtureRequest) -> Engine:
     return BUILDERS[request.param]()
 

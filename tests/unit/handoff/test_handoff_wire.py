@@ -373,17 +373,6 @@ def test_bfloat16_round_trip_keeps_every_bit_and_tags_bf16() -> None:
         open_(handoff)
 
 
-@pytest.mark.torch
-def test_bfloat16_payload_is_exactly_safetensors_torch_save() -> None:
-    import torch
-    from safetensors.torch import save
-
-    kv = bf16_kv(seed=22)
-    tensors = {name: torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
-               for name, array in kv.tensors().items()}
-    assert bytes(seal(kv).payload_bytes) == save(tensors)
-
-
 def test_payload_layout_places_every_tensor_where_sealing_puts_it() -> None:
     kv = random_kv(replace(GEOMETRY, layers=12), seed=23)
     layout = wire.payload_layout(kv.geometry)
