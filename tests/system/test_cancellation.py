@@ -37,6 +37,7 @@ from qualify.archive.reader import read_receipt_json
 from qualify.handoff.client import WORKDIR_PREFIX
 from qualify.interfaces import cli
 from qualify.run.qualification import INTERRUPT_SIGNALS, STEP_LABELS, RunInterrupted, interrupts_raise
+from tests.support.processes import default_dispositions, with_default_signals
 
 REPO = Path(__file__).resolve().parents[2]
 PHASE_WAIT_S = 240.0
@@ -156,7 +157,7 @@ def start_run(places: Places) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "qualify.interfaces.cli", "--recipe", "native-text", "--reference-once",
                "--receipts", str(places.archive)]
     with open(places.cwd.parent / "stderr", "wb") as stderr:
-        return subprocess.Popen(command, cwd=places.cwd, env=env, stdout=subprocess.PIPE, stderr=stderr,
+        return subprocess.Popen(with_default_signals(command), cwd=places.cwd, env=env, stdout=subprocess.PIPE, stderr=stderr,
                                 start_new_session=True)
 
 
@@ -344,7 +345,7 @@ def test_calibrate_and_selftest_signalled_once_their_producer_is_ready_stop_as_a
     argv = [sys.executable, "-m", "qualify.interfaces.cli", *command, "--receipts", str(places.archive)]
     marker = f"{places.tmpdir}{os.sep}"
     with open(tmp_path / "stderr", "wb") as stderr:
-        process = subprocess.Popen(argv, cwd=places.cwd, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+        process = subprocess.Popen(with_default_signals(argv), cwd=places.cwd, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
                                    start_new_session=True)
     try:
         deadline = time.monotonic() + PHASE_WAIT_S
@@ -481,7 +482,7 @@ def test_producer_whose_parent_is_already_gone_refuses_to_start() -> None:
 
 @pytest.mark.parametrize("signum", INTERRUPT_SIGNALS, ids=lambda s: s.name)
 def test_each_interrupt_signal_raises_run_interrupted_carrying_it(signum: signal.Signals) -> None:
-    with interrupts_raise(), pytest.raises(RunInterrupted) as raised:
+    with default_dispositions(), interrupts_raise(), pytest.raises(RunInterrupted) as raised:
         os.kill(os.getpid(), signum)
         time.sleep(5)  # the handler raises at the next bytecode; this never completes
     assert raised.value.signum == signum
@@ -518,6 +519,6 @@ def test_the_executable_notes_a_signal_after_a_run_and_stops_the_next_run_with_i
             print(f"next run stopped by {signal.Signals(exc.signum).name}")
         sys.exit(7)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(with_default_signals([sys.executable, "-c", script]), capture_output=True, text=True, timeout=60)
     assert done.returncode == 7, done
     assert done.stdout.splitlines() == ["alive after both signals", "next run stopped by SIGHUP"], done

@@ -33,6 +33,7 @@ from qualify.interfaces import cli
 from qualify.judge import judge_incomplete, judge_refused
 from qualify.run import qualification
 from qualify.run.contract import default_identity_path
+from tests.support.processes import default_dispositions, with_default_signals
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = default_identity_path("native-text")
@@ -267,7 +268,7 @@ def test_the_runs_sigterm_handler_is_installed_only_for_the_run() -> None:
 
 
 def test_a_signal_while_a_receipt_is_sealed_is_raised_once_it_is_sealed() -> None:
-    with qualification.interrupts_raise():
+    with default_dispositions(), qualification.interrupts_raise():
         with pytest.raises(qualification.RunInterrupted), qualification.signals_held():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)  # delivered meanwhile, and held
@@ -320,7 +321,7 @@ def interrupt_run(command: list[str], cwd: Path, archive: Path, signum: int) -> 
     """Start ``command``, send ``signum`` once its producer is ready; (exit code, stdout, stderr, producer pid)."""
     out_path, err_path = archive.parent / "stdout", archive.parent / "stderr"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        process = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err)
+        process = subprocess.Popen(with_default_signals(command), cwd=cwd, stdout=out, stderr=err)
         try:
             producer = wait_for_producer_ready(archive, process)
             process.send_signal(signum)

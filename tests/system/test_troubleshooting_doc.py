@@ -26,6 +26,7 @@ import pytest
 
 from qualify.archive.layout import MANIFEST_SCHEMA
 from qualify.core.digests import jcs_bytes
+from tests.support.processes import with_default_signals
 from tests.system.test_onboarding_doc import REPO, masked, scratch_checkout, scratch_environment
 
 DOC = REPO / "docs" / "troubleshooting.md"
@@ -193,7 +194,7 @@ def _enroll(bench: Bench, identity: str, receipt: Path, *more: str, env: dict[st
 
 def _interrupted(bench: Bench, signum: signal.Signals) -> str:
     """A real run, signalled once its producer is ready (bounded: killed past the limit)."""
-    run = subprocess.Popen(["qualify", "--recipe", "native-text", "--receipts", "out/interrupted"], cwd=bench.checkout,
+    run = subprocess.Popen(with_default_signals(["qualify", "--recipe", "native-text", "--receipts", "out/interrupted"]), cwd=bench.checkout,
                            env=bench.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(COMMAND_LIMIT_S, run.kill)
     watchdog.start()
