@@ -297,6 +297,7 @@ def digests_in_subprocess(blas_threads: int, blas_kernel: str | None = None) -> 
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_deterministic_across_processes_and_blas_threads(engine: ReferenceEngine, prompt: np.ndarray) -> None:
     """The same bits here, in a subprocess on one BLAS thread, and in one on two threads and
     another BLAS kernel."""

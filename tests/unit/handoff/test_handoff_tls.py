@@ -393,6 +393,7 @@ def test_a_replayed_handoff_is_refused_before_install(tls_set: Path, captured: H
         peer.close()
 
 
+@pytest.mark.slow
 def test_a_replayed_tls_record_breaks_the_connection(tls_set: Path, served: ServedProducer) -> None:
     """A proxy on the path that sends one of the producer's TLS records twice: the record fails
     TLS's own integrity check (its sequence number is spent), so the request fails and nothing is
