@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 from qualify.core import assets
 from qualify.engines.reference import ReferenceEngine
 from tests.support import fuzz_budget  # noqa: F401  (loads hypothesis's smaller profile in a mutation run)
+from tests.support.published import NAME as PUBLISHED_MODEL
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -114,3 +117,24 @@ def small_calibration_set(directory: Path, prompt_lengths: tuple[int, ...] = (25
     path = directory / "calibration-set-small.json"
     path.write_text(json.dumps(document), encoding="utf-8")
     return load_calibration_set(path)
+
+
+@pytest.fixture
+def published_model() -> Iterator[None]:
+    """The model's package present (failed, not skipped, under QUALIFY_REQUIRE_PUBLISHED_MODELS=1),
+    and the process back on the shipped model afterwards (the choice is per process)."""
+    from qualify.engines.chosen_model import use_model
+    from qualify.engines.model_source import PUBLISHED_MODELS
+
+    published = PUBLISHED_MODELS[PUBLISHED_MODEL]
+    try:
+        metadata.distribution(published.distribution)
+    except metadata.PackageNotFoundError:
+        message = f"{published.distribution}=={published.version} is not installed (tools/install_vllm.sh installs it)"
+        if os.environ.get("QUALIFY_REQUIRE_PUBLISHED_MODELS") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        yield
+    finally:
+        use_model(None)

@@ -7,39 +7,15 @@ command) on any other; either way the run leaves a receipt that verifies. Runs i
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.published_model, pytest.mark.slow]
+from tests.support.published import NAME
 
-NAME = "smollm2-135m-instruct-q4_1"
+pytestmark = [pytest.mark.published_model, pytest.mark.slow]
+
 LANE = "vllm-to-reference"
-
-
-@pytest.fixture
-def published_model() -> Iterator[None]:
-    """The model's package present (failed, not skipped, under QUALIFY_REQUIRE_PUBLISHED_MODELS=1),
-    and the process back on the shipped model afterwards (the choice is per process)."""
-    pytest.importorskip("vllm")
-    from qualify.engines.chosen_model import use_model
-    from qualify.engines.model_source import PUBLISHED_MODELS
-
-    published = PUBLISHED_MODELS[NAME]
-    try:
-        metadata.distribution(published.distribution)
-    except metadata.PackageNotFoundError:
-        message = f"{published.distribution}=={published.version} is not installed (tools/install_vllm.sh installs it)"
-        if os.environ.get("QUALIFY_REQUIRE_PUBLISHED_MODELS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    try:
-        yield
-    finally:
-        use_model(None)
 
 
 def _pinned_and_found() -> tuple[dict[str, str], dict[str, str]]:
@@ -64,7 +40,7 @@ def test_the_vllm_cpu_lane_on_the_published_model_qualifies_where_its_identity_p
     pinned, found = _pinned_and_found()
     archive = tmp_path / "receipts"
     archive.mkdir()
-    code = cli.main(["--recipe", "native-text", "--producer", "vllm", "--model", NAME, "--receipts", str(archive)])
+    code = cli.main(["--recipe", "native-text", "--producer", "vllm", "--model", NAME, "--reference-once", "--receipts", str(archive)])
     out, err = capsys.readouterr()
     receipts = [path for path in archive.iterdir() if not path.name.startswith(".")]
     assert len(receipts) == 1, (out, err)
@@ -85,26 +61,3 @@ def test_the_vllm_cpu_lane_on_the_published_model_qualifies_where_its_identity_p
         assert sample["handed_off_positions"] == 2047 // VLLM_BLOCK_SIZE * VLLM_BLOCK_SIZE
 
 
-def test_the_draftless_kquant_lane_on_the_published_model_qualifies_bit_exact(
-        published_model: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Rung 3 on SmolLM2: its own weights in Q8_0 on both sides, llama.cpp's exact arithmetic; no
-    host pin (the arithmetic is exact by construction), so it qualifies on every x86-64 machine."""
-    from qualify.archive.verify import verify_receipt
-    from qualify.interfaces import cli
-
-    archive = tmp_path / "receipts"
-    archive.mkdir()
-    code = cli.main(["--recipe", "kquant-target-plus-dflash", "--model", NAME, "--receipts", str(archive)])
-    out, err = capsys.readouterr()
-    receipts = [path for path in archive.iterdir() if not path.name.startswith(".")]
-    assert len(receipts) == 1, (out, err)
-    assert verify_receipt(receipts[0]) == []
-    assert code == 0, (out, err)
-    identity = json.loads((receipts[0] / "identity.json").read_text(encoding="utf-8"))
-    assert identity["lane"] == "kquant-exact" and identity["speculative_draft"] is None
-    samples = sorted((receipts[0] / "samples").glob("sample-*.json"))
-    assert len(samples) == 3
-    for record in samples:
-        sample = json.loads(record.read_text(encoding="utf-8"))
-        assert sample["token_agreement_rate"] == 1.0 and sample["max_abs"] == 0.0
-        assert sample["handoff_logit_block_sha256"] == sample["cold_logit_block_sha256"]
