@@ -170,17 +170,6 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-@pytest.mark.skipif(_cuda_available(), reason="this host has a CUDA device: the GPU lane can run here")
-def test_gpu_identity_on_a_cpu_machine_exits_2_with_one_line(
-    places: Places, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Refused at 'identity sealed' once the identity has loaded: one line, exit 2, and a
-    receipt marked refused in the archive (and nothing anywhere else)."""
-    line = refusal_line(run(capsys, "--recipe", "native-text", "--identity", str(GPU_IDENTITY)))
-    assert line.startswith("refused: identity sealed: ") and "no CUDA device" in line, line
-    assert_one_refused_receipt(places, "no CUDA device")
-
-
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 @pytest.mark.parametrize("engines", [["--producer", "vllm"], ["--consumer", "vllm"]])
 def test_vllm_lane_without_vllm_installed_exits_2_with_one_line(
