@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from tests.unit.interfaces import test_cli_hostile
 from tests.unit.interfaces.test_cli_hostile import (
     GPU_IDENTITY,
     Places,
     _cuda_available,
     assert_one_refused_receipt,
-    places,  # noqa: F401  (a fixture)
     refusal_line,
     run,
 )
+
+places = test_cli_hostile.places  # its fixture
 
 
 @pytest.mark.skipif(_cuda_available(), reason="this host has a CUDA device: the GPU lane can run here")
