@@ -81,6 +81,19 @@ def make_writable(path: Path) -> None:
                 os.chmod(Path(current) / name, 0o644)
 
 
+def fail_scandir(monkeypatch: Any, directory: Path, error: BaseException) -> None:
+    """``os.scandir`` fails on ``directory`` only, raising ``error``: an unreadable directory (as
+    root a mode-000 directory still lists) or the environment failing mid-walk (say, out of memory)."""
+    real_scandir = os.scandir
+
+    def scandir(path: Any) -> Any:
+        if Path(path) == directory:
+            raise error
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
 # --------------------------------------------------------------------------- checking them
 
 
