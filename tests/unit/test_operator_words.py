@@ -508,7 +508,19 @@ def judge_controls_cases() -> list[Case]:
     from qualify.core.digests import jcs_sha256
     from qualify.judge import controls as controls_module
     from qualify.judge import judge_controls
-    from tests.unit.judge.test_controls_judge import CRITERIA, LANE, SOURCE, WINDOW, WINDOWS, record_for, uniform
+    from tests.unit.judge.test_controls_judge import (
+        CRITERIA,
+        LANE,
+        SOURCE,
+        WINDOW,
+        WINDOWS,
+        counts_that_do_not_nest,
+        every_cell_and_profile_defect,
+        record_for,
+        uniform,
+        wrong_header,
+        zero_record,
+    )
 
     within = "a document is within the E1 gates when none of its four cells exceeds"
     shlex = CRITERIA["documents"][0]
@@ -537,31 +549,6 @@ def judge_controls_cases() -> list[Case]:
                                   **options)
         return produce
 
-    def header(record: dict[str, Any]) -> None:
-        record.update(schema="trust-ladder.controls-record.v2", criteria={"name": "e2-controls-v2", "sha256": "0" * 64},
-                      lane="kquant-native", yardstick={"name": "kquant-q6_k", "sha256": "f" * 64}, seconds=5,
-                      verdict="pass")
-
-    def cells_and_profiles(record: dict[str, Any]) -> None:
-        first = record["documents"][0]
-        cells = first["cells"]
-        first["cells"] = ["cell", cells[0], {**cells[1], "length": 1000}, cells[0], {**cells[1], "rows": 1023}, cells[2],
-                          cells[3]]
-        first["token_sha256"] = "e" * 64
-        first["top_tokens_sha256"]["lane"] = "XYZ"
-        profile = record["documents"][1]["profile"]
-        profile[0] = 5
-        profile[2]["stop"] = 2000
-        profile[3]["start"] = 0
-        profile[4]["lane_disagreeing"] = 513
-        profile[5]["yardstick_disagreeing"] = 513
-        profile[6]["lane_disagreeing"] = 600
-
-    def not_nesting(record: dict[str, Any]) -> None:
-        record["documents"][0]["cells"][2]["lane_disagreeing"] = 5
-        del record["documents"][1]["profile"][7]
-        record["documents"][2]["cells"][0]["yardstick_disagreeing"] = 513
-
     def unknown_and_repeated(record: dict[str, Any]) -> None:
         shlex_document, news = copy.deepcopy(record["documents"][0]), copy.deepcopy(record["documents"][1])
         record["documents"] = [{"document": "python-textwrap"}, {"document": 3}, *record["documents"], shlex_document, news]
@@ -569,21 +556,6 @@ def judge_controls_cases() -> list[Case]:
     def windows_not_objects(record: dict[str, Any]) -> None:
         record["documents"][2]["profile"][1] = []
         record["documents"][2]["profile"][3]["stop"] = 1536
-
-    def zero_record(criteria: dict[str, Any]) -> dict[str, Any]:
-        """A well-formed record with no disagreeing row, for criteria of any lengths and profile window."""
-        window, longest = criteria["profile_window"], criteria["lengths"][-1]
-        top = {"reference": "a" * 64, "lane": "b" * 64, "yardstick": "c" * 64}
-        documents = [{"document": entry["name"], "token_sha256": entry["token_sha256"], "rows": longest,
-                      "cells": [{"length": length, "rows": length, "lane_disagreeing": 0, "yardstick_disagreeing": 0}
-                                for length in criteria["lengths"]],
-                      "profile": [{"start": start, "stop": start + window, "lane_disagreeing": 0,
-                                   "yardstick_disagreeing": 0} for start in range(0, longest, window)],
-                      "top_tokens_sha256": top} for entry in criteria["documents"]]
-        return {"schema": "trust-ladder.controls-record.v1",
-                "criteria": {"name": criteria["name"], "sha256": jcs_sha256(criteria)}, "lane": LANE,
-                "yardstick": {"name": criteria["yardstick"]["name"], "sha256": criteria["yardstick"]["sha256"]},
-                "documents": documents, "seconds": {"prefill": 1.0, "scoring": 1.0}}
 
     def one_row_windows(_workspace: Workspace) -> object:
         criteria = criteria_with(lengths=[1, 512, 2048, 4096], profile_window=1)
@@ -646,7 +618,7 @@ def judge_controls_cases() -> list[Case]:
              with_field("name", "E2 Controls")),
         Case("criteria: lanes that are a number, the record naming the committed criteria", with_field("lanes", 5)),
         Case("criteria: lengths that are text, the record naming the committed criteria", with_field("lengths", "y")),
-        Case("record: every header field wrong", record_with(header)),
+        Case("record: every header field wrong", record_with(wrong_header)),
         Case("record: no documents", record_with(lambda record: record.pop("documents"))),
         Case("record: documents not a list, seconds negative and text", record_with(
             lambda record: record.update(documents="none", seconds={"prefill": -1, "scoring": "3"}))),
@@ -658,8 +630,8 @@ def judge_controls_cases() -> list[Case]:
           for record in ("record", 7)),
         Case("record: a lane that is not a string", record_with(lambda record: record.update(lane=5))),
         Case("record: no lane, a lane being judged", record_with(lambda record: record.pop("lane"), lane=LANE)),
-        Case("record: every cell and profile defect at once", record_with(cells_and_profiles)),
-        Case("record: counts that do not nest, a short profile, a count over its window", record_with(not_nesting)),
+        Case("record: every cell and profile defect at once", record_with(every_cell_and_profile_defect)),
+        Case("record: counts that do not nest, a short profile, a count over its window", record_with(counts_that_do_not_nest)),
         Case("record: unknown and repeated documents", record_with(unknown_and_repeated)),
         Case("record: a window that is not an object, and a later window of no rows", record_with(windows_not_objects)),
         Case("an outcome the scope refuses", outcome_refused_by_the_scope),
@@ -674,17 +646,24 @@ def identity_cases() -> list[Case]:
     from qualify.contract.identity import (
         BASIS_MANIFEST_MAX_BYTES,
         Identity,
-        check_basis_receipt,
         check_sealed,
         identity_json_schema,
         identity_sha256,
         parse_identity_document,
     )
     from qualify.core.digests import sha256_bytes
-    from tests.unit.contract.test_identity import BASIS_RUN_ID, BASIS_URI, digest, make_document, mutated
+    from tests.unit.contract.test_identity import (
+        BASIS_RUN_ID,
+        BASIS_URI,
+        basis_identity,
+        check_manifest_only,
+        digest,
+        make_document,
+        mutated,
+        writer_rescue,
+    )
 
     where = "identity x"
-    field = "onboarding_qualification.basis"
 
     def parsed(document: Any) -> Produce:
         return refused(parse_identity_document, document, where=where)
@@ -700,20 +679,15 @@ def identity_cases() -> list[Case]:
             raise AssertionError("the model accepted the document")
         return produce
 
-    def identity(basis: str = BASIS_URI) -> Identity:
-        return parse_identity_document(mutated(make_document(), field, basis), where=where)
-
     def basis_checked(workspace: Workspace, manifest: Callable[[Path], object], sealed: str,
                       basis: str = BASIS_URI) -> object:
-        """The basis check with the archive layer passed in: the URI resolves, every file verifies;
+        """The basis check with the archive layer passed in (the URI resolves, every file verifies);
         ``manifest`` makes the basis receipt's manifest.json."""
         receipt = workspace.root / "archive" / BASIS_RUN_ID
         receipt.mkdir(parents=True)
         manifest(receipt / "manifest.json")
-        checked = identity(basis)
-        return refusal_of(lambda: check_basis_receipt(
-            checked, lambda uri, archive: archive / "resolved", lambda receipt: ([], 1), where=where,
-            archive_dir=workspace.root / "archive", sealed_basis_manifests={checked.seal_name: sealed}))
+        checked = basis_identity(basis)
+        return refusal_of(lambda: check_manifest_only(checked, workspace.root / "archive", sealed))
 
     def oversized(workspace: Workspace) -> object:
         data = b"m" * (BASIS_MANIFEST_MAX_BYTES + 1)
@@ -725,9 +699,9 @@ def identity_cases() -> list[Case]:
         return basis_checked(workspace, lambda path: path.symlink_to(target), sha256_bytes(b"{}"))
 
     def fifo(workspace: Workspace) -> object:
-        # Refused before any open: a writer is never needed (tests/unit/contract/test_identity.py
-        # shows the read does not wait for one).
-        return basis_checked(workspace, os.mkfifo, digest("manifest"))
+        fifo_path = workspace.root / "archive" / BASIS_RUN_ID / "manifest.json"
+        with writer_rescue(fifo_path):  # a read that waited for a writer would end, and fail elsewhere
+            return basis_checked(workspace, os.mkfifo, digest("manifest"))
 
     def nested(workspace: Workspace) -> object:
         return basis_checked(workspace, lambda path: path.write_bytes(b"{}"), digest("another"),
@@ -737,7 +711,7 @@ def identity_cases() -> list[Case]:
         def fail(_document: object) -> str:
             raise ValueError("no canonical\nform")
 
-        loaded = identity()
+        loaded = basis_identity()
         workspace.patch.setattr(identity_module, "document_sha256", fail)
         return refusal_of(lambda: identity_sha256(loaded))
 
@@ -760,7 +734,7 @@ def identity_cases() -> list[Case]:
         Case("the model: prompt tokens other than the qualification's",
              model_errors(mutated(make_document(), "prompt.tokens", 2047))),
         Case("the schema of an unknown version", refused(identity_json_schema, "trust-ladder.onboarding-identity.v2")),
-        Case("an unsealed lane", refused(check_sealed, identity(), where,
+        Case("an unsealed lane", refused(check_sealed, basis_identity(), where,
                                          {"nvfp4-native-f16": digest("a"), "vllm-to-vllm": digest("b")})),
         Case("the basis manifest one byte over its bound", oversized),
         Case("the basis manifest a symbolic link", linked),
