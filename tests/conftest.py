@@ -14,7 +14,26 @@ import pytest
 from qualify.core import assets
 from qualify.engines.reference import ReferenceEngine
 from tests.support import fuzz_budget  # noqa: F401  (loads hypothesis's smaller profile in a mutation run)
+from tests.support.golden import UPDATE_OPTION, Golden
 from tests.support.published import NAME as PUBLISHED_MODEL
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("qualify", "trust-ladder's own tests")
+    group.addoption(UPDATE_OPTION, action="store_true", default=False, dest="qualify_update_goldens",
+                    help="rewrite the golden files under tests/golden/ from what the tests render now, instead of "
+                         "failing on a difference (then review the diff)")
+
+
+GOLDEN_WRITES = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> Golden:
+    """Compares a rendering with its golden file (tests/support/golden.py); under
+    ``--qualify-update-goldens`` rewrites it, and the run's summary lists every file rewritten."""
+    written = request.config.stash.setdefault(GOLDEN_WRITES, [])
+    return Golden(update=bool(request.config.getoption("qualify_update_goldens", default=False)), written=written)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -87,6 +106,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("fuzz tallies")
         for line in sorted(_FUZZ_LINES):
             terminalreporter.write_line(line)
+    if terminalreporter.config.getoption("qualify_update_goldens", default=False):
+        written = terminalreporter.config.stash.get(GOLDEN_WRITES, [])
+        terminalreporter.section("golden files")
+        for name in sorted(written):
+            terminalreporter.write_line(f"rewritten: {name} (review its diff)")
+        if not written:
+            terminalreporter.write_line("every golden file checked already held what the tests render")
 
 
 # -- an isolated command line ------------------------------------------------------------------

@@ -81,6 +81,22 @@ def make_writable(path: Path) -> None:
                 os.chmod(Path(current) / name, 0o644)
 
 
+def fail_scandir(monkeypatch: Any, directory: Path, error: BaseException, *, times: int | None = None) -> None:
+    """``os.scandir`` fails on ``directory`` only, raising ``error`` (the first ``times`` calls, or
+    every call): an unreadable directory (as root a mode-000 directory still lists) or the
+    environment failing mid-walk (say, out of memory)."""
+    real_scandir = os.scandir
+    failures = [0]
+
+    def scandir(path: Any) -> Any:
+        if Path(path) == directory and (times is None or failures[0] < times):
+            failures[0] += 1
+            raise error
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
 # --------------------------------------------------------------------------- checking them
 
 

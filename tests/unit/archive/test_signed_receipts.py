@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from qualify.archive.attestation import ENVELOPE
+from qualify.archive import verify as verify_module
+from qualify.archive.attestation import ENVELOPE, STATEMENT_TYPE, AttestationProblem, read_attestation, sign_statement
 from qualify.archive.keys import TrustedKey, TrustFile, init_key, load_signing_key, rotate_key
 from qualify.archive.layout import MANIFEST, PARTIAL_PREFIX, SUMMARY, json_bytes
 from qualify.archive.verify import verify_cli, verify_receipt
@@ -34,6 +35,7 @@ from qualify.run.contract import identity_path_for_lane
 from qualify.run.enroll import enroll
 from tests.support.receipt_forgery import (
     check,
+    envelope_of,
     forger_key,
     make_writable,
     operator_key,
@@ -46,6 +48,7 @@ from tests.support.receipt_forgery import (
     write_envelope,
     write_receipt,
 )
+from tests.unit.archive.test_receipts import committed_receipts
 from tests.unit.judge.test_judge import rung2_record
 
 LANE = "nvfp4-native-w4a4"
@@ -449,3 +452,127 @@ def test_a_receipt_given_directly_without_its_manifest_is_checked_as_one_receipt
     assert code == 1
     assert all(line.startswith(f"TAMPERED  {receipt.name}: ") for line in lines[:-1]), lines
     assert any("missing file manifest.json" in line for line in lines) and lines[-1] == "1 receipts: 0 verified, 1 tampered"
+
+
+# --------------------------------------------------------------------------- the signed statement read, and raced
+# (the words of each refusal are held in tests/golden/archive.attestation.txt and archive.verify.txt)
+
+
+def test_a_verified_receipt_carries_its_signed_predicate(tmp_path):
+    receipt = write_receipt(tmp_path / "archive")
+    checked = check(receipt)
+    assert checked.state == "verified"
+    assert checked.predicate == statement_of(receipt)["predicate"] and checked.predicate["run_id"] == receipt.name
+
+
+def test_the_genuine_envelope_is_read_naming_its_signer_and_subjects(tmp_path):
+    receipt = write_receipt(tmp_path / "archive")
+    attestation = read_attestation(receipt, operator_trust())
+    assert attestation.key_id == operator_key().key_id and SUMMARY in attestation.subjects
+
+
+def _forge_envelope(receipt: Path, how: str) -> None:
+    if how == "not-json":
+        (receipt / ENVELOPE).write_bytes(b"{not json")
+    elif how.startswith("payload "):
+        write_envelope(receipt, {**envelope_of(receipt), "payload": how.removeprefix("payload ")})
+    elif how == "claimed-key":
+        write_envelope(receipt, signed_envelope(statement_of(receipt), forger_key(), keyid=operator_key().key_id))
+    elif how == "malformed-statement":
+        write_envelope(receipt, signed_envelope({"_type": STATEMENT_TYPE}, operator_key()))
+    else:  # a file named twice
+        statement = statement_of(receipt)
+        statement["subject"] = [*statement["subject"], statement["subject"][0]]
+        write_envelope(receipt, signed_envelope(statement, operator_key()))
+
+
+@pytest.mark.parametrize("how", ["not-json", "payload AB==", "payload AA\nAA", "payload AA-_", "payload AAA",
+                                 "payload AAAA=", "claimed-key", "malformed-statement", "a-file-twice"])
+def test_an_envelope_forged_or_misspelled_is_tampered_never_untrusted(tmp_path, how):
+    receipt = write_receipt(tmp_path / "archive")
+    make_writable(receipt)
+    _forge_envelope(receipt, how)
+    with pytest.raises(AttestationProblem) as problem:
+        read_attestation(receipt, operator_trust())
+    assert problem.value.kind == "tampered" and "\n" not in str(problem.value)
+    assert check(receipt).state == "tampered"
+
+
+def test_signing_a_statement_its_schema_refuses_is_refused_before_any_receipt_carries_it():
+    with pytest.raises(Refused):
+        sign_statement([(SUMMARY, "0" * 64)], {}, operator_key())  # a predicate without its schema
+
+
+@pytest.mark.parametrize("summary", ["[]", "{"], ids=["no-object", "not-json"])
+def test_a_re_signed_summary_that_is_no_object_is_tampered(tmp_path, summary):
+    receipt = write_receipt(tmp_path / "archive")
+    make_writable(receipt)
+    (receipt / SUMMARY).write_text(summary)
+    rehash_manifest(receipt)
+    resign(receipt, operator_key())
+    checked = check(receipt)
+    assert checked.state == "tampered" and checked.status is None
+
+
+def _consistent_forgery(receipt: Path) -> tuple[bytes, bytes]:
+    """Edit sample 2 and re-hash the manifest (the statement still names the originals); returns
+    the original manifest's and sample's bytes."""
+    manifest, sample = (receipt / MANIFEST).read_bytes(), (receipt / "samples" / "sample-2.json").read_bytes()
+    edit_json(receipt / "samples" / "sample-2.json", lambda document: document.update(max_abs=0.25))
+    rehash_manifest(receipt)
+    return manifest, sample
+
+
+def _after_the_manifest_check(monkeypatch: pytest.MonkeyPatch, action: Any) -> None:
+    """Run ``action`` once the files have been checked against the manifest and before the signed
+    statement is: a forger racing the verifier."""
+    real = verify_module.check_receipt
+
+    def race(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        action()
+        return found
+
+    monkeypatch.setattr(verify_module, "check_receipt", race)
+
+
+def test_a_file_swapped_back_mid_check_is_judged_on_the_one_reading_the_manifest_saw(tmp_path, monkeypatch):
+    receipt = write_receipt(tmp_path / "archive")
+    make_writable(receipt)
+    manifest, sample = _consistent_forgery(receipt)
+
+    def restore_the_originals() -> None:
+        (receipt / MANIFEST).write_bytes(manifest)
+        (receipt / "samples" / "sample-2.json").write_bytes(sample)
+
+    _after_the_manifest_check(monkeypatch, restore_the_originals)
+    checked = check(receipt)
+    assert checked.state == "tampered" and len(checked.problems) == 1
+
+
+def test_a_subject_that_cannot_be_opened_mid_check_is_named_and_the_later_subjects_are_still_checked(
+        tmp_path, monkeypatch):
+    receipt = write_receipt(tmp_path / "archive")
+    make_writable(receipt)
+    _consistent_forgery(receipt)
+
+    def manifest_becomes_a_fifo() -> None:
+        (receipt / MANIFEST).unlink()
+        os.mkfifo(receipt / MANIFEST)
+
+    _after_the_manifest_check(monkeypatch, manifest_becomes_a_fifo)
+    checked = check(receipt)
+    # the walk names the FIFO, the subject check names it, and the later subject (sample 2) is still checked
+    assert checked.state == "tampered" and len(checked.problems) == 3
+    assert [MANIFEST in checked.problems[1], "sample-2.json" in checked.problems[2]] == [True, True]
+
+
+def test_a_legacy_manifest_swapped_for_a_non_object_mid_check_is_tampered_never_a_crash(tmp_path, monkeypatch):
+    legacy = committed_receipts()[0][0]
+    copy = tmp_path / "archive" / legacy.name
+    shutil.copytree(legacy, copy)
+    make_writable(copy)
+    _after_the_manifest_check(monkeypatch, lambda: (copy / MANIFEST).write_text("[]"))
+    checked = check(copy)
+    # what is read now names no legacy schema, so the receipt is held to a signed one's rules
+    assert (checked.state, len(checked.problems)) == ("tampered", 1)

@@ -6,6 +6,7 @@ Each case breaks one thing in a copy of a freshly written receipt."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,11 +18,40 @@ import pytest
 
 from qualify.archive import verify as verify_module
 from qualify.archive.attestation import ENVELOPE
-from qualify.archive.layout import HOST, HOST_SCHEMA, LEGACY_MANIFEST_SCHEMA, MANIFEST, MANIFEST_SCHEMA, SUMMARY, json_bytes
-from qualify.archive.verify import check_receipt, verify_cli, verify_receipt
+from qualify.archive.keys import default_trust_path
+from qualify.archive.layout import (
+    HOST,
+    HOST_SCHEMA,
+    LEGACY_MANIFEST_SCHEMA,
+    LEGACY_MANIFEST_SCHEMA_PATH,
+    MANIFEST,
+    MANIFEST_SCHEMA,
+    MANIFEST_SCHEMA_PATH,
+    PARTIAL_PREFIX,
+    SUMMARY,
+    json_bytes,
+)
+from qualify.archive.verify import (
+    VERIFY_JSON_SCHEMA,
+    check_receipt,
+    manifest_schema_path,
+    verify_cli,
+    verify_document,
+    verify_paths,
+    verify_receipt,
+)
 from qualify.core.digests import document_sha256, jcs_bytes
 from qualify.core.errors import Refused
-from tests.support.receipt_forgery import make_writable, regular_files, rehash_manifest, sha256_of, write_receipt
+from tests.support.receipt_forgery import (
+    check,
+    fail_scandir,
+    make_writable,
+    operator_trust,
+    regular_files,
+    rehash_manifest,
+    sha256_of,
+    write_receipt,
+)
 from tests.unit.archive.test_receipts import committed_receipts
 from tests.unit.archive.test_signed_receipts import edit_json
 
@@ -143,27 +173,24 @@ def test_a_file_or_a_missing_path_is_not_a_receipt_directory_and_counts_nothing(
     assert check_receipt(missing) == ([f"{missing}: not a receipt directory"], 0)
 
 
-def test_a_surprise_while_checking_is_the_receipts_problem_and_counts_nothing(receipt, monkeypatch):
-    def surprise(root: Path, problems: list[str]) -> Any:
-        raise RuntimeError("walk failed")
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str() of this exception fails")
 
-    monkeypatch.setattr(verify_module, "_walk", surprise)
-    assert check_receipt(receipt) == ([f"{receipt.name}: cannot check: RuntimeError: walk failed"], 0)
+
+@pytest.mark.parametrize("error", [RuntimeError("walk failed"), MemoryError(), Unprintable("hidden"),
+                                   ValueError("no digest\tin\nthree lines")], ids=["runtime", "memory", "unprintable",
+                                                                                  "three-lines"])
+def test_a_surprise_while_checking_is_the_receipts_one_problem_in_one_line_and_counts_nothing(receipt, monkeypatch,
+                                                                                            error):
+    # the environment fails in a way the walk does not expect (no OSError): an out-of-memory, say
+    fail_scandir(monkeypatch, receipt, error)
+    problems, count = check_receipt(receipt)
+    assert count == 0 and len(problems) == 1
+    assert problems[0].startswith(f"{receipt.name}: cannot check: {type(error).__name__}") and "\n" not in problems[0]
 
 
 # --------------------------------------------------------------------------- the walk
-
-
-def refuse_scandir(monkeypatch: pytest.MonkeyPatch, directory: Path, error: OSError) -> None:
-    """``os.scandir`` fails on ``directory`` only (as root a mode-000 directory still lists)."""
-    real_scandir = os.scandir
-
-    def scandir(path: Any) -> Any:
-        if Path(path) == directory:
-            raise error
-        return real_scandir(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
 
 
 @pytest.mark.parametrize(("error", "why"), [(PermissionError(13, "Permission denied"), "Permission denied"),
@@ -173,14 +200,14 @@ def test_an_unreadable_directory_is_named_and_the_walk_goes_on(receipt, monkeypa
     (receipt / "aaa").mkdir()
     (receipt / "aaa" / "x").write_text("x")
     samples = [name for name in listed(receipt) if name.startswith("samples/")]
-    refuse_scandir(monkeypatch, receipt / "samples", error)
+    fail_scandir(monkeypatch, receipt / "samples", error)
     assert problems_of(receipt) == [f"cannot read directory samples ({why})",
                                     *(f"missing file {name}" for name in samples),
                                     "extra file aaa/x", "extra directory aaa"]
 
 
 def test_an_unreadable_receipt_directory_is_named_as_dot(receipt, monkeypatch):
-    refuse_scandir(monkeypatch, receipt, PermissionError(13, "Permission denied"))
+    fail_scandir(monkeypatch, receipt, PermissionError(13, "Permission denied"))
     problems = problems_of(receipt)
     assert problems[0] == "cannot read directory . (Permission denied)"
     assert problems[1:] == [f"missing file {name}" for name in sorted(listed(receipt))]
@@ -321,3 +348,187 @@ def test_a_path_too_long_to_look_up_is_refused_naming_it(tmp_path, capsys):
     captured = capsys.readouterr()
     assert (captured.out, captured.err) == ("", f"receipts verify: {too_long}: cannot list (File name too long)\n")
 
+
+
+# --------------------------------------------------------------------------- receipts verify: exit codes, streams, counts
+# (the lines themselves are held in tests/golden/archive.verify.txt)
+
+RUN_A = "20260101T000000Z-aaaaaaaaaaaaaaaa"
+RUN_B = "20260101T000000Z-bbbbbbbbbbbbbbbb"
+RUN_C = "20260101T000000Z-cccccccccccccccc"
+
+
+def walk(paths: list[Path], capsys: pytest.CaptureFixture[str], trust: Any = None) -> tuple[int, list[str], str, str]:
+    """``verify_paths`` with a stream of its own: exit code, the stream's lines, stdout and stderr."""
+    stream = io.StringIO()
+    code = verify_paths(paths, trust, stream)
+    captured = capsys.readouterr()
+    return code, stream.getvalue().splitlines(), captured.out, captured.err
+
+
+def test_help_exits_0_on_stdout_alone(capsys):
+    assert verify_cli(["--help"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.startswith("usage: qualify receipts verify")
+
+
+@pytest.mark.parametrize("argv", [[""], ["--trust", "", "archive"], ["--bogus"]], ids=["empty-path", "empty-trust",
+                                                                                       "unknown-option"])
+def test_a_usage_error_exits_2_with_one_line_on_stderr_and_nothing_on_stdout(argv, capsys):
+    assert verify_cli(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("qualify receipts verify: error: ")
+
+
+def test_a_path_that_cannot_be_listed_mid_walk_exits_2_writing_nothing_to_the_stream(tmp_path, monkeypatch, capsys):
+    assert walk([tmp_path / "gone"], capsys)[:3] == (2, [], "")
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    real_iterdir = Path.iterdir
+
+    def refuse_the_archive(self: Path) -> Any:
+        if self == archive:
+            raise PermissionError()
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", refuse_the_archive)
+    code, lines, out, err = walk([archive], capsys)
+    assert (code, lines, out) == (2, [], "") and err.count("\n") == 1
+
+
+def test_no_receipts_under_any_path_exits_1_with_one_line_on_the_given_stream(tmp_path, capsys):
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    code, lines, out, err = walk([tmp_path / "first", tmp_path / "second"], capsys)
+    assert (code, len(lines), out, err) == (1, 1, "", "")
+
+
+def test_an_unsigned_or_an_untrusted_receipt_fails_the_walk_and_only_the_stream_is_written(pristine, capsys):
+    legacy = committed_receipts()[0][0]
+    code, lines, out, err = walk([legacy, pristine], capsys)
+    assert (code, len(lines), out, err) == (1, 3, "", "")  # one line each, and the tally
+
+
+def test_a_legacy_receipt_with_an_altered_file_is_tampered_not_unsigned(tmp_path):
+    legacy = committed_receipts()[0][0]
+    copy = tmp_path / "archive" / legacy.name
+    shutil.copytree(legacy, copy)
+    make_writable(copy)
+    with open(copy / "command.log", "a", encoding="utf-8") as log:
+        log.write("appended\n")
+    checked = check(copy)
+    assert checked.state == "tampered" and len(checked.problems) == 1
+
+
+@pytest.mark.parametrize(("summary", "status"), [
+    ({"passed": True}, "passed"),
+    ({"passed": True, "error": "refused: no CUDA device"}, "passed"),
+    ({"passed": False}, "failed"),
+    ({"passed": False, "error": None}, "failed"),
+    ({"passed": False, "error": "refused: no CUDA device"}, "refused"),
+    ({"passed": False, "error": "interrupted by SIGINT during handoff 2/3"}, "incomplete"),
+    ({"passed": 1}, None),  # 1 is no passed flag
+    ({}, None),
+    ({"status": "failed", "passed": True}, "failed"),  # a v2+ summary's own status wins
+    ([], None),
+])
+def test_a_summary_records_its_status_from_status_or_from_passed_and_error(receipt, summary, status):
+    (receipt / SUMMARY).write_text(json.dumps(summary))
+    assert check(receipt).status == status
+
+
+def test_a_manifest_is_checked_against_its_own_versions_schema():
+    assert manifest_schema_path({"schema": LEGACY_MANIFEST_SCHEMA}) == LEGACY_MANIFEST_SCHEMA_PATH
+    assert manifest_schema_path({"schema": MANIFEST_SCHEMA}) == MANIFEST_SCHEMA_PATH
+    assert manifest_schema_path({"schema": 1}) == MANIFEST_SCHEMA_PATH
+    assert manifest_schema_path([LEGACY_MANIFEST_SCHEMA]) == MANIFEST_SCHEMA_PATH
+
+
+def archive_with_leftovers(archive: Path) -> None:
+    """Two runs killed before they finalized, A's claimed directory still empty, B's not; and C,
+    an empty directory nobody claimed."""
+    for run in (RUN_A, RUN_B):
+        (archive / f"{PARTIAL_PREFIX}{run}").mkdir(parents=True)
+        (archive / f"{PARTIAL_PREFIX}{run}" / "command.log").write_text("started\n")
+    (archive / RUN_A).mkdir()
+    (archive / RUN_B).mkdir()
+    (archive / RUN_B / "stray.txt").write_text("x")
+    (archive / RUN_C).mkdir()
+
+
+def tally_of(document: dict[str, Any]) -> tuple[int, ...]:
+    tally = document["tally"]
+    return tally["receipts"], tally["verified"], tally["partial"], tally["tampered"]
+
+
+def test_only_a_leftovers_claimed_empty_directory_is_passed_over(tmp_path, capsys):
+    archive = tmp_path / "archive"
+    archive_with_leftovers(archive)
+    document = verify_document([archive], None, None)
+    assert tally_of(document) == (4, 0, 2, 2) and document["exit_code"] == 1
+    assert [(entry["name"], entry["state"]) for entry in document["receipts"]] == [
+        (RUN_B, "tampered"), (RUN_C, "tampered"), (f"{PARTIAL_PREFIX}{RUN_A}", "partial"),
+        (f"{PARTIAL_PREFIX}{RUN_B}", "partial")]
+    assert walk([archive], capsys)[0] == 1
+
+
+def test_a_claimed_directory_that_cannot_be_listed_is_checked_as_a_receipt(tmp_path, monkeypatch):
+    archive = tmp_path / "archive"
+    archive_with_leftovers(archive)
+    real_iterdir = Path.iterdir
+
+    def refuse_run_a(self: Path) -> Any:
+        if self == archive / RUN_A:
+            raise PermissionError(13, "Permission denied")
+        return real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", refuse_run_a)
+    document = verify_document([archive], None, None)
+    assert tally_of(document) == (5, 0, 2, 3)
+    assert (RUN_A, "tampered") in [(entry["name"], entry["state"]) for entry in document["receipts"]]
+
+
+def test_the_document_lists_a_leftover_as_partial_and_incomplete_and_passes(tmp_path):
+    archive = tmp_path / "archive"
+    (archive / f"{PARTIAL_PREFIX}{RUN_A}").mkdir(parents=True)
+    (archive / RUN_A).mkdir()
+    document = verify_document([archive], None, None)
+    assert [(entry["state"], entry["status"], entry["files"], entry["problems"]) for entry in document["receipts"]] == [
+        ("partial", "incomplete", 0, [])]
+    assert (document["status"], document["exit_code"], document["message"]) == ("passed", 0, None)
+
+
+def test_the_document_of_a_verified_archive_passes_and_names_its_trust_file(pristine):
+    trust_path = default_trust_path()
+    document = verify_document([pristine.parent], operator_trust(), trust_path)
+    assert (document["schema"], document["status"], document["exit_code"], document["message"]) == (
+        VERIFY_JSON_SCHEMA, "passed", 0, None)
+    assert document["trust"] == str(trust_path)
+    assert [(entry["name"], entry["state"], entry["status"]) for entry in document["receipts"]] == [
+        (pristine.name, "verified", "passed")]
+
+
+@pytest.mark.parametrize("trust_given", [False, True])
+def test_the_document_names_a_trust_file_only_when_one_was_read_and_its_path_is_known(pristine, trust_given):
+    trust = operator_trust() if trust_given else None
+    trust_path = None if trust_given else default_trust_path()
+    assert verify_document([pristine], trust, trust_path)["trust"] is None
+
+
+def test_the_document_of_nothing_found_fails_with_a_message(tmp_path):
+    (tmp_path / "empty").mkdir()
+    document = verify_document([tmp_path / "empty"], None, None)
+    assert (document["status"], document["exit_code"], document["receipts"]) == ("failed", 1, [])
+    assert document["message"] is not None
+
+
+def test_json_output_is_ascii_and_names_the_trust_file_given(tmp_path, capsys):
+    archive = tmp_path / "archivé"
+    receipt = write_receipt(archive)
+    trust_path = default_trust_path()
+    assert verify_cli(["--json", "--trust", str(trust_path), str(archive)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.isascii()
+    document = json.loads(captured.out)
+    assert document["trust"] == str(trust_path) and document["receipts"][0]["path"] == str(receipt)

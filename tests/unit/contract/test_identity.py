@@ -6,6 +6,7 @@ triple from synthetic digests; other test modules import it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -14,8 +15,9 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,11 @@ from qualify.archive.reader import resolve_receipt_uri
 from qualify.archive.verify import check_receipt
 from qualify.contract import sealed_data
 from qualify.contract.identity import (
+    BASIS_MANIFEST_MAX_BYTES,
+    IDENTITY_SCHEMA_ID,
     Identity,
     check_basis_receipt,
+    identity_json_schema,
     identity_sha256,
     load_identity,
     parse_identity_document,
@@ -549,6 +554,126 @@ def test_a_basis_that_cannot_be_read_is_refused_naming_the_os_error(pair: Pair) 
 
     with pytest.raises(Refused, match=r"cannot read its receipt's manifest.json \(OSError\)$"):
         check_basis_receipt(identity, resolve_receipt_uri, nameless, where="identity x", archive_dir=pair.archive)
+
+
+# --- the basis receipt's manifest read at its edges (the refusals' words: tests/golden/contract.identity.txt)
+
+
+def basis_identity(basis: str = BASIS_URI) -> Identity:
+    """A parsed synthetic identity whose basis is ``basis``."""
+    return parse_identity_document(mutated(make_document(), "onboarding_qualification.basis", basis), where="identity x")
+
+
+def check_manifest_only(identity: Identity, archive: Path, sealed: str, checked: list[Path] | None = None) -> Path:
+    """The basis check with the archive layer passed in: the URI resolves, every file verifies,
+    so only the manifest read and its seal are left to refuse (the verified receipts go to ``checked``)."""
+
+    def verify(receipt: Path) -> tuple[list[str], int]:
+        if checked is not None:
+            checked.append(receipt)
+        return [], 1
+
+    return check_basis_receipt(identity, lambda uri, archive_dir: archive_dir / "resolved", verify, where="identity x",
+                               archive_dir=archive, sealed_basis_manifests={identity.seal_name: sealed})
+
+
+@contextlib.contextmanager
+def writer_rescue(fifo: Path, after_s: float = 2.0) -> Iterator[list[bool]]:
+    """While the block runs, open ``fifo`` for writing once ``after_s`` has passed, so a read that
+    blocks waiting for a writer ends (and shows): the list yielded holds True if that was needed."""
+    done = threading.Event()
+    rescued: list[bool] = []
+
+    def rescue() -> None:
+        if done.wait(after_s):
+            return
+        try:
+            descriptor = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return
+        rescued.append(True)
+        os.close(descriptor)
+
+    helper = threading.Thread(target=rescue, daemon=True)
+    helper.start()
+    try:
+        yield rescued
+    finally:
+        done.set()
+        helper.join()
+
+
+def basis_receipt_dir(tmp_path: Path) -> Path:
+    receipt = tmp_path / "archive" / BASIS_RUN_ID
+    receipt.mkdir(parents=True)
+    return receipt
+
+
+def test_a_manifest_exactly_at_the_size_bound_is_read_whole_and_one_byte_over_is_refused(tmp_path: Path) -> None:
+    manifest = basis_receipt_dir(tmp_path) / "manifest.json"
+    data = b"m" * BASIS_MANIFEST_MAX_BYTES
+    manifest.write_bytes(data)
+    assert check_manifest_only(basis_identity(), tmp_path / "archive", sha256_bytes(data)) == \
+        tmp_path / "archive" / "resolved"
+    manifest.write_bytes(data + b"m")
+    with pytest.raises(Refused):
+        check_manifest_only(basis_identity(), tmp_path / "archive", sha256_bytes(data + b"m"))
+
+
+def test_a_manifest_that_is_a_symbolic_link_is_never_followed(tmp_path: Path) -> None:
+    # The link's target would even match the seal: only refusing to follow it stops it.
+    target = tmp_path / "elsewhere.json"
+    target.write_bytes(b"{}")
+    (basis_receipt_dir(tmp_path) / "manifest.json").symlink_to(target)
+    with pytest.raises(Refused):
+        check_manifest_only(basis_identity(), tmp_path / "archive", sha256_bytes(b"{}"))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")
+def test_a_manifest_that_is_a_fifo_is_refused_at_once_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = basis_receipt_dir(tmp_path) / "manifest.json"
+    os.mkfifo(fifo)
+    with writer_rescue(fifo) as rescued, pytest.raises(Refused):
+        check_manifest_only(basis_identity(), tmp_path / "archive", digest("manifest"))
+    assert not rescued, "opening the manifest waited for a writer"
+
+
+def test_the_receipt_is_named_by_the_first_segment_of_a_nested_basis_uri(tmp_path: Path) -> None:
+    nested = basis_identity(f"receipt://{BASIS_RUN_ID}/samples/0.json")
+    (basis_receipt_dir(tmp_path) / "manifest.json").write_bytes(b"{}")
+    checked: list[Path] = []
+    check_manifest_only(nested, tmp_path / "archive", sha256_bytes(b"{}"), checked)
+    assert checked == [tmp_path / "archive" / BASIS_RUN_ID]
+    with pytest.raises(Refused):
+        check_manifest_only(nested, tmp_path / "archive", digest("another"))
+
+
+def test_the_model_refuses_the_placeholder_digest_at_the_field_itself() -> None:
+    with pytest.raises(ValidationError) as caught:
+        Identity.model_validate_json(json.dumps(mutated(make_document(), "tokenizer_sha256", "0" * 64)), strict=True)
+    error = caught.value.errors(include_url=False)[0]
+    assert (error["type"], error["loc"], error["ctx"]["field"]) == ("identity_rule", ("tokenizer_sha256",), "")
+
+
+def test_the_schema_of_the_current_version_fixes_its_own_name() -> None:
+    assert identity_json_schema(IDENTITY_SCHEMA_ID)["properties"]["schema"] == {"const": IDENTITY_SCHEMA_ID,
+                                                                              "type": "string"}
+
+
+def test_the_digest_of_no_identity_or_of_one_with_no_canonical_form_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qualify.contract import identity as identity_module
+
+    with pytest.raises(Refused):
+        identity_sha256({"lane": "x"})  # type: ignore[arg-type]
+    loaded = basis_identity()
+
+    def no_canonical_form(_document: object) -> str:
+        raise ValueError("no canonical\nform")
+
+    monkeypatch.setattr(identity_module, "document_sha256", no_canonical_form)
+    with pytest.raises(Refused) as refused_digest:
+        identity_sha256(loaded)
+    assert "\n" not in str(refused_digest.value)
 
 
 # --- logit units (seed §32.6) -------------------------------------------------------------------

@@ -22,6 +22,7 @@ from qualify.judge.calibration import (
     anchor_records,
     bound_problems,
     calibration_cells,
+    cell_table,
     derive_acceptance_floor,
     derive_bounds,
     judge_calibration,
@@ -96,6 +97,34 @@ def test_zero_drift_everywhere_is_the_bit_exact_bound() -> None:
     document, records = calibrated([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     bounds = derive_bounds(calibration_cells(document, records)[0])
     assert bounds is not None and bounds.maximum_absolute == ZERO_DRIFT_BOUND == bounds.maximum_mean_absolute
+    assert bounds.max_abs_spread == 0.0 == bounds.mean_abs_spread
+
+
+def test_each_cell_problem_keeps_only_its_own_cell_out() -> None:
+    """An anchor listed first, a malformed entry, a missing sample, a failed handoff and two
+    negative drifts (in the maximum alone, in the mean alone) each keep only their own cell out;
+    the two good cells after them still count."""
+    document = {"handoffs": [
+        {"repetition": 1, "part": ANCHOR_PART, "document": "python-textwrap", "prompt_tokens": 2048},
+        {"repetition": True, "part": CALIBRATION_PART, "document": "doc-a", "prompt_tokens": 512},
+        *({"repetition": index, "part": CALIBRATION_PART, "document": name, "prompt_tokens": 512}
+          for index, name in ((3, "doc-b"), (4, "doc-c"), (5, "doc-d"), (6, "doc-e"))),
+        {"repetition": 7, "part": CALIBRATION_PART, "document": "doc-a", "prompt_tokens": 1024},
+        {"repetition": 8, "part": CALIBRATION_PART, "document": "doc-b", "prompt_tokens": 1024},
+    ]}
+    records = [record(1, 0.5, 0.05), {"repetition": 4, "error": "producer failed: stalled"}, record(5, -0.5, 0.05),
+               record(6, 0.5, -0.05), record(7, 1.0, 0.05), record(8, 19.0, 2.0, exact=False, teacher=(1.25, 0.06))]
+    cells, problems = calibration_cells(document, records)
+    assert len(problems) == 5
+    assert cell_table(cells) == [
+        {"document": "doc-a", "prompt_tokens": 1024, "max_abs": 1.0, "mean_abs": 0.05, "tokens_exact": True},
+        {"document": "doc-b", "prompt_tokens": 1024, "max_abs": 1.25, "mean_abs": 0.06, "tokens_exact": False},
+    ]
+
+
+def test_an_empty_handoff_list_gives_no_cells_and_one_problem() -> None:
+    cells, problems = calibration_cells({"handoffs": []}, [record(1, 1.0, 0.05)])
+    assert cells == [] and len(problems) == 1
 
 
 def test_one_cell_gives_no_spread_and_no_bound() -> None:
@@ -134,6 +163,26 @@ def test_rung3_cells_must_be_bit_exact() -> None:
     document, records = calibrated([0.0, 0.25], [0.0, 0.01])
     assert bound_problems(document, records, maximum_absolute=None, maximum_mean_absolute=None,
                           acceptance_floor=None) == ["rung 3 is bit-exact but calibration cells drifted: doc-a@1792"]
+
+
+def test_a_maximum_of_none_alone_still_declares_the_bit_exact_rule_and_refuses_drift() -> None:
+    document, records = calibrated([0.25, 0.0, 0.0], [0.0, 0.01, 0.0])
+    both_none = bound_problems(document, records, maximum_absolute=None, maximum_mean_absolute=None,
+                               acceptance_floor=None)
+    bounds = derive_bounds(calibration_cells(document, records)[0])
+    assert bounds is not None
+    mean_given = bound_problems(document, records, maximum_absolute=None,
+                                maximum_mean_absolute=bounds.maximum_mean_absolute, acceptance_floor=None)
+    assert len(both_none) == 1 and set(both_none) <= set(mean_given)
+
+
+def test_a_sealed_floor_without_anchor_draft_counts_is_refused() -> None:
+    document, records = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06])
+    bounds = derive_bounds(calibration_cells(document, records)[0])
+    assert bounds is not None
+    exact = dict(maximum_absolute=bounds.maximum_absolute, maximum_mean_absolute=bounds.maximum_mean_absolute)
+    assert bound_problems(document, records, **exact, acceptance_floor=None) == []
+    assert len(bound_problems(document, records, **exact, acceptance_floor=0.5)) == 1
 
 
 def test_the_draft_floor_is_the_one_sided_wilson_lower_bound_of_the_first_anchor() -> None:
@@ -298,3 +347,87 @@ def test_a_fixture_exactly_at_the_derived_bounds_is_within_them_and_one_ulp_over
                          ((bounds.maximum_absolute, math.nextafter(bounds.maximum_mean_absolute, math.inf)), "OUTSIDE")):
         at, records_at = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06], anchor=anchor)
         assert f"is {said} the derived bounds" in judged(records_at, at).verdict.headline
+
+
+# --------------------------------------------------------------------------- what a calibration judgement holds
+# (its words are held in tests/golden/judge.calibration.txt)
+
+
+def outcomes(result: Any) -> dict[str, bool]:
+    return {c.name: c.passed for c in result.verdict.checks}
+
+
+@pytest.mark.parametrize("broken", [None, [], ["handoffs"]], ids=["none", "list", "list-of-text"])
+def test_evidence_that_is_not_an_object_fails_its_rule_and_cells_never_an_exception(broken: Any) -> None:
+    result = judged([record(1, 1.0, 0.05)], broken, restarts_minimum=0)
+    assert not result.verdict.passed and result.bounds is None
+    assert outcomes(result)["rule stated"] is False and outcomes(result)["calibration cells"] is False
+
+
+def test_a_clean_calibration_returns_the_bounds_its_cells_derive_and_no_floor() -> None:
+    document, records = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06])
+    result = judged(records, document)
+    assert result.verdict.passed and all(outcomes(result).values())
+    assert result.bounds is not None and result.bounds == derive_bounds(result.cells)
+    assert (result.proposed_maximum_absolute, result.bounds.maximum_absolute) == (1.75, 1.75)
+    assert result.proposed_maximum_mean_absolute == result.bounds.maximum_mean_absolute
+    assert [c.tokens_exact for c in result.cells] == [True, True, True]
+    assert result.acceptance_floor is None and result.failures == []
+
+
+def test_diverged_anchors_fail_only_the_anchor_tokens_check() -> None:
+    document, records = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06])
+    records[3:] = [record(4, 0.5, 0.05, exact=False), record(5, 0.5, 0.05, exact=False)]
+    result = judged(records, document)
+    assert [name for name, passed in outcomes(result).items() if not passed] == ["anchor tokens exact"]
+    assert len(result.verdict.reasons) == 1 and result.bounds == derive_bounds(result.cells)
+
+
+def test_a_failed_anchor_handoff_is_left_out_of_the_anchors_and_fails_only_the_handoffs_check() -> None:
+    document = evidence(CELLS + ANCHORS + [(ANCHOR_PART, "python-textwrap", 2048)])
+    records = [record(1, 1.0, 0.05), record(2, 1.5, 0.07), record(3, 1.25, 0.06), record(4, 0.5, 0.05),
+               record(5, 0.5, 0.05), {"repetition": 6, "error": "producer failed: stalled"}]
+    result = judged(records, document)
+    # the failed one is no anchor: the two left reproduce each other
+    assert [name for name, passed in outcomes(result).items() if not passed] == ["handoffs"]
+    assert result.failures == ["producer failed: stalled"] and len(result.verdict.reasons) == 1
+
+
+def test_cell_problems_fail_the_cells_check_and_each_is_its_own_reason() -> None:
+    document = evidence([(CALIBRATION_PART, "doc-a", 512), (CALIBRATION_PART, "doc-b", 512), *CELLS[:2], *ANCHORS])
+    records = [{"repetition": 2, "error": "boom"}, record(3, 1.0, 0.05), record(4, 1.5, 0.07),
+               record(5, 0.5, 0.05), record(6, 0.5, 0.05)]
+    result = judged(records, document)
+    assert [name for name, passed in outcomes(result).items() if not passed] == ["handoffs", "calibration cells"]
+    assert len(result.verdict.reasons) == 3 and len(result.cells) == 2
+
+
+DRAFT_DIGESTS = {"handoff_draft_tokens_sha256": "d" * 64, "handoff_draft_trace_sha256": "e" * 64}
+
+
+def drafted(draft: dict[str, int] | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    document = evidence(CELLS + ANCHORS, draft=draft)
+    drifts = [(1.0, 0.05), (1.5, 0.07), (1.25, 0.06), (0.5, 0.05), (0.5, 0.05)]
+    return document, [record(index, *drift, **DRAFT_DIGESTS) for index, drift in enumerate(drifts, start=1)]
+
+
+def test_a_draft_calibration_derives_the_floor_from_the_anchor_counts() -> None:
+    document, records = drafted({"proposed": 255, "accepted": 225})
+    result = judged(records, document, draft=True)
+    assert result.verdict.passed and outcomes(result)["draft counts"] is True
+    assert result.acceptance_floor == derive_acceptance_floor(255, 225)
+    assert 0.84 < result.acceptance_floor < 225 / 255
+
+
+def test_a_draft_calibration_whose_anchor_recorded_no_counts_fails_and_derives_no_floor() -> None:
+    document, records = drafted(None)
+    result = judged(records, document, draft=True)
+    assert not result.verdict.passed and outcomes(result)["draft counts"] is False
+    assert result.acceptance_floor is None and len(result.verdict.reasons) == 1
+
+
+def test_a_lane_without_a_draft_derives_no_floor_even_when_the_anchor_recorded_counts() -> None:
+    document, records = drafted({"proposed": 255, "accepted": 225})
+    result = judged(records, document, draft=False)
+    assert result.verdict.passed and result.acceptance_floor is None
+    assert "draft counts" not in outcomes(result)

@@ -465,3 +465,204 @@ def test_the_record_schema_refuses_what_the_judge_refuses(mutate: Mutation, expe
         check_controls_record(record, "controls record")
     assert str(refused.value).startswith("controls record: ") and expected in str(refused.value)
     assert judge_controls(record, CRITERIA, source=SOURCE).outcome is None
+
+
+# --- what a refused judgement still carries, and what a receipt carries for a judged lane ---------------
+# (the problems' words are held in tests/golden/judge.controls.txt; the records below are its inputs too)
+
+CRITERIA_SHA256 = jcs_sha256(CRITERIA)
+TOP_TOKENS = {"reference": "a" * 64, "lane": "b" * 64, "yardstick": "c" * 64}
+
+
+def zero_record(criteria: dict[str, Any]) -> dict[str, Any]:
+    """A well-formed record with no disagreeing row, for criteria of any lengths and profile window."""
+    window, longest = criteria["profile_window"], criteria["lengths"][-1]
+    documents = [{"document": entry["name"], "token_sha256": entry["token_sha256"], "rows": longest,
+                  "cells": [{"length": length, "rows": length, "lane_disagreeing": 0, "yardstick_disagreeing": 0}
+                            for length in criteria["lengths"]],
+                  "profile": [{"start": start, "stop": start + window, "lane_disagreeing": 0, "yardstick_disagreeing": 0}
+                              for start in range(0, longest, window)],
+                  "top_tokens_sha256": dict(TOP_TOKENS)} for entry in criteria["documents"]]
+    return {"schema": "trust-ladder.controls-record.v1",
+            "criteria": {"name": criteria["name"], "sha256": jcs_sha256(criteria)}, "lane": LANE,
+            "yardstick": {"name": criteria["yardstick"]["name"], "sha256": criteria["yardstick"]["sha256"]},
+            "documents": documents, "seconds": {"prefill": 1.0, "scoring": 1.0}}
+
+
+def wrong_header(record: dict[str, Any]) -> None:
+    """Every header field wrong, and a field no record has."""
+    record.update(schema="trust-ladder.controls-record.v2", criteria={"name": "e2-controls-v2", "sha256": "0" * 64},
+                  lane="kquant-native", yardstick={"name": "kquant-q6_k", "sha256": "f" * 64}, seconds=5, verdict="pass")
+
+
+def every_cell_and_profile_defect(record: dict[str, Any]) -> None:
+    """Twelve defects in two documents: a cell that is no object, an unknown, a repeated and a short
+    cell, a wrong token digest, a bad top-token digest; a window that is no object, two misplaced
+    windows and three counts over their window's rows."""
+    first = record["documents"][0]
+    cells = first["cells"]
+    first["cells"] = ["cell", cells[0], {**cells[1], "length": 1000}, cells[0], {**cells[1], "rows": 1023}, cells[2],
+                      cells[3]]
+    first["token_sha256"] = "e" * 64
+    first["top_tokens_sha256"]["lane"] = "XYZ"
+    profile = record["documents"][1]["profile"]
+    profile[0] = 5
+    profile[2]["stop"] = 2000
+    profile[3]["start"] = 0
+    profile[4]["lane_disagreeing"] = 513
+    profile[5]["yardstick_disagreeing"] = 513
+    profile[6]["lane_disagreeing"] = 600
+
+
+def counts_that_do_not_nest(record: dict[str, Any]) -> None:
+    """A cell whose count is not its windows' sum, a profile one window short, a count over its cell."""
+    record["documents"][0]["cells"][2]["lane_disagreeing"] = 5
+    del record["documents"][1]["profile"][7]
+    record["documents"][2]["cells"][0]["yardstick_disagreeing"] = 513
+
+
+def carried(judgement: Any) -> tuple[Any, ...]:
+    return (judgement.criteria, judgement.criteria_sha256, judgement.lane, judgement.yardstick, judgement.source,
+            judgement.confidence, judgement.points)
+
+
+def test_a_profile_window_of_one_row_and_a_length_of_one_row_are_accepted():
+    criteria = copy.deepcopy(CRITERIA)
+    criteria.update(lengths=[1, 512, 2048, 4096], profile_window=1)
+    judgement = judge_controls(zero_record(criteria), criteria, source=SOURCE)
+    assert judgement.problems == ()
+    assert [cell.length for cell in judgement.documents[0].cells] == [1, 512, 2048, 4096]
+    assert len(judgement.documents[0].profile) == 4096 and judgement.documents[0].within
+
+
+def test_criteria_that_cannot_be_read_leave_a_judgement_with_the_record_lane_and_source_only():
+    criteria = copy.deepcopy(CRITERIA)
+    criteria["name"] = "E2 Controls"
+    judgement = judge_controls(record_for(uniform(1, 10)), criteria, source=SOURCE)
+    document = judgement.document()
+    assert len(document.pop("problems")) == 1 and judgement.outcome is None
+    assert document == {"criteria": {"name": "", "sha256": ""}, "lane": LANE, "yardstick": "", "source": SOURCE,
+                        "gate": {"confidence": None, "points": None}, "length_effect": None, "documents": []}
+
+
+def test_a_record_refused_for_its_header_still_says_what_it_was_judged_under():
+    record = record_for(uniform(1, 10))
+    wrong_header(record)
+    judgement = judge_controls(record, CRITERIA, source=SOURCE)
+    assert len(judgement.problems) == 8 and judgement.outcome is None and judgement.documents == ()
+    assert carried(judgement) == ("e2-controls-v1", CRITERIA_SHA256, "kquant-native", "kquant-q8_0", SOURCE, 0.95, 0.02)
+
+
+def test_a_record_without_documents_is_one_problem_and_never_read():
+    record = record_for(uniform(1, 10))
+    del record["documents"]
+    judgement = judge_controls(record, CRITERIA, source=SOURCE)
+    assert len(judgement.problems) == 1 and judgement.outcome is None and judgement.documents == ()
+
+
+@pytest.mark.parametrize("seconds", [{"prefill": 0, "scoring": 0.5}, {"prefill": 0.0, "scoring": 0}])
+def test_timings_of_zero_and_under_one_second_are_accepted(seconds: dict[str, float]):
+    record = record_for(uniform(1, 10))
+    record["seconds"] = seconds
+    judgement = judge_controls(record, CRITERIA, source=SOURCE)
+    assert judgement.problems == () and judgement.outcome is not None
+
+
+def test_a_refused_source_is_still_carried_with_the_lane():
+    judgement = judge_controls(record_for(uniform(1, 10)), CRITERIA, source="controls.json")
+    assert len(judgement.problems) == 1 and (judgement.source, judgement.lane) == ("controls.json", LANE)
+
+
+@pytest.mark.parametrize("record", ["record", 7])
+def test_a_record_that_is_not_an_object_keeps_the_criteria_and_no_lane(record: Any):
+    judgement = judge_controls(record, CRITERIA, source=SOURCE)
+    assert len(judgement.problems) == 1
+    assert carried(judgement) == ("e2-controls-v1", CRITERIA_SHA256, "", "kquant-q8_0", SOURCE, 0.95, 0.02)
+
+
+def test_a_lane_that_is_not_a_string_is_not_carried():
+    record = record_for(uniform(1, 10))
+    record["lane"] = 5
+    judgement = judge_controls(record, CRITERIA, source=SOURCE)
+    assert len(judgement.problems) == 1 and judgement.lane == ""
+
+
+def test_every_cell_and_profile_defect_is_its_own_problem_and_the_lane_and_gate_are_still_carried():
+    record = record_for(uniform(1, 10))
+    every_cell_and_profile_defect(record)
+    judgement = judge_controls(record, CRITERIA, source=SOURCE)
+    assert len(judgement.problems) == 12 and judgement.outcome is None
+    assert judgement.lane == LANE and (judgement.confidence, judgement.points) == (0.95, 0.02)
+
+
+def test_counts_that_do_not_nest_are_each_a_problem_and_the_criteria_lane_and_source_are_still_carried():
+    record = record_for(uniform(1, 10))
+    counts_that_do_not_nest(record)
+    judgement = judge_controls(record, CRITERIA, source=SOURCE)
+    assert len(judgement.problems) == 3 and judgement.outcome is None
+    assert (judgement.criteria, judgement.lane, judgement.source) == ("e2-controls-v1", LANE, SOURCE)
+
+
+@pytest.mark.parametrize(("field", "value"), [("lanes", 5), ("lengths", "y")])
+def test_a_criteria_list_that_is_no_list_is_named_once(field: str, value: object) -> None:
+    criteria = copy.deepcopy(CRITERIA)
+    criteria[field] = value
+    problems = judge_controls(record_for(uniform(1, 10)), criteria, source=SOURCE).problems
+    assert len([problem for problem in problems if problem.startswith(f"criteria.{field}:")]) == 1
+
+
+def test_a_record_without_its_lane_is_named_once_even_when_a_lane_is_judged() -> None:
+    record = record_for(uniform(1, 10))
+    del record["lane"]
+    problems = judge_controls(record, CRITERIA, source=SOURCE, lane=LANE).problems
+    assert len([problem for problem in problems if problem.startswith("record.lane")]) == 1
+
+
+def test_an_outcome_the_scope_refuses_is_the_judgements_one_problem_never_raised(monkeypatch):
+    from qualify.judge import controls as controls_module
+
+    record = record_for(uniform(1, 10))
+    judged = judge_controls(record, CRITERIA, source=SOURCE)
+    assert judged.outcome is not None and judged.problems == ()
+
+    def refuse(**_fields: Any) -> None:
+        raise ValueError("documents out\nof order")
+
+    monkeypatch.setattr(controls_module, "ControlsOutcome", refuse)
+    refused = judge_controls(record, CRITERIA, source=SOURCE)
+    assert refused.problems == ("documents out of order",) and refused.outcome is None
+    assert carried(refused)[:5] == (judged.criteria, judged.criteria_sha256, LANE, judged.yardstick, SOURCE)
+
+
+def test_the_receipt_document_carries_every_cell_window_and_digest_under_its_name():
+    counts = uniform(1, 10)
+    counts["prose-idle-news"] = [(0, 0)] * 3 + [(WINDOW, 0)] + [(0, 0)] * 4   # rows 1536..2048 all disagree
+    counts["config-idle-keys"] = [(0, 0)] * WINDOWS
+    judgement = judge_controls(record_for(counts), CRITERIA, source=SOURCE, lane=LANE)
+    carried_document = judgement.document()
+    assert {key: value for key, value in carried_document.items() if key != "documents"} == {
+        "criteria": {"name": "e2-controls-v1", "sha256": CRITERIA_SHA256}, "lane": LANE, "yardstick": "kquant-q8_0",
+        "source": SOURCE, "gate": {"confidence": 0.95, "points": 0.02}, "length_effect": "rejected", "problems": []}
+    tokens = {document["name"]: document["token_sha256"] for document in CRITERIA["documents"]}
+    lane_rates = {"python-test-shlex": [1 / 512] * 4, "prose-idle-news": [0.0, 0.0, 0.25, 0.125],
+                  "config-idle-keys": [0.0] * 4}
+    exceeding = {"python-test-shlex": [], "prose-idle-news": [2048, 4096], "config-idle-keys": []}
+    assert [document["document"] for document in carried_document["documents"]] == NAMES
+    for document, judged in zip(carried_document["documents"], judgement.documents, strict=True):
+        name = document["document"]
+        assert document["token_sha256"] == tokens[name] and document["rows"] == 4096
+        assert document["top_tokens_sha256"] == TOP_TOKENS
+        assert document["within"] is (not exceeding[name])
+        assert document["exceeding_lengths"] == exceeding[name]
+        assert document["within_lengths"] == [length for length in (512, 1024, 2048, 4096) if length not in exceeding[name]]
+        assert document["cells"] == [
+            {"length": length, "rows": length,
+             "yardstick_disagreeing": sum(yardstick for _, yardstick in counts[name][:length // WINDOW]),
+             "yardstick_upper": cell.yardstick_upper, "gate": cell.gate,
+             "lane_disagreeing": sum(lane for lane, _ in counts[name][:length // WINDOW]),
+             "lane_rate": rate, "exceeds": length in exceeding[name]}
+            for length, rate, cell in zip((512, 1024, 2048, 4096), lane_rates[name], judged.cells, strict=True)]
+        assert document["profile"] == [
+            {"start": index * WINDOW, "stop": (index + 1) * WINDOW, "lane_disagreeing": lane, "yardstick_disagreeing": yardstick}
+            for index, (lane, yardstick) in enumerate(counts[name])]
+    assert judgement.documents[0].top_tokens_sha256 == TOP_TOKENS

@@ -850,3 +850,189 @@ def test_rung3_names_how_its_logit_digests_disagree(changes, detail):
     assert not verdict.passed
     assert [(c.passed, c.detail) for c in verdict.checks if c.name == "logit digests"] == [(False, detail)]
     assert "logit deltas" not in [c.name for c in verdict.checks]  # no delta verdict over unequal digests
+
+
+# --------------------------------------------------------------------------- which checks a judgement holds, and their outcomes
+# (what each check says is held in tests/golden/judge.handoffs.txt)
+
+
+def outcomes(verdict) -> list[tuple[str, bool]]:
+    return [(check.name, check.passed) for check in verdict.checks]
+
+
+def outcome_of(verdict, name: str) -> Check:
+    (found,) = [check for check in verdict.checks if check.name == name]
+    return found
+
+
+SAMPLE_CHECKS = ["evidence", "values", "output tokens", "tokens exact", "generated-token digest", "payload",
+                 "handed-off positions"]
+
+
+def test_a_sample_failing_every_check_fails_each_and_names_every_failure():
+    record = rung2_record(output_tokens=255, token_agreement_rate=0.5, cold_generated_token_sha256="7" * 64,
+                          payload_bytes=0, handed_off_positions=0, max_abs=12.0)
+    verdict = judge_sample(record, RULE2)
+    assert outcomes(verdict) == [("evidence", True), ("values", True),
+                                 *((name, False) for name in SAMPLE_CHECKS[2:]), ("bounded drift", False)]
+    assert not verdict.passed and len(verdict.reasons) == 6
+
+
+def test_an_omitted_and_a_malformed_value_fail_together_and_the_rest_is_judged_without_a_drift_check():
+    record = rung2_record(mean_abs=math.nan)
+    del record["max_abs"]
+    verdict = judge_sample(record, RULE2)
+    assert outcomes(verdict) == [("evidence", False), ("values", False), *((name, True) for name in SAMPLE_CHECKS[2:])]
+    assert len(verdict.reasons) == 2
+
+
+@pytest.mark.parametrize("field", ["payload_bytes", "handed_off_positions"])
+def test_one_byte_or_one_handed_off_position_is_enough(field):
+    verdict = judge_sample(rung2_record(**{field: 1}), RULE2)
+    assert verdict.passed, verdict.reasons
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("output_tokens", 0), ("repetition", 0), ("token_agreement_rate", -0.001), ("token_agreement_rate", 1.001),
+     ("payload_gbit_per_s", -0.001), ("max_abs", -0.001), ("mean_abs", -0.001), ("recomputed_positions", -1)],
+)
+def test_a_value_out_of_its_range_fails_the_values_check_naming_the_field(field, value):
+    verdict = judge_sample(rung2_record(**{field: value}), RULE2)
+    values = outcome_of(verdict, "values")
+    assert not verdict.passed and not values.passed and field in values.detail
+
+
+@pytest.mark.parametrize("field", ["payload_gbit_per_s", "token_agreement_rate"])
+def test_zero_is_inside_a_range_that_starts_at_zero(field):
+    assert outcome_of(judge_sample(rung2_record(**{field: 0.0}), RULE2), "values").passed
+
+
+@pytest.mark.parametrize("rate", [-0.001, 1.001])
+def test_a_draft_acceptance_rate_outside_0_to_1_fails_the_values_check(rate):
+    verdict = judge_sample(rung3_record(draft_acceptance_rate=rate), RULE3)
+    values = outcome_of(verdict, "values")
+    assert not verdict.passed and not values.passed and "draft_acceptance_rate" in values.detail
+
+
+def test_a_token_count_that_is_no_number_drops_the_output_tokens_check_and_still_judges_the_tokens():
+    exact = judge_sample(rung2_record(output_tokens="256"), RULE2)
+    diverged = judge_sample(rung2_record(output_tokens="256", token_agreement_rate=0.5), RULE2)
+    assert "output tokens" not in dict(outcomes(exact)) and "output tokens" not in dict(outcomes(diverged))
+    assert outcome_of(exact, "tokens exact").passed and not outcome_of(diverged, "tokens exact").passed
+    assert not exact.passed and not outcome_of(exact, "values").passed
+
+
+@pytest.mark.parametrize(("rate", "passes"), [(0.9500000001, True), (0.9499999999, False)])
+def test_an_acceptance_a_hair_from_its_floor_is_judged_on_its_full_value(rate, passes):
+    verdict = judge_sample(rung3_record(draft_acceptance_rate=rate), RULE3)
+    assert verdict.passed is passes and outcome_of(verdict, "draft acceptance").passed is passes
+
+
+@pytest.mark.parametrize("layers", [[{"k": "x", "v": 0.0}], [{"layer": 2, "k": 0.0}], ["not a layer"], [], "0.0"],
+                         ids=["text-delta", "no-v", "not-a-layer", "no-layers", "text"])
+def test_kv_evidence_that_is_not_a_number_per_layer_fails_the_kv_check_never_read_as_zero(layers):
+    verdict = judge_sample(rung3_record(localisation={"kv_layer_max_abs": layers}), RULE3)
+    assert not verdict.passed and not outcome_of(verdict, "kv").passed
+    assert [check.name for check in verdict.checks if not check.passed] == ["kv"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "passes"),
+    [({"logit_row_digests_equal": True, "first_logit_digest_mismatch_row": None, "handoff_logit_block_sha256": "3" * 64},
+      True),
+     ({"logit_row_digests_equal": True, "first_logit_digest_mismatch_row": None}, False),
+     ({"logit_row_digests_equal": False, "first_logit_digest_mismatch_row": None}, False),
+     ({"first_logit_digest_mismatch_row": 5}, False)],
+    ids=["all-equal", "block-differs", "unreported-row", "row-5"],
+)
+def test_default_rung2_judging_ends_with_the_logit_digest_check(changes, passes):
+    rule = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25, drift_graded=False)
+    verdict = judge_sample(rung2_record(**changes), rule)
+    assert outcomes(verdict)[-1] == ("logit digests", passes) and verdict.passed is passes
+
+
+@pytest.mark.parametrize("absent", ["logit_row_digests_equal", "handoff_logit_block_sha256", "cold_logit_block_sha256"])
+def test_default_rung2_judging_without_a_digest_gives_no_digest_check_only_the_omission(absent):
+    rule = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25, drift_graded=False)
+    verdict = judge_sample(rung2_record(**{absent: None}), rule)
+    assert not verdict.passed and not outcome_of(verdict, "evidence").passed
+    assert "logit digests" not in dict(outcomes(verdict))
+
+
+def test_rung3_without_its_digest_flag_judges_no_digests_or_deltas_only_the_omission():
+    verdict = judge_sample(rung3_record(logit_row_digests_equal=None), RULE3)
+    assert not verdict.passed and not outcome_of(verdict, "evidence").passed
+    assert {"logit digests", "logit deltas"}.isdisjoint(dict(outcomes(verdict)))
+
+
+def test_drift_graded_rung3_with_one_delta_missing_judges_no_deltas():
+    verdict = judge_sample(rung3_record(mean_abs=None), RULE3_GRADED)
+    assert not verdict.passed and "logit deltas" not in dict(outcomes(verdict))
+
+
+def test_drift_graded_rung3_judges_the_deltas_before_the_digests():
+    assert [name for name, _ in outcomes(judge_sample(rung3_record(), RULE3_GRADED))][7:9] == ["logit deltas",
+                                                                                               "logit digests"]
+    assert [name for name, _ in outcomes(judge_sample(rung3_record(), RULE3))][7:9] == ["logit digests", "logit deltas"]
+
+
+def test_a_one_sided_draft_digest_is_an_omission_not_a_difference():
+    verdict = judge_sample(rung3_record(cold_draft_tokens_sha256=None), RULE3)
+    assert not verdict.passed and not outcome_of(verdict, "evidence").passed
+    assert "draft tokens" not in dict(outcomes(verdict)) and outcome_of(verdict, "draft trace").passed
+
+
+def test_a_summary_over_one_repetition_passes_when_its_rule_asks_for_one():
+    rule = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25, repetitions=1)
+    verdict = judge_summary([rung2_record(1)], rule)
+    assert verdict.passed, verdict.reasons
+    assert not judge_summary([rung2_record(1)], RULE2).passed
+
+
+def test_a_rung3_summary_compares_the_draft_digests_only_when_the_identity_declares_a_draft():
+    drafted = judge_summary(three(rung3_record), RULE3)
+    draftless = judge_summary(three(rung3_record), BitExactRule(acceptance_floor=None))
+    assert drafted.passed and draftless.passed
+    assert [name for name, _ in outcomes(drafted)][-2:] == ["draft tokens digest across repetitions",
+                                                            "draft trace digest across repetitions"]
+    assert not any("draft" in name for name, _ in outcomes(draftless))
+
+
+def test_a_broken_summary_fails_its_count_its_samples_its_tokens_and_its_drift():
+    records = [rung2_record(1), rung2_record(2, token_agreement_rate=0.5, max_abs=12.0), rung2_record(5), "x"]
+    verdict = judge_summary(records, RULE2)
+    assert outcomes(verdict)[:4] == [("repetitions", False), ("samples", False),
+                                     ("tokens exact in every repetition", False),
+                                     ("bounded drift in every repetition", False)]
+    assert not verdict.passed
+
+
+def test_a_summary_of_no_samples_fails_every_check():
+    verdict = judge_summary([], RULE2)
+    assert not verdict.passed and verdict.checks and not any(passed for _, passed in outcomes(verdict))
+
+
+def test_a_digest_missing_in_a_repetition_or_a_flag_in_its_place_fails_the_digest_check():
+    second, third = rung2_record(2), rung2_record()
+    del second["payload_sha256"], third["payload_sha256"], third["repetition"]
+    for records in ([rung2_record(1), second, third],
+                    [rung2_record(1), rung2_record(2, payload_sha256=True), rung2_record(3)]):
+        verdict = judge_summary(records, RULE2)
+        assert not verdict.passed and not outcome_of(verdict, "payload digest across repetitions").passed
+
+
+def test_a_failed_step_and_a_qualification_carry_the_scope_they_were_judged_under():
+    from qualify.judge.scope import Scope
+
+    scope = Scope("python-textwrap", 3, 2048, 256, None)
+    failed = judge_failed_step("handoff 2", "wire refused", scope=scope)
+    assert (failed.status, failed.scope) == ("failed", scope)
+    assert judge_failed_step("handoff 2", "wire refused").scope is None
+    passing = judge_qualification(three(), RULE2, three(), deterministic_producer=False, scope=scope)
+    failing = judge_qualification([rung2_record(1), rung2_record(2, token_agreement_rate=0.5), rung2_record(3)], RULE2,
+                                  three(), deterministic_producer=False, scope=scope)
+    assert (passing.passed, passing.scope) == (True, scope)
+    assert (failing.passed, failing.scope) == (False, scope)
+    assert failing.reasons[0] == judge_summary(
+        [rung2_record(1), rung2_record(2, token_agreement_rate=0.5), rung2_record(3)], RULE2).reasons[0]

@@ -86,6 +86,39 @@ def test_no_samples_is_not_a_reproduction() -> None:
     assert not judge_reproduction([], BASIS, rung=2, deterministic_producer=True, draft=False).passed
 
 
+@pytest.mark.parametrize("basis", [
+    [record(1), record(2, seams_sha256=digest("other"))],
+    [record(1, seams_sha256=None), record(2, seams_sha256=None)],
+])
+def test_an_anchor_that_cannot_vouch_for_one_digest_fails_that_check_and_still_compares_the_rest(basis: list) -> None:
+    verdict = judge_reproduction([record(1), record(2), record(3)], basis, rung=2, deterministic_producer=False,
+                                 draft=False)
+    assert [(check.name, check.passed) for check in verdict.checks if not check.passed] == [
+        ("per-layer seams as anchored", False)]
+    assert len(verdict.checks) == len(REPRODUCTION_FIELDS)
+    assert verdict.passed  # rung 2, a producer not declared deterministic: reported, not failed
+
+
+@pytest.mark.parametrize("basis", [[], [record(1), record(2), "not a record"]], ids=["empty", "unreadable-sample"])
+def test_a_basis_with_an_unreadable_anchor_sample_is_no_anchor(basis: list) -> None:
+    verdict = judge_reproduction([record(1), record(2), record(3)], basis, rung=2, deterministic_producer=True,
+                                 draft=False)
+    assert not verdict.passed
+    assert (verdict.checks[0].name, verdict.checks[0].passed) == ("anchor samples", False)
+    assert [check.name for check in verdict.checks if not check.passed] == ["anchor samples"]
+    assert len(verdict.checks) == (1 if not basis else 1 + len(REPRODUCTION_FIELDS))
+
+
+def test_every_changed_digest_is_its_own_failing_check_and_the_others_still_pass() -> None:
+    run = [record(1, seams_sha256=digest("b"), payload_sha256=digest("9")), record(2, seams_sha256=digest("b")), record(3)]
+    for deterministic in (False, True):
+        verdict = judge_reproduction(run, BASIS, rung=2, deterministic_producer=deterministic, draft=False)
+        assert len(verdict.checks) == len(REPRODUCTION_FIELDS)
+        assert [check.name for check in verdict.checks if not check.passed] == ["payload tree as anchored",
+                                                                                "per-layer seams as anchored"]
+        assert verdict.passed is not deterministic
+
+
 def test_calibration_environments_vary_kernel_threads_and_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     from qualify.core import hostenv
     monkeypatch.setattr(hostenv, "cpu_flags", lambda: frozenset({"avx", "avx2", "avx512f"}))

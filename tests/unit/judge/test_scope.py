@@ -226,6 +226,7 @@ def controls(**changes: Any) -> ControlsOutcome:
     (lambda: DocumentOutcome("a", (512, 512)), "expected increasing lengths, each once"),
     (lambda: DocumentOutcome("a", (0,)), "exceeding length 0"),
     (lambda: DocumentOutcome("a", [512]), "expected a tuple"),  # type: ignore[arg-type]
+    (lambda: DocumentOutcome("no spaces", ()), "control document 'no spaces'"),
 ])
 def test_a_scope_that_cannot_be_worded_one_way_is_refused_naming_the_field(build: Any, expected: str) -> None:
     with pytest.raises(ValueError) as refused:
