@@ -202,9 +202,10 @@ def fail(*_args: Any, **_kwargs: Any) -> Any:
 # --------------------------------------------------------------------------- each stage by name
 # An unexpected failure inside a stage is reached here through the consumer's own input (an
 # expectation whose field fails when a stage reads it) or through the public functions a stage calls
-# (the MAC, the canonical form, the tree digest, the seam comparison, the draft context digest, the
-# install). The payload header and layout stages read only the producer's bytes, which every hostile
-# producer test refuses by name; no input reaches an unexpected failure there.
+# (the MAC, the canonical form, the header's JSON reader, the tree digest, the seam comparison, the
+# draft context digest, the install). The payload layout stage calls neither: it reads only the
+# producer's bytes, which every hostile producer test refuses by name, so nothing reaches an
+# unexpected failure there.
 
 
 @pytest.mark.parametrize(("stage", "field"), [
@@ -228,6 +229,18 @@ def test_an_unexpected_error_in_a_public_function_a_stage_calls_is_refused_namin
                                                                                           function):
     monkeypatch.setattr(wire, function, fail)
     assert refusal(SEALED) == (stage, f"handoff {stage}: unexpected RuntimeError (boom)")
+
+
+def test_an_unexpected_error_reading_the_payload_header_is_refused_as_the_header_stage(monkeypatch):
+    real_parse = wire.parse_untrusted_json
+
+    def parse(data: Any, where: str, **limits: Any) -> Any:
+        if where == "handoff payload header":  # the manifest, read first, parses as ever
+            raise RuntimeError("boom")
+        return real_parse(data, where, **limits)
+
+    monkeypatch.setattr(wire, "parse_untrusted_json", parse)
+    assert refusal(SEALED) == ("payload.header", "handoff payload.header: unexpected RuntimeError (boom)")
 
 
 def test_an_unexpected_error_while_checking_seams_is_refused_as_the_seam_stage(monkeypatch):
