@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from qualify.contract.lanes import ProducerMode
 from qualify.core.digests import canonical_json_bytes
 from qualify.core.kv import KVCache, KVGeometry
+from qualify.handoff import wire as wire_module
 from qualify.handoff.wire import (
     Handoff,
     HandoffExpectation,
@@ -669,3 +670,37 @@ __all__ = [
     "keyed_mutants", "manifest_byte_mutants", "manifest_field_mutants", "manifest_value_mutants", "payload_mutants",
     "pristine_expectation", "pristine_handoff", "pristine_kv", "seal_pristine", "unkeyed_mutants",
 ]
+
+
+# --------------------------------------------------------------------------- inputs that fail inside a stage
+
+
+def failing_expectation(expectation: HandoffExpectation, field: str, error: BaseException) -> HandoffExpectation:
+    """``expectation`` (the consumer's own input to ``open_handoff``) whose ``field`` (an attribute
+    or property) raises ``error`` once it has been built: the first stage that reads the field meets
+    a failure it does not expect, as it would meet a fault in the consumer's own code."""
+
+    class FailingExpectation(HandoffExpectation):
+        armed = False
+
+        def __getattribute__(self, name: str) -> Any:
+            if name == field and object.__getattribute__(self, "armed"):
+                raise error
+            return super().__getattribute__(name)
+
+    failing = FailingExpectation(**{name: getattr(expectation, name) for name in expectation.__dataclass_fields__})
+    object.__setattr__(failing, "armed", True)
+    return failing
+
+
+def forbid_hashing(monkeypatch: Any, payload: object) -> None:
+    """Any SHA-256 over ``payload``'s bytes fails the test (the MAC and the key id hash other
+    bytes): a check that must come before the payload is hashed."""
+    real_sha256 = hashlib.sha256
+
+    def sha256(data: Any = b"", *args: Any, **kwargs: Any) -> Any:
+        if isinstance(data, memoryview) and data.obj is payload:
+            raise AssertionError("the payload was hashed before the check that should have refused it")
+        return real_sha256(data, *args, **kwargs)
+
+    monkeypatch.setattr(wire_module, "hashlib", type("NoPayloadHashing", (), {"sha256": staticmethod(sha256)}))

@@ -6,7 +6,8 @@ goes through. One function, :func:`render`, turns whatever the entry point gives
 calibration or controls judgement, a parity line, a refusal, a receipt check, a command's exit code
 and output) into lines: check names, pass or fail and details, reasons, headlines, refusals. A file
 is each case's ``== name`` followed by its lines, in table order, with run-specific parts (the
-session's temporary directory, the checkout, the signing key) masked.
+case's own directory, the session's temporary and config directories, the checkout, the signing
+key, the harness version) masked. A line that is not one line fails the test: refusals are one line.
 
 A wording change is a diff of a golden file: ``python -m pytest tests/unit/test_operator_words.py
 --qualify-update-goldens`` rewrites the files, and the review reads the diff. Whether a check

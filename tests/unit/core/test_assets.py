@@ -177,18 +177,32 @@ def test_the_wheel_ships_every_file_a_shipped_lane_reads() -> None:
     assert LANE_IDENTITIES and needed - _package_data_files() == set()
 
 
-def test_the_version_is_the_installed_metadata_not_a_build_left_in_the_checkout(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_version_is_the_installed_metadata_not_a_build_left_in_the_checkout(tmp_path: Path) -> None:
+    """Any setuptools build in a checkout leaves trust_ladder.egg-info there; Python started in the
+    checkout (sys.path[0] == "") would find it before the installed metadata. A copy of the
+    package's top module stands in for the checkout, so nothing is written into the real one."""
     import qualify
 
-    # Any setuptools build in a checkout leaves trust_ladder.egg-info there; Python started in
-    # the checkout (sys.path[0] == "") would find it before the installed metadata.
-    stale = tmp_path / "trust_ladder.egg-info"
-    stale.mkdir()
-    (stale / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: trust-ladder\nVersion: 9.9.9\n", encoding="utf-8")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", ["", *sys.path])
-    monkeypatch.setattr(qualify, "_CHECKOUT", tmp_path.resolve())
-    assert qualify._distribution_version() != "9.9.9"
-    monkeypatch.setattr(qualify, "_CHECKOUT", tmp_path / "elsewhere")  # the same layout, not the checkout
-    assert qualify._distribution_version() == "9.9.9"
+    def stale_build(directory: Path) -> None:
+        (directory / "trust_ladder.egg-info").mkdir(parents=True)
+        (directory / "trust_ladder.egg-info" / "PKG-INFO").write_text(
+            "Metadata-Version: 2.4\nName: trust-ladder\nVersion: 9.9.9\n", encoding="utf-8")
+
+    checkout, elsewhere = tmp_path / "checkout", tmp_path / "elsewhere"
+    (checkout / "qualify").mkdir(parents=True)
+    shutil.copyfile(qualify.__file__, checkout / "qualify" / "__init__.py")
+    stale_build(checkout)
+    stale_build(elsewhere)
+    env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+
+    def started_in(cwd: Path, **more: str) -> tuple[str, str]:
+        probe = "import qualify; print(qualify.__file__); print(qualify.__version__)"
+        ran = subprocess.run([sys.executable, "-c", probe], cwd=cwd, env={**env, **more}, capture_output=True,
+                             text=True, timeout=120, check=True)
+        module, version = ran.stdout.splitlines()
+        assert Path(module) == checkout / "qualify" / "__init__.py", module  # the stand-in was imported
+        return module, version
+
+    assert started_in(checkout)[1] != "9.9.9"
+    # the same layout, but started outside it: a build in the working directory is any other metadata
+    assert started_in(elsewhere, PYTHONPATH=str(checkout))[1] == "9.9.9"

@@ -288,11 +288,17 @@ def test_each_side_hashes_each_payload_byte_once_over_its_threads(
     threads: set[int] = set()
     helpers: list[bool] = []
     real_sha256 = hashlib.sha256
-    real_concurrent = wire._Concurrent
 
-    def counting_concurrent(work, *, threaded: bool):
-        helpers.append(threaded)
-        return real_concurrent(work, threaded=threaded)
+    class CountingThread(threading.Thread):
+        """A helper thread the hashing starts, counted (daemon or not, as it was asked for)."""
+
+        def __init__(self, *args, daemon: bool | None = None, **kwargs) -> None:
+            helpers.append(bool(daemon))
+            super().__init__(*args, daemon=daemon, **kwargs)
+
+    class CountingThreading:
+        Thread = CountingThread
+        Lock = threading.Lock
 
     class CountingSha256:
         def __init__(self, data: bytes | memoryview = b"") -> None:
@@ -311,7 +317,7 @@ def test_each_side_hashes_each_payload_byte_once_over_its_threads(
         sha256 = CountingSha256
 
     monkeypatch.setattr(wire, "hashlib", CountingHashlib)
-    monkeypatch.setattr(wire, "_Concurrent", counting_concurrent)
+    monkeypatch.setattr(wire, "threading", CountingThreading)
     # The MAC and key name hash the manifest and key, not the payload: keep them off the count.
     monkeypatch.setattr(wire, "manifest_mac",
                         lambda key, data: hmac.new(key, data, real_sha256).digest())

@@ -33,6 +33,8 @@ from tests.support.wire_mutants import (
     all_mutants,
     canonical_bytes,
     equivalent,
+    failing_expectation,
+    forbid_hashing,
     pristine_expectation,
     pristine_handoff,
     pristine_kv,
@@ -201,10 +203,7 @@ def test_foreign_producer_mode_with_the_expected_cache_identity_is_refused_namin
 
 
 def test_run_binding_is_checked_before_any_payload_byte_is_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_hashing(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the payload was hashed before the run binding was checked")
-
-    monkeypatch.setattr(wire, "_tensor_digests", no_hashing)
+    forbid_hashing(monkeypatch, pristine_handoff().payload_bytes)
     for edit, check in (({"run_id": "run-2"}, "manifest.run_id"), ({"lane": "other-lane"}, "manifest.lane"),
                         ({"key_id": "0" * 16}, "manifest.key_id")):
         assert refusal_of(forged(edit)).check == check
@@ -225,15 +224,12 @@ def test_expected_payload_bytes_is_the_exact_payload_size_of_the_geometry() -> N
 def test_payload_bytes_other_than_the_expected_size_is_refused_before_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
     original = pristine_handoff()
     size = len(original.payload_bytes)
-
-    def no_hashing(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the payload was hashed before its size was checked")
-
-    monkeypatch.setattr(wire, "_tensor_digests", no_hashing)
+    short = Handoff(original.manifest_bytes, original.mac, bytes(original.payload_bytes)[:-1])
+    forbid_hashing(monkeypatch, original.payload_bytes)
     refused = refusal_of(forged({"payload.bytes": size + 8}))
     assert (refused.check, str(refused)) == ("payload.bytes", f"payload.bytes is {size + 8}, expected {size} "
                                                               f"for the expected geometry")
-    short = Handoff(original.manifest_bytes, original.mac, bytes(original.payload_bytes)[:-1])
+    forbid_hashing(monkeypatch, short.payload_bytes)
     assert refusal_of(short).check == "payload.bytes"
 
 
@@ -242,37 +238,45 @@ def test_payload_bytes_other_than_the_expected_size_is_refused_before_hashing(mo
 
 
 @pytest.mark.parametrize(
-    ("helper", "error", "check"),
+    ("field", "error", "check"),
     [
-        ("_locate_tensors", KeyError("layers.0.k"), "payload.header"),
-        ("_tensor_digests", MemoryError(), "payload.tree_sha256"),
-        ("_check_payload_layout", TypeError("unhashable type: 'list'"), "payload.layout"),
-        ("_parse_manifest", RecursionError("maximum recursion depth exceeded"), "manifest"),
-        ("_check_run_binding", UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed"), "run"),
-        ("_check_geometries", OverflowError("int too large"), "geometry"),
-        ("_check_expectations", struct.error("unpack requires a buffer of 8 bytes"), "identity"),
-        ("_first_changed_seam", ValueError("bad"), "payload.tree_sha256"),
+        ("run_id", KeyError("layers.0.k"), "run"),
+        ("run_id", MemoryError(), "run"),
+        ("identity_sha256", TypeError("unhashable type: 'list'"), "identity"),
+        ("identity_sha256", RecursionError("maximum recursion depth exceeded"), "identity"),
+        ("geometry", UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed"), "geometry"),
+        ("geometry", OverflowError("int too large"), "geometry"),
+        ("expected_payload_bytes", struct.error("unpack requires a buffer of 8 bytes"), "payload.bytes"),
+        ("expected_payload_bytes", ValueError("bad"), "payload.bytes"),
     ],
     ids=["KeyError", "MemoryError", "TypeError", "RecursionError", "UnicodeError", "OverflowError",
          "struct.error", "ValueError"],
 )
 def test_an_unexpected_exception_inside_open_handoff_is_refused_naming_its_stage(
-    monkeypatch: pytest.MonkeyPatch, helper: str, error: Exception, check: str,
+    field: str, error: Exception, check: str,
 ) -> None:
-    def fail(*args: object, **kwargs: object) -> None:
-        raise error
-
-    monkeypatch.setattr(wire, helper, fail)
-    handoff = pristine_handoff()
-    if helper == "_first_changed_seam":  # reached only on a tree digest mismatch
-        flipped = bytearray(handoff.payload_bytes)
-        flipped[-1] ^= 1
-        handoff = Handoff(handoff.manifest_bytes, handoff.mac, bytes(flipped))
+    # the consumer's own expectation fails when a stage reads it: whatever the exception, one refusal
     with pytest.raises(HandoffRefused) as refused:
-        open_handoff(handoff, RUN_KEY, pristine_expectation())
+        open_handoff(pristine_handoff(), RUN_KEY, failing_expectation(pristine_expectation(), field, error))
     assert refused.value.check == check
     assert str(refused.value).startswith(f"handoff {check}: unexpected {type(error).__name__}")
     assert "\n" not in str(refused.value) and refused.value.__suppress_context__
+
+
+def test_running_out_of_memory_while_hashing_the_payload_is_refused_as_the_tree_digest_stage(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    handoff = pristine_handoff()
+
+    def sha256(data: object = b"", *args: object) -> object:
+        if isinstance(data, memoryview) and data.obj is handoff.payload_bytes:
+            raise MemoryError("cannot allocate")
+        return hashlib.sha256(data, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(wire, "hashlib", type("OutOfMemory", (), {"sha256": staticmethod(sha256)}))
+    with pytest.raises(HandoffRefused) as refused:
+        open_handoff(handoff, RUN_KEY, pristine_expectation())
+    assert (refused.value.check, str(refused.value)) == ("payload.tree_sha256",
+                                                         "handoff payload.tree_sha256: unexpected MemoryError (cannot allocate)")
 
 
 @pytest.mark.parametrize(

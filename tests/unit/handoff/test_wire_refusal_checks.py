@@ -17,7 +17,8 @@ import pytest
 
 from qualify.core.errors import HandoffRefused, Refused
 from qualify.handoff import wire
-from qualify.handoff.wire import Handoff, HandoffExpectation, manifest_canonical_bytes, manifest_mac
+from qualify.handoff.wire import Handoff, HandoffExpectation, manifest_canonical_bytes, manifest_mac, open_handoff
+from tests.support.wire_mutants import failing_expectation
 from tests.unit.handoff.test_handoff_wire import (
     DRAFT_GEOMETRY,
     EXPECTATION,
@@ -199,22 +200,47 @@ def fail(*_args: Any, **_kwargs: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- each stage by name
+# An unexpected failure inside a stage is reached here through the consumer's own input (an
+# expectation whose field fails when a stage reads it) or through the public functions a stage calls
+# (the MAC, the canonical form, the header's JSON reader, the tree digest, the seam comparison, the
+# draft context digest, the install). The payload layout stage calls neither: it reads only the
+# producer's bytes, which every hostile producer test refuses by name, so nothing reaches an
+# unexpected failure there.
 
 
-@pytest.mark.parametrize(("stage", "helper"), [
-    ("mac", "manifest_mac"),
-    ("manifest", "_parse_manifest"),
-    ("run", "_check_run_binding"),
-    ("identity", "_check_expectations"),
-    ("geometry", "_check_geometries"),
-    ("payload.bytes", "_exact_payload_bytes"),
-    ("payload.header", "_locate_tensors"),
-    ("payload.tree_sha256", "_tensor_digests"),
-    ("payload.layout", "_check_payload_layout"),
+@pytest.mark.parametrize(("stage", "field"), [
+    ("run", "run_id"),
+    ("identity", "identity_sha256"),
+    ("geometry", "geometry"),
+    ("payload.bytes", "expected_payload_bytes"),
 ])
-def test_an_unexpected_error_is_refused_naming_the_stage_it_happened_in(monkeypatch, stage, helper):
-    monkeypatch.setattr(wire, helper, fail)
+def test_an_unexpected_error_is_refused_naming_the_stage_it_happened_in(stage, field):
+    with pytest.raises(HandoffRefused) as refused:
+        open_handoff(SEALED, KEY, failing_expectation(EXPECTATION, field, RuntimeError("boom")))
+    assert (refused.value.check, str(refused.value)) == (stage, f"handoff {stage}: unexpected RuntimeError (boom)")
+
+
+@pytest.mark.parametrize(("stage", "function"), [
+    ("mac", "manifest_mac"),
+    ("manifest", "manifest_canonical_bytes"),
+    ("payload.tree_sha256", "payload_tree_sha256"),
+])
+def test_an_unexpected_error_in_a_public_function_a_stage_calls_is_refused_naming_the_stage(monkeypatch, stage,
+                                                                                          function):
+    monkeypatch.setattr(wire, function, fail)
     assert refusal(SEALED) == (stage, f"handoff {stage}: unexpected RuntimeError (boom)")
+
+
+def test_an_unexpected_error_reading_the_payload_header_is_refused_as_the_header_stage(monkeypatch):
+    real_parse = wire.parse_untrusted_json
+
+    def parse(data: Any, where: str, **limits: Any) -> Any:
+        if where == "handoff payload header":  # the manifest, read first, parses as ever
+            raise RuntimeError("boom")
+        return real_parse(data, where, **limits)
+
+    monkeypatch.setattr(wire, "parse_untrusted_json", parse)
+    assert refusal(SEALED) == ("payload.header", "handoff payload.header: unexpected RuntimeError (boom)")
 
 
 def test_an_unexpected_error_while_checking_seams_is_refused_as_the_seam_stage(monkeypatch):
@@ -241,12 +267,11 @@ def test_an_unexpected_error_in_the_draft_context_or_the_install_names_its_stage
         "install", "handoff install: unexpected RuntimeError (boom)")
 
 
-def test_a_harness_refusal_inside_a_stage_keeps_its_words_and_takes_the_stages_name(monkeypatch):
-    def refuse(*_args: Any) -> None:
-        raise Refused("the expectation could not be read")
-
-    monkeypatch.setattr(wire, "_check_expectations", refuse)
-    assert refusal(SEALED) == ("identity", "the expectation could not be read")
+def test_a_harness_refusal_inside_a_stage_keeps_its_words_and_takes_the_stages_name():
+    expectation = failing_expectation(EXPECTATION, "identity_sha256", Refused("the expectation\ncould not be read"))
+    with pytest.raises(HandoffRefused) as refused:
+        open_handoff(SEALED, KEY, expectation)
+    assert (refused.value.check, str(refused.value)) == ("identity", "the expectation could not be read")
 
 
 # --------------------------------------------------------------------------- inputs of the wrong kind

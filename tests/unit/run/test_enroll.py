@@ -22,7 +22,6 @@ from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused
 from qualify.evidence.records import rule_from_identity
 from qualify.judge import judge_summary
-from qualify.run import enroll as enroll_module
 from qualify.run.enroll import enroll, enroll_cli, enrollment_for, key_for, load_registry
 from tests.unit.archive.test_receipts import make_writable
 from tests.unit.judge.test_judge import rung2_record, rung3_record
@@ -306,11 +305,18 @@ def test_key_for_refuses(places):
         key_for(identity.lane, places.registry, places.keys)
 
 
-def test_enroll_cli(places, monkeypatch, capsys):
-    identity = FakeIdentity()
-    receipt = qualify_receipt(places.archive, identity)
-    monkeypatch.setattr(enroll_module, "_load_identity", lambda path: identity)
-    args = ["--identity", "lane.json", "--registry", str(places.registry), "--keys", str(places.keys)]
+def test_enroll_cli(places, capsys):
+    """The command as an operator runs it: a shipped identity file (its basis receipt committed in
+    receipts/), and a passing receipt of that identity."""
+    from qualify.contract.identity import load_identity
+    from qualify.run.contract import identity_path_for_lane
+
+    identity_path = identity_path_for_lane("nvfp4-native-splitk")
+    identity = load_identity(identity_path)
+    rule = rule_from_identity(identity, drift_graded=True)
+    within = dict(max_abs=rule.maximum_absolute / 2, mean_abs=rule.maximum_mean_absolute / 2)
+    receipt = qualify_receipt(places.archive, identity, [rung2_record(i, **within) for i in (1, 2, 3)], rule=rule)
+    args = ["--identity", str(identity_path), "--registry", str(places.registry), "--keys", str(places.keys)]
     assert enroll_cli([*args, "--receipt", str(receipt)]) == 0
     assert capsys.readouterr().out.startswith("enrolled nvfp4-native-splitk (nvfp4, native-text): key ")
     uri = f"receipt://{receipt.name}/validation-summary.json"
