@@ -37,8 +37,9 @@ mkdir -p out
 # The harness's own tests: spread over both cores; slow and torch-marked tests included. The
 # network-namespace tests (root only) are .ci/run's own tier, after this script.
 OPENBLAS_NUM_THREADS=1 run_pytest tests -n 2 -q -m "not netns" --junitxml=out/tests.xml
-# Both qualification recipes as CI gates (independent runs spread over the two cores), with JUnit XML.
-OPENBLAS_NUM_THREADS=1 run_pytest recipes -n 2 -q --junitxml=out/recipes.xml --receipts out/receipts
+# Both qualification recipes as CI gates (independent runs spread over the two cores), with JUnit XML;
+# the recipes ship in the package (qualify/recipes), so --pyargs finds them from any directory.
+OPENBLAS_NUM_THREADS=1 run_pytest --pyargs qualify.recipes -n 2 -q --junitxml=out/recipes.xml --qualify-receipts out/receipts
 # Every fault lane must fail where it was injected.
 "$VENV/bin/qualify" selftest --receipts out/selftest-receipts
 # An auditor without the harness verifies a fresh signed receipt (docs/receipts.md): the offline
@@ -67,6 +68,10 @@ python3 -m venv "$elsewhere/venv"
 checkout="$PWD"
 (cd "$elsewhere" && venv/bin/python -c "import qualify, sys; sys.exit(qualify.__file__.startswith(sys.argv[1]))" "$checkout") \
   || { echo "test.sh: the wheel's venv imports the checkout's package; its run would prove nothing" >&2; exit 1; }
+wheel_version="$(cd "$elsewhere" && venv/bin/qualify --version)"
+case "$wheel_version" in
+  "qualify 0+unknown"|"") echo "test.sh: the installed wheel reports no version: '$wheel_version'" >&2; exit 1 ;;
+esac
 (cd "$elsewhere" && venv/bin/qualify --recipe native-text --reference-once --receipts "$elsewhere/receipts")
 (cd "$elsewhere" && venv/bin/qualify receipts verify --trust "$checkout/out/trust.json" "$elsewhere"/receipts/2*)
 "$VENV/bin/python" tools/same_numbers.py out/offline-receipts/2* "$elsewhere"/receipts/2*

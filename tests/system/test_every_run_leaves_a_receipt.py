@@ -372,8 +372,8 @@ def test_interrupted_pytest_recipe_kills_its_producer_and_leaves_an_incomplete_r
     interrupted_places: tuple[Path, Path], capsys: pytest.CaptureFixture[str], signum: signal.Signals, exit_code: int
 ) -> None:
     archive, _cwd = interrupted_places
-    command = [sys.executable, "-m", "pytest", "recipes/native_text.py", "-q", "-p", "no:xdist",
-               "--reference-once", "--receipts", str(archive)]
+    command = [sys.executable, "-m", "pytest", "qualify/recipes/native_text.py", "-q", "-p", "no:xdist",
+               "--qualify-reference-once", "--qualify-receipts", str(archive)]
     code, out, err, producer = interrupt_run(command, REPO, archive, signum)
     assert code == exit_code, (out, err)
     assert f"RunInterrupted: {signum.name}" in out and "Traceback" not in out + err, (out, err)  # pytest's interrupt line
