@@ -116,7 +116,7 @@ def test_help_names_the_command_its_arguments_and_what_each_is_for(monkeypatch, 
         "options:",
         "-h, --help show this help message and exit",
         f"--trust TRUST trust file of public keys (default {default_trust_path()} when it exists)",
-        "--json print one JSON document on stdout (contracts/cli-receipts-verify.v1.schema.json)",
+        "--json print one JSON document on stdout (contracts/cli-receipts-verify.v2.schema.json)",
     ]
 
 
@@ -476,7 +476,7 @@ def test_json_output_is_ascii_indented_by_two_and_names_the_trust_file_given(tmp
     assert verify_cli(["--json", "--trust", str(trust_path), str(archive)]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""
-    assert captured.out.startswith('{\n  "schema": "trust-ladder.cli-receipts-verify.v1",\n  "status": "passed",\n')
+    assert captured.out.startswith('{\n  "schema": "trust-ladder.cli-receipts-verify.v2",\n  "status": "passed",\n')
     assert "é" not in captured.out and '"path": "' + str(receipt).replace("é", "\\u00e9") + '"' in captured.out
     document = json.loads(captured.out)
     assert document["trust"] == str(trust_path)
