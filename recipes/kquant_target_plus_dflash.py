@@ -2,22 +2,29 @@
 bit-exact: target tokens, full logits, draft tokens and trace, with draft acceptance at or above
 the sealed floor.
 
-Run: ``pytest recipes/kquant_target_plus_dflash.py`` (options: --identity, --reference-once,
---drift-graded, --fault, --receipts). ``qualify --recipe kquant-target-plus-dflash`` drives the
-same steps in-process.
+Run: ``python -m pytest --pyargs qualify.recipes.kquant_target_plus_dflash`` (options:
+--qualify-identity, --qualify-reference-once, --qualify-drift-graded, --qualify-fault,
+--qualify-receipts). ``qualify --recipe kquant-target-plus-dflash`` drives the same steps in-process.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import pytest
 
 from qualify.interfaces.plugin import run_recipe_step
 from qualify.run.qualification import STEP_LABELS
 
+if TYPE_CHECKING:
+    from qualify.run.qualification import QualificationRun
+
 RECIPE = "kquant-target-plus-dflash"
 pytestmark = pytest.mark.recipe(RECIPE)
 
 
 @pytest.mark.parametrize("label", STEP_LABELS)
-def test_step(qualification, label, record_property):
-    """One progress label; parametrized in order, so the run's steps execute in sequence.
-    ``record_property`` carries the step's numbers and the run's verdict into the JUnit XML."""
-    run_recipe_step(qualification, label, record_property)
+def test_step(qualification: QualificationRun, label: str, request: pytest.FixtureRequest) -> None:
+    """One progress label; parametrized in order, so the run's steps execute in sequence. The
+    step's numbers and the run's verdict go into the test's JUnit XML properties."""
+    run_recipe_step(qualification, label, request.node)

@@ -62,8 +62,9 @@ check() {
 
 system() {
   step system run_pytest tests/system -n 2 -q -m "not slow" --junitxml=out/system-tests.xml
-  # Both qualification recipes as CI gates (independent runs spread over the two cores), with JUnit XML.
-  step recipes run_pytest recipes -n 2 -q --junitxml=out/recipes.xml --receipts out/receipts
+  # Both qualification recipes as CI gates (independent runs spread over the two cores), with JUnit
+  # XML; they ship in the package (qualify.recipes), so --pyargs finds them from any directory.
+  step recipes run_pytest --pyargs qualify.recipes -n 2 -q --junitxml=out/recipes.xml --qualify-receipts out/receipts
   # Every fault lane must fail where it was injected.
   step selftest "$VENV/bin/qualify" selftest --receipts out/selftest-receipts
   step offline-verifier offline_verifier
@@ -100,6 +101,11 @@ wheel_elsewhere() {
   "$elsewhere/venv/bin/pip" install -q --disable-pip-version-check -c constraints.txt out/wheel/dist/trust_ladder-*.whl 2>&1 | quiet
   (cd "$elsewhere" && venv/bin/python -c "import qualify, sys; sys.exit(qualify.__file__.startswith(sys.argv[1]))" "$checkout") \
     || { echo "test.sh: the wheel's venv imports the checkout's package; its run would prove nothing" >&2; exit 1; }
+  local wheel_version
+  wheel_version="$(cd "$elsewhere" && venv/bin/qualify --version)"
+  case "$wheel_version" in
+    "qualify 0+unknown"|"") echo "test.sh: the installed wheel reports no version: '$wheel_version'" >&2; exit 1 ;;
+  esac
   (cd "$elsewhere" && venv/bin/qualify --recipe native-text --reference-once --receipts "$elsewhere/receipts")
   (cd "$elsewhere" && venv/bin/qualify receipts verify --trust "$checkout/out/trust.json" "$elsewhere"/receipts/2*)
   "$VENV/bin/python" tools/same_numbers.py out/offline-receipts/2* "$elsewhere"/receipts/2*

@@ -9,7 +9,10 @@ unattended (whoever can read the operator's account can sign as the operator: do
 A key id is the SHA-256 hex digest of the raw 32-byte public key, so an auditor recomputes it from
 the public key alone. The trust file (``trust-ladder.trust.v1``, ``contracts/trust.v1.schema.json``)
 lists public keys by key id; a key that was rotated out stays listed with its revocation (when, why,
-which key replaced it), and nothing it signed verifies any more. ``<config>/trust.json`` is the
+which key replaced it), and nothing it signed verifies any more. A v2 trust file
+(``contracts/trust.v2.schema.json``) also gives each key its role and the window of run starts it
+may vouch for, and pins legacy receipts (from before signing) by their manifest's SHA-256: the
+project's own, ``contracts/basis-trust.json``, is how an auditor verifies the basis receipts. ``<config>/trust.json`` is the
 operator's own trust file: ``keys init`` adds the new key to it. An auditor verifies with a trust
 file of their choosing (``qualify receipts verify --trust FILE``), e.g. one made by
 ``qualify keys show --trust-file`` on the operator's machine and carried over.
@@ -35,12 +38,20 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from qualify.archive.layout import json_bytes
 from qualify.core.arguments import require_private_file
-from qualify.core.assets import require_asset
+from qualify.core.assets import asset_path, require_asset
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_schema, parse_untrusted_json, read_bounded
 
 TRUST_SCHEMA = "trust-ladder.trust.v1"
 TRUST_SCHEMA_PATH = require_asset("contracts/trust.v1.schema.json")
+TRUST_SCHEMA_V2 = "trust-ladder.trust.v2"
+TRUST_SCHEMA_V2_PATH = require_asset("contracts/trust.v2.schema.json")
+_TRUST_SCHEMAS = {TRUST_SCHEMA: TRUST_SCHEMA_PATH, TRUST_SCHEMA_V2: TRUST_SCHEMA_V2_PATH}
+OPERATOR_ROLE = "operator"
+"""A v2 key's role when it is an operator account's receipt-signing key (``keys init`` makes one)."""
+BASIS_TRUST_FILE = asset_path("contracts/basis-trust.json")
+"""The project's trust file for its basis receipts (``receipts/``): the keys that signed them and
+the legacy ones pinned by manifest digest. ``qualify receipts verify --trust`` it."""
 SIGNING_KEY_FILE = "signing-key.pem"
 TRUST_FILE = "trust.json"
 ALGORITHM = "ed25519"
@@ -87,45 +98,103 @@ class Revocation:
 
 @dataclass(frozen=True)
 class TrustedKey:
-    """One public key of a trust file; ``revoked`` is None while it is trusted."""
+    """One public key of a trust file; ``revoked`` is None while it is trusted. A v2 file's key
+    also has a ``role`` and vouches only for runs started from ``valid_from`` to ``valid_until``
+    (None: no end); a v1 file's has neither (``role`` None) and vouches for any run."""
 
     key_id: str
     public: bytes
     comment: str
     added_utc: str
     revoked: Revocation | None = None
+    role: str | None = None
+    valid_from: str | None = None
+    valid_until: str | None = None
 
     def public_key(self) -> Ed25519PublicKey:
         return Ed25519PublicKey.from_public_bytes(self.public)
 
+    def vouches_for(self, started_utc: str) -> bool:
+        """Whether a run started at ``started_utc`` (ISO 8601, UTC) lies inside the key's window."""
+        if self.valid_from is None:
+            return True
+        started, start = _utc_instant(started_utc), _utc_instant(self.valid_from)
+        end = None if self.valid_until is None else _utc_instant(self.valid_until)
+        if started is None or start is None or (self.valid_until is not None and end is None):
+            return False  # an unreadable time vouches for nothing
+        return start <= started and (end is None or started <= end)
+
+    def window(self) -> str:
+        """The key's window in words: ``runs started from A to B`` (``from A on`` with no end)."""
+        return f"runs started from {self.valid_from} " + (f"to {self.valid_until}" if self.valid_until else "on")
+
+    def document(self, schema: str = TRUST_SCHEMA) -> dict[str, Any]:
+        document = {"keyid": self.key_id, "algorithm": ALGORITHM, "public_key": self.public.hex(),
+                    "comment": self.comment, "added_utc": self.added_utc,
+                    "revoked": None if self.revoked is None else self.revoked.document()}
+        if schema == TRUST_SCHEMA_V2:
+            document.update(role=self.role or OPERATOR_ROLE, valid_from=self.valid_from or self.added_utc,
+                            valid_until=self.valid_until)
+        return document
+
+
+def _utc_instant(text: str) -> _dt.datetime | None:
+    """An ISO 8601 UTC time (``...Z``, with or without fractions of a second), or None."""
+    if not isinstance(text, str) or not text.endswith("Z"):
+        return None
+    try:
+        moment = _dt.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return moment if moment.utcoffset() == _dt.timedelta(0) else None
+
+
+@dataclass(frozen=True)
+class LegacyReceipt:
+    """A receipt from before signing that a v2 trust file pins by its manifest's SHA-256."""
+
+    run_id: str
+    manifest_sha256: str
+    note: str
+
     def document(self) -> dict[str, Any]:
-        return {"keyid": self.key_id, "algorithm": ALGORITHM, "public_key": self.public.hex(),
-                "comment": self.comment, "added_utc": self.added_utc,
-                "revoked": None if self.revoked is None else self.revoked.document()}
+        return {"run_id": self.run_id, "manifest_sha256": self.manifest_sha256, "note": self.note}
 
 
 @dataclass(frozen=True)
 class TrustFile:
-    """Public keys by key id, from one trust file (``source`` names it in messages)."""
+    """Public keys by key id, and (v2) legacy receipts by run id, from one trust file (``source``
+    names it in messages); ``schema`` is the version it is written back as."""
 
     keys: tuple[TrustedKey, ...]
     source: str
+    legacy: tuple[LegacyReceipt, ...] = ()
+    schema: str = TRUST_SCHEMA
 
     def get(self, wanted: str) -> TrustedKey | None:
         return next((key for key in self.keys if key.key_id == wanted), None)
 
+    def legacy_receipt(self, run_id: str) -> LegacyReceipt | None:
+        return next((entry for entry in self.legacy if entry.run_id == run_id), None)
+
     def document(self) -> dict[str, Any]:
-        return {"schema": TRUST_SCHEMA, "keys": [key.document() for key in self.keys]}
+        document: dict[str, Any] = {"schema": self.schema, "keys": [key.document(self.schema) for key in self.keys]}
+        if self.schema == TRUST_SCHEMA_V2:
+            document["legacy_receipts"] = [entry.document() for entry in self.legacy]
+        return document
 
 
 # --------------------------------------------------------------------------- reading
 
 
 def parse_trust(data: bytes, where: str) -> TrustFile:
-    """A trust file's bytes, validated whole: schema, one entry per key id, every key id the
-    digest of its public key (a trust file cannot name one key and hold another)."""
+    """A trust file's bytes, validated whole: schema (v1, or v2 with roles, windows and legacy
+    receipts), one entry per key id, every key id the digest of its public key (a trust file cannot
+    name one key and hold another), every window from its start to a later end, one pin per run."""
     document = parse_untrusted_json(data, where, max_bytes=_TRUST_FILE_MAX_BYTES)
-    check_schema(document, TRUST_SCHEMA_PATH, where)
+    found = document.get("schema") if isinstance(document, dict) else None
+    schema = found if isinstance(found, str) and found in _TRUST_SCHEMAS else TRUST_SCHEMA
+    check_schema(document, _TRUST_SCHEMAS[schema], where)
     keys: list[TrustedKey] = []
     for index, entry in enumerate(document["keys"]):
         public = bytes.fromhex(entry["public_key"])
@@ -138,10 +207,24 @@ def parse_trust(data: bytes, where: str) -> TrustFile:
         except ValueError:
             raise Refused(f"{where}: keys[{index}].public_key is not an Ed25519 public key") from None
         revoked = entry["revoked"]
+        valid_from, valid_until = entry.get("valid_from"), entry.get("valid_until")
+        for name, moment in (("valid_from", valid_from), ("valid_until", valid_until)):
+            if moment is not None and _utc_instant(moment) is None:
+                raise Refused(f"{where}: keys[{index}].{name} {moment!r} is not a UTC time")
+        start = None if valid_from is None else _utc_instant(valid_from)
+        end = None if valid_until is None else _utc_instant(valid_until)
+        if start is not None and end is not None and end < start:
+            raise Refused(f"{where}: keys[{index}]: valid_until {valid_until} is before valid_from {valid_from}")
         keys.append(TrustedKey(entry["keyid"], public, entry["comment"], entry["added_utc"],
                                None if revoked is None else
-                               Revocation(revoked["utc"], revoked["reason"], revoked["replaced_by"])))
-    return TrustFile(tuple(keys), where)
+                               Revocation(revoked["utc"], revoked["reason"], revoked["replaced_by"]),
+                               entry.get("role"), valid_from, valid_until))
+    legacy: list[LegacyReceipt] = []
+    for index, entry in enumerate(document.get("legacy_receipts", [])):
+        if any(pinned.run_id == entry["run_id"] for pinned in legacy):
+            raise Refused(f"{where}: legacy_receipts[{index}].run_id {entry['run_id']} is listed twice")
+        legacy.append(LegacyReceipt(entry["run_id"], entry["manifest_sha256"], entry["note"]))
+    return TrustFile(tuple(keys), where, tuple(legacy), schema)
 
 
 def load_trust(path: str | os.PathLike[str]) -> TrustFile:
@@ -194,7 +277,7 @@ def _write_private(path: Path, data: bytes) -> None:
 def _write_trust(path: Path, trust: TrustFile) -> None:
     """Replace the trust file atomically (validated first: a trust file is never half written)."""
     document = trust.document()
-    check_schema(document, TRUST_SCHEMA_PATH, f"trust file {path}")
+    check_schema(document, _TRUST_SCHEMAS[trust.schema], f"trust file {path}")
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(descriptor, "wb") as handle:

@@ -369,15 +369,19 @@ def _host_problems(root: Path) -> list[str]:
 
 # --------------------------------------------------------------------------- authentication
 
-State = Literal["verified", "unsigned", "untrusted", "tampered", "partial"]
+State = Literal["verified", "legacy", "unsigned", "untrusted", "tampered", "partial"]
+"""How ``receipts verify`` judges a receipt. ``verified``: signed by a key the trust file trusts for
+that run. ``legacy``: from before signing, intact, and its manifest pinned by digest in the trust
+file (not signed, so not ``verified``, but as authentic as that file). Both pass, as ``partial``
+(a leftover) does; ``unsigned``, ``untrusted`` and ``tampered`` fail."""
 
 
 @dataclass
 class ReceiptCheck:
-    """One receipt as ``receipts verify`` judges it: ``state`` (only ``verified`` and ``partial``
-    pass), the run ``status`` it records (authenticated only when verified), the signer, the
-    problems found (each one line) and, once verified, the signed predicate (what a reader of the
-    receipt may quote as the signer's)."""
+    """One receipt as ``receipts verify`` judges it: ``state`` (``verified``, ``legacy`` and
+    ``partial`` pass), the run ``status`` it records (authenticated only when verified), the signer,
+    the problems found (each one line), once verified the signed predicate (what a reader of the
+    receipt may quote as the signer's), and for a legacy one the trust file pinning it."""
 
     name: str
     state: State
@@ -386,6 +390,7 @@ class ReceiptCheck:
     files: int = 0
     problems: list[str] = field(default_factory=list)
     predicate: Mapping[str, Any] | None = None
+    pinned_by: str | None = None
 
 
 def _recorded_status(root: Path) -> str | None:
@@ -471,6 +476,7 @@ def authenticate_receipt(directory: str | os.PathLike[str], trust: TrustFile | N
     if not os.path.lexists(root / ENVELOPE):
         if not check.problems and _manifest_schema(root) == LEGACY_MANIFEST_SCHEMA:
             check.state = "unsigned"
+            _pinned_legacy(root, check, trust)
         elif not check.problems:
             check.problems.append(f"missing file {ENVELOPE}")
         return check
@@ -488,9 +494,39 @@ def authenticate_receipt(directory: str | os.PathLike[str], trust: TrustFile | N
     check.problems.extend(_subject_problems(root, attestation.subjects, hashed))
     check.problems.extend(_predicate_problems(root, attestation.predicate, check.status))
     if not check.problems:
+        signer = trust.get(attestation.key_id) if trust is not None else None
+        started = attestation.predicate.get("started_utc")
+        if trust is not None and signer is not None and not signer.vouches_for(str(started)):
+            check.state = "untrusted"  # a genuine signature, by a key not trusted for this run
+            check.problems.append(f"signed by key {attestation.key_id[:16]}…, which {trust.source} trusts "
+                                  f"for {signer.window()}; this run started {render(started)}")
+            return check
         check.state = "verified"
         check.predicate = attestation.predicate
     return check
+
+
+def _pinned_legacy(root: Path, check: ReceiptCheck, trust: TrustFile | None) -> None:
+    """An intact unsigned receipt the trust file pins: ``legacy`` when its manifest's SHA-256 is the
+    pinned one, ``tampered`` when another (its files were edited and the manifest re-hashed)."""
+    pin = trust.legacy_receipt(root.name) if trust is not None else None
+    if pin is None or trust is None:
+        return
+    try:
+        descriptor, _size = open_regular_file(root / MANIFEST, MANIFEST)
+    except Refused as exc:
+        check.state = "tampered"
+        check.problems.append(str(exc))
+        return
+    with os.fdopen(descriptor, "rb") as handle:
+        digest = hashlib.file_digest(handle, hashlib.sha256).hexdigest()
+    if digest != pin.manifest_sha256:
+        check.state = "tampered"
+        check.problems.append(f"{MANIFEST}: sha256 {digest[:16]}… is not the {pin.manifest_sha256[:16]}… that "
+                              f"{trust.source} pins for this legacy receipt")
+        return
+    check.state = "legacy"
+    check.pinned_by = trust.source
 
 
 def _manifest_schema(root: Path) -> object:
@@ -527,8 +563,8 @@ def _is_empty(directory: Path) -> bool:
         return False
 
 
-_LABELS: dict[State, str] = {"verified": "ok       ", "partial": "partial  ", "unsigned": "UNSIGNED ",
-                             "untrusted": "UNTRUSTED", "tampered": "TAMPERED "}
+_LABELS: dict[State, str] = {"verified": "ok       ", "legacy": "legacy   ", "partial": "partial  ",
+                             "unsigned": "UNSIGNED ", "untrusted": "UNTRUSTED", "tampered": "TAMPERED "}
 
 
 def _report(check: ReceiptCheck, stream: TextIO) -> None:
@@ -536,6 +572,9 @@ def _report(check: ReceiptCheck, stream: TextIO) -> None:
     if check.state == "verified":
         print(f"{label} {check.name}: {check.status}; signed by {check.key_id and check.key_id[:16]}…, "
               f"{check.files} files match the signed statement", file=stream)
+    elif check.state == "legacy":
+        print(f"{label} {check.name}: {check.status}; a legacy receipt with no signed statement, pinned by its "
+              f"manifest's sha256 in {check.pinned_by}; {check.files} files match that manifest", file=stream)
     elif check.state == "unsigned":
         print(f"{label} {check.name}: legacy receipt with no signed statement; its files match its own "
               f"manifest, which anyone can recompute; records {check.status} (not authenticated)", file=stream)
@@ -569,14 +608,15 @@ def _tally(checks: Sequence[ReceiptCheck]) -> dict[str, Any]:
     """How many receipts are in each state, and how many verified ones record each status."""
     tally: dict[str, Any] = {"receipts": len(checks)}
     tally.update({state: sum(check.state == state for check in checks) for state in _LABELS})
-    tally["recorded"] = {status: sum(check.state == "verified" and check.status == status for check in checks)
+    tally["recorded"] = {status: sum(check.state in ("verified", "legacy") and check.status == status for check in checks)
                          for status in _RECORDED}
     return tally
 
 
 def _tally_line(tally: dict[str, Any]) -> str:
     recorded = ", ".join(f"{count} {status}" for status, count in tally["recorded"].items() if count)
-    return (f"{tally['receipts']} receipts: {tally['verified']} verified" + (f" ({recorded})" if recorded else "")
+    return (f"{tally['receipts']} receipts: {tally['verified']} verified"
+            + (f", {tally['legacy']} legacy" if tally["legacy"] else "") + (f" ({recorded})" if recorded else "")
             + "".join(f", {tally[state]} {state}" for state in ("partial", "unsigned", "untrusted", "tampered")
                       if tally[state]))
 
@@ -611,8 +651,9 @@ def verify_paths(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | Non
     return _exit_code(tally)
 
 
-VERIFY_JSON_SCHEMA = "trust-ladder.cli-receipts-verify.v1"
-"""The ``schema`` of ``receipts verify --json``'s document (contracts/cli-receipts-verify.v1.schema.json)."""
+VERIFY_JSON_SCHEMA = "trust-ladder.cli-receipts-verify.v2"
+"""The ``schema`` of ``receipts verify --json``'s document (contracts/cli-receipts-verify.v2.schema.json:
+v1 plus the ``legacy`` state and its count)."""
 
 
 def verify_document(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None,
@@ -648,7 +689,7 @@ def verify_cli(args: Sequence[str]) -> int:
     parser.add_argument("--trust", type=path_argument,
                         help=f"trust file of public keys (default {default_trust_path()} when it exists)")
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON document on stdout (contracts/cli-receipts-verify.v1.schema.json)")
+                        help="print one JSON document on stdout (contracts/cli-receipts-verify.v2.schema.json)")
     try:
         options = parser.parse_args(list(args))
     except SystemExit as exit_:

@@ -1,8 +1,12 @@
 """The ``qualify`` console script.
 
-Exit codes: 0 pass, 1 failed qualification, 2 refused contract or bad usage, 130 / 143 a recipe
-run interrupted by SIGINT / SIGTERM (its receipt sealed as incomplete). Every refusal or
-unexpected error is one line on stderr, never a traceback (set ``QUALIFY_DEBUG=1`` to see one).
+Exit codes (:data:`EXIT_CODES`, the same for every command): 0 pass, 1 failed qualification,
+2 refused (contract, usage or environment), 70 internal error (a bug in the harness), 128 + N a run
+stopped by signal N (130 SIGINT, 143 SIGTERM, 129 SIGHUP; its receipt sealed as incomplete). Every
+refusal is one line on stderr, never a traceback. An internal error is one line too, naming where
+its traceback was saved (:mod:`qualify.core.internal_error`: in the run's receipt when there is
+one, else the user state directory); ``QUALIFY_DEBUG=1`` raises it instead. Under ``--json`` an
+internal error prints no document: its exit code is the signal.
 Every parser is a :class:`OneLineParser` (a usage error is one line, exit 2), and path options
 are refused up front by the ``require_*`` helpers of :mod:`qualify.core.arguments` (empty, a file where a directory belongs,
 under a file, unwritable), before any step runs or anything is written.
@@ -50,10 +54,21 @@ from qualify import __version__
 from qualify.contract.lanes import Recipe
 from qualify.core.arguments import OneLineParser, path_argument, printable_line
 from qualify.core.errors import Refused, one_line
+from qualify.core.internal_error import EXIT_INTERNAL_ERROR, InternalError, described, internal_error_line, save_traceback
 
 EXIT_PASS = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
+
+EXIT_CODES = (
+    "Exit codes, the same for every command: 0 qualified (or done); 1 not qualified (a failed "
+    "qualification, calibration or self-test, a receipt that does not verify); 2 refused: the "
+    "contract, the usage or the environment (one line on stderr); "
+    f"{EXIT_INTERNAL_ERROR} internal error, a bug in the harness (one line naming the saved "
+    "traceback: in the run's receipt, else the user state directory); 128+N stopped by signal N "
+    "(130 SIGINT, 143 SIGTERM, 129 SIGHUP; the receipt sealed as incomplete)."
+)
+"""The exit codes as ``qualify --help`` states them (docs/troubleshooting.md, "Exit codes")."""
 
 # --------------------------------------------------------------------------- delegates
 
@@ -176,9 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="qualify",
         description=(
             "Qualify KV-cache handoff between inference engines against a frozen onboarding "
-            "identity, and archive the evidence. Exit 0 pass, 1 failed qualification, "
-            "2 refused contract or bad usage."
+            "identity, and archive the evidence."
         ),
+        epilog=EXIT_CODES,
     )
     parser.add_argument(
         "--recipe",
@@ -378,14 +393,16 @@ def _main(arguments: list[str]) -> int:
     except KeyboardInterrupt as exc:  # 128 + the signal: a run's RunInterrupted carries it, Ctrl-C is SIGINT (2)
         _say_error("qualify: interrupted")
         return 128 + int(getattr(exc, "signum", 2))
-    except Exception as exc:
+    except InternalError as exc:  # a run's: its traceback is saved already, in its receipt if it had one
         if _debug():
             raise
-        _say_error(
-            f"qualify: internal error: {type(exc).__name__}: {one_line(str(exc))[:200]} "
-            f"(set QUALIFY_DEBUG=1 for the traceback)"
-        )
-        return EXIT_REFUSED
+        _say_error(f"qualify: {exc}")
+        return EXIT_INTERNAL_ERROR
+    except Exception as exc:  # nothing explains it: a bug in the harness
+        if _debug():
+            raise
+        _say_error(f"qualify: {internal_error_line(described(exc), save_traceback(exc))}")
+        return EXIT_INTERNAL_ERROR
 
 
 def console() -> None:

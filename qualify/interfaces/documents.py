@@ -43,9 +43,10 @@ PHASES = ("producer_compute", "serialize", "transport", "verify", "install", "de
 """A sample's timed phases; the record's field is ``<phase>_s``."""
 
 
-SCHEMA_VERSIONS: dict[str, int] = {"recipe": 2, "calibrate": 2}
+SCHEMA_VERSIONS: dict[str, int] = {"recipe": 2, "calibrate": 2, "receipts-verify": 2}
 """Each command's document version where it is past 1 (a closed schema gains a field only in a
-new version): the recipe document's v2 adds ``scope``. Older versions' schemas stay committed."""
+new version): the recipe document's v2 adds ``scope``, receipts verify's the ``legacy`` state.
+Older versions' schemas stay committed."""
 
 
 def schema_id(command: str) -> str:

@@ -1,8 +1,10 @@
 """pytest plugin: recipe options, the shared ``qualification`` fixture, and ordered recipe steps.
 
-Installed with the package (the ``pytest11`` entry point), so ``pytest recipes/`` works from any
-directory, checkout or not. A recipe module (``recipes/native_text.py``) holds one test per
-progress label. All tests of a module share one :class:`qualify.run.qualification.QualificationRun`.
+Installed with the package (the ``pytest11`` entry point), so ``python -m pytest --pyargs
+qualify.recipes`` works from any directory, checkout or not (the recipes ship in the wheel as
+:mod:`qualify.recipes`); a copy of them in a directory named ``recipes`` runs too (``pytest
+recipes/``). A recipe module (``recipes/native_text.py``, ``qualify.recipes`` once installed) holds one test per progress
+label. All tests of a module share one :class:`qualify.run.qualification.QualificationRun`.
 A step that fails is the run's one failure, naming its cause; the steps it blocks are skipped
 with "blocked by <step>: <cause>", so one bad handoff reads as one failure, and the session still
 fails on it (a CI gate never passes on a partial run). A step whose predecessor never ran (a
@@ -10,15 +12,21 @@ fails on it (a CI gate never passes on a partial run). A step whose predecessor 
 distribution, so one run's handoffs stay ordered on one worker while independent runs spread
 over workers.
 
+Options: the plugin loads in every pytest session of the environment, so each of its options
+carries the prefix ``--qualify-`` (``--qualify-model``, ``--qualify-receipts``, ...), in one group
+of ``pytest --help``: a project whose own conftest adds ``--model`` or ``--receipts`` meets no
+conflict. They are checked once, when pytest configures: a bad value is pytest's usage error
+(exit 4), one line naming the option, before anything is collected or run.
+
 JUnit XML (``--junitxml``): each test carries its step's numbers as properties
 (``sample_<n>_max_abs``, ``sample_<n>_mean_abs`` for the sample recorded at that step), and the
 test of the step that sealed the run's receipt (the verdict, or the step that failed) carries
 the run's: verdict status, lane, recipe, rung, identity digest, worst drift, scope and receipt,
 and what the verdict covers (``qualify.scope``, ``qualify.fixture``, ``qualify.controls``: the
-summary's scope line and its two halves, word for word), read back from the sealed receipt.
-
-Options are checked once, when pytest configures: a bad value is pytest's usage error (exit 4),
-one line naming the option, before anything is collected or run.
+summary's scope line and its two halves, word for word), read back from the sealed receipt. They
+go into the test item's ``user_properties`` (what pytest writes as ``<properties>`` in every JUnit
+family), not through the ``record_property`` fixture, which warns under pytest's default family
+``xunit2`` once per test.
 
 Interrupts: pytest turns SIGINT into KeyboardInterrupt, and while a run is open SIGTERM and SIGHUP
 become one too (``qualify.run.qualification.INTERRUPT_SIGNALS``; the previous handlers come back
@@ -30,6 +38,8 @@ number (130 for SIGINT, 143 for SIGTERM) instead of its own 2.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -55,8 +65,19 @@ RECIPES_DIRECTORY = "recipes"
 """The directory whose modules are recipes: named on the command line, every module in it is
 collected, whatever ``python_files`` says (outside the checkout nothing else says so)."""
 
-RecordProperty = Callable[[str, object], None]
-"""pytest's ``record_property`` fixture: a (name, value) pair for the test's JUnit XML."""
+
+
+@functools.cache
+def shipped_recipes() -> Path | None:
+    """The :mod:`qualify.recipes` package's directory, what ``--pyargs qualify.recipes`` names: the
+    checkout's top-level ``recipes/`` in an editable install, the package's own in a wheel. Found by
+    its spec, never imported (the recipes import this plugin, not the other way round)."""
+    spec = importlib.util.find_spec("qualify.recipes")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(locations[0]).resolve() if locations else None
+
+OPTION_PREFIX = "--qualify-"
+"""Every option of the plugin starts with it (the plugin loads in every pytest session)."""
 
 _OPEN_RUNS: list[QualificationRun] = []
 """The qualification runs whose module is running: an interrupt seals each one's receipt."""
@@ -70,24 +91,25 @@ _INTERRUPTED_BY: list[int] = []
 def pytest_addoption(parser: pytest.Parser) -> None:
     # Values are plain strings here and checked in pytest_configure: an argparse ``type`` error
     # would reach the operator as pytest's usage block, not one line.
-    group = parser.getgroup("qualify", "trust-ladder qualification recipes")
-    group.addoption("--recipe", action="append", default=[], metavar="NAME",
+    group = parser.getgroup("qualify", "trust-ladder qualification recipes (python -m pytest --pyargs qualify.recipes)")
+    group.addoption(f"{OPTION_PREFIX}recipe", action="append", default=[], metavar="NAME",
                     help="run only recipe modules for this recipe name (repeatable)")
-    group.addoption("--identity", default=None, metavar="PATH", help="frozen onboarding identity JSON for the run")
-    group.addoption("--producer", default="reference",
+    group.addoption(f"{OPTION_PREFIX}identity", default=None, metavar="PATH",
+                    help="frozen onboarding identity JSON for the run")
+    group.addoption(f"{OPTION_PREFIX}producer", default="reference",
                     help="producer engine: reference (embedded default) or vllm")
-    group.addoption("--consumer", default="reference",
+    group.addoption(f"{OPTION_PREFIX}consumer", default="reference",
                     help="consumer engine: reference (embedded default) or vllm")
-    group.addoption("--reference-once", action="store_true", default=False,
+    group.addoption(f"{OPTION_PREFIX}reference-once", action="store_true", default=False,
                     help="compute the cold local recompute once per run instead of per sample")
-    group.addoption("--drift-graded", action="store_true", default=False,
+    group.addoption(f"{OPTION_PREFIX}drift-graded", action="store_true", default=False,
                     help="rung 3: compute and grade deltas instead of refusing at the first digest mismatch")
-    group.addoption("--fault", default=None, metavar="NAME", help="run against a named fault lane (self-test)")
-    group.addoption("--receipts", default=None, metavar="DIR", help="receipt archive directory")
-    group.addoption("--model", default=None, metavar="NAME|PATH",
+    group.addoption(f"{OPTION_PREFIX}fault", default=None, metavar="NAME", help="run against a named fault lane (self-test)")
+    group.addoption(f"{OPTION_PREFIX}receipts", default=None, metavar="DIR", help="receipt archive directory")
+    group.addoption(f"{OPTION_PREFIX}model", default=None, metavar="NAME|PATH",
                     help="qualify this model (a published name, a Hugging Face directory or a GGUF file) "
                     "instead of the shipped one")
-    group.addoption("--deadline-s", default=None, metavar="SECONDS",
+    group.addoption(f"{OPTION_PREFIX}deadline-s", default=None, metavar="SECONDS",
                     help="limit every producer phase to SECONDS (default: from the identity's basis receipt)")
 
 
@@ -128,7 +150,7 @@ def _converted(config: pytest.Config, option: str, convert: Callable[[str], Any]
 
 
 def _recipe_names(names: Iterable[str]) -> frozenset[str]:
-    """``--recipe`` values, each a recipe this harness knows (a typo would deselect everything)."""
+    """``--qualify-recipe`` values, each a recipe this harness knows (a typo would deselect everything)."""
     names = list(names)
     if not names:  # the plugin loads in every pytest session: import nothing it does not need
         return frozenset()
@@ -137,7 +159,7 @@ def _recipe_names(names: Iterable[str]) -> frozenset[str]:
     known = sorted(recipe.value for recipe in Recipe)
     for name in names:
         if name not in known:
-            raise _usage_error("--recipe", f"found {shown(name)}, expected one of {', '.join(known)}")
+            raise _usage_error(f"{OPTION_PREFIX}recipe", f"found {shown(name)}, expected one of {', '.join(known)}")
     return frozenset(names)
 
 
@@ -146,9 +168,9 @@ def _checked_paths(identity: Path | None, receipts: Path | None, fault: str | No
     identity that is not a regular file, an archive no receipt can be written to, an unknown fault."""
     try:
         if identity is not None:
-            require_regular_file("--identity", identity)
+            require_regular_file(f"{OPTION_PREFIX}identity", identity)
         if receipts is not None:
-            require_writable_directory("--receipts", receipts)
+            require_writable_directory(f"{OPTION_PREFIX}receipts", receipts)
     except Refused as refusal:  # already one line naming the option
         raise pytest.UsageError(printable_line(str(refusal))) from None
     if fault is not None:
@@ -157,26 +179,26 @@ def _checked_paths(identity: Path | None, receipts: Path | None, fault: str | No
         try:
             fault_named(fault)
         except Refused as refusal:
-            raise _usage_error("--fault", one_line(str(refusal))) from None
+            raise _usage_error(f"{OPTION_PREFIX}fault", one_line(str(refusal))) from None
 
 
 def recipe_options(config: pytest.Config) -> RecipeOptions:
     """The plugin's options from ``config``, checked; raises :class:`pytest.UsageError` (one line)."""
-    identity = _converted(config, "--identity", path_argument)
-    receipts = _converted(config, "--receipts", path_argument)
-    fault = config.getoption("--fault")
+    identity = _converted(config, f"{OPTION_PREFIX}identity", path_argument)
+    receipts = _converted(config, f"{OPTION_PREFIX}receipts", path_argument)
+    fault = config.getoption(f"{OPTION_PREFIX}fault")
     _checked_paths(identity, receipts, fault)
     return RecipeOptions(
-        recipes=_recipe_names(config.getoption("--recipe")),
+        recipes=_recipe_names(config.getoption(f"{OPTION_PREFIX}recipe")),
         identity=identity,
-        producer=config.getoption("--producer"),
-        consumer=config.getoption("--consumer"),
-        reference_once=config.getoption("--reference-once"),
-        drift_graded=config.getoption("--drift-graded"),
+        producer=config.getoption(f"{OPTION_PREFIX}producer"),
+        consumer=config.getoption(f"{OPTION_PREFIX}consumer"),
+        reference_once=config.getoption(f"{OPTION_PREFIX}reference-once"),
+        drift_graded=config.getoption(f"{OPTION_PREFIX}drift-graded"),
         fault=fault,
         receipts=receipts,
-        deadline_s=_converted(config, "--deadline-s", deadline_seconds),
-        model=config.getoption("--model"),
+        deadline_s=_converted(config, f"{OPTION_PREFIX}deadline-s", deadline_seconds),
+        model=config.getoption(f"{OPTION_PREFIX}model"),
     )
 
 
@@ -207,7 +229,7 @@ def recipe_dist_mode(mode: str) -> str:
 
 
 class RecipeDirectory(pytest.Directory):
-    """A ``recipes/`` directory named on the command line: each module in it is a test module."""
+    """A recipes directory named on the command line: each module in it is a test module."""
 
     def collect(self) -> Iterator[pytest.Item | pytest.Collector]:
         for path in sorted(self.path.glob("*.py")):
@@ -219,18 +241,26 @@ class RecipeDirectory(pytest.Directory):
             yield module
 
 
+def is_recipe_directory(path: Path) -> bool:
+    """The shipped :mod:`qualify.recipes` package, or a directory called ``recipes`` that is no
+    package (a copy of the recipes): their modules are recipes, whatever their names."""
+    if path.resolve() == shipped_recipes():
+        return True
+    return path.name == RECIPES_DIRECTORY and not (path / "__init__.py").exists()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    """``pytest recipes/`` collects the recipe modules there even where no ``python_files``
-    pattern names them (a copy of the recipes outside the checkout). Only a ``recipes``
-    directory named on the command line (and not a package): elsewhere collection is pytest's own."""
-    if path.name != RECIPES_DIRECTORY or not parent.session.isinitpath(path) or (path / "__init__.py").exists():
+    """``pytest --pyargs qualify.recipes`` (or ``pytest recipes/`` on a copy) collects the recipe
+    modules there even where no ``python_files`` pattern names them (outside the checkout none
+    does). Only such a directory named on the command line: elsewhere collection is pytest's own."""
+    if not parent.session.isinitpath(path) or not is_recipe_directory(path):
         return None
     return RecipeDirectory.from_parent(parent, path=path)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``--recipe NAME``: deselect the recipe modules of other recipes (other tests stay)."""
+    """``--qualify-recipe NAME``: deselect the recipe modules of other recipes (other tests stay)."""
     wanted = config.stash[RECIPE_OPTIONS].recipes
     if not wanted:
         return
@@ -302,10 +332,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = 128 + _INTERRUPTED_BY[0]
 
 
-def run_recipe_step(run: QualificationRun, label: str, record_property: RecordProperty) -> None:
-    """Run the step ``label`` of ``run`` as one test: skipped when an earlier step failed (its
-    cause is the reason), failed with the step's one-line cause when it fails. The numbers the
-    step recorded, and the run's once its receipt is sealed, go to ``record_property``."""
+def run_recipe_step(run: QualificationRun, label: str, item: pytest.Item) -> None:
+    """Run the step ``label`` of ``run`` as the test ``item``: skipped when an earlier step failed
+    (its cause is the reason), failed with the step's one-line cause when it fails. The numbers the
+    step recorded, and the run's once its receipt is sealed, become the item's JUnit properties."""
     blocker = _failed_before(run, label)
     if blocker is not None:
         pytest.skip(f"blocked by {blocker.label}: {blocker.message}")
@@ -313,16 +343,14 @@ def run_recipe_step(run: QualificationRun, label: str, record_property: RecordPr
     recorded_before = len(run.records)
     outcome = run.step(label)
     for record in run.records[recorded_before:]:
-        for name, value in sample_properties(record):
-            record_property(name, value)
+        item.user_properties.extend(sample_properties(record))
     receipt = _sealed_receipt(run)
     if receipt is not None and not sealed_before:
         try:
             properties = receipt_properties(receipt)
         except Refused as exc:
             pytest.fail(f"{label}: {outcome.message}; its receipt cannot be read back: {exc}", pytrace=False)
-        for name, value in properties:
-            record_property(name, value)
+        item.user_properties.extend(properties)
     if not outcome.passed:
         where = f"; receipt: {receipt}" if receipt is not None else ""
         pytest.fail(f"{label}: {outcome.message}{where}", pytrace=False)

@@ -137,6 +137,7 @@ def signature_banner(view: ReceiptView, element_id: str = "signature") -> str:
                 f'<code>{_e(signer)}</code>, trusted in {_e(view.trust_source)}; every file matches the signed '
                 f"statement, and the verdict below is the signed one.</div>")
     why = {"unsigned": "a legacy receipt with no signed statement; its manifest can be recomputed by anyone",
+           "legacy": "a legacy receipt with no signed statement, intact and pinned by its manifest's digest in the trust file",
            "untrusted": "signed by a key the trust file does not trust (or no trust file was given)",
            "tampered": "its files, signature or statement do not check out",
            "partial": "a run that stopped before it finalized its receipt"}.get(view.state, view.state)

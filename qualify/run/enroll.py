@@ -150,7 +150,7 @@ def enroll(
     receipt = Path(receipt_dir)
     run_id = receipt.name
     check = authenticate_receipt(receipt, trust)
-    if check.state == "unsigned":
+    if check.state in ("unsigned", "legacy"):  # a legacy pin attests a basis receipt, never a signer
         raise Refused(f"enroll: receipt {run_id} is unsigned (a legacy receipt); enrollment needs a receipt "
                       f"signed by a trusted key")
     if check.state != "verified":

@@ -26,6 +26,7 @@ from qualify.contract.lanes import ProducerMode, lane_spec
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
+from qualify.core.internal_error import InternalError, described, internal_error_line, save_traceback, traceback_lines
 from qualify.core.kv import KVGeometry
 from qualify.engines import faults
 from qualify.engines.base import LaneEngine
@@ -404,6 +405,10 @@ class QualificationRun:
             outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started)
             failure = judge_failed_step(label, outcome.message, self.sample_verdicts[-1] if self.sample_verdicts else None,
                                         scope=self._scope())
+        except Exception as exc:  # no refusal or failure explains it: a harness bug
+            self.outcomes[label] = StepOutcome(label, False, f"internal error: {described(exc)}",
+                                               time.perf_counter() - started)
+            raise self._internal_error(label, exc) from exc
         finally:
             self._running = None
         self.outcomes[label] = outcome
@@ -457,6 +462,26 @@ class QualificationRun:
             self.producer.close()
             self.producer = None
         return self.receipt_path
+
+    def _internal_error(self, label: str, exc: Exception) -> InternalError:
+        """A step raised what no refusal or failure explains: its traceback goes into the run's
+        receipt (``evidence/internal-error.json``), sealed as incomplete, when the run has one open;
+        else into a file under the user state directory. The returned error's message is the
+        operator's one line, naming where the traceback is."""
+        what = f"during {label}: {described(exc)}"
+        saved: Path | None = None
+        if self.receipt is not None and not self.receipt.finalized:
+            try:
+                saved = self.receipt.add_evidence("internal-error", {
+                    "schema": "trust-ladder.internal-error.v1", "step": label, "exception": type(exc).__name__,
+                    "message": described(exc), "harness_version": __version__, "traceback": traceback_lines(exc)})
+                self.log(f"internal error {what}")
+                self.finish(judge_incomplete(f"internal error {what}"))
+            except (Refused, OSError):
+                saved = None  # an unusable archive: the traceback goes to the state directory instead
+        if saved is None:
+            saved = save_traceback(exc)
+        return InternalError(internal_error_line(what, saved), saved)
 
     def _finish_failed(self, reason: str) -> None:
         if self.receipt is None or self.receipt.finalized:

@@ -374,7 +374,7 @@ def test_interrupted_pytest_recipe_kills_its_producer_and_leaves_an_incomplete_r
 ) -> None:
     archive, _cwd = interrupted_places
     command = [sys.executable, "-m", "pytest", "recipes/native_text.py", "-q", "-p", "no:xdist",
-               "--reference-once", "--receipts", str(archive)]
+               "--qualify-reference-once", "--qualify-receipts", str(archive)]
     code, out, err, producer = interrupt_run(command, REPO, archive, signum)
     assert code == exit_code, (out, err)
     assert f"RunInterrupted: {signum.name}" in out and "Traceback" not in out + err, (out, err)  # pytest's interrupt line

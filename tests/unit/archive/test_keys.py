@@ -10,8 +10,10 @@ import stat
 import pytest
 
 from qualify.archive.keys import (
+    BASIS_TRUST_FILE,
     SIGNING_KEY_FILE,
     TRUST_FILE,
+    TRUST_SCHEMA_V2,
     config_dir,
     ensure_signing_key,
     init_key,
@@ -84,6 +86,22 @@ def test_rotate_revokes_the_old_key_on_the_record_and_deletes_it(config):
     assert revoked.revoked.reason == "laptop lost" and revoked.revoked.replaced_by == new.key_id
     current = trust.get(new.key_id)
     assert current is not None and current.revoked is None
+
+
+def test_init_and_rotate_keep_a_v2_trust_file_v2_with_its_pins_and_the_new_keys_role_and_window(config):
+    """An operator who adopted a v2 trust file (roles, windows, legacy pins) does not lose them."""
+    config.mkdir(parents=True)
+    v2 = json.loads(BASIS_TRUST_FILE.read_bytes())
+    (config / TRUST_FILE).write_text(json.dumps(v2))
+    first = init_key()
+    second, _old = rotate_key("moved hosts")
+    trust = load_trust(config / TRUST_FILE)
+    assert trust.schema == TRUST_SCHEMA_V2 and [pin.document() for pin in trust.legacy] == v2["legacy_receipts"]
+    assert trust.get(v2["keys"][0]["keyid"]).valid_until == v2["keys"][0]["valid_until"]
+    for made in (first, second):
+        key = trust.get(made.key_id)
+        assert (key.role, key.valid_from, key.valid_until) == ("operator", key.added_utc, None)
+    assert trust.get(first.key_id).revoked.replaced_by == second.key_id and trust.get(second.key_id).revoked is None
 
 
 def test_rotate_needs_a_reason(config):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from qualify import UNKNOWN_VERSION, harness_version
 from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.run.contract import default_identity_path
@@ -177,32 +178,46 @@ def test_the_wheel_ships_every_file_a_shipped_lane_reads() -> None:
     assert LANE_IDENTITIES and needed - _package_data_files() == set()
 
 
-def test_the_version_is_the_installed_metadata_not_a_build_left_in_the_checkout(tmp_path: Path) -> None:
-    """Any setuptools build in a checkout leaves trust_ladder.egg-info there; Python started in the
-    checkout (sys.path[0] == "") would find it before the installed metadata. A copy of the
-    package's top module stands in for the checkout, so nothing is written into the real one."""
+def _stale_metadata(place: Path, version: str) -> Path:
+    """A ``trust_ladder.egg-info`` naming ``version`` in ``place`` (what any setuptools build leaves)."""
+    stale = place / "trust_ladder.egg-info"
+    stale.mkdir()
+    (stale / "PKG-INFO").write_text(f"Metadata-Version: 2.4\nName: trust-ladder\nVersion: {version}\n", encoding="utf-8")
+    return stale
+
+
+def test_in_a_checkout_the_version_is_not_a_build_left_in_the_checkout(tmp_path: Path) -> None:
+    """Python started in the checkout (``""`` first on sys.path) would find its stale egg-info
+    before the installed metadata."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "pyproject.toml").write_text("[project]\nname = 'trust-ladder'\n", encoding="utf-8")
+    _stale_metadata(checkout, "9.9.9")
+    elsewhere = tmp_path / "site-packages"
+    elsewhere.mkdir()
+    _stale_metadata(elsewhere, "1.2.3")
+    assert harness_version(checkout.resolve(), [str(checkout), str(elsewhere)]) == "1.2.3"
+    assert harness_version(checkout.resolve(), [str(checkout)]) == UNKNOWN_VERSION
+
+
+def test_installed_from_a_wheel_the_version_is_the_metadata_beside_the_package(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wheel's package sits in site-packages with no pyproject.toml: its own dist-info names the
+    version, not an egg-info in the working directory (the wheel once reported ``0+unknown``)."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    (site / "trust_ladder-2.0.1.dist-info").mkdir()
+    (site / "trust_ladder-2.0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.4\nName: trust-ladder\nVersion: 2.0.1\n", encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    _stale_metadata(work, "9.9.9")
+    monkeypatch.chdir(work)
+    assert harness_version(site.resolve(), ["", str(work)]) == "2.0.1"
+    assert harness_version(work.resolve() / "nothing-installed-here") == UNKNOWN_VERSION
+
+
+def test_this_checkouts_version_is_a_real_version() -> None:
     import qualify
 
-    def stale_build(directory: Path) -> None:
-        (directory / "trust_ladder.egg-info").mkdir(parents=True)
-        (directory / "trust_ladder.egg-info" / "PKG-INFO").write_text(
-            "Metadata-Version: 2.4\nName: trust-ladder\nVersion: 9.9.9\n", encoding="utf-8")
-
-    checkout, elsewhere = tmp_path / "checkout", tmp_path / "elsewhere"
-    (checkout / "qualify").mkdir(parents=True)
-    shutil.copyfile(qualify.__file__, checkout / "qualify" / "__init__.py")
-    stale_build(checkout)
-    stale_build(elsewhere)
-    env = {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "PYTHONSAFEPATH")}
-
-    def started_in(cwd: Path, **more: str) -> tuple[str, str]:
-        probe = "import qualify; print(qualify.__file__); print(qualify.__version__)"
-        ran = subprocess.run([sys.executable, "-c", probe], cwd=cwd, env={**env, **more}, capture_output=True,
-                             text=True, timeout=120, check=True)
-        module, version = ran.stdout.splitlines()
-        assert Path(module) == checkout / "qualify" / "__init__.py", module  # the stand-in was imported
-        return module, version
-
-    assert started_in(checkout)[1] != "9.9.9"
-    # the same layout, but started outside it: a build in the working directory is any other metadata
-    assert started_in(elsewhere, PYTHONPATH=str(checkout))[1] == "9.9.9"
+    assert qualify.__version__ != UNKNOWN_VERSION and qualify.__version__[0].isdigit(), qualify.__version__

@@ -328,17 +328,17 @@ def test_garbage_identity_file_is_refused_at_its_first_step_with_a_receipt_marke
 
 
 @pytest.mark.parametrize(("option", "value", "expected"), [
-    ("--receipts", "", "argument --receipts: found an empty path '', expected a path"),
-    ("--deadline-s", "-3", "argument --deadline-s: found '-3', expected a positive number of seconds"),
+    ("--qualify-receipts", "", "argument --qualify-receipts: found an empty path '', expected a path"),
+    ("--qualify-deadline-s", "-3", "argument --qualify-deadline-s: found '-3', expected a positive number of seconds"),
 ])
 def test_recipe_plugin_refuses_bad_options_before_any_run(option: str, value: str, expected: str, tmp_path: Path) -> None:
-    """The pytest recipes take the same options: an empty --receipts is a usage error there too."""
+    """The pytest recipes take the same options (prefixed): an empty --qualify-receipts is a usage error there too."""
     import subprocess
     import sys
 
     from qualify.core.assets import REPO_ROOT
 
-    done = subprocess.run([sys.executable, "-m", "pytest", "recipes", "-q", "--co", f"{option}={value}"],
+    done = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "qualify.recipes", "-q", "--co", f"{option}={value}"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
     assert expected in done.stderr

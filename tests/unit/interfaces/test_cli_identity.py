@@ -46,7 +46,7 @@ def test_help_shows_every_command() -> None:
     assert result.returncode == 0
     for word in ("--recipe", "identity", "receipts", "enroll", "calibrate", "selftest", "producer"):
         assert word in result.stdout
-    assert "Exit 0 pass, 1 failed qualification" in result.stdout.replace("\n", " ")
+    assert " ".join(cli.EXIT_CODES.split()) in " ".join(result.stdout.split())  # the exit codes, every one stated
 
 
 @pytest.mark.parametrize(
@@ -250,8 +250,12 @@ def test_unexpected_errors_are_one_line_unless_debugging(
 
     monkeypatch.setattr(identity_module, "load_identity", explode)
     monkeypatch.delenv("QUALIFY_DEBUG", raising=False)
-    line = one_line_refusal(_main(capsys, "identity", "check", str(tmp_path)))
-    assert "internal error: ZeroDivisionError: boom second line" in line
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    code, out, err = _main(capsys, "identity", "check", str(tmp_path))
+    (line,) = err.splitlines()  # one line, exit 70: a bug in the harness, not a refusal (2)
+    assert code == 70 and out == "" and "Traceback" not in err
+    assert line.startswith("qualify: internal error (a bug in the harness): ZeroDivisionError: boom second line; "
+                           f"traceback: {tmp_path / 'state'}")
     monkeypatch.setenv("QUALIFY_DEBUG", "1")
     with pytest.raises(ZeroDivisionError):
         cli.main(["identity", "check", str(tmp_path)])

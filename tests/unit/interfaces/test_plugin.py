@@ -1,9 +1,10 @@
 """The pytest plugin as an operator meets it: installed through its ``pytest11`` entry point, so
-a copy of ``recipes/`` runs from any directory with no conftest; bad options are one usage line
-(exit 4); one failing step is one failure naming its cause, the steps it blocks skipped with
-it; the JUnit XML carries the run's verdict, lane, identity, drift, scope and receipt. Real
-``pytest`` subprocesses; the runs of the native-text recipe (~25 s each) are in the slow tier and
-shared per module."""
+``--pyargs qualify.recipes`` and a copy of the recipes in a ``recipes/`` directory run from any
+directory with no conftest; bad options are one usage line (exit 4); one failing step is one
+failure naming its cause, the steps it blocks skipped with it; the JUnit XML carries the run's
+verdict, lane, identity, drift, scope and receipt. Real ``pytest`` subprocesses; the runs of the
+native-text recipe (~25 s each) are in the slow tier. The passing run, from a project with its own
+``--model`` option, is tests/system/test_recipes_outside_the_checkout.py."""
 
 from __future__ import annotations
 
@@ -52,10 +53,10 @@ class PytestRun:
 
 
 def copied_recipes(place: Path) -> Path:
-    """``recipes/`` copied into ``place``, a directory outside the checkout with no conftest,
-    no pytest configuration and no package around it."""
+    """The recipe modules of ``recipes/`` copied into ``place/recipes``, a directory outside
+    the checkout with no conftest, no pytest configuration and no package around it."""
     target = place / "recipes"
-    shutil.copytree(REPO / "recipes", target, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "qualify" / "recipes", target, ignore=shutil.ignore_patterns("__pycache__", "__init__.py"))
     assert not (place / "conftest.py").exists() and not (place / "pyproject.toml").exists()
     return target
 
@@ -151,6 +152,29 @@ def test_recipes_copied_outside_the_checkout_are_collected_with_no_configuration
     assert f"{2 * len(STEP_LABELS)} tests collected" in done.stdout, done.stdout
 
 
+PROJECT_CONFTEST = """def pytest_addoption(parser):
+    parser.addoption("--model", default=None)
+    parser.addoption("--receipts", default=None)
+    parser.addoption("--identity", default=None)
+"""
+"""A project's own conftest, adding options the plugin's would clash with were they unprefixed."""
+
+
+def project_with_its_own_options(place: Path) -> Path:
+    """``place`` as an unrelated project: a conftest adding ``--model``, ``--receipts`` and ``--identity``."""
+    (place / "conftest.py").write_text(PROJECT_CONFTEST, encoding="utf-8")
+    return place
+
+
+def test_shipped_recipes_are_collected_by_pyargs_beside_a_project_with_its_own_model_option(tmp_path: Path) -> None:
+    project_with_its_own_options(tmp_path)
+    done = run_pytest(tmp_path, "--pyargs", "qualify.recipes", "--co", "-q", "-W", "error::pytest.PytestWarning",
+                      "--model", "the-projects-own")
+    assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
+    assert f"{2 * len(STEP_LABELS)} tests collected" in done.stdout, done.stdout
+    assert "warning" not in (done.stdout + done.stderr).lower()
+
+
 def test_naming_the_plugin_module_again_does_not_register_it_twice(tmp_path: Path) -> None:
     """``-p qualify.interfaces.plugin`` (or an old conftest's ``pytest_plugins``) on top of the
     installed entry point neither crashes nor doubles its options."""
@@ -172,20 +196,20 @@ def test_recipes_directory_not_named_on_the_command_line_is_left_to_pytest(tmp_p
 
 
 BAD_OPTIONS = [
-    pytest.param("--deadline-s=-3", "ERROR: argument --deadline-s: found '-3', expected a positive number of seconds, at most 604800",
+    pytest.param("--qualify-deadline-s=-3", "ERROR: argument --qualify-deadline-s: found '-3', expected a positive number of seconds, at most 604800",
                  id="negative-deadline"),
-    pytest.param("--receipts=", "ERROR: argument --receipts: found an empty path '', expected a path", id="empty-receipts"),
-    pytest.param("--recipe=native_text", "ERROR: argument --recipe: found 'native_text', expected one of kquant-target-plus-dflash, native-text",
+    pytest.param("--qualify-receipts=", "ERROR: argument --qualify-receipts: found an empty path '', expected a path", id="empty-receipts"),
+    pytest.param("--qualify-recipe=native_text", "ERROR: argument --qualify-recipe: found 'native_text', expected one of kquant-target-plus-dflash, native-text",
                  id="unknown-recipe"),
-    pytest.param("--fault=v_scale", "ERROR: argument --fault: fault: unknown name 'v_scale'; expected one of block-order, "
+    pytest.param("--qualify-fault=v_scale", "ERROR: argument --qualify-fault: fault: unknown name 'v_scale'; expected one of block-order, "
                  "kv-ulp, other-mode, other-prompt, rope-offset, v-scale, or NAME=VALUE with NAME one of block-swap, "
                  "head-swap, k-scale, kv-ulp, position-shift, v-scale", id="unknown-fault"),
     # Exactly 1 scales by nothing: one below the range's lower end, refused like any value outside it.
-    pytest.param("--fault=k-scale=1", "ERROR: argument --fault: fault k-scale: found '1', expected a number from "
+    pytest.param("--qualify-fault=k-scale=1", "ERROR: argument --qualify-fault: fault k-scale: found '1', expected a number from "
                  "1.0000001 to 2 (F: layer 2 K multiplied by F)", id="fault-value-outside-its-range"),
-    pytest.param("--identity={tmp}/missing.json", "ERROR: --identity '{tmp}/missing.json': no such file, expected a regular file",
+    pytest.param("--qualify-identity={tmp}/missing.json", "ERROR: --qualify-identity '{tmp}/missing.json': no such file, expected a regular file",
                  id="missing-identity"),
-    pytest.param("--receipts={tmp}/a-file", "ERROR: --receipts '{tmp}/a-file': is a file or other non-directory, expected a directory",
+    pytest.param("--qualify-receipts={tmp}/a-file", "ERROR: --qualify-receipts '{tmp}/a-file': is a file or other non-directory, expected a directory",
                  id="receipts-is-a-file"),
 ]
 
@@ -208,7 +232,7 @@ def test_step_whose_predecessor_never_ran_fails_instead_of_skipping(tmp_path: Pa
     recipes = copied_recipes(tmp_path)
     junit = tmp_path / "x.xml"
     done = run_pytest(tmp_path, str(recipes / "native_text.py"), "-k", "verdict", f"--junitxml={junit}",
-                      "--receipts", str(tmp_path / "receipts"))
+                      "--qualify-receipts", str(tmp_path / "receipts"))
     assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout + done.stderr
     assert counts(junit) == {"tests": 1, "failures": 1, "errors": 0, "skipped": 0}
     failure = junit_cases(junit)["verdict"].find("failure")
@@ -220,8 +244,8 @@ def test_refused_identity_is_one_failure_and_every_later_step_is_skipped_naming_
     garbage = tmp_path / "identity.json"
     garbage.write_text(json.dumps({"lane": "nvfp4-native-splitk"}))
     junit = tmp_path / "x.xml"
-    done = run_pytest(tmp_path, str(recipes / "native_text.py"), f"--junitxml={junit}", "--identity", str(garbage),
-                      "--receipts", str(tmp_path / "receipts"))
+    done = run_pytest(tmp_path, str(recipes / "native_text.py"), f"--junitxml={junit}", "--qualify-identity", str(garbage),
+                      "--qualify-receipts", str(tmp_path / "receipts"))
     assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout + done.stderr
     assert counts(junit) == {"tests": len(STEP_LABELS), "failures": 1, "errors": 0, "skipped": len(STEP_LABELS) - 1}
     cases = junit_cases(junit)
@@ -242,57 +266,14 @@ def test_refused_identity_is_one_failure_and_every_later_step_is_skipped_naming_
 
 
 @pytest.fixture(scope="module")
-def passing_run(tmp_path_factory: pytest.TempPathFactory) -> PytestRun:
-    """The recipes copied outside the checkout and run there, as an operator's CI would:
-    ``python -m pytest <tmp>/recipes --junitxml=x.xml`` (the native-text recipe)."""
-    place = tmp_path_factory.mktemp("passing")
-    copied_recipes(place)
-    return run_pytest(place, str(place / "recipes"), "--recipe", "native-text", "--reference-once",
-                      "--receipts", str(place / "receipts"), "--junitxml=x.xml", timeout=RUN_TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
 def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> PytestRun:
     """The native-text recipe against the ``other-mode`` fault lane: its first handoff is refused
     on its cache identity, before any decode (the fastest failing handoff)."""
     place = tmp_path_factory.mktemp("faulty")
     copied_recipes(place)
-    return run_pytest(place, str(place / "recipes"), "--recipe", "native-text", "--reference-once",
-                      "--fault", "other-mode", "--receipts", str(place / "receipts"), "--junitxml=x.xml",
+    return run_pytest(place, str(place / "recipes"), "--qualify-recipe", "native-text", "--qualify-reference-once",
+                      "--qualify-fault", "other-mode", "--qualify-receipts", str(place / "receipts"), "--junitxml=x.xml",
                       timeout=RUN_TIMEOUT_S)
-
-
-@pytest.mark.slow
-def test_recipe_copied_outside_the_checkout_runs_and_passes(passing_run: PytestRun) -> None:
-    assert passing_run.returncode == pytest.ExitCode.OK, passing_run.stdout + passing_run.stderr
-    # The kquant recipe's module is deselected by --recipe: no testcase, no count.
-    assert counts(passing_run.cwd / "x.xml") == {"tests": len(STEP_LABELS), "failures": 0, "errors": 0, "skipped": 0}
-
-
-@pytest.mark.slow
-def test_junit_properties_are_the_receipts_verdict_lane_identity_drift_scope_and_path(passing_run: PytestRun) -> None:
-    junit = passing_run.cwd / "x.xml"
-    label, found = one_verdict_case(junit)
-    receipt = Path(found["receipt"])
-    assert label == "verdict" and receipt.parent == passing_run.cwd / "receipts" and receipt.is_dir()
-    summary = read_receipt_json(receipt, SUMMARY)
-    assert {name: found[name] for name in ("verdict", "headline", "recipe", "lane", "rung", "identity_sha256")} == {
-        "verdict": summary["status"], "headline": summary["verdict"], "recipe": summary["recipe"],
-        "lane": summary["lane"], "rung": str(summary["rung"]), "identity_sha256": summary["identity_sha256"]}
-    assert found["verdict"] == "passed" and found["recipe"] == "native-text" and found["rung"] == "2"
-    assert found["scope"] == signed_predicate(receipt)["scope"]
-    verdict_scope = summary.get("scope")  # what the verdict covers: quoted from the summary, or null
-    assert {name: found[name] for name, _ in SCOPE_PROPERTIES} == {
-        name: "null" if verdict_scope is None else verdict_scope[field] for name, field in SCOPE_PROPERTIES}
-    samples = [read_receipt_json(receipt, f"samples/sample-{n}.json") for n in range(1, summary["samples"] + 1)]
-    assert len(samples) == len(HANDOFF_STEPS)
-    cases = junit_cases(junit)
-    for n, (step, sample) in enumerate(zip(HANDOFF_STEPS, samples, strict=True), start=1):
-        own = properties(cases[step])
-        assert (float(own[f"sample_{n}_max_abs"]), float(own[f"sample_{n}_mean_abs"])) == (
-            sample["max_abs"], sample["mean_abs"]), step
-    assert float(found["max_abs"]) == max(sample["max_abs"] for sample in samples)
-    assert float(found["mean_abs"]) == max(sample["mean_abs"] for sample in samples)
 
 
 @pytest.mark.slow
@@ -326,8 +307,8 @@ def test_a_dist_mode_that_would_split_a_run_keeps_each_recipe_on_one_worker(mode
     one worker instead, so both recipes pass side by side."""
     recipes = copied_recipes(tmp_path)
     junit = tmp_path / "x.xml"
-    done = run_pytest(tmp_path, str(recipes), "-n", "2", "--dist", mode, "--reference-once", f"--junitxml={junit}",
-                      "--receipts", str(tmp_path / "receipts"), timeout=RUN_TIMEOUT_S)
+    done = run_pytest(tmp_path, str(recipes), "-n", "2", "--dist", mode, "--qualify-reference-once", f"--junitxml={junit}",
+                      "--qualify-receipts", str(tmp_path / "receipts"), timeout=RUN_TIMEOUT_S)
     assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
     assert counts(junit)["failures"] == 0 and counts(junit)["tests"] > len(STEP_LABELS)
     assert len([path for path in (tmp_path / "receipts").iterdir() if not path.name.startswith(".")]) == 2
