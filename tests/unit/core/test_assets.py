@@ -146,8 +146,10 @@ def test_the_wheel_packages_are_the_package_tree_plus_the_shipped_folders() -> N
              for init in (assets.REPO_ROOT / "qualify").rglob("__init__.py")}
     shipped = {f"qualify._shipped.{name}" for name in assets.ASSET_DIRS}
     data_packages = {name for name in SETUPTOOLS["package-data"] if name.startswith("qualify._shipped.")}
-    assert set(SETUPTOOLS["packages"]) == found | shipped | data_packages
-    assert SETUPTOOLS["package-dir"] == {f"qualify._shipped.{name}": name for name in assets.ASSET_DIRS}
+    # the recipes stay at the checkout's top level and ship as qualify.recipes
+    assert set(SETUPTOOLS["packages"]) == found | shipped | data_packages | {"qualify.recipes"}
+    assert SETUPTOOLS["package-dir"] == {f"qualify._shipped.{name}": name for name in assets.ASSET_DIRS} | {
+        "qualify.recipes": "recipes"}
 
 
 def _package_data_files() -> set[str]:
