@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -206,7 +207,7 @@ class PairResult:
 # the engine processes
 
 
-def _build_llm(spec: ConnectorSpec, role: str, model_dir: Path) -> Any:
+def _build_llm(spec: ConnectorSpec, role: str, model_dir: Path, prefix_caching: bool = False) -> Any:
     from qualify.engines.vllm_engine import check_pin, llm_arguments, pin_numeric_environment
 
     check_pin()
@@ -216,7 +217,8 @@ def _build_llm(spec: ConnectorSpec, role: str, model_dir: Path) -> Any:
 
     from qualify.engines.connector_delegate import CONNECTOR_UNDER_TEST
 
-    return LLM(**llm_arguments(model_dir), kv_transfer_config=KVTransferConfig(
+    arguments = {**llm_arguments(model_dir), "enable_prefix_caching": prefix_caching}
+    return LLM(**arguments, kv_transfer_config=KVTransferConfig(
         kv_connector=OBSERVER_CLASS, kv_connector_module_path=OBSERVER_MODULE, kv_role=role,
         kv_connector_extra_config={CONNECTOR_UNDER_TEST: spec.as_dict()}))
 
@@ -226,6 +228,10 @@ def _generate(llm: Any, prompt: list[int], max_tokens: int, tag: Any, logits: bo
 
     from qualify.engines.vllm_engine import THREADS, greedy_sampling_params
 
+    # With prefix caching on (a same-engine pair), every request starts from an empty local cache:
+    # whatever is not recomputed comes from the connector (the connector's own store is kept).
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and not llm.reset_prefix_cache():
+        raise RuntimeError("same-engine pair: vLLM did not reset its local prefix cache")
     if torch.get_num_threads() != THREADS:  # vLLM's worker may move it; the pin holds
         torch._C.set_num_threads(THREADS)
     params = greedy_sampling_params(max_tokens, logits, tag.as_params())
@@ -240,42 +246,58 @@ def _digest_names(digests: dict[tuple[int, str, int, int], str]) -> dict[str, st
 def producer_main(spec: ConnectorSpec, out: Path, model_dir: Path) -> None:
     """The producer process: prefill the fixture prompt through the wrapped connector; write the
     saved digests to ``out``."""
-    from qualify.engines.connector_delegate import RequestTag
-    from qualify.engines.connector_observer import take_observation
     from qualify.engines.vllm_engine import vllm_engine_abi
 
-    prompt = [int(t) for t in assets.load_prompt()]
     started = time.perf_counter()
     llm = _build_llm(spec, "kv_producer", model_dir)
     built = time.perf_counter()
+    saved = _produce(llm)
+    out.write_text(json.dumps({
+        **saved, "engine_abi": vllm_engine_abi(),
+        "timings": {"engine_start_s": built - started, "prefill_s": time.perf_counter() - built},
+    }), encoding="utf-8")
+
+
+def _produce(llm: Any) -> dict[str, Any]:
+    """Prefill the fixture prompt (one generated token) tagged as the producer's request; the
+    digests of what the connector was handed to save."""
+    from qualify.engines.connector_delegate import RequestTag
+    from qualify.engines.connector_observer import take_observation
+
+    prompt = [int(t) for t in assets.load_prompt()]
     _generate(llm, prompt, 1, RequestTag(PRODUCER_KEY), logits=False)
     observed = take_observation(PRODUCER_KEY)
     if observed.saved_tokens != len(prompt):
         raise RuntimeError(f"producer: the observer saw {observed.saved_tokens} of {len(prompt)} prompt tokens "
                            f"handed to the connector")
-    out.write_text(json.dumps({
-        "engine_abi": vllm_engine_abi(), "saved_tokens": observed.saved_tokens,
-        "saved_digests": _digest_names(observed.saved_digests),
-        "timings": {"engine_start_s": built - started, "prefill_s": time.perf_counter() - built},
-    }), encoding="utf-8")
+    return {"saved_tokens": observed.saved_tokens, "saved_digests": _digest_names(observed.saved_digests)}
 
 
-def consumer_main(spec: ConnectorSpec, saved_path: Path, out: Path, model_dir: Path, faults: list[str]) -> None:
+def consumer_main(spec: ConnectorSpec, saved_path: Path | None, out: Path, model_dir: Path, faults: list[str]) -> None:
     """The consumer process: the cold recompute, then the loaded branch and one branch per fault;
-    write the comparison to ``out`` (:class:`PairResult`)."""
+    write the comparison to ``out`` (:class:`PairResult`). Without ``saved_path`` the consumer is
+    its own producer (``kv_role="kv_both"``, the producer's request first): the deployment of
+    connectors that offload and reload within one engine."""
     from qualify.engines.connector_delegate import RequestTag
     from qualify.engines.connector_observer import Observation, take_observation
     from qualify.engines.vllm_engine import check_page_decode, raw_logit_rows, vllm_engine_abi
 
-    saved = strict_json_loads(saved_path.read_bytes())
     prompt = [int(t) for t in assets.load_prompt()]
     from qualify.engines.checkpoint import load_config
 
     vocab = load_config(model_dir).geometry.vocab
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    llm = _build_llm(spec, "kv_consumer", model_dir)
+    # A same-engine pair turns vLLM's prefix caching on (hash-keyed offloading connectors need its
+    # block hashes) and empties the local prefix cache before each request (see _generate).
+    llm = _build_llm(spec, "kv_consumer" if saved_path is not None else "kv_both", model_dir,
+                     prefix_caching=saved_path is None)
     timings["engine_start_s"] = time.perf_counter() - started
+    if saved_path is not None:
+        saved = strict_json_loads(saved_path.read_bytes())
+    else:
+        started = time.perf_counter()
+        saved = {**_produce(llm), "timings": {"prefill_s": time.perf_counter() - started}}
 
     started = time.perf_counter()
     cold = _generate(llm, prompt, DECODE_TOKENS, RequestTag(COLD_KEY, cold=True, capture=True), logits=True)
@@ -338,8 +360,33 @@ def _run_process(role: str, arguments: list[str], workdir: Path, timeout_s: floa
         refusal = next((line for line in reversed(lines) if line.startswith("refused: ")), None)
         if refusal is not None:
             raise Refused(refusal[len("refused: "):])
-        raise RuntimeError(one_line(f"connector pair {role} failed (exit {done.returncode}): "
-                                    f"{lines[-1] if lines else 'no output'} (log: {log})"))
+        # The exception that ended the process (vLLM wraps engine-core failures: the first one raised
+        # names the cause), else the last line.
+        errors = [_RANK_PREFIX.sub("", line) for line in lines if _EXCEPTION_LINE.match(_RANK_PREFIX.sub("", line))]
+        cause = errors[0] if errors else (lines[-1] if lines else "no output")
+        raise RuntimeError(one_line(f"connector pair {role} failed (exit {done.returncode}): {cause[:400]} "
+                                    f"(log: {log})"))
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit): ")
+
+
+def summary_line(result: PairResult) -> str:
+    """One line per pair run: what the loaded branch claimed and how it compares with the cold one."""
+    branch = result.branch(LOADED_KEY)
+    if branch.claimed_tokens == 0:
+        return (f"{result.connector['name']}: no handoff (the consumer's connector claimed 0 of "
+                f"{result.prompt_tokens} prompt tokens; the cold recompute's suppressed hit was {result.suppressed_hit})")
+    tokens = "tokens equal" if branch.token_divergence is None else f"tokens diverge at {branch.token_divergence}"
+    first = branch.kv_cells[0] if branch.kv_cells else None
+    kv = "loaded KV bit-equal to the cold prefill" if first is None else (
+        f"loaded KV differs in {len(branch.kv_cells)} cells, first at layer {first['layer']} {first['tensor']} "
+        f"head {first['head']} block {first['block']} position {first['first_position']}")
+    return (f"{result.connector['name']}: loaded {branch.claimed_tokens} of {result.prompt_tokens} prompt tokens; "
+            f"{tokens} ({result.decode_tokens}); logits max abs {branch.logits_max_abs:.3g} "
+            f"(bit-equal: {branch.logit_rows_equal}); {kv}; {len(branch.saved_mismatches)} loaded cells differ "
+            f"from what the producer saved")
 
 
 def run_producer(spec: ConnectorSpec, workdir: Path, *, model_dir: Path = assets.MODEL_DIR,
@@ -354,26 +401,31 @@ def run_producer(spec: ConnectorSpec, workdir: Path, *, model_dir: Path = assets
     return out
 
 
-def run_consumer(spec: ConnectorSpec, saved: Path, workdir: Path, *, faults: tuple[str, ...] = (),
+def run_consumer(spec: ConnectorSpec, saved: Path | None, workdir: Path, *, faults: tuple[str, ...] = (),
                  model_dir: Path = assets.MODEL_DIR, timeout_s: float = PROCESS_TIMEOUT_S,
                  label: str = "consumer") -> PairResult:
-    """Run a consumer process against the producer's ``saved`` digests; ``faults`` adds one
-    branch per fault (the connector must be the fault-injecting wrapper)."""
+    """Run a consumer process against the producer's ``saved`` digests (None: the consumer is its
+    own producer); ``faults`` adds one branch per fault (the connector must be the fault-injecting
+    wrapper)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / f"{label}-connector.json"
     spec_path.write_text(json.dumps(spec.as_dict()), encoding="utf-8")
     out = workdir / f"{label}.json"
-    arguments = ["--connector", str(spec_path), "--saved", str(saved), "--out", str(out),
-                 "--model-dir", str(model_dir)]
+    arguments = ["--connector", str(spec_path), "--out", str(out), "--model-dir", str(model_dir)]
+    if saved is not None:
+        arguments += ["--saved", str(saved)]
     for fault in faults:
         arguments += ["--fault", fault]
     _run_process("consumer", arguments, workdir, timeout_s, label)
     return load_result(out)
 
 
-def run_pair(spec: ConnectorSpec, workdir: Path, *, model_dir: Path = assets.MODEL_DIR) -> PairResult:
-    """The producer, then the consumer, of ``spec`` (no faults)."""
-    return run_consumer(spec, run_producer(spec, workdir, model_dir=model_dir), workdir, model_dir=model_dir)
+def run_pair(spec: ConnectorSpec, workdir: Path, *, model_dir: Path = assets.MODEL_DIR,
+             same_engine: bool = False) -> PairResult:
+    """The producer, then the consumer, of ``spec`` (no faults); with ``same_engine`` one
+    ``kv_both`` engine is both (for connectors that offload and reload within an engine)."""
+    saved = None if same_engine else run_producer(spec, workdir, model_dir=model_dir)
+    return run_consumer(spec, saved, workdir, model_dir=model_dir)
 
 
 def load_result(path: Path) -> PairResult:
@@ -388,20 +440,35 @@ def load_result(path: Path) -> PairResult:
 def main(argv: list[str] | None = None) -> int:
     """``python -m qualify.engines.connector_pair producer|consumer ...`` (one engine per process)."""
     parser = argparse.ArgumentParser(prog="python -m qualify.engines.connector_pair")
-    parser.add_argument("role", choices=("producer", "consumer"))
-    parser.add_argument("--connector", type=Path, required=True, help="ConnectorSpec.as_dict JSON file")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--saved", type=Path, help="the producer's output (consumer only)")
+    parser.add_argument("role", choices=("producer", "consumer", "pair"))
+    parser.add_argument("--connector", required=True,
+                        help="producer/consumer: a ConnectorSpec.as_dict JSON file; pair: the connector's name")
+    parser.add_argument("--connector-config", help="pair: the connector's config (a JSON object)")
+    parser.add_argument("--connector-module", help="pair: the module defining the connector class")
+    parser.add_argument("--out", type=Path, required=True, help="producer/consumer: the result file; pair: a work folder")
+    parser.add_argument("--saved", type=Path, help="consumer: the producer's output (absent: the consumer "
+                        "engine is its own producer)")
+    parser.add_argument("--same-engine", action="store_true", help="pair: one kv_both engine produces and consumes")
     parser.add_argument("--fault", action="append", default=[], help="a fault branch (consumer only)")
     parser.add_argument("--model-dir", type=Path, default=assets.MODEL_DIR)
     args = parser.parse_args(argv)
     try:
-        spec = resolve_connector_dict(strict_json_loads(args.connector.read_bytes()), f"connector {args.connector}")
+        if args.role == "pair":
+            from qualify.engines.connector_under_test import parse_connector_config, resolve_connector
+
+            spec = resolve_connector(args.connector, module=args.connector_module,
+                                     config=parse_connector_config(args.connector_config))
+            try:
+                result = run_pair(spec, args.out, model_dir=args.model_dir, same_engine=args.same_engine)
+            except RuntimeError as exc:
+                print(f"{spec.name}: cannot run here: {one_line(str(exc))}", flush=True)
+                return 1
+            print(summary_line(result), flush=True)
+            return 0
+        spec = resolve_connector_dict(strict_json_loads(Path(args.connector).read_bytes()), f"connector {args.connector}")
         if args.role == "producer":
             producer_main(spec, args.out, args.model_dir)
         else:
-            if args.saved is None:
-                raise Refused("consumer: --saved (the producer's output) is required")
             consumer_main(spec, args.saved, args.out, args.model_dir, list(args.fault))
     except Refused as exc:
         print(f"refused: {one_line(str(exc))}", flush=True)
