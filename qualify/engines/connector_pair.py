@@ -12,6 +12,9 @@ Two processes (vLLM keeps process globals: one engine per process), each started
   hit suppressed, its prefill KV captured), then each loaded branch: the prompt again, the
   connector loads what it claims, 256 greedy tokens are decoded with every raw logit row. A branch
   may carry a fault of the fault-injecting wrapper (:mod:`qualify.engines.connector_faults`).
+* same engine (``run_pair(..., same_engine=True)``): one ``kv_both`` engine is both, for connectors
+  that offload and reload within an engine; vLLM's prefix caching is on (hash-keyed connectors need
+  its block hashes) and the local prefix cache is emptied before each request.
 
 Both engines use the harness's vLLM settings and pinned numeric environment
 (:mod:`qualify.engines.vllm_engine`); the consumer tests its page decode against the reference
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -78,8 +82,9 @@ class CellDelta:
     first_dim: int
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON form; a non-finite ``max_abs`` (a NaN or infinity on one side) is written as null."""
         return {"layer": self.layer, "tensor": self.tensor, "head": self.head, "block": self.block,
-                "max_abs": self.max_abs, "differing": self.differing,
+                "max_abs": self.max_abs if math.isfinite(self.max_abs) else None, "differing": self.differing,
                 "first_position": self.first_position, "first_dim": self.first_dim}
 
 
@@ -142,10 +147,11 @@ def localise(cells: list[CellDelta]) -> dict[str, Any] | None:
 
 def first_token_divergence(tokens: np.ndarray, cold: np.ndarray) -> int | None:
     """First index where two token sequences differ (None when they are equal)."""
-    differ = np.flatnonzero(np.asarray(tokens) != np.asarray(cold))
-    if len(tokens) != len(cold):
-        return int(differ[0]) if differ.size else min(len(tokens), len(cold))
-    return int(differ[0]) if differ.size else None
+    common = min(len(tokens), len(cold))
+    differ = np.flatnonzero(np.asarray(tokens)[:common] != np.asarray(cold)[:common])
+    if differ.size:
+        return int(differ[0])
+    return None if len(tokens) == len(cold) else common
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +261,7 @@ def producer_main(spec: ConnectorSpec, out: Path, model_dir: Path) -> None:
     out.write_text(json.dumps({
         **saved, "engine_abi": vllm_engine_abi(),
         "timings": {"engine_start_s": built - started, "prefill_s": time.perf_counter() - built},
-    }), encoding="utf-8")
+    }, allow_nan=False), encoding="utf-8")
 
 
 def _produce(llm: Any) -> dict[str, Any]:
@@ -339,7 +345,7 @@ def consumer_main(spec: ConnectorSpec, saved_path: Path | None, out: Path, model
         suppressed_hit=cold_observed.suppressed_hit, layout_max_abs=layout_max_abs,
         cold_tokens=[int(t) for t in cold_tokens], branches=branches,
         timings={**{f"producer_{k}": v for k, v in saved["timings"].items()}, **timings})
-    out.write_text(json.dumps(result.as_dict()), encoding="utf-8")
+    out.write_text(json.dumps(result.as_dict(), allow_nan=False), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
