@@ -202,6 +202,79 @@ class ColdKV(KVCache):
     source_tokens: np.ndarray
 
 
+def llm_arguments(model_dir: Path) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of every harness engine (the measured CPU settings, float32, the
+    lane block size, full raw logits); the caller adds its ``kv_transfer_config``."""
+    return {
+        "model": str(model_files_view(Path(model_dir), "vllm")), "dtype": DTYPE, "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.2, "enable_prefix_caching": False, "max_model_len": 4096,
+        "max_num_batched_tokens": 4096, "block_size": VLLM_BLOCK_SIZE,
+        "max_logprobs": -1, "logprobs_mode": "raw_logits", "seed": 0,
+    }
+
+
+def greedy_sampling_params(max_tokens: int, logits: bool, kv_transfer_params: dict[str, Any] | None) -> Any:
+    """Greedy ``SamplingParams`` for exactly ``max_tokens`` tokens, with every raw logit row when
+    ``logits`` (flat format), and ``kv_transfer_params`` for the KV connector."""
+    from vllm import SamplingParams
+
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, detokenize=False,
+        ignore_eos=True, logprobs=-1 if logits else None, flat_logprobs=logits, extra_args=extra)
+
+
+def raw_logit_rows(completion: Any, n: int, vocab: int) -> np.ndarray:
+    """A completion's flat raw logits scattered by token id into ``[n, vocab]`` float32 rows;
+    ``RuntimeError`` when a position or a vocab entry is missing or non-finite."""
+    flat = completion.logprobs
+    if flat is None or len(flat.start_indices) != n:
+        raise RuntimeError(f"vllm returned logits for {0 if flat is None else len(flat.start_indices)} "
+                           f"positions, expected {n}")
+    ids = np.asarray(flat.token_ids, dtype=np.int64)
+    values = np.asarray(flat.logprobs, dtype=np.float32)
+    starts = np.asarray(flat.start_indices, dtype=np.int64)
+    ends = np.asarray(flat.end_indices, dtype=np.int64)
+    counts = ends - starts
+    if not np.all(counts >= vocab):
+        raise RuntimeError(f"vllm returned {int(counts.min())} logits for a position, expected "
+                           f"at least the vocab ({vocab}; the sampled token may come first)")
+    rows = np.full((n, vocab), np.nan, dtype=np.float32)
+    row_of = np.repeat(np.arange(n), counts)
+    flat_index = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+    rows[row_of, ids[flat_index]] = values[flat_index]
+    if not np.all(np.isfinite(rows)):
+        raise RuntimeError("vllm raw logits: a vocab entry is missing or non-finite")
+    return rows
+
+
+def check_page_decode(exported: KVCache, model_dir: Path) -> float:
+    """Trust a decode of vLLM's pages only if it reproduces the reference engine's K (post-RoPE)
+    and V on the prompt's first :data:`LAYOUT_PROBE_TOKENS` positions (``exported`` holds at least
+    those); a layout misread is refused. Returns the largest absolute difference."""
+    from qualify.engines.reference import ReferenceEngine
+
+    tokens = assets.load_prompt()[:LAYOUT_PROBE_TOKENS]
+    reference = ReferenceEngine.from_model_dir(model_dir).prefill(tokens)
+    worst = 0.0
+    for layer, (k, v, rk, rv) in enumerate(zip(exported.keys, exported.values, reference.keys,
+                                                reference.values, strict=True)):
+        for part, ours, theirs in (("K", k, rk), ("V", v, rv)):
+            probe = min(ours.shape[1], theirs.shape[1])
+            expected, decoded = theirs[:, :probe], ours[:, :probe]
+            delta = float(np.max(np.abs(decoded - expected)))
+            # Relative to the layer's largest magnitude (at least 1): a misread page moves values
+            # by about that much, float32 kernels by a few units of its last place.
+            tolerance = LAYOUT_TOLERANCE * max(1.0, float(np.max(np.abs(expected))))
+            if not delta <= tolerance:
+                raise Refused(f"vllm KV page layout: the decoded layer {layer} {part} differs from "
+                              f"the reference engine's by {delta:.3g} (> {tolerance:.3g}, {LAYOUT_TOLERANCE} of "
+                              f"its largest magnitude); layout not recognised, refusing to start")
+            worst = max(worst, delta)
+    return worst
+
+
 _ACTIVE: weakref.ref[VllmEngine] | None = None
 """The engine built last in this process (see "One engine per process" in the module docstring)."""
 
@@ -245,11 +318,7 @@ class VllmEngine:
         extra: dict[str, Any] = {} if connector_fault is None else {"qualify_fault": connector_fault}
         started = time.perf_counter()
         llm = LLM(
-            model=str(model_files_view(Path(model_dir), "vllm")), dtype=DTYPE, skip_tokenizer_init=True,
-            enforce_eager=True,
-            gpu_memory_utilization=0.2, enable_prefix_caching=False, max_model_len=4096,
-            max_num_batched_tokens=4096, block_size=VLLM_BLOCK_SIZE,
-            max_logprobs=-1, logprobs_mode="raw_logits", seed=0,
+            **llm_arguments(Path(model_dir)),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="QualifyKVConnector",
                 kv_connector_module_path="qualify.engines.vllm_connector",
@@ -287,8 +356,6 @@ class VllmEngine:
 
     def _generate_many(self, prompts: list[list[int]], max_tokens: int,
                        qualify: dict[str, str] | None, logits: bool) -> list[Any]:
-        from vllm import SamplingParams
-
         if self.llm is None:
             raise RuntimeError("vllm engine closed (a later VllmEngine in this process shut it down: "
                                "vLLM's distributed state and KV connector are per process)")
@@ -296,10 +363,7 @@ class VllmEngine:
 
         if torch.get_num_threads() != THREADS:  # something in this process moved it: the pin holds
             torch._C.set_num_threads(THREADS)
-        extra = None if qualify is None else {"kv_transfer_params": {"qualify": qualify}}
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, detokenize=False,
-            ignore_eos=True, logprobs=-1 if logits else None, flat_logprobs=logits, extra_args=extra)
+        params = greedy_sampling_params(max_tokens, logits, None if qualify is None else {"qualify": qualify})
         started = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         self.generate_s += time.perf_counter() - started
@@ -316,26 +380,7 @@ class VllmEngine:
         return [int(t) for t in array]
 
     def _rows(self, completion: Any, n: int) -> np.ndarray:
-        flat = completion.logprobs
-        vocab = self.geometry.vocab
-        if flat is None or len(flat.start_indices) != n:
-            raise RuntimeError(f"vllm returned logits for {0 if flat is None else len(flat.start_indices)} "
-                               f"positions, expected {n}")
-        ids = np.asarray(flat.token_ids, dtype=np.int64)
-        values = np.asarray(flat.logprobs, dtype=np.float32)
-        starts = np.asarray(flat.start_indices, dtype=np.int64)
-        ends = np.asarray(flat.end_indices, dtype=np.int64)
-        counts = ends - starts
-        if not np.all(counts >= vocab):
-            raise RuntimeError(f"vllm returned {int(counts.min())} logits for a position, expected "
-                               f"at least the vocab ({vocab}; the sampled token may come first)")
-        rows = np.full((n, vocab), np.nan, dtype=np.float32)
-        row_of = np.repeat(np.arange(n), counts)
-        flat_index = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        rows[row_of, ids[flat_index]] = values[flat_index]
-        if not np.all(np.isfinite(rows)):
-            raise RuntimeError("vllm raw logits: a vocab entry is missing or non-finite")
-        return rows
+        return raw_logit_rows(completion, n, self.geometry.vocab)
 
     # -- Engine protocol --------------------------------------------------------------------
 
@@ -377,26 +422,8 @@ class VllmEngine:
     def _layout_self_test(self, model_dir: Path) -> float:
         """Trust the connector's page decode only if it reproduces the reference engine's K
         (post-RoPE) and V on a short probe prompt; a layout it misreads is refused at start."""
-        from qualify.engines.reference import ReferenceEngine
-
         tokens = assets.load_prompt()[:LAYOUT_PROBE_TOKENS]
-        exported = self._export([int(t) for t in tokens])
-        reference = ReferenceEngine.from_model_dir(model_dir).prefill(tokens)
-        worst = 0.0
-        for layer, (k, v, rk, rv) in enumerate(zip(exported.keys, exported.values, reference.keys,
-                                                    reference.values, strict=True)):
-            for part, ours, theirs in (("K", k, rk), ("V", v, rv)):
-                expected = theirs[:, : ours.shape[1]]
-                delta = float(np.max(np.abs(ours - expected)))
-                # Relative to the layer's largest magnitude (at least 1): a misread page moves values
-                # by about that much, float32 kernels by a few units of its last place.
-                tolerance = LAYOUT_TOLERANCE * max(1.0, float(np.max(np.abs(expected))))
-                if not delta <= tolerance:
-                    raise Refused(f"vllm KV page layout: the decoded layer {layer} {part} differs from "
-                                  f"the reference engine's by {delta:.3g} (> {tolerance:.3g}, {LAYOUT_TOLERANCE} of "
-                                  f"its largest magnitude); layout not recognised, refusing to start")
-                worst = max(worst, delta)
-        return worst
+        return check_page_decode(self._export([int(t) for t in tokens]), model_dir)
 
     def decode(self, kv: KVCache, pending: np.ndarray, n: int) -> DecodeResult:
         pending_ids = self._tokens(pending, "pending tokens")
