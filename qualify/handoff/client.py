@@ -3,7 +3,8 @@
 :class:`ProducerProcess` is the socket :class:`~qualify.handoff.transport.Transport`; it speaks
 :mod:`qualify.handoff.protocol` and never imports the producer's own module.
 
-:class:`ProducerProcess` runs ``python -m qualify.handoff.service`` in its own process group,
+:class:`ProducerProcess` runs ``python -m qualify.interfaces.producer_command`` (``qualify producer
+serve``, :data:`~qualify.handoff.protocol.PRODUCER_MODULE`) in its own process group,
 hands it the run key through an inherited pipe (never argv, never the environment), waits for its
 ready line (written only after a warm-up prefill), authenticates on the socket, and requests
 handoffs. It connects only to what it created (the Unix socket path it chose) or what the
@@ -77,6 +78,7 @@ from qualify.handoff.protocol import (
     ID_PATTERN,
     KEY_ENV,
     MAX_HEADER_BYTES,
+    PRODUCER_MODULE,
     PROTOCOL,
     READY_PROGRESS_LINE,
     SOCKET_BUFFER_BYTES,
@@ -544,7 +546,7 @@ class ProducerProcess:
             os.close(key_write)
             key_write = -1
             argv = [
-                self.python, "-m", "qualify.handoff.service",
+                self.python, "-m", PRODUCER_MODULE,
                 "--lane", self.lane, "--mode", self.mode.value, "--run-id", self.run_id,
                 "--expect", str(expect_path), "--watchdog-s", repr(float(self.watchdog_s)),
                 "--key-fd", str(key_read), "--ready-fd", str(ready_write),

@@ -47,6 +47,8 @@ EXIT_TEMPFAIL = 75
 DEFAULT_WATCHDOG_S = 900.0
 DEFAULT_WARMUP_TOKENS = 16
 KEY_ENV = "QUALIFY_HANDOFF_KEY"
+PRODUCER_MODULE = "qualify.interfaces.producer_command"
+"""What the harness runs as ``python -m`` to start a producer process (``qualify producer serve``)."""
 CLIENT_AUTH_CONTEXT = b"trust-ladder.handoff.client-auth.v2\x00"
 MAX_HEADER_BYTES = 1 << 20
 FRAME_LENGTH = struct.Struct(">I")

@@ -22,14 +22,14 @@ the command exit 2 with a one-line "not available".
 command                handler
 =====================  =========================================================
 ``--recipe NAME ...``  ``qualify.interfaces.console.run_cli``
-``receipts verify``    ``qualify.archive.verify.verify_cli``
-``keys``               ``qualify.archive.keys.keys_cli``
-``enroll``             ``qualify.run.enroll.enroll_cli``
+``receipts verify``    ``qualify.interfaces.verify_command.verify_cli``
+``keys``               ``qualify.interfaces.keys_command.keys_cli``
+``enroll``             ``qualify.interfaces.enroll_command.enroll_cli``
 ``calibrate``          ``qualify.interfaces.console.calibrate_cli``
 ``selftest``           ``qualify.interfaces.console.selftest_cli``
 ``report``             ``qualify.interfaces.report.report_cli``
-``producer serve``     ``qualify.handoff.service.main``
-``producer expect``    ``qualify.interfaces.producer.producer_expect_cli``
+``producer serve``     ``qualify.interfaces.producer_command.producer_serve_cli``
+``producer expect``    ``qualify.interfaces.producer_command.producer_expect_cli``
 =====================  =========================================================
 """
 
@@ -66,19 +66,19 @@ Handler = Callable[..., object]
 
 
 def _load_verify() -> Handler:
-    from qualify.archive.verify import verify_cli
+    from qualify.interfaces.verify_command import verify_cli
 
     return verify_cli
 
 
 def _load_keys() -> Handler:
-    from qualify.archive.keys import keys_cli
+    from qualify.interfaces.keys_command import keys_cli
 
     return keys_cli
 
 
 def _load_enroll() -> Handler:
-    from qualify.run.enroll import enroll_cli
+    from qualify.interfaces.enroll_command import enroll_cli
 
     return enroll_cli
 
@@ -102,13 +102,13 @@ def _load_report() -> Handler:
 
 
 def _load_producer_serve() -> Handler:
-    from qualify.handoff.service import main
+    from qualify.interfaces.producer_command import producer_serve_cli
 
-    return main
+    return producer_serve_cli
 
 
 def _load_producer_expect() -> Handler:
-    from qualify.interfaces.producer import producer_expect_cli
+    from qualify.interfaces.producer_command import producer_expect_cli
 
     return producer_expect_cli
 

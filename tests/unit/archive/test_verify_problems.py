@@ -18,9 +18,10 @@ import pytest
 from qualify.archive import verify as verify_module
 from qualify.archive.attestation import ENVELOPE
 from qualify.archive.layout import HOST, HOST_SCHEMA, LEGACY_MANIFEST_SCHEMA, MANIFEST, MANIFEST_SCHEMA, SUMMARY, json_bytes
-from qualify.archive.verify import check_receipt, verify_cli, verify_receipt
+from qualify.archive.verify import check_receipt, verify_receipt
 from qualify.core.digests import document_sha256, jcs_bytes
 from qualify.core.errors import Refused
+from qualify.interfaces.verify_command import verify_cli
 from tests.support.receipt_forgery import make_writable, regular_files, rehash_manifest, sha256_of, write_receipt
 from tests.unit.archive.test_receipts import committed_receipts
 from tests.unit.archive.test_signed_receipts import edit_json

@@ -28,12 +28,12 @@ from qualify.archive.layout import (
 from qualify.archive.verify import (
     VERIFY_JSON_SCHEMA,
     manifest_schema_path,
-    verify_cli,
     verify_document,
     verify_paths,
     verify_receipt,
 )
 from qualify.core.digests import document_sha256
+from qualify.interfaces.verify_command import verify_cli
 from tests.support.receipt_forgery import (
     IDENTITY,
     check,

@@ -29,6 +29,7 @@ from qualify.core.errors import HandoffRefused, Refused
 from qualify.handoff.client import ProducerFailure, RemoteProducer, parse_producer_address
 from qualify.handoff.protocol import (
     FRAME_LENGTH,
+    PRODUCER_MODULE,
     PROTOCOL,
     PhaseDeadlines,
     StartRefused,
@@ -36,7 +37,6 @@ from qualify.handoff.protocol import (
     decode_frame_header,
     encode_frame_header,
 )
-from qualify.handoff.service import parse_config
 from qualify.handoff.tls import (
     CA_CERT,
     CONSUMER_CERT,
@@ -50,6 +50,7 @@ from qualify.handoff.tls import (
     server_context,
 )
 from qualify.handoff.wire import Handoff, open_handoff
+from qualify.interfaces.producer_command import parse_config
 from tests.unit.handoff.test_handoff_service import (
     EXPECTATION,
     FACTORY,
@@ -110,7 +111,7 @@ def serve_producer(tls_set: Path, tmp_path: Path, *extra: str, lane: str = "stub
     """``qualify producer serve`` on a loopback port under the set's TLS, waited for until ready."""
     expect = tmp_path / "expect.json"
     expect.write_text(json.dumps(expectation or EXPECTATION.to_document()))
-    argv = [sys.executable, "-m", "qualify.handoff.service", "--lane", lane, "--mode", mode,
+    argv = [sys.executable, "-m", PRODUCER_MODULE, "--lane", lane, "--mode", mode,
             "--expect", str(expect), "--key-file", str(tls_set / RUN_KEY), "--port", "0",
             "--tls-cert", str(tls_set / PRODUCER_CERT), "--tls-key", str(tls_set / PRODUCER_KEY),
             "--tls-client-ca", str(tls_set / CA_CERT), *extra]

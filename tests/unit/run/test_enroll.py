@@ -21,9 +21,10 @@ from qualify.contract.registry import REGISTRY_SCHEMA_ID
 from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused
 from qualify.evidence.records import rule_from_identity
+from qualify.interfaces.enroll_command import enroll_cli
 from qualify.judge import judge_summary
 from qualify.run import enroll as enroll_module
-from qualify.run.enroll import enroll, enroll_cli, enrollment_for, key_for, load_registry
+from qualify.run.enroll import enroll, enrollment_for, key_for, load_registry
 from tests.unit.archive.test_receipts import make_writable
 from tests.unit.judge.test_judge import rung2_record, rung3_record
 
