@@ -59,10 +59,11 @@ from qualify.core.assets import prompt_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.evidence.compare_device import DeviceClock
 from qualify.evidence.comparers import ComparerSetup, DeviceComparer
+from qualify.handoff.setup import TransportSetup
 from qualify.handoff.transport import InProcessTransport
 from qualify.run.calibrate import calibrate
 from qualify.run.contract import identity_path_for_lane
-from qualify.run.qualification import QualificationRun, RunOptions, TransportSetup
+from qualify.run.qualification import QualificationRun, RunOptions
 
 KV_HASH_THREADS = max(2, min(16, os.cpu_count() or 2))
 COPY_BYTES = 2 << 30  # device-to-device copy bandwidth probe

@@ -391,12 +391,12 @@ def _main(arguments: list[str]) -> int:
 def console() -> None:
     """The ``qualify`` executable: :func:`main`, with an interrupt signal that lands after a run
     (its receipt whole, its verdict printed) noted rather than fatal
-    (:func:`~qualify.run.qualification.hold_interrupts_after_runs`), then the signals blocked
+    (:func:`~qualify.run.signals.hold_interrupts_after_runs`), then the signals blocked
     until the process ends. A decided exit code is never turned into a death by signal; a signal
     during a run is handled there (128 + the signal)."""
     import signal
 
-    from qualify.run.qualification import INTERRUPT_SIGNALS, hold_interrupts_after_runs
+    from qualify.run.signals import INTERRUPT_SIGNALS, hold_interrupts_after_runs
 
     hold_interrupts_after_runs()
     try:

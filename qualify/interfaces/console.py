@@ -54,18 +54,11 @@ from qualify.core.arguments import (
     shown,
 )
 from qualify.core.errors import Refused
+from qualify.handoff.setup import RemoteProducerChoice
 from qualify.interfaces import documents
 from qualify.interfaces.tables import Field, FittedTable, hanging
-from qualify.run.qualification import (
-    STEP_LABELS,
-    QualificationRun,
-    RemoteProducerChoice,
-    RunOptions,
-    StepOutcome,
-    interrupt_signal,
-    interrupts_raise,
-    signals_held,
-)
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
+from qualify.run.signals import interrupt_signal, interrupts_raise, signals_held
 
 if TYPE_CHECKING:
     from qualify.judge import Verdict

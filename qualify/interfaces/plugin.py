@@ -21,7 +21,7 @@ Options are checked once, when pytest configures: a bad value is pytest's usage 
 one line naming the option, before anything is collected or run.
 
 Interrupts: pytest turns SIGINT into KeyboardInterrupt, and while a run is open SIGTERM and SIGHUP
-become one too (``qualify.run.qualification.INTERRUPT_SIGNALS``; the previous handlers come back
+become one too (``qualify.run.signals.INTERRUPT_SIGNALS``; the previous handlers come back
 when the module's run ends). Either way the run's receipt is sealed as incomplete ("interrupted by
 SIGINT during <step>"), its producer's process group killed, and pytest exits 128 + the signal's
 number (130 for SIGINT, 143 for SIGTERM) instead of its own 2.
@@ -252,7 +252,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
     """The module's qualification run, built from its ``RECIPE`` and the command-line options."""
-    from qualify.run.qualification import QualificationRun, RunOptions, interrupts_raise
+    from qualify.run.qualification import QualificationRun, RunOptions
+    from qualify.run.signals import interrupts_raise
 
     config = request.config
     recipe = getattr(request.module, "RECIPE", None)
@@ -285,7 +286,7 @@ def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
 def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
     """SIGINT or SIGTERM: every open run stops, its receipt sealed as incomplete (a step that was
     running has done so already) and its producer killed."""
-    from qualify.run.qualification import interrupt_signal
+    from qualify.run.signals import interrupt_signal
 
     if not _OPEN_RUNS:
         return

@@ -22,6 +22,7 @@ from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.engines.base import LaneEngine
 from qualify.evidence.comparers import ComparerFactory
+from qualify.handoff.setup import TransportFactory
 from qualify.judge.calibration import (
     ANCHOR_PART,
     CALIBRATION_EVIDENCE,
@@ -32,7 +33,7 @@ from qualify.judge.calibration import (
 )
 from qualify.judge.scope import ControlsOutcome
 from qualify.run.contract import CalibrationHandoff, calibration_contract
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportFactory, driven
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, driven
 
 CONTROLS_EVIDENCE = "controls"
 """The receipt evidence name of a lane's E2 controls record (``evidence/controls.json``)."""

@@ -37,7 +37,8 @@ from qualify.archive.reader import read_receipt_json
 from qualify.handoff.client import WORKDIR_PREFIX
 from qualify.handoff.protocol import PRODUCER_MODULE
 from qualify.interfaces import cli
-from qualify.run.qualification import INTERRUPT_SIGNALS, STEP_LABELS, RunInterrupted, interrupts_raise
+from qualify.run.qualification import STEP_LABELS
+from qualify.run.signals import INTERRUPT_SIGNALS, RunInterrupted, interrupts_raise
 
 REPO = Path(__file__).resolve().parents[2]
 PHASE_WAIT_S = 240.0
@@ -505,7 +506,7 @@ def test_the_executable_notes_a_signal_after_a_run_and_stops_the_next_run_with_i
     (the process lives on and exits with its own code), and the next run stops at its start."""
     script = textwrap.dedent("""
         import os, signal, sys
-        from qualify.run.qualification import RunInterrupted, hold_interrupts_after_runs, interrupts_raise
+        from qualify.run.signals import RunInterrupted, hold_interrupts_after_runs, interrupts_raise
         hold_interrupts_after_runs()
         with interrupts_raise():
             pass

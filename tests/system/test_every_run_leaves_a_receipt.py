@@ -31,7 +31,7 @@ from qualify.core.errors import Refused
 from qualify.evidence.records import ValidationSummary
 from qualify.interfaces import cli
 from qualify.judge import judge_incomplete, judge_refused
-from qualify.run import qualification
+from qualify.run import signals
 from qualify.run.contract import default_identity_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -255,9 +255,9 @@ def test_the_runs_sigterm_handler_is_installed_only_for_the_run() -> None:
 
     previous = signal.signal(signal.SIGTERM, before)
     try:
-        with qualification.interrupts_raise():
+        with signals.interrupts_raise():
             assert signal.getsignal(signal.SIGTERM) is not before
-            with pytest.raises(qualification.RunInterrupted) as raised:
+            with pytest.raises(signals.RunInterrupted) as raised:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)  # the handler raises at the next bytecode; the sleep is only its bound
             assert raised.value.signum == signal.SIGTERM
@@ -267,13 +267,13 @@ def test_the_runs_sigterm_handler_is_installed_only_for_the_run() -> None:
 
 
 def test_a_signal_while_a_receipt_is_sealed_is_raised_once_it_is_sealed() -> None:
-    with qualification.interrupts_raise():
-        with pytest.raises(qualification.RunInterrupted), qualification.signals_held():
+    with signals.interrupts_raise():
+        with pytest.raises(signals.RunInterrupted), signals.signals_held():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)  # delivered meanwhile, and held
             sealed = True
         assert sealed
-        with qualification.signals_held(discard=True):
+        with signals.signals_held(discard=True):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)  # discarded: a second signal while stopping for the first
 

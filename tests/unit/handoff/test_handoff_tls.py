@@ -601,7 +601,8 @@ def run_against(port: int, tls_set: Path, receipts: Path, contract=None, *, verd
     its anchor the run's own samples (the short contract has no basis receipt)."""
     from dataclasses import replace
 
-    from qualify.run.qualification import STEP_LABELS, QualificationRun, RemoteProducerChoice, RunOptions
+    from qualify.handoff.setup import RemoteProducerChoice
+    from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
     choice = RemoteProducerChoice(host="127.0.0.1", port=port, key=run_key(tls_set), tls=consumer_tls(tls_set))
     run = QualificationRun(RunOptions(recipe="native-text", receipts=receipts, reference_once=True,
