@@ -30,6 +30,7 @@ from typing import Any
 from threadpoolctl import threadpool_limits
 
 from qualify.contract.controls import load_controls_criteria, load_document
+from qualify.contract.lanes import lane_spec
 from qualify.core.errors import Refused
 from qualify.evidence.controls import (
     SharedScoring,
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         shared: SharedScoring | None = None
         records = {}
         for lane in lanes:
-            engines = build_control_engines(lane)
+            engines = build_control_engines(lane_spec(lane))
             if shared is None or shared.consumer_abi != engines.consumer.abi:
                 print(f"reference and yardstick passes (consumer {engines.consumer.abi})", flush=True)
                 shared = score_shared(engines.consumer, engines.yardstick, documents, progress)

@@ -307,7 +307,7 @@ def set_up_lane(lane: str, bounds: str | None) -> LaneBench:
                             maximum_absolute=maximum, maximum_mean_absolute=mean, drift_graded=True)
     source = f"--bounds {bounds}" if bounds is not None else terms.source
     spec = lane_spec(lane)
-    consumer = build_consumer(lane)
+    consumer = build_consumer(lane_spec(lane))
     producer = build_producer(lane, spec.mode)
     prompt = assets.load_prompt(terms.prompt_name)
     prefix = prompt[:terms.handoff_positions]

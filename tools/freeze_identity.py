@@ -144,7 +144,7 @@ def engine_pins(spec: LaneSpec) -> tuple[dict[str, str], dict[str, str]]:
         from qualify.engines.factory import build_consumer, build_producer
 
         producer = build_producer(spec.name, spec.mode)
-        consumer = build_consumer(spec.name)
+        consumer = build_consumer(spec)
     except Refused:
         raise
     except Exception as exc:

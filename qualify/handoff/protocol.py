@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qualify.contract.lanes import LANES, lane_spec
+from qualify.contract.lanes import LANES
 from qualify.core.arguments import require_private_file
 from qualify.core.digests import canonical_json_bytes, is_sha256_hex
 from qualify.core.errors import Refused
@@ -318,5 +318,5 @@ def expectation_from_identity(identity: Identity, model_geometry: ModelGeometry)
         engine_name=engine.name,
         engine_abi=engine.abi,
         digests=dict(identity.checkpoint.files),
-        kv_dtype=lane_kv_dtype(lane_spec(identity.lane)),
+        kv_dtype=lane_kv_dtype(identity.spec),
     )

@@ -561,7 +561,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
             console.print(Text(line, style="dim"))
             show(f"calibrate {args.lane}: {line[:60]}")
 
-        result = calibrate(args.lane, args.recipe, options, log=log, anchors=args.anchors,
+        result = calibrate(spec, args.recipe, options, log=log, anchors=args.anchors,
                            controls=not args.no_controls)
     code = EXIT_PASS if result.passed else EXIT_FAILED
     steps = next_steps(result, args.lane, args.recipe)

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from qualify import __version__
-from qualify.contract.lanes import lane_spec
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
@@ -334,8 +333,8 @@ class QualificationRun:
         if self.contract is None:
             identity_path, identity = self._load_identity()
             try:
-                check_lane_engines(identity.lane, options.producer, options.consumer)
-                self.consumer = self._given_consumer or build_consumer(identity.lane)
+                check_lane_engines(identity.spec, options.producer, options.consumer)
+                self.consumer = self._given_consumer or build_consumer(identity.spec)
                 self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
                                                        self.consumer)
                 self._check_link_floor(self.contract, f"identity {identity_path}")
@@ -348,7 +347,7 @@ class QualificationRun:
             chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
             if options.fault is not None:
                 faults.fault_named(options.fault)
-            self.consumer = self._given_consumer or build_consumer(self.contract.lane)
+            self.consumer = self._given_consumer or build_consumer(self.contract.spec)
             self._check_link_floor(self.contract, f"lane {self.contract.lane}")
         contract = self.contract
         if contract.repetitions != ORDERED_HANDOFFS:
@@ -549,7 +548,7 @@ class QualificationRun:
 
     def _handed_off_positions(self) -> int:
         contract = self._contract
-        return lane_spec(contract.lane).handed_off_positions(contract.handoff_positions)
+        return contract.spec.handed_off_positions(contract.handoff_positions)
 
     def _handoff_expectation(self, request_id: str) -> HandoffExpectation:
         """What every handoff of this run must be: this run, lane and key, the identity, the

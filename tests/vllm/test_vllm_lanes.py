@@ -28,6 +28,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 from qualify.archive.verify import verify_receipt  # noqa: E402
+from qualify.contract.lanes import lane_spec  # noqa: E402
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
 
 HANDOFF_POSITIONS = 1920  # whole 128-token blocks of the 2047 handed-off prompt tokens
@@ -94,9 +95,9 @@ def host_match(lane: str) -> HostMatch:
 
             consumer = (VllmEngine.name, check_pin(), vllm_engine_abi())
         else:
-            engine = factory.build_consumer(lane)
+            engine = factory.build_consumer(lane_spec(lane))
             consumer = (engine.name, engine.version, engine.abi)
-        found = {"producer_engine.abi": factory.lane_producer_abi(lane), "consumer_engine.name": consumer[0],
+        found = {"producer_engine.abi": factory.lane_producer_abi(lane_spec(lane)), "consumer_engine.name": consumer[0],
                  "consumer_engine.version": consumer[1], "consumer_engine.abi": consumer[2]}
         pinned = {name: document[name.split(".")[0]][name.split(".")[1]] for name in found}
         _HOST_MATCHES[lane] = HostMatch(lane, found, pinned)
@@ -482,7 +483,7 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
 
     # (a) calibrate: the calibration set's cells, then the fixture anchors reproduced across a
     # restart and another environment, the fixture's tokens exact.
-    calibration = calibrate(lane, "native-text", RunOptions(
+    calibration = calibrate(lane_spec(lane), "native-text", RunOptions(
         recipe="native-text", receipts=receipts,
         command_line=["qualify", "calibrate", "--recipe", "native-text", "--lane", lane]))
     assert not calibration.failures, calibration.failures
@@ -496,7 +497,7 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import freeze_identity
 
-    producer, consumer = factory.producer_facts(lane), factory.build_consumer(lane)
+    producer, consumer = factory.producer_facts(lane_spec(lane)), factory.build_consumer(lane_spec(lane))
     identity_path = tmp_path / "identity.json"
     argv = ["--lane", lane, "--basis", f"receipt://{calibration.receipt_path.name}/command.log",
             "--maximum-absolute", repr(calibration.proposed_maximum_absolute),  # given: it must equal the derived
@@ -512,7 +513,7 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     frozen = identity_module.parse_identity_document(document, where=f"identity {identity_path}")
     seal = freeze_identity.seal_of(frozen, receipts)
     assert freeze_identity.sealed_lines(lane, seal) in printed.getvalue()
-    assert frozen.producer_engine.abi == factory.lane_producer_abi(lane)
+    assert frozen.producer_engine.abi == factory.lane_producer_abi(lane_spec(lane))
 
     # (c) seal it for this process: the lane's entry replaced, the basis resolved in tmp_path.
     monkeypatch.setattr(sealed_data, "SEALED_IDENTITIES", {**sealed_data.SEALED_IDENTITIES, lane: seal.identity_sha256})

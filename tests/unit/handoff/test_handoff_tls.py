@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.contract.lanes import ProducerMode
+from qualify.contract.lanes import ProducerMode, lane_spec
 from qualify.core.assets import REPO_ROOT
 from qualify.core.errors import HandoffRefused, Refused
 from qualify.handoff.client import ProducerFailure, RemoteProducer, parse_producer_address
@@ -589,7 +589,7 @@ def short_contract():
     calibration_set, set_digest = load_calibration_set()
     prompt = assets.load_prompt(assets.MAIN_PROMPT)[:SHORT_PROMPT_TOKENS]
     fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, prompt)
-    contract = calibration_contract(LANE, "native-text", [fixture] * ORDERED_HANDOFFS,
+    contract = calibration_contract(lane_spec(LANE), "native-text", [fixture] * ORDERED_HANDOFFS,
                                     calibration_set={"name": calibration_set.name, "sha256": set_digest},
                                     controls=None, output_tokens=SHORT_OUTPUT_TOKENS)
     rule = BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1, output_tokens=SHORT_OUTPUT_TOKENS)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from qualify.contract.controls import load_calibration_set
+from qualify.contract.lanes import lane_spec
 from qualify.core import assets
 from qualify.core.assets import REPO_ROOT
 from qualify.engines.factory import build_producer
@@ -32,7 +33,7 @@ EVIDENCE = ("payload_sha256", "seams_sha256", "max_abs", "mean_abs", "token_agre
 def _contract():  # the fixture three times, under a rule wide enough for the lane, so every step runs
     calibration_set, set_digest = load_calibration_set()
     fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, assets.load_prompt(assets.MAIN_PROMPT))
-    contract = calibration_contract(LANE, "native-text", [fixture] * ORDERED_HANDOFFS,
+    contract = calibration_contract(lane_spec(LANE), "native-text", [fixture] * ORDERED_HANDOFFS,
                                     calibration_set={"name": calibration_set.name, "sha256": set_digest},
                                     controls=None)
     return dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1),
