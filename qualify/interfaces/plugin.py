@@ -396,12 +396,11 @@ def receipt_properties(receipt: Path) -> list[tuple[str, str]]:
     summary is checked against its version's schema first (a refusal is one line)."""
     from qualify.archive.layout import HOST
     from qualify.archive.predicate import host_summary, scope
-    from qualify.archive.reader import read_receipt_json, read_summary
-    from qualify.interfaces.documents import receipt_samples
+    from qualify.archive.reader import read_receipt_json, read_summary, sample_records
 
     summary = read_summary(receipt)
     host = read_receipt_json(receipt, HOST)
-    samples = receipt_samples(receipt)
+    samples = list(sample_records(receipt).values())
     return [
         ("verdict", property_value(summary["status"])),
         ("headline", summary["verdict"]),

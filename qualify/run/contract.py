@@ -25,7 +25,7 @@ from qualify.contract.lanes import (
 )
 from qualify.core import assets, model_choice
 from qualify.core.digests import document_sha256
-from qualify.core.errors import Refused, one_line
+from qualify.core.errors import Refused
 from qualify.engines.base import Engine
 from qualify.evidence.records import BitExactRule, BoundedDriftRule
 from qualify.handoff.protocol import (
@@ -153,17 +153,17 @@ def phase_deadlines(basis_records: list[dict[str, Any]]) -> PhaseDeadlines:
 
 
 def receipt_sample_records(receipt_dir: Path) -> list[dict[str, Any]]:
-    """A receipt's sample records, in repetition order (refused when unreadable or absent)."""
-    import json
+    """A verified basis receipt's sample records, in repetition order
+    (:func:`qualify.archive.reader.sample_records`); refused when unreadable or absent."""
+    from qualify.archive.reader import sample_records
 
     try:
-        paths = sorted((receipt_dir / "samples").glob("sample-*.json"),
-                       key=lambda path: int(path.stem.removeprefix("sample-")))
-        if not paths:
-            raise Refused(f"basis receipt {receipt_dir.name}: no samples/sample-*.json to recheck against")
-        return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
-    except (OSError, ValueError) as exc:
-        raise Refused(f"basis receipt {receipt_dir.name}: unreadable sample ({one_line(str(exc))})") from None
+        records = list(sample_records(receipt_dir).values())
+    except Refused as exc:
+        raise Refused(f"basis receipt {receipt_dir.name}: unreadable sample ({exc})") from None
+    if not records:
+        raise Refused(f"basis receipt {receipt_dir.name}: no samples/sample-*.json to recheck against")
+    return records
 
 
 EVIDENCE_MAX_BYTES = 16 << 20

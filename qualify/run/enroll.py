@@ -34,7 +34,7 @@ from typing import Any
 from qualify.archive.attestation import read_attestation
 from qualify.archive.keys import TrustFile
 from qualify.archive.layout import receipt_uri
-from qualify.archive.reader import read_receipt_json, receipt_files
+from qualify.archive.reader import read_receipt_json, sample_records
 from qualify.archive.verify import authenticate_receipt
 from qualify.contract.lanes import LANES
 from qualify.contract.registry import LaneRegistry, RegistryEntry, RevokedKey, validate_registry_document
@@ -227,11 +227,7 @@ def _rejudge(receipt: Path, summary: dict[str, Any], identity: Any) -> None:
     expected = rule_from_identity(identity, drift_graded=judged_rule.drift_graded)
     if judged_rule != expected:
         raise Refused(f"enroll: receipt {run_id} was judged under a rule other than this identity's")
-    samples = sorted(
-        (path for path in receipt_files(receipt) if path.startswith("samples/")),
-        key=lambda path: int(path.removeprefix("samples/sample-").removesuffix(".json")),
-    )
-    verdict = judge_summary([read_receipt_json(receipt, path) for path in samples], expected)
+    verdict = judge_summary(list(sample_records(receipt).values()), expected)
     if not verdict.passed:
         raise Refused(f"enroll: receipt {run_id} samples do not pass when re-judged: {verdict.reasons[0]}")
 
