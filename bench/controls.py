@@ -2,7 +2,7 @@
 
 Reads the preregistered criteria (``contracts/e2-controls-v2.json``, loaded and checked by
 :func:`qualify.contract.controls.load_controls_criteria`: document digests, yardstick file digest)
-and the control documents, then per lane runs :func:`qualify.evidence.controls.measure_controls`:
+and the control documents, then per lane runs :func:`qualify.evidence.controls_measure.measure_controls`:
 per document one prefill by the lane's producer, one by the yardstick (the Q8_0 k-quant target)
 and one by the consumer itself, each scored row by row by the lane's consumer. The reference and
 yardstick passes depend only on the consumer, so lanes whose consumers share an ABI reuse them.
@@ -32,7 +32,7 @@ from threadpoolctl import threadpool_limits
 from qualify.contract.controls import load_controls_criteria, load_document
 from qualify.contract.lanes import lane_spec
 from qualify.core.errors import Refused
-from qualify.evidence.controls import (
+from qualify.evidence.controls_measure import (
     SharedScoring,
     build_control_engines,
     measure_controls,

@@ -62,8 +62,8 @@ from qualify.evidence.comparers import ComparerSetup, DeviceComparer
 from qualify.handoff.setup import TransportSetup
 from qualify.handoff.transport import InProcessTransport
 from qualify.run.calibrate import calibrate
-from qualify.run.contract import identity_path_for_lane
 from qualify.run.qualification import QualificationRun, RunOptions
+from qualify.run.run_contract import identity_path_for_lane
 
 KV_HASH_THREADS = max(2, min(16, os.cpu_count() or 2))
 COPY_BYTES = 2 << 30  # device-to-device copy bandwidth probe

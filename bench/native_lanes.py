@@ -23,7 +23,7 @@ from qualify.contract.lanes import LANES, LaneKind, ProducerMode, lane_spec
 from qualify.core import assets
 from qualify.engines.factory import build_consumer, build_producer
 from qualify.evidence.compare import compare_branches
-from qualify.run.contract import comparison_bounds
+from qualify.run.run_contract import comparison_bounds
 
 
 def main() -> int:

@@ -52,8 +52,9 @@ def config_dir() -> Path:
     return Path(platformdirs.user_config_dir("trust-ladder", appauthor=False))
 
 
-def key_id(public_key: bytes) -> str:
-    """SHA-256 hex of the raw 32-byte Ed25519 public key."""
+def signing_key_id(public_key: bytes) -> str:
+    """A receipt-signing key's id: the SHA-256 hex of its raw 32-byte Ed25519 public key (a
+    handoff key's id is :func:`qualify.handoff.wire.handoff_key_id`)."""
     return hashlib.sha256(public_key).hexdigest()
 
 
@@ -133,7 +134,7 @@ def parse_trust(data: bytes, where: str) -> TrustFile:
     keys: list[TrustedKey] = []
     for index, entry in enumerate(document["keys"]):
         public = bytes.fromhex(entry["public_key"])
-        if key_id(public) != entry["keyid"]:
+        if signing_key_id(public) != entry["keyid"]:
             raise Refused(f"{where}: keys[{index}].keyid is not the SHA-256 of its public_key")
         if any(key.key_id == entry["keyid"] for key in keys):
             raise Refused(f"{where}: keys[{index}].keyid {entry['keyid'][:16]}… is listed twice")
@@ -172,7 +173,7 @@ def load_signing_key(directory: Path | None = None) -> SigningKey:
     if not isinstance(private, Ed25519PrivateKey):
         raise Refused(f"signing key {path}: a {type(private).__name__}, expected an Ed25519 key")
     public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return SigningKey(private, public, key_id(public), path)
+    return SigningKey(private, public, signing_key_id(public), path)
 
 
 # --------------------------------------------------------------------------- writing
@@ -228,7 +229,7 @@ def _new_key(directory: Path, trust: TrustFile, comment: str) -> tuple[SigningKe
     public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     path = directory / SIGNING_KEY_FILE
     _write_private(path, pem)
-    entry = TrustedKey(key_id(public), public, one_line(comment), _utc_now())
+    entry = TrustedKey(signing_key_id(public), public, one_line(comment), _utc_now())
     return SigningKey(private, public, entry.key_id, path), replace(trust, keys=(*trust.keys, entry))
 
 

@@ -91,7 +91,7 @@ from qualify.handoff.protocol import (
     seconds_or_none,
 )
 from qualify.handoff.tls import peer_certificate_sha256
-from qualify.handoff.wire import MAC_BYTES, Handoff, TransportKind, TransportStats, key_id
+from qualify.handoff.wire import MAC_BYTES, Handoff, TransportKind, TransportStats, handoff_key_id
 
 # How often a blocked wait wakes to check the process and its deadline.
 POLL_S = 0.2
@@ -659,7 +659,7 @@ class ProducerProcess:
 
     def _checked_ready_line(self, line: bytes) -> dict[str, Any]:
         try:
-            return parse_ready_line(line, lane=self.lane, mode=self.mode, run_key_id=key_id(self._key),
+            return parse_ready_line(line, lane=self.lane, mode=self.mode, run_key_id=handoff_key_id(self._key),
                                     pid=self._process_pid())
         except ConnectionBroken as broken:
             self._raise_failure(broken.reason, kill_now=True)
@@ -862,7 +862,7 @@ class RemoteProducer:
                           f"give --tls-ca, --tls-cert and --tls-key")
         if not isinstance(deadlines, PhaseDeadlines):
             raise Refused(f"producer deadlines: found {type(deadlines).__name__}, expected PhaseDeadlines")
-        key_id(key)  # refuses a key that is not bytes of at least 32
+        handoff_key_id(key)  # refuses a key that is not bytes of at least 32
         self.host = host
         self.port = port
         self._key = bytes(key)

@@ -173,7 +173,7 @@ class PhaseDeadlines:
 # missed heartbeats: a scheduler hiccup is shorter).
 STALL_NOTE_S = 4 * HEARTBEAT_S
 # Floors and factors of the deadlines a run derives from its basis receipt
-# (qualify.run.contract.phase_deadlines); DEFAULT_DEADLINES when there is none (calibration).
+# (qualify.run.run_contract.phase_deadlines); DEFAULT_DEADLINES when there is none (calibration).
 READY_FLOOR_S = 120.0
 VERIFY_FLOOR_S = 30.0
 HANDOFF_FLOOR_S = 60.0

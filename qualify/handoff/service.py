@@ -94,7 +94,7 @@ from qualify.handoff.protocol import (
     read_run_key,
 )
 from qualify.handoff.tls import server_context
-from qualify.handoff.wire import SealedHandoff, key_id, seal_handoff_parts
+from qualify.handoff.wire import SealedHandoff, handoff_key_id, seal_handoff_parts
 
 DEFAULT_ENGINE_FACTORY = "qualify.engines.factory:build_producer"
 MAX_NON_ENGINE_ERRORS = 3
@@ -480,7 +480,7 @@ class ProducerService:
             "address": self.address,
             "lane": self.config.lane,
             "producer_mode": self.config.mode.value,
-            "key_id": key_id(self.key),
+            "key_id": handoff_key_id(self.key),
             "warmup_s": warmup_s,
         }) + b"\n"
         if self.config.ready_fd is None:
@@ -541,7 +541,7 @@ class ProducerService:
         nonce = secrets.token_bytes(32)
         try:
             self._send(conn, {"op": "hello", "protocol": PROTOCOL, "nonce": nonce.hex(),
-                              "key_id": key_id(self.key)})
+                              "key_id": handoff_key_id(self.key)})
             auth = self._read_frame(conn)
         except (_PeerGone, _BadFrame, OSError):
             return False

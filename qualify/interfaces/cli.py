@@ -18,9 +18,9 @@ engines), and the handler is called as ``handler(argv) -> int`` with the argumen
 command words (for ``--recipe``, the whole argument list). A handler that cannot be imported makes
 the command exit 2 with a one-line "not available".
 
-=====================  =========================================================
+=====================  ============================================================
 command                handler
-=====================  =========================================================
+=====================  ============================================================
 ``--recipe NAME ...``  ``qualify.interfaces.console.run_cli``
 ``receipts verify``    ``qualify.interfaces.verify_command.verify_cli``
 ``keys``               ``qualify.interfaces.keys_command.keys_cli``
@@ -30,7 +30,8 @@ command                handler
 ``report``             ``qualify.interfaces.report.report_cli``
 ``producer serve``     ``qualify.interfaces.producer_command.producer_serve_cli``
 ``producer expect``    ``qualify.interfaces.producer_command.producer_expect_cli``
-=====================  =========================================================
+``model inspect``      ``qualify.interfaces.model_command.model_inspect_cli``
+=====================  ============================================================
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def _load_producer_expect() -> Handler:
 
 
 def _load_model_inspect() -> Handler:
-    from qualify.interfaces.models import model_inspect_cli
+    from qualify.interfaces.model_command import model_inspect_cli
 
     return model_inspect_cli
 
@@ -254,7 +255,7 @@ def identity_check(path: str | os.PathLike[str], *, as_json: bool = False, model
     """``qualify identity check PATH [--json] [--model NAME|PATH]``: 0 with lane and digest when
     valid, 2 on refusal."""
     from qualify.contract.identity import identity_sha256, load_identity
-    from qualify.run.contract import checked_basis
+    from qualify.run.run_contract import checked_basis
 
     identity = load_identity(path)
     _choose_pinned_model(identity.model_name, model, f"identity {path}")

@@ -153,7 +153,7 @@ def _check_run_choices(args: argparse.Namespace) -> None:
     """What a recipe run is asked to do, refused before any step: a missing or non-file identity,
     a recipe/producer/consumer pair no lane runs, an unknown fault, an unusable archive."""
     from qualify.engines import faults
-    from qualify.run.contract import chosen_lane
+    from qualify.run.run_contract import chosen_lane
 
     if args.identity is not None:
         require_regular_file("--identity", args.identity)
@@ -470,7 +470,7 @@ def run_cli(argv: Sequence[str]) -> int:
     """``qualify --recipe NAME [...]``: bad input is refused (exit 2, one line) before any step;
     an interrupt signal during the run seals its receipt as incomplete, kills the producer's
     process group and exits 128 + the signal's number, saying so in one line on stderr."""
-    from qualify.run.contract import default_identity_path
+    from qualify.run.run_contract import default_identity_path
 
     args = _recipe_parser("qualify").parse_args(list(argv))
     _check_run_choices(args)

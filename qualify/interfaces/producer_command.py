@@ -212,7 +212,7 @@ def expectation_document(recipe: str, *, identity: Path | None = None, lane: str
     """The ``--expect`` document of a run of ``recipe`` under ``identity`` (or ``lane``'s frozen
     identity, or the recipe's shipped lane), with the lane and producer mode to serve it as."""
     from qualify.engines.chosen_model import use_model
-    from qualify.run.contract import default_identity_path, identity_path_for_lane, run_contract
+    from qualify.run.run_contract import default_identity_path, identity_path_for_lane, run_contract
 
     use_model(model)
     if identity is None:

@@ -37,7 +37,7 @@ from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_schema
 from qualify.evidence.series import read_series
-from qualify.run.contract import kv_envelope_from_records
+from qualify.run.run_contract import kv_envelope_from_records
 
 MAX_SAMPLES = 256
 """The most sample records one page shows (a qualification has 3, a calibration some tens)."""

@@ -32,8 +32,8 @@ from qualify.judge.calibration import (
     judge_calibration,
 )
 from qualify.judge.scope import ControlsOutcome
-from qualify.run.contract import CalibrationHandoff, calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, driven
+from qualify.run.run_contract import CalibrationHandoff, calibration_contract
 
 CONTROLS_EVIDENCE = "controls"
 """The receipt evidence name of a lane's E2 controls record (``evidence/controls.json``)."""
@@ -131,9 +131,9 @@ def calibration_handoffs(calibration_set: CalibrationSet, anchors: int = ANCHOR_
 
 
 def _measure_controls(spec: LaneSpec, consumer: LaneEngine, log: Callable[[str], None]) -> dict[str, Any]:
-    """The lane's E2 controls record (:mod:`qualify.evidence.controls`), measured in this process:
+    """The lane's E2 controls record (:mod:`qualify.evidence.controls_measure`), measured in this process:
     the lane's producer engine and the yardstick built by the factory, scored by the run's consumer."""
-    from qualify.evidence.controls import build_control_engines, measure_controls, yardstick_identity
+    from qualify.evidence.controls_measure import build_control_engines, measure_controls, yardstick_identity
 
     criteria, digest = load_controls_criteria()
     engines = build_control_engines(spec)

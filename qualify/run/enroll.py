@@ -14,17 +14,17 @@ The registry is the project's one lane-registry format (:mod:`qualify.contract.r
 identity_sha256, receipt, receipt_signer, key_id}`` and ``revoked`` keys; loading it refuses unknown lanes, lane kinds and recipes
 before any key is minted, and every document is validated before it is written (atomically).
 Keys: 32 random bytes in ``<key_dir>/<key_id>.key``, mode 0600 in a 0700 directory; ``key_id``
-is the first 16 hex characters of the key's SHA-256. Default locations sit beside the
-receipt archive's default, outside the checkout: ``$XDG_DATA_HOME/trust-ladder/`` or
-``~/.local/share/trust-ladder/`` (``$QUALIFY_REGISTRY`` for the registry file, ``$QUALIFY_KEYS``
-for the key directory). The command is :mod:`qualify.interfaces.enroll_command`.
+is the first 16 hex characters of the key's SHA-256 (:func:`qualify.handoff.wire.handoff_key_id`).
+Default locations sit beside the receipt archive's default, outside the checkout:
+``$XDG_DATA_HOME/trust-ladder/`` or ``~/.local/share/trust-ladder/`` (``$QUALIFY_REGISTRY`` for
+the registry file, ``$QUALIFY_KEYS`` for the key directory). The command is
+:mod:`qualify.interfaces.enroll_command`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import os
 import secrets
@@ -43,6 +43,7 @@ from qualify.core.arguments import require_private_file
 from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.evidence.records import parse_rule, rule_from_identity
+from qualify.handoff.wire import handoff_key_id
 from qualify.judge import judge_summary
 
 KEY_BYTES = 32
@@ -106,7 +107,7 @@ def _load_identity(identity: Any) -> Any:
     """A path is loaded and sealed, and its basis receipt checked against the sealed digest."""
     if isinstance(identity, (str, os.PathLike)):
         from qualify.contract.identity import load_identity
-        from qualify.run.contract import checked_basis
+        from qualify.run.run_contract import checked_basis
 
         loaded = load_identity(identity)
         checked_basis(loaded, where=f"identity {os.fspath(identity)}")
@@ -205,7 +206,7 @@ def enroll(
 def _mint_key(keys: Path) -> str:
     """A new random handoff key in ``keys`` (0600 in a 0700 directory); returns its key id."""
     key = secrets.token_bytes(KEY_BYTES)
-    key_id = hashlib.sha256(key).hexdigest()[:16]
+    key_id = handoff_key_id(key)
     keys.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(keys, 0o700)
     descriptor = os.open(keys / f"{key_id}.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -265,6 +266,6 @@ def key_for(
     key = path.read_bytes()
     if len(key) != KEY_BYTES:
         raise Refused(f"key: {path}: {len(key)} bytes, expected {KEY_BYTES}")
-    if hashlib.sha256(key).hexdigest()[:16] != entry.key_id:
+    if handoff_key_id(key) != entry.key_id:
         raise Refused(f"key: {path}: digest does not match key id {entry.key_id}")
     return key

@@ -50,7 +50,7 @@ from qualify.judge import (
     judge_sample,
 )
 from qualify.judge.scope import Scope
-from qualify.run.contract import (
+from qualify.run.run_contract import (
     ORDERED_HANDOFFS,
     Contract,
     check_lane_engines,
@@ -516,7 +516,7 @@ class QualificationRun:
 
     def _start_producer(self) -> str:
         from qualify.handoff.protocol import STALL_NOTE_S
-        from qualify.handoff.wire import key_id, mint_run_key
+        from qualify.handoff.wire import handoff_key_id, mint_run_key
 
         contract = self._contract
         mode = contract.producer_mode
@@ -543,7 +543,7 @@ class QualificationRun:
         if self._producer.ready_silence_s >= STALL_NOTE_S:
             self.log(f"producer stalled while starting: silent {self._producer.ready_silence_s:.2f} s, then recovered")
         self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode.value}, "
-                 f"run key {key_id(self._key)}, producer environment overrides {self.producer_env or 'none'}")
+                 f"run key {handoff_key_id(self._key)}, producer environment overrides {self.producer_env or 'none'}")
         return f"mode {mode.value}, warm-up prefill done"
 
     def _handed_off_positions(self) -> int:

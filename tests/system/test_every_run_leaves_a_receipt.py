@@ -32,7 +32,7 @@ from qualify.evidence.records import ValidationSummary
 from qualify.interfaces import cli
 from qualify.judge import judge_incomplete, judge_refused
 from qualify.run import signals
-from qualify.run.contract import default_identity_path
+from qualify.run.run_contract import default_identity_path
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = default_identity_path("native-text")

@@ -20,8 +20,8 @@ from qualify.core import assets
 from qualify.engines.factory import build_producer
 from qualify.evidence.records import BoundedDriftRule
 from qualify.judge.calibration import ANCHOR_PART
-from qualify.run.contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 from tests.support.receipt_forgery import check
 
 LANE = "nvfp4-native-splitk"

@@ -47,7 +47,7 @@ def _pinned_and_found() -> tuple[dict[str, str], dict[str, str]]:
     from qualify.contract.lanes import lane_spec
     from qualify.engines import factory
     from qualify.engines.chosen_model import use_model
-    from qualify.run.contract import identity_path_for_lane
+    from qualify.run.run_contract import identity_path_for_lane
 
     use_model(NAME)
     document = json.loads(identity_path_for_lane(LANE).read_text(encoding="utf-8"))

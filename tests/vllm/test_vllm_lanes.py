@@ -57,7 +57,7 @@ def _run(tmp_path: Path, producer: str, consumer: str, engine_factory: str | Non
 @dataclass(frozen=True)
 class HostMatch:
     """This host's engines against a shipped identity's pins, in the order
-    ``qualify.run.contract.check_engine_pins`` compares them; ``differing`` names the fields that differ."""
+    ``qualify.run.run_contract.check_engine_pins`` compares them; ``differing`` names the fields that differ."""
 
     lane: str
     found: dict[str, str]
@@ -87,7 +87,7 @@ def host_match(lane: str) -> HostMatch:
     if lane not in _HOST_MATCHES:
         from qualify.contract.lanes import VLLM_LANE_ENGINES
         from qualify.engines import factory
-        from qualify.run.contract import identity_path_for_lane
+        from qualify.run.run_contract import identity_path_for_lane
 
         document = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))
         if VLLM_LANE_ENGINES[lane][1] == "vllm":
@@ -427,7 +427,7 @@ def test_another_cpu_class_is_refused_at_the_first_step(tmp_path, capsys):
     from qualify.core import hostenv
     from qualify.engines import vllm_engine
     from qualify.interfaces import cli
-    from qualify.run.contract import identity_path_for_lane
+    from qualify.run.run_contract import identity_path_for_lane
 
     lane = "vllm-to-reference"
     pinned = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))["producer_engine"]["abi"]

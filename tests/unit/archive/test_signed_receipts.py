@@ -31,8 +31,8 @@ from qualify.evidence.records import rule_from_identity
 from qualify.interfaces.cli import main
 from qualify.interfaces.verify_command import verify_cli
 from qualify.judge import judge_incomplete, judge_refused
-from qualify.run.contract import identity_path_for_lane
 from qualify.run.enroll import enroll
+from qualify.run.run_contract import identity_path_for_lane
 from tests.support.receipt_forgery import (
     check,
     forger_key,

@@ -255,7 +255,7 @@ def test_the_receipt_is_named_by_the_first_segment_of_a_nested_basis_uri(tmp_pat
 
 def test_an_identity_digest_of_no_identity_or_of_one_with_no_canonical_form_is_refused_in_one_line(monkeypatch):
     from qualify.contract import identity as identity_module
-    from qualify.run.contract import identity_path_for_lane
+    from qualify.run.run_contract import identity_path_for_lane
 
     with pytest.raises(Refused) as refused:
         identity_module.identity_sha256({"lane": "x"})  # type: ignore[arg-type]

@@ -174,7 +174,7 @@ def test_every_shipped_identity_pins_the_rope_tables_this_host_builds(path: Path
     """A run recomputes the RoPE tables and refuses an identity pinning other ones (exit 2), so a
     host whose RoPE arithmetic differs is refused before any handoff, never judged as drift."""
     from qualify.core.errors import Refused
-    from qualify.run.contract import check_rope_cache
+    from qualify.run.run_contract import check_rope_cache
 
     freeze = _freeze_tool()
     identity = load_identity(path)

@@ -27,7 +27,7 @@ from qualify.core.hostenv import (
     host_facts_problem,
 )
 from qualify.judge import judge_incomplete
-from qualify.run.contract import Contract
+from qualify.run.run_contract import Contract
 from tests.support.receipt_forgery import check, envelope_of, make_writable
 from tests.unit.archive.test_receipts import committed_receipts
 
@@ -40,7 +40,7 @@ def lane_calibration_contract(lane: str = LANE) -> Contract:
     cells, then two fixture anchors; no controls): the qualifier's own path, no identity needed."""
     from qualify.contract.controls import load_calibration_set
     from qualify.run.calibrate import calibration_handoffs
-    from qualify.run.contract import calibration_contract
+    from qualify.run.run_contract import calibration_contract
 
     calibration_set, digest = load_calibration_set()
     return calibration_contract(lane_spec(lane), "native-text", calibration_handoffs(calibration_set, 2),

@@ -1,4 +1,4 @@
-"""E2 controls measurement: ``ReferenceEngine.score_rows`` and ``qualify.evidence.controls``.
+"""E2 controls measurement: ``ReferenceEngine.score_rows`` and ``qualify.evidence.controls_measure``.
 
 ``score_rows`` is checked against the engine's own decode (``teacher_forced`` after installing the
 first r positions), bit for bit; the record against counts recomputed here from independently
@@ -27,7 +27,7 @@ from qualify.engines.base import LaneEngine
 from qualify.engines.factory import build_consumer, build_producer
 from qualify.engines.kquant import build_kquant_engine
 from qualify.engines.reference import ReferenceEngine, visible_tree_sum, weighted_sum_own_diagonal
-from qualify.evidence.controls import (
+from qualify.evidence.controls_measure import (
     Producer,
     SharedScoring,
     build_control_engines,

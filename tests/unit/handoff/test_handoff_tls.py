@@ -584,7 +584,7 @@ def short_contract():
     from qualify.core import assets
     from qualify.evidence.records import BoundedDriftRule
     from qualify.judge.calibration import ANCHOR_PART
-    from qualify.run.contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
+    from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 
     calibration_set, set_digest = load_calibration_set()
     prompt = assets.load_prompt(assets.MAIN_PROMPT)[:SHORT_PROMPT_TOKENS]

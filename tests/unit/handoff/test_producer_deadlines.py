@@ -28,7 +28,7 @@ from qualify.core.kv import KVCache
 from qualify.handoff import service
 from qualify.handoff.client import ProducerFailure, ProducerProcess
 from qualify.handoff.protocol import STALL_NOTE_S, PhaseDeadlines
-from qualify.run.contract import phase_deadlines
+from qualify.run.run_contract import phase_deadlines
 from tests.unit.handoff.test_handoff_service import (
     EXPECTATION,
     HANG_GUARD_S,

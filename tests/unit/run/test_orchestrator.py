@@ -21,8 +21,8 @@ from qualify.evidence.records import BoundedDriftRule
 from qualify.handoff.setup import TransportSetup
 from qualify.handoff.transport import InProcessTransport, PrefillProducer
 from qualify.judge.calibration import ANCHOR_PART
-from qualify.run.contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 
 LANE = "nvfp4-native-splitk"
 # The per-sample evidence that must not depend on the transport or on deferred comparison.
