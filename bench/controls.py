@@ -2,7 +2,7 @@
 
 Reads the preregistered criteria (``contracts/e2-controls-v2.json``, loaded and checked by
 :func:`qualify.contract.controls.load_controls_criteria`: document digests, yardstick file digest)
-and the control documents, then per lane runs :func:`qualify.evidence.controls.measure_controls`:
+and the control documents, then per lane runs :func:`qualify.evidence.controls_measure.measure_controls`:
 per document one prefill by the lane's producer, one by the yardstick (the Q8_0 k-quant target)
 and one by the consumer itself, each scored row by row by the lane's consumer. The reference and
 yardstick passes depend only on the consumer, so lanes whose consumers share an ABI reuse them.
@@ -30,8 +30,9 @@ from typing import Any
 from threadpoolctl import threadpool_limits
 
 from qualify.contract.controls import load_controls_criteria, load_document
+from qualify.contract.lanes import lane_spec
 from qualify.core.errors import Refused
-from qualify.evidence.controls import (
+from qualify.evidence.controls_measure import (
     SharedScoring,
     build_control_engines,
     measure_controls,
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         shared: SharedScoring | None = None
         records = {}
         for lane in lanes:
-            engines = build_control_engines(lane)
+            engines = build_control_engines(lane_spec(lane))
             if shared is None or shared.consumer_abi != engines.consumer.abi:
                 print(f"reference and yardstick passes (consumer {engines.consumer.abi})", flush=True)
                 shared = score_shared(engines.consumer, engines.yardstick, documents, progress)

@@ -61,7 +61,7 @@ from qualify.evidence.records import BoundedDriftRule, record_json
 from qualify.evidence.sample import sample_record
 from qualify.handoff.wire import Handoff, HandoffExpectation, mint_run_key, open_handoff, seal_handoff_parts
 from qualify.judge import Verdict, judge_reproduction, judge_summary
-from qualify.run.contract import identity_path_for_lane
+from qualify.run.run_contract import identity_path_for_lane
 
 LANES = ("nvfp4-native-w4a4", "nvfp4-native-f16", "nvfp4-native-splitk")
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "detection-power" / "detection-power.json"
@@ -307,7 +307,7 @@ def set_up_lane(lane: str, bounds: str | None) -> LaneBench:
                             maximum_absolute=maximum, maximum_mean_absolute=mean, drift_graded=True)
     source = f"--bounds {bounds}" if bounds is not None else terms.source
     spec = lane_spec(lane)
-    consumer = build_consumer(lane)
+    consumer = build_consumer(lane_spec(lane))
     producer = build_producer(lane, spec.mode)
     prompt = assets.load_prompt(terms.prompt_name)
     prefix = prompt[:terms.handoff_positions]
@@ -346,7 +346,7 @@ def basis_check(terms: Terms, anchor: list[dict[str, Any]]) -> tuple[bool | None
     G3 digest)? None when the basis receipt cannot be read here."""
     from qualify.archive.reader import resolve_receipt_uri
     from qualify.judge import REPRODUCTION_FIELDS
-    from qualify.run.contract import receipt_sample_records
+    from qualify.run.run_contract import receipt_sample_records
 
     if terms.basis is None:
         return None, "the identity names no basis receipt"

@@ -13,7 +13,7 @@ source serves every length (the criteria's nesting rule, ``contracts/e2-controls
 * reference: an engine identical to the consumer prefills the same tokens (its own cold KV);
 * rows: the consumer scores every row teacher-forced from each KV
   (:mod:`qualify.evidence.controls_device`); a cell of length L counts the rows 0..L-1 whose top
-  tokens differ (:func:`qualify.evidence.controls.disagreement_cells`);
+  tokens differ (:func:`qualify.evidence.controls_measure.disagreement_cells`);
 * decode: per cell the consumer decodes ``--decode`` tokens after the first L tokens (positions
   0..L-2 handed off, token L-1 pending): greedily from the reference KV, teacher-forced on those
   tokens from the lane's KV; a step disagrees where the two top tokens differ.
@@ -219,8 +219,8 @@ def measure_document(engines: GridEngines, name: str, ids: np.ndarray, lengths: 
     """One document's two passes (lane, reference), its cells and their decodes, and its seconds."""
     import torch
 
-    from qualify.evidence.controls import TopTokens, disagreement_cells
     from qualify.evidence.controls_device import decode_cell, kv_equal, score_top_tokens
+    from qualify.evidence.controls_measure import TopTokens, disagreement_cells
 
     consumer, watch = engines.consumer, Stopwatch(engines.consumer.device)
     tokens = torch.from_numpy(ids).to(consumer.device)
@@ -254,7 +254,7 @@ def run_grid(engines: GridEngines, documents: dict[str, tuple[np.ndarray, dict[s
              decode: int, chunk: int, profile_window: int, fault: str | None,
              progress: Callable[[str], None]) -> dict[str, Any]:
     """Every document's passes and cells (module docstring); seconds are device-synchronized."""
-    from qualify.evidence.controls import check_layout, checked_documents
+    from qualify.evidence.controls_measure import check_layout, checked_documents
 
     checked = checked_documents({name: ids for name, (ids, _) in documents.items()}, engines.consumer.shape.vocab)
     check_layout(lengths, profile_window, {name: ids.size for name, ids in checked.items()})
@@ -309,7 +309,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     if not lengths or min(lengths) < 2:
         raise Refused(f"--lengths: found {options.lengths!r}, expected lengths of at least 2")
     documents = load_documents(options.documents, max(lengths))
-    from qualify.evidence.controls import check_layout
+    from qualify.evidence.controls_measure import check_layout
 
     check_layout(lengths, options.profile_window, {name: ids.size for name, (ids, _) in documents.items()})
     if options.fault is not None and options.fault not in FAULTS:

@@ -54,15 +54,16 @@ import qualify.archive.writer
 import qualify.contract.identity
 import qualify.engines.torch_llama
 import qualify.evidence.compare_device  # noqa: F401
-from qualify.contract.lanes import LLAMA3_8B_SHAPE_LANE, Recipe
+from qualify.contract.lanes import LLAMA3_8B_SHAPE_LANE, Recipe, lane_spec
 from qualify.core.assets import prompt_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.evidence.compare_device import DeviceClock
 from qualify.evidence.comparers import ComparerSetup, DeviceComparer
+from qualify.handoff.setup import TransportSetup
 from qualify.handoff.transport import InProcessTransport
 from qualify.run.calibrate import calibrate
-from qualify.run.contract import identity_path_for_lane
-from qualify.run.qualification import QualificationRun, RunOptions, TransportSetup
+from qualify.run.qualification import QualificationRun, RunOptions
+from qualify.run.run_contract import identity_path_for_lane
 
 KV_HASH_THREADS = max(2, min(16, os.cpu_count() or 2))
 COPY_BYTES = 2 << 30  # device-to-device copy bandwidth probe
@@ -282,7 +283,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     torch.empty(1, device="cuda")  # the CUDA context
     cuda_init_s = time.perf_counter() - began
     began = time.perf_counter()
-    consumer = build_consumer(LLAMA3_8B_SHAPE_LANE)  # draws the weights (shared with the producer)
+    consumer = build_consumer(lane_spec(LLAMA3_8B_SHAPE_LANE))  # draws the weights (shared with the producer)
     producer = build_producer(LLAMA3_8B_SHAPE_LANE, consumer.spec.mode)
     torch.cuda.synchronize()
     weights_s = time.perf_counter() - began
@@ -313,7 +314,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     # ---- the qualification wall: from the first step to the receipt written -------------------
     wall_began = time.perf_counter()
     if options.calibrate:
-        calibration = calibrate(LLAMA3_8B_SHAPE_LANE, Recipe.NATIVE_TEXT.value, run_options,
+        calibration = calibrate(lane_spec(LLAMA3_8B_SHAPE_LANE), Recipe.NATIVE_TEXT.value, run_options,
                                 transport=transport, comparer=comparer, environments=[{}], consumer=consumer)
         passed, headline, receipt_path = calibration.passed, calibration.headline, calibration.receipt_path
         records = calibration.records

@@ -1,8 +1,9 @@
 """Handoff path benchmark: >= 256 MB of float32 KV sealed, sent, verified and installed.
 
-A real producer process (``qualify.handoff.service`` with this module's bench engine) seals a
-random KV of a plausible geometry (default 16 layers x 8 KV heads x 2048 positions x 128 dims,
-float32: 256 MiB), sends it over the Unix socket, and this process verifies and installs it. In
+A real producer process (``qualify.handoff.service``, started as
+``qualify.interfaces.producer_command``, with this module's bench engine) seals a random KV of a
+plausible geometry (default 16 layers x 8 KV heads x 2048 positions x 128 dims, float32:
+256 MiB), sends it over the Unix socket, and this process verifies and installs it. In
 the same run it times one ``hashlib.sha256`` pass and a plain memory copy over the same payload
 bytes, right after each repeat (paired, so noise from a shared machine hits both), and prints
 the per-phase breakdown and ratios. Last line: ``handoff_path_over_sha256: <median ratio>``.

@@ -19,11 +19,11 @@ import argparse
 import json
 import time
 
-from qualify.contract.lanes import LANES, LaneKind, ProducerMode
+from qualify.contract.lanes import LANES, LaneKind, ProducerMode, lane_spec
 from qualify.core import assets
 from qualify.engines.factory import build_consumer, build_producer
 from qualify.evidence.compare import compare_branches
-from qualify.run.contract import comparison_bounds
+from qualify.run.run_contract import comparison_bounds
 
 
 def main() -> int:
@@ -33,7 +33,7 @@ def main() -> int:
     args = parser.parse_args()
     kind = LaneKind(args.kind)
     lanes = [spec.name for spec in LANES.values() if spec.kind is kind and spec.mode is ProducerMode.NATIVE]
-    consumer = build_consumer(lanes[0])
+    consumer = build_consumer(lane_spec(lanes[0]))
     rows = []
     for document in assets.PROMPT_NAMES:
         prompt = assets.load_prompt(document)

@@ -28,14 +28,14 @@ def child() -> dict[str, object]:
     """One fresh process: the lane's engines, warmed up as the bench does, then both prefills."""
     import importlib.util
 
-    from qualify.contract.lanes import LLAMA3_8B_SHAPE_LANE
+    from qualify.contract.lanes import LLAMA3_8B_SHAPE_LANE, lane_spec
     from qualify.engines.factory import build_consumer, build_producer
 
     spec = importlib.util.spec_from_file_location("gpu_scale", REPO_ROOT / "bench" / "gpu_scale.py")
     assert spec is not None and spec.loader is not None
     gpu_scale = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_scale)
-    consumer = build_consumer(LLAMA3_8B_SHAPE_LANE)
+    consumer = build_consumer(lane_spec(LLAMA3_8B_SHAPE_LANE))
     producer = build_producer(LLAMA3_8B_SHAPE_LANE, consumer.spec.mode)
     gpu_scale.warm_up(consumer, producer)
     differing = gpu_scale.prefill_differences(consumer, producer)

@@ -32,7 +32,7 @@ from qualify.core.assets import CONTRACTS_DIR, RECEIPTS_DIR
 from qualify.core.errors import Refused, one_line
 from qualify.judge.controls import ControlsJudgement, judge_controls
 from qualify.judge.scope import controls_words
-from qualify.run.contract import receipt_evidence
+from qualify.run.run_contract import receipt_evidence
 
 
 def judged_lane(lane: str, criteria_document: dict[str, object]) -> tuple[str, ControlsJudgement]:

@@ -144,7 +144,7 @@ def engine_pins(spec: LaneSpec) -> tuple[dict[str, str], dict[str, str]]:
         from qualify.engines.factory import build_consumer, build_producer
 
         producer = build_producer(spec.name, spec.mode)
-        consumer = build_consumer(spec.name)
+        consumer = build_consumer(spec)
     except Refused:
         raise
     except Exception as exc:
@@ -354,7 +354,7 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
     of this lane under the committed calibration set, or that does not judge."""
     from qualify.contract.controls import load_calibration_set, load_controls_criteria
     from qualify.judge.calibration import anchor_draft_counts, calibration_cells, derive_acceptance_floor, derive_bounds
-    from qualify.run.contract import receipt_evidence, receipt_sample_records
+    from qualify.run.run_contract import receipt_evidence, receipt_sample_records
 
     run_id = basis_uri.removeprefix("receipt://").partition("/")[0]
     receipt = archive_dir / run_id
@@ -442,8 +442,8 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
 
 def check_follows_basis(identity: Identity, archive_dir: Path) -> None:
     """The check every load repeats: the sealed numbers follow from the basis by the stated rules,
-    and the basis's controls judge (:mod:`qualify.run.contract`)."""
-    from qualify.run.contract import basis_controls, basis_rule_problems, receipt_evidence, receipt_sample_records
+    and the basis's controls judge (:mod:`qualify.run.run_contract`)."""
+    from qualify.run.run_contract import basis_controls, basis_rule_problems, receipt_evidence, receipt_sample_records
 
     run_id = identity.onboarding_qualification.basis.removeprefix("receipt://").partition("/")[0]
     receipt = archive_dir / run_id

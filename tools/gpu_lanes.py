@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from qualify.contract.lanes import LANES, TRANSFORMERS_LANE_SETTINGS
+from qualify.contract.lanes import LANES, TRANSFORMERS_LANE_SETTINGS, lane_spec
 
 SEALED_DATA = REPO / "qualify" / "contract" / "sealed_data.py"
 
@@ -42,7 +42,7 @@ def calibrate_lane(lane: str) -> dict:
     command = ["qualify", "calibrate", "--recipe", "native-text", "--lane", lane, "--receipts", "receipts"]
     options = RunOptions(recipe="native-text", receipts=REPO / "receipts", command_line=command)
     began = time.perf_counter()
-    result = calibrate(lane, "native-text", options, log=print)
+    result = calibrate(lane_spec(lane), "native-text", options, log=print)
     return {
         "lane": lane,
         "calibration_receipt": result.receipt_path.name,

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         # Both must load back through the harness's own fail-closed loaders.
         load_calibration_set()
         load_controls_criteria()
-        from qualify.evidence.controls import yardstick_identity
+        from qualify.evidence.controls_measure import yardstick_identity
 
         yardstick_identity(load_controls_criteria()[0])
     except Refused as exc:

@@ -17,7 +17,7 @@ operator's own trust file: ``keys init`` adds the new key to it. An auditor veri
 file of their choosing (``qualify receipts verify --trust FILE``), e.g. one made by
 ``qualify keys show --trust-file`` on the operator's machine and carried over.
 
-``qualify keys tls`` issues the TLS set of a producer on another host (:mod:`qualify.handoff.tls`).
+The command (``qualify keys init|show|rotate|tls``) is :mod:`qualify.interfaces.keys_command`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import hashlib
 import os
 import secrets
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -64,8 +63,9 @@ def config_dir() -> Path:
     return Path(platformdirs.user_config_dir("trust-ladder", appauthor=False))
 
 
-def key_id(public_key: bytes) -> str:
-    """SHA-256 hex of the raw 32-byte Ed25519 public key."""
+def signing_key_id(public_key: bytes) -> str:
+    """A receipt-signing key's id: the SHA-256 hex of its raw 32-byte Ed25519 public key (a
+    handoff key's id is :func:`qualify.handoff.wire.handoff_key_id`)."""
     return hashlib.sha256(public_key).hexdigest()
 
 
@@ -84,6 +84,11 @@ class SigningKey:
 
     def sign(self, message: bytes) -> bytes:
         return self.private.sign(message)
+
+    def public_pem(self) -> str:
+        """The public key as SubjectPublicKeyInfo PEM (what ``qualify keys show`` prints)."""
+        return self.private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                      serialization.PublicFormat.SubjectPublicKeyInfo).decode("ascii")
 
 
 @dataclass(frozen=True)
@@ -198,7 +203,7 @@ def parse_trust(data: bytes, where: str) -> TrustFile:
     keys: list[TrustedKey] = []
     for index, entry in enumerate(document["keys"]):
         public = bytes.fromhex(entry["public_key"])
-        if key_id(public) != entry["keyid"]:
+        if signing_key_id(public) != entry["keyid"]:
             raise Refused(f"{where}: keys[{index}].keyid is not the SHA-256 of its public_key")
         if any(key.key_id == entry["keyid"] for key in keys):
             raise Refused(f"{where}: keys[{index}].keyid {entry['keyid'][:16]}… is listed twice")
@@ -251,7 +256,7 @@ def load_signing_key(directory: Path | None = None) -> SigningKey:
     if not isinstance(private, Ed25519PrivateKey):
         raise Refused(f"signing key {path}: a {type(private).__name__}, expected an Ed25519 key")
     public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return SigningKey(private, public, key_id(public), path)
+    return SigningKey(private, public, signing_key_id(public), path)
 
 
 # --------------------------------------------------------------------------- writing
@@ -307,7 +312,7 @@ def _new_key(directory: Path, trust: TrustFile, comment: str) -> tuple[SigningKe
     public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     path = directory / SIGNING_KEY_FILE
     _write_private(path, pem)
-    entry = TrustedKey(key_id(public), public, one_line(comment), _utc_now())
+    entry = TrustedKey(signing_key_id(public), public, one_line(comment), _utc_now())
     return SigningKey(private, public, entry.key_id, path), replace(trust, keys=(*trust.keys, entry))
 
 
@@ -367,68 +372,17 @@ def rotate_key(reason: str, directory: Path | None = None) -> tuple[SigningKey, 
     return key, old.key_id
 
 
+def trust_file_of(key: SigningKey) -> TrustFile:
+    """A trust file holding only ``key``, listed as its owner's trust file lists it (for an
+    auditor's ``--trust``; ``qualify keys show --trust-file``)."""
+    entry = _own_trust(key.path.parent).get(key.key_id) or TrustedKey(
+        key.key_id, key.public, _default_comment(), _utc_now())
+    return TrustFile((entry,), "")
+
+
 def _default_comment() -> str:
     try:
         user = os.getlogin()
     except OSError:
         user = os.environ.get("USER", "operator")
     return f"{user}@{os.uname().nodename} receipt signing key"
-
-
-# --------------------------------------------------------------------------- the command
-
-
-def keys_cli(args: Sequence[str]) -> int:
-    """``qualify keys init|show|rotate|tls``: exit 0 done, 2 refused (one line on stderr)."""
-    from qualify.core.arguments import OneLineParser, path_argument, say_refusal
-    from qualify.handoff.tls import DEFAULT_VALID_DAYS, SET_FILES, issue_tls_set
-
-    parser = OneLineParser(prog="qualify keys", description="The operator's receipt-signing key.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    init = commands.add_parser("init", help="make the signing key (refused when one exists)")
-    init.add_argument("--comment", default=None, help="a note kept with the key in the trust file")
-    show = commands.add_parser("show", help="print the public key and its key id")
-    show.add_argument("--trust-file", action="store_true",
-                      help="print a trust file holding only this key (for an auditor's --trust)")
-    rotate = commands.add_parser("rotate", help="replace the key, recording the old one's revocation")
-    rotate.add_argument("--reason", required=True, help="why the key is replaced (kept in the trust file)")
-    tls = commands.add_parser("tls", help="issue a TLS set for a producer on another host: CA, producer and "
-                              "consumer certificates and keys, a run key (docs/transport.md)")
-    tls.add_argument("--dir", required=True, type=path_argument, help="an empty or new directory for the set")
-    tls.add_argument("--producer-host", required=True, action="append", metavar="NAME|ADDRESS",
-                     help="a host name or IP address consumers dial the producer by (repeatable)")
-    tls.add_argument("--valid-days", type=int, default=DEFAULT_VALID_DAYS,
-                     help=f"how long the certificates are valid (default {DEFAULT_VALID_DAYS})")
-    try:
-        options = parser.parse_args(list(args))
-    except SystemExit as exit_:
-        return 0 if exit_.code == 0 else 2
-    try:
-        if options.command == "init":
-            key = init_key(comment=options.comment)
-            print(f"signing key {key.key_id} made at {key.path}; trusted in {key.path.parent / TRUST_FILE}")
-        elif options.command == "show":
-            key = load_signing_key()
-            if options.trust_file:
-                entry = _own_trust(key.path.parent).get(key.key_id) or TrustedKey(
-                    key.key_id, key.public, _default_comment(), _utc_now())
-                sys.stdout.write(json_bytes(TrustFile((entry,), "").document()).decode("utf-8"))
-            else:
-                pem = key.private.public_key().public_bytes(serialization.Encoding.PEM,
-                                                            serialization.PublicFormat.SubjectPublicKeyInfo)
-                print(f"key id      {key.key_id}\nalgorithm   {ALGORITHM}\npublic key  {key.public.hex()}\n"
-                      f"file        {key.path}")
-                sys.stdout.write(pem.decode("ascii"))
-        elif options.command == "tls":
-            issued = issue_tls_set(options.dir, options.producer_host, valid_days=options.valid_days)
-            print(f"TLS set written to {issued.directory}: {', '.join(SET_FILES)}\n"
-                  f"ca.crt        sha256 {issued.ca_sha256}\nproducer.crt  sha256 {issued.producer_sha256}\n"
-                  f"consumer.crt  sha256 {issued.consumer_sha256}\n"
-                  f"the CA's private key was not kept: no further certificate chains to this CA")
-        else:
-            key, old = rotate_key(options.reason)
-            print(f"signing key {old} revoked ({one_line(options.reason)}); new key {key.key_id} at {key.path}")
-    except Refused as refusal:
-        say_refusal(str(refusal))
-        return 2
-    return 0

@@ -1,5 +1,6 @@
 """Verifying receipts: re-hash every file against the manifest, check the digest files agree, and
-report incomplete (``.partial-``) receipts; ``qualify receipts verify`` (:func:`verify_cli`).
+report incomplete (``.partial-``) receipts; what ``qualify receipts verify``
+(:mod:`qualify.interfaces.verify_command`) reports.
 
 A receipt is untrusted input: every JSON file is read bounded in size and nesting, every file is
 opened without following links or blocking, and anything unexpected while checking one receipt
@@ -9,17 +10,15 @@ becomes a problem line for that receipt, so one hostile receipt never hides the 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from qualify.archive.attestation import ENVELOPE, AttestationProblem, read_attestation
-from qualify.archive.keys import TrustFile, default_trust_path, load_trust
+from qualify.archive.keys import TrustFile
 from qualify.archive.layout import (
     HOST,
     HOST_SCHEMA,
@@ -34,7 +33,6 @@ from qualify.archive.layout import (
     RUN_ID,
     SAMPLE_PATH,
     SUMMARY,
-    default_archive_dir,
     is_safe_relative,
     json_bytes,
 )
@@ -674,45 +672,3 @@ def verify_document(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | 
                      for path, check in found],
         "tally": tally,
     }
-
-
-def verify_cli(args: Sequence[str]) -> int:
-    """``qualify receipts verify [--trust FILE] [--json] [PATH ...]``: PATH is a receipt or an
-    archive (default: the archive location); FILE a trust file (default: the operator's, when it
-    exists). Exit 0 every receipt verified, 1 any unsigned, untrusted or tampered, 2 unusable
-    input (one line on stderr). ``--json`` prints one document on stdout instead of the report."""
-    from qualify.core.arguments import OneLineParser, path_argument
-
-    parser = OneLineParser(prog="qualify receipts verify",
-                           description="Verify receipts: signature, signed statement, every file.")
-    parser.add_argument("paths", nargs="*", metavar="PATH", type=path_argument, help="receipts or archives")
-    parser.add_argument("--trust", type=path_argument,
-                        help=f"trust file of public keys (default {default_trust_path()} when it exists)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document on stdout (contracts/cli-receipts-verify.v2.schema.json)")
-    try:
-        options = parser.parse_args(list(args))
-    except SystemExit as exit_:
-        return 0 if exit_.code == 0 else 2
-    try:
-        trust_path = options.trust or default_trust_path()
-        trust = load_trust(trust_path) if options.trust or os.path.lexists(trust_path) else None
-        targets = [Path(path).expanduser() for path in options.paths] or [default_archive_dir()]
-        for target in targets:  # each checked before any report, and named: with several, which one
-            try:
-                if not target.is_dir():
-                    raise Refused(f"receipts verify: {shown(str(target))}: no such directory")
-                os.listdir(target)
-            except OSError as exc:  # is_dir itself raises for some, a name too long say
-                raise Refused(f"receipts verify: {shown(str(target))}: cannot list "
-                              f"({exc.strerror or type(exc).__name__})") from None
-        if not options.json:
-            return verify_paths(targets, trust, sys.stdout)
-        document = verify_document(targets, trust, trust_path)
-    except Refused as refusal:
-        say_refusal(str(refusal))
-        return 2
-    sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
-    sys.stdout.flush()
-    code: int = document["exit_code"]
-    return code

@@ -347,7 +347,7 @@ def load_controls_criteria(path: str | os.PathLike[str] | None = None) -> tuple[
     _check_document_files(criteria.documents, "control", where)
     if model_choice.chosen() is not None:
         # A chosen model's yardstick is derived in process: the engines check its digest when
-        # they build it (qualify.evidence.controls.yardstick_identity).
+        # they build it (qualify.evidence.controls_measure.yardstick_identity).
         return criteria, sha256_bytes(_jcs(document, where))
     yardstick = require_asset(criteria.yardstick.file)
     found = sha256_file(yardstick)

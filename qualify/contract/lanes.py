@@ -345,19 +345,22 @@ def engine_named(option: str, name: str) -> EngineChoice:
 def lane_for_engines(recipe: Recipe, producer: EngineChoice, consumer: EngineChoice) -> LaneSpec:
     """The lane a recipe qualifies for an operator's ``--producer``/``--consumer`` choice: the
     recipe's default lane for two reference engines, else the vLLM lane running that pair."""
+    # The tables name lanes of LANES (tests/unit/contract/test_lanes.py): no name to refuse here.
     if (producer, consumer) == (EngineChoice.REFERENCE, EngineChoice.REFERENCE):
-        return lane_spec(DEFAULT_LANES[recipe])
+        return LANES[DEFAULT_LANES[recipe]]
     if recipe is not Recipe.NATIVE_TEXT:
         raise Refused(f"--producer {producer.value} --consumer {consumer.value}: vLLM lanes qualify under "
                       f"--recipe {Recipe.NATIVE_TEXT.value}, not {recipe.value}")
     for lane, engines in VLLM_LANE_ENGINES.items():
         if engines == (producer, consumer):
-            return lane_spec(lane)
+            return LANES[lane]
     raise Refused(f"--producer {producer.value} --consumer {consumer.value}: no lane runs that pair")
 
 
 def lane_spec(name: str) -> LaneSpec:
-    """The lane called ``name``; an unknown name is refused, listing the known ones."""
+    """The lane called ``name``; an unknown name is refused, listing the known ones. Called where a
+    name comes in (a command's ``--lane``, a producer process's factory); below that edge the
+    :class:`LaneSpec` itself travels (a loaded identity's is :attr:`Identity.spec`)."""
     spec = LANES.get(name) if isinstance(name, str) else None
     if spec is None:
         raise Refused(f"lane: found {name!r}, expected one of {', '.join(LANES)}")

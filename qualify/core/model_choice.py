@@ -17,7 +17,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -92,6 +91,3 @@ def pinned_model_name(files: Mapping[str, str], where: str) -> str | None:
 def file_key(name: str, relative: str) -> str:
     return f"{MODELS_PREFIX}/{name}/{relative}"
 
-
-def frozen_sizes(sizes: Mapping[str, int]) -> Mapping[str, int]:
-    return MappingProxyType(dict(sizes))

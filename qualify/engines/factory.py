@@ -231,9 +231,10 @@ def _transformers_lane_engine(spec: LaneSpec, role: Role) -> Engine:
                               tf32=settings.tf32)
 
 
-def _producer_abi(spec: LaneSpec) -> str:
-    """The ABI a lane's producer engine reports, without starting vLLM when it is vLLM or loading
-    the model when it is transformers (that still needs the lane's GPU: the ABI names it)."""
+def lane_producer_abi(spec: LaneSpec) -> str:
+    """The ABI a lane's producer engine reports on this host in its declared mode, without
+    starting vLLM when it is vLLM or loading the model when it is transformers (that still needs
+    the lane's GPU: the ABI names it)."""
     if spec.kind is LaneKind.TRANSFORMERS:
         from qualify.engines.transformers_engine import engine_abi
 
@@ -313,23 +314,27 @@ def producer_mode(mode: ProducerMode | str) -> ProducerMode:
         raise Refused(f"producer mode: found {mode!r}, expected exact or native") from None
 
 
-def build_producer(lane: str, mode: ProducerMode, vllm_fault: str | None = None) -> LaneEngine:
-    """The producer engine of ``lane`` in ``mode``.
+def producer_engine(spec: LaneSpec, mode: ProducerMode, vllm_fault: str | None = None) -> LaneEngine:
+    """The producer engine of the lane ``spec`` in ``mode``.
 
     A producer started in the other mode than its lane declares is built as that mode's lane
     (e.g. the exact anchor), so its handoffs carry that mode's cache identity and are refused.
     """
-    spec = lane_spec(lane)
+    return _lane_engine(_build(spec, mode, "producer", vllm_fault), spec, mode, "producer")
+
+
+def build_producer(lane: str, mode: ProducerMode, vllm_fault: str | None = None) -> LaneEngine:
+    """The producer process's default engine factory (``--engine-factory``, called with the
+    process's ``--lane`` and ``--mode``): the lane named ``lane``, resolved here, in ``mode``
+    (:func:`producer_engine`)."""
     # The handoff service still passes its --mode text here; producer_mode converts it.
-    built_mode = producer_mode(mode)
-    return _lane_engine(_build(spec, built_mode, "producer", vllm_fault), spec, built_mode, "producer")
+    return producer_engine(lane_spec(lane), producer_mode(mode), vllm_fault)
 
 
-def build_consumer(lane: str, vllm_fault: str | None = None) -> LaneEngine:
-    """The consumer engine for ``lane``: the exact arithmetic of the lane's kind (for a ``vllm``
-    lane, the lane's consumer side: the float32 reference engine or vLLM; for a ``transformers``
-    lane, the float32 reference engine)."""
-    spec = lane_spec(lane)
+def build_consumer(spec: LaneSpec, vllm_fault: str | None = None) -> LaneEngine:
+    """The consumer engine for the lane ``spec``: the exact arithmetic of the lane's kind (for a
+    ``vllm`` lane, the lane's consumer side: the float32 reference engine or vLLM; for a
+    ``transformers`` lane, the float32 reference engine)."""
     if spec.kind in (LaneKind.VLLM, LaneKind.TRANSFORMERS, LaneKind.TORCH_LLAMA):
         # Both sides run their own float32 (or lower) arithmetic: there is no exact anchor.
         engine = _build(spec, spec.mode, "consumer", vllm_fault)
@@ -348,15 +353,9 @@ def lane_kv_dtype(spec: LaneSpec) -> str:
     return "float32"
 
 
-def lane_producer_abi(lane: str) -> str:
-    """The ABI ``lane``'s producer reports on this host in its declared mode (vLLM and
-    transformers producers are not started)."""
-    return _producer_abi(lane_spec(lane))
-
-
 def build_cache_identity(spec: LaneSpec) -> str:
     """Derive a lane's cache identity from its producer engine's ABI and checkpoint digests."""
-    return target_cache_identity(spec, checkpoint_digests(spec.kind), _producer_abi(spec))
+    return target_cache_identity(spec, checkpoint_digests(spec.kind), lane_producer_abi(spec))
 
 
 def _chosen_geometry() -> ModelGeometry:
@@ -376,10 +375,9 @@ class ProducerFacts:
     digests: Mapping[str, str]
 
 
-def producer_facts(lane: str) -> ProducerFacts:
-    """Name, version, ABI, geometry and checkpoint digests of ``lane``'s producer in its declared
-    mode, without starting vLLM when the producer is vLLM (it runs in the producer process)."""
-    spec = lane_spec(lane)
+def producer_facts(spec: LaneSpec) -> ProducerFacts:
+    """Name, version, ABI, geometry and checkpoint digests of the lane ``spec``'s producer in its
+    declared mode, without starting vLLM when the producer is vLLM (it runs in the producer process)."""
     if spec.engines[0] is EngineChoice.VLLM:
         from qualify.engines.checkpoint import load_config
         from qualify.engines.vllm_engine import VllmEngine, check_pin, vllm_engine_abi
@@ -389,6 +387,6 @@ def producer_facts(lane: str) -> ProducerFacts:
         return ProducerFacts(name=VllmEngine.name, version=check_pin(), abi=vllm_engine_abi(),
                              geometry=geometry,
                              digests=MappingProxyType(checkpoint_digests(spec.kind)))
-    producer = build_producer(lane, spec.mode)
+    producer = producer_engine(spec, spec.mode)
     return ProducerFacts(name=producer.name, version=producer.version, abi=producer.abi,
                          geometry=producer.geometry, digests=producer.digests)

@@ -168,10 +168,6 @@ class LoadedModel:
     def geometry(self) -> ModelGeometry:
         return self.config.geometry
 
-    def file_pins(self) -> dict[str, str]:
-        """``{file name: sha256}``, what an identity pins."""
-        return {entry.name: entry.sha256 for entry in self.files}
-
 
 def model_kind(path: Path) -> str:
     """``hf`` for a directory, ``gguf`` for a file starting with the GGUF magic; refused otherwise."""

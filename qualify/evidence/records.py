@@ -2,6 +2,8 @@
 
 Pure data: nothing here compares logits or touches an engine (the records are built from a
 comparison in :mod:`qualify.evidence.sample`), so the judge can read records without numpy.
+:class:`SampleRecord` is the one definition of a record's field types: the judge reads plain
+records against it (:func:`sample_field_fits`) and judges finiteness and ranges itself.
 
 A :class:`SampleRecord` is the evidence one handoff sample leaves in its receipt. Records are
 written to JSON (:func:`record_json`) and judged from plain dicts read back from it, so the judge
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Final, Literal, Protocol, runtime_checkable
 
 from pydantic import (
@@ -27,6 +30,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from qualify.core.errors import Refused, one_line
 
@@ -353,6 +357,31 @@ class SampleRecord(_Frozen):
         elif not self.error.strip():
             raise ValueError("error must say why the sample failed")
         return self
+
+
+def _declared_type(field: FieldInfo) -> Any:
+    return Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+
+
+_FIELD_TYPES: Final[Mapping[str, TypeAdapter[Any]]] = MappingProxyType({
+    name: TypeAdapter(_declared_type(field), config=ConfigDict(strict=True))
+    for name, field in SampleRecord.model_fields.items()
+})
+"""Each sample record field's declared type, strict, as one value is checked against it."""
+
+_RANGE_ERRORS: Final = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
+def sample_field_fits(name: str, value: object) -> bool:
+    """Whether ``value`` has the type :class:`SampleRecord` declares for its field ``name`` (a
+    number, a whole number, a SHA-256 hex digest, true or false): the one definition of a sample
+    record's field types, which the judge reads plain records against. A number need not be
+    finite, and ranges are not checked here: whether a value is acceptable is the judge's to say."""
+    try:
+        _FIELD_TYPES[name].validate_python(value)
+    except ValidationError as error:
+        return all(problem["type"] in _RANGE_ERRORS for problem in error.errors())
+    return True
 
 
 def record_json(record: SampleRecord) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 :class:`ProducerProcess` is the socket :class:`~qualify.handoff.transport.Transport`; it speaks
 :mod:`qualify.handoff.protocol` and never imports the producer's own module.
 
-:class:`ProducerProcess` runs ``python -m qualify.handoff.service`` in its own process group,
+:class:`ProducerProcess` runs ``python -m qualify.interfaces.producer_command`` (``qualify producer
+serve``, :data:`~qualify.handoff.protocol.PRODUCER_MODULE`) in its own process group,
 hands it the run key through an inherited pipe (never argv, never the environment), waits for its
 ready line (written only after a warm-up prefill), authenticates on the socket, and requests
 handoffs. It connects only to what it created (the Unix socket path it chose) or what the
@@ -77,6 +78,7 @@ from qualify.handoff.protocol import (
     ID_PATTERN,
     KEY_ENV,
     MAX_HEADER_BYTES,
+    PRODUCER_MODULE,
     PROTOCOL,
     READY_PROGRESS_LINE,
     SOCKET_BUFFER_BYTES,
@@ -89,7 +91,7 @@ from qualify.handoff.protocol import (
     seconds_or_none,
 )
 from qualify.handoff.tls import peer_certificate_sha256
-from qualify.handoff.wire import MAC_BYTES, Handoff, TransportKind, TransportStats, key_id
+from qualify.handoff.wire import MAC_BYTES, Handoff, TransportKind, TransportStats, handoff_key_id
 
 # How often a blocked wait wakes to check the process and its deadline.
 POLL_S = 0.2
@@ -544,7 +546,7 @@ class ProducerProcess:
             os.close(key_write)
             key_write = -1
             argv = [
-                self.python, "-m", "qualify.handoff.service",
+                self.python, "-m", PRODUCER_MODULE,
                 "--lane", self.lane, "--mode", self.mode.value, "--run-id", self.run_id,
                 "--expect", str(expect_path), "--watchdog-s", repr(float(self.watchdog_s)),
                 "--key-fd", str(key_read), "--ready-fd", str(ready_write),
@@ -657,7 +659,7 @@ class ProducerProcess:
 
     def _checked_ready_line(self, line: bytes) -> dict[str, Any]:
         try:
-            return parse_ready_line(line, lane=self.lane, mode=self.mode, run_key_id=key_id(self._key),
+            return parse_ready_line(line, lane=self.lane, mode=self.mode, run_key_id=handoff_key_id(self._key),
                                     pid=self._process_pid())
         except ConnectionBroken as broken:
             self._raise_failure(broken.reason, kill_now=True)
@@ -860,7 +862,7 @@ class RemoteProducer:
                           f"give --tls-ca, --tls-cert and --tls-key")
         if not isinstance(deadlines, PhaseDeadlines):
             raise Refused(f"producer deadlines: found {type(deadlines).__name__}, expected PhaseDeadlines")
-        key_id(key)  # refuses a key that is not bytes of at least 32
+        handoff_key_id(key)  # refuses a key that is not bytes of at least 32
         self.host = host
         self.port = port
         self._key = bytes(key)

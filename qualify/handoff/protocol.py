@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qualify.contract.lanes import LANES, lane_spec
+from qualify.contract.lanes import LANES
 from qualify.core.arguments import require_private_file
 from qualify.core.digests import canonical_json_bytes, is_sha256_hex
 from qualify.core.errors import Refused
@@ -47,6 +47,8 @@ EXIT_TEMPFAIL = 75
 DEFAULT_WATCHDOG_S = 900.0
 DEFAULT_WARMUP_TOKENS = 16
 KEY_ENV = "QUALIFY_HANDOFF_KEY"
+PRODUCER_MODULE = "qualify.interfaces.producer_command"
+"""What the harness runs as ``python -m`` to start a producer process (``qualify producer serve``)."""
 CLIENT_AUTH_CONTEXT = b"trust-ladder.handoff.client-auth.v2\x00"
 MAX_HEADER_BYTES = 1 << 20
 FRAME_LENGTH = struct.Struct(">I")
@@ -171,7 +173,7 @@ class PhaseDeadlines:
 # missed heartbeats: a scheduler hiccup is shorter).
 STALL_NOTE_S = 4 * HEARTBEAT_S
 # Floors and factors of the deadlines a run derives from its basis receipt
-# (qualify.run.contract.phase_deadlines); DEFAULT_DEADLINES when there is none (calibration).
+# (qualify.run.run_contract.phase_deadlines); DEFAULT_DEADLINES when there is none (calibration).
 READY_FLOOR_S = 120.0
 VERIFY_FLOOR_S = 30.0
 HANDOFF_FLOOR_S = 60.0
@@ -316,5 +318,5 @@ def expectation_from_identity(identity: Identity, model_geometry: ModelGeometry)
         engine_name=engine.name,
         engine_abi=engine.abi,
         digests=dict(identity.checkpoint.files),
-        kv_dtype=lane_kv_dtype(lane_spec(identity.lane)),
+        kv_dtype=lane_kv_dtype(identity.spec),
     )

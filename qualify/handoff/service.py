@@ -1,8 +1,10 @@
 """The producer service: one process that prefills prompts and answers with sealed KV handoffs.
 
-Started by the harness (``qualify.handoff.client.ProducerProcess``) or by an operator::
+Started by the harness (``qualify.handoff.client.ProducerProcess``) or by an operator, through its
+command (:mod:`qualify.interfaces.producer_command`, which parses the arguments into a
+:class:`ServiceConfig` and calls :func:`serve`)::
 
-    python -m qualify.handoff.service --lane NAME --mode exact|native --socket PATH \\
+    python -m qualify.interfaces.producer_command --lane NAME --mode exact|native --socket PATH \\
         --run-id ID --expect EXPECT.json --key-fd N [--watchdog-s 900]
 
 or, for consumers on other hosts (``qualify --recipe ... --producer-at HOST:PORT``; mutual TLS 1.3
@@ -43,15 +45,12 @@ closes; nothing before that exit can block or raise).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import faulthandler
 import hmac
 import importlib
-import ipaddress
 import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -60,7 +59,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar, cast
@@ -73,17 +72,14 @@ from qualify.core.digests import canonical_json_bytes, is_sha256_hex
 from qualify.core.errors import Refused, one_line
 from qualify.core.hostenv import host_facts
 from qualify.engines.base import Engine, LaneEngine, ModelGeometry
-from qualify.engines.faults import fault_named, faulty_producer
+from qualify.engines.faults import faulty_producer
 from qualify.handoff.protocol import (
-    DEFAULT_WARMUP_TOKENS,
-    DEFAULT_WATCHDOG_S,
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_TEMPFAIL,
     FRAME_LENGTH,
     HEARTBEAT_S,
     ID_PATTERN,
-    KEY_ENV,
     MAX_HEADER_BYTES,
     PROTOCOL,
     READY_PROGRESS_LINE,
@@ -98,7 +94,7 @@ from qualify.handoff.protocol import (
     read_run_key,
 )
 from qualify.handoff.tls import server_context
-from qualify.handoff.wire import SealedHandoff, key_id, seal_handoff_parts
+from qualify.handoff.wire import SealedHandoff, handoff_key_id, seal_handoff_parts
 
 DEFAULT_ENGINE_FACTORY = "qualify.engines.factory:build_producer"
 MAX_NON_ENGINE_ERRORS = 3
@@ -111,7 +107,6 @@ WARMUP_RUN_ID = "warmup"
 # A GIL-independent backstop (faulthandler, exits 1) behind the watchdog, for a hang in C code
 # that never releases the GIL and so never lets the watchdog thread run.
 BACKSTOP_GRACE_S = 60.0
-LANE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 _T = TypeVar("_T")
 # ``module:function`` building the producer engine of (lane name, producer mode).
@@ -171,56 +166,7 @@ def check_engine(engine: object, *, mode: ProducerMode, expectation: ProducerExp
 
 
 # --------------------------------------------------------------------------------------------
-# arguments, key, factory, socket
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that refuses in one line (exit 2 via StartRefused), never a usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        raise StartRefused(one_line(f"producer arguments: {message}"))
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="qualify producer serve", add_help=True,
-                            description="KV handoff producer service (fails closed, exit 75).")
-    parser.add_argument("--lane", required=True, help="lane name (e.g. nvfp4-native-splitk)")
-    parser.add_argument("--mode", required=True, help="producer mode: exact or native")
-    parser.add_argument("--run-id", help="run id recorded in every manifest (default: the one each "
-                        "authenticated client names)")
-    parser.add_argument("--expect", required=True, type=Path,
-                        help="JSON: expected engine version, geometry, digests, identity digest")
-    parser.add_argument("--socket", type=Path, help="Unix socket path (default transport)")
-    parser.add_argument("--port", type=int, help="serve loopback TCP on this port instead (0: any)")
-    parser.add_argument("--host", default="127.0.0.1", help="TCP address (loopback only unless "
-                        "--allow-non-loopback)")
-    parser.add_argument("--allow-non-loopback", action="store_true",
-                        help="permit a non-loopback TCP address (explicit opt-in; needs TLS)")
-    parser.add_argument("--tls-cert", type=Path, help="TLS: this producer's certificate (PEM; qualify keys tls)")
-    parser.add_argument("--tls-key", type=Path, help="TLS: its private key (PEM, mode 0600)")
-    parser.add_argument("--tls-client-ca", type=Path,
-                        help="TLS: the CA a consumer's client certificate must chain to (mutual TLS)")
-    parser.add_argument("--watchdog-s", type=float, default=DEFAULT_WATCHDOG_S,
-                        help="per-request watchdog in seconds; on expiry the producer exits 75")
-    parser.add_argument("--key-fd", type=int, help="read the hex run key from this descriptor")
-    parser.add_argument("--key-file", type=Path, help="read the hex run key from this file")
-    parser.add_argument("--key-env", help=f"read the hex run key from this variable "
-                        f"(default {KEY_ENV} when set)")
-    parser.add_argument("--engine-factory", default=DEFAULT_ENGINE_FACTORY,
-                        help="module:function building the engine from (lane, mode)")
-    parser.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP_TOKENS)
-    parser.add_argument("--ready-fd", type=int, help="write the ready line here (default stdout)")
-    parser.add_argument("--exit-with-stdin", action="store_true",
-                        help="exit when stdin reaches EOF (the parent is gone)")
-    parser.add_argument("--parent-pid", type=int,
-                        help="die with this process, the one that started the producer (Linux: the "
-                             "kernel SIGKILLs the producer when it dies; refused if it is not the parent)")
-    parser.add_argument("--fault", default=None,
-                        help="serve a named fault lane (qualify.engines.faults; self-tests and operators)")
-    parser.add_argument("--model", default=None, metavar="NAME|PATH",
-                        help="serve the lane on this model (a published name, a Hugging Face directory or a GGUF "
-                        "file) instead of the shipped one")
-    return parser
+# configuration, key, factory, socket
 
 
 @dataclass(frozen=True)
@@ -246,82 +192,6 @@ class ServiceConfig:
     model: str | None = None
     # (certificate, private key, client CA) when the TCP socket serves TLS.
     tls: tuple[Path, Path, Path] | None = None
-
-
-def parse_config(argv: Sequence[str] | None) -> ServiceConfig:
-    """Parse and validate the command line; refuses (exit 2) with one line naming the option."""
-    args = _parser().parse_args(argv)
-    try:
-        mode = ProducerMode(args.mode)
-    except ValueError:
-        raise StartRefused(f"--mode: found {args.mode!r}, expected exact or native") from None
-    if args.fault is not None:
-        try:
-            fault_named(args.fault)
-        except Refused as refusal:
-            raise StartRefused(f"--fault: {one_line(str(refusal))}") from None
-    if not LANE_PATTERN.fullmatch(args.lane):
-        raise StartRefused(f"--lane: found {args.lane!r}, expected a lane name")
-    if args.run_id is not None and not ID_PATTERN.fullmatch(args.run_id):
-        raise StartRefused(f"--run-id: found {args.run_id!r}, expected [A-Za-z0-9._:-], 1-128")
-    if not (args.watchdog_s > 0 and np.isfinite(args.watchdog_s)):
-        raise StartRefused(f"--watchdog-s: found {args.watchdog_s}, expected a positive number")
-    if (args.socket is None) == (args.port is None):
-        raise StartRefused("transport: give exactly one of --socket PATH or --port N")
-    if args.port is not None and not 0 <= args.port <= 65535:
-        raise StartRefused(f"--port: found {args.port}, expected 0-65535")
-    tls_files = (args.tls_cert, args.tls_key, args.tls_client_ca)
-    if any(path is not None for path in tls_files):
-        if not all(path is not None for path in tls_files):
-            raise StartRefused("TLS: give all of --tls-cert, --tls-key and --tls-client-ca, or none")
-        if args.port is None:
-            raise StartRefused("TLS: --tls-cert/--tls-key/--tls-client-ca serve TCP; give --port, not --socket")
-    if args.port is not None:
-        _check_tcp_host(args.host, args.allow_non_loopback, tls=args.tls_cert is not None)
-    if args.ready_fd is not None:
-        try:
-            os.fstat(args.ready_fd)
-        except OSError:
-            raise StartRefused(f"--ready-fd: {args.ready_fd} is not an open descriptor") from None
-    if args.warmup_tokens < 1:
-        raise StartRefused(f"--warmup-tokens: found {args.warmup_tokens}, expected >= 1")
-    if args.parent_pid is not None and args.parent_pid < 1:
-        raise StartRefused(f"--parent-pid: found {args.parent_pid}, expected a process id >= 1")
-    sources = [(kind, value) for kind, value in (("fd", args.key_fd), ("file", args.key_file),
-                                                   ("env", args.key_env)) if value is not None]
-    if not sources and KEY_ENV in os.environ:
-        sources = [("env", KEY_ENV)]
-    if len(sources) != 1:
-        raise StartRefused("run key: give exactly one of --key-fd, --key-file, --key-env (never "
-                           "the key itself on the command line)")
-    kind, value = sources[0]
-    return ServiceConfig(
-        lane=args.lane, mode=mode, run_id=args.run_id, expect_path=args.expect,
-        socket_path=args.socket, host=args.host, port=args.port,
-        allow_non_loopback=args.allow_non_loopback, watchdog_s=float(args.watchdog_s),
-        engine_factory=args.engine_factory, warmup_tokens=args.warmup_tokens,
-        ready_fd=args.ready_fd, exit_with_stdin=args.exit_with_stdin,
-        key_source=(kind, str(value)), fault=args.fault, parent_pid=args.parent_pid, model=args.model,
-        tls=None if args.tls_cert is None else (args.tls_cert, args.tls_key, args.tls_client_ca),
-    )
-
-
-def _check_tcp_host(host: str, allow_non_loopback: bool, *, tls: bool) -> None:
-    """Loopback, or a non-loopback address the operator opted into and serves under TLS (a
-    handed-off prompt's KV is never readable on a network)."""
-    if host == "localhost":
-        return
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise StartRefused(f"--host: found {host!r}, expected an IP address or localhost") from None
-    if address.is_loopback:
-        return
-    if not allow_non_loopback:
-        raise StartRefused(f"--host: {host} is not loopback; pass --allow-non-loopback to serve it")
-    if not tls:
-        raise StartRefused(f"--host: {host} is not loopback and plain TCP would put the KV on the network in "
-                           f"the clear; serve it with --tls-cert, --tls-key and --tls-client-ca")
 
 
 def load_factory(spec: str) -> EngineFactory:
@@ -610,7 +480,7 @@ class ProducerService:
             "address": self.address,
             "lane": self.config.lane,
             "producer_mode": self.config.mode.value,
-            "key_id": key_id(self.key),
+            "key_id": handoff_key_id(self.key),
             "warmup_s": warmup_s,
         }) + b"\n"
         if self.config.ready_fd is None:
@@ -671,7 +541,7 @@ class ProducerService:
         nonce = secrets.token_bytes(32)
         try:
             self._send(conn, {"op": "hello", "protocol": PROTOCOL, "nonce": nonce.hex(),
-                              "key_id": key_id(self.key)})
+                              "key_id": handoff_key_id(self.key)})
             auth = self._read_frame(conn)
         except (_PeerGone, _BadFrame, OSError):
             return False
@@ -891,7 +761,9 @@ def watch_stdin(fd: int = 0) -> NoReturn:
             os._exit(EXIT_OK)
 
 
-def _exit_when_stdin_closes() -> None:
+def exit_when_stdin_closes() -> None:
+    """Start the thread that ends this process when the harness's end of stdin closes
+    (:func:`watch_stdin`)."""
     threading.Thread(target=watch_stdin, name="producer-stdin-watch", daemon=True).start()
 
 
@@ -912,11 +784,17 @@ def _with_fault(build: EngineFactory, engine: Engine, lane: str, mode: ProducerM
     return faulty_producer(_faultable(engine, fault), fault, other)
 
 
-def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = None) -> int:
-    """Run the producer service; returns its exit status (75 exits happen in place)."""
+def refused_to_start(refusal: StartRefused) -> int:
+    """Log a start refusal in the producer's one line and return the exit status it means (2)."""
+    _log(f"refused to start: {refusal}")
+    return EXIT_REFUSED
+
+
+def serve(config: ServiceConfig, *, factory: EngineFactory | None = None) -> int:
+    """Run the producer service under ``config``; returns its exit status (75 exits happen in
+    place; a start refused before serving is logged and returns 2)."""
     heartbeat: StartHeartbeat | None = None
     try:
-        config = parse_config(argv)
         if config.parent_pid is not None:
             die_with_parent(config.parent_pid)
         if config.ready_fd is not None:
@@ -924,7 +802,7 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
         key = read_run_key(config.key_source)
         expectation = load_expectation(config.expect_path)
         if config.exit_with_stdin:
-            _exit_when_stdin_closes()
+            exit_when_stdin_closes()
         build = factory if factory is not None else load_factory(config.engine_factory)
         try:
             if config.model is not None:
@@ -957,8 +835,7 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
             host, port = listener.getsockname()[:2]
             address = f"{'tcp' if tls is None else 'tls'}:{host}:{port}"
     except StartRefused as exc:
-        _log(f"refused to start: {exc}")
-        return EXIT_REFUSED
+        return refused_to_start(exc)
     service = ProducerService(engine=engine, config=config, key=key, expectation=expectation,
                               cache_identity=cache_identity, listener=listener, address=address, tls=tls)
     service.start_heartbeat = heartbeat
@@ -966,13 +843,8 @@ def main(argv: Sequence[str] | None = None, *, factory: EngineFactory | None = N
         warmup_s = service.warm_up()
     except StartRefused as exc:
         service.cleanup()
-        _log(f"refused to start: {exc}")
-        return EXIT_REFUSED
+        return refused_to_start(exc)
     service.host_facts()  # after the warm-up: the BLAS pools it started, not an idle process's
     _log(f"ready on {address} (lane {config.lane}, mode {config.mode.value}, warm-up {warmup_s:.3f} s)")
     service.announce_ready(warmup_s)
     return service.serve()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

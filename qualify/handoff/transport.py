@@ -38,7 +38,7 @@ from qualify.handoff.wire import (
     Handoff,
     SealedHandoff,
     TransportStats,
-    key_id,
+    handoff_key_id,
     seal_handoff_parts,
 )
 
@@ -143,7 +143,7 @@ class InProcessTransport:
         run_id: str,
         digest_threads: int = DEFAULT_DIGEST_THREADS,
     ) -> None:
-        key_id(key)  # refuses a key that is not bytes of at least 32
+        handoff_key_id(key)  # refuses a key that is not bytes of at least 32
         for name, digest in (("identity_sha256", identity_sha256), ("cache_identity", cache_identity)):
             if not is_sha256_hex(digest):
                 raise Refused(f"in-process transport {name}: found {digest!r}, expected 64 lowercase hex characters")

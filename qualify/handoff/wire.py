@@ -123,8 +123,10 @@ def mint_run_key() -> bytes:
     return secrets.token_bytes(RUN_KEY_BYTES)
 
 
-def key_id(key: bytes) -> str:
-    """A key's public name: the first 16 hex digits of its SHA-256 (safe to log and record)."""
+def handoff_key_id(key: bytes) -> str:
+    """A handoff key's public name (a run key, or a lane's enrolled key): the first 16 hex digits
+    of its SHA-256 (safe to log and record; a receipt-signing key's id is
+    :func:`qualify.archive.keys.signing_key_id`)."""
     return hashlib.sha256(_checked_key(key)).hexdigest()[:KEY_ID_HEX_CHARS]
 
 
@@ -653,7 +655,7 @@ def seal_handoff_parts(
         "request_id": request_id,
         "lane": lane,
         "producer_mode": mode.value,
-        "key_id": key_id(key),
+        "key_id": handoff_key_id(key),
         "identity_sha256": identity_sha256,
         "target_cache_identity_sha256": target_cache_identity,
         "prompt_sha256": prompt_sha256,
@@ -989,7 +991,7 @@ def _open_verified(handoff: Handoff, key: bytes, expectation: HandoffExpectation
     manifest_bytes = _wire_bytes(handoff.manifest_bytes, "handoff manifest_bytes")
     mac = handoff.mac
     if not isinstance(mac, (bytes, bytearray)) or not hmac.compare_digest(bytes(mac), manifest_mac(key, manifest_bytes)):
-        raise HandoffRefused(f"handoff MAC does not verify under key {key_id(key)}", check="mac")
+        raise HandoffRefused(f"handoff MAC does not verify under key {handoff_key_id(key)}", check="mac")
     mac_done = time.perf_counter()
 
     stage.check = "manifest"
@@ -1080,7 +1082,7 @@ def _check_run_binding(manifest: HandoffManifest, key: bytes, expected: HandoffE
                              check="manifest.run_id")
     if manifest.lane != expected.lane:
         raise HandoffRefused(f"lane is {manifest.lane!r}, expected {expected.lane!r}", check="manifest.lane")
-    run_key_id = key_id(key)
+    run_key_id = handoff_key_id(key)
     if manifest.key_id != run_key_id:
         raise HandoffRefused(
             f"key_id is {manifest.key_id!r}, expected {run_key_id!r} (the run key the MAC verified under)",

@@ -22,19 +22,20 @@ engines), and the handler is called as ``handler(argv) -> int`` with the argumen
 command words (for ``--recipe``, the whole argument list). A handler that cannot be imported makes
 the command exit 2 with a one-line "not available".
 
-=====================  =========================================================
+=====================  ============================================================
 command                handler
-=====================  =========================================================
+=====================  ============================================================
 ``--recipe NAME ...``  ``qualify.interfaces.console.run_cli``
-``receipts verify``    ``qualify.archive.verify.verify_cli``
-``keys``               ``qualify.archive.keys.keys_cli``
-``enroll``             ``qualify.run.enroll.enroll_cli``
+``receipts verify``    ``qualify.interfaces.verify_command.verify_cli``
+``keys``               ``qualify.interfaces.keys_command.keys_cli``
+``enroll``             ``qualify.interfaces.enroll_command.enroll_cli``
 ``calibrate``          ``qualify.interfaces.console.calibrate_cli``
 ``selftest``           ``qualify.interfaces.console.selftest_cli``
 ``report``             ``qualify.interfaces.report.report_cli``
-``producer serve``     ``qualify.handoff.service.main``
-``producer expect``    ``qualify.interfaces.producer.producer_expect_cli``
-=====================  =========================================================
+``producer serve``     ``qualify.interfaces.producer_command.producer_serve_cli``
+``producer expect``    ``qualify.interfaces.producer_command.producer_expect_cli``
+``model inspect``      ``qualify.interfaces.model_command.model_inspect_cli``
+=====================  ============================================================
 """
 
 from __future__ import annotations
@@ -81,19 +82,19 @@ Handler = Callable[..., object]
 
 
 def _load_verify() -> Handler:
-    from qualify.archive.verify import verify_cli
+    from qualify.interfaces.verify_command import verify_cli
 
     return verify_cli
 
 
 def _load_keys() -> Handler:
-    from qualify.archive.keys import keys_cli
+    from qualify.interfaces.keys_command import keys_cli
 
     return keys_cli
 
 
 def _load_enroll() -> Handler:
-    from qualify.run.enroll import enroll_cli
+    from qualify.interfaces.enroll_command import enroll_cli
 
     return enroll_cli
 
@@ -117,19 +118,19 @@ def _load_report() -> Handler:
 
 
 def _load_producer_serve() -> Handler:
-    from qualify.handoff.service import main
+    from qualify.interfaces.producer_command import producer_serve_cli
 
-    return main
+    return producer_serve_cli
 
 
 def _load_producer_expect() -> Handler:
-    from qualify.interfaces.producer import producer_expect_cli
+    from qualify.interfaces.producer_command import producer_expect_cli
 
     return producer_expect_cli
 
 
 def _load_model_inspect() -> Handler:
-    from qualify.interfaces.models import model_inspect_cli
+    from qualify.interfaces.model_command import model_inspect_cli
 
     return model_inspect_cli
 
@@ -269,7 +270,7 @@ def identity_check(path: str | os.PathLike[str], *, as_json: bool = False, model
     """``qualify identity check PATH [--json] [--model NAME|PATH]``: 0 with lane and digest when
     valid, 2 on refusal."""
     from qualify.contract.identity import identity_sha256, load_identity
-    from qualify.run.contract import checked_basis
+    from qualify.run.run_contract import checked_basis
 
     identity = load_identity(path)
     _choose_pinned_model(identity.model_name, model, f"identity {path}")
@@ -408,12 +409,12 @@ def _main(arguments: list[str]) -> int:
 def console() -> None:
     """The ``qualify`` executable: :func:`main`, with an interrupt signal that lands after a run
     (its receipt whole, its verdict printed) noted rather than fatal
-    (:func:`~qualify.run.qualification.hold_interrupts_after_runs`), then the signals blocked
+    (:func:`~qualify.run.signals.hold_interrupts_after_runs`), then the signals blocked
     until the process ends. A decided exit code is never turned into a death by signal; a signal
     during a run is handled there (128 + the signal)."""
     import signal
 
-    from qualify.run.qualification import INTERRUPT_SIGNALS, hold_interrupts_after_runs
+    from qualify.run.signals import INTERRUPT_SIGNALS, hold_interrupts_after_runs
 
     hold_interrupts_after_runs()
     try:

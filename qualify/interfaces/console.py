@@ -54,18 +54,11 @@ from qualify.core.arguments import (
     shown,
 )
 from qualify.core.errors import Refused
+from qualify.handoff.setup import RemoteProducerChoice
 from qualify.interfaces import documents
 from qualify.interfaces.tables import Field, FittedTable, hanging
-from qualify.run.qualification import (
-    STEP_LABELS,
-    QualificationRun,
-    RemoteProducerChoice,
-    RunOptions,
-    StepOutcome,
-    interrupt_signal,
-    interrupts_raise,
-    signals_held,
-)
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
+from qualify.run.signals import interrupt_signal, interrupts_raise, signals_held
 
 if TYPE_CHECKING:
     from qualify.judge import Verdict
@@ -160,7 +153,7 @@ def _check_run_choices(args: argparse.Namespace) -> None:
     """What a recipe run is asked to do, refused before any step: a missing or non-file identity,
     a recipe/producer/consumer pair no lane runs, an unknown fault, an unusable archive."""
     from qualify.engines import faults
-    from qualify.run.contract import chosen_lane
+    from qualify.run.run_contract import chosen_lane
 
     if args.identity is not None:
         require_regular_file("--identity", args.identity)
@@ -477,7 +470,7 @@ def run_cli(argv: Sequence[str]) -> int:
     """``qualify --recipe NAME [...]``: bad input is refused (exit 2, one line) before any step;
     an interrupt signal during the run seals its receipt as incomplete, kills the producer's
     process group and exits 128 + the signal's number, saying so in one line on stderr."""
-    from qualify.run.contract import default_identity_path
+    from qualify.run.run_contract import default_identity_path
 
     args = _recipe_parser("qualify").parse_args(list(argv))
     _check_run_choices(args)
@@ -568,7 +561,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
             console.print(Text(line, style="dim"))
             show(f"calibrate {args.lane}: {line[:60]}")
 
-        result = calibrate(args.lane, args.recipe, options, log=log, anchors=args.anchors,
+        result = calibrate(spec, args.recipe, options, log=log, anchors=args.anchors,
                            controls=not args.no_controls)
     code = EXIT_PASS if result.passed else EXIT_FAILED
     steps = next_steps(result, args.lane, args.recipe)

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qualify import __version__
-from qualify.archive.layout import HOST, SAMPLE_PATH
+from qualify.archive.layout import HOST
 from qualify.archive.predicate import host_summary, scope
-from qualify.archive.reader import read_receipt_json, read_summary, receipt_files
+from qualify.archive.reader import read_receipt_json, read_summary, sample_records
 from qualify.judge.scope import controls_words
 
 if TYPE_CHECKING:  # the run modules import torch-free but heavy engine code; only their types here
@@ -123,13 +123,6 @@ def sample_document(record: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def receipt_samples(receipt: Path) -> list[Any]:
-    """The receipt's sample records in repetition order (the files its manifest lists)."""
-    names = [name for name in receipt_files(receipt) if SAMPLE_PATH.fullmatch(name)]
-    names.sort(key=lambda name: int(name.removeprefix("samples/sample-").removesuffix(".json")))
-    return [read_receipt_json(receipt, name) for name in names]
-
-
 def receipt_ref(path: Path | None) -> dict[str, Any] | None:
     return None if path is None else {"path": str(path), "run_id": path.name}
 
@@ -153,7 +146,7 @@ def recipe_document(*, exit_code: int, message: str | None, recipe: str, identit
     document.update({
         "status": summary["status"], "recipe": summary.get("recipe") or recipe,
         "lane": summary.get("lane"), "rung": summary.get("rung"), "scope": summary.get("scope"),
-        "samples": [sample_document(record) for record in receipt_samples(receipt)],
+        "samples": [sample_document(record) for record in sample_records(receipt).values()],
         "verdict": {"passed": summary["passed"], "headline": summary["verdict"], "reasons": list(summary["reasons"]),
                     "scope": scope(summary, host_summary(consumer if isinstance(consumer, Mapping) else None))},
     })

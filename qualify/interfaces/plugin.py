@@ -29,7 +29,7 @@ family), not through the ``record_property`` fixture, which warns under pytest's
 ``xunit2`` once per test.
 
 Interrupts: pytest turns SIGINT into KeyboardInterrupt, and while a run is open SIGTERM and SIGHUP
-become one too (``qualify.run.qualification.INTERRUPT_SIGNALS``; the previous handlers come back
+become one too (``qualify.run.signals.INTERRUPT_SIGNALS``; the previous handlers come back
 when the module's run ends). Either way the run's receipt is sealed as incomplete ("interrupted by
 SIGINT during <step>"), its producer's process group killed, and pytest exits 128 + the signal's
 number (130 for SIGINT, 143 for SIGTERM) instead of its own 2.
@@ -282,7 +282,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
     """The module's qualification run, built from its ``RECIPE`` and the command-line options."""
-    from qualify.run.qualification import QualificationRun, RunOptions, interrupts_raise
+    from qualify.run.qualification import QualificationRun, RunOptions
+    from qualify.run.signals import interrupts_raise
 
     config = request.config
     recipe = getattr(request.module, "RECIPE", None)
@@ -315,7 +316,7 @@ def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
 def pytest_keyboard_interrupt(excinfo: pytest.ExceptionInfo[BaseException]) -> None:
     """SIGINT or SIGTERM: every open run stops, its receipt sealed as incomplete (a step that was
     running has done so already) and its producer killed."""
-    from qualify.run.qualification import interrupt_signal
+    from qualify.run.signals import interrupt_signal
 
     if not _OPEN_RUNS:
         return
@@ -423,12 +424,11 @@ def receipt_properties(receipt: Path) -> list[tuple[str, str]]:
     summary is checked against its version's schema first (a refusal is one line)."""
     from qualify.archive.layout import HOST
     from qualify.archive.predicate import host_summary, scope
-    from qualify.archive.reader import read_receipt_json, read_summary
-    from qualify.interfaces.documents import receipt_samples
+    from qualify.archive.reader import read_receipt_json, read_summary, sample_records
 
     summary = read_summary(receipt)
     host = read_receipt_json(receipt, HOST)
-    samples = receipt_samples(receipt)
+    samples = list(sample_records(receipt).values())
     return [
         ("verdict", property_value(summary["status"])),
         ("headline", summary["verdict"]),

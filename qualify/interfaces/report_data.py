@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,19 +30,18 @@ from qualify.archive.layout import (
     SUMMARY,
 )
 from qualify.archive.predicate import host_summary, scope
-from qualify.archive.reader import read_receipt_json, read_summary, resolve_receipt_uri
+from qualify.archive.reader import read_receipt_json, read_samples, read_summary, resolve_receipt_uri, sample_records
 from qualify.archive.verify import authenticate_receipt, shown
 from qualify.contract.identity import DEFAULT_ARCHIVE_DIR
 from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import check_schema
 from qualify.evidence.series import read_series
-from qualify.run.contract import kv_envelope_from_records
+from qualify.run.run_contract import kv_envelope_from_records
 
 MAX_SAMPLES = 256
 """The most sample records one page shows (a qualification has 3, a calibration some tens)."""
 
-_SAMPLE_FILE = re.compile(r"^sample-([1-9][0-9]{0,5})\.json$")
 
 
 @dataclass(frozen=True)
@@ -213,29 +211,20 @@ def _samples(root: Path, legacy: bool) -> tuple[list[SampleView], list[str]]:
     if linked:  # never read through a link out of the receipt (verification reports it too)
         return [], [f"{linked[0]}/ is a symbolic link: its records are not read"]
     try:
-        with os.scandir(root / "samples") as listing:
-            found = sorted(int(m.group(1)) for entry in listing if (m := _SAMPLE_FILE.fullmatch(entry.name)))
-    except FileNotFoundError:
-        return [], ["the receipt holds no sample records (the run stopped before its first handoff)"]
-    except OSError as exc:
-        return [], [f"samples/: cannot list ({exc.strerror or type(exc).__name__})"]
-    if not found:
+        read = read_samples(root, limit=MAX_SAMPLES)
+    except Refused as exc:
+        return [], [one_line(str(exc))]
+    if not read.found:
         notes.append("the receipt holds no sample records (the run stopped before its first handoff)")
-    if len(found) > MAX_SAMPLES:
-        notes.append(f"the receipt holds {len(found)} sample records; the first {MAX_SAMPLES} are shown")
-        found = found[:MAX_SAMPLES]
+    if read.found > MAX_SAMPLES:
+        notes.append(f"the receipt holds {read.found} sample records; the first {MAX_SAMPLES} are shown")
     views: list[SampleView] = []
-    for repetition in found:
-        sample_notes: list[str] = []
-        record: Mapping[str, Any] | None
-        try:
-            loaded = read_receipt_json(root, f"samples/sample-{repetition}.json")
-            record = loaded if isinstance(loaded, dict) else None
-            if record is None:
-                sample_notes.append(f"samples/sample-{repetition}.json is not a JSON object")
-        except Refused as exc:
-            record = None
-            sample_notes.append(one_line(str(exc)))
+    for sample in read.samples:
+        repetition = sample.repetition
+        sample_notes: list[str] = [] if sample.problem is None else [sample.problem]
+        record: Mapping[str, Any] | None = sample.record if isinstance(sample.record, dict) else None
+        if record is None and sample.problem is None:
+            sample_notes.append(f"samples/sample-{repetition}.json is not a JSON object")
         series: dict[str, np.ndarray] | None = None
         series_path = root / "series" / f"sample-{repetition}.safetensors"
         # A legacy receipt predates series altogether: the page says so once, not per sample.
@@ -262,13 +251,13 @@ def _basis_records(basis_dir: Path) -> list[dict[str, Any]]:
     """The basis receipt's sample records, reduced to their well-formed per-layer KV deltas (the
     only part the envelope reads), so a malformed record cannot derail the envelope."""
     records: list[dict[str, Any]] = []
-    with os.scandir(basis_dir / "samples") as listing:
-        names = sorted(entry.name for entry in listing if _SAMPLE_FILE.fullmatch(entry.name))
+    samples = sample_records(basis_dir)
+    repetitions = list(samples)
     anchors = _anchor_repetitions(basis_dir)
     if anchors is not None:  # a v3 basis: the envelope is its fixture anchors', as the run localises against
-        names = [name for name in names if int(name.removeprefix("sample-").removesuffix(".json")) in anchors]
-    for name in names[:MAX_SAMPLES]:
-        record = read_receipt_json(basis_dir, f"samples/{name}")
+        repetitions = [repetition for repetition in repetitions if repetition in anchors]
+    for repetition in repetitions[:MAX_SAMPLES]:
+        record = samples[repetition]
         items = _kv_items(record if isinstance(record, dict) else None)
         records.append({"localisation": {"kv_layer_max_abs": [
             {"layer": layer, "k": k, "v": v} for layer, k, v in items]}})

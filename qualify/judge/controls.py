@@ -78,10 +78,6 @@ class CellJudgement:
     def lane_rate(self) -> float:
         return self.lane_disagreeing / self.rows
 
-    @property
-    def yardstick_rate(self) -> float:
-        return self.yardstick_disagreeing / self.rows
-
 
 @dataclass(frozen=True)
 class ProfileWindow:
@@ -134,14 +130,6 @@ class ControlsJudgement:
     """The preregistered length-effect criterion: supported, rejected, or None when not judged."""
     outcome: ControlsOutcome | None
     problems: tuple[str, ...]
-
-    @property
-    def sensitivities(self) -> tuple[DocumentJudgement, ...]:
-        """When the length effect is rejected, each exceeding document: published as a
-        content-local sensitivity with its lengths and profile (the criteria's wording)."""
-        if self.length_effect != "rejected":
-            return ()
-        return tuple(document for document in self.documents if not document.within)
 
     def document(self) -> dict[str, Any]:
         """The judgement as JSON (what a receipt carries: every cell and profile window)."""

@@ -43,6 +43,7 @@ from qualify.evidence.records import (
     BitExactRule,
     BoundedDriftRule,
     parse_rule,
+    sample_field_fits,
 )
 from qualify.judge.scope import Scope, scope_line
 
@@ -138,7 +139,9 @@ def _finite(value: object) -> float | int | None:
 
 
 class _Evidence:
-    """Reads one sample's fields, collecting refusals; invalid or absent fields read as None."""
+    """Reads one sample's fields, collecting refusals; invalid or absent fields read as None. A
+    field's type is the one :class:`~qualify.evidence.records.SampleRecord` declares
+    (:func:`~qualify.evidence.records.sample_field_fits`); finiteness and ranges are judged here."""
 
     def __init__(self, record: Mapping[str, Any]) -> None:
         self.record = record
@@ -165,7 +168,7 @@ class _Evidence:
         if isinstance(value, str) and value.strip().lower() in _NON_FINITE_TEXT:
             self.invalid.append(f"sample {name} is not finite: {value}")
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not sample_field_fits(name, value):
             self.invalid.append(f"sample {name} is not a number: {value!r}")
             return None
         if not math.isfinite(value):
@@ -183,7 +186,7 @@ class _Evidence:
         value = self.record.get(name)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not sample_field_fits(name, value):
             if isinstance(value, float) and not math.isfinite(value):
                 self.invalid.append(f"sample {name} is not finite: {value!r}")
             else:
@@ -192,25 +195,25 @@ class _Evidence:
         if value < minimum:
             self.invalid.append(f"sample {name} is {value}, below {minimum}")
             return None
-        return value
+        return int(value)
 
     def digest(self, name: str) -> str | None:
         value = self.record.get(name)
         if value is None:
             return None
-        if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        if not sample_field_fits(name, value):
             self.invalid.append(f"sample {name} is not a SHA-256 hex digest: {value!r}")
             return None
-        return value
+        return str(value)
 
     def flag(self, name: str) -> bool | None:
         value = self.record.get(name)
         if value is None:
             return None
-        if not isinstance(value, bool):
+        if not sample_field_fits(name, value):
             self.invalid.append(f"sample {name} is not true or false: {value!r}")
             return None
-        return value
+        return bool(value)
 
 
 @dataclass

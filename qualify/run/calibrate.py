@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from qualify.contract.controls import CalibrationSet, load_calibration_set, load_controls_criteria, load_document
-from qualify.contract.lanes import lane_spec
+from qualify.contract.lanes import LaneSpec
 from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.engines.base import LaneEngine
 from qualify.evidence.comparers import ComparerFactory
+from qualify.handoff.setup import TransportFactory
 from qualify.judge.calibration import (
     ANCHOR_PART,
     CALIBRATION_EVIDENCE,
@@ -31,8 +32,8 @@ from qualify.judge.calibration import (
     judge_calibration,
 )
 from qualify.judge.scope import ControlsOutcome
-from qualify.run.contract import CalibrationHandoff, calibration_contract
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportFactory, driven
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, driven
+from qualify.run.run_contract import CalibrationHandoff, calibration_contract
 
 CONTROLS_EVIDENCE = "controls"
 """The receipt evidence name of a lane's E2 controls record (``evidence/controls.json``)."""
@@ -129,33 +130,33 @@ def calibration_handoffs(calibration_set: CalibrationSet, anchors: int = ANCHOR_
     return handoffs + [CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, fixture)] * anchors
 
 
-def _measure_controls(lane: str, consumer: LaneEngine, log: Callable[[str], None]) -> dict[str, Any]:
-    """The lane's E2 controls record (:mod:`qualify.evidence.controls`), measured in this process:
+def _measure_controls(spec: LaneSpec, consumer: LaneEngine, log: Callable[[str], None]) -> dict[str, Any]:
+    """The lane's E2 controls record (:mod:`qualify.evidence.controls_measure`), measured in this process:
     the lane's producer engine and the yardstick built by the factory, scored by the run's consumer."""
-    from qualify.evidence.controls import build_control_engines, measure_controls, yardstick_identity
+    from qualify.evidence.controls_measure import build_control_engines, measure_controls, yardstick_identity
 
     criteria, digest = load_controls_criteria()
-    engines = build_control_engines(lane)
+    engines = build_control_engines(spec)
     documents = {entry.name: load_document(entry.name) for entry in criteria.documents}
     return measure_controls(consumer, engines.producer, engines.yardstick, documents, criteria.lengths,
-                            criteria.profile_window, lane=lane, criteria={"name": criteria.name, "sha256": digest},
+                            criteria.profile_window, lane=spec.name, criteria={"name": criteria.name, "sha256": digest},
                             yardstick_id=yardstick_identity(criteria), progress=lambda line: log(line))
 
 
-def calibrate(lane: str, recipe: str, options: RunOptions,
+def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
               log: Callable[[str], None] | None = None, *,
               transport: TransportFactory | None = None, comparer: ComparerFactory | None = None,
               environments: list[dict[str, str]] | None = None, consumer: LaneEngine | None = None,
               calibration_set: tuple[CalibrationSet, str] | None = None, anchors: int = ANCHOR_HANDOFFS,
               controls: bool = True) -> Calibration:
-    """Measure ``lane`` on its calibration set and anchor its fixture (each handoff under a fresh
+    """Measure the lane ``spec`` on its calibration set and anchor its fixture (each handoff under a fresh
     producer, cycling ``environments``: by default every one this CPU runs; an in-process
     producer passes ``[{}]``), measure its E2 controls when the committed criteria preregister the
     lane (``controls=False`` skips them, and the calibration then cannot seal an identity that
     declares them), archive everything as one receipt and judge it."""
     if anchors < 2:
         raise Refused(f"--anchors: found {anchors}, expected at least 2 (a retained digest must be shown to reproduce)")
-    spec = lane_spec(lane)
+    lane = spec.name
     chosen_set, set_digest = calibration_set or load_calibration_set()
     criteria, criteria_digest = load_controls_criteria()
     from qualify.contract.controls import check_disjoint
@@ -165,7 +166,7 @@ def calibrate(lane: str, recipe: str, options: RunOptions,
     controls_ref = {"name": criteria.name, "sha256": criteria_digest} if preregistered and controls else None
     handoffs = calibration_handoffs(chosen_set, anchors)
     environments = calibration_environments() if environments is None else environments
-    contract = calibration_contract(lane, recipe, handoffs,
+    contract = calibration_contract(spec, recipe, handoffs,
                                     calibration_set={"name": chosen_set.name, "sha256": set_digest},
                                     controls=controls_ref, output_tokens=chosen_set.output_tokens)
     run = QualificationRun(options, contract, log=log, transport=transport, comparer=comparer, consumer=consumer)
@@ -194,7 +195,7 @@ def calibrate(lane: str, recipe: str, options: RunOptions,
             entry["draft"] = None if counts is None else {"proposed": counts[0], "accepted": counts[1]}
         if controls_ref is not None:
             run.log(f"measuring E2 controls ({criteria.name}) in this process")
-            controls_record = _measure_controls(lane, run._consumer, echo)
+            controls_record = _measure_controls(spec, run._consumer, echo)
             run._receipt.add_evidence(CONTROLS_EVIDENCE, controls_record)
         from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
 

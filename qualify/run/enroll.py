@@ -14,28 +14,27 @@ The registry is the project's one lane-registry format (:mod:`qualify.contract.r
 identity_sha256, receipt, receipt_signer, key_id}`` and ``revoked`` keys; loading it refuses unknown lanes, lane kinds and recipes
 before any key is minted, and every document is validated before it is written (atomically).
 Keys: 32 random bytes in ``<key_dir>/<key_id>.key``, mode 0600 in a 0700 directory; ``key_id``
-is the first 16 hex characters of the key's SHA-256. Default locations sit beside the
-receipt archive's default, outside the checkout: ``$XDG_DATA_HOME/trust-ladder/`` or
-``~/.local/share/trust-ladder/`` (``$QUALIFY_REGISTRY`` for the registry file, ``$QUALIFY_KEYS``
-for the key directory).
+is the first 16 hex characters of the key's SHA-256 (:func:`qualify.handoff.wire.handoff_key_id`).
+Default locations sit beside the receipt archive's default, outside the checkout:
+``$XDG_DATA_HOME/trust-ladder/`` or ``~/.local/share/trust-ladder/`` (``$QUALIFY_REGISTRY`` for
+the registry file, ``$QUALIFY_KEYS`` for the key directory). The command is
+:mod:`qualify.interfaces.enroll_command`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import os
 import secrets
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from qualify.archive.attestation import read_attestation
-from qualify.archive.keys import TrustFile, default_trust_path, load_trust
-from qualify.archive.layout import archive_dir, receipt_uri
-from qualify.archive.reader import read_receipt_json, receipt_files, resolve_receipt_uri
+from qualify.archive.keys import TrustFile
+from qualify.archive.layout import receipt_uri
+from qualify.archive.reader import read_receipt_json, sample_records
 from qualify.archive.verify import authenticate_receipt
 from qualify.contract.lanes import LANES
 from qualify.contract.registry import LaneRegistry, RegistryEntry, RevokedKey, validate_registry_document
@@ -44,6 +43,7 @@ from qualify.core.arguments import require_private_file
 from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused, one_line
 from qualify.evidence.records import parse_rule, rule_from_identity
+from qualify.handoff.wire import handoff_key_id
 from qualify.judge import judge_summary
 
 KEY_BYTES = 32
@@ -107,7 +107,7 @@ def _load_identity(identity: Any) -> Any:
     """A path is loaded and sealed, and its basis receipt checked against the sealed digest."""
     if isinstance(identity, (str, os.PathLike)):
         from qualify.contract.identity import load_identity
-        from qualify.run.contract import checked_basis
+        from qualify.run.run_contract import checked_basis
 
         loaded = load_identity(identity)
         checked_basis(loaded, where=f"identity {os.fspath(identity)}")
@@ -206,7 +206,7 @@ def enroll(
 def _mint_key(keys: Path) -> str:
     """A new random handoff key in ``keys`` (0600 in a 0700 directory); returns its key id."""
     key = secrets.token_bytes(KEY_BYTES)
-    key_id = hashlib.sha256(key).hexdigest()[:16]
+    key_id = handoff_key_id(key)
     keys.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(keys, 0o700)
     descriptor = os.open(keys / f"{key_id}.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -228,11 +228,7 @@ def _rejudge(receipt: Path, summary: dict[str, Any], identity: Any) -> None:
     expected = rule_from_identity(identity, drift_graded=judged_rule.drift_graded)
     if judged_rule != expected:
         raise Refused(f"enroll: receipt {run_id} was judged under a rule other than this identity's")
-    samples = sorted(
-        (path for path in receipt_files(receipt) if path.startswith("samples/")),
-        key=lambda path: int(path.removeprefix("samples/sample-").removesuffix(".json")),
-    )
-    verdict = judge_summary([read_receipt_json(receipt, path) for path in samples], expected)
+    verdict = judge_summary(list(sample_records(receipt).values()), expected)
     if not verdict.passed:
         raise Refused(f"enroll: receipt {run_id} samples do not pass when re-judged: {verdict.reasons[0]}")
 
@@ -270,87 +266,6 @@ def key_for(
     key = path.read_bytes()
     if len(key) != KEY_BYTES:
         raise Refused(f"key: {path}: {len(key)} bytes, expected {KEY_BYTES}")
-    if hashlib.sha256(key).hexdigest()[:16] != entry.key_id:
+    if handoff_key_id(key) != entry.key_id:
         raise Refused(f"key: {path}: digest does not match key id {entry.key_id}")
     return key
-
-
-def _default_location(label: str, locate: Callable[[], Path]) -> Path:
-    """A default location (from the environment or the home directory), refused in one line
-    when its ``~`` cannot expand."""
-    try:
-        return locate()
-    except RuntimeError:  # pathlib: "~user" with no such user, or no home directory
-        raise Refused(f"{label}: the default location cannot expand '~'; name it explicitly") from None
-
-
-def _checked_cli_places(options: Any) -> tuple[Path, Path, Path | None]:
-    """(registry, key directory, receipt archive or None) of ``qualify enroll``, each refused up
-    front with one line naming its option: a registry that is a directory, a key directory that
-    is a file, anything unwritable, a receipt archive that is not a directory. (The identity is
-    refused by its loader, in one line, before any key exists.)"""
-    from qualify.core.arguments import require_directory, require_writable_directory, require_writable_file
-
-    registry = require_writable_file(
-        "--registry" if options.registry else "registry (the default)",
-        options.registry or _default_location("--registry", default_registry_path))
-    keys = require_writable_directory(
-        "--keys" if options.keys else "key directory (the default)",
-        options.keys or _default_location("--keys", default_key_dir))
-    receipts = None if options.receipts is None else require_directory("--receipts", options.receipts)
-    return registry, keys, receipts
-
-
-def enroll_cli(args: Sequence[str]) -> int:
-    """``qualify enroll --identity PATH --receipt DIR|receipt://<run-id>/<file> [--registry PATH]
-    [--keys DIR] [--receipts DIR] [--trust FILE] [--rotate]``: exit 0 when enrolled, 2 when
-    refused (one line on stderr; every path option is checked before anything is read or minted;
-    the trust file defaults to the operator's, and a missing one is refused)."""
-    from qualify.core.arguments import OneLineParser, path_argument, require_directory, say_refusal
-
-    parser = OneLineParser(prog="qualify enroll",
-                           description="Enroll a qualified producer lane and mint its handoff key.")
-    parser.add_argument("--identity", required=True, type=path_argument,
-                        help="frozen onboarding identity JSON of the lane")
-    parser.add_argument("--receipt", required=True, type=_receipt_argument,
-                        help="the lane's qualification receipt: a directory or receipt://<run-id>/<file>")
-    parser.add_argument("--registry", default=None, type=path_argument,
-                        help=f"enrollment registry (default {default_registry_path()})")
-    parser.add_argument("--keys", default=None, type=path_argument, help=f"key directory (default {default_key_dir()})")
-    parser.add_argument("--receipts", default=None, type=path_argument, help="receipt archive for receipt:// URIs")
-    parser.add_argument("--trust", default=None, type=path_argument,
-                        help=f"trust file of receipt-signing keys (default {default_trust_path()})")
-    parser.add_argument("--rotate", action="store_true",
-                        help="re-enroll an enrolled lane: a new handoff key, the old one revoked on the record")
-    try:
-        options = parser.parse_args(list(args))
-    except SystemExit as exit_:
-        return 0 if exit_.code == 0 else 2
-    try:
-        registry, keys, receipts = _checked_cli_places(options)
-        receipt = options.receipt
-        if receipt.startswith("receipt://"):
-            run_id = receipt.removeprefix("receipt://").partition("/")[0]
-            resolve_receipt_uri(receipt, archive_dir(receipts))
-            receipt_path = archive_dir(receipts) / run_id
-        else:
-            receipt_path = require_directory("--receipt", Path(receipt))
-        trust = load_trust(options.trust or default_trust_path())
-        enrollment = enroll(options.identity, receipt_path, registry, keys, trust=trust, rotate=options.rotate)
-    except Refused as refusal:
-        say_refusal(str(refusal))
-        return 2
-    print(
-        f"enrolled {enrollment.lane} ({enrollment.lane_kind.value}, {enrollment.recipe.value}): "
-        f"key {enrollment.key_id}, receipt {enrollment.receipt}"
-    )
-    return 0
-
-
-def _receipt_argument(text: str) -> str:
-    """``--receipt``: a receipt URI as given, or a directory path (refused when empty or unusable)."""
-    if text.startswith("receipt://"):
-        return text
-    from qualify.core.arguments import path_argument
-
-    return os.fspath(path_argument(text))

@@ -5,13 +5,13 @@ The same :class:`QualificationRun` backs the pytest recipe modules (one test per
 real producer process handing KV across a Unix socket under a fresh run key; the consumer
 verifies and installs it, decodes 256 greedy tokens keeping every full logit row, and compares
 against its own cold local recompute. Judging happens in :mod:`qualify.judge`; this module only
-gathers evidence and writes it to the receipt.
+gathers evidence and writes it to the receipt. How the producer is reached is
+:mod:`qualify.handoff.setup`; how interrupt signals stop a run is :mod:`qualify.run.signals`.
 """
 
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from qualify import __version__
-from qualify.contract.lanes import ProducerMode, lane_spec
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
@@ -35,6 +34,14 @@ from qualify.evidence.comparers import Comparer, ComparerFactory, ComparerSetup,
 from qualify.evidence.records import SampleRecord, failed_sample_record, record_json
 from qualify.evidence.sample import sample_record
 from qualify.evidence.series import sample_series
+from qualify.handoff.setup import (
+    RemoteProducerChoice,
+    TransportFactory,
+    TransportSetup,
+    kill_producer,
+    producer_process,
+    remote_producer,
+)
 from qualify.judge import (
     Verdict,
     judge_failed_step,
@@ -44,7 +51,7 @@ from qualify.judge import (
     judge_sample,
 )
 from qualify.judge.scope import Scope
-from qualify.run.contract import (
+from qualify.run.run_contract import (
     ORDERED_HANDOFFS,
     Contract,
     check_lane_engines,
@@ -53,13 +60,11 @@ from qualify.run.contract import (
     contract_from_identity,
     default_identity_path,
 )
+from qualify.run.signals import interrupt_signal, interrupts_raise, signals_held
 
 if TYPE_CHECKING:
-    import ssl
-
     from qualify.archive.writer import ReceiptWriter
     from qualify.contract.identity import Identity
-    from qualify.handoff.protocol import PhaseDeadlines, ProducerExpectation
     from qualify.handoff.transport import Transport
     from qualify.handoff.wire import HandoffExpectation
 
@@ -67,20 +72,6 @@ _T = TypeVar("_T")
 
 HANDOFF_STEPS: tuple[str, ...] = tuple(f"handoff {n}/{ORDERED_HANDOFFS}" for n in range(1, ORDERED_HANDOFFS + 1))
 STEP_LABELS: tuple[str, ...] = ("identity sealed", "producer ready", "reference computed", *HANDOFF_STEPS, "verdict")
-
-
-
-@dataclass(frozen=True)
-class RemoteProducerChoice:
-    """``--producer-at HOST:PORT``: a producer the operator already runs, perhaps on another host,
-    instead of one this run starts. The run key is the operator's (the one the producer was
-    started with), not minted; ``tls`` is the consumer's context (pinned CA, client certificate),
-    None for plain loopback TCP."""
-
-    host: str
-    port: int
-    key: bytes = field(repr=False)
-    tls: ssl.SSLContext | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -112,62 +103,6 @@ class RunOptions:
 
 
 @dataclass(frozen=True)
-class TransportSetup:
-    """What the run hands a transport factory when the producer starts: the lane and mode, the
-    run key and ids the handoffs are sealed under, what the producer must be, its watchdog, and
-    (for the producer process) extra arguments, an engine factory and environment overrides."""
-
-    lane: str
-    mode: ProducerMode
-    key: bytes
-    run_id: str
-    expectation: ProducerExpectation
-    watchdog_s: float
-    extra_args: list[str]
-    engine_factory: str | None
-    env: dict[str, str]
-    # How many positions each handoff carries (an in-process producer sizes its buffers by it).
-    handed_off_positions: int
-    # How long the consumer waits for the producer, per phase (the identity's, or --deadline-s).
-    deadlines: PhaseDeadlines
-    # The exact payload size the run's geometry implies: a producer announcing another is refused
-    # before anything is allocated for it.
-    expected_payload_bytes: int
-
-
-TransportFactory = Callable[[TransportSetup], "Transport"]
-
-
-def producer_process(setup: TransportSetup) -> Transport:
-    """The default transport: the lane's producer in its own process, over a Unix socket."""
-    from qualify.handoff.client import ProducerProcess
-
-    return ProducerProcess(
-        lane=setup.lane, mode=setup.mode, key=setup.key, run_id=setup.run_id,
-        expectation=setup.expectation, watchdog_s=setup.watchdog_s, extra_args=setup.extra_args,
-        engine_factory=setup.engine_factory, env=setup.env, deadlines=setup.deadlines,
-        expected_payload_bytes=setup.expected_payload_bytes)
-
-
-def remote_producer(choice: RemoteProducerChoice) -> TransportFactory:
-    """The transport factory of ``--producer-at``: a connection to the operator's producer. What
-    only a started producer can take (a fault lane, an engine factory, environment overrides) is
-    refused: that producer runs as its operator started it."""
-
-    def connect(setup: TransportSetup) -> Transport:
-        from qualify.handoff.client import RemoteProducer
-
-        if setup.extra_args or setup.engine_factory is not None or setup.env:
-            raise Refused("--producer-at: the producer runs as its operator started it; a fault lane, an engine "
-                          "factory or producer environment overrides cannot be applied to it")
-        return RemoteProducer(host=choice.host, port=choice.port, key=setup.key, run_id=setup.run_id,
-                              lane=setup.lane, mode=setup.mode, deadlines=setup.deadlines, tls=choice.tls,
-                              expected_payload_bytes=setup.expected_payload_bytes)
-
-    return connect
-
-
-@dataclass(frozen=True)
 class StepOutcome:
     """How one step ended: ``passed``, a one-line message, and its wall time."""
 
@@ -176,112 +111,6 @@ class StepOutcome:
     message: str
     seconds: float
     refused: bool = False
-
-
-# -- interrupts -----------------------------------------------------------------------------
-
-
-INTERRUPT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""What stops a run cleanly: Ctrl-C, a CI cancel or ``kill``, a closed terminal. Each ends the
-producer, removes its temporary directory and seals the receipt as incomplete; the process exits
-128 + the signal's number (130, 143, 129)."""
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """One of :data:`INTERRUPT_SIGNALS` arrived during a run. A KeyboardInterrupt, so whatever
-    stops on Ctrl-C (pytest, the CLI) stops on each; the process exits 128 + the signal's number."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-
-def interrupt_signal(exc: BaseException) -> int:
-    """The signal an interrupt came from: its own for :class:`RunInterrupted`, else SIGINT (Python's
-    default handler raises a plain KeyboardInterrupt)."""
-    return exc.signum if isinstance(exc, RunInterrupted) else int(signal.SIGINT)
-
-
-@dataclass
-class _HeldSignals:
-    depth: int = 0
-    pending: int | None = None
-
-
-_HELD = _HeldSignals()
-"""Signals are process-wide, and so is their holding."""
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    """The run's handler of :data:`INTERRUPT_SIGNALS` (runs in the main thread): raise, or, while a
-    receipt is being sealed, note the signal for :func:`signals_held` to raise once it is sealed."""
-    if _HELD.depth > 0:
-        _HELD.pending = _HELD.pending or signum
-        return
-    raise RunInterrupted(signum)
-
-
-_late_signals: list[int] = []
-"""Interrupt signals that arrived after a run ended, noted by :func:`_note_late_signal`."""
-_hold_after_runs = False
-
-
-def hold_interrupts_after_runs() -> None:
-    """For the ``qualify`` executable: once a run's :func:`interrupts_raise` ends, an interrupt
-    signal is noted instead of restored to its previous disposition. SIGTERM's and SIGHUP's is to
-    end the process on the spot, so a signal landing after a run's receipt was sealed and its
-    verdict printed would kill the process during its last output or teardown, turning a decided
-    exit code into a death by signal. A noted signal stops the next run of the same command, if
-    any, as it starts."""
-    global _hold_after_runs
-    _hold_after_runs = True
-
-
-def _note_late_signal(signum: int, frame: object) -> None:
-    _late_signals.append(signum)
-
-
-@contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """For a run's duration: SIGINT, SIGTERM and SIGHUP raise :class:`RunInterrupted` in the main
-    thread (so the run's cleanup runs: without a handler SIGTERM and SIGHUP end the process where
-    it stands, leaving its producer, its temporary directory and a ``.partial-`` receipt); a signal
-    the process ignores (nohup, a background job) stays ignored. The previous handlers come back on
-    exit. Outside the main thread, where no handler can be set, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[signal.Signals, Any] = {}
-    for signum in INTERRUPT_SIGNALS:
-        current = signal.getsignal(signum)
-        if current is signal.SIG_IGN:
-            continue
-        signal.signal(signum, _raise_interrupt)
-        # None: a handler set outside Python; the default is what it meant here.
-        previous[signum] = signal.SIG_DFL if current is None else current
-    try:
-        if _late_signals:
-            raise RunInterrupted(_late_signals.pop(0))
-        yield
-    finally:
-        for restored, handler in previous.items():
-            signal.signal(restored, _note_late_signal if _hold_after_runs else handler)
-
-
-@contextmanager
-def signals_held(*, discard: bool = False) -> Iterator[None]:
-    """While a receipt is sealed (or an interrupted run is being stopped), an interrupt signal
-    is held, not raised mid-write: raised once the block ends, or ``discard``-ed (a second
-    signal while stopping for the first changes nothing). Held only under :func:`interrupts_raise`."""
-    _HELD.depth += 1
-    try:
-        yield
-    finally:
-        _HELD.depth -= 1
-        if _HELD.depth == 0 and _HELD.pending is not None:
-            signum, _HELD.pending = _HELD.pending, None
-            if not discard:
-                raise RunInterrupted(signum)
 
 
 @contextmanager
@@ -298,15 +127,6 @@ def driven(run: QualificationRun) -> Iterator[QualificationRun]:
             raise
         finally:
             run.close()
-
-
-def _kill_process_group(producer: Transport) -> None:
-    """Kill a producer process's group at once (an in-process producer has none; a remote one's
-    connection is dropped)."""
-    from qualify.handoff.client import ProducerProcess, RemoteProducer
-
-    if isinstance(producer, (ProducerProcess, RemoteProducer)):
-        producer.kill()
 
 
 class QualificationRun:
@@ -496,7 +316,7 @@ class QualificationRun:
         run interrupted before its identity loaded has no receipt (nothing names what it was)."""
         with signals_held(discard=True):
             if self.producer is not None:
-                _kill_process_group(self.producer)
+                kill_producer(self.producer)
                 self._stop_producer()  # reaps it and removes its socket directory
             if self.comparer is not None:
                 self.comparer.close()
@@ -538,8 +358,8 @@ class QualificationRun:
         if self.contract is None:
             identity_path, identity = self._load_identity()
             try:
-                check_lane_engines(identity.lane, options.producer, options.consumer)
-                self.consumer = self._given_consumer or build_consumer(identity.lane)
+                check_lane_engines(identity.spec, options.producer, options.consumer)
+                self.consumer = self._given_consumer or build_consumer(identity.spec)
                 self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
                                                        self.consumer)
                 self._check_link_floor(self.contract, f"identity {identity_path}")
@@ -552,7 +372,7 @@ class QualificationRun:
             chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
             if options.fault is not None:
                 faults.fault_named(options.fault)
-            self.consumer = self._given_consumer or build_consumer(self.contract.lane)
+            self.consumer = self._given_consumer or build_consumer(self.contract.spec)
             self._check_link_floor(self.contract, f"lane {self.contract.lane}")
         contract = self.contract
         if contract.repetitions != ORDERED_HANDOFFS:
@@ -721,7 +541,7 @@ class QualificationRun:
 
     def _start_producer(self) -> str:
         from qualify.handoff.protocol import STALL_NOTE_S
-        from qualify.handoff.wire import key_id, mint_run_key
+        from qualify.handoff.wire import handoff_key_id, mint_run_key
 
         contract = self._contract
         mode = contract.producer_mode
@@ -748,12 +568,12 @@ class QualificationRun:
         if self._producer.ready_silence_s >= STALL_NOTE_S:
             self.log(f"producer stalled while starting: silent {self._producer.ready_silence_s:.2f} s, then recovered")
         self.log(f"producer ready (warm-up prefill done): lane {contract.lane}, mode {mode.value}, "
-                 f"run key {key_id(self._key)}, producer environment overrides {self.producer_env or 'none'}")
+                 f"run key {handoff_key_id(self._key)}, producer environment overrides {self.producer_env or 'none'}")
         return f"mode {mode.value}, warm-up prefill done"
 
     def _handed_off_positions(self) -> int:
         contract = self._contract
-        return lane_spec(contract.lane).handed_off_positions(contract.handoff_positions)
+        return contract.spec.handed_off_positions(contract.handoff_positions)
 
     def _handoff_expectation(self, request_id: str) -> HandoffExpectation:
         """What every handoff of this run must be: this run, lane and key, the identity, the

@@ -25,7 +25,7 @@ from qualify.interfaces.report import report_cli
 from qualify.interfaces.report_browser import Chromium, blank_plot_problems, find_chromium
 from qualify.interfaces.report_check import outline_problems, page_outline
 from qualify.interfaces.report_html import status_label
-from qualify.run.contract import identity_path_for_lane
+from qualify.run.run_contract import identity_path_for_lane
 from tests.unit.interfaces.test_report import (
     LANE,
     RealReceipts,

@@ -36,7 +36,7 @@ import pytest
 from qualify.archive.verify import verify_receipt
 from qualify.core.assets import REPO_ROOT
 from qualify.handoff.tls import CA_CERT, CONSUMER_CERT, CONSUMER_KEY, PRODUCER_CERT, PRODUCER_KEY, RUN_KEY
-from qualify.run.contract import chosen_lane
+from qualify.run.run_contract import chosen_lane
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -24,9 +24,9 @@ from qualify.archive.keys import (
     TrustFile,
     default_trust_path,
     ensure_signing_key,
-    key_id,
     load_signing_key,
     load_trust,
+    signing_key_id,
 )
 from qualify.archive.layout import MANIFEST, MANIFEST_SCHEMA
 from qualify.archive.verify import ReceiptCheck, authenticate_receipt
@@ -159,7 +159,7 @@ def forger_key() -> SigningKey:
     """An Ed25519 key of the forger's own: valid, and in no trust file the operator keeps."""
     private = Ed25519PrivateKey.generate()
     public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return SigningKey(private, public, key_id(public), Path("forger-key.pem"))
+    return SigningKey(private, public, signing_key_id(public), Path("forger-key.pem"))
 
 
 def operator_key() -> SigningKey:

@@ -37,7 +37,7 @@ from qualify.handoff.wire import (
     HandoffExpectation,
     OpenedHandoff,
     SealedHandoff,
-    key_id,
+    handoff_key_id,
     manifest_canonical_bytes,
     manifest_mac,
     payload_tree_sha256,
@@ -239,7 +239,7 @@ _VALID_LOOKING: dict[str, tuple[object, ...]] = {
     "request_id": ("req-2", "req-0", REQUEST_ID + " "),
     "lane": ("nvfp4-native-w4a4", "other-lane", LANE + "x", "NVFP4-EXACT"),
     "producer_mode": ("native", "exact", "Exact"),
-    "key_id": (key_id(OTHER_KEY), "0" * 16, key_id(RUN_KEY).upper(), key_id(RUN_KEY)[:15]),
+    "key_id": (handoff_key_id(OTHER_KEY), "0" * 16, handoff_key_id(RUN_KEY).upper(), handoff_key_id(RUN_KEY)[:15]),
     "dtype": ("bfloat16", "float16", "float32", "float64", "int8", "F32"),
     "format": ("numpy", "Safetensors"),
 }
@@ -645,7 +645,7 @@ def unkeyed_mutants(draw: st.DrawFn) -> Mutant:
         manifest, mac = sealed.manifest_bytes, bytearray(sealed.mac)
         if action == "other-key-claiming-run-key":  # names the run key, MACed under another
             document = json.loads(manifest)
-            document["key_id"] = key_id(RUN_KEY)
+            document["key_id"] = handoff_key_id(RUN_KEY)
             manifest = canonical_bytes(document)
             mac = bytearray(manifest_mac(OTHER_KEY, manifest))
     return Mutant("unkeyed", action, original, Handoff(manifest, bytes(mac), original.payload_bytes),

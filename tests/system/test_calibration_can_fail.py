@@ -19,6 +19,7 @@ import pytest
 from qualify.contract import controls as controls_module
 from qualify.contract import identity as identity_module
 from qualify.contract import sealed_data
+from qualify.contract.lanes import lane_spec
 from qualify.interfaces import cli
 from qualify.run.calibrate import calibrate
 from qualify.run.qualification import RunOptions
@@ -59,7 +60,7 @@ def test_a_sealed_bound_fails_a_producer_just_outside_it_on_the_calibrating_host
     archive = tmp_path / "archive"
 
     # 1. Calibrate on this host: the set's cells (never the fixture) and two fixture anchors.
-    calibration = calibrate(LANE, "native-text", RunOptions(recipe="native-text", receipts=archive))
+    calibration = calibrate(lane_spec(LANE), "native-text", RunOptions(recipe="native-text", receipts=archive))
     assert calibration.passed, calibration.headline
     assert {cell.document for cell in calibration.cells}.isdisjoint({"python-textwrap"})
 

@@ -35,8 +35,10 @@ from qualify.archive.keys import ensure_signing_key
 from qualify.archive.layout import PARTIAL_PREFIX, SUMMARY
 from qualify.archive.reader import read_receipt_json
 from qualify.handoff.client import WORKDIR_PREFIX
+from qualify.handoff.protocol import PRODUCER_MODULE
 from qualify.interfaces import cli
-from qualify.run.qualification import INTERRUPT_SIGNALS, STEP_LABELS, RunInterrupted, interrupts_raise
+from qualify.run.qualification import STEP_LABELS
+from qualify.run.signals import INTERRUPT_SIGNALS, RunInterrupted, interrupts_raise
 from tests.support.processes import default_dispositions, with_default_signals
 
 REPO = Path(__file__).resolve().parents[2]
@@ -381,8 +383,8 @@ def test_calibrate_and_selftest_signalled_once_their_producer_is_ready_stop_as_a
 
 WATCHER = textwrap.dedent("""
     import sys, time
-    from qualify.handoff.service import _exit_when_stdin_closes
-    _exit_when_stdin_closes()
+    from qualify.handoff.service import exit_when_stdin_closes
+    exit_when_stdin_closes()
     print("watching", flush=True)
     if sys.argv[1] == "full":
         sys.stderr.write("x" * (1 << 22))  # blocks on the full pipe, holding stderr's lock
@@ -467,7 +469,7 @@ def test_producer_whose_parent_is_already_gone_refuses_to_start() -> None:
     says so in one line and exits 2, before reading a key or building an engine."""
     not_the_parent = os.getpid() + 1 if os.getpid() > 1 else 2
     done = subprocess.run(
-        [sys.executable, "-m", "qualify.handoff.service", "--lane", "nvfp4-native-w4a4", "--mode", "native",
+        [sys.executable, "-m", PRODUCER_MODULE, "--lane", "nvfp4-native-w4a4", "--mode", "native",
          "--run-id", "run-1", "--expect", "nowhere.json", "--socket", "nowhere.sock", "--key-env", "NO_KEY_HERE",
          "--parent-pid", str(not_the_parent)],
         cwd=REPO, capture_output=True, timeout=120, check=False)
@@ -505,7 +507,7 @@ def test_the_executable_notes_a_signal_after_a_run_and_stops_the_next_run_with_i
     (the process lives on and exits with its own code), and the next run stops at its start."""
     script = textwrap.dedent("""
         import os, signal, sys
-        from qualify.run.qualification import RunInterrupted, hold_interrupts_after_runs, interrupts_raise
+        from qualify.run.signals import RunInterrupted, hold_interrupts_after_runs, interrupts_raise
         hold_interrupts_after_runs()
         with interrupts_raise():
             pass

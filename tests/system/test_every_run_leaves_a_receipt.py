@@ -31,8 +31,8 @@ from qualify.core.errors import Refused
 from qualify.evidence.records import ValidationSummary
 from qualify.interfaces import cli
 from qualify.judge import judge_incomplete, judge_refused
-from qualify.run import qualification
-from qualify.run.contract import default_identity_path
+from qualify.run import signals
+from qualify.run.run_contract import default_identity_path
 from tests.support.processes import default_dispositions, with_default_signals
 
 REPO = Path(__file__).resolve().parents[2]
@@ -256,9 +256,9 @@ def test_the_runs_sigterm_handler_is_installed_only_for_the_run() -> None:
 
     previous = signal.signal(signal.SIGTERM, before)
     try:
-        with qualification.interrupts_raise():
+        with signals.interrupts_raise():
             assert signal.getsignal(signal.SIGTERM) is not before
-            with pytest.raises(qualification.RunInterrupted) as raised:
+            with pytest.raises(signals.RunInterrupted) as raised:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)  # the handler raises at the next bytecode; the sleep is only its bound
             assert raised.value.signum == signal.SIGTERM
@@ -268,13 +268,13 @@ def test_the_runs_sigterm_handler_is_installed_only_for_the_run() -> None:
 
 
 def test_a_signal_while_a_receipt_is_sealed_is_raised_once_it_is_sealed() -> None:
-    with default_dispositions(), qualification.interrupts_raise():
-        with pytest.raises(qualification.RunInterrupted), qualification.signals_held():
+    with default_dispositions(), signals.interrupts_raise():
+        with pytest.raises(signals.RunInterrupted), signals.signals_held():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)  # delivered meanwhile, and held
             sealed = True
         assert sealed
-        with qualification.signals_held(discard=True):
+        with signals.signals_held(discard=True):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)  # discarded: a second signal while stopping for the first
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +29,10 @@ FACTORY = "tests.system.test_hostile_run:build_lying_producer"
 
 def build_lying_producer(lane: str, mode: ProducerMode) -> Engine:
     """The lane's real producer engine; its service seals manifests with one field rewritten."""
+    import qualify.handoff.service as running  # the service ``python -m qualify.interfaces.producer_command`` runs
     from qualify.engines.factory import build_producer
     from qualify.handoff.wire import SealedHandoff, manifest_canonical_bytes, manifest_mac
 
-    running: Any = sys.modules["__main__"]  # ``python -m qualify.handoff.service``
     honest_seal = running.seal_handoff_parts
     field, raw_value = os.environ[LIE_ENV].split("=", 1)
 

@@ -19,9 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qualify.archive.keys import init_key, keys_cli, load_trust, rotate_key
+from qualify.archive.keys import init_key, load_trust, rotate_key
 from qualify.archive.verify import authenticate_receipt
 from qualify.core.assets import REPO_ROOT
+from qualify.interfaces.keys_command import keys_cli
 from tests.support.scripts import load_script as load_script_at
 from tests.unit.archive.test_receipts import as_v2_receipt, make_writable
 from tests.unit.contract.test_receipt_schemas import fresh_receipt

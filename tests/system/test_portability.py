@@ -100,6 +100,7 @@ import dataclasses, hashlib, json
 import numpy as np
 from qualify.core import assets
 from qualify.engines.checkpoint import load_config, load_weights
+from qualify.contract.lanes import lane_spec
 from qualify.engines.factory import build_consumer, build_producer
 from qualify.engines.reference import ReferenceEngine
 
@@ -116,9 +117,9 @@ engines = {
     "nvfp4-native-w4a4:producer": build_producer("nvfp4-native-w4a4", "native"),
     "nvfp4-native-splitk:producer": build_producer("nvfp4-native-splitk", "native"),
     "nvfp4-native-f16:producer": build_producer("nvfp4-native-f16", "native"),
-    "nvfp4:consumer": build_consumer("nvfp4-native-w4a4"),
+    "nvfp4:consumer": build_consumer(lane_spec("nvfp4-native-w4a4")),
     "kquant-native:producer": build_producer("kquant-native", "native"),
-    "kquant-exact-dflash": build_consumer("kquant-exact-dflash"),
+    "kquant-exact-dflash": build_consumer(lane_spec("kquant-exact-dflash")),
 }
 
 def sha(*chunks):

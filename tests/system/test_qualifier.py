@@ -15,12 +15,13 @@ import pytest
 from qualify.archive.reader import read_receipt_json
 from qualify.archive.verify import verify_receipt
 from qualify.contract.controls import load_calibration_set
+from qualify.contract.lanes import lane_spec
 from qualify.core import assets
 from qualify.engines.factory import build_producer
 from qualify.evidence.records import BoundedDriftRule
 from qualify.judge.calibration import ANCHOR_PART
-from qualify.run.contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 from tests.support.receipt_forgery import check
 
 LANE = "nvfp4-native-splitk"
@@ -49,7 +50,7 @@ def _contract_with_rule():
     the lane (the run's prompt is the contract's first handoff's: the fixture)."""
     calibration_set, set_digest = load_calibration_set()
     fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, assets.load_prompt(assets.MAIN_PROMPT))
-    contract = calibration_contract(LANE, "native-text", [fixture] * ORDERED_HANDOFFS,
+    contract = calibration_contract(lane_spec(LANE), "native-text", [fixture] * ORDERED_HANDOFFS,
                                     calibration_set={"name": calibration_set.name, "sha256": set_digest},
                                     controls=None)
     return dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1))

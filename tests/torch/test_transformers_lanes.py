@@ -64,7 +64,7 @@ def test_the_three_lanes_have_distinct_bounds_ordered_by_precision() -> None:
 
 @pytest.mark.parametrize("lane", LANES)
 def test_consumer_is_the_default_reference_engine(lane: str) -> None:
-    consumer = build_consumer(lane)
+    consumer = build_consumer(lane_spec(lane))
     default = ReferenceEngine.from_model_dir()
     assert (consumer.name, consumer.abi) == (default.name, default.abi)
     assert consumer.mode is ProducerMode.NATIVE

@@ -20,14 +20,15 @@ LANE = "vllm-to-reference"
 
 def _pinned_and_found() -> tuple[dict[str, str], dict[str, str]]:
     """The identity's engine pins and what this host builds for them (vLLM not started)."""
+    from qualify.contract.lanes import lane_spec
     from qualify.engines import factory
     from qualify.engines.chosen_model import use_model
-    from qualify.run.contract import identity_path_for_lane
+    from qualify.run.run_contract import identity_path_for_lane
 
     use_model(NAME)
     document = json.loads(identity_path_for_lane(LANE).read_text(encoding="utf-8"))
-    consumer = factory.build_consumer(LANE)
-    found = {"producer_engine.abi": factory.lane_producer_abi(LANE), "consumer_engine.abi": consumer.abi}
+    consumer = factory.build_consumer(lane_spec(LANE))
+    found = {"producer_engine.abi": factory.lane_producer_abi(lane_spec(LANE)), "consumer_engine.abi": consumer.abi}
     pinned = {name: document[name.split(".")[0]][name.split(".")[1]] for name in found}
     return pinned, found
 

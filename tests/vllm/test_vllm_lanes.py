@@ -28,6 +28,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 from qualify.archive.verify import verify_receipt  # noqa: E402
+from qualify.contract.lanes import lane_spec  # noqa: E402
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions  # noqa: E402
 
 HANDOFF_POSITIONS = 1920  # whole 128-token blocks of the 2047 handed-off prompt tokens
@@ -56,7 +57,7 @@ def _run(tmp_path: Path, producer: str, consumer: str, engine_factory: str | Non
 @dataclass(frozen=True)
 class HostMatch:
     """This host's engines against a shipped identity's pins, in the order
-    ``qualify.run.contract.check_engine_pins`` compares them; ``differing`` names the fields that differ."""
+    ``qualify.run.run_contract.check_engine_pins`` compares them; ``differing`` names the fields that differ."""
 
     lane: str
     found: dict[str, str]
@@ -86,7 +87,7 @@ def host_match(lane: str) -> HostMatch:
     if lane not in _HOST_MATCHES:
         from qualify.contract.lanes import VLLM_LANE_ENGINES
         from qualify.engines import factory
-        from qualify.run.contract import identity_path_for_lane
+        from qualify.run.run_contract import identity_path_for_lane
 
         document = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))
         if VLLM_LANE_ENGINES[lane][1] == "vllm":
@@ -94,9 +95,9 @@ def host_match(lane: str) -> HostMatch:
 
             consumer = (VllmEngine.name, check_pin(), vllm_engine_abi())
         else:
-            engine = factory.build_consumer(lane)
+            engine = factory.build_consumer(lane_spec(lane))
             consumer = (engine.name, engine.version, engine.abi)
-        found = {"producer_engine.abi": factory.lane_producer_abi(lane), "consumer_engine.name": consumer[0],
+        found = {"producer_engine.abi": factory.lane_producer_abi(lane_spec(lane)), "consumer_engine.name": consumer[0],
                  "consumer_engine.version": consumer[1], "consumer_engine.abi": consumer[2]}
         pinned = {name: document[name.split(".")[0]][name.split(".")[1]] for name in found}
         _HOST_MATCHES[lane] = HostMatch(lane, found, pinned)
@@ -426,7 +427,7 @@ def test_another_cpu_class_is_refused_at_the_first_step(tmp_path, capsys):
     from qualify.core import hostenv
     from qualify.engines import vllm_engine
     from qualify.interfaces import cli
-    from qualify.run.contract import identity_path_for_lane
+    from qualify.run.run_contract import identity_path_for_lane
 
     lane = "vllm-to-reference"
     pinned = json.loads(identity_path_for_lane(lane).read_text(encoding="utf-8"))["producer_engine"]["abi"]
@@ -482,7 +483,7 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
 
     # (a) calibrate: the calibration set's cells, then the fixture anchors reproduced across a
     # restart and another environment, the fixture's tokens exact.
-    calibration = calibrate(lane, "native-text", RunOptions(
+    calibration = calibrate(lane_spec(lane), "native-text", RunOptions(
         recipe="native-text", receipts=receipts,
         command_line=["qualify", "calibrate", "--recipe", "native-text", "--lane", lane]))
     assert not calibration.failures, calibration.failures
@@ -496,7 +497,7 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import freeze_identity
 
-    producer, consumer = factory.producer_facts(lane), factory.build_consumer(lane)
+    producer, consumer = factory.producer_facts(lane_spec(lane)), factory.build_consumer(lane_spec(lane))
     identity_path = tmp_path / "identity.json"
     argv = ["--lane", lane, "--basis", f"receipt://{calibration.receipt_path.name}/command.log",
             "--maximum-absolute", repr(calibration.proposed_maximum_absolute),  # given: it must equal the derived
@@ -512,7 +513,7 @@ def test_calibrate_freeze_qualify_on_this_host(tmp_path, monkeypatch, capsys):
     frozen = identity_module.parse_identity_document(document, where=f"identity {identity_path}")
     seal = freeze_identity.seal_of(frozen, receipts)
     assert freeze_identity.sealed_lines(lane, seal) in printed.getvalue()
-    assert frozen.producer_engine.abi == factory.lane_producer_abi(lane)
+    assert frozen.producer_engine.abi == factory.lane_producer_abi(lane_spec(lane))
 
     # (c) seal it for this process: the lane's entry replaced, the basis resolved in tmp_path.
     monkeypatch.setattr(sealed_data, "SEALED_IDENTITIES", {**sealed_data.SEALED_IDENTITIES, lane: seal.identity_sha256})

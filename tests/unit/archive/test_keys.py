@@ -17,13 +17,13 @@ from qualify.archive.keys import (
     config_dir,
     ensure_signing_key,
     init_key,
-    keys_cli,
     load_signing_key,
     load_trust,
     parse_trust,
     rotate_key,
 )
 from qualify.core.errors import Refused
+from qualify.interfaces.keys_command import keys_cli
 
 
 @pytest.fixture

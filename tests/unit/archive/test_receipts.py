@@ -27,12 +27,13 @@ from qualify.archive.layout import (
     new_run_id,
 )
 from qualify.archive.reader import read_receipt_json, read_summary, receipt_files, resolve_receipt_uri
-from qualify.archive.verify import verify_cli, verify_paths, verify_receipt
+from qualify.archive.verify import verify_paths, verify_receipt
 from qualify.archive.writer import SCOPED_SUMMARY_SCHEMA, ReceiptWriter
 from qualify.core.assets import REPO_ROOT
 from qualify.core.digests import document_sha256, sha256_file
 from qualify.core.errors import Refused
 from qualify.evidence.records import LEGACY_SUMMARY_SCHEMA, SAMPLE_SCHEMA, SUMMARY_SCHEMA
+from qualify.interfaces.verify_command import verify_cli
 from qualify.judge import judge_incomplete, judge_refused, judge_summary
 from qualify.judge.scope import scope_document, scope_line
 from tests.support.receipt_forgery import (

@@ -18,10 +18,11 @@ from qualify.archive import verify as verify_module
 from qualify.archive.keys import load_signing_key
 from qualify.archive.layout import MANIFEST
 from qualify.archive.reader import read_receipt_json, receipt_files
-from qualify.archive.verify import RECEIPT_JSON_MAX_BYTES, verify_cli, verify_receipt
+from qualify.archive.verify import RECEIPT_JSON_MAX_BYTES, verify_receipt
 from qualify.core.digests import jcs_bytes
 from qualify.core.errors import Refused
 from qualify.interfaces.cli import main
+from qualify.interfaces.verify_command import verify_cli
 from tests.support.receipt_forgery import (
     check,
     fail_scandir,

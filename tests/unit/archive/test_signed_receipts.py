@@ -23,16 +23,17 @@ from qualify.archive import verify as verify_module
 from qualify.archive.attestation import ENVELOPE, STATEMENT_TYPE, AttestationProblem, read_attestation, sign_statement
 from qualify.archive.keys import TrustedKey, TrustFile, init_key, load_signing_key, rotate_key
 from qualify.archive.layout import MANIFEST, PARTIAL_PREFIX, SUMMARY, json_bytes
-from qualify.archive.verify import verify_cli, verify_receipt
+from qualify.archive.verify import verify_receipt
 from qualify.archive.writer import ReceiptWriter
 from qualify.contract.identity import Identity, load_identity
 from qualify.core.assets import REPO_ROOT
 from qualify.core.errors import Refused
 from qualify.evidence.records import rule_from_identity
 from qualify.interfaces.cli import main
+from qualify.interfaces.verify_command import verify_cli
 from qualify.judge import judge_incomplete, judge_refused
-from qualify.run.contract import identity_path_for_lane
 from qualify.run.enroll import enroll
+from qualify.run.run_contract import identity_path_for_lane
 from tests.support.receipt_forgery import (
     check,
     envelope_of,

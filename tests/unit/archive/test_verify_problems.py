@@ -35,13 +35,13 @@ from qualify.archive.verify import (
     VERIFY_JSON_SCHEMA,
     check_receipt,
     manifest_schema_path,
-    verify_cli,
     verify_document,
     verify_paths,
     verify_receipt,
 )
 from qualify.core.digests import document_sha256, jcs_bytes
 from qualify.core.errors import Refused
+from qualify.interfaces.verify_command import verify_cli
 from tests.support.receipt_forgery import (
     check,
     fail_scandir,

@@ -243,7 +243,7 @@ def test_the_committed_legacy_receipts_fit_the_v1_schemas_but_for_the_known_gaps
 KNOWN_SIGNED_GAPS: tuple[tuple[str, str], ...] = (
     # A calibration runs under its calibration document in place of an identity, and records its
     # cells and anchors as evidence: neither kind has a schema under contracts/ (they are read, and
-    # refused when off their form, by qualify.run.contract and qualify.judge.calibration).
+    # refused when off their form, by qualify.run.run_contract and qualify.judge.calibration).
     ("identity.json", "identity kind trust-ladder.calibration.v3"),
     ("evidence", f"no committed schema for {CALIBRATION_EVIDENCE_SCHEMA}"),
 )

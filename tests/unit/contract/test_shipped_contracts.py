@@ -127,8 +127,9 @@ _KV_DIGEST = """
 import sys, numpy as np
 from qualify.core import assets
 from qualify.core.digests import sha256_bytes
+from qualify.contract.lanes import lane_spec
 from qualify.engines.factory import build_consumer, build_producer
-engine = build_producer("nvfp4-exact", "exact") if sys.argv[1] == "producer" else build_consumer("nvfp4-native-w4a4")
+engine = build_producer("nvfp4-exact", "exact") if sys.argv[1] == "producer" else build_consumer(lane_spec("nvfp4-native-w4a4"))
 kv = engine.prefill(assets.load_prompt()[:2047])
 print(sha256_bytes(b"".join(np.ascontiguousarray(t).tobytes() for t in kv.tensors().values())))
 """
@@ -152,7 +153,7 @@ def test_exact_mode_prefill_is_bit_identical_to_the_consumers_across_processes_a
 def test_native_producer_is_not_the_consumer():
     """The native lanes really differ from the consumer (otherwise rung 2 would test nothing)."""
     prompt = assets.load_prompt()[:300]
-    consumer_kv = build_consumer("nvfp4-native-splitk").prefill(prompt)
+    consumer_kv = build_consumer(lane_spec("nvfp4-native-splitk")).prefill(prompt)
     native_kv = build_producer("nvfp4-native-splitk", "native").prefill(prompt)
     assert any(not np.array_equal(a, b) for a, b in zip(consumer_kv.keys, native_kv.keys, strict=False))
 
@@ -173,7 +174,7 @@ def test_every_shipped_identity_pins_the_rope_tables_this_host_builds(path: Path
     """A run recomputes the RoPE tables and refuses an identity pinning other ones (exit 2), so a
     host whose RoPE arithmetic differs is refused before any handoff, never judged as drift."""
     from qualify.core.errors import Refused
-    from qualify.run.contract import check_rope_cache
+    from qualify.run.run_contract import check_rope_cache
 
     freeze = _freeze_tool()
     identity = load_identity(path)

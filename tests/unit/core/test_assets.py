@@ -22,7 +22,7 @@ import pytest
 from qualify import UNKNOWN_VERSION, harness_version
 from qualify.core import assets
 from qualify.core.errors import Refused
-from qualify.run.contract import default_identity_path
+from qualify.run.run_contract import default_identity_path
 
 PYPROJECT = tomllib.loads((assets.REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]

@@ -16,6 +16,7 @@ from qualify.archive.layout import HOST, HOST_SCHEMA
 from qualify.archive.reader import read_receipt_json, receipt_files
 from qualify.archive.verify import verify_receipt
 from qualify.archive.writer import ReceiptWriter
+from qualify.contract.lanes import lane_spec
 from qualify.core.assets import REPO_ROOT
 from qualify.core.hostenv import (
     HOST_ENV_VARS,
@@ -26,7 +27,7 @@ from qualify.core.hostenv import (
     host_facts_problem,
 )
 from qualify.judge import judge_incomplete
-from qualify.run.contract import Contract
+from qualify.run.run_contract import Contract
 from tests.support.receipt_forgery import check, envelope_of, make_writable
 from tests.unit.archive.test_receipts import committed_receipts
 
@@ -39,10 +40,10 @@ def lane_calibration_contract(lane: str = LANE) -> Contract:
     cells, then two fixture anchors; no controls): the qualifier's own path, no identity needed."""
     from qualify.contract.controls import load_calibration_set
     from qualify.run.calibrate import calibration_handoffs
-    from qualify.run.contract import calibration_contract
+    from qualify.run.run_contract import calibration_contract
 
     calibration_set, digest = load_calibration_set()
-    return calibration_contract(lane, "native-text", calibration_handoffs(calibration_set, 2),
+    return calibration_contract(lane_spec(lane), "native-text", calibration_handoffs(calibration_set, 2),
                                 calibration_set={"name": calibration_set.name, "sha256": digest}, controls=None,
                                 output_tokens=calibration_set.output_tokens)
 
@@ -315,7 +316,7 @@ def test_full_calibration_receipt_holds_both_host_facts(tmp_path: Path) -> None:
     from tests.conftest import small_calibration_set
 
     small_set = small_calibration_set(tmp_path)
-    calibration = calibrate(LANE, "native-text", RunOptions(recipe="native-text", receipts=tmp_path),
+    calibration = calibrate(lane_spec(LANE), "native-text", RunOptions(recipe="native-text", receipts=tmp_path),
                             calibration_set=small_set, controls=False)
     receipt = calibration.receipt_path
     assert calibration.failures == [] and receipt is not None and verify_receipt(receipt) == []

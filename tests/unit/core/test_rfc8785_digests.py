@@ -40,7 +40,7 @@ from qualify.core.digests import (
     sha256_bytes,
 )
 from qualify.core.errors import HandoffRefused, Refused
-from qualify.run.contract import CALIBRATION_SCHEMA
+from qualify.run.run_contract import CALIBRATION_SCHEMA
 from tests.support.scripts import load_script
 from tests.support.wire_mutants import RUN_KEY, pristine_expectation, pristine_handoff, pristine_kv, seal_pristine
 from tests.unit.archive.test_receipts import committed_receipts

@@ -30,7 +30,7 @@ from qualify.engines import chosen_model
 from qualify.engines.factory import build_producer, checkpoint_digests
 from qualify.engines.nvfp4_layouts import load_checkpoint
 from qualify.interfaces import cli
-from qualify.run.contract import check_model
+from qualify.run.run_contract import check_model
 
 HF_FILES = ("config.json", "tokenizer.json", "model.safetensors")
 
@@ -222,7 +222,7 @@ def test_the_vllm_lanes_directory_holds_the_pinned_arrays_privately(tiny: Path) 
 
 
 def test_a_chosen_models_kquant_recipe_defaults_to_the_draftless_lane(tiny: Path) -> None:
-    from qualify.run.contract import default_identity_path
+    from qualify.run.run_contract import default_identity_path
 
     assert default_identity_path("kquant-target-plus-dflash") == assets.CONTRACTS_DIR / "kquant-exact-dflash-identity-v1.json"
     chosen_model.use_model(str(tiny))
@@ -233,7 +233,7 @@ def test_a_chosen_models_kquant_recipe_defaults_to_the_draftless_lane(tiny: Path
 
 def test_a_chosen_models_missing_identity_names_the_lanes_frozen_for_it(
         tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from qualify.run import contract
+    from qualify.run import run_contract as contract
 
     frozen = tmp_path / "contracts-of-tiny"
     frozen.mkdir()

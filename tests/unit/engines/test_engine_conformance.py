@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from qualify.contract.lanes import ProducerMode
+from qualify.contract.lanes import ProducerMode, lane_spec
 from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache
@@ -47,7 +47,7 @@ def _reference() -> Engine:
 def _nvfp4_consumer() -> Engine:
     from qualify.engines.factory import build_consumer
 
-    return build_consumer("nvfp4-native-w4a4")
+    return build_consumer(lane_spec("nvfp4-native-w4a4"))
 
 
 def _nvfp4_splitk_producer() -> Engine:

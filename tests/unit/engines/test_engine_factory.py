@@ -91,9 +91,9 @@ def test_a_whole_block_producer_hands_off_whole_blocks_of_its_prefill(
 
 
 def test_consumers_hand_off_nothing_and_only_a_drafting_one_expects_a_draft() -> None:
-    consumer = build_consumer(VLLM_TO_REFERENCE_LANE)  # the reference side: vLLM is not started
+    consumer = build_consumer(lane_spec(VLLM_TO_REFERENCE_LANE))  # the reference side: vLLM is not started
     assert consumer.handoff_block_size is None and consumer.draft_kv_geometry(2047) is None
-    speculative = build_consumer("kquant-exact-dflash")
+    speculative = build_consumer(lane_spec("kquant-exact-dflash"))
     geometry = speculative.engine.geometry
     assert speculative.draft_kv_geometry(2047) == KVGeometry(1, geometry.kv_heads, geometry.head_dim, 2046, "float32")
 
@@ -106,7 +106,7 @@ def test_a_block_size_on_a_lane_that_hands_off_every_position_is_refused() -> No
 
 
 def test_producer_facts_are_the_producers_own() -> None:
-    facts = producer_facts(NVFP4_LANE)
+    facts = producer_facts(lane_spec(NVFP4_LANE))
     producer = build_producer(NVFP4_LANE, ProducerMode.NATIVE)
     assert (facts.name, facts.version, facts.abi, facts.geometry, dict(facts.digests)) == (
         producer.name, producer.version, producer.abi, producer.geometry, dict(producer.digests))

@@ -223,8 +223,8 @@ def test_truncated_files_are_refused(tmp_path: Path, shipped) -> None:
 
 def test_pins_refuse_a_wrong_digest_a_missing_file_and_an_unpinned_file(tmp_path: Path) -> None:
     directory = hf_copy(tmp_path / "hf")
-    pins = load_model(directory).file_pins()
-    assert load_model(directory, pins).file_pins() == pins
+    pins = {entry.name: entry.sha256 for entry in load_model(directory).files}
+    assert {entry.name: entry.sha256 for entry in load_model(directory, pins).files} == pins
     wrong = dict(pins, **{"tokenizer.json": "0" * 64})
     assert f"tokenizer.json: sha256 {pins['tokenizer.json']}, expected the pinned {'0' * 64}" \
         in refusal(directory, wrong)

@@ -1,4 +1,4 @@
-"""E2 controls measurement: ``ReferenceEngine.score_rows`` and ``qualify.evidence.controls``.
+"""E2 controls measurement: ``ReferenceEngine.score_rows`` and ``qualify.evidence.controls_measure``.
 
 ``score_rows`` is checked against the engine's own decode (``teacher_forced`` after installing the
 first r positions), bit for bit; the record against counts recomputed here from independently
@@ -27,7 +27,7 @@ from qualify.engines.base import LaneEngine
 from qualify.engines.factory import build_consumer, build_producer
 from qualify.engines.kquant import build_kquant_engine
 from qualify.engines.reference import ReferenceEngine, visible_tree_sum, weighted_sum_own_diagonal
-from qualify.evidence.controls import (
+from qualify.evidence.controls_measure import (
     Producer,
     SharedScoring,
     build_control_engines,
@@ -91,7 +91,7 @@ def one_blas_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def consumer() -> ReferenceEngine:
     """The lane's consumer: the NVFP4 exact engine."""
-    return reference_consumer(build_consumer(LANE), LANE)
+    return reference_consumer(build_consumer(lane_spec(LANE)), LANE)
 
 
 @pytest.fixture(scope="module")
@@ -320,11 +320,11 @@ def test_a_consumer_that_is_not_the_reference_engine_is_refused_naming_the_lane(
 @pytest.mark.parametrize("lane", ["kquant-exact-dflash", "vllm-to-vllm", "reference-to-vllm", "llama3-8b-shape-pd"])
 def test_lanes_whose_consumer_is_not_the_reference_engine_are_refused_before_building(lane: str) -> None:
     with pytest.raises(Refused, match=rf"^lane {lane}: its consumer is not the numpy reference engine"):
-        build_control_engines(lane)
+        build_control_engines(lane_spec(lane))
 
 
 def test_the_control_engines_of_a_native_lane(consumer: ReferenceEngine) -> None:
-    engines = build_control_engines(LANE)
+    engines = build_control_engines(lane_spec(LANE))
     assert engines.consumer.abi == consumer.abi
     assert engines.producer.spec.name == LANE and engines.producer.mode is ProducerMode.NATIVE
     assert engines.yardstick.abi == build_kquant_engine(ProducerMode.EXACT).abi

@@ -25,7 +25,7 @@ from qualify.contract.lanes import ProducerMode
 from qualify.core.errors import HandoffRefused
 from qualify.handoff.client import ConnectionBroken, ProducerConnection, parse_ready_line
 from qualify.handoff.protocol import FRAME_LENGTH, MAX_HEADER_BYTES, PROTOCOL, PhaseDeadlines, decode_frame_header
-from qualify.handoff.wire import Handoff, key_id, manifest_canonical_bytes, manifest_mac, open_handoff
+from qualify.handoff.wire import Handoff, handoff_key_id, manifest_canonical_bytes, manifest_mac, open_handoff
 from tests.conftest import FuzzTally
 from tests.support.wire_mutants import (
     REQUEST_ID,
@@ -66,7 +66,7 @@ class Script:
     answering the prefill request (heartbeats, the frame header, manifest, MAC and payload)."""
 
     what: str
-    hello: bytes = frame({"op": "hello", "protocol": PROTOCOL, "nonce": NONCE, "key_id": key_id(RUN_KEY)})
+    hello: bytes = frame({"op": "hello", "protocol": PROTOCOL, "nonce": NONCE, "key_id": handoff_key_id(RUN_KEY)})
     auth: bytes = frame({"op": "auth", "status": "ok"})
     ready: bytes = frame({"op": "ready", "status": "ok", "ready": True, "lane": "x", "host": {}})
     answer: bytes = b""
@@ -160,7 +160,7 @@ def handshake_scripts(draw: st.DrawFn) -> Script:
     script = Script("handshake", answer=wire_answer(pristine_handoff()))
     step = draw(st.sampled_from(["hello", "auth", "ready"]))
     documents = {
-        "hello": {"op": "hello", "protocol": PROTOCOL, "nonce": NONCE, "key_id": key_id(RUN_KEY)},
+        "hello": {"op": "hello", "protocol": PROTOCOL, "nonce": NONCE, "key_id": handoff_key_id(RUN_KEY)},
         "auth": {"op": "auth", "status": "ok"},
         "ready": {"op": "ready", "status": "ok", "ready": True, "lane": "x", "host": {}},
     }
@@ -350,7 +350,7 @@ def fake_producer_partial(sock: socket.socket, answer: bytes) -> None:
 
 
 _READY_LINE = {"event": "ready", "protocol": PROTOCOL, "pid": 4242, "address": "unix:/x", "lane": "nvfp4-exact",
-               "producer_mode": "exact", "key_id": key_id(RUN_KEY), "warmup_s": 0.5}
+               "producer_mode": "exact", "key_id": handoff_key_id(RUN_KEY), "warmup_s": 0.5}
 
 
 @settings(max_examples=2000, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -372,7 +372,7 @@ def test_hostile_ready_lines_are_refused_naming_the_field(data: st.DataObject, f
         raw = data.draw(st.binary(max_size=80))
     fuzz_tally.add("examples")
     try:
-        parsed = parse_ready_line(raw, lane="nvfp4-exact", mode=ProducerMode.EXACT, run_key_id=key_id(RUN_KEY), pid=4242)
+        parsed = parse_ready_line(raw, lane="nvfp4-exact", mode=ProducerMode.EXACT, run_key_id=handoff_key_id(RUN_KEY), pid=4242)
     except ConnectionBroken as broken:
         assert str(broken).startswith("ready line")
         fuzz_tally.add("refused")
@@ -436,11 +436,11 @@ def test_a_bad_port_in_the_ready_line_is_recorded_not_parsed() -> None:
     tests/unit/handoff/test_producer_deadlines.py::test_client_connects_only_to_the_socket_it_created)."""
     line = dict(_READY_LINE, address="tcp:127.0.0.1:not-a-port")
     parsed = parse_ready_line(as_json(line), lane="nvfp4-exact", mode=ProducerMode.EXACT,
-                              run_key_id=key_id(RUN_KEY), pid=4242)
+                              run_key_id=handoff_key_id(RUN_KEY), pid=4242)
     assert parsed["address"] == "tcp:127.0.0.1:not-a-port"  # kept for the record only
 
 
 def test_a_ready_line_for_another_run_key_is_refused_naming_key_id() -> None:
     line = dict(_READY_LINE, key_id="0" * 16)
     with pytest.raises(ConnectionBroken, match="ready line key_id: found '0000000000000000'"):
-        parse_ready_line(as_json(line), lane="nvfp4-exact", mode=ProducerMode.EXACT, run_key_id=key_id(RUN_KEY), pid=4242)
+        parse_ready_line(as_json(line), lane="nvfp4-exact", mode=ProducerMode.EXACT, run_key_id=handoff_key_id(RUN_KEY), pid=4242)

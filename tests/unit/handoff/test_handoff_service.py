@@ -37,6 +37,7 @@ from qualify.handoff import client
 from qualify.handoff.client import ProducerFailure, ProducerProcess, ProducerStartRefused
 from qualify.handoff.protocol import (
     FRAME_LENGTH,
+    PRODUCER_MODULE,
     PhaseDeadlines,
     ProducerExpectation,
     StartRefused,
@@ -45,8 +46,9 @@ from qualify.handoff.protocol import (
     encode_frame_header,
     expectation_from_identity,
 )
-from qualify.handoff.service import bind_unix, parse_config
+from qualify.handoff.service import bind_unix
 from qualify.handoff.wire import HandoffExpectation, mint_run_key, open_handoff
+from qualify.interfaces.producer_command import parse_config
 
 FACTORY = "tests.unit.handoff.test_handoff_service:build_stub_engine"
 MARKER_ENV = "STUB_ENGINE_MARKER"
@@ -186,7 +188,7 @@ def run_service(*args: str, key_hex: str | None = None, expect: Path | None = No
         expect_path.write_text(json.dumps(EXPECTATION.to_document()))
     env = dict(os.environ, QUALIFY_HANDOFF_KEY=key_hex or KEY.hex())
     return subprocess.run(
-        [sys.executable, "-m", "qualify.handoff.service", "--run-id", RUN_ID,
+        [sys.executable, "-m", PRODUCER_MODULE, "--run-id", RUN_ID,
          "--expect", str(expect_path), "--engine-factory", FACTORY, *args],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )

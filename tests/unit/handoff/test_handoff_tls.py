@@ -23,12 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from qualify.contract.lanes import ProducerMode
+from qualify.contract.lanes import ProducerMode, lane_spec
 from qualify.core.assets import REPO_ROOT
 from qualify.core.errors import HandoffRefused, Refused
 from qualify.handoff.client import ProducerFailure, RemoteProducer, parse_producer_address
 from qualify.handoff.protocol import (
     FRAME_LENGTH,
+    PRODUCER_MODULE,
     PROTOCOL,
     PhaseDeadlines,
     StartRefused,
@@ -36,7 +37,6 @@ from qualify.handoff.protocol import (
     decode_frame_header,
     encode_frame_header,
 )
-from qualify.handoff.service import parse_config
 from qualify.handoff.tls import (
     CA_CERT,
     CONSUMER_CERT,
@@ -50,6 +50,7 @@ from qualify.handoff.tls import (
     server_context,
 )
 from qualify.handoff.wire import Handoff, open_handoff
+from qualify.interfaces.producer_command import parse_config
 from tests.unit.handoff.test_handoff_service import (
     EXPECTATION,
     FACTORY,
@@ -110,7 +111,7 @@ def serve_producer(tls_set: Path, tmp_path: Path, *extra: str, lane: str = "stub
     """``qualify producer serve`` on a loopback port under the set's TLS, waited for until ready."""
     expect = tmp_path / "expect.json"
     expect.write_text(json.dumps(expectation or EXPECTATION.to_document()))
-    argv = [sys.executable, "-m", "qualify.handoff.service", "--lane", lane, "--mode", mode,
+    argv = [sys.executable, "-m", PRODUCER_MODULE, "--lane", lane, "--mode", mode,
             "--expect", str(expect), "--key-file", str(tls_set / RUN_KEY), "--port", "0",
             "--tls-cert", str(tls_set / PRODUCER_CERT), "--tls-key", str(tls_set / PRODUCER_KEY),
             "--tls-client-ca", str(tls_set / CA_CERT), *extra]
@@ -584,12 +585,12 @@ def short_contract():
     from qualify.core import assets
     from qualify.evidence.records import BoundedDriftRule
     from qualify.judge.calibration import ANCHOR_PART
-    from qualify.run.contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
+    from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 
     calibration_set, set_digest = load_calibration_set()
     prompt = assets.load_prompt(assets.MAIN_PROMPT)[:SHORT_PROMPT_TOKENS]
     fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, prompt)
-    contract = calibration_contract(LANE, "native-text", [fixture] * ORDERED_HANDOFFS,
+    contract = calibration_contract(lane_spec(LANE), "native-text", [fixture] * ORDERED_HANDOFFS,
                                     calibration_set={"name": calibration_set.name, "sha256": set_digest},
                                     controls=None, output_tokens=SHORT_OUTPUT_TOKENS)
     rule = BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1, output_tokens=SHORT_OUTPUT_TOKENS)
@@ -601,7 +602,8 @@ def run_against(port: int, tls_set: Path, receipts: Path, contract=None, *, verd
     its anchor the run's own samples (the short contract has no basis receipt)."""
     from dataclasses import replace
 
-    from qualify.run.qualification import STEP_LABELS, QualificationRun, RemoteProducerChoice, RunOptions
+    from qualify.handoff.setup import RemoteProducerChoice
+    from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 
     choice = RemoteProducerChoice(host="127.0.0.1", port=port, key=run_key(tls_set), tls=consumer_tls(tls_set))
     run = QualificationRun(RunOptions(recipe="native-text", receipts=receipts, reference_once=True,

@@ -31,7 +31,7 @@ from qualify.handoff.wire import (
     MANIFEST_SCHEMA,
     Handoff,
     HandoffExpectation,
-    key_id,
+    handoff_key_id,
     manifest_canonical_bytes,
     manifest_mac,
     mint_run_key,
@@ -166,7 +166,7 @@ def test_round_trip_installs_identical_kv_and_reports_manifest() -> None:
     for found, wanted in zip(kv.keys + kv.values, KV.keys + KV.values, strict=True):
         assert found.dtype == wanted.dtype and np.array_equal(found, wanted)
     assert manifest.geometry == GEOMETRY and manifest.handed_off_positions == 6
-    assert manifest.producer_mode == "exact" and manifest.key_id == key_id(KEY)
+    assert manifest.producer_mode == "exact" and manifest.key_id == handoff_key_id(KEY)
     assert manifest.schema == MANIFEST_SCHEMA == "trust-ladder.handoff-manifest.v4"
     assert manifest.payload_size == len(PAYLOAD)
     assert manifest.payload_tree_sha256 == tree_digest(PAYLOAD) == MANIFEST["payload"]["tree_sha256"]
@@ -321,7 +321,7 @@ def test_each_side_hashes_each_payload_byte_once_over_its_threads(
     # The MAC and key name hash the manifest and key, not the payload: keep them off the count.
     monkeypatch.setattr(wire, "manifest_mac",
                         lambda key, data: hmac.new(key, data, real_sha256).digest())
-    monkeypatch.setattr(wire, "key_id", lambda key: real_sha256(key).hexdigest()[:16])
+    monkeypatch.setattr(wire, "handoff_key_id", lambda key: real_sha256(key).hexdigest()[:16])
     chosen = {} if digest_threads is None else {"digest_threads": digest_threads}
     handoff = seal(kv, **chosen)
     size = len(handoff.payload_bytes)
@@ -398,7 +398,7 @@ def test_payload_layout_places_every_tensor_where_sealing_puts_it() -> None:
 
 def test_wrong_key_is_refused() -> None:
     other = mint_run_key()
-    with pytest.raises(HandoffRefused, match=f"MAC does not verify under key {key_id(other)}"):
+    with pytest.raises(HandoffRefused, match=f"MAC does not verify under key {handoff_key_id(other)}"):
         open_(SEALED, key=other)
     with pytest.raises(HandoffRefused, match="MAC does not verify"):
         open_(seal(key=other))
@@ -571,7 +571,7 @@ def test_sealing_refuses_what_the_consumer_would_refuse() -> None:
 def test_run_keys_are_fresh_and_named_by_a_short_digest() -> None:
     first, second = mint_run_key(), mint_run_key()
     assert len(first) == 32 and first != second
-    assert key_id(first) == hashlib.sha256(first).hexdigest()[:16]
+    assert handoff_key_id(first) == hashlib.sha256(first).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A stopped or stalled producer never holds a run: the consumer's own deadlines and heartbeats.
 
-The producer processes here are real (``python -m qualify.handoff.service``) serving a stub
+The producer processes here are real (``python -m qualify.interfaces.producer_command``) serving a stub
 engine whose prefill sleeps; SIGSTOP/SIGCONT stand in for a producer the kernel, a debugger or an
 overloaded host has frozen. The end-to-end test at the bottom stops the shipped lane's producer
 in the middle of a real ``qualify --recipe native-text`` run.
@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ from qualify.core.kv import KVCache
 from qualify.handoff import service
 from qualify.handoff.client import ProducerFailure, ProducerProcess
 from qualify.handoff.protocol import STALL_NOTE_S, PhaseDeadlines
-from qualify.run.contract import phase_deadlines
+from qualify.run.run_contract import phase_deadlines
 from tests.unit.handoff.test_handoff_service import (
     EXPECTATION,
     HANG_GUARD_S,
@@ -69,9 +68,7 @@ def build_sleepy_engine(lane: str, mode: ProducerMode) -> SleepyEngine:
     announced = os.environ.get(ATTACKER_ENV)
     if announced:
         # A hostile producer: its ready line names another socket than the one it listens on.
-        # (``python -m`` runs the service as ``__main__``, a module apart from the imported one.)
-        running: Any = sys.modules["__main__"]
-        serving: type[service.ProducerService] = running.ProducerService
+        serving = service.ProducerService
         original = serving.announce_ready
 
         def announce_elsewhere(self: service.ProducerService, warmup_s: float) -> None:

@@ -14,7 +14,7 @@ from qualify.contract.lanes import lane_spec
 from qualify.core.assets import REPO_ROOT
 from qualify.handoff.protocol import ProducerExpectation
 from qualify.interfaces import cli
-from qualify.run.contract import chosen_lane, identity_path_for_lane
+from qualify.run.run_contract import chosen_lane, identity_path_for_lane
 
 RECIPE = "native-text"
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from qualify.contract.lanes import ProducerMode
 from qualify.core.errors import HandoffRefused, Refused
 from qualify.handoff import wire
-from qualify.handoff.wire import Handoff, OpenedHandoff, key_id, manifest_mac, open_handoff, payload_layout
+from qualify.handoff.wire import Handoff, OpenedHandoff, handoff_key_id, manifest_mac, open_handoff, payload_layout
 from tests.support.fuzz_budget import fuzz_examples
 from tests.support.wire_mutants import (
     DRAFT_GEOMETRY,
@@ -175,9 +175,9 @@ def test_a_float_shape_in_the_payload_header_is_refused_naming_the_layout() -> N
 
 
 def test_foreign_key_id_is_refused_naming_key_id() -> None:
-    refused = refusal_of(forged({"key_id": key_id(OTHER_KEY)}))
+    refused = refusal_of(forged({"key_id": handoff_key_id(OTHER_KEY)}))
     assert refused.check == "manifest.key_id"
-    assert str(refused) == (f"key_id is {key_id(OTHER_KEY)!r}, expected {key_id(RUN_KEY)!r} "
+    assert str(refused) == (f"key_id is {handoff_key_id(OTHER_KEY)!r}, expected {handoff_key_id(RUN_KEY)!r} "
                             f"(the run key the MAC verified under)")
 
 

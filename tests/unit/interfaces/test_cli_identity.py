@@ -189,15 +189,16 @@ def test_delegated_commands_receive_their_arguments(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[tuple[str, object]] = []
-    _fake_module(monkeypatch, "qualify.run.enroll", enroll_cli=lambda argv: calls.append(("enroll", argv)) or 0)
+    _fake_module(monkeypatch, "qualify.interfaces.enroll_command", enroll_cli=lambda argv: calls.append(("enroll", argv)) or 0)
     _fake_module(
         monkeypatch, "qualify.interfaces.console",
         run_cli=lambda argv: calls.append(("run", argv)) or 1,
         calibrate_cli=lambda argv: calls.append(("calibrate", argv)) or 0,
         selftest_cli=lambda argv: calls.append(("selftest", argv)) or 0,
     )
-    _fake_module(monkeypatch, "qualify.archive.verify", verify_cli=lambda argv: calls.append(("verify", argv)) or 0)
-    _fake_module(monkeypatch, "qualify.handoff.service", main=lambda argv: calls.append(("serve", argv)) or 75)
+    _fake_module(monkeypatch, "qualify.interfaces.verify_command", verify_cli=lambda argv: calls.append(("verify", argv)) or 0)
+    _fake_module(monkeypatch, "qualify.interfaces.producer_command",
+                 producer_serve_cli=lambda argv: calls.append(("serve", argv)) or 75)
 
     assert _main(capsys, "enroll", "--identity", "id.json", "--receipt", "r")[0] == 0
     assert _main(capsys, "--recipe", "native-text", "--identity", "id.json", "--drift-graded")[0] == 1
@@ -238,7 +239,7 @@ def test_missing_delegates_are_not_available(
 def test_delegate_returning_a_non_exit_code_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _fake_module(monkeypatch, "qualify.run.enroll", enroll_cli=lambda argv: None)
+    _fake_module(monkeypatch, "qualify.interfaces.enroll_command", enroll_cli=lambda argv: None)
     assert "expected an exit code" in one_line_refusal(_main(capsys, "enroll"))
 
 

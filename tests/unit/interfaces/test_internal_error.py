@@ -2,7 +2,7 @@
 the exception and where its traceback was saved, in the run's receipt when the run has one (sealed
 as incomplete, still verifiable), else in the user state directory. Forced through public seams:
 the run's default transport factory (``qualification.producer_process``) and a delegated
-command's handler (``qualify.archive.verify.verify_cli``) replaced by ones that raise."""
+command's handler (``qualify.interfaces.verify_command.verify_cli``) replaced by ones that raise."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from qualify.archive import verify as verify_module
 from qualify.archive.keys import init_key
 from qualify.archive.verify import authenticate_receipt
 from qualify.core.internal_error import EXIT_INTERNAL_ERROR
 from qualify.interfaces import cli
+from qualify.interfaces import verify_command as verify_module
 from qualify.run import qualification
 from tests.conftest import isolate_cli_environment
 from tests.support.receipt_forgery import operator_trust
@@ -96,7 +96,7 @@ def test_a_bug_during_a_run_exits_70_and_its_traceback_is_in_the_run_s_sealed_re
 
 def test_the_process_exits_70_not_2(tmp_path: Path) -> None:
     """The ``qualify`` executable's own exit status (``console()``), in a process of its own."""
-    code = ("import sys; import qualify.archive.verify as verify\n"
+    code = ("import sys; import qualify.interfaces.verify_command as verify\n"
             "def boom(argv): raise RuntimeError('forced')\n"
             "verify.verify_cli = boom\n"
             "from qualify.interfaces.cli import console\n"

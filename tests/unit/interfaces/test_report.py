@@ -38,7 +38,7 @@ from qualify.interfaces.report_check import outline_problems, page_outline
 from qualify.judge import judge_summary
 from qualify.judge.calibration import anchor_records
 from qualify.judge.scope import Scope, scope_document
-from qualify.run.contract import (
+from qualify.run.run_contract import (
     identity_path_for_lane,
     kv_envelope_from_records,
     receipt_evidence,

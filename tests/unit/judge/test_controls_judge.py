@@ -88,7 +88,7 @@ def test_a_well_formed_record_gives_every_cell_its_gate_and_an_outcome():
             upper = wilson_interval(k, cell.length, confidence=0.95, sides=2)[1]
             assert (cell.yardstick_disagreeing, cell.yardstick_upper, cell.gate) == (k, upper, upper + 0.02)
             assert cell.lane_rate == 1 / WINDOW and not cell.exceeds
-    assert outcome.within == 3 and judgement.length_effect == "rejected" and judgement.sensitivities == ()
+    assert outcome.within == 3 and judgement.length_effect == "rejected"
 
 
 def test_the_gate_is_the_wilson_score_upper_end_plus_points():
@@ -163,7 +163,7 @@ def test_the_length_effect_is_supported_only_when_every_document_exceeds_at_2048
     late = {name: [(0, 0)] + [(WINDOW, 0)] * (WINDOWS - 1) for name in NAMES}
     judgement = judge_controls(record_for(late), CRITERIA, source=SOURCE)
     assert {document.exceeding_lengths for document in judgement.documents} == {(1024, 2048, 4096)}
-    assert judgement.length_effect == "supported" and judgement.sensitivities == ()
+    assert judgement.length_effect == "supported"
     assert judgement.outcome is not None and judgement.outcome.within == 0
 
 
@@ -186,9 +186,6 @@ def test_one_document_breaking_the_criterion_rejects_the_length_effect(spoiler: 
     judgement = judge_controls(record_for(counts), CRITERIA, source=SOURCE)
     assert judgement.documents[1].exceeding_lengths == exceeding
     assert judgement.length_effect == "rejected"
-    # Rejected: every exceeding document is published as a content-local sensitivity.
-    assert [document.document for document in judgement.sensitivities] == \
-        [document.document for document in judgement.documents if document.exceeding_lengths]
 
 
 def test_a_content_local_exceedance_is_published_in_the_scope_line():

@@ -21,8 +21,9 @@ from qualify.contract.registry import REGISTRY_SCHEMA_ID
 from qualify.core.digests import document_sha256
 from qualify.core.errors import Refused
 from qualify.evidence.records import rule_from_identity
+from qualify.interfaces.enroll_command import enroll_cli
 from qualify.judge import judge_summary
-from qualify.run.enroll import enroll, enroll_cli, enrollment_for, key_for, load_registry
+from qualify.run.enroll import enroll, enrollment_for, key_for, load_registry
 from tests.unit.archive.test_receipts import make_writable
 from tests.unit.judge.test_judge import rung2_record, rung3_record
 
@@ -309,7 +310,7 @@ def test_enroll_cli(places, capsys):
     """The command as an operator runs it: a shipped identity file (its basis receipt committed in
     receipts/), and a passing receipt of that identity."""
     from qualify.contract.identity import load_identity
-    from qualify.run.contract import identity_path_for_lane
+    from qualify.run.run_contract import identity_path_for_lane
 
     identity_path = identity_path_for_lane("nvfp4-native-splitk")
     identity = load_identity(identity_path)

@@ -12,15 +12,17 @@ from pathlib import Path
 import pytest
 
 from qualify.contract.controls import load_calibration_set
+from qualify.contract.lanes import lane_spec
 from qualify.core import assets
 from qualify.core.assets import REPO_ROOT
 from qualify.engines.factory import build_producer
 from qualify.evidence.comparers import HostComparer
 from qualify.evidence.records import BoundedDriftRule
+from qualify.handoff.setup import TransportSetup
 from qualify.handoff.transport import InProcessTransport, PrefillProducer
 from qualify.judge.calibration import ANCHOR_PART
-from qualify.run.contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
-from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, TransportSetup
+from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 
 LANE = "nvfp4-native-splitk"
 # The per-sample evidence that must not depend on the transport or on deferred comparison.
@@ -31,7 +33,7 @@ EVIDENCE = ("payload_sha256", "seams_sha256", "max_abs", "mean_abs", "token_agre
 def _contract():  # the fixture three times, under a rule wide enough for the lane, so every step runs
     calibration_set, set_digest = load_calibration_set()
     fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, assets.load_prompt(assets.MAIN_PROMPT))
-    contract = calibration_contract(LANE, "native-text", [fixture] * ORDERED_HANDOFFS,
+    contract = calibration_contract(lane_spec(LANE), "native-text", [fixture] * ORDERED_HANDOFFS,
                                     calibration_set={"name": calibration_set.name, "sha256": set_digest},
                                     controls=None)
     return dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1),

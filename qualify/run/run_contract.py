@@ -21,12 +21,11 @@ from qualify.contract.lanes import (
     Recipe,
     engine_named,
     lane_for_engines,
-    lane_spec,
     recipe_named,
 )
 from qualify.core import assets, model_choice
 from qualify.core.digests import document_sha256
-from qualify.core.errors import Refused, one_line
+from qualify.core.errors import Refused
 from qualify.engines.base import Engine
 from qualify.evidence.records import BitExactRule, BoundedDriftRule
 from qualify.handoff.protocol import (
@@ -92,7 +91,7 @@ class Contract:
     """Everything the run checks against, taken from a loaded identity (or, for calibration,
     derived from the lane and its artifacts, with no rule)."""
 
-    lane: str
+    spec: LaneSpec
     recipe: Recipe
     rung: int
     producer_mode: ProducerMode
@@ -127,6 +126,11 @@ class Contract:
     # rate must reach it, so the producer must be reached over a network link.
     link_floor_gbit_per_s: float | None = None
 
+    @property
+    def lane(self) -> str:
+        """The lane's name, as receipts, logs and the producer's ``--lane`` carry it."""
+        return self.spec.name
+
 
 def phase_deadlines(basis_records: list[dict[str, Any]]) -> PhaseDeadlines:
     """The consumer's deadlines for a lane, from its basis receipt: CALIBRATED_FACTOR times the
@@ -149,17 +153,17 @@ def phase_deadlines(basis_records: list[dict[str, Any]]) -> PhaseDeadlines:
 
 
 def receipt_sample_records(receipt_dir: Path) -> list[dict[str, Any]]:
-    """A receipt's sample records, in repetition order (refused when unreadable or absent)."""
-    import json
+    """A verified basis receipt's sample records, in repetition order
+    (:func:`qualify.archive.reader.sample_records`); refused when unreadable or absent."""
+    from qualify.archive.reader import sample_records
 
     try:
-        paths = sorted((receipt_dir / "samples").glob("sample-*.json"),
-                       key=lambda path: int(path.stem.removeprefix("sample-")))
-        if not paths:
-            raise Refused(f"basis receipt {receipt_dir.name}: no samples/sample-*.json to recheck against")
-        return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
-    except (OSError, ValueError) as exc:
-        raise Refused(f"basis receipt {receipt_dir.name}: unreadable sample ({one_line(str(exc))})") from None
+        records = list(sample_records(receipt_dir).values())
+    except Refused as exc:
+        raise Refused(f"basis receipt {receipt_dir.name}: unreadable sample ({exc})") from None
+    if not records:
+        raise Refused(f"basis receipt {receipt_dir.name}: no samples/sample-*.json to recheck against")
+    return records
 
 
 EVIDENCE_MAX_BYTES = 16 << 20
@@ -358,7 +362,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
     if identity.recipe != recipe:
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")
-    check_engine_pins(identity, consumer, lane_producer_abi(identity.lane))
+    check_engine_pins(identity, consumer, lane_producer_abi(identity.spec))
     consumer_geometry = consumer.geometry
     check_rope_cache(identity, consumer_geometry.head_dim, f"identity {identity_path}")
     prompt = assets.load_prompt(identity.prompt.name)
@@ -380,7 +384,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         kv_envelope = kv_envelope_from_records([dict(record) for record in anchors], consumer_geometry.layers)
 
     return Contract(
-        lane=identity.lane,
+        spec=identity.spec,
         recipe=identity.recipe,
         rung=identity.rung,
         producer_mode=identity.producer_mode,
@@ -414,7 +418,7 @@ def run_contract(recipe: str, identity_path: Path) -> Contract:
     from qualify.engines.factory import build_consumer
 
     identity = load_identity(identity_path)
-    return contract_from_identity(identity_path, recipe, False, build_consumer(identity.lane))
+    return contract_from_identity(identity_path, recipe, False, build_consumer(identity.spec))
 
 
 def comparison_bounds(rule: BoundedDriftRule | BitExactRule | None) -> tuple[float, float]:
@@ -427,12 +431,12 @@ def comparison_bounds(rule: BoundedDriftRule | BitExactRule | None) -> tuple[flo
     return sys.float_info.max, sys.float_info.max
 
 
-def check_lane_engines(lane: str, producer: str, consumer: str) -> None:
+def check_lane_engines(spec: LaneSpec, producer: str, consumer: str) -> None:
     """An identity whose lane runs other engines than ``--producer``/``--consumer`` is refused."""
-    engines = lane_spec(lane).engines
+    engines = spec.engines
     chosen = (engine_named("--producer", producer), engine_named("--consumer", consumer))
     if engines != chosen:
-        raise Refused(f"identity lane {lane} runs producer {engines[0].value} and consumer {engines[1].value}, "
+        raise Refused(f"identity lane {spec.name} runs producer {engines[0].value} and consumer {engines[1].value}, "
                       f"the run asked for --producer {producer} --consumer {consumer}")
 
 
@@ -451,23 +455,22 @@ class CalibrationHandoff:
     prompt: np.ndarray
 
 
-def calibration_contract(lane: str, recipe: str, handoffs: list[CalibrationHandoff], *,
+def calibration_contract(spec: LaneSpec, recipe: str, handoffs: list[CalibrationHandoff], *,
                          calibration_set: dict[str, str], controls: dict[str, str] | None,
                          output_tokens: int = 256) -> Contract:
     """A contract for measuring a lane before its identity exists: the lane's real artifacts and
     cache identity, a calibration document (every handoff it will make, the set and the rules)
     in place of the identity, no rule, and the first handoff's prompt (the run switches prompts
     per handoff: :meth:`qualify.run.qualification.QualificationRun.switch_prompt`)."""
-    from qualify.contract.lanes import lane_spec
     from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
     from qualify.engines.factory import build_cache_identity, checkpoint_digests, lane_kv_dtype, producer_facts
 
-    spec = lane_spec(lane)
+    lane = spec.name
     if spec.recipe.value != recipe:
         raise Refused(f"lane {lane}: recipe: found {spec.recipe.value}, the run is --recipe {recipe}")
     if not handoffs:
         raise Refused(f"calibration of {lane}: no handoffs to make")
-    producer = producer_facts(lane)
+    producer = producer_facts(spec)
     cache_identity = build_cache_identity(spec)
     document: dict[str, Any] = {
         "schema": CALIBRATION_SCHEMA,
@@ -488,7 +491,7 @@ def calibration_contract(lane: str, recipe: str, handoffs: list[CalibrationHando
     digest = document_sha256(document)
     first = handoffs[0]
     return Contract(
-        lane=lane, recipe=spec.recipe, rung=spec.recipe.rung, producer_mode=spec.mode,
+        spec=spec, recipe=spec.recipe, rung=spec.recipe.rung, producer_mode=spec.mode,
         identity_document=document, identity_sha256=digest,
         target_cache_identity=cache_identity, logit_units="raw",
         prompt_name=first.document, prompt=first.prompt, prompt_sha256=assets.prompt_sha256(first.prompt),

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from qualify.contract.controls import CONTROLS_RECORD_SCHEMA_ID, DOCUMENT_NAME, ControlsCriteria, check_controls_record
-from qualify.contract.lanes import EngineChoice, LaneKind, LaneSpec, ProducerMode, lane_spec
+from qualify.contract.lanes import EngineChoice, LaneKind, LaneSpec, ProducerMode
 from qualify.core import model_choice
 from qualify.core.assets import MODEL_DIR, asset_relpath, prompt_sha256
 from qualify.core.digests import is_sha256_hex
@@ -69,18 +69,18 @@ def _consumer_is_reference(spec: LaneSpec) -> bool:
     return spec.kind in (LaneKind.NVFP4, LaneKind.TRANSFORMERS)
 
 
-def build_control_engines(lane: str) -> ControlEngines:
-    """The three engines of ``lane``'s controls; a lane whose consumer is not the reference engine
-    (k-quant, vLLM or torch consumers) is refused in one line naming it."""
-    from qualify.engines.factory import build_consumer, build_producer
+def build_control_engines(spec: LaneSpec) -> ControlEngines:
+    """The three engines of the lane ``spec``'s controls; a lane whose consumer is not the reference
+    engine (k-quant, vLLM or torch consumers) is refused in one line naming it."""
+    from qualify.engines.factory import build_consumer, producer_engine
     from qualify.engines.kquant import build_kquant_engine
 
-    spec = lane_spec(lane)
+    lane = spec.name
     if not _consumer_is_reference(spec):
         raise Refused(f"lane {lane}: its consumer is not the numpy reference engine, expected a lane whose "
                       "consumer scores rows (ReferenceEngine.score_rows)")
-    consumer = reference_consumer(build_consumer(lane), lane)
-    producer = build_producer(lane, spec.mode)
+    consumer = reference_consumer(build_consumer(spec), lane)
+    producer = producer_engine(spec, spec.mode)
     # The yardstick is E1's second real quantization: the shipped Q8_0 target in llama.cpp's exact
     # arithmetic (ProducerMode.EXACT), the plain engine, never the speculative lane's draft.
     if model_choice.chosen() is not None:
