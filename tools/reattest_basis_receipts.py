@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from qualify.archive.attestation import ENVELOPE, sign_statement
-from qualify.archive.keys import TRUST_SCHEMA_V2, LegacyReceipt, SigningKey, TrustedKey, TrustFile, key_id
+from qualify.archive.keys import TRUST_SCHEMA_V2, LegacyReceipt, SigningKey, TrustedKey, TrustFile, signing_key_id
 from qualify.archive.layout import LEGACY_MANIFEST_SCHEMA, MANIFEST, SUMMARY, json_bytes
 from qualify.archive.verify import authenticate_receipt, check_receipt
 
@@ -77,7 +77,7 @@ def reattest(receipts: Path, trust_path: Path) -> tuple[TrustFile, list[str]]:
     every receipt under the resulting trust file, then write it; returns it and one line per receipt."""
     private = Ed25519PrivateKey.generate()
     public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    key = SigningKey(private, public, key_id(public), Path("(in memory only; never written)"))
+    key = SigningKey(private, public, signing_key_id(public), Path("(in memory only; never written)"))
     originals: dict[Path, bytes] = {}
     legacy: list[LegacyReceipt] = []
     signers: set[str] = set()
