@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from qualify.engines.connector_under_test import ConnectorSpec, resolve_connector_dict
-from qualify.engines.vllm_connector import check_layout, cpu_attention_isa, layer_index
+from qualify.engines.vllm_connector import check_layout, layer_index
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -63,6 +63,19 @@ CONNECTOR_UNDER_TEST = "connector_under_test"
 """The wrapper's ``kv_connector_extra_config`` key holding the inner connector's spec."""
 
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def cpu_attention_isa(block_size: int, head_dim: int) -> str | None:
+    """The CPU attention kernel vLLM picks for float32 pages of this shape (``"vec"``, ``"amx"``,
+    ...), or None where this vLLM has no CPU attention backend (then no layout is understood).
+    The project connector asks the same (its ``_isa``); its source is pinned whole by the vLLM
+    identities, so this copy stays here until identities pin behaviour instead (issue 35)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    isa: str | None = _get_attn_isa(torch.float32, block_size, head_dim)
+    return isa
 
 
 class WrapperRefused(RuntimeError):

@@ -143,17 +143,6 @@ def check_layout(kv_layer: torch.Tensor, *, block_size: int, kv_heads: int, head
     return KNOWN_LAYOUT
 
 
-def cpu_attention_isa(block_size: int, head_dim: int) -> str | None:
-    """The CPU attention kernel vLLM picks for float32 pages of this shape (``"vec"``, ``"amx"``,
-    ...), or None where this vLLM has no CPU attention backend (then no layout is understood)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    except ImportError:
-        return None
-    isa: str | None = _get_attn_isa(torch.float32, block_size, head_dim)
-    return isa
-
-
 def decode_blocks(kv_layer: torch.Tensor, block_ids: list[int], head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Pages -> canonical K, V ``[kv_heads, len(block_ids) * block_size, head_dim]`` (copies)."""
     _, heads, block_size, _ = kv_layer.shape
@@ -274,11 +263,18 @@ class QualifyKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is u
 
     # -- worker side ------------------------------------------------------------------------
 
+    def _isa(self) -> str | None:
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        except ImportError:
+            return None
+        isa: str | None = _get_attn_isa(torch.float32, self._block_size, self._head_dim)
+        return isa
+
     def _check(self, kv_layer: torch.Tensor) -> None:
         if not self._layout_checked:
             MAILBOX.layout = check_layout(kv_layer, block_size=self._block_size, kv_heads=self._kv_heads,
-                                          head_dim=self._head_dim,
-                                          isa=cpu_attention_isa(self._block_size, self._head_dim))
+                                          head_dim=self._head_dim, isa=self._isa())
             self._layout_checked = True
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

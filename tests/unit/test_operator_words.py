@@ -762,7 +762,8 @@ class Unprintable(Exception):
 def verify_cases() -> list[Case]:
     from qualify.archive.keys import default_trust_path, load_signing_key
     from qualify.archive.layout import MANIFEST, PARTIAL_PREFIX, SUMMARY
-    from qualify.archive.verify import verify_cli, verify_document, verify_paths, verify_receipt
+    from qualify.archive.verify import verify_document, verify_paths, verify_receipt
+    from qualify.interfaces.verify_command import verify_cli
     from tests.support.receipt_forgery import (
         check,
         fail_scandir,

@@ -56,7 +56,7 @@ def copied_recipes(place: Path) -> Path:
     """The recipe modules of ``recipes/`` copied into ``place/recipes``, a directory outside
     the checkout with no conftest, no pytest configuration and no package around it."""
     target = place / "recipes"
-    shutil.copytree(REPO / "qualify" / "recipes", target, ignore=shutil.ignore_patterns("__pycache__", "__init__.py"))
+    shutil.copytree(REPO / "recipes", target, ignore=shutil.ignore_patterns("__pycache__", "__init__.py"))
     assert not (place / "conftest.py").exists() and not (place / "pyproject.toml").exists()
     return target
 
