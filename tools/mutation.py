@@ -490,9 +490,8 @@ class Mutant:
     kind: MutantClass
     removed: tuple[str, ...]
     added: tuple[str, ...]
-    changes: list[Change]
     diff: str
-    function_node: Any
+    rules: frozenset[int]  # the indexes of the rules its change matches (of its group)
 
     @property
     def function(self) -> str:
@@ -522,8 +521,9 @@ def write_codes(tree: Path, source: str, codes: dict[str, int | None]) -> None:
     meta.write_text(json.dumps(data, indent=4), encoding="utf-8")
 
 
-def read_mutants(tree: Path, group_of: dict[str, str]) -> list[Mutant]:
-    """Every mutant of the scored files, with its result, its changed lines and its class."""
+def read_mutants(tree: Path, group_of: dict[str, str], rules: list[Rule]) -> list[Mutant]:
+    """Every mutant of the scored files, with its result, its changed lines, its class and the
+    rules its change matches (matched here, while each file's ast is at hand)."""
     mutants = []
     for source, group in group_of.items():
         if not meta_path(tree, source).is_file():
@@ -546,8 +546,11 @@ def read_mutants(tree: Path, group_of: dict[str, str]) -> list[Mutant]:
             before, after = _function_lines(original, lines), _function_lines(mutant, lines)
             removed, added = changed_lines(before, after)
             changes = changes_between(original, mutant, lines)
+            kind = class_of(changes)
+            candidates = [rule for rule in rules if group in rule.groups] if kind == "logic" and changes else []
+            matching = frozenset(rule.index for rule in candidates if RULE_KINDS[rule.kind](rule.settings, changes, original))
             diff = "\n".join(difflib.unified_diff(before, after, fromfile=source, tofile=source, lineterm=""))
-            mutants.append(Mutant(name, source, group, code, class_of(changes), removed, added, changes, diff, original))
+            mutants.append(Mutant(name, source, group, code, kind, removed, added, diff, matching))
     return mutants
 
 
@@ -621,32 +624,42 @@ def run_mutmut(tree: Path, arguments: list[str], step: str) -> None:
 
 @dataclass
 class RunRecord:
-    """What the run did with the message mutants: the golden tests they ran, or why they did not run."""
+    """What the run did with the message mutants (the golden tests they ran, or why they did not
+    run), and how long each step took."""
 
     message_tests: list[str]
     not_run: str | None
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
-def run_gate(project: Path, tree: Path, gate: Gate, group_of: dict[str, str], jobs: int, only_groups: bool) -> RunRecord:
+def run_gate(
+    project: Path, tree: Path, gate: Gate, group_of: dict[str, str], jobs: int, only_groups: bool
+) -> tuple[RunRecord, list[Mutant]]:
     """mutmut in ``tree`` (a copy of ``project``): the mutants written and classed, the logic ones
-    run with the unit tests, the message ones with the golden tests."""
+    run with the unit tests, the message ones with the golden tests; each mutant with its result."""
     copy_tree(project, tree)
+    seconds: dict[str, float] = {}
+    started = time.monotonic()
     mutate = [option for source in group_of for option in ("--mutate", source)] if only_groups else []
     run_mutmut(tree, [*mutate, "generate"], "generate")
-    mutants = read_mutants(tree, group_of)
+    mutants = read_mutants(tree, group_of, gate.rules)
+    seconds["generate and class"] = time.monotonic() - started
     messages = defaultdict(list)
     for mutant in mutants:
         if mutant.kind == "message":
             messages[mutant.source].append(mutant.name)
     for source, names in messages.items():
         write_codes(tree, source, dict.fromkeys(names, HELD_BACK))
+    started = time.monotonic()
     run_mutmut(tree, [*mutate, "run", "--max-children", str(jobs)], "run")
+    seconds["logic"] = time.monotonic() - started
 
     present = [test for test in gate.message_tests if (tree / test.split("::")[0]).exists()]
     if missing := [test for test in gate.message_tests if test not in present] if present else []:
         raise GateError(f"message_tests: {', '.join(missing)} does not exist (the others do)")
-    record = RunRecord(present, None if present else "not run: no golden tests")
+    record = RunRecord(present, None if present else "not run: no golden tests", seconds)
     if present and messages:
+        started = time.monotonic()
         for source, names in messages.items():
             write_codes(tree, source, dict.fromkeys(names, None))
         # Without the unit tests' stats mutmut maps the golden tests to functions afresh (and keeps
@@ -659,8 +672,13 @@ def run_gate(project: Path, tree: Path, gate: Gate, group_of: dict[str, str], jo
                 write_codes(tree, source, dict.fromkeys(names, NO_TESTS))
         elif code != 0:
             raise failure("run (message mutants, golden tests)", code, output)
+        seconds["message"] = time.monotonic() - started
     (tree / RUN_RECORD).write_text(json.dumps({"message_tests": record.message_tests, "not_run": record.not_run}) + "\n")
-    return record
+    for source in {mutant.source for mutant in mutants}:
+        codes = read_codes(tree, source)
+        for mutant in (m for m in mutants if m.source == source):
+            mutant.code = codes.get(mutant.name)
+    return record, mutants
 
 
 def read_record(tree: Path) -> RunRecord:
@@ -710,11 +728,7 @@ def excused_mutants(mutants: list[Mutant], gate: Gate, groups: set[str]) -> tupl
             stale.append(f"{entry.function}: {' | '.join(entry.added)}")
         excused |= {m.name for m in matches if m.kind == "logic" and m.code not in DETECTED_EXIT_CODES}
     for rule in rules:
-        match = RULE_KINDS[rule.kind]
-        matches = [
-            m for m in mutants if m.group in rule.groups and m.kind == "logic" and m.changes
-            and match(rule.settings, m.changes, m.function_node)
-        ]
+        matches = [m for m in mutants if rule.index in m.rules]
         # A rule names the groups it applies to, and must match a mutant in each one scored.
         stale += [f"{rule.describe()} in {group}" for group in sorted(set(rule.groups) & groups - {m.group for m in matches})]
         excused |= {m.name for m in matches if m.code not in DETECTED_EXIT_CODES}
@@ -817,6 +831,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=Path, help="score a tree an earlier run kept (skips the run)")
     arguments = parser.parse_args(argv)
     try:
+        if arguments.jobs < 1:
+            raise GateError(f"--jobs: expected 1 or more workers, found {arguments.jobs}")
+        if arguments.tree is not None and arguments.keep is not None:
+            raise GateError("--tree scores a kept tree and --keep keeps a new run's: give one of them")
         gate = load_gate(arguments.gate)
         groups = gate.groups
         if arguments.groups:
@@ -830,21 +848,18 @@ def main(argv: list[str] | None = None) -> int:
             if arguments.tree is not None:
                 tree = arguments.tree.resolve()
                 record = read_record(tree)
+                mutants = read_mutants(tree, group_of, gate.rules)
                 ran = "scored an existing run"
             else:
                 tree = Path(scratch) if arguments.keep is None else arguments.keep.resolve()
                 if arguments.keep is not None and arguments.keep.exists() and any(arguments.keep.iterdir()):
                     raise GateError(f"--keep: {arguments.keep} is not empty")
                 tree.mkdir(parents=True, exist_ok=True)
-                record = run_gate(arguments.project.resolve(), tree, gate, group_of, arguments.jobs, bool(arguments.groups))
-                ran = f"mutmut ran in {time.monotonic() - started:.0f} s with {arguments.jobs} workers"
-            mutants = read_mutants(tree, group_of)
-            previous = Path.cwd()
-            os.chdir(tree)  # mutmut reads its configuration from the working directory on import
-            try:
-                scores, rules, entries = score(mutants, gate, groups, record, arguments.survivors)
-            finally:
-                os.chdir(previous)
+                project = arguments.project.resolve()
+                record, mutants = run_gate(project, tree, gate, group_of, arguments.jobs, bool(arguments.groups))
+                steps = ", ".join(f"{step} {spent:.0f} s" for step, spent in record.seconds.items())
+                ran = f"mutmut ran in {time.monotonic() - started:.0f} s with {arguments.jobs} workers ({steps})"
+            scores, rules, entries = score(mutants, gate, groups, record, arguments.survivors)
     except GateError as error:
         print(f"mutation: {error}", file=sys.stderr)
         return 2
