@@ -641,7 +641,7 @@ def run_gate(
     seconds: dict[str, float] = {}
     started = time.monotonic()
     mutate = [option for source in group_of for option in ("--mutate", source)] if only_groups else []
-    run_mutmut(tree, [*mutate, "generate"], "generate")
+    run_mutmut(tree, [*mutate, "generate", "--max-children", str(jobs)], "generate")
     mutants = read_mutants(tree, group_of, gate.rules)
     seconds["generate and class"] = time.monotonic() - started
     messages = defaultdict(list)

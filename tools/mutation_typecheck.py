@@ -23,7 +23,7 @@ tests (the golden-file tests, for message-text mutants), ``--no-type-check`` ski
 message-text mutant changes a type), and the command ``generate`` writes the mutants and stops.
 
     python tools/mutation_typecheck.py mutmut run --max-children 2   # mutmut, with the fast mapping
-    python tools/mutation_typecheck.py mutmut --mutate a.py generate  # only write a.py's mutants
+    python tools/mutation_typecheck.py mutmut --mutate a.py generate --max-children 1  # only a.py's mutants
     cd mutants && python tools/mutation_typecheck.py mypy           # what mutmut runs to type-check
 """
 
@@ -122,8 +122,10 @@ def run_mutmut(arguments: list[str]) -> int:
         settings.pytest_add_cli_args_test_selection = options.tests
     if options.no_type_check:
         settings.type_check_command = []
-    if options.command == ["generate"]:
-        generate_mutants(mutmut_main)
+    if options.command[0] == "generate":
+        generate = argparse.ArgumentParser(prog="mutation_typecheck.py mutmut generate")
+        generate.add_argument("--max-children", type=int, default=os.cpu_count() or 1, help="processes writing mutants")
+        generate_mutants(mutmut_main, generate.parse_args(options.command[1:]).max_children)
         return 0
     try:
         mutmut_main.cli(options.command, prog_name="mutmut")
@@ -132,7 +134,7 @@ def run_mutmut(arguments: list[str]) -> int:
     return 0
 
 
-def generate_mutants(mutmut_main: Any) -> None:
+def generate_mutants(mutmut_main: Any, processes: int) -> None:
     """The first step of ``mutmut run`` (mutmut 3.8's ``_run``), alone: every mutant written to
     ``mutants/`` with its ``.meta`` file, no test run. A later ``mutmut run`` keeps them (their
     files are newer than the sources) and the results recorded in their ``.meta`` files."""
@@ -144,7 +146,7 @@ def generate_mutants(mutmut_main: Any) -> None:
     mutmut_main.copy_also_copy_files()
     mutmut_main.setup_source_paths()
     mutmut_main.store_lines_covered_by_tests()
-    mutmut_main.create_mutants(os.cpu_count() or 1)
+    mutmut_main.create_mutants(processes)
 
 
 def type_check() -> int:
