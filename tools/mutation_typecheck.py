@@ -16,14 +16,20 @@ already errs gets no mutant caught by type check, and its mutants run the tests 
 
 mutmut maps each error to its mutant by parsing the mutated files with libcst, which took over 7
 minutes on these files; ``mutmut`` as the first argument runs mutmut with that step done by the
-standard library's ``ast`` instead (seconds), the same mapping. tools/mutation.py runs it so.
+standard library's ``ast`` instead (seconds), the same mapping. tools/mutation.py runs it so, with
+the options that let it run mutmut in phases (each overrides pyproject.toml for this run only):
+``--mutate FILE`` mutates only those files (a ``--groups`` run), ``--tests TEST`` runs only those
+tests (the golden-file tests, for message-text mutants), ``--no-type-check`` skips mypy (no
+message-text mutant changes a type), and the command ``generate`` writes the mutants and stops.
 
     python tools/mutation_typecheck.py mutmut run --max-children 2   # mutmut, with the fast mapping
+    python tools/mutation_typecheck.py mutmut --mutate a.py generate --max-children 1  # only a.py's mutants
     cd mutants && python tools/mutation_typecheck.py mypy           # what mutmut runs to type-check
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import json
@@ -93,16 +99,54 @@ def caught_by_type_check() -> dict[str, Any]:
 
 
 def run_mutmut(arguments: list[str]) -> int:
-    """``mutmut <arguments>`` in this process, its type-check mapping done by :func:`caught_by_type_check`."""
+    """``mutmut <command>`` in this process, its type-check mapping done by :func:`caught_by_type_check`,
+    with this run's overrides of pyproject.toml's ``[tool.mutmut]`` (the module docstring lists them)."""
+    parser = argparse.ArgumentParser(prog="mutation_typecheck.py mutmut")
+    parser.add_argument("--mutate", action="append", default=[], metavar="FILE", help="mutate only these files")
+    parser.add_argument("--tests", action="append", default=[], metavar="TEST", help="run only these tests")
+    parser.add_argument("--no-type-check", action="store_true", help="skip the type-check pre-filter")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="generate, or a mutmut command and its arguments")
+    options = parser.parse_args(arguments)
+    if not options.command:
+        parser.error("expected a command: generate, or one of mutmut's")
+
     import mutmut.__main__ as mutmut_main
+    from mutmut.configuration import config
 
     sys.path[0] = os.getcwd()  # as under `python -m mutmut`: the working directory, not this script's folder
     mutmut_main.filter_mutants_with_type_checker = caught_by_type_check
+    settings = config()  # read from ./pyproject.toml once; every mutmut step reads this same object
+    if options.mutate:
+        settings.only_mutate = options.mutate
+    if options.tests:
+        settings.pytest_add_cli_args_test_selection = options.tests
+    if options.no_type_check:
+        settings.type_check_command = []
+    if options.command[0] == "generate":
+        generate = argparse.ArgumentParser(prog="mutation_typecheck.py mutmut generate")
+        generate.add_argument("--max-children", type=int, default=os.cpu_count() or 1, help="processes writing mutants")
+        generate_mutants(mutmut_main, generate.parse_args(options.command[1:]).max_children)
+        return 0
     try:
-        mutmut_main.cli(arguments, prog_name="mutmut")
+        mutmut_main.cli(options.command, prog_name="mutmut")
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else 0 if done.code is None else 1
     return 0
+
+
+def generate_mutants(mutmut_main: Any, processes: int) -> None:
+    """The first step of ``mutmut run`` (mutmut 3.8's ``_run``), alone: every mutant written to
+    ``mutants/`` with its ``.meta`` file, no test run. A later ``mutmut run`` keeps them (their
+    files are newer than the sources) and the results recorded in their ``.meta`` files."""
+    from mutmut.mutation.trampoline import set_mutant_under_test
+
+    set_mutant_under_test("mutant_generation")
+    Path("mutants").mkdir(exist_ok=True)
+    mutmut_main.copy_src_dir()
+    mutmut_main.copy_also_copy_files()
+    mutmut_main.setup_source_paths()
+    mutmut_main.store_lines_covered_by_tests()
+    mutmut_main.create_mutants(processes)
 
 
 def type_check() -> int:
