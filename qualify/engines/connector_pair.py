@@ -3,7 +3,7 @@ consumer loads it through the same connector and decodes; the consumer's cold re
 against it, and the loaded KV against the consumer's own cold prefill, block by block.
 
 Two processes (vLLM keeps process globals: one engine per process), each started by
-:func:`run_producer` / :func:`run_consumer` as ``python -m qualify.engines.connector_pair``:
+:func:`run_producer` / :func:`run_consumer` as ``python -m qualify.interfaces.connector_pair_command``:
 
 * producer (``kv_role="kv_producer"``): prefills the 2048-token fixture prompt
   (``qualify.core.assets.load_prompt()``) with one generated token; the observing wrapper
@@ -29,7 +29,6 @@ Imports: ``qualify.core``, ``qualify.contract`` and ``qualify.engines``; vLLM on
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -48,7 +47,7 @@ from qualify.core import assets
 from qualify.core.digests import strict_json_loads
 from qualify.core.errors import Refused, one_line
 from qualify.core.kv import KVCache
-from qualify.engines.connector_under_test import ConnectorSpec, resolve_connector_dict
+from qualify.engines.connector_under_test import ConnectorSpec
 
 DECODE_TOKENS = 256
 OBSERVER_CLASS = "ObservingConnector"
@@ -352,9 +351,13 @@ def consumer_main(spec: ConnectorSpec, saved_path: Path | None, out: Path, model
 # the harness side
 
 
+CONNECTOR_PAIR_MODULE = "qualify.interfaces.connector_pair_command"
+"""The ``python -m`` target of a producer or consumer process (commands live in interfaces)."""
+
+
 def _run_process(role: str, arguments: list[str], workdir: Path, timeout_s: float, label: str | None = None) -> None:
     log = workdir / f"{label or role}.log"
-    command = [sys.executable, "-m", "qualify.engines.connector_pair", role, *arguments]
+    command = [sys.executable, "-m", CONNECTOR_PAIR_MODULE, role, *arguments]
     with open(log, "w", encoding="utf-8") as handle:
         try:
             done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout_s,
@@ -441,46 +444,3 @@ def load_result(path: Path) -> PairResult:
         raise Refused(f"connector pair result {path}: expected schema {RESULT_SCHEMA}")
     document["branches"] = [_branch_from(b) for b in document["branches"]]
     return PairResult(**document)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m qualify.engines.connector_pair producer|consumer ...`` (one engine per process)."""
-    parser = argparse.ArgumentParser(prog="python -m qualify.engines.connector_pair")
-    parser.add_argument("role", choices=("producer", "consumer", "pair"))
-    parser.add_argument("--connector", required=True,
-                        help="producer/consumer: a ConnectorSpec.as_dict JSON file; pair: the connector's name")
-    parser.add_argument("--connector-config", help="pair: the connector's config (a JSON object)")
-    parser.add_argument("--connector-module", help="pair: the module defining the connector class")
-    parser.add_argument("--out", type=Path, required=True, help="producer/consumer: the result file; pair: a work folder")
-    parser.add_argument("--saved", type=Path, help="consumer: the producer's output (absent: the consumer "
-                        "engine is its own producer)")
-    parser.add_argument("--same-engine", action="store_true", help="pair: one kv_both engine produces and consumes")
-    parser.add_argument("--fault", action="append", default=[], help="a fault branch (consumer only)")
-    parser.add_argument("--model-dir", type=Path, default=assets.MODEL_DIR)
-    args = parser.parse_args(argv)
-    try:
-        if args.role == "pair":
-            from qualify.engines.connector_under_test import parse_connector_config, resolve_connector
-
-            spec = resolve_connector(args.connector, module=args.connector_module,
-                                     config=parse_connector_config(args.connector_config))
-            try:
-                result = run_pair(spec, args.out, model_dir=args.model_dir, same_engine=args.same_engine)
-            except RuntimeError as exc:
-                print(f"{spec.name}: cannot run here: {one_line(str(exc))}", flush=True)
-                return 1
-            print(summary_line(result), flush=True)
-            return 0
-        spec = resolve_connector_dict(strict_json_loads(Path(args.connector).read_bytes()), f"connector {args.connector}")
-        if args.role == "producer":
-            producer_main(spec, args.out, args.model_dir)
-        else:
-            consumer_main(spec, args.saved, args.out, args.model_dir, list(args.fault))
-    except Refused as exc:
-        print(f"refused: {one_line(str(exc))}", flush=True)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

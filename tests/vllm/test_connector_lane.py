@@ -23,6 +23,7 @@ from qualify.core.errors import Refused
 from qualify.engines import connector_faults, connector_pair
 from qualify.engines.checkpoint import load_config
 from qualify.engines.connector_under_test import ConnectorSpec, parse_connector_config, resolve_connector
+from qualify.interfaces import connector_pair_command
 
 PROMPT_TOKENS = len(assets.load_prompt())
 HANDED_OFF = ((PROMPT_TOKENS - 1) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
@@ -107,7 +108,7 @@ def test_an_engine_process_refuses_a_connector_that_resolves_differently_from_it
     for field, value in (("config_sha256", "0" * 64), ("version", "0.0.1"), ("class", "Other")):
         path = tmp_path / f"{field}.json"
         path.write_text(json.dumps({**pinned, field: value}), encoding="utf-8")
-        assert connector_pair.main(["producer", "--connector", str(path), "--out", str(tmp_path / "out")]) == 2
+        assert connector_pair_command.main(["producer", "--connector", str(path), "--out", str(tmp_path / "out")]) == 2
         lines = capsys.readouterr().out.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("refused: ") and field in lines[0], lines
     assert not (tmp_path / "out").exists()
