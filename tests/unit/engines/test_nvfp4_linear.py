@@ -33,6 +33,8 @@ from qualify.engines.nvfp4_linear import (
     W4A4Linear,
     make_nvfp4_linear,
     make_nvfp4_linear_factory,
+    materialize_f16,
+    materialize_hook,
     quantize_activations_q8k,
     round_through_f16,
     super_block_columns,
@@ -398,6 +400,15 @@ def test_w4a4_checkpoint_admits_only_w4a4(tmp_path: Path) -> None:
         make_nvfp4_linear_factory(tmp_path / "w.safetensors", "exact")
     w4a4 = make_nvfp4_linear_factory(tmp_path / "w.safetensors", "w4a4")("p", None)
     assert w4a4.input_scale_inv == np.float32(3.0)
+
+
+def test_materialize_hooks() -> None:
+    x = np.random.default_rng(30).standard_normal((4, 8)).astype(np.float32) * 1000
+    for arithmetic in ("exact", "splitk", "w4a4"):
+        assert materialize_hook(arithmetic)(x) is x
+    f16 = materialize_hook("f16")
+    np.testing.assert_array_equal(bits(f16(x)), bits(x.astype(np.float16).astype(np.float32)))
+    assert f16.kind == "f16-round-trip" and materialize_f16.kind == "f16-round-trip"
 
 
 def test_linear_refuses_bad_activations() -> None:
