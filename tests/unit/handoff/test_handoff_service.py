@@ -408,6 +408,7 @@ def test_expectation_from_identity_pins_engine_digests_and_context(
     document = {"schema": "trust-ladder.onboarding-identity.v2", "lane": "stub-ok", "n": 1}
     identity = SimpleNamespace(
         lane="nvfp4-exact",  # a float32 lane: the expectation's KV dtype is the lane's
+        spec=LANES["nvfp4-exact"],
         producer_engine=SimpleNamespace(name="stub", version="stub-1", abi="stub-abi-1"),
         checkpoint=SimpleNamespace(files=STUB_DIGESTS),
         context_policy=SimpleNamespace(max_positions=STUB_GEOMETRY.max_positions),
