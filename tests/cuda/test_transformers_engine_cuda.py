@@ -8,6 +8,7 @@ import pytest
 from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult
 from qualify.engines.reference import ReferenceEngine
+from tests.torch import test_transformers_engine
 from tests.torch.test_transformers_engine import (
     DECODE,
     HANDOFF,
@@ -15,6 +16,10 @@ from tests.torch.test_transformers_engine import (
     compare,
     max_kv_delta,
 )
+
+# Its fixtures, bound by assignment (an import only a parameter uses reads as unused to the linter).
+reference_kv = test_transformers_engine.reference_kv
+reference_cold = test_transformers_engine.reference_cold
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,7 +8,15 @@ import pytest
 from qualify.core import assets
 from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult
+from tests.unit.engines import test_reference_engine
 from tests.unit.engines.test_reference_engine import DECODE, HANDOFF
+
+# The reference engine module's fixtures, bound here by assignment (an import of a fixture only a
+# parameter uses reads as unused to the linter, which would drop it).
+engine = test_reference_engine.engine
+prompt = test_reference_engine.prompt
+handoff_kv = test_reference_engine.handoff_kv
+main_decode = test_reference_engine.main_decode
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

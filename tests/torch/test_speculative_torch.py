@@ -10,6 +10,9 @@ import pytest
 from qualify.core import assets
 from qualify.engines.draft import EagleDraft, load_draft_safetensors
 from qualify.engines.speculative import SpeculativeEngine
+from tests.unit.engines import test_speculative
+
+spec = test_speculative.spec  # its fixture, bound by assignment (see tests/torch/test_reference_engine_torch.py)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
