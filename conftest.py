@@ -76,33 +76,31 @@ def _required(folder: str) -> bool:
     return os.environ.get(f"QUALIFY_REQUIRE_{folder.upper()}", "") == "1"
 
 
-class MissingDependency(pytest.File):
-    """A test module whose folder's dependency is absent: never imported, one skip naming it."""
+class MissingDependencyItem(pytest.Item):
+    """Stands for a module whose folder's dependency is absent (the module is never imported): it
+    skips naming the dependency, or fails where the dependency is required
+    (QUALIFY_REQUIRE_<NAME>=1). An item, not a collection skip, so the run reports it, a JUnit file
+    counts it, and a tier of such modules still ran something."""
 
     reason: str = ""
-
-    def collect(self) -> Iterator[pytest.Item]:
-        raise pytest.skip.Exception(self.reason, allow_module_level=True)
-
-
-class RequiredButMissing(pytest.Item):
-    """The same module where the dependency is required (QUALIFY_REQUIRE_<NAME>=1): one failure."""
-
-    reason: str = ""
+    required: bool = False
 
     def runtest(self) -> None:
-        raise pytest.fail.Exception(self.reason, pytrace=False)
+        if self.required:
+            raise pytest.fail.Exception(self.reason, pytrace=False)
+        raise pytest.skip.Exception(self.reason)
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.path, 0, self.name
 
 
-class RequiredModule(pytest.File):
+class MissingDependencyModule(pytest.File):
     reason: str = ""
+    required: bool = False
 
     def collect(self) -> Iterator[pytest.Item]:
-        item = RequiredButMissing.from_parent(self, name="dependency")
-        item.reason = self.reason
+        item = MissingDependencyItem.from_parent(self, name="dependency")
+        item.reason, item.required = self.reason, self.required
         yield item
 
 
@@ -112,12 +110,9 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
     if folder is None or _available(folder):
         return None
     _, needs = FOLDER_REQUIREMENTS[folder]
-    if _required(folder):
-        module: pytest.File = RequiredModule.from_parent(parent, path=module_path)
-        module.reason = f"QUALIFY_REQUIRE_{folder.upper()}=1 and tests/{folder}/ {needs}"  # type: ignore[attr-defined]
-    else:
-        module = MissingDependency.from_parent(parent, path=module_path)
-        module.reason = f"tests/{folder}/ {needs}"  # type: ignore[attr-defined]
+    module = MissingDependencyModule.from_parent(parent, path=module_path)
+    module.required = _required(folder)
+    module.reason = (f"QUALIFY_REQUIRE_{folder.upper()}=1 and " if module.required else "") + f"tests/{folder}/ {needs}"
     return module
 
 

@@ -167,10 +167,12 @@ def test_screenshot_check_fails_when_a_plot_is_blank(chromium: Chromium, pages: 
 
 
 def _pytest_without_chromium(tmp_path: Path, *, required: bool) -> subprocess.CompletedProcess[str]:
-    """A browser-marked test run under the repository's root conftest with Chromium made absent."""
+    """A test in a ``tests/browser/`` folder, run under the repository's root conftest (which gives
+    the folder its requirement) with Chromium made absent."""
     shutil.copyfile(REPO_ROOT / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_needs_browser.py").write_text(
-        "import pytest\n\n\n@pytest.mark.browser\ndef test_needs_browser():\n    pass\n", encoding="utf-8")
+    (tmp_path / "tests" / "browser").mkdir(parents=True)
+    (tmp_path / "tests" / "browser" / "test_needs_browser.py").write_text(
+        "def test_needs_browser():\n    pass\n", encoding="utf-8")
     env = {**os.environ, "QUALIFY_CHROMIUM": str(tmp_path / "no-chromium-here")}
     env.pop("QUALIFY_REQUIRE_BROWSER", None)
     if required:
@@ -189,7 +191,7 @@ def test_browser_test_fails_when_chromium_is_required_and_absent(tmp_path: Path)
     done = _pytest_without_chromium(tmp_path, required=True)
     assert done.returncode == 1, done.stdout[-2000:]
     assert "1 failed" in done.stdout
-    assert "QUALIFY_REQUIRE_BROWSER=1 and this test needs headless Chromium" in done.stdout
+    assert "QUALIFY_REQUIRE_BROWSER=1 and tests/browser/ needs headless Chromium" in done.stdout
 
 
 # --------------------------------------------------------------------------- real runs

@@ -127,7 +127,8 @@ def assert_refused_for_this_host(run: QualificationRun, match: HostMatch) -> Non
     assert outcome.message.endswith(
         f"to calibrate it for this host: qualify calibrate --recipe native-text --lane {match.lane}"), outcome.message
     assert list(run.outcomes) == ["identity sealed"], run.outcomes
-    assert not run.records and run.receipt_path is None
+    assert not run.records  # no handoff; the refusal's own receipt (every run leaves one) verifies
+    assert run.receipt_path is not None and verify_receipt(run.receipt_path) == []
 
 
 # -- the page layout (no engine) ---------------------------------------------------------------
