@@ -162,6 +162,17 @@ Name = Annotated[
         description="a printable ASCII name (single spaces allowed), at most 200 characters",
     ),
 ]
+EngineAbi = Annotated[
+    str,
+    Field(
+        pattern=NAME_PATTERN,
+        min_length=1,
+        max_length=400,
+        description="an engine's ABI string: printable ASCII (single spaces allowed), at most 400 characters",
+    ),
+]
+"""An ABI names everything an engine's bits depend on; a vLLM ABI carries the host's CPU ISA class,
+whose flags alone reach 72 characters on a CPU with AVX-512 FP16 and AMX (208 in all there)."""
 LaneName = Annotated[
     str,
     Field(
@@ -191,7 +202,7 @@ class EngineRef(_Frozen):
 
     name: Name
     version: Name
-    abi: Name
+    abi: EngineAbi
 
 
 class NamedDigest(_Frozen):
