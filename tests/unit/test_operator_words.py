@@ -38,6 +38,7 @@ from qualify.archive.verify import ReceiptCheck
 from qualify.core.errors import Refused
 from qualify.judge import ControlsJudgement, ParityJudgement, Verdict
 from tests.support.golden import GOLDEN_DIR, Golden, GoldenMismatch
+from tests.unit.archive.test_verify_problems import RUN_A, RUN_B, archive_with_leftovers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -749,9 +750,6 @@ def identity_cases() -> list[Case]:
 # =========================================================================== qualify.archive.verify: receipts verify
 
 
-RUN_A = "20260101T000000Z-aaaaaaaaaaaaaaaa"
-RUN_B = "20260101T000000Z-bbbbbbbbbbbbbbbb"
-RUN_C = "20260101T000000Z-cccccccccccccccc"
 
 
 class Unprintable(Exception):
@@ -929,24 +927,13 @@ def verify_cases() -> list[Case]:
         after_the_manifest_check(workspace, lambda: (legacy / MANIFEST).write_text("[]"))
         return check(legacy)
 
-    def leftovers(archive: Path) -> None:
-        """Two runs killed before they finalized, A's claimed directory still empty, B's not; and C,
-        an empty directory nobody claimed."""
-        for run in (RUN_A, RUN_B):
-            (archive / f"{PARTIAL_PREFIX}{run}").mkdir(parents=True)
-            (archive / f"{PARTIAL_PREFIX}{run}" / "command.log").write_text("started\n")
-        (archive / RUN_A).mkdir()
-        (archive / RUN_B).mkdir()
-        (archive / RUN_B / "stray.txt").write_text("x")
-        (archive / RUN_C).mkdir()
-
     def with_leftovers(workspace: Workspace) -> object:
-        leftovers(workspace.root / "archive")
+        archive_with_leftovers(workspace.root / "archive")
         return walked(workspace, [workspace.root / "archive"])
 
     def claimed_unlistable(workspace: Workspace) -> object:
         archive = workspace.root / "archive"
-        leftovers(archive)
+        archive_with_leftovers(archive)
         refuse_listing(workspace, archive / RUN_A, PermissionError(13, "Permission denied"))
         return walked(workspace, [archive])
 
