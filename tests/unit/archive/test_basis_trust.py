@@ -16,7 +16,7 @@ import pytest
 from qualify.archive.attestation import ENVELOPE
 from qualify.archive.keys import BASIS_TRUST_FILE, TRUST_SCHEMA_V2, load_trust, parse_trust
 from qualify.archive.layout import LEGACY_MANIFEST_SCHEMA, MANIFEST, json_bytes
-from qualify.archive.verify import authenticate_receipt, check_receipt
+from qualify.archive.verify import authenticate_receipt, check_receipt, verify_document
 from qualify.core.assets import RECEIPTS_DIR
 from qualify.core.errors import Refused
 from qualify.interfaces import cli
@@ -127,3 +127,14 @@ def test_a_contradictory_trust_file_is_refused_naming_the_field(edit: Any, expec
     with pytest.raises(Refused, match=r"^trust file bad\.json: ") as refused:
         parse_trust(json_bytes(document), "trust file bad.json")
     assert expected in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_pinned_legacy_receipt_counts_as_recorded_and_names_what_pinned_it() -> None:
+    """Verified and legacy receipts both count toward what the tally says they record; a legacy
+    one names the trust file that pinned it."""
+    trust = load_trust(BASIS_TRUST_FILE)
+    check = authenticate_receipt(LEGACY[0], trust)
+    assert (check.state, check.pinned_by) == ("legacy", trust.source)
+    tally = verify_document([LEGACY[0]], trust, BASIS_TRUST_FILE)["tally"]
+    assert tally["legacy"] == 1 and sum(tally["recorded"].values()) == 1
+    assert tally["recorded"][check.status] == 1
