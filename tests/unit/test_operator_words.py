@@ -773,7 +773,7 @@ def verify_cases() -> list[Case]:
         write_receipt,
     )
     from tests.unit.archive.test_receipts import committed_receipts
-    from tests.unit.archive.test_signed_receipts import edit_json
+    from tests.unit.archive.test_signed_receipts import consistent_forgery
 
     def receipt(workspace: Workspace, run: str = RUN_A, archive: str = "archive", writable: bool = False) -> Path:
         """A signed receipt as the qualifier writes one, under ``archive`` in the case's directory."""
@@ -879,14 +879,6 @@ def verify_cases() -> list[Case]:
             resign(path, operator_key())
             return check(path)
         return produce
-
-    def consistent_forgery(path: Path) -> tuple[bytes, bytes]:
-        """Edit sample 2 and re-hash the manifest (the statement still names the originals); returns
-        the original manifest's and sample's bytes."""
-        manifest, sample = (path / MANIFEST).read_bytes(), (path / "samples" / "sample-2.json").read_bytes()
-        edit_json(path / "samples" / "sample-2.json", lambda document: document.update(max_abs=0.25))
-        rehash_manifest(path)
-        return manifest, sample
 
     def after_the_manifest_check(workspace: Workspace, action: Callable[[], object]) -> None:
         """Run ``action`` once the files have been checked against the manifest, before the signed

@@ -515,7 +515,7 @@ def test_a_re_signed_summary_that_is_no_object_is_tampered(tmp_path, summary):
     assert checked.state == "tampered" and checked.status is None
 
 
-def _consistent_forgery(receipt: Path) -> tuple[bytes, bytes]:
+def consistent_forgery(receipt: Path) -> tuple[bytes, bytes]:
     """Edit sample 2 and re-hash the manifest (the statement still names the originals); returns
     the original manifest's and sample's bytes."""
     manifest, sample = (receipt / MANIFEST).read_bytes(), (receipt / "samples" / "sample-2.json").read_bytes()
@@ -540,7 +540,7 @@ def _after_the_manifest_check(monkeypatch: pytest.MonkeyPatch, action: Any) -> N
 def test_a_file_swapped_back_mid_check_is_judged_on_the_one_reading_the_manifest_saw(tmp_path, monkeypatch):
     receipt = write_receipt(tmp_path / "archive")
     make_writable(receipt)
-    manifest, sample = _consistent_forgery(receipt)
+    manifest, sample = consistent_forgery(receipt)
 
     def restore_the_originals() -> None:
         (receipt / MANIFEST).write_bytes(manifest)
@@ -555,7 +555,7 @@ def test_a_subject_that_cannot_be_opened_mid_check_is_named_and_the_later_subjec
         tmp_path, monkeypatch):
     receipt = write_receipt(tmp_path / "archive")
     make_writable(receipt)
-    _consistent_forgery(receipt)
+    consistent_forgery(receipt)
 
     def manifest_becomes_a_fifo() -> None:
         (receipt / MANIFEST).unlink()
