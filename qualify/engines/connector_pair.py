@@ -263,15 +263,15 @@ def producer_main(spec: ConnectorSpec, out: Path, model_dir: Path) -> None:
     }, allow_nan=False), encoding="utf-8")
 
 
-def _produce(llm: Any) -> dict[str, Any]:
-    """Prefill the fixture prompt (one generated token) tagged as the producer's request; the
-    digests of what the connector was handed to save."""
+def _produce(llm: Any, prompt: list[int] | None = None, key: str = PRODUCER_KEY) -> dict[str, Any]:
+    """Prefill ``prompt`` (default: the fixture prompt) with one generated token, tagged ``key``;
+    the digests of what the connector was handed to save."""
     from qualify.engines.connector_delegate import RequestTag
     from qualify.engines.connector_observer import take_observation
 
-    prompt = [int(t) for t in assets.load_prompt()]
-    _generate(llm, prompt, 1, RequestTag(PRODUCER_KEY), logits=False)
-    observed = take_observation(PRODUCER_KEY)
+    prompt = [int(t) for t in assets.load_prompt()] if prompt is None else prompt
+    _generate(llm, prompt, 1, RequestTag(key), logits=False)
+    observed = take_observation(key)
     if observed.saved_tokens != len(prompt):
         raise RuntimeError(f"producer: the observer saw {observed.saved_tokens} of {len(prompt)} prompt tokens "
                            f"handed to the connector")
@@ -369,12 +369,16 @@ def _run_process(role: str, arguments: list[str], workdir: Path, timeout_s: floa
         refusal = next((line for line in reversed(lines) if line.startswith("refused: ")), None)
         if refusal is not None:
             raise Refused(refusal[len("refused: "):])
-        # The exception that ended the process (vLLM wraps engine-core failures: the first one raised
-        # names the cause), else the last line.
-        errors = [_RANK_PREFIX.sub("", line) for line in lines if _EXCEPTION_LINE.match(_RANK_PREFIX.sub("", line))]
-        cause = errors[0] if errors else (lines[-1] if lines else "no output")
-        raise RuntimeError(one_line(f"connector pair {role} failed (exit {done.returncode}): {cause[:400]} "
+        raise RuntimeError(one_line(f"connector pair {role} failed (exit {done.returncode}): {log_cause(log)} "
                                     f"(log: {log})"))
+
+
+def log_cause(log: Path) -> str:
+    """The exception that ended an engine process, from its log (vLLM wraps engine-core failures:
+    the first one raised names the cause), else the log's last line."""
+    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    errors = [_RANK_PREFIX.sub("", line) for line in lines if _EXCEPTION_LINE.match(_RANK_PREFIX.sub("", line))]
+    return (errors[0] if errors else (lines[-1] if lines else "no output"))[:400]
 
 
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")

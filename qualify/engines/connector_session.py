@@ -1,0 +1,242 @@
+"""Resident connector engines: a vLLM producer and a vLLM consumer joined by the connector under
+test, each kept up for a whole run and asked one request at a time.
+
+A qualification makes three handoffs and a calibration eight; starting two engines per handoff
+would cost more than the handoffs. Each engine runs in its own process (vLLM keeps process
+globals: one engine per process), started as ``python -m qualify.interfaces.connector_pair_command
+serve-producer|serve-consumer``. Requests arrive one JSON line at a time on the process's stdin;
+each reply is one JSON line on a pipe of its own (vLLM writes its logs to stdout and stderr, which
+go to the session's log file). Arrays travel as ``.npy``/``.npz`` files in the session's folder.
+
+* producer: ``produce`` prefills a prompt through the wrapped connector (one generated token) and
+  replies with the observer's per-cell digests of what the connector was handed to save.
+* consumer: ``cold`` decodes a prompt with the connector's hit suppressed (the cold local
+  recompute) and keeps its prefill KV; ``load`` decodes it again, the connector loading what it
+  claims, and writes the tokens, every raw logit row and the loaded KV (whole claimed positions).
+
+Nothing here judges: the run builds sample records from these files (:mod:`qualify.run.connector_lane`).
+
+Imports: ``qualify.core``, ``qualify.contract`` and ``qualify.engines``; vLLM only in the engine processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from qualify.core.errors import Refused, one_line
+from qualify.engines.connector_under_test import ConnectorSpec
+
+SERVE_ROLES = ("serve-producer", "serve-consumer")
+START_TIMEOUT_S = 600.0
+"""Longest an engine may take to start (vLLM's CPU engine starts in about 20 s on two cores)."""
+REQUEST_TIMEOUT_S = 900.0
+"""Longest one request may take (a 2048-token prefill and 256 decoded tokens take seconds)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine process
+
+
+def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], reply: IO[str]) -> None:
+    """The resident engine loop: start the engine, reply ``ready``, then answer each request line
+    until ``quit`` or end of input. A request that fails is answered with its one-line cause and
+    the process goes on only when the failure was the request's (a refused request)."""
+    from qualify.engines.connector_pair import _build_llm
+    from qualify.engines.vllm_engine import check_pin, vllm_engine_abi
+
+    if role not in SERVE_ROLES:
+        raise Refused(f"role: found {role!r}, expected one of {', '.join(SERVE_ROLES)}")
+    started = time.perf_counter()
+    llm = _build_llm(spec, "kv_producer" if role == "serve-producer" else "kv_consumer", model_dir)
+    _answer(reply, {"ok": True, "ready": True, "engine_abi": vllm_engine_abi(), "version": check_pin(),
+                    "start_s": time.perf_counter() - started})
+    checked_layout = False
+    for line in requests:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        op = request.get("op")
+        if op == "quit":
+            return
+        try:
+            if role == "serve-producer" and op == "produce":
+                answer = _serve_produce(llm, request)
+            elif role == "serve-consumer" and op in ("cold", "load"):
+                answer = _serve_decode(llm, request, model_dir, check_layout=op == "cold" and not checked_layout)
+                checked_layout = checked_layout or op == "cold"
+            else:
+                raise Refused(f"request op: found {op!r}, expected what {role} answers")
+        except Refused as exc:
+            _answer(reply, {"ok": False, "refused": one_line(str(exc))})
+            continue
+        _answer(reply, {"ok": True, **answer})
+
+
+def _answer(reply: IO[str], document: dict[str, Any]) -> None:
+    reply.write(json.dumps(document, allow_nan=False) + "\n")
+    reply.flush()
+
+
+def _prompt_of(request: dict[str, Any]) -> list[int]:
+    return [int(t) for t in np.load(request["prompt"], allow_pickle=False)]
+
+
+def _serve_produce(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
+    from qualify.engines.connector_pair import _produce
+
+    started = time.perf_counter()
+    saved = _produce(llm, _prompt_of(request), request["key"])
+    return {**saved, "seconds": time.perf_counter() - started}
+
+
+def _serve_decode(llm: Any, request: dict[str, Any], model_dir: Path, check_layout: bool) -> dict[str, Any]:
+    """``cold``: the prompt with the connector's hit suppressed, its prefill KV kept; ``load``: the
+    connector loads what it claims, the loaded KV kept. Both decode ``tokens`` greedy tokens with
+    every raw logit row, written with the KV to ``out`` (``.npz``)."""
+    from qualify.core.kv import KVCache
+    from qualify.engines.checkpoint import load_config
+    from qualify.engines.connector_delegate import RequestTag
+    from qualify.engines.connector_observer import take_observation
+    from qualify.engines.connector_pair import _digest_names, _generate
+    from qualify.engines.vllm_engine import check_page_decode, raw_logit_rows
+
+    cold = request["op"] == "cold"
+    key, count = request["key"], int(request["tokens"])
+    prompt = _prompt_of(request)
+    tag = RequestTag(key, cold=cold, capture=cold, fault=None if cold else request.get("fault"))
+    started = time.perf_counter()
+    completion = _generate(llm, prompt, count, tag, logits=True)
+    seconds = time.perf_counter() - started
+    observed = take_observation(key)
+    vocab = load_config(model_dir).geometry.vocab
+    rows = raw_logit_rows(completion, count, vocab)
+    kv = observed.saved if cold else observed.loaded
+    if cold and (observed.claimed_tokens or not kv):
+        raise RuntimeError(f"cold recompute {key}: the connector loaded {observed.claimed_tokens} tokens and "
+                           f"{len(kv)} layers were captured; expected 0 and every layer")
+    layers = sorted(kv)
+    arrays: dict[str, np.ndarray] = {"tokens": np.asarray(completion.token_ids, dtype=np.int64), "logits": rows}
+    for layer in layers:
+        arrays[f"k{layer}"], arrays[f"v{layer}"] = kv[layer]
+    np.savez(request["out"], **arrays)
+    answer: dict[str, Any] = {"seconds": seconds, "layers": len(layers), "claimed_tokens": observed.claimed_tokens,
+                              "suppressed_hit": observed.suppressed_hit,
+                              "loaded_digests": _digest_names(observed.loaded_digests)}
+    if check_layout:
+        answer["layout_max_abs"] = check_page_decode(KVCache([kv[i][0] for i in layers], [kv[i][1] for i in layers]),
+                                                     model_dir)
+    return answer
+
+
+# ---------------------------------------------------------------------------------------------
+# the harness side
+
+
+class EngineSession:
+    """One resident engine process (see the module docstring); :meth:`request` asks it one thing."""
+
+    def __init__(self, role: str, spec: ConnectorSpec, model_dir: Path, workdir: Path,
+                 env: dict[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        if role not in SERVE_ROLES:
+            raise Refused(f"engine session role: found {role!r}, expected one of {', '.join(SERVE_ROLES)}")
+        from qualify.engines.connector_pair import CONNECTOR_PAIR_MODULE
+
+        self.role = role
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        spec_path = workdir / f"{role}-connector.json"
+        spec_path.write_text(json.dumps(spec.as_dict()), encoding="utf-8")
+        self.log_path = workdir / f"{role}.log"
+        read_end, write_end = os.pipe()
+        self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", CONNECTOR_PAIR_MODULE, role, "--connector", str(spec_path),
+                 "--out", str(workdir), "--model-dir", str(model_dir), "--reply-fd", str(write_end)],
+                stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(write_end,),
+                env={**os.environ, **(env or {})}, text=True, start_new_session=True)
+        finally:
+            os.close(write_end)
+        self._replies = os.fdopen(read_end, "r", encoding="utf-8")
+        self._buffer = ""
+        self.ready = self._reply(start_timeout_s, "start")
+
+    def request(self, document: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        """Send one request; its reply. ``Refused`` when the engine refused it, ``RuntimeError``
+        (with the log's cause) when the process died or did not answer in time."""
+        stdin = self.process.stdin
+        if stdin is None or self.process.poll() is not None:
+            raise RuntimeError(self._died("before the request"))
+        try:
+            stdin.write(json.dumps(document) + "\n")
+            stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(self._died("while sending a request")) from None
+        return self._reply(timeout_s, str(document.get("op")))
+
+    def _reply(self, timeout_s: float, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while "\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise RuntimeError(f"connector {self.role}: no answer to {what} within {timeout_s:.0f} s "
+                                   f"(log: {self.log_path})")
+            ready, _, _ = select.select([self._replies], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(self._replies.fileno(), 1 << 16).decode("utf-8")
+                if not chunk:
+                    self.process.wait(timeout=30)
+                    raise RuntimeError(self._died(f"during {what}"))
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split("\n", 1)
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            if "refused" in answer:
+                raise Refused(answer["refused"])
+            raise RuntimeError(f"connector {self.role}: {answer.get('error', 'failed')}")
+        return dict(answer)
+
+    def _died(self, when: str) -> str:
+        from qualify.engines.connector_pair import log_cause
+
+        return one_line(f"connector {self.role} engine exited {when} (exit {self.process.poll()}): "
+                        f"{log_cause(self.log_path)} (log: {self.log_path})")
+
+    def close(self) -> None:
+        """Ask the engine to quit, then stop it (its whole process group) if it does not."""
+        if self.process.poll() is None:
+            try:
+                if self.process.stdin is not None:
+                    self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                    self.process.stdin.close()
+                self.process.wait(timeout=30)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                import signal
+
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.process.wait()
+        self._replies.close()
+        self._log.close()
+
+    def kill(self) -> None:
+        """Stop the engine at once (an interrupted run)."""
+        import signal
+
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
