@@ -64,7 +64,14 @@ from qualify.contract.identity import (
     identity_sha256,
     parse_identity_document,
 )
-from qualify.contract.lanes import TORCH_LLAMA_MODELS, LaneKind, LaneSpec, lane_spec, target_cache_identity
+from qualify.contract.lanes import (
+    TORCH_LLAMA_MODELS,
+    VLLM_VIA_CONNECTOR_LANE,
+    LaneKind,
+    LaneSpec,
+    lane_spec,
+    target_cache_identity,
+)
 from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
 from qualify.contract.units import parse_logit_units
 from qualify.core import model_choice
@@ -74,6 +81,7 @@ from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import read_strict_json, schema_validator
 from qualify.engines.factory import ADAPTER_SOURCES
 from qualify.engines.reference import rope_cache_sha256
+from qualify.run.run_contract import connector_identity_path
 
 DEFAULT_DRAFT = "model/gguf/eagle1-draft-q8_0.gguf"
 """The k-quant lane's EAGLE-1 draft weights (what ``speculative_draft.draft_sha256`` pins)."""
@@ -242,6 +250,23 @@ def basis_manifest_sha256(uri: str, archive_dir: Path) -> str:
     return sha256_file(_basis_file(f"receipt://{run_id}/{BASIS_MANIFEST}", archive_dir))
 
 
+def connector_adapter(args: argparse.Namespace) -> dict[str, str]:
+    """A connector lane's adapter: the connector ``--connector`` names, resolved here, which must be
+    the one its calibration went through (the basis receipt's ``evidence/connector.json``)."""
+    from qualify.run.connector_lane import CONNECTOR_EVIDENCE, ConnectorRequest
+
+    if args.connector is None:
+        raise Refused(f"lane {VLLM_VIA_CONNECTOR_LANE}: pass --connector NAME (and its --connector-config, "
+                      f"--connector-module) as calibrated")
+    name, sha256 = ConnectorRequest(args.connector, args.connector_config, args.connector_module).resolve().pin
+    basis_dir = _basis_file(args.basis, Path(args.archive_dir)).parent
+    calibrated = read_strict_json(basis_dir / "evidence" / f"{CONNECTOR_EVIDENCE}.json", "connector evidence")
+    if calibrated.get("adapter") != {"name": name, "sha256": sha256} or calibrated.get("fault") is not None:
+        raise Refused(f"--connector {args.connector}: pin {name} {sha256} differs from the basis receipt's "
+                      f"{calibrated.get('adapter')} (fault {calibrated.get('fault')})")
+    return {"name": name, "sha256": sha256}
+
+
 def build_document(args: argparse.Namespace) -> dict[str, Any]:
     """The identity document of ``args.lane`` computed from the artifacts on disk (not yet
     validated: :func:`freeze` runs it through the identity model)."""
@@ -256,13 +281,17 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         producer = _engine(*args.producer_engine) if args.producer_engine else built_producer
         consumer = _engine(*args.consumer_engine) if args.consumer_engine else built_consumer
 
-    adapter_name, adapter_path = (
-        _named_file(args.adapter, "--adapter")
-        if args.adapter
-        else (ADAPTER_SOURCES[spec.kind][0], REPO_ROOT / ADAPTER_SOURCES[spec.kind][1])
-    )
-    if not adapter_path.is_file():
-        raise Refused(f"adapter {adapter_name}: no file {adapter_path} (pass --adapter NAME=PATH)")
+    if spec.name == VLLM_VIA_CONNECTOR_LANE:
+        adapter = connector_adapter(args)
+    else:
+        adapter_name, adapter_path = (
+            _named_file(args.adapter, "--adapter")
+            if args.adapter
+            else (ADAPTER_SOURCES[spec.kind][0], REPO_ROOT / ADAPTER_SOURCES[spec.kind][1])
+        )
+        if not adapter_path.is_file():
+            raise Refused(f"adapter {adapter_name}: no file {adapter_path} (pass --adapter NAME=PATH)")
+        adapter = {"name": adapter_name, "sha256": sha256_file(adapter_path)}
     prompt_tokens, prompt_digest = _prompt(args.prompt, args.prompt_tokens)
     theta, head_dim, max_positions = model_geometry(spec, model_dir)
 
@@ -325,7 +354,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint": {"files": files, "total_bytes": total_bytes},
         "producer_engine": producer,
         "consumer_engine": consumer,
-        "adapter": {"name": adapter_name, "sha256": sha256_file(adapter_path)},
+        "adapter": adapter,
         "tokenizer_sha256": tokenizer_sha256(),
         "prompt": {"name": args.prompt, "tokens": prompt_tokens, "sha256": prompt_digest},
         "prompt_template": {"name": RAW_TOKEN_TEMPLATE_NAME, "sha256": jcs_sha256(RAW_TOKEN_TEMPLATE_RULE)},
@@ -509,7 +538,9 @@ def shipped_seals(contracts_dir: Path, archive_dir: Path) -> dict[str, Seal]:
     """Seal name (the lane, or ``<model>/<lane>``) -> seal of every identity file in ``contracts_dir``
     and its ``models/<name>/``; a lane shipped twice for one model is refused."""
     seals: dict[str, Seal] = {}
-    paths = [*contracts_dir.glob(SHIPPED_IDENTITIES), *contracts_dir.glob(f"models/*/{SHIPPED_IDENTITIES}")]
+    paths = [*contracts_dir.glob(SHIPPED_IDENTITIES), *contracts_dir.glob(f"models/*/{SHIPPED_IDENTITIES}"),
+             *contracts_dir.glob(f"connectors/{SHIPPED_IDENTITIES}"),
+             *contracts_dir.glob(f"models/*/connectors/{SHIPPED_IDENTITIES}")]
     for path in sorted(paths):
         where = f"identity {path}"
         identity = parse_identity_document(read_strict_json(path, "identity"), where=where)
@@ -580,6 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "this payload rate or faster, so the lane qualifies only against a producer at "
                              "--producer-at HOST:PORT")
     parser.add_argument("--adapter", help="NAME=PATH of the producer adapter source (default per kind)")
+    parser.add_argument("--connector", metavar="NAME", help="lane vllm-via-connector: the connector calibrated")
+    parser.add_argument("--connector-config", metavar="JSON", help="its config, as calibrated")
+    parser.add_argument("--connector-module", metavar="MODULE", help="its module, as calibrated")
     parser.add_argument("--checkpoint", action="append", metavar="RELPATH",
                         help="repository-relative checkpoint file (repeatable; default: "
                         "qualify.engines.factory.checkpoint_digests of the lane kind)")
@@ -617,7 +651,8 @@ def _freeze(args: argparse.Namespace) -> None:
         args.draft = args.draft or DEFAULT_DRAFT
         if args.draft_proposal_tokens is None:
             args.draft_proposal_tokens = default_proposal_tokens()
-    out = Path(args.out) if args.out else model_contracts_dir() / f"{spec.name}-identity-v1.json"
+    out = (Path(args.out) if args.out else connector_identity_path(args.connector) if spec.name == VLLM_VIA_CONNECTOR_LANE
+           else model_contracts_dir() / f"{spec.name}-identity-v1.json")
     identity = parse_identity_document(declare_link_floor(build_document(args), args.link_floor_gbps),
                                        where=f"identity {out}")
     seal = seal_of(identity, Path(args.archive_dir))

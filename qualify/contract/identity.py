@@ -46,7 +46,9 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from qualify.contract import sealed_data
 from qualify.contract.lanes import (
+    CONNECTOR_ADAPTER_PREFIX,
     LANES,
+    VLLM_VIA_CONNECTOR_LANE,
     ZERO_SHA256,
     LaneKind,
     LaneSpec,
@@ -387,7 +389,10 @@ class Identity(_Frozen):
         """Its entry in ``sealed_data``: the lane for the shipped model, ``<model>/<lane>`` for a
         chosen model's (each model's lanes are sealed apart)."""
         name = self.model_name
-        return self.lane if name is None else f"{name}/{self.lane}"
+        lane = self.lane
+        if lane == VLLM_VIA_CONNECTOR_LANE:  # one identity per connector: sealed apart
+            lane = f"{lane}/{self.adapter.name.removeprefix(CONNECTOR_ADAPTER_PREFIX)}"
+        return lane if name is None else f"{name}/{lane}"
 
     @model_validator(mode="after")
     def _one_model(self) -> Identity:

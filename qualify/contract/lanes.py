@@ -199,6 +199,12 @@ KQUANT_EXACT_DFLASH_LANE = "kquant-exact-dflash"
 KQUANT_EXACT_LANE = "kquant-exact"
 VLLM_TO_REFERENCE_LANE = "vllm-to-reference"
 VLLM_TO_VLLM_LANE = "vllm-to-vllm"
+VLLM_VIA_CONNECTOR_LANE = "vllm-via-connector"
+"""Two vLLM engines joined by a KV connector the operator names (``--connector``): the connector
+under test, not the project's, moves the KV (:mod:`qualify.run.connector_lane`)."""
+CONNECTOR_ADAPTER_PREFIX = "connector:"
+"""A connector lane's identity pins its connector as its adapter: ``connector:<name>`` and the
+SHA-256 of the resolved connector (module, class, package and version, config digest)."""
 REFERENCE_TO_VLLM_LANE = "reference-to-vllm"
 
 VLLM_BLOCK_SIZE = 128
@@ -215,6 +221,8 @@ class EngineChoice(str, Enum):
 VLLM_LANE_ENGINES: Mapping[str, tuple[EngineChoice, EngineChoice]] = MappingProxyType({
     VLLM_TO_REFERENCE_LANE: (EngineChoice.VLLM, EngineChoice.REFERENCE),
     VLLM_TO_VLLM_LANE: (EngineChoice.VLLM, EngineChoice.VLLM),
+    # After vllm-to-vllm: --producer vllm --consumer vllm names that lane; this one needs --connector.
+    VLLM_VIA_CONNECTOR_LANE: (EngineChoice.VLLM, EngineChoice.VLLM),
     REFERENCE_TO_VLLM_LANE: (EngineChoice.REFERENCE, EngineChoice.VLLM),
 })
 """(producer engine, consumer engine) of every ``vllm`` lane: ``vllm`` is vLLM through the project
@@ -296,6 +304,11 @@ _LANE_LIST: tuple[LaneSpec, ...] = (
     ),
     LaneSpec(
         VLLM_TO_VLLM_LANE, LaneKind.VLLM, Recipe.NATIVE_TEXT, ProducerMode.NATIVE, None,
+        speculative_draft=False,
+    ),
+    # vLLM to vLLM through the operator's KV connector (one identity per connector: the adapter).
+    LaneSpec(
+        VLLM_VIA_CONNECTOR_LANE, LaneKind.VLLM, Recipe.NATIVE_TEXT, ProducerMode.NATIVE, None,
         speculative_draft=False,
     ),
     LaneSpec(

@@ -57,9 +57,11 @@ def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], re
         raise Refused(f"role: found {role!r}, expected one of {', '.join(SERVE_ROLES)}")
     started = time.perf_counter()
     llm = _build_llm(spec, "kv_producer" if role == "serve-producer" else "kv_consumer", model_dir)
+    # The consumer reads KV out of vLLM's pages: trusted only once its decode reproduces the
+    # reference engine's KV on the fixture's first positions (a cold request, nothing loaded).
+    layout = None if role == "serve-producer" else _check_layout(llm, model_dir)
     _answer(reply, {"ok": True, "ready": True, "engine_abi": vllm_engine_abi(), "version": check_pin(),
-                    "start_s": time.perf_counter() - started})
-    checked_layout = False
+                    "start_s": time.perf_counter() - started, "layout_max_abs": layout})
     for line in requests:
         if not line.strip():
             continue
@@ -71,8 +73,7 @@ def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], re
             if role == "serve-producer" and op == "produce":
                 answer = _serve_produce(llm, request)
             elif role == "serve-consumer" and op in ("cold", "load"):
-                answer = _serve_decode(llm, request, model_dir, check_layout=op == "cold" and not checked_layout)
-                checked_layout = checked_layout or op == "cold"
+                answer = _serve_decode(llm, request, model_dir)
             else:
                 raise Refused(f"request op: found {op!r}, expected what {role} answers")
         except Refused as exc:
@@ -98,16 +99,30 @@ def _serve_produce(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     return {**saved, "seconds": time.perf_counter() - started}
 
 
-def _serve_decode(llm: Any, request: dict[str, Any], model_dir: Path, check_layout: bool) -> dict[str, Any]:
+def _check_layout(llm: Any, model_dir: Path) -> float:
+    from qualify.core import assets
+    from qualify.core.kv import KVCache
+    from qualify.engines.connector_delegate import RequestTag
+    from qualify.engines.connector_observer import take_observation
+    from qualify.engines.connector_pair import _generate
+    from qualify.engines.vllm_engine import LAYOUT_PROBE_TOKENS, check_page_decode
+
+    prompt = [int(t) for t in assets.load_prompt()[:LAYOUT_PROBE_TOKENS]]
+    _generate(llm, prompt, 1, RequestTag("layout-probe", cold=True, capture=True), logits=False)
+    kv = take_observation("layout-probe").saved
+    layers = sorted(kv)
+    return check_page_decode(KVCache([kv[i][0] for i in layers], [kv[i][1] for i in layers]), model_dir)
+
+
+def _serve_decode(llm: Any, request: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     """``cold``: the prompt with the connector's hit suppressed, its prefill KV kept; ``load``: the
     connector loads what it claims, the loaded KV kept. Both decode ``tokens`` greedy tokens with
     every raw logit row, written with the KV to ``out`` (``.npz``)."""
-    from qualify.core.kv import KVCache
     from qualify.engines.checkpoint import load_config
     from qualify.engines.connector_delegate import RequestTag
     from qualify.engines.connector_observer import take_observation
     from qualify.engines.connector_pair import _digest_names, _generate
-    from qualify.engines.vllm_engine import check_page_decode, raw_logit_rows
+    from qualify.engines.vllm_engine import raw_logit_rows
 
     cold = request["op"] == "cold"
     key, count = request["key"], int(request["tokens"])
@@ -127,14 +142,9 @@ def _serve_decode(llm: Any, request: dict[str, Any], model_dir: Path, check_layo
     arrays: dict[str, np.ndarray] = {"tokens": np.asarray(completion.token_ids, dtype=np.int64), "logits": rows}
     for layer in layers:
         arrays[f"k{layer}"], arrays[f"v{layer}"] = kv[layer]
-    np.savez(request["out"], **arrays)
-    answer: dict[str, Any] = {"seconds": seconds, "layers": len(layers), "claimed_tokens": observed.claimed_tokens,
-                              "suppressed_hit": observed.suppressed_hit,
-                              "loaded_digests": _digest_names(observed.loaded_digests)}
-    if check_layout:
-        answer["layout_max_abs"] = check_page_decode(KVCache([kv[i][0] for i in layers], [kv[i][1] for i in layers]),
-                                                     model_dir)
-    return answer
+    np.savez(request["out"], **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds too narrowly
+    return {"seconds": seconds, "layers": len(layers), "claimed_tokens": observed.claimed_tokens,
+            "suppressed_hit": observed.suppressed_hit, "loaded_digests": _digest_names(observed.loaded_digests)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +167,7 @@ class EngineSession:
         spec_path.write_text(json.dumps(spec.as_dict()), encoding="utf-8")
         self.log_path = workdir / f"{role}.log"
         read_end, write_end = os.pipe()
-        self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._log = open(self.log_path, "a", encoding="utf-8")
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", CONNECTOR_PAIR_MODULE, role, "--connector", str(spec_path),

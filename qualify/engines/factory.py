@@ -295,6 +295,12 @@ def _lane_engine(engine: Engine, spec: LaneSpec, mode: ProducerMode, role: Role)
     )
 
 
+def lane_engine_of(engine: Engine, spec: LaneSpec, role: Role) -> LaneEngine:
+    """``engine`` as the lane ``spec``'s engine in its declared mode (an engine built elsewhere:
+    the connector lane's facts of an engine that runs in its own process)."""
+    return _lane_engine(engine, spec, spec.mode, role)
+
+
 def _mode_spec(spec: LaneSpec, mode: ProducerMode) -> LaneSpec:
     """The lane whose cache identity an engine built in ``mode`` carries (its own mode's)."""
     if mode is spec.mode:

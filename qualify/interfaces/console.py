@@ -34,6 +34,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qualify.archive.layout import archive_dir
-from qualify.contract.lanes import LANES, EngineChoice, Recipe, lane_spec
+from qualify.contract.lanes import LANES, VLLM_VIA_CONNECTOR_LANE, EngineChoice, Recipe, lane_spec
 from qualify.core.arguments import (
     OneLineParser,
     deadline_seconds,
@@ -57,6 +58,7 @@ from qualify.core.errors import Refused
 from qualify.handoff.setup import RemoteProducerChoice
 from qualify.interfaces import documents
 from qualify.interfaces.tables import Field, FittedTable, hanging
+from qualify.run.connector_lane import ConnectorLaneRun, ConnectorRequest
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
 from qualify.run.signals import interrupt_signal, interrupts_raise, signals_held
 
@@ -109,6 +111,7 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
                              "(default: derived from the identity's basis receipt)")
     parser.add_argument("--model", metavar="NAME|PATH", help=MODEL_HELP)
     parser.add_argument("--json", action="store_true", help=json_help("recipe"))
+    _connector_arguments(parser)
     remote = parser.add_argument_group("a producer already running (docs/transport.md)")
     remote.add_argument("--producer-at", metavar="HOST:PORT",
                         help="connect to this running producer (qualify producer serve --port) instead of starting one")
@@ -122,6 +125,38 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
                         help="the run key the producer was started with (hex, mode 0600; qualify keys tls: run.key)")
     remote.add_argument("--key-env", metavar="VARIABLE", help="read that run key from this environment variable")
     return parser
+
+
+def _connector_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("a KV connector under test, between two vLLM engines (docs/connectors.md)")
+    group.add_argument("--connector", metavar="NAME",
+                       help="a connector vLLM registers (ExampleConnector, ...) or your class's name with "
+                            "--connector-module: lane vllm-via-connector, needs tools/install_vllm.sh")
+    group.add_argument("--connector-config", metavar="JSON",
+                       help="its kv_connector_extra_config, a JSON object; '{storage}' in a string is a fresh "
+                            "folder of the run's, emptied before each handoff")
+    group.add_argument("--connector-module", metavar="MODULE", help="the module defining --connector's class")
+    group.add_argument("--connector-fault", metavar="FAULT",
+                       help="inject this fault into every load (qualify/engines/connector_faults.py): the run must fail")
+
+
+def connector_request(args: argparse.Namespace, command: str) -> ConnectorRequest | None:
+    """``--connector`` and its options as the run will resolve them; options without
+    ``--connector`` are refused in one line."""
+    from qualify.run.connector_lane import ConnectorRequest
+
+    given = [f"--connector-{name}" for name in ("config", "module", "fault")
+             if getattr(args, f"connector_{name}") is not None]
+    if args.connector is None:
+        if given:
+            raise Refused(f"{given[0]}: only with --connector NAME")
+        return None
+    for option, value in (("--producer-at", getattr(args, "producer_at", None)), ("--fault", getattr(args, "fault", None))):
+        if value is not None:
+            raise Refused(f"{option}: not with --connector (the connector lane starts its own vLLM engines)")
+    if getattr(args, "producer", "reference") != "reference" or getattr(args, "consumer", "reference") != "reference":
+        raise Refused(f"{command} --connector: runs vLLM on both sides; leave --producer and --consumer unset")
+    return ConnectorRequest(args.connector, args.connector_config, args.connector_module, args.connector_fault)
 
 
 def _anchors(text: str) -> int:
@@ -473,6 +508,9 @@ def run_cli(argv: Sequence[str]) -> int:
     from qualify.run.run_contract import default_identity_path
 
     args = _recipe_parser("qualify").parse_args(list(argv))
+    connector = connector_request(args, "qualify")
+    if connector is not None:  # the connector lane: vLLM on both sides, through the operator's connector
+        args.producer = args.consumer = EngineChoice.VLLM.value
     _check_run_choices(args)
     producer_at = _remote_producer_choice(args)
     options = RunOptions(
@@ -482,7 +520,7 @@ def run_cli(argv: Sequence[str]) -> int:
         producer_at=producer_at,
     )
     console = json_progress_console() if args.json else operator_console()
-    run = QualificationRun(options)
+    run = QualificationRun(options) if connector is None else ConnectorLaneRun(options, request=connector)
 
     def identity_path() -> Path:  # the default is the chosen model's: known once the run chose it
         return args.identity or default_identity_path(args.recipe, args.producer, args.consumer)
@@ -536,8 +574,8 @@ def calibrate_cli(argv: Sequence[str]) -> int:
                            description="Measure a lane on its calibration set, anchor its fixture and measure its "
                                        "controls; derive its sealed bounds by the stated rule.")
     parser.add_argument("--recipe", required=True, choices=RECIPE_NAMES)
-    parser.add_argument("--lane", required=True, choices=list(LANES), metavar="LANE",
-                        help="lane name (qualify/contract/lanes.py)")
+    parser.add_argument("--lane", choices=list(LANES), metavar="LANE",
+                        help="lane name (qualify/contract/lanes.py); with --connector: vllm-via-connector")
     parser.add_argument("--anchors", type=_anchors, default=ANCHOR_HANDOFFS,
                         help=f"fixture anchor handoffs, 2 to {MAX_REPETITIONS} (default {ANCHOR_HANDOFFS})")
     parser.add_argument("--no-controls", action="store_true",
@@ -545,7 +583,17 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--receipts", type=path_argument, help="receipt archive for the calibration receipt")
     parser.add_argument("--model", metavar="NAME|PATH", help=MODEL_HELP)
     parser.add_argument("--json", action="store_true", help=json_help("calibrate"))
+    _connector_arguments(parser)
     args = parser.parse_args(list(argv))
+    connector = connector_request(args, "qualify calibrate")
+    if connector is not None:
+        if args.lane not in (None, VLLM_VIA_CONNECTOR_LANE):
+            raise Refused(f"--lane {args.lane}: --connector calibrates lane {VLLM_VIA_CONNECTOR_LANE}")
+        args.lane = VLLM_VIA_CONNECTOR_LANE
+    elif args.lane is None:
+        raise Refused("--lane: required (or --connector NAME for the connector lane)")
+    elif args.lane == VLLM_VIA_CONNECTOR_LANE:
+        raise Refused(f"--lane {args.lane}: needs --connector NAME")
     from qualify.engines.chosen_model import use_model
 
     use_model(args.model)
@@ -561,8 +609,9 @@ def calibrate_cli(argv: Sequence[str]) -> int:
             console.print(Text(line, style="dim"))
             show(f"calibrate {args.lane}: {line[:60]}")
 
+        factory: Any = QualificationRun if connector is None else partial(ConnectorLaneRun, request=connector)
         result = calibrate(spec, args.recipe, options, log=log, anchors=args.anchors,
-                           controls=not args.no_controls)
+                           controls=not args.no_controls, run_factory=factory)
     code = EXIT_PASS if result.passed else EXIT_FAILED
     steps = next_steps(result, args.lane, args.recipe)
     if args.json:

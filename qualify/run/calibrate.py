@@ -148,12 +148,13 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
               transport: TransportFactory | None = None, comparer: ComparerFactory | None = None,
               environments: list[dict[str, str]] | None = None, consumer: LaneEngine | None = None,
               calibration_set: tuple[CalibrationSet, str] | None = None, anchors: int = ANCHOR_HANDOFFS,
-              controls: bool = True) -> Calibration:
+              controls: bool = True, run_factory: Callable[..., QualificationRun] = QualificationRun) -> Calibration:
     """Measure the lane ``spec`` on its calibration set and anchor its fixture (each handoff under a fresh
     producer, cycling ``environments``: by default every one this CPU runs; an in-process
     producer passes ``[{}]``), measure its E2 controls when the committed criteria preregister the
     lane (``controls=False`` skips them, and the calibration then cannot seal an identity that
-    declares them), archive everything as one receipt and judge it."""
+    declares them), archive everything as one receipt and judge it. ``run_factory`` builds the run
+    (the connector lane's :class:`~qualify.run.connector_lane.ConnectorLaneRun`, bound to its connector)."""
     if anchors < 2:
         raise Refused(f"--anchors: found {anchors}, expected at least 2 (a retained digest must be shown to reproduce)")
     lane = spec.name
@@ -169,7 +170,7 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
     contract = calibration_contract(spec, recipe, handoffs,
                                     calibration_set={"name": chosen_set.name, "sha256": set_digest},
                                     controls=controls_ref, output_tokens=chosen_set.output_tokens)
-    run = QualificationRun(options, contract, log=log, transport=transport, comparer=comparer, consumer=consumer)
+    run = run_factory(options, contract, log=log, transport=transport, comparer=comparer, consumer=consumer)
     echo = log or (lambda line: None)
     entries: list[dict[str, Any]] = []
     controls_record: dict[str, Any] | None = None

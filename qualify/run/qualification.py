@@ -65,6 +65,7 @@ from qualify.run.signals import interrupt_signal, interrupts_raise, signals_held
 if TYPE_CHECKING:
     from qualify.archive.writer import ReceiptWriter
     from qualify.contract.identity import Identity
+    from qualify.contract.lanes import LaneSpec
     from qualify.handoff.transport import Transport
     from qualify.handoff.wire import HandoffExpectation
 
@@ -352,16 +353,15 @@ class QualificationRun:
     def _seal_identity(self) -> str:
         from qualify.archive.layout import archive_dir
         from qualify.archive.writer import ReceiptWriter
-        from qualify.engines.factory import build_consumer
 
         options = self.options
         if self.contract is None:
             identity_path, identity = self._load_identity()
             try:
                 check_lane_engines(identity.spec, options.producer, options.consumer)
-                self.consumer = self._given_consumer or build_consumer(identity.spec)
+                self.consumer = self.build_consumer(identity.spec)
                 self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
-                                                       self.consumer)
+                                                       self.consumer, adapter=self.adapter_pin())
                 self._check_link_floor(self.contract, f"identity {identity_path}")
             except Refused as refusal:
                 # A sealed identity whose lane cannot run here (no GPU, no vLLM, another numeric
@@ -372,7 +372,7 @@ class QualificationRun:
             chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
             if options.fault is not None:
                 faults.fault_named(options.fault)
-            self.consumer = self._given_consumer or build_consumer(self.contract.spec)
+            self.consumer = self.build_consumer(self.contract.spec)
             self._check_link_floor(self.contract, f"lane {self.contract.lane}")
         contract = self.contract
         if contract.repetitions != ORDERED_HANDOFFS:
@@ -434,6 +434,22 @@ class QualificationRun:
         self.restart_producer(env)
         return self._compute_reference()
 
+    def build_consumer(self, spec: LaneSpec) -> LaneEngine:
+        """The run's consumer for the lane ``spec``: the caller's, else the factory's."""
+        from qualify.engines.factory import build_consumer
+
+        return self._given_consumer or build_consumer(spec)
+
+    def adapter_pin(self) -> tuple[str, str] | None:
+        """The (name, SHA-256) the identity's adapter must be, when the run names it (a connector
+        lane's connector); None: the lane kind's own adapter."""
+        return None
+
+    def default_identity_path(self) -> Path:
+        """The identity the run qualifies when ``--identity`` is not given (after ``--model``)."""
+        options = self.options
+        return default_identity_path(options.recipe, options.producer, options.consumer)
+
     def _load_identity(self) -> tuple[Path, Identity]:
         """The run's identity, loaded and sealed (schema, strict model, sealed digest). A choice or
         identity refused here (not JSON, an unknown lane, a relaxed bound) still gets a receipt,
@@ -449,8 +465,7 @@ class QualificationRun:
                 from qualify.engines.chosen_model import use_model
 
                 use_model(options.model)
-            identity_path = options.identity or default_identity_path(
-                options.recipe, options.producer, options.consumer)
+            identity_path = options.identity or self.default_identity_path()
             identity = load_identity(identity_path)
         except Refused as refusal:
             raise self._refused_with_receipt(refusal, None, None) from None

@@ -16,6 +16,7 @@ from qualify.contract.controls import model_contracts_dir
 from qualify.contract.identity import Identity
 from qualify.contract.lanes import (
     KQUANT_EXACT_LANE,
+    VLLM_VIA_CONNECTOR_LANE,
     LaneSpec,
     ProducerMode,
     Recipe,
@@ -79,6 +80,25 @@ def _frozen_lane_hint(path: Path) -> str:
         return f"{document['lane']} (qualify --recipe {document['recipe']} --identity {path})"
     except (Refused, KeyError, TypeError, ValueError):
         return path.name
+
+
+def check_connector_pin(identity: Identity, pin: tuple[str, str] | None, where: str) -> None:
+    """A connector lane's identity pins its connector as its adapter (name, digest of the resolved
+    connector); the run's connector (``--connector`` and its config) must be that one."""
+    if identity.lane != VLLM_VIA_CONNECTOR_LANE or pin is None:
+        raise Refused(f"{where}: lane {identity.lane}: a connector lane needs --connector and its identity "
+                      f"needs lane {VLLM_VIA_CONNECTOR_LANE}")
+    name, sha256 = pin
+    if (identity.adapter.name, identity.adapter.sha256) != (name, sha256):
+        raise Refused(f"{where}: adapter: the identity pins {identity.adapter.name} sha256 {identity.adapter.sha256}, "
+                      f"the run's connector is {name} sha256 {sha256} (its module, class, package version or "
+                      f"config differ); calibrate and freeze this connector's own identity")
+
+
+def connector_identity_path(connector: str) -> Path:
+    """Where a connector lane's frozen identity lives: ``contracts/connectors/<name>-identity-v1.json``
+    (under ``contracts/models/<model>/`` for a chosen ``--model``)."""
+    return model_contracts_dir() / "connectors" / f"{connector}-identity-v1.json"
 
 
 def identity_path_for_lane(lane: str) -> Path:
@@ -347,7 +367,8 @@ def check_model(identity: Identity, where: str) -> None:
                           f"found {found_digest or 'absent'}")
 
 
-def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer: Engine) -> Contract:
+def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer: Engine,
+                           adapter: tuple[str, str] | None = None) -> Contract:
     """Load and seal the identity (schema, strict model, sealed digest, basis receipt), check the built
     engines against its pins and derive the run's contract; refuses an identity of another
     recipe or whose artifacts or numeric environment no longer match."""
@@ -359,7 +380,10 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
 
     identity = load_identity(identity_path)
     check_model(identity, f"identity {identity_path}")
-    check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
+    if identity.lane == VLLM_VIA_CONNECTOR_LANE or adapter is not None:
+        check_connector_pin(identity, adapter, f"identity {identity_path}")
+    else:
+        check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
     if identity.recipe != recipe:
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")
     check_engine_pins(identity, consumer, lane_producer_abi(identity.spec))
