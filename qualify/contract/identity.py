@@ -395,6 +395,20 @@ class Identity(_Frozen):
         return lane if name is None else f"{name}/{lane}"
 
     @model_validator(mode="after")
+    def _connector_adapter(self) -> Identity:
+        """A connector lane pins its connector as ``connector:<name>``; no other lane's adapter may
+        look like one (its seal name would pass for a connector's)."""
+        connector_lane = self.lane == VLLM_VIA_CONNECTOR_LANE
+        named = self.adapter.name.startswith(CONNECTOR_ADAPTER_PREFIX)
+        if connector_lane and not (named and len(self.adapter.name) > len(CONNECTOR_ADAPTER_PREFIX)):
+            raise _rule_error("adapter.name", f"found {render(self.adapter.name)}, lane {self.lane} expects "
+                                              f"{CONNECTOR_ADAPTER_PREFIX}<connector name>")
+        if named and not connector_lane:
+            raise _rule_error("adapter.name", f"found {render(self.adapter.name)}, a connector's adapter; "
+                                              f"only lane {VLLM_VIA_CONNECTOR_LANE} pins a connector")
+        return self
+
+    @model_validator(mode="after")
     def _one_model(self) -> Identity:
         """The checkpoint pins one model's files (never the shipped model's beside another's)."""
         try:

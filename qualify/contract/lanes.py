@@ -417,6 +417,10 @@ def target_cache_identity(
     if spec.kind is LaneKind.VLLM:
         # vLLM lanes share kind, mode and variant: their (producer, consumer) engines separate them.
         document["vllm_lane_engines"] = list(VLLM_LANE_ENGINES[spec.name])
+    if spec.name == VLLM_VIA_CONNECTOR_LANE:
+        # Its KV crosses the operator's connector, never the harness's wire: named apart from
+        # vllm-to-vllm (same engines), which leaves every other lane's document unchanged.
+        document["transport"] = "kv-connector"
     if spec.kind is LaneKind.KQUANT and not spec.speculative_draft:
         # A draftless k-quant target hands off no draft context: never the draft lane's KV, though
         # kind, mode and checkpoint can be the same. (Added with the draftless lane; the draft

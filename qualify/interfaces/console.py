@@ -613,7 +613,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
         result = calibrate(spec, args.recipe, options, log=log, anchors=args.anchors,
                            controls=not args.no_controls, run_factory=factory)
     code = EXIT_PASS if result.passed else EXIT_FAILED
-    steps = next_steps(result, args.lane, args.recipe)
+    steps = next_steps(result, args.lane, args.recipe, None if connector is None else connector.arguments())
     if args.json:
         documents.emit(documents.calibration_document(result, exit_code=code, recipe=args.recipe,
                                                       anchors=args.anchors, steps=steps))

@@ -57,19 +57,25 @@ class ConnectorRequest:
     module: str | None = None
     fault: str | None = None
 
+    def arguments(self) -> list[str]:
+        """The connector's command-line options (a fault is never part of what is frozen)."""
+        given = [("--connector-config", self.config), ("--connector-module", self.module)]
+        return ["--connector", self.name, *(item for option, value in given if value is not None for item in (option, value))]
+
     def resolve(self) -> ConnectorChoice:
         """The connector resolved and pinned (vLLM imported, no engine started); one-line ``Refused``."""
-        from qualify.engines.connector_faults import FAULTS
         from qualify.engines.connector_under_test import parse_connector_config, resolve_connector
 
-        if self.fault is not None and self.fault not in FAULTS:
-            raise Refused(f"--connector-fault: found {self.fault!r}, expected one of {', '.join(FAULTS)}")
         config = parse_connector_config(self.config, "--connector-config")
         try:
             import vllm  # noqa: F401  (only to refuse its absence in one line)
         except ImportError as exc:
             raise Refused(f"--connector {self.name}: vLLM does not import here ({one_line(str(exc))}); "
                           f"install it with tools/install_vllm.sh") from None
+        from qualify.engines.connector_faults import FAULTS  # imports vLLM
+
+        if self.fault is not None and self.fault not in FAULTS:
+            raise Refused(f"--connector-fault: found {self.fault!r}, expected one of {', '.join(FAULTS)}")
         return ConnectorChoice(resolve_connector(self.name, module=self.module, config=config), self.fault)
 
 
@@ -88,13 +94,14 @@ class ConnectorChoice:
         return f"{CONNECTOR_ADAPTER_PREFIX}{self.spec.name}", jcs_sha256(pinned)
 
 
-def _with_storage(value: Any, storage: Path) -> Any:
+def expand_storage(value: Any, storage: Path) -> Any:
+    """``value`` (a config) with every ``{storage}`` in its strings replaced by ``storage``."""
     if isinstance(value, str):
         return value.replace(STORAGE_PLACEHOLDER, str(storage))
     if isinstance(value, dict):
-        return {key: _with_storage(item, storage) for key, item in value.items()}
+        return {key: expand_storage(item, storage) for key, item in value.items()}
     if isinstance(value, list):
-        return [_with_storage(item, storage) for item in value]
+        return [expand_storage(item, storage) for item in value]
     return value
 
 
@@ -104,7 +111,7 @@ def runtime_spec(choice: ConnectorChoice, storage: Path) -> ConnectorSpec:
     from qualify.engines.connector_under_test import resolve_connector
 
     spec = choice.spec
-    config = _with_storage(spec.config, storage)
+    config = expand_storage(spec.config, storage)
     resolved = resolve_connector(spec.name, module=spec.module_path, config=config)
     if choice.fault is None:
         return resolved

@@ -43,9 +43,10 @@ class StepLine:
     style: str = ""
 
 
-def next_steps(result: Calibration, lane: str, recipe: str) -> list[StepLine]:
+def next_steps(result: Calibration, lane: str, recipe: str, connector: list[str] | None = None) -> list[StepLine]:
     """The verdict on a calibration and, when its rules derive a rule, the commands that seal it
-    (the freeze tool derives every number from the receipt again: none is passed to it)."""
+    (the freeze tool derives every number from the receipt again: none is passed to it).
+    ``connector``: a connector lane's ``--connector ...`` options, as calibrated."""
     if result.failures:
         return [StepLine("no rule derived: a handoff failed; publish this receipt as its result", "bold red")]
     if not result.tokens_exact:
@@ -61,7 +62,7 @@ def next_steps(result: Calibration, lane: str, recipe: str) -> list[StepLine]:
             return [StepLine("rung 3 is bit-exact by its recipe; no draft floor was derived", "bold red")]
         lead = StepLine(f"rung 3 is bit-exact by its recipe: no bound; draft acceptance floor {result.acceptance_floor!r} "
                         f"(one-sided 95 % Wilson lower bound of the fixture anchor's counts)", "bold")
-        return [lead, *freeze_steps(lane, result.receipt_path)]
+        return [lead, *freeze_steps(lane, result.receipt_path, connector)]
     if result.proposed_maximum_absolute is None or result.proposed_maximum_mean_absolute is None:
         return [StepLine("no bound can be derived from these cells", "yellow")]
     lines = []
@@ -72,7 +73,7 @@ def next_steps(result: Calibration, lane: str, recipe: str) -> list[StepLine]:
         f"derived rule (largest cell value plus one standard deviation over {len(result.cells)} calibration cells): "
         f"maximum_absolute {result.proposed_maximum_absolute!r}, "
         f"maximum_mean_absolute {result.proposed_maximum_mean_absolute!r}", "bold"))
-    return lines + freeze_steps(lane, result.receipt_path)
+    return lines + freeze_steps(lane, result.receipt_path, connector)
 
 
 def identity_name(lane: str) -> str:
@@ -80,7 +81,7 @@ def identity_name(lane: str) -> str:
     return f"{lane}-identity-v1.json"
 
 
-def freeze_steps(lane: str, receipt: Path | None) -> list[StepLine]:
+def freeze_steps(lane: str, receipt: Path | None, connector: list[str] | None = None) -> list[StepLine]:
     """The heading and the commands that copy the receipt into ``receipts/``, freeze the lane's
     identity from it (the tool derives its numbers by the stated rules), regenerate the sealed
     data and check it."""
@@ -92,10 +93,12 @@ def freeze_steps(lane: str, receipt: Path | None) -> list[StepLine]:
     receipt = receipt.resolve()
     choice = model_choice.chosen()
     # In the checkout, where the freeze writes: a chosen --model's identities live apart.
-    identity = (Path("contracts") / identity_name(lane) if choice is None
-                else Path("contracts") / model_choice.MODELS_PREFIX / choice.name / identity_name(lane))
+    contracts = Path("contracts") if choice is None else Path("contracts") / model_choice.MODELS_PREFIX / choice.name
+    # A connector lane's identity is its connector's (connectors/<name>-identity-v1.json).
+    identity = (contracts / identity_name(lane) if connector is None
+                else contracts / "connectors" / identity_name(connector[1]))
     model = [] if choice is None else ["--model", choice.argument]
-    freeze = [_python(), str(FREEZE_TOOL), *model, "--lane", lane,
+    freeze = [_python(), str(FREEZE_TOOL), *model, "--lane", lane, *(connector or []),
               "--basis", f"receipt://{receipt.name}/{BASIS_FILE}"]
     if (REPO_ROOT / identity).exists():  # a re-calibrated lane replaces its identity (the commit shows the change)
         freeze.append("--replace")

@@ -1054,6 +1054,46 @@ def attestation_cases() -> list[Case]:
     ]
 
 
+# =========================================================================== qualify.run.connector_lane
+
+
+def connector_lane_cases() -> list[Case]:
+    import argparse
+
+    from qualify.contract.identity import parse_identity_document
+    from qualify.interfaces.console import connector_request
+    from qualify.run.connector_lane import ConnectorRequest
+    from qualify.run.run_contract import check_connector_pin
+    from tests.unit.contract.test_identity import make_document
+
+    connector_identity = parse_identity_document(make_document("vllm-via-connector"), where="identity x")
+    other_identity = parse_identity_document(make_document("vllm-to-vllm"), where="identity x")
+
+    def options(**given: object) -> argparse.Namespace:
+        fields = {"connector": None, "connector_config": None, "connector_module": None, "connector_fault": None,
+                  "producer_at": None, "fault": None, "producer": "reference", "consumer": "reference"}
+        return argparse.Namespace(**{**fields, **given})
+
+    return [
+        Case("a config that is not JSON", refused(ConnectorRequest("ExampleConnector", config="{not json").resolve)),
+        Case("a config that is a JSON array", refused(ConnectorRequest("ExampleConnector", config="[1]").resolve)),
+        Case("the identity pins another connector digest", refused(
+            check_connector_pin, connector_identity, ("connector:ExampleConnector", "f" * 64), "identity x")),
+        Case("the identity pins another connector", refused(
+            check_connector_pin, connector_identity, ("connector:MyConnector", "f" * 64), "identity x")),
+        Case("a connector run given another lane's identity", refused(
+            check_connector_pin, other_identity, ("connector:ExampleConnector", "f" * 64), "identity x")),
+        Case("--connector-config without --connector",
+             refused(connector_request, options(connector_config="{}"), "qualify")),
+        Case("--producer-at with --connector",
+             refused(connector_request, options(connector="ExampleConnector", producer_at="127.0.0.1:1"), "qualify")),
+        Case("--fault with --connector",
+             refused(connector_request, options(connector="ExampleConnector", fault="k-bit-flip"), "qualify")),
+        Case("--producer vllm with --connector",
+             refused(connector_request, options(connector="ExampleConnector", producer="vllm"), "qualify")),
+    ]
+
+
 # =========================================================================== the golden files
 
 
@@ -1066,6 +1106,7 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "contract.identity": identity_cases,
     "archive.verify": verify_cases,
     "archive.attestation": attestation_cases,
+    "run.connector_lane": connector_lane_cases,
 }
 
 

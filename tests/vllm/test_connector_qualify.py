@@ -92,6 +92,11 @@ def test_qualifies_through_the_connector(sealed, tmp_path):
         evidence = json.loads((receipt / "evidence" / f"connector-sample-{sample}.json").read_text(encoding="utf-8"))
         assert evidence["claimed_tokens"] > 0 and evidence["kv_cells"] == []
         assert evidence["loaded_cells_differing_from_saved"] == []
+    # 3. enroll: the lane's handoff key, from this receipt.
+    assert cli.main(["enroll", "--identity", str(identity_path), "--receipt", str(receipt),
+                     "--registry", str(tmp_path / "registry.json"), "--keys", str(tmp_path / "keys")]) == 0
+    registry = json.loads((tmp_path / "registry.json").read_text(encoding="utf-8"))
+    assert [entry["lane"] for entry in registry["entries"]] == [VLLM_VIA_CONNECTOR_LANE]
 
 
 def test_another_config_is_refused_by_the_identity(sealed, tmp_path):

@@ -40,7 +40,7 @@ from qualify.contract.identity import (
     parse_identity_document,
     validate_identity_document,
 )
-from qualify.contract.lanes import LANES, target_cache_identity
+from qualify.contract.lanes import LANES, VLLM_VIA_CONNECTOR_LANE, target_cache_identity
 from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
 from qualify.contract.units import RawLogitUnits, SoftcapLogitUnits, logit_units_label, parse_logit_units
 from qualify.core.digests import document_sha256, sha256_bytes, sha256_file
@@ -126,7 +126,8 @@ def make_document(
         "checkpoint": {"files": files, "total_bytes": 10_265_158},
         "producer_engine": {"name": "qualify-reference", "version": "0.1.0", "abi": abi},
         "consumer_engine": {"name": "qualify-reference", "version": "0.1.0", "abi": "nvfp4-exact-v1"},
-        "adapter": {"name": "qualify-nvfp4-linear", "sha256": digest("adapter")},
+        "adapter": {"name": "connector:ExampleConnector" if lane == VLLM_VIA_CONNECTOR_LANE else "qualify-nvfp4-linear",
+                    "sha256": digest("adapter")},
         "tokenizer_sha256": digest("tokenizer"),
         "prompt": {"name": "python-textwrap", "tokens": 2048, "sha256": digest("prompt")},
         "prompt_template": {"name": "raw-token-ids", "sha256": digest("template")},
@@ -156,7 +157,7 @@ class Pair:
 
     @property
     def sealed_sha256(self) -> str:
-        return self.table[self.document["lane"]]
+        return self.table[parse_identity_document(self.document, where="pair").seal_name]
 
     def write(self, document: Any) -> Path:
         self.path.write_text(json.dumps(document, allow_nan=True), encoding="utf-8")
@@ -177,7 +178,7 @@ def make_pair(root: Path, lane: str = "nvfp4-native-splitk", **overrides: Any) -
     archive = root / "receipts"
     basis = make_basis_receipt(archive)
     document = make_document(lane, **overrides)
-    lane_name = document["lane"]
+    lane_name = parse_identity_document(document, where="made").seal_name
     pair = Pair(root / f"{lane}.json", document, {lane_name: document_sha256(document)},
                 {lane_name: sha256_file(basis.parent / "manifest.json")}, archive)
     pair.write(pair.document)
@@ -1029,3 +1030,22 @@ def test_refreeze_recomputes_the_artifact_digests_and_keeps_the_rest(
 def test_freeze_tool_needs_something_to_do(capsys: pytest.CaptureFixture[str]) -> None:
     assert _freeze_tool().main([]) == 2
     assert "expected --lane, --refreeze, --write-sealed or --write-schema" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("lane", "adapter", "expected"), [
+    (VLLM_VIA_CONNECTOR_LANE, "qualify-vllm-connector", "adapter.name"),
+    (VLLM_VIA_CONNECTOR_LANE, "connector:", "adapter.name"),
+    ("vllm-to-vllm", "connector:ExampleConnector", "adapter.name"),
+])
+def test_only_the_connector_lane_pins_a_connector(tmp_path: Path, lane: str, adapter: str, expected: str) -> None:
+    """A connector lane's adapter is ``connector:<name>`` (its seal name is the lane and that
+    name); any other lane naming a connector as its adapter is refused."""
+    pair = make_pair(tmp_path, lane)
+    assert expected in refused(pair, mutated(pair.document, "adapter.name", adapter))
+
+
+def test_each_connector_is_sealed_apart(tmp_path: Path) -> None:
+    document = make_document(VLLM_VIA_CONNECTOR_LANE)
+    first = parse_identity_document(document, where="first").seal_name
+    second = parse_identity_document(mutated(document, "adapter.name", "connector:Other"), where="second").seal_name
+    assert (first, second) == (f"{VLLM_VIA_CONNECTOR_LANE}/ExampleConnector", f"{VLLM_VIA_CONNECTOR_LANE}/Other")

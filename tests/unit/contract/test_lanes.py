@@ -128,6 +128,7 @@ def test_lane_table() -> None:
         "kquant-native",
         "vllm-to-reference",
         "vllm-to-vllm",
+        "vllm-via-connector",
         "reference-to-vllm",
         "transformers-cuda-fp32",
         "transformers-cuda-tf32",
@@ -213,7 +214,8 @@ def test_cache_identities_of_all_lanes_differ() -> None:
     identities = {name: target_cache_identity(spec, CHECKPOINT, "abi-1") for name, spec in LANES.items()}
     assert len(set(identities.values())) == len(LANES)
     kinds = [(spec.kind, spec.mode, spec.variant, lanes.VLLM_LANE_ENGINES.get(spec.name),
-              lanes.TRANSFORMERS_LANE_SETTINGS.get(spec.name), spec.speculative_draft) for spec in LANES.values()]
+              lanes.TRANSFORMERS_LANE_SETTINGS.get(spec.name), spec.speculative_draft,
+              spec.name == lanes.VLLM_VIA_CONNECTOR_LANE) for spec in LANES.values()]
     assert len(set(kinds)) == len(kinds), "two lanes would share a cache identity"
     exact = LANES["nvfp4-exact"]
     native = LANES["nvfp4-native-splitk"]
