@@ -76,13 +76,13 @@ class Endpoint:
         except (OSError, ValueError) as exc:  # a reset connection, a malformed response line
             raise Refused(f"{self.option} {self.base}: {path}: {type(exc).__name__}: {one_line(str(exc))[:160]}") from None
 
-    def get(self, path: str, timeout_s: float = CHECK_TIMEOUT_S) -> HttpAnswer:
-        return self._request(path, None, timeout_s)
+    def get(self, path: str, timeout_s: float | None = None) -> HttpAnswer:
+        return self._request(path, None, CHECK_TIMEOUT_S if timeout_s is None else timeout_s)
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float) -> HttpAnswer:
         return self._request(path, body, timeout_s)
 
-    def get_json(self, path: str, what: str, timeout_s: float = CHECK_TIMEOUT_S) -> Any:
+    def get_json(self, path: str, what: str, timeout_s: float | None = None) -> Any:
         """GET ``path``'s JSON document; refused (naming ``what`` the server is expected to be)
         for an error status or a body that is not JSON."""
         answer = self.get(path, timeout_s)
