@@ -10,7 +10,8 @@ it instead of computing the prompt. The run sees that (the prefill server's conn
 does not qualify the pair: the KV handed over is the decode server's own. The loaded branch is
 still compared, and is bit-equal to the cold recompute under full-vocabulary logprobs.
 
-One pair per module (started once, about 15 s on two cores); two runs against it.
+Two pairs, one after the other (each started once, about 15 s on two cores): one allowing full
+logprobs (two runs against it), then one allowing only the top 20 (one run).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ PROMPT_TOKENS = len(assets.load_prompt())
 HANDED_OFF = ((PROMPT_TOKENS - 1) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
 """ExampleConnector stores the whole blocks before the prompt's last token (1920 of 2048)."""
 VOCAB = json.loads((assets.MODEL_DIR / "config.json").read_text())["vocab_size"]
+TOP_K = 20
+"""The second pair's --max-logprobs: below the vocabulary, so the run judges on top-20 logprobs."""
 START_LIMIT_S = 300.0
 """How long a server may take to answer /health before the fixture gives up (a hang is a failure)."""
 
@@ -54,14 +57,14 @@ def _server_env() -> dict[str, str]:
     return {**env, **ENV}
 
 
-def _start(role: str, port: int, model: Path, storage: Path, log: Path) -> subprocess.Popen[bytes]:
+def _start(role: str, port: int, model: Path, storage: Path, log: Path, max_logprobs: int) -> subprocess.Popen[bytes]:
     transfer = {"kv_connector": "ExampleConnector", "kv_role": role,
                 "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "shipped", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "4096",
                "--max-num-batched-tokens", "4096", "--block-size", str(VLLM_BLOCK_SIZE), "--seed", "0",
-               "--max-logprobs", "-1", "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
+               "--max-logprobs", str(max_logprobs), "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
                "--kv-transfer-config", json.dumps(transfer)]
     with log.open("wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_server_env(),
@@ -85,21 +88,23 @@ def _wait_healthy(process: subprocess.Popen[bytes], port: int, log: Path) -> Non
                 f"{log.read_text(errors='replace')[-2000:]}", pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """The running pair's (prefill URL, decode URL)."""
+@pytest.fixture(scope="module", params=[-1, TOP_K], ids=["full-logprobs", f"max-logprobs-{TOP_K}"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, int]]:
+    """The running pair's (prefill URL, decode URL, --max-logprobs): one pair allowing full
+    logprobs, then one allowing only the top 20."""
+    max_logprobs = int(request.param)
     root = tmp_path_factory.mktemp("served-pair")
     model = model_files_view(assets.MODEL_DIR, "served")
     storage = root / "kv"
     storage.mkdir()
     ports = _free_port(), _free_port()
     logs = root / "prefill.log", root / "decode.log"
-    processes = [_start(role, port, model, storage, log)
+    processes = [_start(role, port, model, storage, log, max_logprobs)
                  for role, port, log in zip(("kv_producer", "kv_consumer"), ports, logs, strict=True)]
     try:
         for process, port, log in zip(processes, ports, logs, strict=True):
             _wait_healthy(process, port, log)
-        yield f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}"
+        yield f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}", max_logprobs
     finally:
         for process in processes:
             process.terminate()
@@ -111,7 +116,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
                 process.wait()
 
 
-def _run(pair: tuple[str, str], receipts: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, Path]:
+def _run(pair: tuple[str, str, int], receipts: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, Path]:
     ensure_signing_key()
     code = main(["--recipe", "native-text", "--prefill-url", pair[0], "--decode-url", pair[1],
                  "--model", str(assets.MODEL_DIR), "--receipts", str(receipts)])
@@ -130,25 +135,28 @@ def _documents(receipt: Path) -> tuple[dict, list[dict], dict]:
     return summary, samples, evidence
 
 
-def test_the_served_pair_gets_a_verdict_on_full_logprobs_and_its_receipt_verifies(pair, tmp_path, capsys):
+def test_the_served_pair_gets_a_verdict_on_the_strongest_logprobs_and_its_receipt_verifies(pair, tmp_path, capsys):
     code, receipt = _run(pair, tmp_path / "receipts", capsys)
     summary, samples, evidence = _documents(receipt)
-    # The verdict, its evidence mode (full: the servers run --max-logprobs -1) and its rule.
-    assert summary["lane"] == "served-pair" and summary["rule"]["evidence"] == "full"
-    assert summary["rule"]["vocab"] == VOCAB and summary["scope"]["fixture"]["name"].endswith("full-logprobs")
+    # The verdict, its evidence mode (full under --max-logprobs -1, else the top 20) and its rule.
+    full = pair[2] == -1
+    assert summary["lane"] == "served-pair" and summary["rule"]["evidence"] == ("full" if full else "top-k")
+    assert summary["rule"]["top_k"] == (None if full else TOP_K)
+    assert summary["scope"]["fixture"]["name"].endswith("full-logprobs" if full else f"top{TOP_K}-logprobs")
     assert evidence["cold_cached_tokens"] == 0  # the cold branch recomputed the whole prompt
     for sample in samples:
         # Loaded through the decode server's connector, none of it from its local prefix cache ...
         assert sample["decode_cached_tokens"] == sample["decode_connector_tokens"] == HANDED_OFF
         # ... and equal to the cold recompute: every token, every logprob of the vocabulary.
         assert sample["tokens_equal"] == 256 and sample["max_abs"] == 0.0
-        assert sample["compared_logprob_entries"] == 256 * VOCAB
+        assert sample["compared_logprob_entries"] == 256 * (VOCAB if full else TOP_K)
         # But the prefill server loaded the prompt from the store (the decode server's cold
         # recompute, saved by its ExampleConnector) instead of computing it: no evidence of a handoff.
         assert sample["prefill_connector_tokens"] == HANDED_OFF
     assert (code, summary["status"]) == (1, "failed")
 
 
+@pytest.mark.parametrize("pair", [-1], ids=["full-logprobs"], indirect=True)  # once: the path is the same under top-k
 def test_a_second_run_finds_no_cold_recompute_and_does_not_qualify(pair, tmp_path, capsys):
     # The store now holds the prompt: the decode server loads it for the "cold" branch too.
     code, receipt = _run(pair, tmp_path / "receipts", capsys)
