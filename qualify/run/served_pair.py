@@ -173,10 +173,12 @@ def check_server(option: str, url: str | None, model: ExpectedModel, model_argum
         check = f"config.json of {root} equals {model.name}'s"
     else:
         names = {model.name, *([model_argument, Path(model_argument).name] if model_argument else [])}
+        why = (f"{root}/config.json is not readable here" if config is None
+               else f"{model.name} has no config.json to compare (a GGUF file)")
         if model_id not in names and Path(root).name not in names:
             raise Refused(f"{option} {endpoint.base}: serves {model_id!r} (root {root!r}), not --model {model.name}; "
-                          f"its config.json is not readable here to compare")
-        check = f"by name only ({model_id!r}; its config.json is not readable here)"
+                          f"checked by name: {why}")
+        check = f"by name only ({model_id!r}): {why}"
     max_len = entry.get("max_model_len")
     if type(max_len) is int and max_len < len(model.prompt) + OUTPUT_TOKENS:
         raise Refused(f"{option} {endpoint.base}: max_model_len {max_len} is shorter than the fixture's "
@@ -343,6 +345,10 @@ def _cold(decode: Server, model: ExpectedModel, vocab: int | None) -> tuple[Serv
 
 
 def _run(options: ServedOptions, run: ServedRun, note: Callable[[str], None]) -> ServedRun:
+    for option, url in (("--prefill-url", options.prefill_url), ("--decode-url", options.decode_url)):
+        if url is None:  # before any request: a pair is both servers
+            raise Refused(f"{option}: missing; a served pair needs both --prefill-url and --decode-url")
+        parse_base_url(option, url)
     model = expected_model(options.model)
     prefill = check_server("--prefill-url", options.prefill_url, model, options.model)
     decode = check_server("--decode-url", options.decode_url, model, options.model)
