@@ -6,11 +6,14 @@ every position, ``--max-logprobs`` at least the vocabulary) or **top-k** logprob
 likely tokens at every position). The rule, stated in the verdict's scope (its fixture name) and
 in the receipt's rule:
 
-* the cold recompute really recomputed: the decode server reported 0 cached prompt tokens for it;
-* each handoff really went through the connector: the decode server reported cached prompt tokens
-  for the loaded branch and its connector (``vllm:external_prefix_cache_hits``) supplied all of
-  them, none came from its local prefix cache; and the prefill server computed the prompt itself
-  (its connector supplied none of it), so the KV handed over is the prefill server's;
+* the cold recompute really recomputed: the decode server's counters (``/metrics``:
+  ``vllm:prefix_cache_hits``, ``vllm:external_prefix_cache_hits``) grew by nothing over it, and the
+  cached prompt tokens it reported, if it reports them, are 0;
+* each handoff really went through the connector: the decode server's connector supplied prompt
+  tokens for the loaded branch and its local prefix cache none (the per-request ``cached_tokens``
+  is recorded but not trusted for this: under a prefill/decode handshake vLLM reports the prefill
+  server's count there); and the prefill server computed the prompt itself (its connector supplied
+  none of it), so the KV handed over is the prefill server's;
 * greedy tokens exact: all output tokens equal the cold recompute's;
 * logprobs: **full**: every entry of every position within ``bound`` of the cold one; **top-k**:
   the same k token ids at every position, each within ``bound``.
@@ -37,13 +40,15 @@ TOP_K: EvidenceMode = "top-k"
 @dataclass(frozen=True)
 class ServedBranch:
     """One decode on the decode server: its output token ids, per position the logprobs it gave
-    (token id -> logprob), the cached prompt tokens it reported (None: not reported) and how many
-    of them its connector supplied (the ``external_prefix_cache_hits`` delta; None: unknown)."""
+    (token id -> logprob), the cached prompt tokens it reported (None: not reported), and the
+    prompt tokens its connector and its local prefix cache supplied (the deltas of its
+    ``external_prefix_cache_hits`` and ``prefix_cache_hits`` counters; None: unknown)."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[Mapping[int, float], ...]
     cached_tokens: int | None
     external_hits: int | None
+    local_hits: int | None
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class ServedSample:
     topk_mismatches: int  # top-k: positions whose k token ids differ from the cold ones
     cached_tokens: int | None
     external_hits: int | None
+    local_hits: int | None
     prefill_cached_tokens: int | None
     prefill_external_hits: int | None
     output_tokens: int
@@ -118,6 +124,7 @@ class ServedSample:
             "compared_logprob_entries": self.compared_entries, "positions_without_evidence": self.positions_short,
             "top_k_mismatched_positions": self.topk_mismatches,
             "decode_cached_tokens": self.cached_tokens, "decode_connector_tokens": self.external_hits,
+            "decode_prefix_cache_tokens": self.local_hits,
             "prefill_cached_tokens": self.prefill_cached_tokens, "prefill_connector_tokens": self.prefill_external_hits,
             "handoff_generated_token_sha256": self.handoff_sha256, "cold_generated_token_sha256": self.cold_sha256,
             "error": None, "passed": all(check.passed for check in self.checks),
@@ -191,16 +198,14 @@ def judge_served_sample(cold: ServedBranch, handoff: ServedHandoff, rule: Served
                         if computed is None else
                         f"its connector supplied {computed} of {rule.prompt_tokens} prompt tokens before it prefilled "
                         f"(the KV handed over is not its own computation)"))
-    cached, external = loaded.cached_tokens, loaded.external_hits
-    through = cached is not None and cached > 0 and external == cached
-    detail = (f"{cached} of {rule.prompt_tokens} prompt tokens loaded through the decode server's connector"
+    cached, external, local = loaded.cached_tokens, loaded.external_hits, loaded.local_hits
+    through = external is not None and external > 0 and local == 0
+    detail = (f"{external} of {rule.prompt_tokens} prompt tokens loaded through the decode server's connector"
               if through else
-              "the decode server reported no cached-token count (start it with --enable-prompt-tokens-details)"
-              if cached is None else
-              "the decode server recomputed the whole prompt: no KV was loaded" if cached == 0 else
-              "the decode server did not report its connector's hits (its /metrics)" if external is None else
-              f"{cached} cached prompt tokens, {external} of them from its connector (the rest from its local "
-              f"prefix cache)")
+              "the decode server's /metrics did not account for the request (its connector's hits unknown)"
+              if external is None or local is None else
+              "the decode server's connector supplied none of the prompt: no KV was loaded" if external == 0 else
+              f"{external} prompt tokens from its connector, {local} from its local prefix cache")
     checks.append(Check(f"{label}: KV loaded through the connector", through, detail))
     checks.append(Check(f"{label}: greedy tokens exact", first is None,
                         f"{n}/{n} tokens equal" if first is None else
@@ -224,20 +229,22 @@ def judge_served_sample(cold: ServedBranch, handoff: ServedHandoff, rule: Served
     return ServedSample(
         repetition=handoff.repetition, tokens_equal=equal, first_divergence=first, max_abs=worst, mean_abs=mean,
         compared_entries=compared, positions_short=short, topk_mismatches=mismatched, cached_tokens=cached,
-        external_hits=external, prefill_cached_tokens=handoff.prefill_cached_tokens, prefill_external_hits=computed,
+        external_hits=external, local_hits=local, prefill_cached_tokens=handoff.prefill_cached_tokens,
+        prefill_external_hits=computed,
         output_tokens=n, handoff_sha256=token_sha256(loaded.tokens), cold_sha256=token_sha256(cold.tokens), checks=checks)
 
 
 def cold_check(cold: ServedBranch, prompt_tokens: int) -> Check:
-    """The cold recompute recomputed: 0 cached prompt tokens reported by the decode server."""
-    cached = cold.cached_tokens
-    return Check("cold recompute on the decode server", cached == 0,
-                 f"0 of {prompt_tokens} prompt tokens cached: the decode server computed the whole prompt"
-                 if cached == 0 else
-                 "the decode server reported no cached-token count (start it with --enable-prompt-tokens-details)"
-                 if cached is None else
-                 f"{cached} of {prompt_tokens} prompt tokens were cached ({cold.external_hits} from its connector): "
-                 f"not a cold recompute (clear the connector's store and restart the pair)")
+    """The cold recompute recomputed: neither the decode server's connector nor its prefix cache
+    supplied any of the prompt, and the cached-token count it reported, if any, is 0."""
+    external, local, cached = cold.external_hits, cold.local_hits, cold.cached_tokens
+    held = external == 0 and local == 0 and cached in (None, 0)
+    return Check("cold recompute on the decode server", held,
+                 f"0 of {prompt_tokens} prompt tokens cached: the decode server computed the whole prompt" if held else
+                 "the decode server's /metrics did not account for the request (its cache hits unknown)"
+                 if external is None or local is None else
+                 f"{external} of {prompt_tokens} prompt tokens from its connector, {local} from its local prefix cache, "
+                 f"{cached} reported cached: not a cold recompute (clear the connector's store and restart the pair)")
 
 
 def judge_served_pair(cold: ServedBranch, handoffs: Sequence[ServedHandoff],

@@ -10,14 +10,16 @@ running ``vllm serve`` instances joined by the user's KV connector:
 2. **the cold recompute**, first, before anything was prefilled: the decode server serves the
    fixture prompt (token ids, ``/v1/completions``) for 256 greedy tokens with the strongest
    logprobs it allows (``logprobs=-1``, full vocabulary, when ``--max-logprobs`` allows it, else
-   the largest top-k of 20, 5, 1 it accepts); it must report 0 cached prompt tokens;
+   the largest top-k of 20, 5, 1 it accepts); neither its connector nor its prefix cache may
+   supply any of the prompt;
 3. **three ordered handoffs**: the prefill server prefills the prompt (``max_tokens=1``,
    ``kv_transfer_params {"do_remote_decode": true, ...}`` as vLLM's disaggregated-prefill proxies
    send it); its returned ``kv_transfer_params`` go with the decode request; the decode server
    decodes 256 greedy tokens from the transferred KV. Each server's ``/metrics``
-   (``vllm:prefix_cache_hits``, ``vllm:external_prefix_cache_hits``) is read around each request,
-   so the loaded branch's cached tokens are known to come from its connector, and the prefill
-   server's KV from its own computation;
+   (``vllm:prompt_tokens``, ``vllm:prefix_cache_hits``, ``vllm:external_prefix_cache_hits``) is
+   read around each request, so the loaded branch's prompt is known to come from its connector, and
+   the prefill server's KV from its own computation (the per-request ``cached_tokens`` is recorded,
+   not trusted: under a handshake vLLM reports the prefill server's count there);
 4. **the judge** (:mod:`qualify.judge.served`) and a signed receipt like any run's.
 
 HTTP stays in :mod:`qualify.handoff.served`; judging is pure.
@@ -60,7 +62,8 @@ PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
 """What vLLM's disaggregated-prefill proxies send with the prefill request."""
 STEPS = ("pair checked", "cold recompute", "handoff 1/3", "handoff 2/3", "handoff 3/3", "verdict")
 
-_METRIC = re.compile(r"^(vllm:(?:external_)?prefix_cache_hits_total)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+_METRIC = re.compile(
+    r"^(vllm:(?:(?:external_)?prefix_cache_hits|prompt_tokens)_total)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,9 @@ def check_server(option: str, url: str | None, model: ExpectedModel, model_argum
 # --------------------------------------------------------------------------- requests
 
 
-def cache_hits(server: Server) -> tuple[float, float] | None:
-    """(local prefix-cache hits, connector hits) from the server's /metrics, in tokens; None when
-    it exposes neither counter."""
+def cache_counters(server: Server) -> tuple[float, float, float] | None:
+    """(prompt tokens, local prefix-cache hits, connector hits) from the server's /metrics, in
+    tokens since it started; None when it does not expose all three."""
     answer = server.endpoint.get("/metrics")
     if answer.status != 200:
         return None
@@ -200,27 +203,29 @@ def cache_hits(server: Server) -> tuple[float, float] | None:
         match = _METRIC.match(line)
         if match:
             found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(2))
-    if "vllm:external_prefix_cache_hits_total" not in found:
+    names = ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+    if not all(name in found for name in names):
         return None
-    return found.get("vllm:prefix_cache_hits_total", 0.0), found["vllm:external_prefix_cache_hits_total"]
+    return found[names[0]], found[names[1]], found[names[2]]
 
 
-def connector_tokens(server: Server, before: tuple[float, float] | None, cached: int | None) -> int | None:
-    """How many of a request's ``cached`` prompt tokens the server's connector supplied: the
-    connector-hit delta once the two counters account for all ``cached`` tokens (waiting up to
-    :data:`METRICS_SETTLE_S`); None when that is not known."""
-    if before is None or cached is None:
-        return None
+def request_hits(server: Server, before: tuple[float, float, float] | None,
+                 prompt_tokens: int) -> tuple[int | None, int | None]:
+    """(local prefix-cache hits, connector hits) of one request of ``prompt_tokens``: the counters'
+    deltas once the server has counted the request's prompt (waiting up to
+    :data:`METRICS_SETTLE_S`); (None, None) when that is not known."""
+    if before is None:
+        return None, None
     deadline = time.monotonic() + METRICS_SETTLE_S
     while True:
-        after = cache_hits(server)
+        after = cache_counters(server)
         if after is None:
-            return None
-        local, external = after[0] - before[0], after[1] - before[1]
-        if local + external == cached:
-            return int(external)
-        if time.monotonic() >= deadline:
-            return None
+            return None, None
+        prompt, local, external = (a - b for a, b in zip(after, before, strict=True))
+        if prompt == prompt_tokens:
+            return int(local), int(external)
+        if prompt > prompt_tokens or time.monotonic() >= deadline:  # another request's tokens: unknown
+            return None, None
         time.sleep(0.1)
 
 
@@ -259,7 +264,8 @@ def _cached_tokens(document: Mapping[str, Any]) -> int | None:
 _TOKEN_KEY = re.compile(r"^token_id:(-?[0-9]+)$")
 
 
-def branch_of(server: Server, document: Mapping[str, Any], n: int, external: int | None, what: str) -> ServedBranch:
+def branch_of(server: Server, document: Mapping[str, Any], n: int, hits: tuple[int | None, int | None],
+              what: str) -> ServedBranch:
     """A decode's tokens and per-position logprobs (keys ``token_id:N``), refused when malformed."""
     choices = document.get("choices")
     choice = choices[0] if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict) else None
@@ -280,7 +286,7 @@ def branch_of(server: Server, document: Mapping[str, Any], n: int, external: int
             entries[int(match.group(1))] = float(value)
         parsed.append(entries)
     return ServedBranch(tokens=tuple(tokens[:n]), logprobs=tuple(parsed[:n]), cached_tokens=_cached_tokens(document),
-                        external_hits=external)
+                        external_hits=hits[1], local_hits=hits[0])
 
 
 # --------------------------------------------------------------------------- the run
@@ -322,17 +328,17 @@ def _identity(options: ServedOptions, model: ExpectedModel, prefill: Server, dec
 
 def _cold(decode: Server, model: ExpectedModel, vocab: int | None) -> tuple[ServedBranch, EvidenceMode, int | None, int]:
     """The cold recompute with the strongest logprobs the decode server accepts: (branch, mode, k, vocab)."""
-    before = cache_hits(decode)
     tries: list[int] = [-1, *TOP_K_TRIED]
     for logprobs in tries:
+        before = cache_counters(decode)
         status, document = decode.endpoint.post_json(
             "/v1/completions", _completion_body(decode, model.prompt, OUTPUT_TOKENS, logprobs, None), DECODE_TIMEOUT_S)
         if status == 400 and logprobs != tries[-1]:
             continue  # the server's --max-logprobs is smaller: try the next top-k
         if status != 200 or not isinstance(document, dict):
             raise Refused(f"--decode-url {decode.endpoint.base}: the cold recompute's request: HTTP {status}")
-        cached = _cached_tokens(document)
-        branch = branch_of(decode, document, OUTPUT_TOKENS, connector_tokens(decode, before, cached), "the cold recompute")
+        branch = branch_of(decode, document, OUTPUT_TOKENS, request_hits(decode, before, len(model.prompt)),
+                           "the cold recompute")
         widths = {len(row) for row in branch.logprobs}
         if logprobs == -1:
             size = vocab if vocab is not None else min(widths, default=0)
@@ -365,7 +371,8 @@ def _run(options: ServedOptions, run: ServedRun, note: Callable[[str], None]) ->
     started = time.monotonic()
     cold, mode, k, size = _cold(decode, model, vocab if type(vocab) is int else None)
     note(f"cold recompute: {len(cold.tokens)} tokens, {'full' if mode == FULL else f'top-{k}'} logprobs, "
-         f"{cold.cached_tokens} cached prompt tokens ({time.monotonic() - started:.1f} s)")
+         f"connector {cold.external_hits}, prefix cache {cold.local_hits} (reported cached {cold.cached_tokens}) "
+         f"({time.monotonic() - started:.1f} s)")
     rule = ServedRule(mode=mode, k=k, vocab=size, bound=LOGPROB_BOUND,
                       prompt_tokens=len(model.prompt), output_tokens=OUTPUT_TOKENS, repetitions=REPETITIONS)
     handoffs: list[ServedHandoff] = []
@@ -399,20 +406,21 @@ def _handoffs(prefill: Server, decode: Server, model: ExpectedModel, logprobs: i
     """The three ordered handoffs: prefill on the prefill server, decode from the transferred KV."""
     for repetition in range(1, REPETITIONS + 1):
         started = time.monotonic()
-        before = cache_hits(prefill)
+        before = cache_counters(prefill)
         produced = complete(prefill, model.prompt, 1, None, PREFILL_TRANSFER_PARAMS, f"handoff {repetition}'s prefill")
         prefill_cached = _cached_tokens(produced)
-        prefill_external = connector_tokens(prefill, before, prefill_cached)
+        prefill_external = request_hits(prefill, before, len(model.prompt))[1]
         transfer = produced.get("kv_transfer_params")
-        before = cache_hits(decode)
+        before = cache_counters(decode)
         loaded_document = complete(decode, model.prompt, OUTPUT_TOKENS, logprobs,
                                    transfer if isinstance(transfer, dict) else None, f"handoff {repetition}'s decode")
         cached = _cached_tokens(loaded_document)
-        loaded = branch_of(decode, loaded_document, OUTPUT_TOKENS, connector_tokens(decode, before, cached),
+        loaded = branch_of(decode, loaded_document, OUTPUT_TOKENS, request_hits(decode, before, len(model.prompt)),
                            f"handoff {repetition}'s decode")
         handoffs.append(ServedHandoff(repetition, prefill_cached, prefill_external, loaded))
         line = (f"handoff {repetition}/{REPETITIONS}: prefill cached {prefill_cached} (connector {prefill_external}), "
-                f"transfer params {'returned' if isinstance(transfer, dict) else 'none'}; decode cached {cached} "
-                f"(connector {loaded.external_hits}) ({time.monotonic() - started:.1f} s)")
+                f"transfer params {'returned' if isinstance(transfer, dict) else 'none'}; decode connector "
+                f"{loaded.external_hits}, prefix cache {loaded.local_hits} (reported cached {cached}) "
+                f"({time.monotonic() - started:.1f} s)")
         writer.log(line)
         note(line)

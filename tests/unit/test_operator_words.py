@@ -379,10 +379,12 @@ def judge_served_cases() -> list[Case]:
         Case("served: a logprob outside the bound and a token divergence", judged(
             verdict_of, COLD, handoffs(branch(tokens=[0] * 5 + [7] * 3, logprobs=rows(shift=0.5, at=2))), rule())),
         Case("served: the prefill server loaded the prompt, the decode server's prefix cache served half", judged(
-            verdict_of, COLD, handoffs(branch(cached=32, external=16), prefill_external=32), rule())),
-        Case("served: no cached-token counts anywhere", judged(
-            verdict_of, branch(cached=None, external=None), handoffs(branch(cached=None, external=None),
-                                                                    prefill_external=None), rule())),
+            verdict_of, COLD, handoffs(branch(cached=32, external=16, local=16), prefill_external=32), rule())),
+        Case("served: no counters anywhere", judged(
+            verdict_of, branch(cached=None, external=None, local=None),
+            handoffs(branch(cached=None, external=None, local=None), prefill_external=None), rule())),
+        Case("served: a handshake pair whose decode server reports the prefill server's cached count", judged(
+            verdict_of, COLD, handoffs(branch(cached=0, external=64)), rule())),
         Case("served: the cold branch was loaded", judged(
             verdict_of, branch(cached=32, external=32), handoffs(), rule())),
     ]

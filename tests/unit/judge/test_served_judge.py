@@ -30,9 +30,10 @@ def rows(width: int = VOCAB, shift: float = 0.0, at: int | None = None) -> tuple
                  for position in range(N))
 
 
-def branch(*, tokens=None, logprobs=None, cached=PROMPT // 2, external=PROMPT // 2) -> ServedBranch:
+def branch(*, tokens=None, logprobs=None, cached=PROMPT // 2, external=PROMPT // 2, local=0) -> ServedBranch:
     return ServedBranch(tokens=tuple(tokens if tokens is not None else [0] * N),
-                        logprobs=logprobs if logprobs is not None else rows(), cached_tokens=cached, external_hits=external)
+                        logprobs=logprobs if logprobs is not None else rows(), cached_tokens=cached, external_hits=external,
+                        local_hits=local)
 
 
 COLD = branch(cached=0, external=0)
@@ -94,18 +95,31 @@ def test_a_full_row_short_of_the_vocabulary_is_no_full_evidence():
 
 
 @pytest.mark.parametrize("loaded, prefill_external, cold", [
-    (branch(cached=0, external=0), 0, COLD),          # nothing loaded: the decode server recomputed
-    (branch(cached=32, external=16), 0, COLD),        # half of it from the decode server's own prefix cache
-    (branch(cached=32, external=None), 0, COLD),      # its connector's hits unknown
-    (branch(cached=None, external=None), 0, COLD),    # no cached-token count at all
-    (branch(), 32, COLD),                             # the prefill server loaded the prompt instead of computing it
-    (branch(), None, COLD),                           # the prefill server's connector hits unknown
-    (branch(), 0, branch(cached=32, external=32)),    # the cold branch was not cold
-    (branch(), 0, branch(cached=None, external=None)),
+    (branch(cached=0, external=0), 0, COLD),                 # nothing loaded: the decode server recomputed
+    (branch(cached=32, external=16, local=16), 0, COLD),     # half of it from the decode server's own prefix cache
+    (branch(cached=32, external=None, local=None), 0, COLD),  # its /metrics did not account for the request
+    (branch(), 32, COLD),                                    # the prefill server loaded the prompt instead of computing it
+    (branch(), None, COLD),                                  # the prefill server's connector hits unknown
+    (branch(), 0, branch(cached=32, external=32)),           # the cold branch was not cold
+    (branch(), 0, branch(cached=0, external=0, local=32)),   # ... its prefix cache served it
+    (branch(), 0, branch(cached=32, external=0)),            # ... it reported cached tokens
+    (branch(), 0, branch(cached=None, external=None, local=None)),
 ])
 def test_missing_evidence_of_a_real_handoff_fails_closed(loaded, prefill_external, cold):
     verdict, _ = judge_served_pair(cold, handoffs(loaded, prefill_external=prefill_external), rule())
     assert not verdict.passed and verdict.status == "failed" and len(failed_checks(verdict)) >= 1
+
+
+def test_a_handshake_pair_reporting_the_prefill_servers_cached_count_passes_on_the_decode_servers_counters():
+    # Under a prefill/decode handshake (NIXL) vLLM's usage on the decode server carries the prefill
+    # server's cached count (0 here); its counters show the whole prompt came through the connector.
+    verdict, samples = judge_served_pair(COLD, handoffs(branch(cached=0, external=PROMPT)), rule())
+    assert verdict.passed and samples[0].external_hits == PROMPT and samples[0].cached_tokens == 0
+
+
+def test_a_cold_branch_from_a_server_without_cached_token_counts_is_cold_on_its_counters():
+    verdict, _ = judge_served_pair(branch(cached=None, external=0), handoffs(), rule())
+    assert verdict.passed
 
 
 def test_fewer_handoffs_than_the_rule_fail():
