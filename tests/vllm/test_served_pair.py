@@ -147,6 +147,7 @@ def test_the_served_pair_gets_a_verdict_on_the_strongest_logprobs_and_its_receip
     for sample in samples:
         # Loaded through the decode server's connector, none of it from its local prefix cache ...
         assert sample["decode_cached_tokens"] == sample["decode_connector_tokens"] == HANDED_OFF
+        assert sample["decode_prefix_cache_tokens"] == 0
         # ... and equal to the cold recompute: every token, every logprob of the vocabulary.
         assert sample["tokens_equal"] == 256 and sample["max_abs"] == 0.0
         assert sample["compared_logprob_entries"] == 256 * (VOCAB if full else TOP_K)
