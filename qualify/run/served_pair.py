@@ -391,6 +391,8 @@ def _run(options: ServedOptions, run: ServedRun, note: Callable[[str], None]) ->
         verdict, samples = judge_served_pair(cold, handoffs, rule)
         writer.add_evidence("served-pair", {"prefill": prefill.document(), "decode": decode.document(),
                                             "cold_tokens": list(cold.tokens), "cold_cached_tokens": cold.cached_tokens,
+                                            "cold_connector_tokens": cold.external_hits,
+                                            "cold_prefix_cache_tokens": cold.local_hits,
                                             "rule": rule.document()})
         for sample in samples:
             document = sample.document()

@@ -143,7 +143,8 @@ def test_the_served_pair_gets_a_verdict_on_the_strongest_logprobs_and_its_receip
     assert summary["lane"] == "served-pair" and summary["rule"]["evidence"] == ("full" if full else "top-k")
     assert summary["rule"]["top_k"] == (None if full else TOP_K)
     assert summary["scope"]["fixture"]["name"].endswith("full-logprobs" if full else f"top{TOP_K}-logprobs")
-    assert evidence["cold_cached_tokens"] == 0  # the cold branch recomputed the whole prompt
+    # The cold branch recomputed the whole prompt.
+    assert evidence["cold_cached_tokens"] == evidence["cold_connector_tokens"] == evidence["cold_prefix_cache_tokens"] == 0
     for sample in samples:
         # Loaded through the decode server's connector, none of it from its local prefix cache ...
         assert sample["decode_cached_tokens"] == sample["decode_connector_tokens"] == HANDED_OFF
@@ -162,5 +163,5 @@ def test_a_second_run_finds_no_cold_recompute_and_does_not_qualify(pair, tmp_pat
     # The store now holds the prompt: the decode server loads it for the "cold" branch too.
     code, receipt = _run(pair, tmp_path / "receipts", capsys)
     summary, _samples, evidence = _documents(receipt)
-    assert evidence["cold_cached_tokens"] == HANDED_OFF
+    assert evidence["cold_cached_tokens"] == evidence["cold_connector_tokens"] == HANDED_OFF
     assert (code, summary["status"]) == (1, "failed")
