@@ -36,6 +36,9 @@ command                handler
 ``producer expect``    ``qualify.interfaces.producer_command.producer_expect_cli``
 ``model inspect``      ``qualify.interfaces.model_command.model_inspect_cli``
 =====================  ============================================================
+
+A ``--recipe`` run naming ``--prefill-url`` or ``--decode-url`` is a served pair, handled by
+``qualify.interfaces.served_pair_command.served_pair_cli``.
 """
 
 from __future__ import annotations
@@ -135,6 +138,12 @@ def _load_model_inspect() -> Handler:
     return model_inspect_cli
 
 
+def _load_served_pair() -> Handler:
+    from qualify.interfaces.served_pair_command import served_pair_cli
+
+    return served_pair_cli
+
+
 def _load_recipe() -> Handler:
     from qualify.interfaces.console import run_cli
 
@@ -168,6 +177,9 @@ DELEGATES: tuple[Delegate, ...] = (
              "load a model (published name, Hugging Face directory or GGUF file) and print what it is"),
 )
 RECIPE_DELEGATE = Delegate(("--recipe",), _load_recipe, "run a qualification recipe")
+SERVED_PAIR_DELEGATE = Delegate(("--recipe",), _load_served_pair, "qualify a served prefill/decode pair over HTTP")
+SERVED_PAIR_OPTIONS = ("--prefill-url", "--decode-url")
+"""A recipe run naming either is a served pair (``qualify.interfaces.served_pair_command``)."""
 
 # No markup or emoji codes: messages carry operators' paths and arguments, printed as they are.
 _OUT = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
@@ -302,6 +314,8 @@ def _dispatch(argv: list[str]) -> int:
         recipe_parser = OneLineParser(prog="qualify", add_help=False)
         recipe_parser.add_argument("--recipe", metavar="NAME", choices=_recipe_names(), required=True)
         recipe_parser.parse_known_args(argv)
+        if any(token.split("=", 1)[0] in SERVED_PAIR_OPTIONS for token in argv):
+            return run_delegate(SERVED_PAIR_DELEGATE, argv)
         return run_delegate(RECIPE_DELEGATE, argv)
     for delegate in DELEGATES:
         if tuple(argv[: len(delegate.words)]) == delegate.words:

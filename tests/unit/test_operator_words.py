@@ -361,6 +361,35 @@ def judge_scope_cases() -> list[Case]:
     return [Case("a control document named with a space", refused(DocumentOutcome, "no spaces", ()))]
 
 
+# =========================================================================== qualify.judge: a served pair
+
+
+def judge_served_cases() -> list[Case]:
+    from qualify.judge.served import TOP_K, judge_served_pair
+    from tests.unit.judge.test_served_judge import COLD, branch, handoffs, rows, rule
+
+    def verdict_of(*args: Any) -> Verdict:
+        return judge_served_pair(*args)[0]
+
+    top = rule(TOP_K, k=4)
+    return [
+        Case("served: every piece of evidence, full logprobs", judged(verdict_of, COLD, handoffs(), rule())),
+        Case("served: top-4 logprobs within the bound", judged(
+            verdict_of, branch(cached=0, external=0, logprobs=rows(5)), handoffs(branch(logprobs=rows(5))), top)),
+        Case("served: a logprob outside the bound and a token divergence", judged(
+            verdict_of, COLD, handoffs(branch(tokens=[0] * 5 + [7] * 3, logprobs=rows(shift=0.5, at=2))), rule())),
+        Case("served: the prefill server loaded the prompt, the decode server's prefix cache served half", judged(
+            verdict_of, COLD, handoffs(branch(cached=32, external=16, local=16), prefill_external=32), rule())),
+        Case("served: no counters anywhere", judged(
+            verdict_of, branch(cached=None, external=None, local=None),
+            handoffs(branch(cached=None, external=None, local=None), prefill_external=None), rule())),
+        Case("served: a handshake pair whose decode server reports the prefill server's cached count", judged(
+            verdict_of, COLD, handoffs(branch(cached=0, external=64)), rule())),
+        Case("served: the cold branch was loaded", judged(
+            verdict_of, branch(cached=32, external=32), handoffs(), rule())),
+    ]
+
+
 # =========================================================================== qualify.judge: calibration and parity
 
 
@@ -1100,6 +1129,7 @@ def connector_lane_cases() -> list[Case]:
 MODULES: dict[str, Callable[[], list[Case]]] = {
     "judge.handoffs": judge_handoff_cases,
     "judge.scope": judge_scope_cases,
+    "judge.served": judge_served_cases,
     "judge.calibration": judge_calibration_cases,
     "judge.parity": judge_parity_cases,
     "judge.controls": judge_controls_cases,

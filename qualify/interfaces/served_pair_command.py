@@ -1,0 +1,89 @@
+"""``qualify --recipe native-text --prefill-url URL --decode-url URL [--model M] [--receipts DIR]``:
+a running pair of ``vllm serve`` instances qualified black-box over HTTP
+(:mod:`qualify.run.served_pair`; docs/connectors.md, "A served pair").
+
+A recipe run that names either URL is this command (:func:`wants_served_pair`); its options are
+their own group, so the rest of the recipe command line stays as it is. Exit codes as every run's:
+0 qualified, 1 not qualified, 2 refused (one line on stderr, and a refused receipt).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.text import Text
+
+from qualify.archive.layout import archive_dir
+from qualify.contract.lanes import Recipe
+from qualify.core.arguments import OneLineParser, path_argument, require_writable_directory, say_refusal
+from qualify.core.errors import Refused
+
+SERVED_OPTIONS = ("--prefill-url", "--decode-url")
+EXIT_PASS, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+
+
+def wants_served_pair(argv: Sequence[str]) -> bool:
+    """Whether a recipe command line names a served pair (either URL option)."""
+    return any(token == option or token.startswith(f"{option}=") for token in argv for option in SERVED_OPTIONS)
+
+
+def add_served_pair_options(parser: argparse.ArgumentParser) -> None:
+    """The served-pair option group (shown in ``qualify --recipe NAME --help`` too)."""
+    group = parser.add_argument_group("a served prefill/decode pair of vllm serve instances (docs/connectors.md)")
+    group.add_argument("--prefill-url", metavar="URL",
+                       help="the prefill server (kv_producer), e.g. http://127.0.0.1:8100; with --decode-url")
+    group.add_argument("--decode-url", metavar="URL",
+                       help="the decode server (kv_consumer); the cold recompute runs there too")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="qualify", description="Qualify a served prefill/decode pair over HTTP.")
+    parser.add_argument("--recipe", required=True, choices=[Recipe.NATIVE_TEXT.value])
+    parser.add_argument("--model", metavar="NAME|PATH",
+                        help="the model the pair serves (default: the shipped model)")
+    parser.add_argument("--receipts", type=path_argument,
+                        help="receipt archive (default $QUALIFY_RECEIPTS, else the user data dir)")
+    add_served_pair_options(parser)
+    return parser
+
+
+def _archive(receipts: Path | None) -> Path:
+    """The receipt archive, refused up front when no receipt can be written there."""
+    try:
+        if receipts is not None:
+            return require_writable_directory("--receipts", receipts)
+        try:
+            default = archive_dir(None)
+        except RuntimeError:  # pathlib: "~user" with no such user
+            raise Refused("$QUALIFY_RECEIPTS: cannot expand '~'") from None
+        return require_writable_directory("receipt archive", default)
+    except Refused as refusal:
+        raise Refused(f"{refusal}; no receipt can be written there, so the run did not start") from None
+
+
+def served_pair_cli(argv: Sequence[str]) -> int:
+    """Run the served pair; the exit code."""
+    from qualify.run.served_pair import ServedOptions, run_served_pair
+
+    args = _parser().parse_args(list(argv))
+    archive = _archive(args.receipts)
+    console = Console(highlight=False, markup=False, emoji=False, soft_wrap=True)
+    console.print(Text(f"qualify --recipe {args.recipe} (served pair)", style="bold"))
+    options = ServedOptions(recipe=args.recipe, prefill_url=args.prefill_url, decode_url=args.decode_url,
+                            model=args.model, receipts=archive, command_line=["qualify", *argv])
+    run = run_served_pair(options, lambda line: console.print(Text(line), soft_wrap=True))
+    verdict = run.verdict
+    if verdict is None:  # pragma: no cover - run_served_pair always judges or refuses
+        raise Refused("served pair: ended without a verdict")
+    if verdict.refused:
+        say_refusal(f"refused: {verdict.reasons[0] if verdict.reasons else verdict.headline}")
+    else:
+        console.print(Text(verdict.headline, style="bold green" if verdict.passed else "bold red"))
+        for reason in verdict.reasons if not verdict.passed else []:
+            console.print(Text(f"  - {reason}"))
+    if run.receipt_path is not None:
+        console.print(Text(f"receipt: {run.receipt_path}" + (" (refused)" if verdict.refused else "")))
+    return EXIT_PASS if verdict.passed else EXIT_REFUSED if verdict.refused else EXIT_FAILED
