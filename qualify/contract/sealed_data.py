@@ -13,19 +13,19 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
-    "kquant-exact-dflash": "fc810ecfe46418dc66b4175e9d3aaf160cf55618f9d219246818f5f296c49417",
-    "llama3-8b-shape-pd": "c1bd42299b5887a7b7096244cc7e85a9b843b52805ff04ed71388506286b7edb",
-    "nvfp4-native-f16": "92f5cf8a032fce71529aaedbfde139190fa81969e5a2fa2f0d55d77fd8953660",
-    "nvfp4-native-splitk": "35a8ba38179dc4d50ba480bd0b44b5d90a95e19195b57be6869107dada9f3b5d",
-    "nvfp4-native-w4a4": "4facb7902aff64946cda02c6ea4c3ec4d4b555164a1090296368bbda31efec9b",
-    "reference-to-vllm": "fe6d0941f68d151b61c3aab59b7e498fddd2fd1df373e1daf7817bb8eb01346d",
-    "smollm2-135m-instruct-q4_1/kquant-exact": "51e9e80d17ce365af583f8cc68c06a46594e691e2200c8c16f68486bcff21041",
-    "smollm2-135m-instruct-q4_1/vllm-to-reference": "2c5fdf612e4f3a8183658b46d987e8f8e3c6ce93aed18fe3a948a8a99ba6fc02",
-    "transformers-cuda-bf16": "bfb85507e4cfe7f4394a88dd11fbe8b9b39f9263800fdf7f1851e1b4f34655a2",
-    "transformers-cuda-fp32": "6b5dad7cfe71a635c32fc4ab475a8bb56275886677a1a73ba0361a2f102798ec",
-    "transformers-cuda-tf32": "370bcf418f77708071c11c25bed9b74e533125a852d28db27f7871b651197d9d",
-    "vllm-to-reference": "10aa2514b6487a08de9a7ab6d013f8c8d13f6e53d2726ebb55961bba7f04ea68",
-    "vllm-to-vllm": "a1b8f246687d3da33a17578490a22c3345fba53062343bea6e42a7188ce90ecf",
+    "kquant-exact-dflash": "05780dfb93627325d4331265d9ac1c89d2cabfc9cf8c816ec28ff2603601cda1",
+    "llama3-8b-shape-pd": "416fe65673a6787d2a212d6d3f0b1505e0279e99d43645b03da539df3e72ffb3",
+    "nvfp4-native-f16": "b5f05e7aff974938060315757065ff0009488b1ad5aaaa20d0a173216bb93c1d",
+    "nvfp4-native-splitk": "cbe49515a45fe178d67f9c7af3b3871d50730d30bfb7f60e8c4ca5a201de95a9",
+    "nvfp4-native-w4a4": "d5ad8cf612b64e563ec6627a031a0e698311c39e39cb96cdeaf875a5873c54c7",
+    "reference-to-vllm": "2554c4dabed3ce82ca99634ed48db64589083ad339d47d7382501d2aad425167",
+    "smollm2-135m-instruct-q4_1/kquant-exact": "eacb6de8bff8d2d850f822199d1b3687aad70503b5c272f1e8c4b8457cb2d7d3",
+    "smollm2-135m-instruct-q4_1/vllm-to-reference": "4ad7abe1c1d9d97302bec3b03de44966816e73f7c2a021293f02275ef0e36197",
+    "transformers-cuda-bf16": "828e54e06424f4e793f7c5ba9f87e977c26431a33ebe2554c6c6331495f2b9bc",
+    "transformers-cuda-fp32": "087c021c91b3320154ac73f032cb5fd0b2b68f9c60a17205a06967b73fcb47d0",
+    "transformers-cuda-tf32": "2cb50f6aa3c1a6b5d62289e256ff49f269a9a6d11745d8e315215e4efced35dd",
+    "vllm-to-reference": "21fde45a8c7ec1e74a9ffa61ebd34ff64cd829d2d0c7a2fc0e15faea45110691",
+    "vllm-to-vllm": "b64a572946a7281bc7aaab5b57499eb3792adbd35244c5fe9023b72aa1205a07",
 })
 """Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the
 RFC 8785 bytes of a v3 identity)."""

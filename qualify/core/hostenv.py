@@ -1,11 +1,10 @@
 """The numeric environment of this process: what lane identities pin and what receipts record.
 
-Pinned (part of an engine's ABI, so part of the identity and the cache identity):
-* :func:`numeric_environment` for the numpy engines: the numpy version and the BLAS library and
-  version it was built with. Their arithmetic is exact by construction (``qualify.core.numerics``), so
-  the BLAS *kernel*, the thread count and numpy's SIMD dispatch are recorded, not pinned.
-* :func:`cpu_isa_class` for engines whose kernels dispatch on the instruction set (vLLM's CPU
-  build, torch on the CPU).
+Pinned (part of an engine's ABI, so part of the identity and the cache identity): only
+:func:`cpu_isa_class`, for engines whose kernels dispatch on the instruction set (vLLM's CPU build,
+torch on the CPU). The numpy engines are exact by construction (``qualify.core.numerics``): their
+numpy, BLAS, kernel, threads and SIMD dispatch are recorded in the host facts, and their bits are
+pinned by a known-answer check (``qualify.engines.kat``), not by versions.
 
 :func:`check_ieee_environment` refuses a process whose floating-point environment flushes
 subnormals to zero (a library loaded with ``-ffast-math`` can switch that on for everyone).
@@ -33,11 +32,6 @@ def blas_library() -> str:
     """numpy's BLAS as ``name-version`` (``scipy-openblas-0.3.30`` for the pinned wheel)."""
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     return f"{blas.get('name', 'unknown')}-{blas.get('version', 'unknown')}"
-
-
-def numeric_environment() -> str:
-    """What the numpy engines' bits may depend on besides their own code: numpy and its BLAS."""
-    return f"numpy-{np.__version__}+{blas_library()}"
 
 
 @functools.cache
@@ -172,7 +166,7 @@ def _numpy_simd() -> dict[str, object]:
     }
 
 
-def _blas_facts() -> dict[str, object]:
+def blas_facts() -> dict[str, object]:
     """numpy's BLAS as built (name-version) and, through threadpoolctl, as loaded: the kernel
     (OpenBLAS core) and thread count in use now, plus every native thread pool in the process."""
     facts: dict[str, object] = {"library": blas_library(), "kernel": None, "num_threads": None,
@@ -308,7 +302,7 @@ def host_facts() -> dict[str, object]:
     except (AttributeError, OSError):
         affinity = None
     try:
-        blas = _blas_facts()
+        blas = blas_facts()
     except Exception as exc:  # pragma: no cover - _blas_facts catches what it calls
         blas = {"library": None, "error": _text(f"{type(exc).__name__}: {exc}")}
     torch_facts, gpu = _torch_and_gpu_facts()

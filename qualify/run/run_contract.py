@@ -290,8 +290,9 @@ def kv_envelope_from_records(records: list[dict[str, Any]], layers: int) -> list
 
 def check_engine_pins(identity: Identity, consumer: Engine, producer_abi: str) -> None:
     """Refuse (exit 2, before any handoff) a host whose built engines differ from the engines the
-    identity pins: their ABI names the numeric environment (numpy and BLAS, CPU ISA class, torch,
-    CUDA, GPU), so a host the lane was not calibrated on is refused here, never judged as drift."""
+    identity pins: their ABI names the arithmetic and, for engines not exact by construction, the
+    numeric environment (CPU ISA class, torch, CUDA, GPU), so a host the lane was not calibrated
+    on is refused here, never judged as drift."""
     calibrate_hint = f"qualify calibrate --recipe {identity.recipe.value} --lane {identity.lane}"
     found_and_pinned = {
         "producer_engine.abi": (producer_abi, identity.producer_engine.abi),
@@ -353,16 +354,19 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     recipe or whose artifacts or numeric environment no longer match."""
     from qualify.contract.identity import identity_sha256, load_identity
     from qualify.contract.units import logit_units_label
-    from qualify.engines.factory import check_adapter, lane_producer_abi
+    from qualify.engines.factory import lane_producer_abi
+    from qualify.engines.kat import check_known_answer
     from qualify.evidence.records import rule_from_identity
     from qualify.handoff.protocol import expectation_from_identity
 
     identity = load_identity(identity_path)
     check_model(identity, f"identity {identity_path}")
-    check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
     if identity.recipe != recipe:
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")
     check_engine_pins(identity, consumer, lane_producer_abi(identity.spec))
+    # The consumer's arithmetic, pinned by its bits on the known-answer input (the producer
+    # process checks its own before it is ready).
+    check_known_answer(consumer, identity.consumer_engine.kat_sha256, "consumer")
     consumer_geometry = consumer.geometry
     check_rope_cache(identity, consumer_geometry.head_dim, f"identity {identity_path}")
     prompt = assets.load_prompt(identity.prompt.name)
