@@ -29,7 +29,8 @@ from qualify.core.errors import Refused
 KAT_SEED = 35
 """Seed of the fixed KAT token ids (drawn uniformly over the model's vocabulary)."""
 KAT_PROMPT_TOKENS = 259
-"""Prefilled positions: two whole prefill query blocks of 128 and a partial one."""
+"""Prefilled positions: two whole prefill query blocks of 128 and a partial one; attention over
+more keys than one fixed-point reduction chunk (256 terms, ``qualify.core.numerics``) holds."""
 KAT_PENDING_TOKENS = 2
 """Tokens fed after the KV before decoding (a multi-row pending feed)."""
 KAT_DECODE_STEPS = 4
@@ -91,8 +92,8 @@ def host_numerics() -> str:
     from qualify.core.hostenv import blas_facts, cpu_model
 
     blas = blas_facts()
-    return (f"numpy {np.__version__}, BLAS {blas['library']} kernel {blas['kernel'] or 'unknown'} "
-            f"threads {blas['num_threads'] or 'unknown'}, {os.cpu_count()} CPUs: {cpu_model()}")
+    return (f"numpy {np.__version__}, BLAS {blas['library']}, kernel {blas['kernel'] or 'unknown'}, "
+            f"threads {blas['num_threads'] or 'unknown'}, CPU {os.cpu_count()} x {cpu_model()}")
 
 
 def check_known_answer(engine: Any, expected: str | None, role: str) -> None:
@@ -110,4 +111,4 @@ def check_known_answer(engine: Any, expected: str | None, role: str) -> None:
     found = known_answer_sha256(engine)
     if found != expected:
         raise Refused(f"{role} engine {name} ({engine.abi}): known-answer digest: expected {expected}, found "
-                      f"{found}; this host computes other bits ({host_numerics()})")
+                      f"{found}: its arithmetic gives other bits here ({host_numerics()})")
