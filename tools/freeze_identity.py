@@ -2,7 +2,7 @@
 """Freeze a lane's onboarding identity from the real artifacts, and keep the sealed data in step.
 
 Freeze (``--lane``): computes the SHA-256 of every pinned artifact (checkpoint files under
-``model/``, tokenizer, main prompt via ``qualify.core.assets.prompt_sha256``, RoPE cache, adapter,
+``model/``, tokenizer, main prompt via ``qualify.core.assets.prompt_sha256``, RoPE cache,
 draft), derives the lane's target-cache identity, derives the bounds (and a rung-3 draft floor)
 from the basis calibration receipt by the stated rules (``qualify/contract/rules.py``; a number
 given with ``--maximum-absolute``/``--maximum-mean-absolute``/``--acceptance-floor`` must equal
@@ -13,10 +13,17 @@ never over an existing file unless ``--replace``; written whole via a temporary 
 its sealed-data lines: the identity's digest and its basis receipt's ``manifest.json`` digest,
 which pins every file of the (verified) basis receipt.
 
-Re-freeze (``--refreeze PATH...``): recomputes those artifact digests of existing v3 identities,
-keeping their engines, rules and basis URIs -- for a reviewed change (an adapter edit) that moves
-no number: ``--refreeze contracts/*-identity-v1.json --write-sealed``. (Retired v1/v2 identities
-are re-calibrated, not re-frozen.)
+Engines exact by construction (the numpy engines) are pinned by ABI and known-answer digest
+(``qualify.engines.kat``), computed from the engines the lane's factory builds here; an engine
+this host cannot build (vLLM, CUDA) is pinned by ``--producer-engine``/``--consumer-engine`` with
+no known-answer digest.
+
+Re-freeze (``--refreeze PATH...``): recomputes those artifact digests and the numpy engines' ABI
+and known-answer digests of existing identities, keeping their other engines, rules and basis
+URIs -- for a reviewed change that moves no number: ``--refreeze contracts/*-identity-v1.json
+--write-sealed``. A source-pinned v3/v4 identity is moved to v5/v6 (its ``adapter`` pin and the
+numpy/BLAS versions in its ABIs dropped). (Retired v1/v2 identities are re-calibrated, not
+re-frozen.)
 
 ``--write-sealed`` regenerates ``qualify/contract/sealed_data.py`` whole from
 ``contracts/*-identity-v1.json`` and their basis receipts; ``--write-schema`` regenerates
@@ -59,6 +66,7 @@ from qualify.contract.identity import (
     IDENTITY_SCHEMA_PATHS,
     LINK_FLOOR_SCHEMA_ID,
     RELPATH,
+    SOURCE_PINNED_IDENTITY_SCHEMA_IDS,
     Identity,
     identity_schema_text,
     identity_sha256,
@@ -79,7 +87,6 @@ from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prom
 from qualify.core.digests import jcs_sha256, sha256_file
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import read_strict_json, schema_validator
-from qualify.engines.factory import ADAPTER_SOURCES
 from qualify.engines.reference import rope_cache_sha256
 from qualify.run.run_contract import connector_identity_path
 
@@ -146,7 +153,7 @@ def collect_checkpoint(spec: LaneSpec, override: Sequence[str] | None) -> tuple[
     return file_digests(relpaths, "checkpoint")
 
 
-def engine_pins(spec: LaneSpec) -> tuple[dict[str, str], dict[str, str]]:
+def engine_pins(spec: LaneSpec) -> tuple[dict[str, str | None], dict[str, str | None]]:
     """(producer, consumer) name/version/abi of the engines the factory builds for the lane."""
     try:
         from qualify.engines.factory import build_consumer, build_producer
@@ -160,12 +167,21 @@ def engine_pins(spec: LaneSpec) -> tuple[dict[str, str], dict[str, str]]:
             f"engines: building lane {spec.name} failed ({type(exc).__name__}: {one_line(str(exc))}); "
             f"pass --producer-engine and --consumer-engine"
         ) from None
-    return (_engine(producer.name, producer.version, producer.abi),
-            _engine(consumer.name, consumer.version, consumer.abi))
+    return engine_pin(producer), engine_pin(consumer)
 
 
-def _engine(name: str, version: str, abi: str) -> dict[str, str]:
-    return {"name": name, "version": version, "abi": abi}
+def engine_pin(engine: Any) -> dict[str, str | None]:
+    """An engine's identity pin: name, version, ABI and, for an engine exact by construction, its
+    known-answer digest (computed here, on this engine)."""
+    from qualify.engines.kat import has_known_answer, known_answer_sha256
+
+    kat = known_answer_sha256(engine) if has_known_answer(engine) else None
+    return {**_engine(engine.name, engine.version, engine.abi), "kat_sha256": kat}
+
+
+def _engine(name: str, version: str, abi: str) -> dict[str, str | None]:
+    """A pin given by name (an engine this host cannot build): no known-answer digest."""
+    return {"name": name, "version": version, "abi": abi, "kat_sha256": None}
 
 
 TOKENIZER = MODEL_DIR / "tokenizer.json"
@@ -218,13 +234,6 @@ def _geometry(config: Mapping[str, Any], where: Path) -> tuple[float, int, int]:
     return theta, head_dim, max_positions
 
 
-def _named_file(value: str, what: str) -> tuple[str, Path]:
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise Refused(f"{what}: found {value!r}, expected NAME=PATH")
-    return name, (REPO_ROOT / path if not os.path.isabs(path) else Path(path))
-
-
 def _prompt(name: str, tokens: int) -> tuple[int, str]:
     """(token count, ``prompt_sha256``) of the first ``tokens`` tokens of the named prompt."""
     ids = load_prompt(name)
@@ -250,8 +259,8 @@ def basis_manifest_sha256(uri: str, archive_dir: Path) -> str:
     return sha256_file(_basis_file(f"receipt://{run_id}/{BASIS_MANIFEST}", archive_dir))
 
 
-def connector_adapter(args: argparse.Namespace) -> dict[str, str]:
-    """A connector lane's adapter: the connector ``--connector`` names, resolved here, which must be
+def connector_pin(args: argparse.Namespace) -> dict[str, str]:
+    """A connector lane's ``connector``: the one ``--connector`` names, resolved here, which must be
     the one its calibration went through (the basis receipt's ``evidence/connector.json``)."""
     from qualify.run.connector_lane import CONNECTOR_EVIDENCE, ConnectorRequest
 
@@ -261,9 +270,9 @@ def connector_adapter(args: argparse.Namespace) -> dict[str, str]:
     name, sha256 = ConnectorRequest(args.connector, args.connector_config, args.connector_module).resolve().pin
     basis_dir = _basis_file(args.basis, Path(args.archive_dir)).parent
     calibrated = read_strict_json(basis_dir / "evidence" / f"{CONNECTOR_EVIDENCE}.json", "connector evidence")
-    if calibrated.get("adapter") != {"name": name, "sha256": sha256} or calibrated.get("fault") is not None:
+    if calibrated.get("pin") != {"name": name, "sha256": sha256} or calibrated.get("fault") is not None:
         raise Refused(f"--connector {args.connector}: pin {name} {sha256} differs from the basis receipt's "
-                      f"{calibrated.get('adapter')} (fault {calibrated.get('fault')})")
+                      f"{calibrated.get('pin')} (fault {calibrated.get('fault')})")
     return {"name": name, "sha256": sha256}
 
 
@@ -281,17 +290,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         producer = _engine(*args.producer_engine) if args.producer_engine else built_producer
         consumer = _engine(*args.consumer_engine) if args.consumer_engine else built_consumer
 
-    if spec.name == VLLM_VIA_CONNECTOR_LANE:
-        adapter = connector_adapter(args)
-    else:
-        adapter_name, adapter_path = (
-            _named_file(args.adapter, "--adapter")
-            if args.adapter
-            else (ADAPTER_SOURCES[spec.kind][0], REPO_ROOT / ADAPTER_SOURCES[spec.kind][1])
-        )
-        if not adapter_path.is_file():
-            raise Refused(f"adapter {adapter_name}: no file {adapter_path} (pass --adapter NAME=PATH)")
-        adapter = {"name": adapter_name, "sha256": sha256_file(adapter_path)}
+    connector = connector_pin(args) if spec.name == VLLM_VIA_CONNECTOR_LANE else None
     prompt_tokens, prompt_digest = _prompt(args.prompt, args.prompt_tokens)
     theta, head_dim, max_positions = model_geometry(spec, model_dir)
 
@@ -350,11 +349,11 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
             "full_logits": full_logits,
             "basis": args.basis,
         },
-        "target_cache_identity_sha256": target_cache_identity(spec, files, producer["abi"]),
+        "target_cache_identity_sha256": target_cache_identity(spec, files, str(producer["abi"])),
         "checkpoint": {"files": files, "total_bytes": total_bytes},
         "producer_engine": producer,
         "consumer_engine": consumer,
-        "adapter": adapter,
+        "connector": connector,
         "tokenizer_sha256": tokenizer_sha256(),
         "prompt": {"name": args.prompt, "tokens": prompt_tokens, "sha256": prompt_digest},
         "prompt_template": {"name": RAW_TOKEN_TEMPLATE_NAME, "sha256": jcs_sha256(RAW_TOKEN_TEMPLATE_RULE)},
@@ -444,10 +443,6 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
 
     files, total_bytes = (collect_checkpoint(spec, None) if identity.model_name is not None
                           else file_digests(list(identity.checkpoint.files), "checkpoint"))
-    adapter_name, adapter_source = ADAPTER_SOURCES[spec.kind]
-    if identity.adapter.name != adapter_name:
-        raise Refused(f"--refreeze: adapter.name: found {identity.adapter.name!r}, the lane kind's adapter is "
-                      f"{adapter_name!r}; freeze a new identity instead")
     if identity.prompt_template.name != RAW_TOKEN_TEMPLATE_NAME:
         raise Refused(f"--refreeze: prompt_template.name: found {identity.prompt_template.name!r}, expected "
                       f"{RAW_TOKEN_TEMPLATE_NAME!r}")
@@ -457,8 +452,8 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
 
     document["schema"] = LINK_FLOOR_SCHEMA_ID if "link_floor" in document else IDENTITY_SCHEMA_ID
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
-    document["target_cache_identity_sha256"] = target_cache_identity(spec, files, identity.producer_engine.abi)
-    document["adapter"]["sha256"] = sha256_file(REPO_ROOT / adapter_source)
+    document["producer_engine"], document["consumer_engine"] = refrozen_engines(identity)
+    document["target_cache_identity_sha256"] = target_cache_identity(spec, files, document["producer_engine"]["abi"])
     document["tokenizer_sha256"] = tokenizer_sha256()
     document["prompt"]["sha256"] = prompt_digest
     document["onboarding_qualification"]["prompt_sha256"] = prompt_digest
@@ -610,7 +605,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="declare a link-rate floor (schema v4): every handoff must cross its network link at "
                              "this payload rate or faster, so the lane qualifies only against a producer at "
                              "--producer-at HOST:PORT")
-    parser.add_argument("--adapter", help="NAME=PATH of the producer adapter source (default per kind)")
     parser.add_argument("--connector", metavar="NAME", help="lane vllm-via-connector: the connector calibrated")
     parser.add_argument("--connector-config", metavar="JSON", help="its config, as calibrated")
     parser.add_argument("--connector-module", metavar="MODULE", help="its module, as calibrated")
@@ -662,9 +656,44 @@ def _freeze(args: argparse.Namespace) -> None:
     print(sealed_lines(identity.seal_name, seal), end="")
 
 
+def unpinned_sources(document: Any) -> Any:
+    """A source-pinned v3/v4 identity document as v5/v6 (its numbers untouched): the ``adapter``
+    source pin dropped, the numpy/BLAS versions cut from the numpy engines' ABIs and their
+    known-answer digests left to :func:`refrozen_engines`. Any other document as it is."""
+    if not isinstance(document, dict) or document.get("schema") not in SOURCE_PINNED_IDENTITY_SCHEMA_IDS:
+        return document
+    moved = {key: value for key, value in document.items() if key != "adapter"}
+    moved["schema"] = LINK_FLOOR_SCHEMA_ID if "link_floor" in document else IDENTITY_SCHEMA_ID
+    for role in ("producer_engine", "consumer_engine"):
+        engine = dict(document[role])
+        engine["abi"] = "+".join(part for part in str(engine["abi"]).split("+")
+                                 if not part.startswith(("numpy-2", "numpy-1", "scipy-openblas-")))
+        moved[role] = {**engine, "kat_sha256": None}
+    # The cache identity follows the producer ABI; refrozen_document derives it again.
+    moved["target_cache_identity_sha256"] = target_cache_identity(
+        lane_spec(moved["lane"]), moved["checkpoint"]["files"], moved["producer_engine"]["abi"])
+    return moved
+
+
+def refrozen_engines(identity: Identity) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(producer, consumer) pins: a numpy engine's rebuilt here with its known-answer digest; any
+    other engine's (vLLM, CUDA) kept as pinned, with none."""
+    from qualify.engines.factory import build_consumer, producer_engine
+    from qualify.engines.kat import EXACT_ENGINE_NAMES
+
+    spec = identity.spec
+    pins = []
+    for pinned, role in ((identity.producer_engine, "producer"), (identity.consumer_engine, "consumer")):
+        if pinned.name not in EXACT_ENGINE_NAMES:
+            pins.append(pinned.model_dump(mode="json"))
+            continue
+        pins.append(engine_pin(producer_engine(spec, spec.mode) if role == "producer" else build_consumer(spec)))
+    return pins[0], pins[1]
+
+
 def _refreeze(path: Path, args: argparse.Namespace) -> None:
     where = f"identity {path}"
-    old = parse_identity_document(read_strict_json(path, "identity"), where=where)
+    old = parse_identity_document(unpinned_sources(read_strict_json(path, "identity")), where=where)
     identity = parse_identity_document(declare_link_floor(refrozen_document(old, args), args.link_floor_gbps),
                                        where=where)
     seal = seal_of(identity, Path(args.archive_dir))

@@ -125,8 +125,13 @@ extended() {
   step browser run_pytest tests/browser -q -rs --junitxml=out/browser-tests.xml
   # The real vLLM lanes, in their own venv (.venv-vllm, made by tools/install_vllm.sh; about
   # 3 minutes the first time, nothing when it is already there).
+  # The main job from the wheel on the bottom and the top of pyproject.toml's numpy range, in
+  # throwaway venvs, with the checkout's digits (tools/numpy_range.sh; the known answers hold there).
+  step numpy-range bash tools/numpy_range.sh
   step vllm-install bash tools/install_vllm.sh
-  VENV=.venv-vllm step vllm run_pytest tests/vllm -q -rs --junitxml=out/vllm-tests.xml
+  # One test file per worker (--dist loadfile: a file starts its engines once, in module fixtures);
+  # every vLLM engine runs one thread, so two files use both cores.
+  VENV=.venv-vllm step vllm run_pytest tests/vllm -q -rs -n 2 --dist loadfile --junitxml=out/vllm-tests.xml
   # The mutation gate (tools/mutation.py, docs/mutation.md): it fails below a group's committed
   # floor (tools/mutation.toml) and prints `mutation_score: …` last; every uncaught mutant's diff
   # goes to out/mutation-survivors.json.

@@ -1,18 +1,19 @@
 """The frozen onboarding identity: its one typed model, and loading it fail closed.
 
 The pydantic model :class:`Identity` is the only definition of an identity's shape and rules: the
-JSON Schemas ``contracts/onboarding-identity.v3.schema.json`` and ``.v4`` are generated from it
+JSON Schemas ``contracts/onboarding-identity.v5.schema.json`` and ``.v6`` are generated from it
 (:func:`identity_json_schema`, written by ``tools/freeze_identity.py --write-schema``) and every
 content rule (consistency with the lane table, the rule, the prompt, the derived cache identity)
 is one of its validators, so they hold for every identity, sealed or being frozen.
 
-Two schema versions load. v3's digest (:func:`identity_sha256`,
+Two schema versions load. v5's digest (:func:`identity_sha256`,
 :func:`qualify.core.digests.document_sha256`) is the SHA-256 of the document's RFC 8785 bytes,
 reproducible with a stock JCS library; it pins the calibration set, the stated bound (and floor)
-rule and the E2 controls criteria. v4 is v3 plus a declared link-rate floor (``link_floor``):
-freezing writes v4 only for an identity that declares one, so every v3 identity keeps its
-digest. v1 and v2 are refused as retired: their bounds were sealed from the fixture itself (their
-schemas stay in ``contracts/`` for archived receipts).
+rule, the E2 controls criteria and each engine's ABI and known-answer digest
+(``qualify.engines.kat``). v6 is v5 plus a declared link-rate floor (``link_floor``): freezing
+writes v6 only for an identity that declares one. v1 and v2 are refused as retired (their bounds
+were sealed from the fixture itself), v3 and v4 as source-pinned (they pin engine source bytes and
+numpy/BLAS versions); their schemas stay in ``contracts/`` for archived receipts.
 
 Loading is layered (``docs/architecture.md``, DESIGN "The frozen onboarding identity"):
 
@@ -46,7 +47,6 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from qualify.contract import sealed_data
 from qualify.contract.lanes import (
-    CONNECTOR_ADAPTER_PREFIX,
     LANES,
     VLLM_VIA_CONNECTOR_LANE,
     ZERO_SHA256,
@@ -66,20 +66,23 @@ from qualify.core.errors import Refused, one_line
 from qualify.core.model_choice import pinned_model_name
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
 
-IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v3", "trust-ladder.onboarding-identity.v4"]
+IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v5", "trust-ladder.onboarding-identity.v6"]
 IDENTITY_SCHEMA_IDS: tuple[str, ...] = get_args(IdentitySchemaId)
 """Every ``schema`` string an onboarding identity document may declare to load."""
 IDENTITY_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[0]
-"""The ``schema`` string freezing writes for an identity without a link-rate floor (v3: v2's
-RFC 8785 digest, plus the calibration set, the stated bound rule and the controls criteria, each
-pinned by digest)."""
+"""The ``schema`` string freezing writes for an identity without a link-rate floor (v5: each
+engine's arithmetic by ABI and known-answer digest, no engine source or numpy/BLAS version pin)."""
 LINK_FLOOR_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[1]
-"""The ``schema`` string of an identity that declares a link-rate floor (v4: v3 plus ``link_floor``)."""
+"""The ``schema`` string of an identity that declares a link-rate floor (v6: v5 plus ``link_floor``)."""
 RETIRED_IDENTITY_SCHEMA_IDS: tuple[str, ...] = ("trust-ladder.onboarding-identity.v1",
                                                 "trust-ladder.onboarding-identity.v2")
 """Versions that no longer load: their bounds were sealed from the fixture itself, with no
 calibration set or stated rule behind them (their schemas stay in ``contracts/`` for archived
 receipts)."""
+SOURCE_PINNED_IDENTITY_SCHEMA_IDS: tuple[str, ...] = ("trust-ladder.onboarding-identity.v3",
+                                                      "trust-ladder.onboarding-identity.v4")
+"""Versions that no longer load because they pin engine source bytes and numpy/BLAS versions
+instead of known answers; ``tools/freeze_identity.py --refreeze`` moves one to v5/v6, numbers kept."""
 
 IDENTITY_SCHEMA_PATHS: Mapping[str, Path] = MappingProxyType({
     schema_id: CONTRACTS_DIR / f"onboarding-identity.{schema_id.rsplit('.', 1)[1]}.schema.json"
@@ -200,17 +203,29 @@ class _Frozen(BaseModel):
 
 
 class EngineRef(_Frozen):
-    """An engine pinned by name, version and ABI string."""
+    """An engine pinned by name, version, ABI string and, for an engine exact by construction, the
+    digest of its known-answer check (``qualify.engines.kat``)."""
 
     name: Name
     version: Name
     abi: EngineAbi
+    kat_sha256: Sha256 | None = Field(
+        description="null, or the SHA-256 of the engine's KV and logit bits on the fixed known-answer input")
 
 
 class NamedDigest(_Frozen):
-    """An artifact pinned by name and SHA-256 (adapter, prompt template)."""
+    """An artifact pinned by name and SHA-256 (prompt template, calibration set, controls)."""
 
     name: Name
+    sha256: Sha256
+
+
+class ConnectorPin(_Frozen):
+    """The KV connector a connector lane goes through: the name vLLM knows it by and the RFC 8785
+    digest of what resolved it (module, class, distribution and version, config digest)."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
+                               description="the connector's registered or class name")]
     sha256: Sha256
 
 
@@ -355,7 +370,10 @@ class Identity(_Frozen):
     checkpoint: Checkpoint
     producer_engine: EngineRef
     consumer_engine: EngineRef
-    adapter: NamedDigest
+    connector: ConnectorPin | None = Field(
+        description="null, or (lane vllm-via-connector only) the KV connector the lane goes through: its name "
+                    "and the SHA-256 of the resolved connector (module, class, distribution and version, config digest)"
+    )
     tokenizer_sha256: Sha256
     prompt: PromptRef
     prompt_template: NamedDigest
@@ -370,7 +388,7 @@ class Identity(_Frozen):
         description="null, or the preregistered E2 controls criteria file (name and RFC 8785 digest)"
     )
     link_floor: LinkFloor | None = Field(
-        default=None, description="v4 only, and required there: the link-rate floor every handoff is judged against"
+        default=None, description="v6 only, and required there: the link-rate floor every handoff is judged against"
     )
 
     @property
@@ -390,22 +408,19 @@ class Identity(_Frozen):
         chosen model's (each model's lanes are sealed apart)."""
         name = self.model_name
         lane = self.lane
-        if lane == VLLM_VIA_CONNECTOR_LANE:  # one identity per connector: sealed apart
-            lane = f"{lane}/{self.adapter.name.removeprefix(CONNECTOR_ADAPTER_PREFIX)}"
+        if self.connector is not None:  # one identity per connector: sealed apart
+            lane = f"{lane}/{self.connector.name}"
         return lane if name is None else f"{name}/{lane}"
 
     @model_validator(mode="after")
-    def _connector_adapter(self) -> Identity:
-        """A connector lane pins its connector as ``connector:<name>``; no other lane's adapter may
-        look like one (its seal name would pass for a connector's)."""
+    def _connector_on_its_lane(self) -> Identity:
+        """Lane vllm-via-connector pins its connector; no other lane names one."""
         connector_lane = self.lane == VLLM_VIA_CONNECTOR_LANE
-        named = self.adapter.name.startswith(CONNECTOR_ADAPTER_PREFIX)
-        if connector_lane and not (named and len(self.adapter.name) > len(CONNECTOR_ADAPTER_PREFIX)):
-            raise _rule_error("adapter.name", f"found {render(self.adapter.name)}, lane {self.lane} expects "
-                                              f"{CONNECTOR_ADAPTER_PREFIX}<connector name>")
-        if named and not connector_lane:
-            raise _rule_error("adapter.name", f"found {render(self.adapter.name)}, a connector's adapter; "
-                                              f"only lane {VLLM_VIA_CONNECTOR_LANE} pins a connector")
+        if connector_lane and self.connector is None:
+            raise _rule_error("connector", f"null, lane {self.lane} pins the connector it was calibrated through")
+        if self.connector is not None and not connector_lane:
+            raise _rule_error("connector", f"found {render(self.connector.name)}, only lane "
+                                           f"{VLLM_VIA_CONNECTOR_LANE} pins a connector")
         return self
 
     @model_validator(mode="after")
@@ -418,14 +433,14 @@ class Identity(_Frozen):
         return self
 
     def document(self) -> dict[str, Any]:
-        """The JSON document (plain dicts) this identity was loaded from (a v3 document has no
+        """The JSON document (plain dicts) this identity was loaded from (a v5 document has no
         ``link_floor``, not a null one: its digest stays what it was sealed as)."""
         return self.model_dump(mode="json", by_alias=True,
                                exclude={"link_floor"} if self.schema_id == IDENTITY_SCHEMA_ID else None)
 
     @model_validator(mode="after")
     def _link_floor_follows_version(self) -> Identity:
-        """v4 declares a link floor and v3 none (the schemas say so too; this holds for an
+        """v6 declares a link floor and v5 none (the schemas say so too; this holds for an
         identity built in Python)."""
         if (self.link_floor is not None) != (self.schema_id == LINK_FLOOR_SCHEMA_ID):
             expected = (f"a floor (schema {LINK_FLOOR_SCHEMA_ID})" if self.schema_id == LINK_FLOOR_SCHEMA_ID
@@ -538,11 +553,13 @@ class _ContractSchema(GenerateJsonSchema):
 
 
 _DIGEST_RULES: Mapping[str, str] = MappingProxyType({
-    "trust-ladder.onboarding-identity.v3": (
-        " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."),
-    "trust-ladder.onboarding-identity.v4": (
+    "trust-ladder.onboarding-identity.v5": (
         " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."
-        " v4 is v3 plus link_floor, the link-rate floor every handoff is judged against."),
+        " Engines are pinned by ABI and known-answer digest, not by source bytes or numpy/BLAS versions."),
+    "trust-ladder.onboarding-identity.v6": (
+        " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."
+        " Engines are pinned by ABI and known-answer digest, not by source bytes or numpy/BLAS versions."
+        " v6 is v5 plus link_floor, the link-rate floor every handoff is judged against."),
 })
 """What a version's schema says about its digest (v1's text predates the rule and stays as committed)."""
 
@@ -550,7 +567,7 @@ _DIGEST_RULES: Mapping[str, str] = MappingProxyType({
 def identity_json_schema(schema_id: str = IDENTITY_SCHEMA_ID) -> dict[str, Any]:
     """The JSON Schema of an identity document of one version, generated from :class:`Identity`
     (draft 2020-12): the versions differ in their ``schema`` constant, id and title, and in
-    ``link_floor``, which v3 has not and v4 requires."""
+    ``link_floor``, which v5 has not and v6 requires."""
     if schema_id not in IDENTITY_SCHEMA_PATHS:
         raise Refused(f"identity schema: found {render(schema_id)}, expected one of "
                       f"{', '.join(render(known) for known in IDENTITY_SCHEMA_IDS)}")
@@ -593,7 +610,7 @@ def _describe_pydantic_error(exc: ValidationError) -> str:
 
 def identity_sha256(identity: Identity) -> str:
     """SHA-256 of the identity document as loaded, in the canonical form its schema version
-    declares (:func:`qualify.core.digests.document_sha256`: RFC 8785 for v3): part of the lane
+    declares (:func:`qualify.core.digests.document_sha256`: RFC 8785 for v5): part of the lane
     identity, written into every receipt."""
     if not isinstance(identity, Identity):
         raise Refused(f"identity digest: found {type(identity).__name__}, expected Identity")
@@ -611,6 +628,10 @@ def _schema_path_of(document: object, where: str) -> Path:
             raise Refused(f"{where}: schema: found {render(document['schema'])}, a retired version whose bounds "
                           f"were sealed from the fixture itself; re-calibrate and re-freeze it as "
                           f"{render(IDENTITY_SCHEMA_ID)} (docs/calibration.md)")
+        if document["schema"] in SOURCE_PINNED_IDENTITY_SCHEMA_IDS:
+            raise Refused(f"{where}: schema: found {render(document['schema'])}, a retired version that pins "
+                          f"engine source bytes and numpy/BLAS versions; re-freeze it as known answers: "
+                          f"tools/freeze_identity.py --refreeze (docs/calibration.md)")
         path = IDENTITY_SCHEMA_PATHS.get(document["schema"]) if isinstance(document["schema"], str) else None
         if path is None:
             raise Refused(f"{where}: schema: found {render(document['schema'])}, expected one of "

@@ -202,9 +202,6 @@ VLLM_TO_VLLM_LANE = "vllm-to-vllm"
 VLLM_VIA_CONNECTOR_LANE = "vllm-via-connector"
 """Two vLLM engines joined by a KV connector the operator names (``--connector``): the connector
 under test, not the project's, moves the KV (:mod:`qualify.run.connector_lane`)."""
-CONNECTOR_ADAPTER_PREFIX = "connector:"
-"""A connector lane's identity pins its connector as its adapter: ``connector:<name>`` and the
-SHA-256 of the resolved connector (module, class, package and version, config digest)."""
 REFERENCE_TO_VLLM_LANE = "reference-to-vllm"
 
 VLLM_BLOCK_SIZE = 128

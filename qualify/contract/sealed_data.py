@@ -13,19 +13,19 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
-    "kquant-exact-dflash": "fc810ecfe46418dc66b4175e9d3aaf160cf55618f9d219246818f5f296c49417",
-    "llama3-8b-shape-pd": "c1bd42299b5887a7b7096244cc7e85a9b843b52805ff04ed71388506286b7edb",
-    "nvfp4-native-f16": "92f5cf8a032fce71529aaedbfde139190fa81969e5a2fa2f0d55d77fd8953660",
-    "nvfp4-native-splitk": "35a8ba38179dc4d50ba480bd0b44b5d90a95e19195b57be6869107dada9f3b5d",
-    "nvfp4-native-w4a4": "4facb7902aff64946cda02c6ea4c3ec4d4b555164a1090296368bbda31efec9b",
-    "reference-to-vllm": "fe6d0941f68d151b61c3aab59b7e498fddd2fd1df373e1daf7817bb8eb01346d",
-    "smollm2-135m-instruct-q4_1/kquant-exact": "51e9e80d17ce365af583f8cc68c06a46594e691e2200c8c16f68486bcff21041",
-    "smollm2-135m-instruct-q4_1/vllm-to-reference": "2c5fdf612e4f3a8183658b46d987e8f8e3c6ce93aed18fe3a948a8a99ba6fc02",
-    "transformers-cuda-bf16": "bfb85507e4cfe7f4394a88dd11fbe8b9b39f9263800fdf7f1851e1b4f34655a2",
-    "transformers-cuda-fp32": "6b5dad7cfe71a635c32fc4ab475a8bb56275886677a1a73ba0361a2f102798ec",
-    "transformers-cuda-tf32": "370bcf418f77708071c11c25bed9b74e533125a852d28db27f7871b651197d9d",
-    "vllm-to-reference": "10aa2514b6487a08de9a7ab6d013f8c8d13f6e53d2726ebb55961bba7f04ea68",
-    "vllm-to-vllm": "a1b8f246687d3da33a17578490a22c3345fba53062343bea6e42a7188ce90ecf",
+    "kquant-exact-dflash": "540024de156e85e6501fc0e22155221fa1df4e3817457af80e540454efae85f2",
+    "llama3-8b-shape-pd": "6a4dc2934f2c472cfab0d3e12bae7c0abc516fdd3a82bb627cb2c530f2b2d801",
+    "nvfp4-native-f16": "03801f6bef2d92fa609b9d96636d2243f5c6e53ee51df1369c09f8e9dbdf408c",
+    "nvfp4-native-splitk": "0467c59cc807deb83ae7c336fb8a08941aa567f0def77d0571b3a7a8270b1422",
+    "nvfp4-native-w4a4": "bf5a5276174481fd2c742d3d47695dae01472ff650e481f9d1a86287770ae5c4",
+    "reference-to-vllm": "66c08f688fd5dac9d5be02d8ab1f7e660a9eb55b2a45bfb3148b1a48ce7c0ee1",
+    "smollm2-135m-instruct-q4_1/kquant-exact": "35ec4f53530ee90b2506638f5224ea6257d96da8267daf3f5280e9008cb84d13",
+    "smollm2-135m-instruct-q4_1/vllm-to-reference": "1a268d0c71b1458bbf1e408c28bc2a92963f8456aacd8c2512417c1e63878a68",
+    "transformers-cuda-bf16": "8eb38d0e045988b0ce1902b529ce2678b6d2e8b5822b1ee3949a883043faef2a",
+    "transformers-cuda-fp32": "7539b9e590dc3bb577521d312bae77f51968a7c1dfc8571104d37f141dcf684d",
+    "transformers-cuda-tf32": "ed501e20ddbeea0c3e7328884d62ba6070d38f4891e62d268cd3111c67408ac3",
+    "vllm-to-reference": "98f8c38bf33e522fb12381c8e494382a153c6048e0f27540276147b5fd697cd4",
+    "vllm-to-vllm": "065e498e70211bb0437728ed3b6fc760bd12cabef4483d55be4fb7b061d794c7",
 })
 """Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the
 RFC 8785 bytes of a v3 identity)."""

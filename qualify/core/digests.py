@@ -80,6 +80,8 @@ JCS_SCHEMAS: frozenset[str] = frozenset({
     "trust-ladder.onboarding-identity.v2",
     "trust-ladder.onboarding-identity.v3",
     "trust-ladder.onboarding-identity.v4",
+    "trust-ladder.onboarding-identity.v5",
+    "trust-ladder.onboarding-identity.v6",
     "trust-ladder.handoff-manifest.v4",
     "trust-ladder.calibration.v2",
     "trust-ladder.calibration.v3",

@@ -1,11 +1,10 @@
 """The numeric environment of this process: what lane identities pin and what receipts record.
 
-Pinned (part of an engine's ABI, so part of the identity and the cache identity):
-* :func:`numeric_environment` for the numpy engines: the numpy version and the BLAS library and
-  version it was built with. Their arithmetic is exact by construction (``qualify.core.numerics``), so
-  the BLAS *kernel*, the thread count and numpy's SIMD dispatch are recorded, not pinned.
-* :func:`cpu_isa_class` for engines whose kernels dispatch on the instruction set (vLLM's CPU
-  build, torch on the CPU).
+Pinned (part of an engine's ABI, so part of the identity and the cache identity): only
+:func:`cpu_isa_class`, for engines whose kernels dispatch on the instruction set (vLLM's CPU build,
+torch on the CPU). The numpy engines are exact by construction (``qualify.core.numerics``): their
+numpy, BLAS, kernel, threads and SIMD dispatch are recorded in the host facts, and their bits are
+pinned by a known-answer check (``qualify.engines.kat``), not by versions.
 
 :func:`check_ieee_environment` refuses a process whose floating-point environment flushes
 subnormals to zero (a library loaded with ``-ffast-math`` can switch that on for everyone).
@@ -30,14 +29,9 @@ ISA_CLASS_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16
 
 @functools.cache
 def blas_library() -> str:
-    """numpy's BLAS as ``name-version`` (``scipy-openblas-0.3.30`` for the pinned wheel)."""
+    """numpy's BLAS as ``name-version`` (``scipy-openblas-0.3.30`` for the pinned wheel), recorded."""
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     return f"{blas.get('name', 'unknown')}-{blas.get('version', 'unknown')}"
-
-
-def numeric_environment() -> str:
-    """What the numpy engines' bits may depend on besides their own code: numpy and its BLAS."""
-    return f"numpy-{np.__version__}+{blas_library()}"
 
 
 @functools.cache
@@ -78,13 +72,15 @@ def cpu_isa_class() -> str:
 def numpy_narrower_dispatch() -> str:
     """An ``NPY_DISABLE_CPU_FEATURES`` value that makes numpy run its next-narrower SIMD paths on
     this CPU: the AVX-512 targets it uses, else AVX2 and FMA3 ("" when it uses neither)."""
-    # numpy ships no stubs for its private dispatch tables.
-    from numpy._core._multiarray_umath import (  # type: ignore[import-not-found]  # private, unstubbed
-        __cpu_dispatch__,
-        __cpu_features__,
-    )
+    # numpy ships no stubs for its private dispatch tables (numpy._core from 2.0, numpy.core before).
+    import importlib
 
-    enabled = [name for name in __cpu_dispatch__ if __cpu_features__.get(name)]
+    try:
+        umath = importlib.import_module("numpy._core._multiarray_umath")
+    except ImportError:  # pragma: no cover - numpy 1.26, the bottom of the tested range
+        umath = importlib.import_module("numpy.core._multiarray_umath")
+    dispatch, features = umath.__cpu_dispatch__, umath.__cpu_features__
+    enabled = [name for name in dispatch if features.get(name)]
     avx512 = [name for name in enabled if name.startswith("AVX512")]
     return ",".join(avx512 or [name for name in ("AVX2", "FMA3") if name in enabled])
 
@@ -154,10 +150,12 @@ def _numpy_simd() -> dict[str, object]:
     """numpy's SIMD baseline, the dispatch targets built in and those this CPU enables (after
     ``NPY_DISABLE_CPU_FEATURES``); fixed at import, so computed once."""
     try:
+        import importlib
+
         try:
-            from numpy._core import _multiarray_umath as umath  # numpy >= 2
+            umath = importlib.import_module("numpy._core._multiarray_umath")  # numpy >= 2
         except ImportError:  # pragma: no cover - numpy 1.x
-            from numpy.core import _multiarray_umath as umath
+            umath = importlib.import_module("numpy.core._multiarray_umath")
         features = dict(getattr(umath, "__cpu_features__", {}))
         baseline = [str(f) for f in getattr(umath, "__cpu_baseline__", [])]
         dispatch = [str(f) for f in getattr(umath, "__cpu_dispatch__", [])]
@@ -172,7 +170,7 @@ def _numpy_simd() -> dict[str, object]:
     }
 
 
-def _blas_facts() -> dict[str, object]:
+def blas_facts() -> dict[str, object]:
     """numpy's BLAS as built (name-version) and, through threadpoolctl, as loaded: the kernel
     (OpenBLAS core) and thread count in use now, plus every native thread pool in the process."""
     facts: dict[str, object] = {"library": blas_library(), "kernel": None, "num_threads": None,
@@ -308,7 +306,7 @@ def host_facts() -> dict[str, object]:
     except (AttributeError, OSError):
         affinity = None
     try:
-        blas = _blas_facts()
+        blas = blas_facts()
     except Exception as exc:  # pragma: no cover - _blas_facts catches what it calls
         blas = {"library": None, "error": _text(f"{type(exc).__name__}: {exc}")}
     torch_facts, gpu = _torch_and_gpu_facts()

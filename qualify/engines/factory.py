@@ -46,28 +46,6 @@ NVFP4_FILES = ("config.json", "hf_quant_config.json", "model.safetensors")
 
 Role = Literal["producer", "consumer"]
 
-ADAPTER_SOURCES: dict[LaneKind, tuple[str, str]] = {
-    LaneKind.NVFP4: ("qualify-nvfp4-linear", "qualify/engines/nvfp4_linear.py"),
-    LaneKind.KQUANT: ("qualify-kquant", "qualify/engines/kquant.py"),
-    LaneKind.VLLM: ("qualify-vllm-connector", "qualify/engines/vllm_connector.py"),
-    LaneKind.TRANSFORMERS: ("qualify-transformers-engine", "qualify/engines/transformers_engine.py"),
-    LaneKind.TORCH_LLAMA: ("qualify-torch-llama", "qualify/engines/torch_llama.py"),
-}
-"""The producer adapter per lane kind: its name and the package-relative source file whose SHA-256
-an identity pins (the code that turns the lane's weights into its arithmetic)."""
-
-
-def check_adapter(kind: LaneKind, name: str, sha256: str) -> None:
-    """Refuse an identity whose pinned adapter is not this checkout's adapter source."""
-    if kind not in ADAPTER_SOURCES:
-        raise Refused(f"lane kind {kind.value}: no adapter source is known for it")
-    expected_name, relpath = ADAPTER_SOURCES[kind]
-    found = _digest(assets.require_source_file(relpath))
-    if name != expected_name or sha256 != found:
-        raise Refused(f"adapter {name}: identity pins sha256 {sha256}, {relpath} ({expected_name}) "
-                      f"is {found}; re-freeze the identity after a reviewed adapter change")
-
-
 def checkpoint_files(kind: LaneKind) -> tuple[Path, ...]:
     """The checkpoint files a lane kind's engines read (what the identity pins)."""
     if kind is LaneKind.NVFP4:

@@ -12,7 +12,7 @@
   contraction of ``qualify.core.numerics``), the chunks summed as a pairwise float32 tree
   (another reduction topology).
 * ``f16`` (native, medium): ``splitk`` with both operands materialized in float16, and the
-  engine's intermediates rounded through float16 by ``materialize_f16``.
+  engine's intermediates rounded through float16 (``qualify.engines.reference.RoundTripFloat16``).
 * ``w4a4`` (native, harsh): seed section 7.4.3. Activations quantized per 16 values to E2M1 with
   an E4M3FN block scale under a global activation scale: ``1/input_scale_inv`` when the
   checkpoint carries one, else dynamic per row ``row amax / (6 * 448)`` (keeps rows independent).
@@ -327,31 +327,3 @@ def make_nvfp4_linear_factory(
         return make_nvfp4_linear(tensor, arithmetic)
 
     return make_linear
-
-
-class KeepFloat32:
-    """``materialize`` hook for exact, splitk and w4a4: intermediates stay float32 (identity)."""
-
-    kind = "f32"  # the same arithmetic, and name, as the reference engine's default hook
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return x
-
-
-class RoundTripFloat16:
-    """``materialize`` hook for ``f16``: round an intermediate through float16 (ties to even,
-    overflow to inf), bit-identical to ``astype(float16).astype(float32)``."""
-
-    kind = "f16-round-trip"  # the same arithmetic, and name, as the reference engine's f16 hook
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return round_through_f16(x)
-
-
-def materialize_hook(arithmetic: Arithmetic) -> Callable[[np.ndarray], np.ndarray]:
-    """The engine's ``materialize(x)`` hook for an arithmetic: float16 round trip for ``f16``."""
-    _require_arithmetic(arithmetic)
-    return RoundTripFloat16() if arithmetic == "f16" else KeepFloat32()
-
-
-materialize_f16 = RoundTripFloat16()  # the f16 variant's hook, as a ready instance

@@ -123,12 +123,6 @@ class LlamaShape:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
 
-# Llama-3 8B's dimensions (Meta's params.json / the HF config of Meta-Llama-3-8B): untied LM head.
-LLAMA3_8B = LlamaShape(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-                       intermediate=14336, vocab=128256, max_positions=8192, rope_theta=500000.0,
-                       rms_norm_eps=1e-5, tied_embeddings=False)
-
-
 @dataclass
 class LayerWeights:
     """One decoder layer's tensors (model dtype, on the device)."""

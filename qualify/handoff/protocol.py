@@ -208,16 +208,17 @@ class StartRefused(Refused):
 
 
 _GEOMETRY_INTS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_positions")
-_EXPECTATION_FIELDS = frozenset({"engine_version", "engine_name", "engine_abi", "identity_sha256",
-                                 "kv_dtype", "digests", "geometry"})
+_EXPECTATION_FIELDS = frozenset({"engine_version", "engine_name", "engine_abi", "engine_kat_sha256",
+                                 "identity_sha256", "kv_dtype", "digests", "geometry"})
 
 
 @dataclass(frozen=True)
 class ProducerExpectation:
     """What the harness expects the producer's engine to be; checked once, at start.
 
-    ``digests`` (checkpoint file -> SHA-256), ``engine_name`` and ``engine_abi`` are checked when
-    given. ``identity_sha256`` is the frozen identity the run is under; it goes into every
+    ``digests`` (checkpoint file -> SHA-256), ``engine_name``, ``engine_abi`` and
+    ``engine_kat_sha256`` (the engine's known-answer digest, ``qualify.engines.kat``) are checked
+    when given. ``identity_sha256`` is the frozen identity the run is under; it goes into every
     manifest. The target cache identity is *not* here: the engine declares its own (derived from
     the mode it was built in), so a producer in the wrong mode cannot echo the expected one.
     """
@@ -229,6 +230,7 @@ class ProducerExpectation:
     engine_abi: str | None = None
     digests: Mapping[str, str] | None = None
     kv_dtype: str = "float32"
+    engine_kat_sha256: str | None = None
 
     def to_document(self) -> dict[str, Any]:
         """The JSON document ``--expect`` reads."""
@@ -237,6 +239,7 @@ class ProducerExpectation:
             "engine_version": self.engine_version,
             "engine_name": self.engine_name,
             "engine_abi": self.engine_abi,
+            "engine_kat_sha256": self.engine_kat_sha256,
             "identity_sha256": self.identity_sha256,
             "kv_dtype": self.kv_dtype,
             "digests": None if self.digests is None else dict(self.digests),
@@ -259,6 +262,8 @@ class ProducerExpectation:
                 raise StartRefused(f"--expect: {name} must be a string or null")
         if not is_sha256_hex(document["identity_sha256"]):
             raise StartRefused("--expect: identity_sha256 must be 64 lowercase hex characters")
+        if document["engine_kat_sha256"] is not None and not is_sha256_hex(document["engine_kat_sha256"]):
+            raise StartRefused("--expect: engine_kat_sha256 must be 64 lowercase hex characters or null")
         if document["kv_dtype"] not in KV_DTYPES:
             raise StartRefused(f"--expect: kv_dtype {document['kv_dtype']!r} is not a KV dtype")
         digests = document["digests"]
@@ -283,6 +288,7 @@ class ProducerExpectation:
             identity_sha256=document["identity_sha256"],
             engine_name=document["engine_name"],
             engine_abi=document["engine_abi"],
+            engine_kat_sha256=document["engine_kat_sha256"],
             digests=None if digests is None else dict(digests),
             kv_dtype=document["kv_dtype"],
         )
@@ -317,6 +323,7 @@ def expectation_from_identity(identity: Identity, model_geometry: ModelGeometry)
         identity_sha256=identity_sha256(identity),
         engine_name=engine.name,
         engine_abi=engine.abi,
+        engine_kat_sha256=engine.kat_sha256,
         digests=dict(identity.checkpoint.files),
         kv_dtype=lane_kv_dtype(identity.spec),
     )

@@ -809,7 +809,7 @@ def serve(config: ServiceConfig, *, factory: EngineFactory | None = None) -> int
                 from qualify.engines.chosen_model import use_model
 
                 use_model(config.model)
-            engine = build(config.lane, config.mode)
+            engine = honest = build(config.lane, config.mode)
             if config.fault is not None:
                 engine = _with_fault(build, engine, config.lane, config.mode, config.fault)
         except Refused as exc:
@@ -819,6 +819,13 @@ def serve(config: ServiceConfig, *, factory: EngineFactory | None = None) -> int
                 f"engine build for lane {config.lane} failed: {type(exc).__name__}: {exc}"
             )) from None
         cache_identity = check_engine(engine, mode=config.mode, expectation=expectation)
+        if expectation.engine_kat_sha256 is not None:
+            from qualify.engines.kat import check_known_answer
+
+            try:  # the honest engine's arithmetic, not an injected fault's
+                check_known_answer(honest, expectation.engine_kat_sha256, "producer")
+            except Refused as exc:
+                raise StartRefused(one_line(str(exc))) from None
         tls = None
         if config.tls is not None:
             cert, tls_key, client_ca = config.tls

@@ -11,8 +11,8 @@ harness reads both branches' tokens, logits and KV and builds the sample record 
 any lane, so the judge, the anchors and the receipt are the ones every lane uses. A divergence is
 also localised per (layer, K or V, KV head, block) in ``evidence/connector-sample-<n>.json``.
 
-The lane's identity pins the connector as its adapter (``connector:<name>`` and the digest of the
-resolved connector: module, class, package and version, config digest). A config string may hold
+The lane's identity pins the connector (``connector``: its name and the digest of the resolved
+connector: module, class, package and version, config digest). A config string may hold
 ``{storage}``: the run gives it a fresh folder of its own, emptied before each handoff, so no
 handoff can load an earlier one's KV.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from qualify.contract.lanes import CONNECTOR_ADAPTER_PREFIX, VLLM_BLOCK_SIZE, VLLM_VIA_CONNECTOR_LANE, LaneSpec
+from qualify.contract.lanes import VLLM_BLOCK_SIZE, VLLM_VIA_CONNECTOR_LANE, LaneSpec
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256, jcs_sha256
 from qualify.core.errors import ProducerFailed, Refused, one_line
@@ -89,9 +89,10 @@ class ConnectorChoice:
 
     @property
     def pin(self) -> tuple[str, str]:
-        """The identity's adapter for this connector: its name and the digest of what pins it."""
+        """What the identity pins of this connector: its name and the digest of what resolved it
+        (the config by its digest, as written)."""
         pinned = {key: value for key, value in self.spec.as_dict().items() if key != "config"}
-        return f"{CONNECTOR_ADAPTER_PREFIX}{self.spec.name}", jcs_sha256(pinned)
+        return self.spec.name, jcs_sha256(pinned)
 
 
 def expand_storage(value: Any, storage: Path) -> Any:
@@ -170,7 +171,7 @@ class ConnectorLaneRun(QualificationRun):
 
     # -- what the identity must be -------------------------------------------------------------
 
-    def adapter_pin(self) -> tuple[str, str] | None:
+    def connector_pin(self) -> tuple[str, str] | None:
         return self.choice.pin
 
     def build_consumer(self, spec: LaneSpec) -> LaneEngine:
@@ -193,7 +194,7 @@ class ConnectorLaneRun(QualificationRun):
         receipt = self._receipt
         receipt.add_evidence(CONNECTOR_EVIDENCE, {
             "schema": "trust-ladder.connector.v1", "connector": self.choice.spec.as_dict(),
-            "adapter": {"name": self.choice.pin[0], "sha256": self.choice.pin[1]}, "fault": self.choice.fault})
+            "pin": {"name": self.choice.pin[0], "sha256": self.choice.pin[1]}, "fault": self.choice.fault})
         try:
             for role in ("serve-consumer", "serve-producer"):
                 env = self.producer_env if role == "serve-producer" else {}

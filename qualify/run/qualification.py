@@ -361,7 +361,7 @@ class QualificationRun:
                 check_lane_engines(identity.spec, options.producer, options.consumer)
                 self.consumer = self.build_consumer(identity.spec)
                 self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
-                                                       self.consumer, adapter=self.adapter_pin())
+                                                       self.consumer, connector=self.connector_pin())
                 self._check_link_floor(self.contract, f"identity {identity_path}")
             except Refused as refusal:
                 # A sealed identity whose lane cannot run here (no GPU, no vLLM, another numeric
@@ -440,9 +440,9 @@ class QualificationRun:
 
         return self._given_consumer or build_consumer(spec)
 
-    def adapter_pin(self) -> tuple[str, str] | None:
-        """The (name, SHA-256) the identity's adapter must be, when the run names it (a connector
-        lane's connector); None: the lane kind's own adapter."""
+    def connector_pin(self) -> tuple[str, str] | None:
+        """The (name, SHA-256) of the KV connector the identity must pin (a connector lane's);
+        None: the run goes through no operator's connector."""
         return None
 
     def default_identity_path(self) -> Path:

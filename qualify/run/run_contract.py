@@ -83,16 +83,16 @@ def _frozen_lane_hint(path: Path) -> str:
 
 
 def check_connector_pin(identity: Identity, pin: tuple[str, str] | None, where: str) -> None:
-    """A connector lane's identity pins its connector as its adapter (name, digest of the resolved
-    connector); the run's connector (``--connector`` and its config) must be that one."""
-    if identity.lane != VLLM_VIA_CONNECTOR_LANE or pin is None:
+    """A connector lane's identity pins its connector (name, digest of the resolved connector); the
+    run's connector (``--connector`` and its config) must be that one."""
+    if identity.connector is None or pin is None:
         raise Refused(f"{where}: lane {identity.lane}: a connector lane needs --connector and its identity "
                       f"needs lane {VLLM_VIA_CONNECTOR_LANE}")
     name, sha256 = pin
-    if (identity.adapter.name, identity.adapter.sha256) != (name, sha256):
-        raise Refused(f"{where}: adapter: the identity pins {identity.adapter.name} sha256 {identity.adapter.sha256}, "
-                      f"the run's connector is {name} sha256 {sha256} (its module, class, package version or "
-                      f"config differ); calibrate and freeze this connector's own identity")
+    if (identity.connector.name, identity.connector.sha256) != (name, sha256):
+        raise Refused(f"{where}: connector: the identity pins {identity.connector.name} sha256 "
+                      f"{identity.connector.sha256}, the run's connector is {name} sha256 {sha256} (its module, "
+                      f"class, package version or config differ); calibrate and freeze this connector's own identity")
 
 
 def connector_identity_path(connector: str) -> Path:
@@ -310,8 +310,9 @@ def kv_envelope_from_records(records: list[dict[str, Any]], layers: int) -> list
 
 def check_engine_pins(identity: Identity, consumer: Engine, producer_abi: str) -> None:
     """Refuse (exit 2, before any handoff) a host whose built engines differ from the engines the
-    identity pins: their ABI names the numeric environment (numpy and BLAS, CPU ISA class, torch,
-    CUDA, GPU), so a host the lane was not calibrated on is refused here, never judged as drift."""
+    identity pins: their ABI names the arithmetic and, for engines not exact by construction, the
+    numeric environment (CPU ISA class, torch, CUDA, GPU), so a host the lane was not calibrated
+    on is refused here, never judged as drift."""
     calibrate_hint = f"qualify calibrate --recipe {identity.recipe.value} --lane {identity.lane}"
     found_and_pinned = {
         "producer_engine.abi": (producer_abi, identity.producer_engine.abi),
@@ -368,25 +369,27 @@ def check_model(identity: Identity, where: str) -> None:
 
 
 def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool, consumer: Engine,
-                           adapter: tuple[str, str] | None = None) -> Contract:
+                           connector: tuple[str, str] | None = None) -> Contract:
     """Load and seal the identity (schema, strict model, sealed digest, basis receipt), check the built
     engines against its pins and derive the run's contract; refuses an identity of another
     recipe or whose artifacts or numeric environment no longer match."""
     from qualify.contract.identity import identity_sha256, load_identity
     from qualify.contract.units import logit_units_label
-    from qualify.engines.factory import check_adapter, lane_producer_abi
+    from qualify.engines.factory import lane_producer_abi
+    from qualify.engines.kat import check_known_answer
     from qualify.evidence.records import rule_from_identity
     from qualify.handoff.protocol import expectation_from_identity
 
     identity = load_identity(identity_path)
     check_model(identity, f"identity {identity_path}")
-    if identity.lane == VLLM_VIA_CONNECTOR_LANE or adapter is not None:
-        check_connector_pin(identity, adapter, f"identity {identity_path}")
-    else:
-        check_adapter(identity.lane_kind, identity.adapter.name, identity.adapter.sha256)
+    if identity.lane == VLLM_VIA_CONNECTOR_LANE or connector is not None:
+        check_connector_pin(identity, connector, f"identity {identity_path}")
     if identity.recipe != recipe:
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")
     check_engine_pins(identity, consumer, lane_producer_abi(identity.spec))
+    # The consumer's arithmetic, pinned by its bits on the known-answer input (the producer
+    # process checks its own before it is ready).
+    check_known_answer(consumer, identity.consumer_engine.kat_sha256, "consumer")
     consumer_geometry = consumer.geometry
     check_rope_cache(identity, consumer_geometry.head_dim, f"identity {identity_path}")
     prompt = assets.load_prompt(identity.prompt.name)

@@ -758,7 +758,7 @@ def identity_cases() -> list[Case]:
         Case("a checkpoint mixing two models", parsed(make_document(files=files))),
         *(Case(f"a retired schema {version}",
                parsed(mutated(make_document(), "schema", f"trust-ladder.onboarding-identity.{version}")))
-          for version in ("v1", "v2")),
+          for version in ("v1", "v2", "v3", "v4")),
         *(Case(f"an unknown schema {value!r}", parsed(mutated(make_document(), "schema", value)))
           for value in ("trust-ladder.onboarding-identity.v9", ["x"], {"v": 3})),
         Case("the model: the placeholder digest", model_errors(mutated(make_document(), "tokenizer_sha256", "0" * 64))),
@@ -1107,11 +1107,11 @@ def connector_lane_cases() -> list[Case]:
         Case("a config that is not JSON", refused(ConnectorRequest("ExampleConnector", config="{not json").resolve)),
         Case("a config that is a JSON array", refused(ConnectorRequest("ExampleConnector", config="[1]").resolve)),
         Case("the identity pins another connector digest", refused(
-            check_connector_pin, connector_identity, ("connector:ExampleConnector", "f" * 64), "identity x")),
+            check_connector_pin, connector_identity, ("ExampleConnector", "f" * 64), "identity x")),
         Case("the identity pins another connector", refused(
-            check_connector_pin, connector_identity, ("connector:MyConnector", "f" * 64), "identity x")),
+            check_connector_pin, connector_identity, ("MyConnector", "f" * 64), "identity x")),
         Case("a connector run given another lane's identity", refused(
-            check_connector_pin, other_identity, ("connector:ExampleConnector", "f" * 64), "identity x")),
+            check_connector_pin, other_identity, ("ExampleConnector", "f" * 64), "identity x")),
         Case("--connector-config without --connector",
              refused(connector_request, options(connector_config="{}"), "qualify")),
         Case("--producer-at with --connector",
@@ -1120,6 +1120,32 @@ def connector_lane_cases() -> list[Case]:
              refused(connector_request, options(connector="ExampleConnector", fault="k-bit-flip"), "qualify")),
         Case("--producer vllm with --connector",
              refused(connector_request, options(connector="ExampleConnector", producer="vllm"), "qualify")),
+    ]
+
+
+# =========================================================================== qualify.engines.kat: known answers
+
+
+def kat_cases() -> list[Case]:
+    from qualify.engines.kat import check_known_answer, host_numerics
+    from qualify.engines.reference import ReferenceEngine
+    from tests.unit.engines.test_kat import NotExact, OneUlpUp, changed_at_one_projection
+
+    pinned = json.loads((REPO / "contracts" / "vllm-to-reference-identity-v1.json").read_bytes())
+    digest = pinned["consumer_engine"]["kat_sha256"]
+
+    def checked(engine: Callable[[], object], expected: str | None, role: str) -> Produce:
+        def produce(workspace: Workspace) -> Raised:
+            workspace.mask(host_numerics(), "<numpy, BLAS, kernel, threads, CPU of this host>")
+            return refusal_of(lambda: check_known_answer(engine(), expected, role))
+        return produce
+
+    return [
+        Case("a consumer whose contraction is one ULP off its pinned known answer",
+             checked(lambda: changed_at_one_projection(OneUlpUp), digest, "consumer")),
+        Case("an exact engine whose identity pins no known answer",
+             checked(ReferenceEngine.from_model_dir, None, "consumer")),
+        Case("a known answer pinned for an engine that has none", checked(NotExact, digest, "producer")),
     ]
 
 
@@ -1134,6 +1160,7 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "judge.parity": judge_parity_cases,
     "judge.controls": judge_controls_cases,
     "contract.identity": identity_cases,
+    "engines.kat": kat_cases,
     "archive.verify": verify_cases,
     "archive.attestation": attestation_cases,
     "run.connector_lane": connector_lane_cases,

@@ -75,7 +75,7 @@ def test_the_identity_pins_the_connector(sealed):
     identity_path, seal_name = sealed
     document = json.loads(identity_path.read_text(encoding="utf-8"))
     assert document["lane"] == VLLM_VIA_CONNECTOR_LANE
-    assert document["adapter"]["name"] == "connector:ExampleConnector"
+    assert document["connector"]["name"] == "ExampleConnector"
     assert seal_name == f"{VLLM_VIA_CONNECTOR_LANE}/ExampleConnector"
 
 

@@ -104,7 +104,7 @@ def make_document(
             "draft_sha256": digest("draft"),
         }
     return {
-        "schema": "trust-ladder.onboarding-identity.v3",
+        "schema": "trust-ladder.onboarding-identity.v5",
         "lane": lane,
         "lane_kind": spec.kind.value,
         "recipe": spec.recipe.value,
@@ -124,10 +124,11 @@ def make_document(
         },
         "target_cache_identity_sha256": target_cache_identity(spec, files, abi),
         "checkpoint": {"files": files, "total_bytes": 10_265_158},
-        "producer_engine": {"name": "qualify-reference", "version": "0.1.0", "abi": abi},
-        "consumer_engine": {"name": "qualify-reference", "version": "0.1.0", "abi": "nvfp4-exact-v1"},
-        "adapter": {"name": "connector:ExampleConnector" if lane == VLLM_VIA_CONNECTOR_LANE else "qualify-nvfp4-linear",
-                    "sha256": digest("adapter")},
+        "producer_engine": {"name": "qualify-reference", "version": "0.1.0", "abi": abi,
+                            "kat_sha256": digest("producer kat")},
+        "consumer_engine": {"name": "qualify-reference", "version": "0.1.0", "abi": "nvfp4-exact-v1",
+                            "kat_sha256": digest("consumer kat")},
+        "connector": {"name": "ExampleConnector", "sha256": digest("connector")} if lane == VLLM_VIA_CONNECTOR_LANE else None,
         "tokenizer_sha256": digest("tokenizer"),
         "prompt": {"name": "python-textwrap", "tokens": 2048, "sha256": digest("prompt")},
         "prompt_template": {"name": "raw-token-ids", "sha256": digest("template")},
@@ -272,7 +273,8 @@ SEALED_EDITS = [
     (f"{RULE}.repetitions", 2),
     (f"{RULE}.basis", "receipt://other-run/command.log"),
     ("tokenizer_sha256", digest("other tokenizer")),
-    ("adapter.sha256", digest("other adapter")),
+    ("producer_engine.kat_sha256", digest("other producer kat")),
+    ("consumer_engine.kat_sha256", None),
     ("prompt_template.sha256", digest("other")),
     ("rope.cache_sha256", digest("other")),
     ("rope.theta", 500000.0),
@@ -416,8 +418,8 @@ STRUCTURAL = [
     (f"{RULE}.extra", True, "found unexpected field"),
     ("schema", "trust-ladder.onboarding-identity.v2",
      'found "trust-ladder.onboarding-identity.v2", a retired version whose bounds were sealed from the fixture'),
-    ("schema", "trust-ladder.onboarding-identity.v9", 'expected one of "trust-ladder.onboarding-identity.v3", '
-                                                      '"trust-ladder.onboarding-identity.v4"'),
+    ("schema", "trust-ladder.onboarding-identity.v9", 'expected one of "trust-ladder.onboarding-identity.v5", '
+                                                      '"trust-ladder.onboarding-identity.v6"'),
     ("calibration.bound_rule.statement", "the fixture's own maximum", "differs from rule cell-max-plus-one-sd.v1"),
     ("calibration.bound_rule.name", "wilson-one-sided-95-lower.v1", "differs from rule wilson-one-sided-95-lower.v1"),
     ("calibration.bound_rule.name", "taste.v1", 'found "taste.v1", expected one of'),
@@ -431,7 +433,8 @@ STRUCTURAL = [
     ("tokenizer_sha256", "TODO", "64 lowercase hex"),
     ("tokenizer_sha256", "0" * 64, "found the placeholder"),
     ("target_cache_identity_sha256", "0" * 64, "found the placeholder"),
-    ("adapter.sha256", " " + digest("adapter")[1:], "64 lowercase hex"),
+    ("consumer_engine.kat_sha256", " " + digest("consumer kat")[1:], "64 lowercase hex"),
+    ("adapter", {"name": "qualify-nvfp4-linear", "sha256": digest("adapter")}, "adapter: found unexpected field"),
     ("producer_engine.version", "", "printable ASCII name"),
     ("rope", _REMOVE, "rope: missing"),
     ("speculative_draft", _REMOVE, "speculative_draft: missing"),
@@ -982,7 +985,7 @@ def test_freeze_tool_derives_the_bounds_from_a_real_calibration_and_refuses_any_
     assert freeze.main(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     sealed = document_sha256(json.loads(out.read_bytes()))
-    assert json.loads(out.read_bytes())["schema"] == "trust-ladder.onboarding-identity.v3"
+    assert json.loads(out.read_bytes())["schema"] == "trust-ladder.onboarding-identity.v5"
     assert freeze.sealed_lines(lane, freeze.Seal(sealed, sha256_file(archive / run_id / "manifest.json"))) in printed
     identity = load_identity(out, sealed_identities={lane: sealed})
     assert identity.onboarding_qualification.full_logits == type(identity.onboarding_qualification.full_logits)(
@@ -1012,12 +1015,12 @@ def test_freeze_tool_derives_the_bounds_from_a_real_calibration_and_refuses_any_
 def test_refreeze_recomputes_the_artifact_digests_and_keeps_the_rest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An identity that pins an old adapter digest (the adapter was edited since): --refreeze
+    """An identity that pins an old known-answer digest (the arithmetic was changed since): --refreeze
     rewrites exactly the shipped identity, and prints its shipped seal."""
     freeze = _freeze_tool()
     shipped = REPO / "contracts" / "nvfp4-native-splitk-identity-v1.json"
     stale = json.loads(shipped.read_bytes())
-    stale["adapter"]["sha256"] = digest("the adapter before a reviewed edit")
+    stale["consumer_engine"]["kat_sha256"] = digest("the arithmetic before a reviewed change")
     copy_path = tmp_path / shipped.name
     copy_path.write_text(json.dumps(stale, indent=2) + "\n", encoding="utf-8")
     assert freeze.main(["--refreeze", str(copy_path)]) == 0, capsys.readouterr().err
@@ -1027,25 +1030,48 @@ def test_refreeze_recomputes_the_artifact_digests_and_keeps_the_rest(
     assert freeze.sealed_lines(lane, seal) in capsys.readouterr().out
 
 
+def test_refreeze_moves_a_source_pinned_v3_identity_to_known_answers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A v3 identity (an adapter source pin, numpy/BLAS versions in its ABIs, no known answers)
+    re-freezes to exactly the shipped v5 identity: numbers, basis and rules kept."""
+    freeze = _freeze_tool()
+    shipped = REPO / "contracts" / "nvfp4-native-splitk-identity-v1.json"
+    old = json.loads(shipped.read_bytes())
+    old["schema"] = "trust-ladder.onboarding-identity.v3"
+    old["adapter"] = {"name": "qualify-nvfp4-linear", "sha256": digest("adapter source")}
+    for role in ("producer_engine", "consumer_engine"):
+        engine = old[role]
+        engine["abi"] += "+numpy-2.3.5+scipy-openblas-0.3.30"
+        del engine["kat_sha256"]
+    copy_path = tmp_path / shipped.name
+    copy_path.write_text(json.dumps(old, indent=2) + "\n", encoding="utf-8")
+    with pytest.raises(Refused, match="schema"):
+        load_identity(copy_path)
+    assert freeze.main(["--refreeze", str(copy_path)]) == 0, capsys.readouterr().err
+    assert copy_path.read_bytes() == shipped.read_bytes()
+
+
 def test_freeze_tool_needs_something_to_do(capsys: pytest.CaptureFixture[str]) -> None:
     assert _freeze_tool().main([]) == 2
     assert "expected --lane, --refreeze, --write-sealed or --write-schema" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("lane", "adapter", "expected"), [
-    (VLLM_VIA_CONNECTOR_LANE, "qualify-vllm-connector", "adapter.name"),
-    (VLLM_VIA_CONNECTOR_LANE, "connector:", "adapter.name"),
-    ("vllm-to-vllm", "connector:ExampleConnector", "adapter.name"),
+@pytest.mark.parametrize(("lane", "connector"), [
+    (VLLM_VIA_CONNECTOR_LANE, None),
+    ("vllm-to-vllm", {"name": "ExampleConnector", "sha256": digest("connector")}),
+    (VLLM_VIA_CONNECTOR_LANE, {"name": "not a class name", "sha256": digest("connector")}),
 ])
-def test_only_the_connector_lane_pins_a_connector(tmp_path: Path, lane: str, adapter: str, expected: str) -> None:
-    """A connector lane's adapter is ``connector:<name>`` (its seal name is the lane and that
-    name); any other lane naming a connector as its adapter is refused."""
+def test_only_the_connector_lane_pins_a_connector(tmp_path: Path, lane: str, connector: Any) -> None:
+    """Lane vllm-via-connector pins its connector (its seal name is the lane and the connector's
+    name); any other lane naming a connector is refused, as is a connector name that is no class name."""
     pair = make_pair(tmp_path, lane)
-    assert expected in refused(pair, mutated(pair.document, "adapter.name", adapter))
+    assert "connector" in refused(pair, mutated(pair.document, "connector", connector))
 
 
 def test_each_connector_is_sealed_apart(tmp_path: Path) -> None:
     document = make_document(VLLM_VIA_CONNECTOR_LANE)
     first = parse_identity_document(document, where="first").seal_name
-    second = parse_identity_document(mutated(document, "adapter.name", "connector:Other"), where="second").seal_name
+    other = mutated(document, "connector", {"name": "Other", "sha256": digest("connector")})
+    second = parse_identity_document(other, where="second").seal_name
     assert (first, second) == (f"{VLLM_VIA_CONNECTOR_LANE}/ExampleConnector", f"{VLLM_VIA_CONNECTOR_LANE}/Other")

@@ -45,7 +45,7 @@ SUMMARY_V1, SUMMARY_V2, SUMMARY_V3 = (CONTRACTS_DIR / f"validation-summary.v{n}.
 HOST = CONTRACTS_DIR / "receipt-host.v1.schema.json"
 VERSIONS = CONTRACTS_DIR / "receipt-versions.v1.schema.json"
 IDENTITY_SCHEMAS = {f"trust-ladder.onboarding-identity.v{n}": CONTRACTS_DIR / f"onboarding-identity.v{n}.schema.json"
-                    for n in (1, 2, 3)}
+                    for n in (1, 2, 3, 4, 5, 6)}
 TIMESTAMPED_LINE = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z \S.*$")
 
 

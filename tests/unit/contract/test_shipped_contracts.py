@@ -35,7 +35,6 @@ from qualify.contract.sealed_data import SEALED_BASIS_MANIFESTS, SEALED_IDENTITI
 from qualify.core import assets
 from qualify.core.digests import canonical_json_bytes, sha256_bytes, sha256_file
 from qualify.engines.factory import (
-    ADAPTER_SOURCES,
     build_cache_identity,
     build_consumer,
     build_producer,
@@ -98,9 +97,6 @@ def test_shipped_identity_validates_and_pins_the_real_artifacts(path: Path):
     for relpath, digest in identity.checkpoint.files.items():
         assert sha256_file(assets.REPO_ROOT / relpath) == digest, relpath
     assert sha256_file(assets.MODEL_DIR / "tokenizer.json") == identity.tokenizer_sha256
-    adapter_name, adapter_source = ADAPTER_SOURCES[identity.lane_kind]
-    assert (identity.adapter.name, identity.adapter.sha256) == (
-        adapter_name, sha256_file(assets.REPO_ROOT / adapter_source))
     prompt = assets.load_prompt(identity.prompt.name)
     assert len(prompt) == identity.onboarding_qualification.prompt_tokens
     assert assets.prompt_sha256(prompt) == identity.onboarding_qualification.prompt_sha256
@@ -158,15 +154,27 @@ def test_native_producer_is_not_the_consumer():
     assert any(not np.array_equal(a, b) for a, b in zip(consumer_kv.keys, native_kv.keys, strict=False))
 
 
-def test_a_run_refuses_an_identity_whose_adapter_source_changed():
-    from qualify.contract.lanes import LaneKind
-    from qualify.core.errors import Refused
-    from qualify.engines.factory import check_adapter
+@pytest.mark.parametrize("path", [*SHIPPED, *MODEL_IDENTITIES], ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_a_shipped_identity_pins_no_source_bytes_and_a_known_answer_for_each_exact_engine(path: Path):
+    """An engine source edit that keeps the arithmetic needs no re-freeze: no identity pins a
+    source file, and each numpy engine is pinned by its known-answer digest instead."""
+    from qualify.engines.kat import EXACT_ENGINE_NAMES
 
-    name, source = ADAPTER_SOURCES[LaneKind.NVFP4]
-    check_adapter(LaneKind.NVFP4, name, sha256_file(assets.REPO_ROOT / source))
-    with pytest.raises(Refused, match="re-freeze the identity"):
-        check_adapter(LaneKind.NVFP4, name, "0" * 63 + "1")
+    document = json.loads(path.read_bytes())
+    assert "adapter" not in document
+    for role in ("producer_engine", "consumer_engine"):
+        engine = document[role]
+        assert (engine["kat_sha256"] is not None) == (engine["name"] in EXACT_ENGINE_NAMES)
+        assert "numpy-" not in engine["abi"].replace("numpy-llama", "")
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if json.loads(p.read_bytes())["consumer_engine"]["kat_sha256"]],
+                         ids=lambda p: p.name)
+def test_this_hosts_consumer_gives_the_known_answer_its_shipped_identity_pins(path: Path):
+    from qualify.engines.kat import known_answer_sha256
+
+    identity = load_identity(path)
+    assert known_answer_sha256(build_consumer(identity.spec)) == identity.consumer_engine.kat_sha256
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

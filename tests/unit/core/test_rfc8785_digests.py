@@ -1,6 +1,6 @@
 """RFC 8785 digests in the current schema versions, legacy digests for the old ones.
 
-A v3 identity's digest is what a stock RFC 8785 library gives (``rfc8785.dumps``), so a verifier
+A v5 identity's digest is what a stock RFC 8785 library gives (``rfc8785.dumps``), so a verifier
 in another language reproduces it; v1 and v2 identities are retired (refused at load, whatever
 their seal), while the committed legacy receipts keep the old canonical form and the committed
 signed ones RFC 8785; a document whose schema is neither is refused in one line. The wire manifest
@@ -49,7 +49,8 @@ from tests.unit.contract.test_identity import make_pair
 V1 = "trust-ladder.onboarding-identity.v1"
 V2 = "trust-ladder.onboarding-identity.v2"
 V3 = "trust-ladder.onboarding-identity.v3"
-V4 = "trust-ladder.onboarding-identity.v4"
+V5 = "trust-ladder.onboarding-identity.v5"
+V6 = "trust-ladder.onboarding-identity.v6"
 SHIPPED = sorted(CONTRACTS_DIR.glob("*-identity-v1.json"))
 LEGACY_RECEIPTS, SIGNED_RECEIPTS = committed_receipts()
 
@@ -57,7 +58,7 @@ LEGACY_RECEIPTS, SIGNED_RECEIPTS = committed_receipts()
 def retired_refusal(where: str, schema: str) -> str:
     """The one line a retired identity version is refused with."""
     return (f'{where}: schema: found "{schema}", a retired version whose bounds were sealed from the fixture '
-            f'itself; re-calibrate and re-freeze it as "{V3}" (docs/calibration.md)')
+            f'itself; re-calibrate and re-freeze it as "{V5}" (docs/calibration.md)')
 
 
 # --- identities ------------------------------------------------------------------------------
@@ -66,7 +67,7 @@ def retired_refusal(where: str, schema: str) -> str:
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_a_shipped_v3_identity_digest_is_reproduced_by_a_stock_rfc8785_library(path: Path) -> None:
     document = json.loads(path.read_bytes())
-    assert document["schema"] == V3 == IDENTITY_SCHEMA_ID
+    assert document["schema"] == V5 == IDENTITY_SCHEMA_ID
     stock = hashlib.sha256(rfc8785.dumps(document)).hexdigest()
     assert stock == SEALED_IDENTITIES[document["lane"]] == identity_sha256(load_identity(path))
     # The legacy form differs for every shipped identity (1e-06 / 0.000001, 10000.0 / 10000), which
@@ -79,7 +80,7 @@ def test_a_v3_identity_is_sealed_by_its_rfc8785_digest_never_its_legacy_form(tmp
     document = pair.document
     stock = hashlib.sha256(rfc8785.dumps(document)).hexdigest()
     identity = load_identity(pair.path, sealed_identities={"nvfp4-native-splitk": stock})
-    assert identity.schema_id == V3 and identity_sha256(identity) == stock == document_sha256(document)
+    assert identity.schema_id == V5 and identity_sha256(identity) == stock == document_sha256(document)
     assert canonical_sha256(document) != stock  # rope.theta 10000.0: "10000.0" legacy, "10000" RFC 8785
     # Sealed under the other form, the same document is refused: the form is part of the seal.
     with pytest.raises(Refused, match=", sealed "):
@@ -125,13 +126,13 @@ def test_an_unknown_identity_schema_is_refused_in_one_line(tmp_path: Path, schem
     with pytest.raises(Refused) as caught:
         pair.load()
     message = str(caught.value)
-    assert message == f'identity {pair.path}: schema: found {json.dumps(schema)}, expected one of "{V3}", "{V4}"', message
+    assert message == f'identity {pair.path}: schema: found {json.dumps(schema)}, expected one of "{V5}", "{V6}"', message
 
 
 def test_the_freeze_tool_refreezes_a_shipped_identity_to_itself_and_refuses_a_retired_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--refreeze writes the current schema: a copy of the shipped v3 file, whose artifacts have not
+    """--refreeze writes the current schema: a copy of the shipped v5 file, whose artifacts have not
     moved, comes back byte for byte under its sealed digest; a v2 copy is refused in one line and
     left as it was (a retired identity is re-calibrated, never relabelled)."""
     freeze = load_script(REPO_ROOT / "tools" / "freeze_identity.py")
@@ -161,7 +162,7 @@ def test_the_freeze_tool_declares_a_link_floor_and_a_refreeze_keeps_it(
     path = tmp_path / shipped.name
     path.write_bytes(shipped.read_bytes())
     assert freeze.main(["--refreeze", str(path), "--link-floor-gbps", "2.5"]) == 0, capsys.readouterr().err
-    assert json.loads(path.read_bytes()) == {**json.loads(shipped.read_bytes()), "schema": V4,
+    assert json.loads(path.read_bytes()) == {**json.loads(shipped.read_bytes()), "schema": V6,
                                              "link_floor": {"gbit_per_s_minimum": 2.5}}
     floored = path.read_bytes()
     assert freeze.main(["--refreeze", str(path)]) == 0, capsys.readouterr().err

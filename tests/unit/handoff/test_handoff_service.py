@@ -362,8 +362,9 @@ def test_non_loopback_address_needs_explicit_flag(tmp_path: Path) -> None:
          "max_positions"),
         (replace(EXPECTATION, engine_version="stub-2"), "engine version"),
         (replace(EXPECTATION, digests={"model.safetensors": "0" * 64}), "digests"),
+        (replace(EXPECTATION, engine_kat_sha256="1" * 64), "known-answer digest"),
     ],
-    ids=["heads", "rope_theta", "context_length", "engine_version", "digests"],
+    ids=["heads", "rope_theta", "context_length", "engine_version", "digests", "known_answer"],
 )
 def test_engine_mismatch_fails_at_start(expectation: ProducerExpectation, field: str) -> None:
     with pytest.raises(ProducerStartRefused, match=field) as refused:
@@ -409,7 +410,7 @@ def test_expectation_from_identity_pins_engine_digests_and_context(
     identity = SimpleNamespace(
         lane="nvfp4-exact",  # a float32 lane: the expectation's KV dtype is the lane's
         spec=lane_spec("nvfp4-exact"),
-        producer_engine=SimpleNamespace(name="stub", version="stub-1", abi="stub-abi-1"),
+        producer_engine=SimpleNamespace(name="stub", version="stub-1", abi="stub-abi-1", kat_sha256=None),
         checkpoint=SimpleNamespace(files=STUB_DIGESTS),
         context_policy=SimpleNamespace(max_positions=STUB_GEOMETRY.max_positions),
         rope=SimpleNamespace(theta=STUB_GEOMETRY.rope_theta),

@@ -69,13 +69,13 @@ def test_a_v3_identity_has_no_floor_and_keeps_its_digest() -> None:
     assert identity.document() == shipped_document()
 
 
-V3_FIELDS = ("schema, lane, lane_kind, recipe, rung, producer_mode, native_variant, onboarding_qualification, "
-             "target_cache_identity_sha256, checkpoint, producer_engine, consumer_engine, adapter, tokenizer_sha256, "
+V5_FIELDS = ("schema, lane, lane_kind, recipe, rung, producer_mode, native_variant, onboarding_qualification, "
+             "target_cache_identity_sha256, checkpoint, producer_engine, consumer_engine, tokenizer_sha256, "
              "prompt, prompt_template, context_policy, rope, logit_units, speculative_draft, calibration, controls")
 
 
 @pytest.mark.parametrize(("document", "words"), [
-    (with_floor(schema=IDENTITY_SCHEMA_ID), f"identity x: link_floor: found unexpected field, expected only {V3_FIELDS}"),
+    (with_floor(schema=IDENTITY_SCHEMA_ID), f"identity x: link_floor: found unexpected field, expected only {V5_FIELDS}"),
     ({**shipped_document(), "schema": LINK_FLOOR_SCHEMA_ID}, "identity x: link_floor: missing, expected this field"),
     (with_floor(0), "identity x: link_floor.gbit_per_s_minimum: found 0, expected a number > 0"),
     (with_floor(-1.5), "identity x: link_floor.gbit_per_s_minimum: found -1.5, expected a number > 0"),
@@ -99,7 +99,7 @@ def test_an_identity_built_in_python_follows_the_same_version_rule(document: dic
     assert problem in str(error.value)
 
 
-def test_only_v4s_schema_has_the_floor_and_there_it_is_required() -> None:
+def test_only_v6s_schema_has_the_floor_and_there_it_is_required() -> None:
     v3, v4 = identity_json_schema(IDENTITY_SCHEMA_ID), identity_json_schema(LINK_FLOOR_SCHEMA_ID)
     assert "link_floor" not in v3["properties"] and "LinkFloor" not in v3["$defs"]
     assert "link_floor" not in v3["required"]

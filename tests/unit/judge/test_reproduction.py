@@ -152,21 +152,23 @@ def test_numpy_narrower_dispatch_names_features_numpy_uses_here() -> None:
 # ---- the host refusal ----------------------------------------------------------------------
 
 
-def test_a_host_with_another_numeric_environment_is_refused_at_the_first_step(
+def test_a_host_whose_arithmetic_gives_other_bits_is_refused_at_the_first_step(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """numpy or its BLAS other than the identity pins: exit 2 at 'identity sealed', naming the
-    field, both values and the calibrate command; no handoff runs."""
+    """A consumer whose prefill runs other query blocks (other bits, same ABI name): exit 2 at
+    'identity sealed' in one line naming both known-answer digests; no handoff runs."""
+    import json
+
     from qualify.engines import reference
     from qualify.interfaces import cli
 
-    monkeypatch.setattr(reference, "numeric_environment", lambda: "numpy-9.9.9+other-blas-1.0")
+    monkeypatch.setattr(reference, "PREFILL_QUERY_BLOCK", 64)
+    monkeypatch.setattr(reference, "CAUSAL_SQUARE", reference.CAUSAL_SQUARE[:64, :64])
+    pinned = json.loads((assets.CONTRACTS_DIR / "nvfp4-native-w4a4-identity-v1.json").read_bytes())
     code = cli.main(["--recipe", "native-text", "--receipts", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 2, (out, err)
-    text = " ".join((out + err).split())
-    assert "_engine.abi: found" in text
-    assert "numpy-9.9.9" in text and "numpy-2" in text
-    assert "to calibrate it for this host: qualify calibrate --recipe native-text --lane nvfp4-native-w4a4" in text
+    refusal = [line for line in err.splitlines() if pinned["consumer_engine"]["kat_sha256"] in line]
+    assert len(refusal) == 1 and "identity sealed" in out
     assert "handoff 1/3" not in out or "blocked" in out
 
 

@@ -21,7 +21,7 @@ SPEC = ConnectorSpec(name="ExampleConnector", module="vllm.example", class_name=
 
 def test_the_pin_names_the_connector_and_covers_what_pins_it() -> None:
     name, digest = ConnectorChoice(SPEC).pin
-    assert name == "connector:ExampleConnector"
+    assert name == "ExampleConnector"
     for field, value in (("version", "0.32.1"), ("package", "vllm"), ("module", "other.module"),
                          ("class_name", "Other"), ("config_sha256", "0" * 63 + "1"), ("registered", False)):
         assert ConnectorChoice(dataclasses.replace(SPEC, **{field: value})).pin[1] != digest, field
