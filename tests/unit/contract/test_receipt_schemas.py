@@ -380,6 +380,6 @@ def test_the_host_schema_accepts_exactly_the_host_facts_the_writer_accepts(data,
 @settings(derandomize=True, max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_the_host_schema_agrees_with_the_writer_on_many_mutated_host_facts(data, fuzz_tally):
-    """The same property as above on three times as many mutants (each is a full jsonschema
-    validation of a real host document, about 50 ms: 600 keep the slow tier's share under a minute)."""
+    """The same property as above on three times as many mutants (each one a full jsonschema
+    validation of a real host document, the slow tier's cost here grows with the count)."""
     check_host_agreement(data, fuzz_tally)
