@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -108,22 +109,44 @@ def test_doc_walkthrough_has_every_step_in_order() -> None:
     assert not re.search(r"(^|\s)/(tmp|home|work|root|srv)/", script), script
 
 
+def printed_commands(stdout: str) -> list[str]:
+    """The lines ``qualify calibrate`` printed between the commands heading and ``receipt:``."""
+    from qualify.run.onboarding import COMMANDS_HEADING
+
+    lines = stdout.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith(COMMANDS_HEADING))
+    end = next(index for index, line in enumerate(lines) if index > start and line.startswith("receipt: "))
+    return lines[start + 1:end]
+
+
 @pytest.mark.slow
 def test_doc_onboarding_runs_as_written(tmp_path: Path) -> None:
     """Every sh block of docs/onboarding.md, in one bash session (set -euo pipefail), in a scratch
     checkout: calibrate, copy and freeze, identity check, qualify, trust file, verify, enroll; all
-    exit 0, and the lane ends sealed on the new basis and enrolled, the real checkout untouched."""
+    exit 0, and the lane ends sealed on the new basis and enrolled, the real checkout untouched.
+
+    Then the command lines that same real calibration printed (qualify/run/onboarding.py), with the
+    checkout put back as it was before the freeze (no copied receipt, the shipped identity and
+    sealed digests), pasted verbatim into bash in another directory: they exit 0, and the identity
+    they froze cites that receipt, now under receipts/, and passes ``qualify identity check`` run
+    from that other directory. (One calibration serves both: a calibration takes minutes.)"""
     checkout = scratch_checkout(tmp_path / "checkout")
     env = scratch_environment(checkout, tmp_path)
     assert imported_package(checkout, env, checkout) == (checkout / "qualify" / "__init__.py").resolve()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert imported_package(checkout, env, elsewhere) == (checkout / "qualify" / "__init__.py").resolve()
+    sealed = checkout / "qualify" / "contract" / "sealed_data.py"
     sealed_before = file_sha256(REPO / "qualify" / "contract" / "sealed_data.py")
+    assert file_sha256(sealed) == sealed_before
 
     script = "set -euo pipefail\n" + "\n".join(sh_blocks(DOC.read_text(encoding="utf-8")))
     done = subprocess.run(["bash", "-c", script], cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=DOC_LIMIT_S)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
 
-    identity = json.loads((checkout / "contracts" / f"{WALKTHROUGH_LANE}-identity-v1.json").read_text())
+    identity_file = checkout / "contracts" / f"{WALKTHROUGH_LANE}-identity-v1.json"
+    identity = json.loads(identity_file.read_text())
     calibrations = sorted(path.name for path in (checkout / "out" / "onboarding").iterdir())
     basis_run = identity["onboarding_qualification"]["basis"].removeprefix("receipt://").partition("/")[0]
     assert basis_run == calibrations[0] and (checkout / "receipts" / basis_run / "manifest.json").is_file()
@@ -136,4 +159,24 @@ def test_doc_onboarding_runs_as_written(tmp_path: Path) -> None:
     registry = json.loads((tmp_path / "data" / "trust-ladder" / "lane-registry.json").read_text())
     assert [entry["lane"] for entry in registry["entries"]] == [WALKTHROUGH_LANE]
     assert file_sha256(REPO / "qualify" / "contract" / "sealed_data.py") == sealed_before
-    assert file_sha256(checkout / "qualify" / "contract" / "sealed_data.py") != sealed_before
+    assert file_sha256(sealed) != sealed_before
+
+    # The calibration's printed commands, from the same run, pasted where the doc's freeze had not run.
+    commands = printed_commands(done.stdout)
+    assert shlex.split(commands[0]) == ["cd", str(checkout.resolve())], commands
+    copied = checkout / "receipts" / basis_run
+    for directory in (copied, *(path for path in copied.rglob("*") if path.is_dir())):
+        directory.chmod(0o755)  # a finalized receipt is read-only
+    shutil.rmtree(copied)
+    shutil.copy2(REPO / "qualify" / "contract" / "sealed_data.py", sealed)
+    shutil.copy2(REPO / "contracts" / identity_file.name, identity_file)
+    pasted = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(commands)], cwd=elsewhere, env=env,
+                            capture_output=True, text=True, timeout=DOC_LIMIT_S)
+    assert pasted.returncode == 0, f"{commands}\n{pasted.stdout}\n{pasted.stderr}"
+    identity = json.loads(identity_file.read_text())
+    assert identity["onboarding_qualification"]["basis"] == f"receipt://{basis_run}/command.log"
+    assert (copied / "manifest.json").is_file()
+    assert file_sha256(sealed) != sealed_before
+    checked = subprocess.run(["qualify", "identity", "check", str(identity_file)], cwd=elsewhere, env=env,
+                             capture_output=True, text=True, timeout=DOC_LIMIT_S)
+    assert checked.returncode == 0 and f": valid: lane {WALKTHROUGH_LANE}" in checked.stdout, checked
