@@ -125,8 +125,8 @@ extended() {
   step browser run_pytest tests/browser -q -rs --junitxml=out/browser-tests.xml
   # The real vLLM lanes, in their own venv (.venv-vllm, made by tools/install_vllm.sh; about
   # 3 minutes the first time, nothing when it is already there).
-  # The main job from the wheel on the bottom and the top of pyproject.toml's numpy range, in
-  # throwaway venvs, with the checkout's digits (tools/numpy_range.sh; the known answers hold there).
+  # The main job on the bottom and the top of pyproject.toml's numpy range (each numpy alone on
+  # PYTHONPATH in front of the venv), with the checkout's digits (tools/numpy_range.sh).
   step numpy-range bash tools/numpy_range.sh
   step vllm-install bash tools/install_vllm.sh
   # One test file per worker (--dist loadfile: a file starts its engines once, in module fixtures);
