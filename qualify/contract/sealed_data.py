@@ -21,11 +21,13 @@ SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "reference-to-vllm": "66c08f688fd5dac9d5be02d8ab1f7e660a9eb55b2a45bfb3148b1a48ce7c0ee1",
     "smollm2-135m-instruct-q4_1/kquant-exact": "35ec4f53530ee90b2506638f5224ea6257d96da8267daf3f5280e9008cb84d13",
     "smollm2-135m-instruct-q4_1/vllm-to-reference": "1a268d0c71b1458bbf1e408c28bc2a92963f8456aacd8c2512417c1e63878a68",
+    "smollm2-135m-instruct-q4_1/vllm-via-connector/ExampleConnector": "2d1978a3b6ef6ad2ba438aae54633a78be4cf8a67667ed49d80b8fb0dea9f802",
     "transformers-cuda-bf16": "8eb38d0e045988b0ce1902b529ce2678b6d2e8b5822b1ee3949a883043faef2a",
     "transformers-cuda-fp32": "7539b9e590dc3bb577521d312bae77f51968a7c1dfc8571104d37f141dcf684d",
     "transformers-cuda-tf32": "ed501e20ddbeea0c3e7328884d62ba6070d38f4891e62d268cd3111c67408ac3",
     "vllm-to-reference": "98f8c38bf33e522fb12381c8e494382a153c6048e0f27540276147b5fd697cd4",
     "vllm-to-vllm": "065e498e70211bb0437728ed3b6fc760bd12cabef4483d55be4fb7b061d794c7",
+    "vllm-via-connector/ExampleConnector": "c9997bbd01155405cb6899acb5f47146f7d4061dc36a2c0c511539d73b320e16",
 })
 """Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the
 RFC 8785 bytes of a v3 identity)."""
@@ -39,11 +41,13 @@ SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({
     "reference-to-vllm": "e46a37cf69e50a3bb379f8faaee23318e3039cfa3e24efbc9fbbf836f9f84bcf",
     "smollm2-135m-instruct-q4_1/kquant-exact": "044bcd53e187e6c8c8971e35744a93a67afaaf1f72b69ec9ff45feb1e9978d22",
     "smollm2-135m-instruct-q4_1/vllm-to-reference": "1c288cc765e93809ff60be4c2733ce39a799108923085920983a1efa7507e8a3",
+    "smollm2-135m-instruct-q4_1/vllm-via-connector/ExampleConnector": "2ed4d87e648bd9e17f4b04c85f4b62f0c29247c4ec71c7b198d4e14565451497",
     "transformers-cuda-bf16": "5e4a680edcb6613df1880e97e31ab48e45c5efd1006c24cd24a31f0a0df1a6f1",
     "transformers-cuda-fp32": "d2d2611f93db5617940a7df3cee86478e5aaa843e8c9ffcfeb872c5231293a3d",
     "transformers-cuda-tf32": "72d134e72d3c9831d4023b3c3e7dec63493c0e2ce2d908fd6c4c567d1425a831",
     "vllm-to-reference": "002c89222d6dfa361b13befccd2d76b8b59a6e2251af920b5ec651c410f97b66",
     "vllm-to-vllm": "bc6bf5237014244872dbf1bc754ee4936f54a01d7338e21e5108ae4ea47bbc86",
+    "vllm-via-connector/ExampleConnector": "1e91b1b8f99b170d3ca7e2218519088b51cdb788daa916eecc9c1945d2bad758",
 })
 """Lane -> SHA-256 of the ``manifest.json`` of the basis receipt (``onboarding_qualification.basis``)
 its rule was calibrated from; ``qualify.contract.identity.check_basis_receipt`` also checks every

@@ -60,8 +60,11 @@ def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], re
     # The consumer reads KV out of vLLM's pages: trusted only once its decode reproduces the
     # reference engine's KV on the fixture's first positions (a cold request, nothing loaded).
     layout = None if role == "serve-producer" else _check_layout(llm, model_dir)
+    from qualify.core.hostenv import host_facts
+
+    # What this engine's process runs on (CPU, BLAS, threads, its environment overrides): host.json.
     _answer(reply, {"ok": True, "ready": True, "engine_abi": vllm_engine_abi(), "version": check_pin(),
-                    "start_s": time.perf_counter() - started, "layout_max_abs": layout})
+                    "start_s": time.perf_counter() - started, "layout_max_abs": layout, "host_facts": host_facts()})
     for line in requests:
         if not line.strip():
             continue
@@ -151,6 +154,14 @@ def _serve_decode(llm: Any, request: dict[str, Any], model_dir: Path) -> dict[st
 # the harness side
 
 
+def _parent_path() -> str:
+    """This process's import path for the engine process: a connector (and its distribution's
+    version, which the engine process pins again) resolves there as it resolved here, however this
+    process was started (a console script has no working directory on its path, ``python -m`` has)."""
+    entries = [os.path.abspath(entry) if entry else os.getcwd() for entry in sys.path]
+    return os.pathsep.join(dict.fromkeys(entry for entry in entries if os.path.isdir(entry)))
+
+
 class EngineSession:
     """One resident engine process (see the module docstring); :meth:`request` asks it one thing."""
 
@@ -170,10 +181,11 @@ class EngineSession:
         self._log = open(self.log_path, "a", encoding="utf-8")
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", CONNECTOR_PAIR_MODULE, role, "--connector", str(spec_path),
+                # -P: no working directory put first on the path; the path is this process's (PYTHONPATH).
+                [sys.executable, "-P", "-m", CONNECTOR_PAIR_MODULE, role, "--connector", str(spec_path),
                  "--out", str(workdir), "--model-dir", str(model_dir), "--reply-fd", str(write_end)],
                 stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(write_end,),
-                env={**os.environ, **(env or {})}, text=True, start_new_session=True)
+                env={**os.environ, **(env or {}), "PYTHONPATH": _parent_path()}, text=True, start_new_session=True)
         finally:
             os.close(write_end)
         self._replies = os.fdopen(read_end, "r", encoding="utf-8")

@@ -203,6 +203,7 @@ class ConnectorLaneRun(QualificationRun):
             self._stop_sessions()
             raise Refused(f"connector {self.choice.spec.name}: cannot run here: {one_line(str(exc))}") from None
         ready = self._sessions["serve-producer"].ready
+        receipt.set_producer_host(ready.get("host_facts"), problem=None if "host_facts" in ready else "not reported")
         consumer_abi = self._sessions["serve-consumer"].ready["engine_abi"]
         if ready["engine_abi"] != self._consumer.abi or consumer_abi != self._consumer.abi:
             raise Refused(f"connector engines: ABIs {ready['engine_abi']} and {consumer_abi}, this host's vLLM "
@@ -229,6 +230,8 @@ class ConnectorLaneRun(QualificationRun):
                                                              self._work / "serve-producer", env=dict(env))
         except RuntimeError as exc:
             raise ProducerFailed(f"connector producer did not restart: {one_line(str(exc))}") from None
+        ready = self._sessions["serve-producer"].ready
+        self._receipt.set_producer_host(ready.get("host_facts"), problem=None if "host_facts" in ready else "not reported")
         self.log(f"connector producer restarted, environment overrides {env or 'none'}")
 
     def _session(self, role: str) -> Any:

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from qualify.archive.verify import verify_receipt
@@ -28,6 +29,10 @@ CONNECTOR = ["--connector", "ExampleConnector", "--connector-config", CONFIG]
 def _only_receipt(archive: Path) -> Path:
     (receipt,) = [path for path in archive.iterdir() if path.is_dir()]
     return receipt
+
+
+def _schema(name: str) -> dict:
+    return json.loads((REPO / "contracts" / name).read_text(encoding="utf-8"))
 
 
 def _summary(receipt: Path) -> dict:
@@ -92,6 +97,10 @@ def test_qualifies_through_the_connector(sealed, tmp_path):
         evidence = json.loads((receipt / "evidence" / f"connector-sample-{sample}.json").read_text(encoding="utf-8"))
         assert evidence["claimed_tokens"] > 0 and evidence["kv_cells"] == []
         assert evidence["loaded_cells_differing_from_saved"] == []
+        jsonschema.validate(evidence, _schema("connector-sample.v1.schema.json"))
+    connector = json.loads((receipt / "evidence" / "connector.json").read_text(encoding="utf-8"))
+    jsonschema.validate(connector, _schema("connector-evidence.v1.schema.json"))
+    assert connector["fault"] is None and connector["pin"]["name"] == "ExampleConnector"
     # 3. enroll: the lane's handoff key, from this receipt.
     assert cli.main(["enroll", "--identity", str(identity_path), "--receipt", str(receipt),
                      "--registry", str(tmp_path / "registry.json"), "--keys", str(tmp_path / "keys")]) == 0
@@ -120,6 +129,7 @@ def test_a_fault_in_every_load_is_caught_and_localised(sealed, tmp_path):
     receipt = _only_receipt(runs)
     assert verify_receipt(receipt) == []
     evidence = json.loads((receipt / "evidence" / "connector-sample-1.json").read_text(encoding="utf-8"))
+    jsonschema.validate(evidence, _schema("connector-sample.v1.schema.json"))
     (cell,) = evidence["kv_cells"]
     assert (cell["layer"], cell["tensor"], cell["head"], cell["block"], cell["differing"]) == (2, "K", 1, 5, 1)
     assert evidence["loaded_cells_differing_from_saved"] == ["2/K/1/5"]

@@ -129,6 +129,10 @@ def check_file(receipt: Path, name: str, *, legacy: bool) -> list[str]:
         kind = document.get("schema")
         return misfits(document, CONTROLS_RECORD_SCHEMA_PATH) if kind == CONTROLS_RECORD_SCHEMA_ID else \
             [f"controls kind {kind}"]
+    if name == "evidence/connector.json":
+        return misfits(document, CONTRACTS_DIR / "connector-evidence.v1.schema.json")
+    if name.startswith("evidence/connector-sample-"):
+        return misfits(document, CONTRACTS_DIR / "connector-sample.v1.schema.json")
     if name == "evidence/calibration.json":  # read by qualify.judge.calibration; no schema under contracts/
         return [f"no committed schema for {document.get('schema')}"]
     if name.startswith("samples/") and document.get("schema") != SAMPLE_SCHEMA:
@@ -264,6 +268,13 @@ def test_the_committed_signed_receipts_fit_the_current_schemas_but_for_the_known
         if calibrating and status != "incomplete":  # its cells and anchors, and its controls exactly when declared
             with_evidence += 1
             evidence = sorted(path.name for path in (receipt / "evidence").iterdir())
+            # A connector lane's calibration also names the connector it went through and localises
+            # each handoff's loaded KV (connector-sample-<n>.json); no other lane's has either.
+            if document["lane"] == "vllm-via-connector":
+                handoffs = len(json.loads((receipt / "evidence" / "calibration.json").read_bytes())["handoffs"])
+                assert [name for name in evidence if name.startswith("connector")] == sorted(
+                    ["connector.json", *(f"connector-sample-{n}.json" for n in range(1, handoffs + 1))]), receipt.name
+            evidence = [name for name in evidence if not name.startswith("connector")]
             assert evidence == ["calibration.json", *(["controls.json"] if document["controls"] else [])], receipt.name
         else:  # a run under an identity, or a calibration stopped before it wrote its evidence
             assert not (receipt / "evidence").exists(), receipt.name

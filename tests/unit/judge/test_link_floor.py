@@ -70,7 +70,7 @@ def test_a_v3_identity_has_no_floor_and_keeps_its_digest() -> None:
 
 
 V5_FIELDS = ("schema, lane, lane_kind, recipe, rung, producer_mode, native_variant, onboarding_qualification, "
-             "target_cache_identity_sha256, checkpoint, producer_engine, consumer_engine, tokenizer_sha256, "
+             "target_cache_identity_sha256, checkpoint, producer_engine, consumer_engine, connector, tokenizer_sha256, "
              "prompt, prompt_template, context_policy, rope, logit_units, speculative_draft, calibration, controls")
 
 
