@@ -29,6 +29,7 @@ from qualify.contract.identity import (
     identity_json_schema,
     identity_schema_text,
     load_identity,
+    parse_identity_document,
 )
 from qualify.contract.lanes import VLLM_LANE_ENGINES, LaneKind, lane_spec, target_cache_identity
 from qualify.contract.sealed_data import SEALED_BASIS_MANIFESTS, SEALED_IDENTITIES
@@ -45,6 +46,9 @@ SHIPPED = sorted(assets.CONTRACTS_DIR.glob("*-identity-v1.json"))
 """The shipped model's identities (the tests below check these lanes' engines and artifacts)."""
 MODEL_IDENTITIES = sorted(assets.CONTRACTS_DIR.glob("models/*/*-identity-v1.json"))
 """A published model's identities, sealed as ``<model>/<lane>`` (``docs/models.md``)."""
+CONNECTOR_IDENTITIES = sorted([*assets.CONTRACTS_DIR.glob("connectors/*-identity-v1.json"),
+                               *assets.CONTRACTS_DIR.glob("models/*/connectors/*-identity-v1.json")])
+"""Connector lanes' identities, sealed as ``[<model>/]vllm-via-connector/<connector>`` (docs/connectors.md)."""
 
 
 def _cuda_available() -> bool:
@@ -58,7 +62,9 @@ def _cuda_available() -> bool:
 def test_every_sealed_lane_ships_an_identity_and_every_identity_is_sealed():
     shipped_lanes = {json.loads(path.read_text())["lane"] for path in SHIPPED}
     shipped_lanes |= {f"{path.parent.name}/{json.loads(path.read_text())['lane']}" for path in MODEL_IDENTITIES}
-    assert MODEL_IDENTITIES
+    shipped_lanes |= {parse_identity_document(json.loads(path.read_text()), where=str(path)).seal_name
+                      for path in CONNECTOR_IDENTITIES}
+    assert MODEL_IDENTITIES and CONNECTOR_IDENTITIES
     assert shipped_lanes == set(SEALED_IDENTITIES) == set(SEALED_BASIS_MANIFESTS)
     assert {"native-text", "kquant-target-plus-dflash"} <= {
         json.loads(path.read_text())["recipe"] for path in SHIPPED}
