@@ -179,6 +179,21 @@ def engine_pin(engine: Any) -> dict[str, str | None]:
     return {**_engine(engine.name, engine.version, engine.abi), "kat_sha256": kat}
 
 
+def named_engine_pin(given: Sequence[str], spec: LaneSpec, role: str) -> dict[str, str | None]:
+    """An engine pin given on the command line (``--producer-engine``/``--consumer-engine``): an
+    engine exact by construction that this host builds as given carries its known-answer digest;
+    any other (vLLM, CUDA, or a pin of another build) is pinned as given, with none (a run then
+    refuses an exact engine pinned without one)."""
+    from qualify.engines.factory import build_consumer, producer_engine
+    from qualify.engines.kat import EXACT_ENGINE_NAMES
+
+    pin = _engine(*given)
+    if pin["name"] not in EXACT_ENGINE_NAMES:
+        return pin
+    built = engine_pin(producer_engine(spec, spec.mode) if role == "producer" else build_consumer(spec))
+    return built if [built[key] for key in ("name", "version", "abi")] == list(given) else pin
+
+
 def _engine(name: str, version: str, abi: str) -> dict[str, str | None]:
     """A pin given by name (an engine this host cannot build): no known-answer digest."""
     return {"name": name, "version": version, "abi": abi, "kat_sha256": None}
@@ -284,11 +299,12 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
 
     files, total_bytes = collect_checkpoint(spec, args.checkpoint)
     if args.producer_engine and args.consumer_engine:
-        producer, consumer = _engine(*args.producer_engine), _engine(*args.consumer_engine)
+        producer = named_engine_pin(args.producer_engine, spec, "producer")
+        consumer = named_engine_pin(args.consumer_engine, spec, "consumer")
     else:
         built_producer, built_consumer = engine_pins(spec)
-        producer = _engine(*args.producer_engine) if args.producer_engine else built_producer
-        consumer = _engine(*args.consumer_engine) if args.consumer_engine else built_consumer
+        producer = named_engine_pin(args.producer_engine, spec, "producer") if args.producer_engine else built_producer
+        consumer = named_engine_pin(args.consumer_engine, spec, "consumer") if args.consumer_engine else built_consumer
 
     connector = connector_pin(args) if spec.name == VLLM_VIA_CONNECTOR_LANE else None
     prompt_tokens, prompt_digest = _prompt(args.prompt, args.prompt_tokens)
