@@ -243,12 +243,7 @@ class EngineSession:
                     self.process.stdin.close()
                 self.process.wait(timeout=30)
             except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
-                import signal
-
-                try:
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self.kill()
                 self.process.wait()
         self._replies.close()
         self._log.close()

@@ -588,9 +588,11 @@ class ProducerProcess:
             os.close(ready_write)
             if key_write >= 0:
                 os.close(key_write)
-        self._drain = threading.Thread(target=self._drain_output, name="producer-output",
-                                       daemon=True)
-        self._drain.start()
+        drain = threading.Thread(target=self._drain_output, name="producer-output", daemon=True)
+        drain.start()
+        # Kept only once started: an interrupt between creating and starting it would leave close()
+        # joining a thread that never ran ("cannot join thread before it is started", exit 70).
+        self._drain = drain
         try:
             self.ready_info = self._wait_ready(ready_read)
             self._connect()

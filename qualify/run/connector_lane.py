@@ -19,7 +19,6 @@ handoff can load an earlier one's KV.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -38,6 +37,7 @@ from qualify.engines.connector_under_test import ConnectorSpec
 from qualify.evidence.compare import compare_branches, transform_between
 from qualify.evidence.records import failed_sample_record
 from qualify.evidence.sample import sample_record
+from qualify.evidence.series import sample_series
 from qualify.run.qualification import QualificationRun, RunOptions
 from qualify.run.run_contract import comparison_bounds, connector_identity_path
 
@@ -314,7 +314,7 @@ class ConnectorLaneRun(QualificationRun):
                  + f"; {len(mismatches)} loaded cells differ from what the producer saved")
         payload_bytes = int(sum(array.nbytes for array in (*handoff_kv[0], *handoff_kv[1])))
         load_s = float(loaded["seconds"])
-        self._series[repetition] = _series(comparison)
+        self._series[repetition] = sample_series(comparison)
         record = sample_record(
             repetition=repetition, comparison=comparison,
             # What the producer handed its connector, per cell: a deterministic producer repeats it.
@@ -352,12 +352,6 @@ class ConnectorLaneRun(QualificationRun):
             shutil.rmtree(self._work, ignore_errors=True)
 
 
-def _series(comparison: Any) -> dict[str, np.ndarray]:
-    from qualify.evidence.series import sample_series
-
-    return sample_series(comparison)
-
-
 def _cells(handoff_kv: tuple[list[np.ndarray], list[np.ndarray]], own_kv: tuple[list[np.ndarray], list[np.ndarray]],
            positions: int) -> list[Any]:
     from qualify.engines.connector_pair import compare_kv_cells
@@ -383,8 +377,3 @@ def _consumer_facts() -> LaneEngine:
     from qualify.engines.factory import lane_engine_of
 
     return lane_engine_of(ConnectorFacts(_model_dir()), lane_spec(VLLM_VIA_CONNECTOR_LANE), "consumer")
-
-
-def connector_choice_json(choice: ConnectorChoice) -> str:
-    """The choice as one JSON line (for logs and tests)."""
-    return json.dumps({"connector": choice.spec.as_dict(), "fault": choice.fault}, sort_keys=True)
