@@ -116,7 +116,34 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
     return module
 
 
+LONGEST_FIRST = (
+    "tests/system/test_published_model_kquant.py",
+    "tests/system/test_onboarding_doc.py",
+    "tests/system/test_portability.py",
+    "tests/system/test_cancellation.py",
+    "tests/unit/core/test_hostenv.py",
+    "tests/system/test_calibration_can_fail.py",
+    "tests/unit/interfaces/test_plugin.py",
+    "tests/unit/archive/test_fuzz_receipts.py",
+    "tests/unit/engines/test_speculative.py",
+    "tests/vllm/test_vllm_lanes.py",
+    "tests/vllm/test_connector_qualify.py",
+)
+"""Modules whose tests take longest (wall seconds in a clean-clone CI run's JUnit files, slow and
+vLLM tiers: 164, 153, 125, 133, 62, 62, 71, 60, 53; 137, 130): collected first, so xdist's two
+workers start on them and the short tests fill the end, instead of one long test tailing the tier."""
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    root = Path(__file__).parent
+    # A stable sort: the other tests keep their collected order.
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix() if item.path.is_relative_to(root)
+                                         else "", len(rank)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _longest_first(items)
     misplaced = []
     for item in items:
         folder = _folder_of(item.path)

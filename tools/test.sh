@@ -116,6 +116,11 @@ wheel_elsewhere() {
 
 extended() {
   step setup setup
+  # vLLM's venv is mostly a download: it installs in the background while the slow tier runs
+  # (tools/install_vllm.sh; its output in out/vllm-install.log), and the vLLM tier waits for it.
+  local vllm_began=$SECONDS vllm_install
+  bash tools/install_vllm.sh > out/vllm-install.log 2>&1 &
+  vllm_install=$!
   # The slow tests of the base install (subprocess matrices, real calibrations, fuzzers at full count).
   step slow run_pytest tests/unit tests/system tests/tools -n 2 -q -m slow --junitxml=out/slow-tests.xml
   # The torch extra (installed by setup): torch and transformers engines on the CPU (the CUDA
@@ -123,12 +128,16 @@ extended() {
   step torch run_pytest tests/torch tests/cuda -n 2 -q -rs --junitxml=out/torch-tests.xml
   # The report in headless Chromium (QUALIFY_REQUIRE_BROWSER=1, set by .ci/run, fails instead of skipping).
   step browser run_pytest tests/browser -q -rs --junitxml=out/browser-tests.xml
-  # The real vLLM lanes, in their own venv (.venv-vllm, made by tools/install_vllm.sh; about
-  # 3 minutes the first time, nothing when it is already there).
   # The main job on the bottom and the top of pyproject.toml's numpy range (each numpy alone on
   # PYTHONPATH in front of the venv), with the checkout's digits (tools/numpy_range.sh).
   step numpy-range bash tools/numpy_range.sh
-  step vllm-install bash tools/install_vllm.sh
+  if ! wait "$vllm_install"; then
+    tail -20 out/vllm-install.log >&2
+    echo "test.sh: tools/install_vllm.sh failed (out/vllm-install.log)" >&2
+    exit 1
+  fi
+  echo "tier vllm-install: done $((SECONDS - vllm_began)) s after it started, beside the tiers above"
+  # The real vLLM lanes, in their own venv (.venv-vllm, made by tools/install_vllm.sh above).
   # One test file per worker (--dist loadfile: a file starts its engines once, in module fixtures);
   # every vLLM engine runs one thread, so two files use both cores.
   VENV=.venv-vllm step vllm run_pytest tests/vllm -q -rs -n 2 --dist loadfile --junitxml=out/vllm-tests.xml
