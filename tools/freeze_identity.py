@@ -158,8 +158,10 @@ def engine_pins(spec: LaneSpec) -> tuple[dict[str, str | None], dict[str, str | 
     try:
         from qualify.engines.factory import build_consumer, build_producer
 
-        producer = build_producer(spec.name, spec.mode)
-        consumer = build_consumer(spec)
+        # Each pin (its known answer) is taken while its engine is the live one: a process holds
+        # one vLLM engine at a time, so building the consumer closes a vLLM producer.
+        producer = engine_pin(build_producer(spec.name, spec.mode))
+        consumer = engine_pin(build_consumer(spec))
     except Refused:
         raise
     except Exception as exc:
@@ -167,7 +169,7 @@ def engine_pins(spec: LaneSpec) -> tuple[dict[str, str | None], dict[str, str | 
             f"engines: building lane {spec.name} failed ({type(exc).__name__}: {one_line(str(exc))}); "
             f"pass --producer-engine and --consumer-engine"
         ) from None
-    return engine_pin(producer), engine_pin(consumer)
+    return producer, consumer
 
 
 def engine_pin(engine: Any) -> dict[str, str | None]:
@@ -179,17 +181,21 @@ def engine_pin(engine: Any) -> dict[str, str | None]:
     return {**_engine(engine.name, engine.version, engine.abi), "kat_sha256": kat}
 
 
-def named_engine_pin(given: Sequence[str], spec: LaneSpec, role: str) -> dict[str, str | None]:
+def named_engine_pin(given: Sequence[str], spec: LaneSpec, role: str,
+                     measured: Mapping[str, Any] | None = None) -> dict[str, str | None]:
     """An engine pin given on the command line (``--producer-engine``/``--consumer-engine``): an
-    engine exact by construction that this host builds as given carries its known-answer digest;
-    any other (vLLM, CUDA, or a pin of another build) is pinned as given, with none (a run then
-    refuses an exact engine pinned without one)."""
+    engine with a known-answer check that this host builds as given carries its digest (a connector
+    lane's: the one its engine process measured in the basis calibration, ``measured``); any other
+    (CUDA, or a pin of another build) is pinned as given, with none (a run then refuses an engine
+    with a known-answer check pinned without one)."""
     from qualify.engines.factory import build_consumer, producer_engine
-    from qualify.engines.kat import EXACT_ENGINE_NAMES
+    from qualify.engines.kat import KAT_ENGINE_NAMES
 
     pin = _engine(*given)
-    if pin["name"] not in EXACT_ENGINE_NAMES:
+    if pin["name"] not in KAT_ENGINE_NAMES:
         return pin
+    if spec.name == VLLM_VIA_CONNECTOR_LANE:
+        return {**pin, "kat_sha256": (measured or {}).get(role)}
     built = engine_pin(producer_engine(spec, spec.mode) if role == "producer" else build_consumer(spec))
     return built if [built[key] for key in ("name", "version", "abi")] == list(given) else pin
 
@@ -277,6 +283,20 @@ def basis_manifest_sha256(uri: str, archive_dir: Path) -> str:
 def connector_pin(args: argparse.Namespace) -> dict[str, str]:
     """A connector lane's ``connector``: the one ``--connector`` names, resolved here, which must be
     the one its calibration went through (the basis receipt's ``evidence/connector.json``)."""
+    return _connector_basis(args)[0]
+
+
+def connector_known_answers(args: argparse.Namespace) -> dict[str, str]:
+    """The known-answer digests the basis calibration's engine processes measured, by role (the
+    basis receipt's ``evidence/connector.json``); refused where it records none."""
+    measured = _connector_basis(args)[1].get("kat")
+    if not isinstance(measured, dict) or not all(isinstance(measured.get(role), str) for role in ("producer", "consumer")):
+        raise Refused(f"basis {args.basis}: evidence/connector.json records no known-answer digests for its "
+                      "engines (a calibration before vLLM known-answer checks): re-calibrate")
+    return measured
+
+
+def _connector_basis(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, Any]]:
     from qualify.run.connector_lane import CONNECTOR_EVIDENCE, ConnectorRequest
 
     if args.connector is None:
@@ -288,7 +308,7 @@ def connector_pin(args: argparse.Namespace) -> dict[str, str]:
     if calibrated.get("pin") != {"name": name, "sha256": sha256} or calibrated.get("fault") is not None:
         raise Refused(f"--connector {args.connector}: pin {name} {sha256} differs from the basis receipt's "
                       f"{calibrated.get('pin')} (fault {calibrated.get('fault')})")
-    return {"name": name, "sha256": sha256}
+    return {"name": name, "sha256": sha256}, calibrated
 
 
 def build_document(args: argparse.Namespace) -> dict[str, Any]:
@@ -298,7 +318,16 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = lane_model_dir(spec, args.model_dir)
 
     files, total_bytes = collect_checkpoint(spec, args.checkpoint)
-    if args.producer_engine and args.consumer_engine:
+    if spec.name == VLLM_VIA_CONNECTOR_LANE:
+        # Both engines run in engine processes: this host's vLLM facts, with the known-answer
+        # digests those processes measured in the basis calibration.
+        measured = connector_known_answers(args)
+        from qualify.engines.vllm_engine import VllmEngine, check_pin, vllm_engine_abi
+
+        here = (VllmEngine.name, check_pin(), vllm_engine_abi())
+        producer = named_engine_pin(args.producer_engine or here, spec, "producer", measured)
+        consumer = named_engine_pin(args.consumer_engine or here, spec, "consumer", measured)
+    elif args.producer_engine and args.consumer_engine:
         producer = named_engine_pin(args.producer_engine, spec, "producer")
         consumer = named_engine_pin(args.consumer_engine, spec, "consumer")
     else:
@@ -452,9 +481,8 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     engines, rule bounds and basis URI kept. The target-cache identity is re-derived from the new
     checkpoint digests."""
     spec = identity.spec
-    model_dir = lane_model_dir(spec, args.model_dir)
-    config_path = model_dir / "config.json"
-    _, head_dim, _ = _geometry(_read_config(config_path), config_path)
+    # The chosen --model's head size where the identity is a published model's, else the lane's.
+    _, head_dim, _ = model_geometry(spec, lane_model_dir(spec, args.model_dir))
     document = identity.document()
 
     files, total_bytes = (collect_checkpoint(spec, None) if identity.model_name is not None
@@ -693,7 +721,7 @@ def unpinned_sources(document: Any) -> Any:
 
 def refrozen_engines(identity: Identity) -> tuple[dict[str, Any], dict[str, Any]]:
     """(producer, consumer) pins: a numpy engine's rebuilt here with its known-answer digest; any
-    other engine's (vLLM, CUDA) kept as pinned, with none."""
+    other engine's (vLLM, CUDA) kept as pinned (a vLLM engine's digest was measured where it runs)."""
     from qualify.engines.factory import build_consumer, producer_engine
     from qualify.engines.kat import EXACT_ENGINE_NAMES
 

@@ -18,16 +18,16 @@ SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "nvfp4-native-f16": "03801f6bef2d92fa609b9d96636d2243f5c6e53ee51df1369c09f8e9dbdf408c",
     "nvfp4-native-splitk": "0467c59cc807deb83ae7c336fb8a08941aa567f0def77d0571b3a7a8270b1422",
     "nvfp4-native-w4a4": "bf5a5276174481fd2c742d3d47695dae01472ff650e481f9d1a86287770ae5c4",
-    "reference-to-vllm": "66c08f688fd5dac9d5be02d8ab1f7e660a9eb55b2a45bfb3148b1a48ce7c0ee1",
+    "reference-to-vllm": "a78cde3b39b12e104e0b7c1b17f572ca64b83c473a24a494ad51e37adfe5a54f",
     "smollm2-135m-instruct-q4_1/kquant-exact": "f48a3f4236eec64b7a9d0b944afcebb6faf7034fb6fc3c3fe3f3b85e8fc5c1a9",
     "smollm2-135m-instruct-q4_1/vllm-to-reference": "d819bf6baede0b7e1c348218a9e9855c389d1ae343bd19dc3e327eaac0022fe6",
-    "smollm2-135m-instruct-q4_1/vllm-via-connector/ExampleConnector": "b1b799ee1512e052a16cba938bf5804e0332b67f33e367aab81b99a24f04baf8",
+    "smollm2-135m-instruct-q4_1/vllm-via-connector/ExampleConnector": "a95ef5ceddbb1f82ebe1ba8ca69f62d2f763bc68e53346bdd8bf9d05dab3c4fc",
     "transformers-cuda-bf16": "8eb38d0e045988b0ce1902b529ce2678b6d2e8b5822b1ee3949a883043faef2a",
     "transformers-cuda-fp32": "7539b9e590dc3bb577521d312bae77f51968a7c1dfc8571104d37f141dcf684d",
     "transformers-cuda-tf32": "ed501e20ddbeea0c3e7328884d62ba6070d38f4891e62d268cd3111c67408ac3",
-    "vllm-to-reference": "98f8c38bf33e522fb12381c8e494382a153c6048e0f27540276147b5fd697cd4",
-    "vllm-to-vllm": "065e498e70211bb0437728ed3b6fc760bd12cabef4483d55be4fb7b061d794c7",
-    "vllm-via-connector/ExampleConnector": "c9997bbd01155405cb6899acb5f47146f7d4061dc36a2c0c511539d73b320e16",
+    "vllm-to-reference": "88eb7b380686b6f25423e3a6c222db316f56cbddf0e849b5d29a47affb76e7d8",
+    "vllm-to-vllm": "5efaec89e984bda1728245470cdd6f550ff7a65cc1f3cd1a645eb6a226a63672",
+    "vllm-via-connector/ExampleConnector": "87c910789a50ce05cd426e0a9ac0a8011c857b1193238412366cf4c3cead3d47",
 })
 """Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the
 RFC 8785 bytes of a v3 identity)."""
@@ -38,16 +38,16 @@ SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({
     "nvfp4-native-f16": "9875a14da895f6c557ec73e4bce6bd6a47db8edf77f5c54be5e6be365daa8275",
     "nvfp4-native-splitk": "b2859282de07bb18c55847bed340b27f53a054f3cbb3ece414a083a87b63c0fc",
     "nvfp4-native-w4a4": "5a02a43e87c752cfb79996a474a5a7f383b57f3def3dbe5e8bffcec71e443f39",
-    "reference-to-vllm": "e46a37cf69e50a3bb379f8faaee23318e3039cfa3e24efbc9fbbf836f9f84bcf",
+    "reference-to-vllm": "b2b331d0a6858d7483458f45c6eb5cb29bbe3210c887cad0d3de7e5291a95a73",
     "smollm2-135m-instruct-q4_1/kquant-exact": "044bcd53e187e6c8c8971e35744a93a67afaaf1f72b69ec9ff45feb1e9978d22",
     "smollm2-135m-instruct-q4_1/vllm-to-reference": "1c288cc765e93809ff60be4c2733ce39a799108923085920983a1efa7507e8a3",
-    "smollm2-135m-instruct-q4_1/vllm-via-connector/ExampleConnector": "1da648b8677a04a9598286279cdf5d6b9aea78d1ed05b72946b52d54ca1fe1fe",
+    "smollm2-135m-instruct-q4_1/vllm-via-connector/ExampleConnector": "123d569c49122a1fddcc3e32567384f69c20662fcbc307ec9da527f39142b395",
     "transformers-cuda-bf16": "5e4a680edcb6613df1880e97e31ab48e45c5efd1006c24cd24a31f0a0df1a6f1",
     "transformers-cuda-fp32": "d2d2611f93db5617940a7df3cee86478e5aaa843e8c9ffcfeb872c5231293a3d",
     "transformers-cuda-tf32": "72d134e72d3c9831d4023b3c3e7dec63493c0e2ce2d908fd6c4c567d1425a831",
-    "vllm-to-reference": "002c89222d6dfa361b13befccd2d76b8b59a6e2251af920b5ec651c410f97b66",
-    "vllm-to-vllm": "bc6bf5237014244872dbf1bc754ee4936f54a01d7338e21e5108ae4ea47bbc86",
-    "vllm-via-connector/ExampleConnector": "1e91b1b8f99b170d3ca7e2218519088b51cdb788daa916eecc9c1945d2bad758",
+    "vllm-to-reference": "5637b32527083e55145cab4ce04e4a2623104a1ab65031f37aba812a724101e0",
+    "vllm-to-vllm": "19f250c0c8957e23afa30231dc0c240b90414f7fe589eb282a3cf9cc9ba89df7",
+    "vllm-via-connector/ExampleConnector": "8f6f3716e9fb388c2d667f818de2ef61838951fa7a903a9dc577350c2efd3bb5",
 })
 """Lane -> SHA-256 of the ``manifest.json`` of the basis receipt (``onboarding_qualification.basis``)
 its rule was calibrated from; ``qualify.contract.identity.check_basis_receipt`` also checks every

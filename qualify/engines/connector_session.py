@@ -60,11 +60,13 @@ def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], re
     # The consumer reads KV out of vLLM's pages: trusted only once its decode reproduces the
     # reference engine's KV on the fixture's first positions (a cold request, nothing loaded).
     layout = None if role == "serve-producer" else _check_layout(llm, model_dir)
+    known_answer = _known_answer(llm, model_dir)
     from qualify.core.hostenv import host_facts
 
     # What this engine's process runs on (CPU, BLAS, threads, its environment overrides): host.json.
     _answer(reply, {"ok": True, "ready": True, "engine_abi": vllm_engine_abi(), "version": check_pin(),
-                    "start_s": time.perf_counter() - started, "layout_max_abs": layout, "host_facts": host_facts()})
+                    "start_s": time.perf_counter() - started, "layout_max_abs": layout, "host_facts": host_facts(),
+                    "kat_sha256": known_answer})
     for line in requests:
         if not line.strip():
             continue
@@ -115,6 +117,31 @@ def _check_layout(llm: Any, model_dir: Path) -> float:
     kv = take_observation("layout-probe").saved
     layers = sorted(kv)
     return check_page_decode(KVCache([kv[i][0] for i in layers], [kv[i][1] for i in layers]), model_dir)
+
+
+def _known_answer(llm: Any, model_dir: Path) -> str:
+    """This engine's known-answer digest (``qualify.engines.kat``): the fixed KAT tokens as one cold
+    request (the connector's hit suppressed), its prefill KV read out of vLLM's pages, and
+    ``KAT_DECODE_STEPS`` greedy tokens with their raw logit rows. It pins vLLM's arithmetic on this
+    host; the connector's own path is what the handoffs judge."""
+    from qualify.engines.checkpoint import load_config
+    from qualify.engines.connector_delegate import RequestTag
+    from qualify.engines.connector_observer import take_observation
+    from qualify.engines.connector_pair import _generate
+    from qualify.engines.kat import KAT_DECODE_STEPS, digest_of, kat_tokens
+    from qualify.engines.vllm_engine import raw_logit_rows
+
+    vocab = load_config(model_dir).geometry.vocab
+    tokens = [int(t) for t in kat_tokens(vocab)]
+    completion = _generate(llm, tokens, KAT_DECODE_STEPS, RequestTag("known-answer", cold=True, capture=True),
+                           logits=True)
+    kv = take_observation("known-answer").saved
+    parts: list[tuple[str, np.ndarray]] = []
+    for layer in sorted(kv):
+        parts += [(f"prefill.{layer}.k", kv[layer][0]), (f"prefill.{layer}.v", kv[layer][1])]
+    parts += [("decode.tokens", np.asarray(completion.token_ids, dtype=np.int32)),
+              ("decode.logits", raw_logit_rows(completion, KAT_DECODE_STEPS, vocab))]
+    return digest_of(parts)
 
 
 def _serve_decode(llm: Any, request: dict[str, Any], model_dir: Path) -> dict[str, Any]:

@@ -10,9 +10,14 @@ reduction shape or a block size that moves one bit moves the digest.
 
 The consumer checks its own KAT when its identity is sealed; the producer process checks its own
 before it announces itself ready. A mismatch refuses in one line naming the engine, both digests
-and what this host runs (numpy, BLAS, kernel, threads, CPU). Engines that are not exact by
-construction (vLLM, torch/CUDA) have no KAT here; their identities keep the pins that change
-their bits (versions, ISA class, threads, attention and device settings).
+and what this host runs (numpy, BLAS, kernel, threads, CPU).
+
+vLLM is not exact by construction: its identities keep the pins that change its bits (version, ISA
+class, threads, attention settings) and carry a KAT too, measured on the CPU class the identity
+covers (:data:`MEASURED_ENGINE_NAMES`). Its prefill hands off whole blocks and keeps the prompt for a
+cold recompute, so its KAT digests both decode paths a lane uses: the cold recompute and the decode
+from the handed-off KV. torch/CUDA engines carry no KAT yet (their identities pin torch, CUDA, the
+device and the attention path).
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from qualify.core.errors import Refused
+from qualify.core.kv import KVCache
 
 KAT_SEED = 35
 """Seed of the fixed KAT token ids (drawn uniformly over the model's vocabulary)."""
@@ -37,12 +44,25 @@ KAT_DECODE_STEPS = 4
 """Greedy decode steps (a speculative engine proposes and verifies drafts over them)."""
 
 EXACT_ENGINE_NAMES = frozenset({"reference-numpy", "kquant-numpy", "kquant-eagle1-numpy"})
-"""Engines whose bits are exact by construction and so carry a KAT."""
+"""Engines whose bits are exact by construction: their KAT holds on every host."""
+MEASURED_ENGINE_NAMES = frozenset({"vllm"})
+"""Engines whose bits hold only where their pins hold (vLLM: version, ISA class, threads): their
+KAT is measured on the class the identity covers and checked on top of those pins."""
+KAT_ENGINE_NAMES = EXACT_ENGINE_NAMES | MEASURED_ENGINE_NAMES
+"""Every engine an identity must pin a known-answer digest for."""
 
 
 def has_known_answer(engine: Any) -> bool:
     """Whether ``engine`` (or the engine a lane engine wraps) is one the KAT pins."""
-    return getattr(engine, "name", None) in EXACT_ENGINE_NAMES
+    return getattr(engine, "name", None) in KAT_ENGINE_NAMES
+
+
+def check_pinned(name: str, pinned: str | None, role: str, where: str) -> None:
+    """Refuse an identity that pins no known-answer digest for a ``role`` engine that has one (absent
+    evidence is failed evidence; the digest itself is checked where the engine runs)."""
+    if name in KAT_ENGINE_NAMES and pinned is None:
+        raise Refused(f"{where}: {role}_engine.kat_sha256: pinned none, expected the {name} engine's "
+                      "known-answer digest (re-freeze the identity)")
 
 
 def kat_tokens(vocab: int) -> np.ndarray:
@@ -57,6 +77,15 @@ def _absorb(digest: Any, label: str, array: np.ndarray) -> None:
     header = json.dumps([label, array.dtype.newbyteorder("<").str, list(array.shape)])
     digest.update(header.encode() + b"\n")
     digest.update(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+
+
+def digest_of(parts: Iterable[tuple[str, np.ndarray]]) -> str:
+    """The KAT digest of labelled arrays, framed as :func:`known_answer_sha256` frames its own (an
+    engine measured in its own process: ``qualify.engines.connector_session``)."""
+    digest = hashlib.sha256(b"trust-ladder.kat.v1\n")
+    for label, array in parts:
+        _absorb(digest, label, array)
+    return digest.hexdigest()
 
 
 def _absorb_kv(digest: Any, label: str, kv: Any) -> None:
@@ -79,6 +108,13 @@ def known_answer_sha256(engine: Any) -> str:
     result = inner.decode(kv, pending, KAT_DECODE_STEPS)
     _absorb(digest, "decode.tokens", np.asarray(result.tokens, dtype=np.int32))
     _absorb(digest, "decode.logits", np.asarray(result.logits, dtype=np.float32))
+    source = getattr(kv, "source_tokens", None)
+    if source is not None:  # a cold-recompute KV (vLLM): the decode from the handed-off blocks too
+        handed = KVCache(list(kv.keys), list(kv.values))
+        rest = np.concatenate([np.asarray(source)[handed.geometry.positions:], pending])
+        loaded = inner.decode(handed, rest, KAT_DECODE_STEPS)
+        _absorb(digest, "handed.tokens", np.asarray(loaded.tokens, dtype=np.int32))
+        _absorb(digest, "handed.logits", np.asarray(loaded.logits, dtype=np.float32))
     if result.draft_trace is not None:
         digest.update(json.dumps([[list(p), a] for p, a in result.draft_trace]).encode() + b"\n")
     score_rows = getattr(inner, "score_rows", None)
@@ -96,9 +132,10 @@ def host_numerics() -> str:
             f"threads {blas['num_threads'] or 'unknown'}, CPU {os.cpu_count()} x {cpu_model()}")
 
 
-def check_known_answer(engine: Any, expected: str | None, role: str) -> None:
+def check_known_answer(engine: Any, expected: str | None, role: str, found: str | None = None) -> None:
     """Refuse (exit 2, one line) when ``engine``'s KAT is not the pinned ``expected`` digest; an
-    engine without a KAT must pin none, and one with a KAT must pin one."""
+    engine without a KAT must pin none, and one with a KAT must pin one. ``found``: the digest the
+    engine's own process measured (an engine that runs elsewhere), else it is computed here."""
     name = getattr(engine, "name", "?")
     if not has_known_answer(engine):
         if expected is not None:
@@ -108,7 +145,11 @@ def check_known_answer(engine: Any, expected: str | None, role: str) -> None:
     if expected is None:
         raise Refused(f"{role} engine {name}: known-answer digest: pinned none, expected one "
                       "(re-freeze the identity)")
-    found = known_answer_sha256(engine)
+    inner = getattr(engine, "engine", engine)  # a LaneEngine's own engine
+    if found is None and getattr(inner, "known_answer_in_engine_process", False):
+        return  # its engine process measures it when it starts; the run compares it there
+    if found is None:
+        found = known_answer_sha256(engine)
     if found != expected:
         raise Refused(f"{role} engine {name} ({engine.abi}): known-answer digest: expected {expected}, found "
                       f"{found}: its arithmetic gives other bits here ({host_numerics()})")

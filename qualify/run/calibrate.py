@@ -19,7 +19,7 @@ from typing import Any
 from qualify.contract.controls import CalibrationSet, load_calibration_set, load_controls_criteria, load_document
 from qualify.contract.lanes import LaneSpec
 from qualify.core import assets
-from qualify.core.errors import Refused
+from qualify.core.errors import ProducerFailed, Refused
 from qualify.engines.base import LaneEngine
 from qualify.evidence.comparers import ComparerFactory
 from qualify.handoff.setup import TransportFactory
@@ -182,7 +182,11 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
         for index, handoff in enumerate(handoffs):
             environment = environments[index % len(environments)]
             if index > 0:  # the first handoff uses the producer the steps started (no overrides)
-                run.switch_prompt(handoff.document, handoff.prompt, environment)
+                try:
+                    run.switch_prompt(handoff.document, handoff.prompt, environment)
+                except ProducerFailed as exc:  # the producer's failure, not the harness's: no rule
+                    raise Refused(f"calibration handoff {index + 1}/{len(handoffs)}: the producer did not "
+                                  f"restart: {exc}") from None
             message = run._handoff(index)
             run.log(f"calibration handoff {index + 1}/{len(handoffs)} ({handoff.part} {handoff.document} "
                     f"@{len(handoff.prompt)}, fresh producer, environment {environment or 'as the operator set it'}): "

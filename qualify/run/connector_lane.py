@@ -126,6 +126,8 @@ class ConnectorFacts:
 
     name = "vllm"
     logit_units = "raw"
+    known_answer_in_engine_process = True
+    """Its known-answer digest is measured by its engine process when it starts (``qualify.engines.kat``)."""
 
     def __init__(self, model_dir: Path) -> None:
         from qualify.engines.checkpoint import load_config
@@ -192,22 +194,29 @@ class ConnectorLaneRun(QualificationRun):
         spec = runtime_spec(self.choice, self._storage)
         model_dir = _model_dir()
         receipt = self._receipt
-        receipt.add_evidence(CONNECTOR_EVIDENCE, {
-            "schema": "trust-ladder.connector.v1", "connector": self.choice.spec.as_dict(),
-            "pin": {"name": self.choice.pin[0], "sha256": self.choice.pin[1]}, "fault": self.choice.fault})
+        evidence = {"schema": "trust-ladder.connector.v1", "connector": self.choice.spec.as_dict(),
+                    "pin": {"name": self.choice.pin[0], "sha256": self.choice.pin[1]}, "fault": self.choice.fault}
         try:
             for role in ("serve-consumer", "serve-producer"):
                 env = self.producer_env if role == "serve-producer" else {}
                 self._sessions[role] = EngineSession(role, spec, model_dir, self._work / role, env=dict(env))
         except RuntimeError as exc:
             self._stop_sessions()
+            receipt.add_evidence(CONNECTOR_EVIDENCE, evidence)
             raise Refused(f"connector {self.choice.spec.name}: cannot run here: {one_line(str(exc))}") from None
+        # Each engine process measured its known-answer digest when it started: recorded with the
+        # connector (a freeze pins them from there), then checked against a sealed identity's pins.
+        known_answers = {role.removeprefix("serve-"): self._sessions[role].ready.get("kat_sha256")
+                         for role in ("serve-producer", "serve-consumer")}
+        measured = all(isinstance(digest, str) for digest in known_answers.values())
+        receipt.add_evidence(CONNECTOR_EVIDENCE, {**evidence, **({"kat": known_answers} if measured else {})})
         ready = self._sessions["serve-producer"].ready
         receipt.set_producer_host(ready.get("host_facts"), problem=None if "host_facts" in ready else "not reported")
         consumer_abi = self._sessions["serve-consumer"].ready["engine_abi"]
         if ready["engine_abi"] != self._consumer.abi or consumer_abi != self._consumer.abi:
             raise Refused(f"connector engines: ABIs {ready['engine_abi']} and {consumer_abi}, this host's vLLM "
                           f"is {self._consumer.abi}")
+        self._check_known_answers(known_answers)
         self.log(f"consumer page layout checked against the reference engine: max abs "
                  f"{self._sessions['serve-consumer'].ready['layout_max_abs']:.3g}")
         self.log(f"connector engines ready: {self.choice.spec.name} ({self.choice.spec.module}.{self.choice.spec.class_name}, "
@@ -215,6 +224,31 @@ class ConnectorLaneRun(QualificationRun):
                  f"producer started in {ready['start_s']:.1f} s, fault {self.choice.fault or 'none'}, "
                  f"producer environment overrides {self.producer_env or 'none'}")
         return "connector producer and consumer engines started"
+
+    @property
+    def _identity_pins(self) -> dict[str, str | None] | None:
+        """The sealed identity's known-answer pins by role (None: a calibration, no identity yet)."""
+        from qualify.contract.identity import load_identity
+
+        document = self._contract.identity_document
+        if not isinstance(document, Path):
+            return None
+        identity = load_identity(document)
+        return {"producer": identity.producer_engine.kat_sha256, "consumer": identity.consumer_engine.kat_sha256}
+
+    def _check_known_answers(self, found: dict[str, Any]) -> None:
+        """Refuse an engine that reported no known-answer digest, or one other than a sealed
+        identity's pin (``qualify.engines.kat``)."""
+        from qualify.engines.kat import check_known_answer
+
+        pins = self._identity_pins
+        for role, digest in found.items():
+            if not isinstance(digest, str):
+                raise Refused(f"connector {role} engine: reported no known-answer digest")
+            if pins is not None:
+                check_known_answer(self._consumer, pins[role], role, found=digest)
+        if pins is not None:
+            self.log(f"known-answer digests: producer {found['producer']}, consumer {found['consumer']}, as pinned")
 
     def restart_producer(self, env: dict[str, str]) -> None:
         """A calibration's next cell under a fresh producer engine (the consumer stays up)."""

@@ -376,7 +376,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     from qualify.contract.identity import identity_sha256, load_identity
     from qualify.contract.units import logit_units_label
     from qualify.engines.factory import lane_producer_abi
-    from qualify.engines.kat import check_known_answer
+    from qualify.engines.kat import check_known_answer, check_pinned
     from qualify.evidence.records import rule_from_identity
     from qualify.handoff.protocol import expectation_from_identity
 
@@ -388,7 +388,9 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")
     check_engine_pins(identity, consumer, lane_producer_abi(identity.spec))
     # The consumer's arithmetic, pinned by its bits on the known-answer input (the producer
-    # process checks its own before it is ready).
+    # process checks its own before it is ready: here only that the identity pins one).
+    check_pinned(identity.producer_engine.name, identity.producer_engine.kat_sha256, "producer",
+                 f"identity {identity_path}")
     check_known_answer(consumer, identity.consumer_engine.kat_sha256, "consumer")
     consumer_geometry = consumer.geometry
     check_rope_cache(identity, consumer_geometry.head_dim, f"identity {identity_path}")

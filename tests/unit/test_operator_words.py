@@ -1127,17 +1127,17 @@ def connector_lane_cases() -> list[Case]:
 
 
 def kat_cases() -> list[Case]:
-    from qualify.engines.kat import check_known_answer, host_numerics
+    from qualify.engines.kat import check_known_answer, check_pinned, host_numerics
     from qualify.engines.reference import ReferenceEngine
-    from tests.unit.engines.test_kat import NotExact, OneUlpUp, changed_at_one_projection
+    from tests.unit.engines.test_kat import MeasuredElsewhere, NotExact, OneUlpUp, changed_at_one_projection
 
     pinned = json.loads((REPO / "contracts" / "vllm-to-reference-identity-v1.json").read_bytes())
     digest = pinned["consumer_engine"]["kat_sha256"]
 
-    def checked(engine: Callable[[], object], expected: str | None, role: str) -> Produce:
+    def checked(engine: Callable[[], object], expected: str | None, role: str, found: str | None = None) -> Produce:
         def produce(workspace: Workspace) -> Raised:
             workspace.mask(host_numerics(), "<numpy, BLAS, kernel, threads, CPU of this host>")
-            return refusal_of(lambda: check_known_answer(engine(), expected, role))
+            return refusal_of(lambda: check_known_answer(engine(), expected, role, found=found))
         return produce
 
     return [
@@ -1146,6 +1146,10 @@ def kat_cases() -> list[Case]:
         Case("an exact engine whose identity pins no known answer",
              checked(ReferenceEngine.from_model_dir, None, "consumer")),
         Case("a known answer pinned for an engine that has none", checked(NotExact, digest, "producer")),
+        Case("a vLLM engine whose process measured another known answer",
+             checked(MeasuredElsewhere, digest, "consumer", found="0" * 64)),
+        Case("an identity that pins no known answer for its vLLM producer",
+             lambda workspace: refusal_of(lambda: check_pinned("vllm", None, "producer", "identity lane.json"))),
     ]
 
 

@@ -101,6 +101,11 @@ def test_qualifies_through_the_connector(sealed, tmp_path):
     connector = json.loads((receipt / "evidence" / "connector.json").read_text(encoding="utf-8"))
     jsonschema.validate(connector, _schema("connector-evidence.v1.schema.json"))
     assert connector["fault"] is None and connector["pin"]["name"] == "ExampleConnector"
+    # Both engine processes measured their known answers, and they are the ones the freeze took
+    # from the calibration (a run whose engines measure others is refused at 'producer ready').
+    document = json.loads(identity_path.read_text(encoding="utf-8"))
+    assert connector["kat"] == {"producer": document["producer_engine"]["kat_sha256"],
+                                "consumer": document["consumer_engine"]["kat_sha256"]}
     # 3. enroll: the lane's handoff key, from this receipt.
     assert cli.main(["enroll", "--identity", str(identity_path), "--receipt", str(receipt),
                      "--registry", str(tmp_path / "registry.json"), "--keys", str(tmp_path / "keys")]) == 0

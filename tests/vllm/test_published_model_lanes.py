@@ -50,6 +50,11 @@ def test_the_vllm_cpu_lane_on_the_published_model_qualifies_where_its_identity_p
         assert code == 2, (out, err)
         assert f"qualify calibrate --recipe native-text --lane {LANE}" in err
         return
+    from qualify.run.run_contract import identity_path_for_lane
+
+    if json.loads(identity_path_for_lane(LANE).read_text(encoding="utf-8"))["producer_engine"]["kat_sha256"] is None:
+        assert code == 2 and "producer_engine.kat_sha256: pinned none" in err, (out, err)  # frozen before vLLM KATs
+        return
     from qualify.contract.lanes import VLLM_BLOCK_SIZE
 
     assert code == 0, (out, err)

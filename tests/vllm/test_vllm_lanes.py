@@ -62,6 +62,9 @@ class HostMatch:
     lane: str
     found: dict[str, str]
     pinned: dict[str, str]
+    unpinned_known_answers: tuple[str, ...] = ()
+    """The vLLM engines' ``kat_sha256`` fields the identity leaves null (frozen before vLLM known
+    answers): refused at 'identity sealed' once the ABIs match."""
 
     @property
     def differing(self) -> list[str]:
@@ -69,11 +72,13 @@ class HostMatch:
 
     @property
     def matches(self) -> bool:
-        return not self.differing
+        return not self.differing and not self.unpinned_known_answers
 
     def describe(self) -> str:
-        return "; ".join(f"{name}: this host {self.found[name]!r}, the identity pins {self.pinned[name]!r}"
-                         for name in self.differing) or "this host builds the pinned engines"
+        return "; ".join([*(f"{name}: this host {self.found[name]!r}, the identity pins {self.pinned[name]!r}"
+                            for name in self.differing),
+                          *(f"{name}: the identity pins none" for name in self.unpinned_known_answers)]
+                         ) or "this host builds the pinned engines"
 
 
 _HOST_MATCHES: dict[str, HostMatch] = {}
@@ -100,7 +105,9 @@ def host_match(lane: str) -> HostMatch:
         found = {"producer_engine.abi": factory.lane_producer_abi(lane_spec(lane)), "consumer_engine.name": consumer[0],
                  "consumer_engine.version": consumer[1], "consumer_engine.abi": consumer[2]}
         pinned = {name: document[name.split(".")[0]][name.split(".")[1]] for name in found}
-        _HOST_MATCHES[lane] = HostMatch(lane, found, pinned)
+        unpinned = tuple(f"{role}.kat_sha256" for role in ("producer_engine", "consumer_engine")
+                         if document[role]["name"] == "vllm" and document[role]["kat_sha256"] is None)
+        _HOST_MATCHES[lane] = HostMatch(lane, found, pinned, unpinned)
     return _HOST_MATCHES[lane]
 
 
@@ -119,6 +126,10 @@ def assert_refused_for_this_host(run: QualificationRun, match: HostMatch) -> Non
     the first differing field, both values and the calibrate command; no producer, no handoff."""
     outcome = run.outcomes["identity sealed"]
     assert run.refused and not outcome.passed, run.outcomes
+    if not match.differing:  # the engines match; the identity pins no vLLM known answer
+        assert f"{match.unpinned_known_answers[0]}: pinned none" in outcome.message, outcome.message
+        assert list(run.outcomes) == ["identity sealed"] and not run.records, run.outcomes
+        return
     field = match.differing[0]
     assert field in ("producer_engine.abi", "consumer_engine.name", "consumer_engine.version",
                      "consumer_engine.abi")

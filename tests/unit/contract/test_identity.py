@@ -1052,6 +1052,25 @@ def test_refreeze_moves_a_source_pinned_v3_identity_to_known_answers(
     assert copy_path.read_bytes() == shipped.read_bytes()
 
 
+@pytest.mark.published_model
+@pytest.mark.slow
+def test_refreeze_of_a_published_models_identity_uses_that_models_head_size(
+    published_model: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--refreeze --model: the RoPE cache digest follows the chosen model's head size (64), not the
+    shipped model's (32): a stale digest is rewritten to exactly the shipped identity."""
+    from tests.support.published import NAME as PUBLISHED_MODEL
+
+    freeze = _freeze_tool()
+    shipped = REPO / "contracts" / "models" / PUBLISHED_MODEL / "kquant-exact-identity-v1.json"
+    stale = json.loads(shipped.read_bytes())
+    stale["rope"]["cache_sha256"] = digest("a RoPE cache of another head size")
+    copy_path = tmp_path / shipped.name
+    copy_path.write_text(json.dumps(stale, indent=2) + "\n", encoding="utf-8")
+    assert freeze.main(["--model", PUBLISHED_MODEL, "--refreeze", str(copy_path)]) == 0, capsys.readouterr().err
+    assert copy_path.read_bytes() == shipped.read_bytes()
+
+
 def test_freeze_tool_needs_something_to_do(capsys: pytest.CaptureFixture[str]) -> None:
     assert _freeze_tool().main([]) == 2
     assert "expected --lane, --refreeze, --write-sealed or --write-schema" in capsys.readouterr().err

@@ -128,10 +128,10 @@ def test_a_docstring_edit_in_an_engine_source_needs_no_refreeze(docstring_edited
 
 
 class NotExact:
-    """An engine the KAT does not cover (its bits are not exact by construction)."""
+    """An engine the KAT does not cover (torch/CUDA: its identities pin versions and the device)."""
 
-    name = "vllm"
-    abi = "vllm-cpu-test"
+    name = "torch-llama"
+    abi = "torch-llama-test"
 
 
 def test_a_pin_must_match_whether_the_engine_has_a_known_answer(engine: ReferenceEngine, pinned: str) -> None:
@@ -140,3 +140,64 @@ def test_a_pin_must_match_whether_the_engine_has_a_known_answer(engine: Referenc
         check_known_answer(NotExact(), pinned, "producer")
     with pytest.raises(Refused, match="known-answer"):
         check_known_answer(engine, None, "consumer")
+
+
+class MeasuredElsewhere:
+    """A vLLM engine whose process measures its own KAT (the connector lane's consumer facts)."""
+
+    name = "vllm"
+    abi = "vllm-cpu-test"
+    known_answer_in_engine_process = True
+
+
+def test_an_engine_measured_in_its_own_process_is_checked_against_what_it_reported(pinned: str) -> None:
+    check_known_answer(MeasuredElsewhere(), pinned, "consumer")  # at 'identity sealed': a pin is required
+    wrapped = type("LaneEngine", (), {"name": "vllm", "engine": MeasuredElsewhere()})()
+    check_known_answer(wrapped, pinned, "consumer")  # as the lane wraps it
+    check_known_answer(MeasuredElsewhere(), pinned, "consumer", found=pinned)
+    with pytest.raises(Refused, match="known-answer"):
+        check_known_answer(MeasuredElsewhere(), None, "consumer")
+    with pytest.raises(Refused, match="known-answer"):
+        check_known_answer(MeasuredElsewhere(), pinned, "producer", found="0" * 64)
+
+
+def test_an_identity_pinning_no_known_answer_for_a_vllm_producer_is_refused(pinned: str) -> None:
+    from qualify.engines.kat import check_pinned
+
+    check_pinned("vllm", pinned, "producer", "identity x")
+    check_pinned("torch-llama", None, "producer", "identity x")
+    with pytest.raises(Refused, match="producer_engine.kat_sha256"):
+        check_pinned("vllm", None, "producer", "identity x")
+    with pytest.raises(Refused, match="producer_engine.kat_sha256"):
+        check_pinned("reference-numpy", None, "producer", "identity x")
+
+
+class HandsOffWholeBlocks:
+    """The reference engine behind vLLM's shape of prefill: whole blocks handed off, the prompt kept
+    for a cold recompute; ``handed_nudge`` moves only the decode from the handed-off KV."""
+
+    def __init__(self, engine: ReferenceEngine, handed_nudge: float = 0.0) -> None:
+        self.base, self.handed_nudge, self.geometry = engine, handed_nudge, engine.geometry
+
+    def prefill(self, tokens: np.ndarray) -> object:
+        from qualify.core.kv import KVCache
+
+        whole = (len(tokens) // 128) * 128
+        kv = self.base.prefill(tokens[:whole])
+        cold = KVCache(kv.keys, kv.values)
+        cold.source_tokens = np.asarray(tokens)  # type: ignore[attr-defined]  # vLLM's ColdKV carries it
+        return cold
+
+    def decode(self, kv: object, pending: np.ndarray, n: int) -> object:
+        source = getattr(kv, "source_tokens", None)
+        if source is not None:  # the cold recompute: the whole prompt again
+            return self.base.decode(self.base.prefill(source), pending, n)
+        result = self.base.decode(kv, pending, n)
+        result.logits = np.asarray(result.logits) + np.float32(self.handed_nudge)
+        return result
+
+
+def test_a_whole_block_engine_digests_its_decode_from_the_handed_off_kv_too(engine: ReferenceEngine) -> None:
+    digest = known_answer_sha256(HandsOffWholeBlocks(engine))
+    assert digest == known_answer_sha256(HandsOffWholeBlocks(engine))
+    assert known_answer_sha256(HandsOffWholeBlocks(engine, handed_nudge=1e-3)) != digest
