@@ -4,9 +4,13 @@ KV connector between two vLLM engines, judged like any lane.
 Same seven steps as :class:`~qualify.run.qualification.QualificationRun`; what differs is where the
 KV comes from. "producer ready" starts two resident engines (:mod:`qualify.engines.connector_session`):
 a producer (``kv_producer``) and a consumer (``kv_consumer``), both wrapped by the observing
-connector. Each handoff: the producer prefills the prompt and its connector saves the KV; the
-consumer's connector loads what it claims and the consumer decodes the output tokens with every raw
-logit row; its cold local recompute is the same engine with the connector's hit suppressed. The
+connector. Each handoff, driven as a disaggregated-prefill proxy drives a pair: the producer
+prefills the prompt (its request carrying ``kv_transfer_params {"do_remote_decode": true, ...}``)
+and its connector saves the KV or keeps it for the consumer; the ``kv_transfer_params`` the
+producer's request returns (none for ExampleConnector; for NIXL, where to pull the KV) go with the
+consumer's request, while the producer stays up; the consumer's connector loads what it claims
+and the consumer decodes the output tokens with every raw logit row; its cold local recompute is
+the same engine with the connector's hit suppressed. The
 harness reads both branches' tokens, logits and KV and builds the sample record from them as for
 any lane, so the judge, the anchors and the receipt are the ones every lane uses. A divergence is
 also localised per (layer, K or V, KV head, block) in ``evidence/connector-sample-<n>.json``.
@@ -273,11 +277,17 @@ class ConnectorLaneRun(QualificationRun):
         self._storage.mkdir(parents=True)
         prompt_file = self._prompt_file()
         out = self._work / f"{key}.npz"
+        from qualify.engines.connector_pair import PREFILL_TRANSFER_PARAMS
+
         try:
-            saved = self._session("serve-producer").request({"op": "produce", "key": key, "prompt": str(prompt_file)})
+            # As a disaggregated-prefill proxy drives a pair: the producer's request asks its connector
+            # to keep the KV for a remote decode; what it returns (none for ExampleConnector, where to
+            # pull the KV for NIXL) goes with the consumer's request, the producer still up.
+            saved = self._session("serve-producer").request({
+                "op": "produce", "key": key, "prompt": str(prompt_file), "transfer": PREFILL_TRANSFER_PARAMS})
             loaded = self._session("serve-consumer").request({
                 "op": "load", "key": key, "prompt": str(prompt_file), "tokens": contract.output_tokens,
-                "out": str(out), "fault": self.choice.fault})
+                "out": str(out), "fault": self.choice.fault, "transfer": saved.get("kv_transfer_params")})
         except (RuntimeError, Refused) as exc:
             return self._keep(failed_sample_record(repetition, f"connector failed: {one_line(str(exc))}"), repetition)
         claimed = int(loaded["claimed_tokens"])

@@ -1123,6 +1123,41 @@ def connector_lane_cases() -> list[Case]:
     ]
 
 
+# =========================================================================== qualify.engines.connector_pair, connector_loads
+
+
+def connector_pair_cases() -> list[Case]:
+    from qualify.engines.connector_pair import MAX_TRANSFER_PARAMS_CHARS, returned_transfer_params
+
+    return [
+        Case("a producer's kv_transfer_params that are not an object",
+             refused(returned_transfer_params, ["do_remote_prefill"])),
+        Case("a producer's kv_transfer_params with a number that is not finite",
+             refused(returned_transfer_params, {"remote_port": math.nan})),
+        Case("a producer's kv_transfer_params too long to forward",
+             refused(returned_transfer_params, {"blob": "x" * MAX_TRANSFER_PARAMS_CHARS})),
+    ]
+
+
+def connector_loads_cases() -> list[Case]:
+    from qualify.engines.connector_loads import NotReceived, received_loads
+
+    @dataclass(frozen=True)
+    class Scheduled:
+        req_id: str
+        loaded_tokens: int
+        load_async: bool
+
+    def words() -> str:
+        try:
+            received_loads([Scheduled("request-7", 2048, True)], set(), "ObservingConnector")
+        except NotReceived as exc:
+            return f"raises NotReceived: {exc}"
+        raise AssertionError("the case expects a refusal and got none")
+
+    return [Case("an asynchronous load computed before its connector reported it received", judged(words))]
+
+
 # =========================================================================== qualify.engines.kat: known answers
 
 
@@ -1164,6 +1199,8 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "archive.verify": verify_cases,
     "archive.attestation": attestation_cases,
     "run.connector_lane": connector_lane_cases,
+    "engines.connector_pair": connector_pair_cases,
+    "engines.connector_loads": connector_loads_cases,
 }
 
 
