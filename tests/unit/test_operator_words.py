@@ -1139,6 +1139,17 @@ def connector_pair_cases() -> list[Case]:
     ]
 
 
+def connector_under_test_cases() -> list[Case]:
+    from qualify.engines import connector_under_test
+
+    def missing_runtime_package(workspace: Workspace) -> Raised:
+        # A package no environment installs stands for nixl, so the words do not depend on this one.
+        workspace.patch.setattr(connector_under_test, "RUNTIME_PACKAGES", {"NixlConnector": "qualify_absent_package"})
+        return refusal_of(lambda: connector_under_test.runtime_packages("NixlConnector"))
+
+    return [Case("a connector whose transfer package is not installed", missing_runtime_package)]
+
+
 def connector_loads_cases() -> list[Case]:
     from qualify.engines.connector_loads import NotReceived, received_loads
 
@@ -1201,6 +1212,7 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "run.connector_lane": connector_lane_cases,
     "engines.connector_pair": connector_pair_cases,
     "engines.connector_loads": connector_loads_cases,
+    "engines.connector_under_test": connector_under_test_cases,
 }
 
 
