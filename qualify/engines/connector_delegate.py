@@ -16,8 +16,8 @@ forwarded too). What it adds is bookkeeping, for the subclasses that observe or 
   time, its blocks, prompt length and the tokens the connector claimed to load
   (:class:`ScheduledRequest`). The worker side unwraps it and binds the inner metadata.
 * Worker side: :meth:`after_layer_load` sees a layer's loaded blocks once they are final (what
-  attention reads), at the point :func:`qualify.engines.connector_loads.read_points` names for the
-  way the connector loaded them: a synchronous load (``get_num_new_matched_tokens`` said
+  attention reads), at the point :mod:`qualify.engines.connector_loads` names for the way the
+  connector loaded them: a synchronous load (``get_num_new_matched_tokens`` said
   ``load_async=False``: ExampleConnector, LMCache) once the inner connector's
   ``wait_for_layer_load(layer)`` returns; an asynchronous one (NIXL, Mooncake: vLLM parks the
   request until the connector reports it received, then schedules it) when the step that first
