@@ -253,7 +253,7 @@ class PairResult:
 
 
 def _build_llm(spec: ConnectorSpec, role: str, model_dir: Path, prefix_caching: bool = False,
-               side_channel_port: int | None = None) -> Any:
+               side_channel_port: int | None = None, model_view: Path | None = None) -> Any:
     from qualify.engines.vllm_engine import check_pin, llm_arguments, pin_numeric_environment
 
     check_pin()
@@ -268,6 +268,10 @@ def _build_llm(spec: ConnectorSpec, role: str, model_dir: Path, prefix_caching: 
     from qualify.engines.connector_delegate import CONNECTOR_UNDER_TEST
 
     arguments = {**llm_arguments(model_dir), "enable_prefix_caching": prefix_caching}
+    if model_view is not None:
+        # The path both engines of a pair name the model by (NIXL's handshake refuses a peer whose
+        # model path differs); the same files as llm_arguments' private view.
+        arguments["model"] = str(model_view)
     return LLM(**arguments, kv_transfer_config=KVTransferConfig(
         kv_connector=OBSERVER_CLASS, kv_connector_module_path=OBSERVER_MODULE, kv_role=role,
         kv_connector_extra_config={CONNECTOR_UNDER_TEST: spec.as_dict()}))

@@ -22,7 +22,9 @@ go to the session's log file). Arrays travel as ``.npy``/``.npz`` files in the s
 Both engines stay up for the whole run, so a producer is alive while its consumer reads (a
 handshake connector's consumer pulls the KV from the producer's pages). Each engine gets a
 side-channel port of its own (:data:`~qualify.engines.connector_pair.SIDE_CHANNEL_PORT_ENV`, NIXL's
-handshake listener; other connectors ignore it), free when the session starts.
+handshake listener; other connectors ignore it), free when the session starts, and the run gives
+both engines one model path (``model_view``: NIXL's handshake refuses a peer that names the model
+by another path).
 
 Nothing here judges: the run builds sample records from these files (:mod:`qualify.run.connector_lane`).
 
@@ -58,7 +60,7 @@ REQUEST_TIMEOUT_S = 900.0
 
 
 def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], reply: IO[str],
-          side_channel_port: int | None = None) -> None:
+          side_channel_port: int | None = None, model_view: Path | None = None) -> None:
     """The resident engine loop: start the engine, reply ``ready``, then answer each request line
     until ``quit`` or end of input. A request that fails is answered with its one-line cause and
     the process goes on only when the failure was the request's (a refused request)."""
@@ -69,7 +71,7 @@ def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], re
         raise Refused(f"role: found {role!r}, expected one of {', '.join(SERVE_ROLES)}")
     started = time.perf_counter()
     llm = _build_llm(spec, "kv_producer" if role == "serve-producer" else "kv_consumer", model_dir,
-                     side_channel_port=side_channel_port)
+                     side_channel_port=side_channel_port, model_view=model_view)
     # The consumer reads KV out of vLLM's pages: trusted only once its decode reproduces the
     # reference engine's KV on the fixture's first positions (a cold request, nothing loaded).
     layout = None if role == "serve-producer" else _check_layout(llm, model_dir)
@@ -194,7 +196,8 @@ class EngineSession:
     """One resident engine process (see the module docstring); :meth:`request` asks it one thing."""
 
     def __init__(self, role: str, spec: ConnectorSpec, model_dir: Path, workdir: Path,
-                 env: dict[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 env: dict[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S,
+                 model_view: Path | None = None) -> None:
         if role not in SERVE_ROLES:
             raise Refused(f"engine session role: found {role!r}, expected one of {', '.join(SERVE_ROLES)}")
         from qualify.engines.connector_pair import CONNECTOR_PAIR_MODULE
@@ -213,7 +216,8 @@ class EngineSession:
                 # -P: no working directory put first on the path; the path is this process's (PYTHONPATH).
                 [sys.executable, "-P", "-m", CONNECTOR_PAIR_MODULE, role, "--connector", str(spec_path),
                  "--out", str(workdir), "--model-dir", str(model_dir), "--reply-fd", str(write_end),
-                 "--side-channel-port", str(self.side_channel_port)],
+                 "--side-channel-port", str(self.side_channel_port),
+                 *(["--model-view", str(model_view)] if model_view is not None else [])],
                 stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(write_end,),
                 env={**os.environ, **(env or {}), "PYTHONPATH": _parent_path()}, text=True, start_new_session=True)
         finally:

@@ -155,6 +155,7 @@ class ConnectorLaneRun(QualificationRun):
         self._choice: ConnectorChoice | None = None
         self._work = Path(tempfile.mkdtemp(prefix="qualify-connector-"))
         self._storage = self._work / "storage"
+        self._model_view: Path | None = None
         self._sessions: dict[str, Any] = {}
         self._cold: dict[str, Any] | None = None
         self._cold_prompt: np.ndarray | None = None
@@ -202,7 +203,8 @@ class ConnectorLaneRun(QualificationRun):
         try:
             for role in ("serve-consumer", "serve-producer"):
                 env = self.producer_env if role == "serve-producer" else {}
-                self._sessions[role] = EngineSession(role, spec, model_dir, self._work / role, env=dict(env))
+                self._sessions[role] = EngineSession(role, spec, model_dir, self._work / role, env=dict(env),
+                                                     model_view=self._shared_model_view(model_dir))
         except RuntimeError as exc:
             self._stop_sessions()
             raise Refused(f"connector {self.choice.spec.name}: cannot run here: {one_line(str(exc))}") from None
@@ -230,13 +232,24 @@ class ConnectorLaneRun(QualificationRun):
         self.producer_env = dict(env)
         spec = runtime_spec(self.choice, self._storage)
         try:
-            self._sessions["serve-producer"] = EngineSession("serve-producer", spec, _model_dir(),
-                                                             self._work / "serve-producer", env=dict(env))
+            model_dir = _model_dir()
+            self._sessions["serve-producer"] = EngineSession("serve-producer", spec, model_dir,
+                                                             self._work / "serve-producer", env=dict(env),
+                                                             model_view=self._shared_model_view(model_dir))
         except RuntimeError as exc:
             raise ProducerFailed(f"connector producer did not restart: {one_line(str(exc))}") from None
         ready = self._sessions["serve-producer"].ready
         self._receipt.set_producer_host(ready.get("host_facts"), problem=None if "host_facts" in ready else "not reported")
         self.log(f"connector producer restarted, environment overrides {env or 'none'}")
+
+    def _shared_model_view(self, model_dir: Path) -> Path:
+        """One folder of the model's files that both engines name the model by, made once per run
+        (a NIXL pair's handshake refuses a peer whose model path differs)."""
+        if self._model_view is None:
+            from qualify.engines.checkpoint import model_files_view
+
+            self._model_view = model_files_view(model_dir, "vllm", at=self._work / "model")
+        return self._model_view
 
     def _session(self, role: str) -> Any:
         return self._have(self._sessions.get(role), f"connector {role} engine")
