@@ -28,6 +28,8 @@ SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "vllm-to-reference": "98f8c38bf33e522fb12381c8e494382a153c6048e0f27540276147b5fd697cd4",
     "vllm-to-vllm": "065e498e70211bb0437728ed3b6fc760bd12cabef4483d55be4fb7b061d794c7",
     "vllm-via-connector/ExampleConnector": "c9997bbd01155405cb6899acb5f47146f7d4061dc36a2c0c511539d73b320e16",
+    "vllm-via-connector/MultiConnector": "13ad5a91998fd89cad97ad629f6d7bfed5ac04d6ef39ad01d2e9329320b61d23",
+    "vllm-via-connector/NixlConnector": "254551018f0f6fd9394f10ec30871ae202189d297e86e3617ba2075e4ea167ff",
 })
 """Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the
 RFC 8785 bytes of a v3 identity)."""
@@ -48,6 +50,8 @@ SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({
     "vllm-to-reference": "002c89222d6dfa361b13befccd2d76b8b59a6e2251af920b5ec651c410f97b66",
     "vllm-to-vllm": "bc6bf5237014244872dbf1bc754ee4936f54a01d7338e21e5108ae4ea47bbc86",
     "vllm-via-connector/ExampleConnector": "1e91b1b8f99b170d3ca7e2218519088b51cdb788daa916eecc9c1945d2bad758",
+    "vllm-via-connector/MultiConnector": "19b4097f92dbb058a05274b2a6506fc17d8e59d819b1a4f7b57b088842304d0f",
+    "vllm-via-connector/NixlConnector": "6fa1037b9be03f978a1e5dcde329be8d2b0c733ae81f35569a10cea7b5772744",
 })
 """Lane -> SHA-256 of the ``manifest.json`` of the basis receipt (``onboarding_qualification.basis``)
 its rule was calibrated from; ``qualify.contract.identity.check_basis_receipt`` also checks every
