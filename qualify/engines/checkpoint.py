@@ -213,16 +213,22 @@ def load_weights(model_dir: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
 HF_MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 
-def model_files_view(model_dir: Path, label: str) -> Path:
+def model_files_view(model_dir: Path, label: str, at: Path | None = None) -> Path:
     """A private directory of symlinks to exactly ``config.json`` and ``model.safetensors``: the
     shipped model directory also holds the draft head's safetensors, which Hugging Face-style
-    loaders (transformers, vLLM) would load as extra shards. Removed at interpreter exit."""
+    loaders (transformers, vLLM) would load as extra shards. Removed at interpreter exit; at ``at``
+    instead (a new folder, the caller's to remove) when several processes must name the model by
+    one path (a NIXL pair's handshake compares the model path)."""
     import atexit
     import shutil
     import tempfile
 
-    view = Path(tempfile.mkdtemp(prefix=f"qualify-{label}-model-"))
-    atexit.register(shutil.rmtree, view, True)
+    if at is None:
+        view = Path(tempfile.mkdtemp(prefix=f"qualify-{label}-model-"))
+        atexit.register(shutil.rmtree, view, True)
+    else:
+        view = at
+        view.mkdir(parents=True)
     for name in HF_MODEL_FILES:
         source = Path(model_dir).resolve() / name
         if not source.is_file():

@@ -15,9 +15,17 @@ forwarded too). What it adds is bookkeeping, for the subclasses that observe or 
   holding the inner connector's metadata and, for every tagged request scheduled for the first
   time, its blocks, prompt length and the tokens the connector claimed to load
   (:class:`ScheduledRequest`). The worker side unwraps it and binds the inner metadata.
-* Worker side: after the inner connector's ``wait_for_layer_load(layer)`` returns, the layer's
-  loaded blocks are final (what attention reads): :meth:`after_layer_load` sees them; before
-  ``save_kv_layer`` forwards a layer, :meth:`before_layer_save` sees what the connector is given.
+* Worker side: :meth:`after_layer_load` sees a layer's loaded blocks once they are final (what
+  attention reads), at the point :mod:`qualify.engines.connector_loads` names for the way the
+  connector loaded them: a synchronous load (``get_num_new_matched_tokens`` said
+  ``load_async=False``: ExampleConnector, LMCache) once the inner connector's
+  ``wait_for_layer_load(layer)`` returns; an asynchronous one (NIXL, Mooncake: vLLM parks the
+  request until the connector reports it received, then schedules it) when the step that first
+  computes the request binds its metadata, before the forward writes anything into the pages (the
+  CPU backend writes the recomputed last prompt token's KV before ``wait_for_layer_load``), and
+  only once the inner connector's ``get_transfer_results``/``get_finished`` reported the request as
+  received (refused otherwise). Before ``save_kv_layer`` forwards a layer,
+  :meth:`before_layer_save` sees what the connector is given.
 
 Known limits (vLLM 0.32): vLLM sees the wrapper's class, so configuration-time switches keyed on a
 connector's registered name (NIXL's DCP and Mamba adjustments) and the hybrid KV cache manager
@@ -43,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from qualify.engines.connector_loads import NotReceived, received_loads, synchronous_loads
 from qualify.engines.connector_under_test import ConnectorSpec, resolve_connector_dict
 from qualify.engines.vllm_connector import check_layout, layer_index
 
@@ -129,6 +138,8 @@ class ScheduledRequest:
     loaded_tokens: int
     """Tokens the connector claimed (``update_state_after_alloc``'s ``num_external_tokens``)."""
     scheduled_tokens: int
+    load_async: bool = False
+    """The connector loads them asynchronously (vLLM schedules the request once it reported them received)."""
 
 
 @dataclass
@@ -185,11 +196,15 @@ class DelegatingConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is 
         model = vllm_config.model_config
         self.kv_heads = int(model.get_total_num_kv_heads())
         self.head_dim = int(model.get_head_size())
-        # Scheduler side: tokens the connector claimed per request, until its first scheduled step.
+        # Scheduler side: tokens the connector claimed per request, until its first scheduled step,
+        # and the requests whose claim it loads asynchronously.
         self._claimed: dict[str, int] = {}
-        # Worker side: this step's tagged requests, and whether the page layout was checked.
+        self._async: set[str] = set()
+        # Worker side: this step's tagged requests, whether the page layout was checked, and the
+        # requests the inner connector reported as received (asynchronous loads).
         self._step: tuple[ScheduledRequest, ...] = ()
         self._layout_checked = False
+        self._received: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this class and the base lack: the inner connector's own API.
@@ -227,6 +242,11 @@ class DelegatingConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is 
             self._layout_checked = True
         return kv_layer
 
+    def attention_layers(self) -> dict[int, str]:
+        """Layer index -> name of every attention layer holding a KV cache in this engine."""
+        names = self._vllm_config.compilation_config.static_forward_context
+        return {layer_index(name): name for name in names if getattr(names[name], "kv_cache", None) is not None}
+
     @staticmethod
     def layer_cache(layer_name: str) -> torch.Tensor:
         """The paged KV cache of ``layer_name`` in the current forward pass."""
@@ -243,7 +263,12 @@ class DelegatingConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is 
         if tag is None:
             return matched, load_async
         reported = self.scheduler_hit(request, tag, matched, load_async)
-        return reported, (load_async if reported else False)
+        load_async = bool(load_async) if reported else False
+        if load_async:
+            self._async.add(request.request_id)
+        else:
+            self._async.discard(request.request_id)
+        return reported, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -262,11 +287,14 @@ class DelegatingConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is 
                 req_id=new.req_id, tag=tag, block_ids=tuple(int(b) for b in new.block_ids[0]),
                 prompt_tokens=len(new.prompt_token_ids or []), computed_tokens=int(new.num_computed_tokens),
                 loaded_tokens=self._claimed.pop(new.req_id, 0),
-                scheduled_tokens=int(scheduler_output.num_scheduled_tokens.get(new.req_id, 0))))
+                scheduled_tokens=int(scheduler_output.num_scheduled_tokens.get(new.req_id, 0)),
+                load_async=new.req_id in self._async))
+            self._async.discard(new.req_id)
         return DelegatedMetadata(inner=inner, requests=tuple(requests))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._claimed.pop(request.request_id, None)
+        self._async.discard(request.request_id)
         result: tuple[bool, dict[str, Any] | None] = self.inner.request_finished(request, block_ids)
         return result
 
@@ -323,6 +351,16 @@ class DelegatingConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is 
         super().bind_connector_metadata(connector_metadata)
         self._step = connector_metadata.requests
         self.inner.bind_connector_metadata(connector_metadata.inner)
+        # Asynchronously loaded requests: final since the connector reported them received; read
+        # now, before this step's forward writes the recomputed tail into their pages.
+        try:
+            ready = received_loads(self._step, self._received, type(self).__name__)
+        except NotReceived as exc:
+            raise WrapperRefused(str(exc)) from None
+        if ready:
+            for layer, layer_name in sorted(self.attention_layers().items()):
+                self.after_layer_load(layer_name, layer, self.checked_layer(self.layer_cache(layer_name)), ready)
+            self._received.difference_update(r.req_id for r in ready)
 
     def clear_connector_metadata(self) -> None:
         self.inner.clear_connector_metadata()
@@ -343,7 +381,7 @@ class DelegatingConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is 
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.inner.wait_for_layer_load(layer_name)
-        loaded = [r for r in self._step if r.loaded_tokens > 0]
+        loaded = synchronous_loads(self._step)
         if loaded:
             self.after_layer_load(layer_name, layer_index(layer_name),
                                   self.checked_layer(self.layer_cache(layer_name)), loaded)
@@ -375,10 +413,13 @@ class DelegatingConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is 
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         result: tuple[set[str] | None, set[str] | None] = self.inner.get_finished(finished_req_ids)
+        self._received.update(result[1] or ())
         return result
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        return self.inner.get_transfer_results(finished_req_ids)
+        results = self.inner.get_transfer_results(finished_req_ids)
+        self._received.update(getattr(results, "finished_recving", None) or ())
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         result: set[int] = self.inner.get_block_ids_with_load_errors()

@@ -4,7 +4,8 @@
 ``kv_connector="FaultInjectingConnector"``, ``kv_connector_module_path="qualify.engines.connector_faults"``
 and ``kv_connector_extra_config={"connector_under_test": ConnectorSpec.as_dict(), "fault": NAME or
 null}``. It delegates every call to the wrapped connector (:mod:`qualify.engines.connector_delegate`)
-and, once the wrapped connector's load of a layer is complete, corrupts that layer's loaded blocks
+and, once the wrapped connector's load of a layer is complete (:mod:`qualify.engines.connector_loads`
+says when, for synchronous and asynchronous loads), corrupts that layer's loaded blocks
 the way broken connectors do (:data:`FAULTS`): the consumer's cache then holds what a buggy connector
 would have delivered, and the harness, which does not trust the connector, must catch and localise
 it. A request's tag may name its own fault (``RequestTag.fault``), so one consumer engine runs a
@@ -164,12 +165,14 @@ class FaultInjectingConnector(DelegatingConnector):
 
     def _swap(self, layer: int, kv_layer: torch.Tensor, index: torch.Tensor, request: ScheduledRequest) -> None:
         """The first swapped layer to finish loading takes the other's pages (waiting for the other
-        layer's load first, as the wrapped connector guarantees it); the second gets the first's."""
+        layer's load first, as the wrapped connector guarantees it, unless the load was asynchronous
+        and is complete already); the second gets the first's."""
         first, second = SWAPPED_LAYERS
         key = request.req_id
         if layer == first:
-            other_name = self._layer_names[second]
-            self.inner.wait_for_layer_load(other_name)
+            other_name = self.attention_layers()[second]
+            if not request.load_async:
+                self.inner.wait_for_layer_load(other_name)
             other = self.checked_layer(self.layer_cache(other_name))
             self._swap_pages[(key, second)] = kv_layer[index].clone()
             kv_layer[index] = other[index]
@@ -178,10 +181,3 @@ class FaultInjectingConnector(DelegatingConnector):
             if pages is None:
                 raise WrapperRefused(f"fault layers-swapped: layer {second} loaded before layer {first}")
             kv_layer[index] = pages
-
-    @property
-    def _layer_names(self) -> dict[int, str]:
-        from qualify.engines.vllm_connector import layer_index
-
-        names = self._vllm_config.compilation_config.static_forward_context
-        return {layer_index(name): name for name in names if getattr(names[name], "kv_cache", None) is not None}

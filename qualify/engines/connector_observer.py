@@ -10,9 +10,11 @@ harness tags (``RequestTag``), records in this process (:data:`OBSERVATIONS`, ke
   layer's pages, decoded with the CPU page layout into canonical ``[kv_heads, positions, head_dim]``
   K (post-RoPE) and V, digested per (layer, K or V, KV head, block); the arrays are kept when the tag
   asks to ``capture`` them (the cold recompute's own prefill KV);
-* loaded: once the connector's ``wait_for_layer_load`` returns, the positions it claimed to load,
-  read back from the request's blocks the same way, digested and kept, so the harness compares them
-  with the consumer's own cold prefill block by block;
+* loaded: once the connector's load is complete (after its ``wait_for_layer_load`` for a
+  synchronous load; for an asynchronous one, once it reported the request received, before the
+  forward: :mod:`qualify.engines.connector_loads`), the positions it claimed to load, read back
+  from the request's blocks the same way, digested and kept, so the harness compares them with the
+  consumer's own cold prefill block by block;
 * cold: for a tag with ``cold``, the connector's hit is recorded and vLLM is told 0 matched tokens,
   so the request is a local recompute on the same engine; the connector sees a request it was not
   chosen to load (as MultiConnector's unchosen children do).

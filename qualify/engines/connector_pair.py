@@ -29,6 +29,7 @@ Imports: ``qualify.core``, ``qualify.contract`` and ``qualify.engines``; vLLM on
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -50,6 +51,16 @@ from qualify.core.kv import KVCache
 from qualify.engines.connector_under_test import ConnectorSpec
 
 DECODE_TOKENS = 256
+SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+"""Where a connector engine listens for its peer's handshake (NIXL's side channel): set in the
+engine process after its numeric environment is pinned, one port per engine."""
+PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+"""What vLLM's disaggregated-prefill proxies send with the prefill request: the connector keeps the
+prompt's KV for a remote decode and returns where to fetch it (its ``kv_transfer_params``)."""
+MAX_TRANSFER_PARAMS_CHARS = 64 * 1024
+"""Longest ``kv_transfer_params`` a producer may return (NIXL's are a few hundred bytes)."""
 OBSERVER_CLASS = "ObservingConnector"
 OBSERVER_MODULE = "qualify.engines.connector_observer"
 PRODUCER_KEY = "producer"
@@ -153,6 +164,35 @@ def first_token_divergence(tokens: np.ndarray, cold: np.ndarray) -> int | None:
     return None if len(tokens) == len(cold) else common
 
 
+def returned_transfer_params(returned: Any) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` a producer's request returned, as they go with the consumer's
+    request: None when the connector returned none (ExampleConnector) or an empty object, else a
+    JSON object of at most :data:`MAX_TRANSFER_PARAMS_CHARS` characters (the consumer's request adds
+    the harness's tag over it); one-line ``Refused`` otherwise (the connector answered something no
+    proxy could forward)."""
+    if returned is None:
+        return None
+    if not isinstance(returned, dict):
+        raise Refused(f"producer: the connector returned kv_transfer_params of type {type(returned).__name__}, "
+                      f"expected a JSON object or none")
+    try:
+        text = json.dumps(returned, allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError):
+        raise Refused("producer: the connector's kv_transfer_params are not JSON (a value that is not a finite "
+                      "number, string, boolean, null, array or object); expected a JSON object") from None
+    if len(text) > MAX_TRANSFER_PARAMS_CHARS:
+        raise Refused(f"producer: the connector's kv_transfer_params hold {len(text)} characters, "
+                      f"expected at most {MAX_TRANSFER_PARAMS_CHARS}")
+    document: dict[str, Any] = json.loads(text)
+    return document or None
+
+
+def request_transfer_params(transfer: dict[str, Any] | None, tagged: dict[str, Any]) -> dict[str, Any]:
+    """A request's ``kv_transfer_params``: the handshake's (``transfer``, a copy) with the harness's
+    tag (``tagged``) over them, so a connector can neither drop nor rewrite the tag."""
+    return {**copy.deepcopy(transfer or {}), **tagged}
+
+
 # ---------------------------------------------------------------------------------------------
 # results
 
@@ -212,23 +252,42 @@ class PairResult:
 # the engine processes
 
 
-def _build_llm(spec: ConnectorSpec, role: str, model_dir: Path, prefix_caching: bool = False) -> Any:
+def _build_llm(spec: ConnectorSpec, role: str, model_dir: Path, prefix_caching: bool = False,
+               side_channel_port: int | None = None, model_view: Path | None = None) -> Any:
     from qualify.engines.vllm_engine import check_pin, llm_arguments, pin_numeric_environment
 
     check_pin()
     pin_numeric_environment()
+    if side_channel_port is not None:
+        # Set after the pin (which drops every other VLLM_* variable): where this engine's connector
+        # listens for a peer's handshake (NIXL's side channel); it changes no bits.
+        os.environ[SIDE_CHANNEL_PORT_ENV] = str(side_channel_port)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from qualify.engines.connector_delegate import CONNECTOR_UNDER_TEST
 
     arguments = {**llm_arguments(model_dir), "enable_prefix_caching": prefix_caching}
+    if model_view is not None:
+        # The path both engines of a pair name the model by (NIXL's handshake refuses a peer whose
+        # model path differs); the same files as llm_arguments' private view.
+        arguments["model"] = str(model_view)
     return LLM(**arguments, kv_transfer_config=KVTransferConfig(
         kv_connector=OBSERVER_CLASS, kv_connector_module_path=OBSERVER_MODULE, kv_role=role,
         kv_connector_extra_config={CONNECTOR_UNDER_TEST: spec.as_dict()}))
 
 
-def _generate(llm: Any, prompt: list[int], max_tokens: int, tag: Any, logits: bool) -> Any:
+def _generate(llm: Any, prompt: list[int], max_tokens: int, tag: Any, logits: bool,
+              transfer: dict[str, Any] | None = None) -> Any:
+    """The completion of ``prompt`` (see :func:`_generate_request`)."""
+    return _generate_request(llm, prompt, max_tokens, tag, logits, transfer).outputs[0]
+
+
+def _generate_request(llm: Any, prompt: list[int], max_tokens: int, tag: Any, logits: bool,
+                      transfer: dict[str, Any] | None = None) -> Any:
+    """vLLM's ``RequestOutput`` for ``prompt``: ``max_tokens`` greedy tokens (every raw logit row when
+    ``logits``), the request tagged ``tag`` and carrying ``transfer`` (a connector's handshake
+    ``kv_transfer_params``) besides the tag."""
     import torch
 
     from qualify.engines.vllm_engine import THREADS, greedy_sampling_params
@@ -239,9 +298,9 @@ def _generate(llm: Any, prompt: list[int], max_tokens: int, tag: Any, logits: bo
         raise RuntimeError("same-engine pair: vLLM did not reset its local prefix cache")
     if torch.get_num_threads() != THREADS:  # vLLM's worker may move it; the pin holds
         torch._C.set_num_threads(THREADS)
-    params = greedy_sampling_params(max_tokens, logits, tag.as_params())
+    params = greedy_sampling_params(max_tokens, logits, request_transfer_params(transfer, tag.as_params()))
     (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return output.outputs[0]
+    return output
 
 
 def _digest_names(digests: dict[tuple[int, str, int, int], str]) -> dict[str, str]:
@@ -263,19 +322,23 @@ def producer_main(spec: ConnectorSpec, out: Path, model_dir: Path) -> None:
     }, allow_nan=False), encoding="utf-8")
 
 
-def _produce(llm: Any, prompt: list[int] | None = None, key: str = PRODUCER_KEY) -> dict[str, Any]:
-    """Prefill ``prompt`` (default: the fixture prompt) with one generated token, tagged ``key``;
-    the digests of what the connector was handed to save."""
+def _produce(llm: Any, prompt: list[int] | None = None, key: str = PRODUCER_KEY,
+             transfer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Prefill ``prompt`` (default: the fixture prompt) with one generated token, tagged ``key``
+    and carrying ``transfer`` (the prefill side of a handshake); the digests of what the connector
+    was handed to save, and the ``kv_transfer_params`` the request returned (None: none)."""
     from qualify.engines.connector_delegate import RequestTag
     from qualify.engines.connector_observer import take_observation
 
     prompt = [int(t) for t in assets.load_prompt()] if prompt is None else prompt
-    _generate(llm, prompt, 1, RequestTag(key), logits=False)
+    output = _generate_request(llm, prompt, 1, RequestTag(key), logits=False, transfer=transfer)
     observed = take_observation(key)
     if observed.saved_tokens != len(prompt):
         raise RuntimeError(f"producer: the observer saw {observed.saved_tokens} of {len(prompt)} prompt tokens "
                            f"handed to the connector")
-    return {"saved_tokens": observed.saved_tokens, "saved_digests": _digest_names(observed.saved_digests)}
+    returned = getattr(output, "kv_transfer_params", None)
+    return {"saved_tokens": observed.saved_tokens, "saved_digests": _digest_names(observed.saved_digests),
+            "kv_transfer_params": returned_transfer_params(returned)}
 
 
 def consumer_main(spec: ConnectorSpec, saved_path: Path | None, out: Path, model_dir: Path, faults: list[str]) -> None:

@@ -9,10 +9,22 @@ each reply is one JSON line on a pipe of its own (vLLM writes its logs to stdout
 go to the session's log file). Arrays travel as ``.npy``/``.npz`` files in the session's folder.
 
 * producer: ``produce`` prefills a prompt through the wrapped connector (one generated token) and
-  replies with the observer's per-cell digests of what the connector was handed to save.
+  replies with the observer's per-cell digests of what the connector was handed to save, and the
+  ``kv_transfer_params`` the request returned. The request carries what a disaggregated-prefill
+  proxy sends (``transfer``: ``{"do_remote_decode": true, ...}``), so a connector with a
+  prefill/decode handshake (NIXL) keeps the prompt's KV for the consumer and says where it is;
+  connectors without one ignore it and return none (ExampleConnector).
 * consumer: ``cold`` decodes a prompt with the connector's hit suppressed (the cold local
-  recompute) and keeps its prefill KV; ``load`` decodes it again, the connector loading what it
-  claims, and writes the tokens, every raw logit row and the loaded KV (whole claimed positions).
+  recompute) and keeps its prefill KV; ``load`` decodes it again, its request carrying the
+  producer's returned ``kv_transfer_params`` (``transfer``), the connector loading what it claims,
+  and writes the tokens, every raw logit row and the loaded KV (whole claimed positions).
+
+Both engines stay up for the whole run, so a producer is alive while its consumer reads (a
+handshake connector's consumer pulls the KV from the producer's pages). Each engine gets a
+side-channel port of its own (:data:`~qualify.engines.connector_pair.SIDE_CHANNEL_PORT_ENV`, NIXL's
+handshake listener; other connectors ignore it), free when the session starts, and the run gives
+both engines one model path (``model_view``: NIXL's handshake refuses a peer that names the model
+by another path).
 
 Nothing here judges: the run builds sample records from these files (:mod:`qualify.run.connector_lane`).
 
@@ -24,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -46,7 +59,8 @@ REQUEST_TIMEOUT_S = 900.0
 # the engine process
 
 
-def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], reply: IO[str]) -> None:
+def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], reply: IO[str],
+          side_channel_port: int | None = None, model_view: Path | None = None) -> None:
     """The resident engine loop: start the engine, reply ``ready``, then answer each request line
     until ``quit`` or end of input. A request that fails is answered with its one-line cause and
     the process goes on only when the failure was the request's (a refused request)."""
@@ -56,7 +70,8 @@ def serve(role: str, spec: ConnectorSpec, model_dir: Path, requests: IO[str], re
     if role not in SERVE_ROLES:
         raise Refused(f"role: found {role!r}, expected one of {', '.join(SERVE_ROLES)}")
     started = time.perf_counter()
-    llm = _build_llm(spec, "kv_producer" if role == "serve-producer" else "kv_consumer", model_dir)
+    llm = _build_llm(spec, "kv_producer" if role == "serve-producer" else "kv_consumer", model_dir,
+                     side_channel_port=side_channel_port, model_view=model_view)
     # The consumer reads KV out of vLLM's pages: trusted only once its decode reproduces the
     # reference engine's KV on the fixture's first positions (a cold request, nothing loaded).
     layout = None if role == "serve-producer" else _check_layout(llm, model_dir)
@@ -100,8 +115,15 @@ def _serve_produce(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     from qualify.engines.connector_pair import _produce
 
     started = time.perf_counter()
-    saved = _produce(llm, _prompt_of(request), request["key"])
+    saved = _produce(llm, _prompt_of(request), request["key"], transfer=_transfer_of(request))
     return {**saved, "seconds": time.perf_counter() - started}
+
+
+def _transfer_of(request: dict[str, Any]) -> dict[str, Any] | None:
+    transfer = request.get("transfer")
+    if transfer is not None and not isinstance(transfer, dict):
+        raise Refused(f"request transfer: found {type(transfer).__name__}, expected a JSON object or null")
+    return transfer
 
 
 def _check_layout(llm: Any, model_dir: Path) -> float:
@@ -159,7 +181,7 @@ def _serve_decode(llm: Any, request: dict[str, Any], model_dir: Path) -> dict[st
     prompt = _prompt_of(request)
     tag = RequestTag(key, cold=cold, capture=cold, fault=None if cold else request.get("fault"))
     started = time.perf_counter()
-    completion = _generate(llm, prompt, count, tag, logits=True)
+    completion = _generate(llm, prompt, count, tag, logits=True, transfer=None if cold else _transfer_of(request))
     seconds = time.perf_counter() - started
     observed = take_observation(key)
     vocab = load_config(model_dir).geometry.vocab
@@ -181,6 +203,14 @@ def _serve_decode(llm: Any, request: dict[str, Any], model_dir: Path) -> dict[st
 # the harness side
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing on ``host`` listens on now (the kernel's choice), for an engine's side channel."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
 def _parent_path() -> str:
     """This process's import path for the engine process: a connector (and its distribution's
     version, which the engine process pins again) resolves there as it resolved here, however this
@@ -193,7 +223,8 @@ class EngineSession:
     """One resident engine process (see the module docstring); :meth:`request` asks it one thing."""
 
     def __init__(self, role: str, spec: ConnectorSpec, model_dir: Path, workdir: Path,
-                 env: dict[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 env: dict[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S,
+                 model_view: Path | None = None) -> None:
         if role not in SERVE_ROLES:
             raise Refused(f"engine session role: found {role!r}, expected one of {', '.join(SERVE_ROLES)}")
         from qualify.engines.connector_pair import CONNECTOR_PAIR_MODULE
@@ -204,13 +235,16 @@ class EngineSession:
         spec_path = workdir / f"{role}-connector.json"
         spec_path.write_text(json.dumps(spec.as_dict()), encoding="utf-8")
         self.log_path = workdir / f"{role}.log"
+        self.side_channel_port = free_port()
         read_end, write_end = os.pipe()
         self._log = open(self.log_path, "a", encoding="utf-8")
         try:
             self.process = subprocess.Popen(
                 # -P: no working directory put first on the path; the path is this process's (PYTHONPATH).
                 [sys.executable, "-P", "-m", CONNECTOR_PAIR_MODULE, role, "--connector", str(spec_path),
-                 "--out", str(workdir), "--model-dir", str(model_dir), "--reply-fd", str(write_end)],
+                 "--out", str(workdir), "--model-dir", str(model_dir), "--reply-fd", str(write_end),
+                 "--side-channel-port", str(self.side_channel_port),
+                 *(["--model-view", str(model_view)] if model_view is not None else [])],
                 stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(write_end,),
                 env={**os.environ, **(env or {}), "PYTHONPATH": _parent_path()}, text=True, start_new_session=True)
         finally:

@@ -10,6 +10,11 @@ for the in-tree connectors). Everything else is refused in one line: an unknown 
 does not import, a class that is not a ``KVConnectorBase_V1``, a config that is not a JSON object,
 a module no installed distribution owns (its version would be unknown).
 
+Some in-tree connectors move the KV through a package vLLM does not install
+(:data:`RUNTIME_PACKAGES`: NIXL's ``nixl``); without it vLLM fails only when the engine starts.
+Such a connector is refused here, naming the package, and where it is installed its distribution
+and version are pinned with the connector (``runtime``).
+
 Imports: ``qualify.core`` and vLLM (lazily, inside the functions).
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -28,6 +34,9 @@ from qualify.core.errors import Refused, one_line
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 MAX_CONFIG_CHARS = 64 * 1024
+RUNTIME_PACKAGES: dict[str, str] = {"NixlConnector": "nixl", "NixlPullConnector": "nixl", "NixlPushConnector": "nixl"}
+"""Registered connector name -> the Python package it moves KV through that vLLM does not install
+(its import name; vLLM refuses its absence only at engine start: ``RuntimeError: NIXL is not available``)."""
 """Longest connector config accepted (a vLLM ``kv_connector_extra_config`` is a few hundred bytes)."""
 
 
@@ -50,6 +59,9 @@ class ConnectorSpec:
     version: str
     registered: bool
     """True when ``name`` is resolved through vLLM's registry; False for ``--connector-module``."""
+    runtime: dict[str, str] = field(default_factory=dict, hash=False)
+    """The distribution and version of each package the connector moves KV through that vLLM does
+    not install (:data:`RUNTIME_PACKAGES`); empty for most connectors."""
 
     @property
     def module_path(self) -> str | None:
@@ -63,9 +75,11 @@ class ConnectorSpec:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON object of every field (what an identity records and a wrapper receives)."""
-        return {"name": self.name, "module": self.module, "class": self.class_name,
-                "config": dict(self.config), "config_sha256": self.config_sha256,
-                "package": self.package, "version": self.version, "registered": self.registered}
+        document = {"name": self.name, "module": self.module, "class": self.class_name,
+                    "config": dict(self.config), "config_sha256": self.config_sha256,
+                    "package": self.package, "version": self.version, "registered": self.registered}
+        # Only where there is one, so the pins of connectors that need none stay as they were.
+        return {**document, "runtime": dict(self.runtime)} if self.runtime else document
 
 
 def parse_connector_config(text: str | None, what: str = "connector config") -> dict[str, Any]:
@@ -171,9 +185,23 @@ def resolve_connector(name: str, *, module: str | None = None,
         raise Refused(f"connector {name}: its constructor takes no kv_cache_config (vLLM 0.32 builds "
                       f"connectors as cls(vllm_config, role, kv_cache_config))")
     package, version = _distribution_of(cls.__module__)
+    runtime = runtime_packages(name) if module is None else {}
     return ConnectorSpec(name=name, module=cls.__module__, class_name=cls.__qualname__,
                          config=settings, config_sha256=jcs_sha256(settings), package=package,
-                         version=version, registered=module is None)
+                         version=version, registered=module is None, runtime=runtime)
+
+
+def runtime_packages(name: str) -> dict[str, str]:
+    """The distributions and versions of what the registered connector ``name`` moves KV through
+    (:data:`RUNTIME_PACKAGES`); one-line ``Refused`` naming the package when it is not installed."""
+    package = RUNTIME_PACKAGES.get(name)
+    if package is None:
+        return {}
+    if importlib.util.find_spec(package) is None:
+        raise Refused(f"connector {name}: needs the Python package {package}, which is not installed here "
+                      f"(vLLM does not install it: pip install {package} into this environment)")
+    distribution, version = _distribution_of(package)
+    return {distribution: version}
 
 
 def resolve_connector_dict(document: Any, what: str) -> ConnectorSpec:

@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault", action="append", default=[], help="a fault branch (consumer only)")
     parser.add_argument("--model-dir", type=Path, default=assets.MODEL_DIR)
     parser.add_argument("--reply-fd", type=int, help="serve-*: the pipe each reply line is written to")
+    parser.add_argument("--model-view", type=Path, help="serve-*: the folder of the model's files the engine "
+                        "names the model by (one path for both engines of a pair)")
+    parser.add_argument("--side-channel-port", type=int, help="serve-*: where the engine's connector listens "
+                        "for its peer's handshake (NIXL's side channel)")
     args = parser.parse_args(argv)
     try:
         if args.role == "pair":
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise Refused(f"--reply-fd: {args.role} needs the pipe its replies go to")
             with os.fdopen(args.reply_fd, "w", encoding="utf-8") as reply:
                 try:
-                    serve(args.role, spec, args.model_dir, sys.stdin, reply)
+                    serve(args.role, spec, args.model_dir, sys.stdin, reply, side_channel_port=args.side_channel_port,
+                          model_view=args.model_view)
                 except Refused as exc:
                     reply.write(json.dumps({"ok": False, "refused": one_line(str(exc))}) + "\n")
                     return 2

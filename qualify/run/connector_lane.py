@@ -4,9 +4,13 @@ KV connector between two vLLM engines, judged like any lane.
 Same seven steps as :class:`~qualify.run.qualification.QualificationRun`; what differs is where the
 KV comes from. "producer ready" starts two resident engines (:mod:`qualify.engines.connector_session`):
 a producer (``kv_producer``) and a consumer (``kv_consumer``), both wrapped by the observing
-connector. Each handoff: the producer prefills the prompt and its connector saves the KV; the
-consumer's connector loads what it claims and the consumer decodes the output tokens with every raw
-logit row; its cold local recompute is the same engine with the connector's hit suppressed. The
+connector. Each handoff, driven as a disaggregated-prefill proxy drives a pair: the producer
+prefills the prompt (its request carrying ``kv_transfer_params {"do_remote_decode": true, ...}``)
+and its connector saves the KV or keeps it for the consumer; the ``kv_transfer_params`` the
+producer's request returns (none for ExampleConnector; for NIXL, where to pull the KV) go with the
+consumer's request, while the producer stays up; the consumer's connector loads what it claims
+and the consumer decodes the output tokens with every raw logit row; its cold local recompute is
+the same engine with the connector's hit suppressed. The
 harness reads both branches' tokens, logits and KV and builds the sample record from them as for
 any lane, so the judge, the anchors and the receipt are the ones every lane uses. A divergence is
 also localised per (layer, K or V, KV head, block) in ``evidence/connector-sample-<n>.json``.
@@ -153,6 +157,7 @@ class ConnectorLaneRun(QualificationRun):
         self._choice: ConnectorChoice | None = None
         self._work = Path(tempfile.mkdtemp(prefix="qualify-connector-"))
         self._storage = self._work / "storage"
+        self._model_view: Path | None = None
         self._sessions: dict[str, Any] = {}
         self._cold: dict[str, Any] | None = None
         self._cold_prompt: np.ndarray | None = None
@@ -199,7 +204,8 @@ class ConnectorLaneRun(QualificationRun):
         try:
             for role in ("serve-consumer", "serve-producer"):
                 env = self.producer_env if role == "serve-producer" else {}
-                self._sessions[role] = EngineSession(role, spec, model_dir, self._work / role, env=dict(env))
+                self._sessions[role] = EngineSession(role, spec, model_dir, self._work / role, env=dict(env),
+                                                     model_view=self._shared_model_view(model_dir))
         except RuntimeError as exc:
             self._stop_sessions()
             receipt.add_evidence(CONNECTOR_EVIDENCE, evidence)
@@ -260,13 +266,24 @@ class ConnectorLaneRun(QualificationRun):
         self.producer_env = dict(env)
         spec = runtime_spec(self.choice, self._storage)
         try:
-            self._sessions["serve-producer"] = EngineSession("serve-producer", spec, _model_dir(),
-                                                             self._work / "serve-producer", env=dict(env))
+            model_dir = _model_dir()
+            self._sessions["serve-producer"] = EngineSession("serve-producer", spec, model_dir,
+                                                             self._work / "serve-producer", env=dict(env),
+                                                             model_view=self._shared_model_view(model_dir))
         except RuntimeError as exc:
             raise ProducerFailed(f"connector producer did not restart: {one_line(str(exc))}") from None
         ready = self._sessions["serve-producer"].ready
         self._receipt.set_producer_host(ready.get("host_facts"), problem=None if "host_facts" in ready else "not reported")
         self.log(f"connector producer restarted, environment overrides {env or 'none'}")
+
+    def _shared_model_view(self, model_dir: Path) -> Path:
+        """One folder of the model's files that both engines name the model by, made once per run
+        (a NIXL pair's handshake refuses a peer whose model path differs)."""
+        if self._model_view is None:
+            from qualify.engines.checkpoint import model_files_view
+
+            self._model_view = model_files_view(model_dir, "vllm", at=self._work / "model")
+        return self._model_view
 
     def _session(self, role: str) -> Any:
         return self._have(self._sessions.get(role), f"connector {role} engine")
@@ -307,11 +324,17 @@ class ConnectorLaneRun(QualificationRun):
         self._storage.mkdir(parents=True)
         prompt_file = self._prompt_file()
         out = self._work / f"{key}.npz"
+        from qualify.engines.connector_pair import PREFILL_TRANSFER_PARAMS
+
         try:
-            saved = self._session("serve-producer").request({"op": "produce", "key": key, "prompt": str(prompt_file)})
+            # As a disaggregated-prefill proxy drives a pair: the producer's request asks its connector
+            # to keep the KV for a remote decode; what it returns (none for ExampleConnector, where to
+            # pull the KV for NIXL) goes with the consumer's request, the producer still up.
+            saved = self._session("serve-producer").request({
+                "op": "produce", "key": key, "prompt": str(prompt_file), "transfer": PREFILL_TRANSFER_PARAMS})
             loaded = self._session("serve-consumer").request({
                 "op": "load", "key": key, "prompt": str(prompt_file), "tokens": contract.output_tokens,
-                "out": str(out), "fault": self.choice.fault})
+                "out": str(out), "fault": self.choice.fault, "transfer": saved.get("kv_transfer_params")})
         except (RuntimeError, Refused) as exc:
             return self._keep(failed_sample_record(repetition, f"connector failed: {one_line(str(exc))}"), repetition)
         claimed = int(loaded["claimed_tokens"])

@@ -1123,6 +1123,52 @@ def connector_lane_cases() -> list[Case]:
     ]
 
 
+# =========================================================================== qualify.engines.connector_pair, connector_loads
+
+
+def connector_pair_cases() -> list[Case]:
+    from qualify.engines.connector_pair import MAX_TRANSFER_PARAMS_CHARS, returned_transfer_params
+
+    return [
+        Case("a producer's kv_transfer_params that are not an object",
+             refused(returned_transfer_params, ["do_remote_prefill"])),
+        Case("a producer's kv_transfer_params with a number that is not finite",
+             refused(returned_transfer_params, {"remote_port": math.nan})),
+        Case("a producer's kv_transfer_params too long to forward",
+             refused(returned_transfer_params, {"blob": "x" * MAX_TRANSFER_PARAMS_CHARS})),
+    ]
+
+
+def connector_under_test_cases() -> list[Case]:
+    from qualify.engines import connector_under_test
+
+    def missing_runtime_package(workspace: Workspace) -> Raised:
+        # A package no environment installs stands for nixl, so the words do not depend on this one.
+        workspace.patch.setattr(connector_under_test, "RUNTIME_PACKAGES", {"NixlConnector": "qualify_absent_package"})
+        return refusal_of(lambda: connector_under_test.runtime_packages("NixlConnector"))
+
+    return [Case("a connector whose transfer package is not installed", missing_runtime_package)]
+
+
+def connector_loads_cases() -> list[Case]:
+    from qualify.engines.connector_loads import NotReceived, received_loads
+
+    @dataclass(frozen=True)
+    class Scheduled:
+        req_id: str
+        loaded_tokens: int
+        load_async: bool
+
+    def words() -> str:
+        try:
+            received_loads([Scheduled("request-7", 2048, True)], set(), "ObservingConnector")
+        except NotReceived as exc:
+            return f"raises NotReceived: {exc}"
+        raise AssertionError("the case expects a refusal and got none")
+
+    return [Case("an asynchronous load computed before its connector reported it received", judged(words))]
+
+
 # =========================================================================== qualify.engines.kat: known answers
 
 
@@ -1168,6 +1214,9 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "archive.verify": verify_cases,
     "archive.attestation": attestation_cases,
     "run.connector_lane": connector_lane_cases,
+    "engines.connector_pair": connector_pair_cases,
+    "engines.connector_loads": connector_loads_cases,
+    "engines.connector_under_test": connector_under_test_cases,
 }
 
 

@@ -1,4 +1,5 @@
-"""The connector pair's comparisons (pure numpy; the engine runs are in tests/vllm/test_connector_lane.py)."""
+"""The connector pair's comparisons and the prefill/decode handshake's parameters (pure; the engine runs
+are in tests/vllm/test_connector_lane.py and tests/vllm/test_connector_nixl.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import json
 import numpy as np
 import pytest
 
+from qualify.core.errors import Refused
 from qualify.engines.connector_pair import (
+    MAX_TRANSFER_PARAMS_CHARS,
+    PREFILL_TRANSFER_PARAMS,
     compare_kv_cells,
     digest_mismatches,
     first_token_divergence,
     localise,
+    request_transfer_params,
+    returned_transfer_params,
 )
 
 BLOCK = 4
@@ -84,3 +90,46 @@ def test_first_token_divergence():
     assert first_token_divergence(np.array([1, 2, 3]), np.array([1, 2, 3])) is None
     assert first_token_divergence(np.array([1, 5, 3]), np.array([1, 2, 3])) == 1
     assert first_token_divergence(np.array([1, 2]), np.array([1, 2, 3])) == 2
+
+
+# -- the prefill/decode handshake ----------------------------------------------------------------
+
+
+NIXL_RETURNED = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": ([3, 4, 5],),
+                 "remote_engine_id": "e-1", "remote_request_id": "r-1", "remote_host": "localhost",
+                 "remote_port": 5601, "tp_size": 1, "remote_num_tokens": 2048}
+TAG = {"qualify_connector": {"key": "sample-1", "cold": False, "capture": False, "fault": None}}
+
+
+def test_the_producer_asks_for_a_remote_decode_as_a_proxy_does():
+    assert PREFILL_TRANSFER_PARAMS["do_remote_decode"] is True
+    assert PREFILL_TRANSFER_PARAMS["do_remote_prefill"] is False
+    params = request_transfer_params(PREFILL_TRANSFER_PARAMS, TAG)
+    assert params == {**PREFILL_TRANSFER_PARAMS, **TAG}
+    params["do_remote_decode"] = False  # the engine may rewrite its request's copy
+    assert PREFILL_TRANSFER_PARAMS["do_remote_decode"] is True
+
+
+def test_what_the_producer_returned_goes_with_the_consumers_request_under_its_tag():
+    returned = returned_transfer_params(NIXL_RETURNED)
+    assert returned is not None and returned["remote_block_ids"] == [[3, 4, 5]]  # as JSON carries it
+    assert json.loads(json.dumps(returned)) == returned
+    params = request_transfer_params(returned, TAG)
+    assert {key: params[key] for key in returned} == returned and params["qualify_connector"] == TAG["qualify_connector"]
+    # A returned key named like the tag never replaces the harness's own.
+    assert request_transfer_params({"qualify_connector": "forged"}, TAG) == TAG
+
+
+def test_a_connector_that_returns_nothing_sends_the_consumer_only_its_tag():
+    assert returned_transfer_params(None) is None
+    assert returned_transfer_params({}) is None
+    assert request_transfer_params(None, TAG) == TAG
+
+
+@pytest.mark.parametrize("returned", [["do_remote_prefill"], {"remote_port": float("nan")}, {"blob": object()},
+                                      {"blob": "x" * MAX_TRANSFER_PARAMS_CHARS}],
+                         ids=["not-an-object", "not-finite", "not-json", "too-long"])
+def test_returned_params_no_proxy_could_forward_are_refused_in_one_line(returned):
+    with pytest.raises(Refused) as refused:
+        returned_transfer_params(returned)
+    assert "\n" not in str(refused.value)

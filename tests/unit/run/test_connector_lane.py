@@ -35,6 +35,22 @@ def test_storage_is_expanded_everywhere_in_the_config(tmp_path: Path) -> None:
     assert CONFIG["shared_storage_path"] == "{storage}/kv"  # the pinned config is left as written
 
 
+def test_a_multiconnector_config_expands_in_its_children_and_is_pinned_as_written(tmp_path: Path) -> None:
+    child = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"shared_storage_path": "{storage}"}}
+    config = {"connectors": [child]}
+    spec = dataclasses.replace(SPEC, name="MultiConnector", config=config, config_sha256=jcs_sha256(config))
+    expanded = expand_storage(config, tmp_path)
+    assert expanded["connectors"][0]["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+    assert {key: value for key, value in expanded["connectors"][0].items() if key != "kv_connector_extra_config"} == \
+        {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+    assert child["kv_connector_extra_config"]["shared_storage_path"] == "{storage}"  # left as written
+    # The pin digests the config as written: the same whatever folder a run gives {storage}.
+    assert ConnectorChoice(spec).pin == ConnectorChoice(dataclasses.replace(spec, config=expanded)).pin
+    assert ConnectorChoice(spec).pin != ConnectorChoice(dataclasses.replace(
+        spec, config_sha256=jcs_sha256(expanded))).pin
+
+
 def test_the_options_round_trip_into_a_command_line() -> None:
     request = ConnectorRequest("MyConnector", config='{"a": 1}', module="my.module", fault="stale-block")
     assert request.arguments() == ["--connector", "MyConnector", "--connector-config", '{"a": 1}',
