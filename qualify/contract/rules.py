@@ -50,12 +50,12 @@ SERVED_TOP_K_RULE = "served-top-k-within-bound.v1"
 SERVED_TOP_K_RULE_STATEMENT = (
     "at every position, with C the cold recompute's k most likely token ids (ties broken by id), "
     "c_k the least cold logprob among them, L the loaded branch's k most likely ids and b the "
-    "calibrated bound: every id in both C and L has |loaded - cold| <= b; no two ids in both whose "
-    "cold logprobs differ by more than b are in the other order, or tied, by their loaded logprobs "
-    "(ids whose cold logprobs lie within b of each other may swap); an id may leave the top k only "
-    "when its cold logprob lies within b of c_k, and enter it only when its loaded logprob is at "
-    "most c_k + b (its cold logprob, not reported beyond the top k, is then at most c_k); and both "
-    "rows carry at least k entries"
+    "calibrated bound: both rows carry at least k entries; every id present in both rows has "
+    "|loaded - cold| <= b; no two ids in both C and L whose cold logprobs differ by more than b are "
+    "in the other order, or tied, by their loaded logprobs (ids whose cold logprobs lie within b of "
+    "each other may swap); an id may leave the top k only when its cold logprob lies within b of "
+    "c_k, and enter it only when its loaded logprob is at most c_k + b and its cold logprob, where "
+    "the cold row reports it, lies within b of c_k"
 )
 """The rule a served pair judges top-k logprobs by (:func:`qualify.judge.served.judge_top_k_row`),
 calibrated for its k: the calibration measures the nats each clause needed on its own cells."""

@@ -107,11 +107,12 @@ def top_ids(row: Mapping[int, float], k: int) -> list[int]:
 @dataclass(frozen=True)
 class RowDrift:
     """One position's comparison, in nats. ``compared``: entries in both rows (full: the
-    vocabulary; top-k: the ids in both top k), with the largest and summed |Δ|; under top-k, the
-    moves the rule allows only within its bound: ``order_gap`` (the largest cold gap between two
+    vocabulary; top-k: the ids present in both rows), with the largest and summed |Δ|; under top-k,
+    the moves the rule allows only within its bound: ``order_gap`` (the largest cold gap between two
     ids the loaded row orders the other way or ties), ``leave_gap`` (the largest cold distance
-    above the cold k-th of an id that left the top k), ``enter_excess`` (the largest loaded excess
-    over the cold k-th of an id that entered it), with their counts. ``movement``: the largest of
+    above the cold k-th of an id that left the top k), ``enter_excess`` (the largest distance from
+    the cold k-th of an id that entered it: its loaded logprob above it, its cold one, where
+    reported, below it), with their counts. ``movement``: the largest of
     all of them, the least bound under which the position holds. ``short``: the position lacks the
     evidence (fewer entries than needed, or full rows over other ids); it holds under no bound."""
 
@@ -167,17 +168,19 @@ def top_k_row(cold: Mapping[int, float], loaded: Mapping[int, float], k: int) ->
     if k < 1 or len(cold) < k or len(loaded) < k:
         return SHORT
     cold_top, loaded_top = top_ids(cold, k), top_ids(loaded, k)
+    in_cold, in_loaded = set(cold_top), set(loaded_top)
     kth = min(cold[token] for token in cold_top)
-    common = [token for token in cold_top if token in set(loaded_top)]
-    deltas = [_delta(loaded[token], cold[token]) for token in common]
-    left = [token for token in cold_top if token not in set(loaded_top)]
-    entered = [token for token in loaded_top if token not in set(cold_top)]
-    order_gap, moved = _order_gap(common, cold, loaded)
+    both = [token for token in cold if token in loaded]  # every id present in both rows
+    deltas = [_delta(loaded[token], cold[token]) for token in both]
+    left = [token for token in cold_top if token not in in_loaded]
+    entered = [token for token in loaded_top if token not in in_cold]
+    order_gap, moved = _order_gap([token for token in cold_top if token in in_loaded], cold, loaded)
+    excess = [_delta(loaded[token], kth) for token in entered if loaded[token] > kth]
+    excess += [_delta(kth, cold[token]) for token in entered if token in cold and cold[token] < kth]
     return RowDrift(
-        compared=len(common), max_abs=max(deltas, default=0.0), sum_abs=math.fsum(deltas), order_gap=order_gap,
+        compared=len(deltas), max_abs=max(deltas, default=0.0), sum_abs=math.fsum(deltas), order_gap=order_gap,
         leave_gap=max((_delta(cold[token], kth) for token in left), default=0.0),
-        enter_excess=max((_delta(loaded[token], kth) for token in entered if loaded[token] > kth), default=0.0),
-        out_of_order=moved, entered=len(entered), left=len(left))
+        enter_excess=max(excess, default=0.0), out_of_order=moved, entered=len(entered), left=len(left))
 
 
 @dataclass(frozen=True)
@@ -195,12 +198,13 @@ def judge_top_k_row(cold: Mapping[int, float], loaded: Mapping[int, float], k: i
     k most likely ids and b the calibrated ``bound``, the position holds when:
 
     1. both rows carry at least k entries;
-    2. every id in both C and L has ``|loaded - cold| <= b``;
-    3. no two ids in both whose cold logprobs differ by more than b are in the other order, or
-       tied, by their loaded logprobs (ids within b of each other may swap);
+    2. every id present in both rows has ``|loaded - cold| <= b``;
+    3. no two ids in both C and L whose cold logprobs differ by more than b are in the other order,
+       or tied, by their loaded logprobs (ids within b of each other may swap);
     4. an id leaves the top k only when its cold logprob lies within b of c_k;
-    5. an id enters the top k only when its loaded logprob is at most ``c_k + b`` (its cold logprob,
-       which the server does not report beyond the top k, is then at most c_k).
+    5. an id enters the top k only when its loaded logprob is at most ``c_k + b`` and its cold
+       logprob, where the cold row reports it, lies within b of c_k (a server reports none beyond
+       the top k and the sampled token; unreported, it is at most c_k).
 
     So: the same k ids in the same order, except for swaps and entries at the k-th place that the
     calibrated bound covers. Pure: rows in, verdict out."""
@@ -208,12 +212,12 @@ def judge_top_k_row(cold: Mapping[int, float], loaded: Mapping[int, float], k: i
     if drift.short:
         return RowVerdict(False, drift, f"fewer than {k} logprobs on a row")
     for clause, value, words in (
-            ("logprob", drift.max_abs, "an id in both top-k rows moved by"),
+            ("logprob", drift.max_abs, "an id in both rows moved by"),
             ("order", drift.order_gap, "two ids changed order (or tied) with a cold gap of"),
             ("left", drift.leave_gap, "an id left the top-k from"),
-            ("entered", drift.enter_excess, "an id entered the top-k at")):
+            ("entered", drift.enter_excess, "an id entered the top-k from")):
         if not value <= bound:
-            where = " above the cold k-th" if clause in ("left", "entered") else ""
+            where = " away from the cold k-th" if clause in ("left", "entered") else ""
             return RowVerdict(False, drift, f"{words} {value:.6g} nats{where} (bound {bound_words(bound)})")
     return RowVerdict(True, drift, None)
 

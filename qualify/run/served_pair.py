@@ -471,7 +471,7 @@ def _evidence_words(mode: str, k: int | None) -> str:
     return "full logprobs" if mode == FULL else f"top-{k} logprobs"
 
 
-def check_against_identity(identity: ServedIdentity, pair: Pair, evidence: Evidence, recalibrate: str) -> None:
+def check_against_identity(identity: ServedIdentity, pair: Pair, recalibrate: str) -> None:
     """The pair as the identity pins it, refused in one line naming the first field that differs."""
     where = f"--served-identity {identity.path}"
     for name, found in observed_fields(pair).items():
@@ -479,6 +479,11 @@ def check_against_identity(identity: ServedIdentity, pair: Pair, evidence: Evide
         if expected != found:
             raise Refused(f"{where}: {name}: expected {render(expected)} (as calibrated), found {render(found)} on the "
                           f"pair; a changed pair is calibrated anew: {recalibrate}")
+
+
+def check_evidence(identity: ServedIdentity, evidence: Evidence, recalibrate: str) -> None:
+    """The decode server grants the evidence the identity was calibrated on, no weaker, no stronger."""
+    where = f"--served-identity {identity.path}"
     if (evidence.mode, evidence.k) != (identity.mode, identity.top_k) or (
             evidence.mode == FULL and evidence.vocab != identity.vocab):
         stronger = evidence.mode == FULL or (identity.mode == TOP_K and (evidence.k or 0) > (identity.top_k or 0))
@@ -589,10 +594,11 @@ def _run(options: ServedOptions, run: ServedRun, note: Callable[[str], None],
     loaded.append(identity)
     recalibrate = f"run `{calibrate_command(options)}`"
     pair = check_pair(options, note)
+    check_against_identity(identity, pair, recalibrate)
+    checked_served_basis(identity, options.receipts)
     evidence = probe_evidence(pair.decode, pair.model,
                               Evidence(FULL if identity.mode == FULL else TOP_K, identity.top_k, identity.vocab))
-    check_against_identity(identity, pair, evidence, recalibrate)
-    checked_served_basis(identity, options.receipts)
+    check_evidence(identity, evidence, recalibrate)
     rule = rule_of(identity, evidence, len(pair.model.prompt))
     note(f"identity checked: {identity.path} (sha256 {identity.sha256[:16]}…), calibrated on {identity.basis}; "
          f"evidence {evidence.words()}")
