@@ -168,45 +168,59 @@ def test_the_rule_document_is_what_the_receipt_holds():
 # --------------------------------------------------------------------------- the top-k rule, by hand
 
 K = 4
-COLD_ROW = {0: -0.1, 1: -1.0, 2: -2.0, 3: -3.0, 4: -3.0005, 5: -6.0}
-"""Top 4 of the cold row: ids 0, 1, 2, 3 (c_k = -3.0); id 4 sits 0.0005 below the k-th."""
+COLD_ROW = {0: -0.1, 1: -1.0, 2: -2.0, 3: -3.0}
+"""A cold top-4 row as a server gives it: the 4 ids only (c_k = -3.0)."""
 BOUND = 1e-3
+MUST_FAIL = {
+    "a real rank change": {0: -1.0, 1: -0.1, 2: -2.0, 3: -3.0},
+    "a swap across 1.5 bounds, each logprob within one": {0: -0.1, 1: -1.0, 2: -2.0008, 3: -2.0007},
+    "an id missing from 2 nats above the k-th": {0: -0.1, 2: -2.0, 3: -3.0, 9: -3.0},
+    "an id entering 1.5 nats above the k-th": {0: -0.1, 1: -1.0, 9: -1.5, 2: -2.0},
+    "one logprob outside the bound": {0: -0.1, 1: -1.0, 2: -2.002, 3: -3.0},
+    "fewer than k entries": {0: -0.1, 1: -1.0, 2: -2.0},
+}
+"""Hand-built loaded rows the rule must refuse against :data:`COLD_ROW` (the swap's cold row is
+:data:`NEAR_ROW`); the golden file shows which clause each breaks."""
+NEAR_ROW = {0: -0.1, 1: -1.0, 2: -2.0, 3: -2.0015}
+MAY_PASS = {
+    "a swap within the bound": (NEAR_ROW | {3: -2.0015}, {0: -0.1, 1: -1.0, 3: -1.9999, 2: -2.0}, 0.002),
+    "an exchange at the k-th within the bound": (
+        {0: -0.1, 1: -1.0, 2: -2.0, 3: -3.0, 5: -3.0005}, {0: -0.1, 1: -1.0, 2: -2.0, 5: -2.9996, 3: -3.0001}, BOUND),
+}
+"""(cold row, loaded row, bound) the rule holds: moves the bound covers."""
+
+
+def cold_of(name: str) -> dict[int, float]:
+    return NEAR_ROW if "swap across" in name else COLD_ROW
 
 
 def test_the_same_row_holds_under_the_zero_bound():
     assert judge_top_k_row(COLD_ROW, dict(COLD_ROW), K, ZERO_DRIFT_BOUND).held
 
 
-@pytest.mark.parametrize("loaded", [
-    {**COLD_ROW, 0: -1.0, 1: -0.1},           # a real rank change: ids 0 and 1 swap across a 0.9-nat gap
-    {0: -0.1, 1: -1.0, 2: -2.0, 4: -2.5, 5: -2.6, 3: -9.0},  # id 3 leaves from the k-th place, id 4 enters far above it
-    {0: -0.1, 2: -2.0, 3: -3.0, 4: -3.0005, 5: -6.0, 1: -7.0},  # id 1 missing: it left from 2 nats above the k-th
-    {**COLD_ROW, 2: -2.002},                   # one logprob outside the bound
-    {0: -0.1, 1: -1.0, 2: -2.0, 5: -3.0, 3: -3.1},  # id 5 enters at the k-th, but its cold logprob is 3 nats below it
-    {0: -0.1, 1: -1.0, 2: -2.0},               # fewer than k entries
-])
-def test_hand_built_rows_that_must_fail(loaded):
-    verdict = judge_top_k_row(COLD_ROW, loaded, K, BOUND)
+@pytest.mark.parametrize("name", list(MUST_FAIL))
+def test_hand_built_rows_that_must_fail(name):
+    verdict = judge_top_k_row(cold_of(name), MUST_FAIL[name], K, BOUND)
     assert not verdict.held and verdict.reason
 
 
-def test_a_swap_and_a_membership_move_within_the_bound_of_the_k_th_hold():
-    # ids 3 and 4 lie 0.0005 apart at the k-th place: 4 may enter and 3 leave.
-    entering = {0: -0.1, 1: -1.0, 2: -2.0, 4: -2.9996, 3: -3.0001, 5: -6.0}
-    verdict = judge_top_k_row(COLD_ROW, entering, K, BOUND)
-    assert verdict.held and (verdict.drift.entered, verdict.drift.left) == (1, 1)
-    assert not judge_top_k_row(COLD_ROW, entering, K, 1e-4).held  # ... but not under a bound below the move
-    close = {0: -0.1, 1: -1.0, 2: -2.0, 3: -3.0, 4: -3.0002}
-    cold_close = {0: -0.1, 1: -1.0, 2: -2.9999, 3: -3.0, 4: -3.1}
-    swapped = {0: -0.1, 1: -1.0, 3: -2.9999, 2: -3.0, 4: -3.1}  # 2 and 3, 0.0001 apart in the cold row, swap
-    assert judge_top_k_row(cold_close, swapped, K, BOUND).held
-    assert not judge_top_k_row(cold_close, swapped, K, 5e-5).held
-    assert judge_top_k_row(close, close, K, ZERO_DRIFT_BOUND).held
+@pytest.mark.parametrize("name", list(MAY_PASS))
+def test_moves_within_the_bound_hold_and_fail_under_a_bound_below_them(name):
+    cold, loaded, bound = MAY_PASS[name]
+    verdict = judge_top_k_row(cold, loaded, K, bound)
+    assert verdict.held and verdict.drift.movement > 0
+    assert not judge_top_k_row(cold, loaded, K, verdict.drift.movement / 2).held
+
+
+def test_an_exchange_at_the_k_th_counts_one_id_entering_and_one_leaving():
+    cold, loaded, bound = MAY_PASS["an exchange at the k-th within the bound"]
+    drift = judge_top_k_row(cold, loaded, K, bound).drift
+    assert (drift.entered, drift.left) == (1, 1)
 
 
 def test_a_tie_in_the_loaded_row_of_ids_apart_in_the_cold_one_counts_as_out_of_order():
-    tied = {**COLD_ROW, 1: -2.0}
-    verdict = judge_top_k_row(COLD_ROW, tied, K, 0.5)
+    tied = {0: -0.1, 1: -1.5, 2: -1.5, 3: -3.0}
+    verdict = judge_top_k_row(COLD_ROW, tied, K, 0.6)
     assert not verdict.held and verdict.drift.order_gap == pytest.approx(1.0)
 
 
