@@ -12,8 +12,9 @@ runs, against two running ``vllm serve`` instances joined by the user's KV conne
    both serving the same model; the pair as the identity pins it (vLLM versions,
    ``max_model_len``, model, fixture prompt); the decode server granting exactly the evidence the
    identity was calibrated on (:func:`probe_evidence`: weaker or stronger is a pair that changed);
-   the basis receipt resolving in the receipt archive, verified, signed by a trusted key, its
-   signed statement the one pinned, and the bounds following from its evidence by the rule;
+   the basis receipt (:func:`checked_served_basis`) resolving in the receipt archive, verified,
+   signed by a trusted key, passed, its signed statement the one pinned, and the bounds following
+   from its evidence by the rule;
 2. **the cold recompute**, first, before anything was prefilled: the decode server serves the
    fixture prompt (token ids, ``/v1/completions``) for 256 greedy tokens with the calibrated
    logprobs; neither its connector nor its prefix cache may supply any of the prompt;
@@ -384,8 +385,9 @@ def probe_evidence(decode: Server, model: ExpectedModel, expected: Evidence | No
 
     def grants(logprobs: int) -> int | None:
         nonlocal sent
-        sent += 1
-        return _grants(decode, probe, logprobs)
+        found = _grants(decode, probe, logprobs)
+        sent += found is not None  # a refused request (HTTP 400) counts no prompt tokens
+        return found
 
     try:
         width = grants(-1)
@@ -595,10 +597,10 @@ def _run(options: ServedOptions, run: ServedRun, note: Callable[[str], None],
     recalibrate = f"run `{calibrate_command(options)}`"
     pair = check_pair(options, note)
     check_against_identity(identity, pair, recalibrate)
-    checked_served_basis(identity, options.receipts)
     evidence = probe_evidence(pair.decode, pair.model,
                               Evidence(FULL if identity.mode == FULL else TOP_K, identity.top_k, identity.vocab))
     check_evidence(identity, evidence, recalibrate)
+    checked_served_basis(identity, options.receipts)
     rule = rule_of(identity, evidence, len(pair.model.prompt))
     note(f"identity checked: {identity.path} (sha256 {identity.sha256[:16]}…), calibrated on {identity.basis}; "
          f"evidence {evidence.words()}")
