@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,9 +128,11 @@ def identity_document(pair: Pair, evidence: Evidence, judgement: ServedCalibrati
 
 def qualify_command(options: ServedOptions, identity: Path) -> str:
     """The qualification to run next, under the identity just written."""
-    model = f" --model {options.model}" if options.model else ""
-    return (f"qualify --recipe {options.recipe} --prefill-url {options.prefill_url} --decode-url "
-            f"{options.decode_url}{model} --served-identity {identity} --receipts {options.receipts}")
+    quote = shlex.quote
+    model = f" --model {quote(options.model)}" if options.model else ""
+    return (f"qualify --recipe {options.recipe} --prefill-url {quote(str(options.prefill_url))} --decode-url "
+            f"{quote(str(options.decode_url))}{model} --served-identity {quote(str(identity))} "
+            f"--receipts {quote(str(options.receipts))}")
 
 
 def run_served_calibration(options: ServedOptions, identity_path: Path | None,

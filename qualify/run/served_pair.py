@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -451,9 +452,10 @@ def handoff_line(what: str, done: ServedHandoff, started: float) -> str:
 
 def calibrate_command(options: ServedOptions, identity: str = "PATH") -> str:
     """The command that calibrates this pair and writes its identity."""
-    model = f" --model {options.model}" if options.model else ""
-    return (f"qualify calibrate --recipe {options.recipe} --prefill-url {options.prefill_url or 'URL'} "
-            f"--decode-url {options.decode_url or 'URL'}{model} --identity {identity}")
+    quote = shlex.quote
+    model = f" --model {quote(options.model)}" if options.model else ""
+    return (f"qualify calibrate --recipe {options.recipe} --prefill-url {quote(options.prefill_url or 'URL')} "
+            f"--decode-url {quote(options.decode_url or 'URL')}{model} --identity {identity}")
 
 
 def observed_fields(pair: Pair) -> dict[str, Any]:
