@@ -27,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import Examp
 class HandshakeExampleConnector(ExampleConnector):
     """ExampleConnector that saves only for a prefill request and loads only into its decode request."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._saving: set[str] = set()
 
     @staticmethod
