@@ -134,6 +134,8 @@ def served_calibrate_cli(argv: Sequence[str]) -> int:
     if verdict.refused:
         say_refusal(f"refused: {verdict.reasons[0] if verdict.reasons else verdict.headline}")
     else:
+        for cell in result.judgement.cells if result.judgement is not None else ():
+            console.print(Text(cell.words()), soft_wrap=True)
         console.print(Text(verdict.headline, style="bold green" if verdict.passed else "bold red"))
         for reason in verdict.reasons if not verdict.passed else []:
             console.print(Text(f"  - {reason}"))

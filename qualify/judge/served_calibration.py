@@ -86,6 +86,22 @@ class CellMeasure:
     def usable(self) -> bool:
         return all(v is not None and math.isfinite(v) for v in (self.max_abs, self.mean_abs))
 
+    def words(self) -> str:
+        """One line for the operator: each comparison's maximum and mean, and under top-k the moves."""
+        def side(name: str, drift: BranchDrift) -> str:
+            movement, mean = drift.movement, drift.mean_abs
+            text = (f"{name} max {'none' if movement is None else f'{movement:.6g}'}, mean "
+                    f"{'none' if mean is None else f'{mean:.6g}'} over {len(drift.rows)} positions")
+            if drift.first_divergence is not None:
+                text += f" (tokens diverged at {drift.first_divergence})"
+            if any(row.entered or row.left or row.out_of_order for row in drift.rows):
+                text += (f", {drift.out_of_order} positions out of order, {drift.membership_moves} with ids "
+                         f"entering or leaving the top k")
+            return text
+
+        return (f"cell {self.document}@{self.prompt_tokens}: {side('second cold vs cold', self.cold_again)}; "
+                f"{side('handoff vs cold', self.handoff)}")
+
     def record(self) -> dict[str, Any]:
         """The cell as the evidence holds it."""
         return {"document": self.document, "prompt_tokens": self.prompt_tokens,

@@ -407,7 +407,10 @@ def judge_served_calibration_cases() -> list[Case]:
     from tests.unit.judge.test_served_calibration import EVIDENCE, PROMPT, N, branch, cell, rows
 
     def calibrated(cells: list[Any], evidence: Any = EVIDENCE) -> Produce:
-        return lambda _workspace: judge_served_calibration(cells, evidence, output_tokens=N).verdict
+        def produce(_workspace: Workspace) -> list[object]:
+            judgement = judge_served_calibration(cells, evidence, output_tokens=N)
+            return [*(cell.words() for cell in judgement.cells), judgement.verdict]
+        return produce
 
     cold_rows = tuple({0: -0.1, 1: -1.0, 2: -2.0, 3: -2.0004} for _ in range(N))
     moved = tuple({0: -0.1, 1: -1.0, 3: -2.0001, 2: -2.0003} for _ in range(N))
