@@ -531,6 +531,12 @@ def checked_served_basis(identity: ServedIdentity, archive: Path) -> None:
     measured = evidence.get("evidence") if isinstance(evidence, dict) else None
     if not isinstance(evidence, dict) or measured != pinned:
         raise Refused(f"{where}: evidence: the basis measured {render(measured)}, the identity pins {render(pinned)}")
+    from qualify.contract.controls import load_calibration_set
+
+    committed, digest = load_calibration_set()
+    if identity.field("calibration.set") != {"name": committed.name, "sha256": digest}:
+        raise Refused(f"--served-identity {identity.path}: calibration.set: expected the committed set {committed.name} "
+                      f"{digest}, found {render(identity.field('calibration.set'))}")
     if evidence.get("set") != identity.field("calibration.set"):
         raise Refused(f"{where}: calibration.set: expected {render(identity.field('calibration.set'))}, the basis "
                       f"measured {render(evidence.get('set'))}")
