@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -135,8 +136,10 @@ def test_calibrate_finds_the_largest_top_k_and_the_qualification_judges_under_th
     assert (loaded.mode, loaded.top_k, loaded.top_k_rule) == ("top-k", 7, "served-top-k-within-bound.v1")
     [basis] = list(receipts.iterdir())
     assert verify_receipt(basis) == [] and loaded.basis == f"receipt://{basis.name}"
-    code, err = _qualify(urls, identity, receipts, capsys)
-    assert code == 0, err
+    # The command the calibration printed to run next is the qualification under the identity.
+    [command] = [line.removeprefix("next: ") for line in out.splitlines() if line.startswith("next: ")]
+    code = main(shlex.split(command)[1:])
+    assert code == 0, capsys.readouterr()
     [receipt] = [path for path in receipts.iterdir() if path != basis]
     summary = json.loads((receipt / "validation-summary.json").read_text())
     assert verify_receipt(receipt) == [] and summary["status"] == "passed"
