@@ -225,7 +225,7 @@ def judge_top_k_row(cold: Mapping[int, float], loaded: Mapping[int, float], k: i
 def bound_words(bound: float) -> str:
     """A bound as verdicts write it: the least positive double says that only a zero delta meets it."""
     if bound == ZERO_DRIFT_BOUND:
-        return f"{bound!r}, the least positive double: only a zero delta meets it"
+        return f"{bound!r} (the least positive double: only a zero delta meets it)"
     return f"{bound:.6g}"
 
 
