@@ -28,3 +28,38 @@ FLOOR_RULE_STATEMENT = (
 STATED_RULES: Mapping[str, str] = MappingProxyType({BOUND_RULE: BOUND_RULE_STATEMENT,
                                                      FLOOR_RULE: FLOOR_RULE_STATEMENT})
 """Rule name -> its statement: the only rules an identity may name."""
+
+SERVED_BOUND_RULE = "served-cell-max-plus-one-sd.v1"
+SERVED_BOUND_RULE_STATEMENT = (
+    "the policy of cell-max-plus-one-sd.v1 applied to a served pair: each bound is the largest "
+    "per-cell value over the calibration set's cells plus one sample standard deviation (n - 1) of "
+    "the per-cell values, and when every cell's value is zero the bound is the least positive "
+    "double, which only a zero delta meets; a cell is one calibration document at one prompt length, "
+    "served by the pair as a cold recompute on the decode server, a second cold recompute and one "
+    "handoff; its values are the largest, over its two comparisons against the first cold recompute "
+    "(the second cold recompute, the handoff), of the per-position maximum and of the mean |delta "
+    "logprob| (nats) over the positions up to and including the first greedy-token divergence; under "
+    "top-k evidence a position's maximum also counts the nats each rank or membership move of the "
+    "top-k rule needed"
+)
+"""The bound rule of a served pair's calibration: the lanes' policy (one implementation,
+:func:`qualify.judge.calibration.bound_of`), with a cell's values defined for logprobs over HTTP,
+where no teacher forcing is available."""
+
+SERVED_TOP_K_RULE = "served-top-k-within-bound.v1"
+SERVED_TOP_K_RULE_STATEMENT = (
+    "at every position, with C the cold recompute's k most likely token ids (ties broken by id), "
+    "c_k the least cold logprob among them, L the loaded branch's k most likely ids and b the "
+    "calibrated bound: both rows carry at least k entries; every id present in both rows has "
+    "|loaded - cold| <= b; no two ids in both C and L whose cold logprobs differ by more than b are "
+    "in the other order, or tied, by their loaded logprobs (ids whose cold logprobs lie within b of "
+    "each other may swap); an id may leave the top k only when its cold logprob lies within b of "
+    "c_k, and enter it only when its loaded logprob is at most c_k + b and its cold logprob, where "
+    "the cold row reports it, lies within b of c_k"
+)
+"""The rule a served pair judges top-k logprobs by (:func:`qualify.judge.served.judge_top_k_row`),
+calibrated for its k: the calibration measures the nats each clause needed on its own cells."""
+
+SERVED_RULES: Mapping[str, str] = MappingProxyType({SERVED_BOUND_RULE: SERVED_BOUND_RULE_STATEMENT,
+                                                    SERVED_TOP_K_RULE: SERVED_TOP_K_RULE_STATEMENT})
+"""Rule name -> statement: the only rules a served-pair identity may name."""

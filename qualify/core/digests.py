@@ -86,6 +86,7 @@ JCS_SCHEMAS: frozenset[str] = frozenset({
     "trust-ladder.calibration.v2",
     "trust-ladder.calibration.v3",
     "trust-ladder.served-pair-identity.v1",
+    "trust-ladder.served-pair-checked.v1",
 })
 """Schemas digested (or MAC'd) over their RFC 8785 bytes (:func:`jcs_bytes`)."""
 

@@ -38,7 +38,8 @@ command                handler
 =====================  ============================================================
 
 A ``--recipe`` run naming ``--prefill-url`` or ``--decode-url`` is a served pair, handled by
-``qualify.interfaces.served_pair_command.served_pair_cli``.
+``qualify.interfaces.served_pair_command.served_pair_cli``; a ``calibrate`` naming either, by
+``qualify.interfaces.served_pair_command.served_calibrate_cli``.
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ def _load_served_pair() -> Handler:
     return served_pair_cli
 
 
+def _load_served_calibrate() -> Handler:
+    from qualify.interfaces.served_pair_command import served_calibrate_cli
+
+    return served_calibrate_cli
+
+
 def _load_recipe() -> Handler:
     from qualify.interfaces.console import run_cli
 
@@ -178,8 +185,10 @@ DELEGATES: tuple[Delegate, ...] = (
 )
 RECIPE_DELEGATE = Delegate(("--recipe",), _load_recipe, "run a qualification recipe")
 SERVED_PAIR_DELEGATE = Delegate(("--recipe",), _load_served_pair, "qualify a served prefill/decode pair over HTTP")
+SERVED_CALIBRATE_DELEGATE = Delegate(("calibrate",), _load_served_calibrate,
+                                     "calibrate a served prefill/decode pair over HTTP and write its identity")
 SERVED_PAIR_OPTIONS = ("--prefill-url", "--decode-url")
-"""A recipe run naming either is a served pair (``qualify.interfaces.served_pair_command``)."""
+"""A recipe run or a calibration naming either is a served pair (``qualify.interfaces.served_pair_command``)."""
 
 # No markup or emoji codes: messages carry operators' paths and arguments, printed as they are.
 _OUT = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
@@ -317,6 +326,8 @@ def _dispatch(argv: list[str]) -> int:
         if any(token.split("=", 1)[0] in SERVED_PAIR_OPTIONS for token in argv):
             return run_delegate(SERVED_PAIR_DELEGATE, argv)
         return run_delegate(RECIPE_DELEGATE, argv)
+    if argv[:1] == ["calibrate"] and any(token.split("=", 1)[0] in SERVED_PAIR_OPTIONS for token in argv[1:]):
+        return run_delegate(SERVED_CALIBRATE_DELEGATE, argv[1:])
     for delegate in DELEGATES:
         if tuple(argv[: len(delegate.words)]) == delegate.words:
             return run_delegate(delegate, argv[len(delegate.words):])

@@ -5,6 +5,8 @@ Where is each thing judged?
 * a handoff sample, the summary over repetitions, the reproduction of the anchor (rung 2 bounded
   drift, rung 3 bit-exact), a run that stopped early: :mod:`qualify.judge.handoffs`;
 * a calibration, and the bounds and floor its stated rules derive: :mod:`qualify.judge.calibration`;
+* a served pair over HTTP, and its top-k rule: :mod:`qualify.judge.served`; a served pair's
+  calibration, its bounds derived by the lanes' policy: :mod:`qualify.judge.served_calibration`;
 * the E1/E2 controls against their yardstick gates: :mod:`qualify.judge.controls`;
 * what a verdict covers (its scope line): :mod:`qualify.judge.scope`;
 * rung 1, parity of paired throughput cells: :mod:`qualify.judge.parity`.

@@ -123,8 +123,11 @@ def calibration_cells(evidence: Mapping[str, Any], records: Sequence[Record]) ->
     return cells, problems
 
 
-def _bound(values: Sequence[float]) -> tuple[float, float]:
-    """(bound, spread) of :data:`BOUND_RULE` over per-cell values (at least two)."""
+def bound_of(values: Sequence[float]) -> tuple[float, float]:
+    """(bound, spread) of :data:`BOUND_RULE`'s policy over per-cell values (at least two): the
+    largest value plus one sample standard deviation, or :data:`ZERO_DRIFT_BOUND` when every value
+    is zero. The one implementation of the policy: lanes and served pairs
+    (:mod:`qualify.judge.served_calibration`) both derive their bounds here."""
     largest = max(values)
     if largest == 0.0:
         return ZERO_DRIFT_BOUND, 0.0
@@ -136,8 +139,8 @@ def derive_bounds(cells: Sequence[CellDrift]) -> DerivedBounds | None:
     """The bounds :data:`BOUND_RULE` gives for ``cells``; None with fewer than two (no spread)."""
     if len(cells) < 2:
         return None
-    maximum, max_spread = _bound([cell.max_abs for cell in cells])
-    mean, mean_spread = _bound([cell.mean_abs for cell in cells])
+    maximum, max_spread = bound_of([cell.max_abs for cell in cells])
+    mean, mean_spread = bound_of([cell.mean_abs for cell in cells])
     return DerivedBounds(maximum, mean, max_spread, mean_spread, tuple(cells))
 
 
@@ -305,6 +308,6 @@ def cell_table(cells: Sequence[CellDrift]) -> list[dict[str, Any]]:
 __all__ = [
     "ANCHOR_PART", "BOUND_RULE", "BOUND_RULE_STATEMENT", "CALIBRATION_EVIDENCE", "CALIBRATION_EVIDENCE_SCHEMA",
     "CALIBRATION_PART", "FLOOR_RULE", "FLOOR_RULE_STATEMENT", "ZERO_DRIFT_BOUND", "CalibrationJudgement",
-    "CellDrift", "Check", "DerivedBounds", "anchor_draft_counts", "anchor_records", "bound_problems",
+    "CellDrift", "Check", "DerivedBounds", "anchor_draft_counts", "anchor_records", "bound_of", "bound_problems",
     "calibration_cells", "cell_table", "derive_acceptance_floor", "derive_bounds", "judge_calibration",
 ]

@@ -18,6 +18,10 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 separator of the line in it (``;``, ``,``, parentheses, spaces), so the line reads one way only."""
 
 
+CALIBRATED_ON = re.compile(r"receipt://[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A calibration receipt as a scope line names it: ``receipt://<run-id>``."""
+
+
 def _name(value: object, what: str) -> None:
     if not isinstance(value, str) or not NAME.fullmatch(value):
         raise ValueError(f"scope: {what} {value!r}, expected a name of letters, digits, '.', '_' or '-'")
@@ -91,13 +95,17 @@ class ControlsOutcome:
 
 @dataclass(frozen=True)
 class Scope:
-    """The fixture a verdict ran on, and its lane's controls (None: the identity declares none)."""
+    """The fixture a verdict ran on, and its lane's controls (None: the identity declares none).
+    ``calibrated_on``: the calibration receipt (``receipt://<run-id>``) a rule judged here was
+    calibrated on, when the rule does not come from a sealed identity (a served pair's); the
+    fixture half of the line names it."""
 
     fixture: str
     repetitions: int
     prompt_tokens: int
     output_tokens: int
     controls: ControlsOutcome | None
+    calibrated_on: str | None = None
 
     def __post_init__(self) -> None:
         _name(self.fixture, "fixture")
@@ -105,6 +113,8 @@ class Scope:
             _count(getattr(self, what), f"fixture {self.fixture}: {what}")
         if self.controls is not None and not isinstance(self.controls, ControlsOutcome):
             raise ValueError(f"scope: controls {type(self.controls).__name__}, expected a ControlsOutcome or None")
+        if self.calibrated_on is not None and not CALIBRATED_ON.fullmatch(str(self.calibrated_on)):
+            raise ValueError(f"scope: calibrated on {self.calibrated_on!r}, expected receipt://<run-id>")
 
 
 def length_ranges(lengths: Sequence[int], grid: Sequence[int]) -> str:
@@ -135,9 +145,11 @@ def controls_words(controls: ControlsOutcome | None) -> str:
 
 
 def fixture_words(scope: Scope) -> str:
-    """The fixture half of a scope line: "fixture F (repetitions × prompt/output tokens)"."""
+    """The fixture half of a scope line: "fixture F (repetitions × prompt/output tokens)", and
+    ", calibrated on receipt://R" inside the parentheses when the scope names its calibration."""
+    calibrated = f", calibrated on {scope.calibrated_on}" if scope.calibrated_on is not None else ""
     return (f"fixture {scope.fixture} ({scope.repetitions} × "
-            f"{scope.prompt_tokens}/{scope.output_tokens})")
+            f"{scope.prompt_tokens}/{scope.output_tokens}{calibrated})")
 
 
 def scope_line(passed: bool, scope: Scope, reason: str | None = None) -> str:

@@ -365,8 +365,9 @@ def judge_scope_cases() -> list[Case]:
 
 
 def judge_served_cases() -> list[Case]:
-    from qualify.judge.served import TOP_K, judge_served_pair
-    from tests.unit.judge.test_served_judge import COLD, branch, handoffs, rows, rule
+    from qualify.judge.calibration import ZERO_DRIFT_BOUND
+    from qualify.judge.served import TOP_K, judge_served_pair, judge_top_k_row
+    from tests.unit.judge.test_served_judge import BOUND, COLD, MUST_FAIL, K, branch, cold_of, handoffs, rows, rule
 
     def verdict_of(*args: Any) -> Verdict:
         return judge_served_pair(*args)[0]
@@ -387,6 +388,70 @@ def judge_served_cases() -> list[Case]:
             verdict_of, COLD, handoffs(branch(cached=0, external=64)), rule())),
         Case("served: the cold branch was loaded", judged(
             verdict_of, branch(cached=32, external=32), handoffs(), rule())),
+        Case("served: under the zero bound, one logprob one ulp away", judged(
+            verdict_of, COLD, handoffs(branch(logprobs=rows(shift=math.ulp(0.5), at=3))), rule(bound=ZERO_DRIFT_BOUND))),
+        Case("served: every entry within the maximum, the mean outside its bound", judged(
+            verdict_of, COLD, handoffs(branch(logprobs=tuple({t: v + 5e-4 for t, v in row.items()} for row in rows()))),
+            rule(bound=1e-3, mean_bound=1e-4))),
+        Case("served: top-2 with ids 1 and 3 exchanged far from the k-th", judged(
+            verdict_of, branch(cached=0, external=0, logprobs=rows(5)),
+            handoffs(branch(logprobs=tuple({**row, 3: row[1], 1: row[3]} for row in rows(5)))), rule(TOP_K, k=2))),
+        *(Case(f"served: the top-k rule must refuse {name}", judged(
+            lambda name: judge_top_k_row(cold_of(name), MUST_FAIL[name], K, BOUND).reason, name)) for name in MUST_FAIL),
+    ]
+
+
+def judge_served_calibration_cases() -> list[Case]:
+    from qualify.judge.served import TOP_K, Evidence, ServedHandoff
+    from qualify.judge.served_calibration import ServedCell, judge_served_calibration
+    from tests.unit.judge.test_served_calibration import EVIDENCE, PROMPT, N, branch, cell, rows
+
+    def calibrated(cells: list[Any], evidence: Any = EVIDENCE) -> Produce:
+        def produce(_workspace: Workspace) -> list[object]:
+            judgement = judge_served_calibration(cells, evidence, output_tokens=N)
+            return [*(cell.words() for cell in judgement.cells), judgement.verdict]
+        return produce
+
+    cold_rows = tuple({0: -0.1, 1: -1.0, 2: -2.0, 3: -2.0004} for _ in range(N))
+    moved = tuple({0: -0.1, 1: -1.0, 3: -2.0001, 2: -2.0003} for _ in range(N))
+    top_cells = [ServedCell(name, PROMPT, branch(cold_rows), branch(cold_rows),
+                            ServedHandoff(1, 0, 0, branch(moved, external=PROMPT))) for name in ("a", "b")]
+    return [
+        Case("served calibration: two cells without drift", calibrated([cell("a"), cell("b")])),
+        Case("served calibration: three drifting cells", calibrated(
+            [cell(f"d{i}", again=branch(rows(a, at=1)), loaded=branch(rows(h, at=2), external=PROMPT))
+             for i, (a, h) in enumerate([(0.01, 0.0), (0.0, 0.03), (0.02, 0.005)])])),
+        Case("served calibration: top-3 cells with a membership move at the k-th", calibrated(
+            top_cells, Evidence(TOP_K, 3, 0))),
+        Case("served calibration: the second cold recompute loaded the prompt", calibrated(
+            [cell("a"), cell("b", again=branch(external=24))])),
+        Case("served calibration: the prefill server loaded the prompt", calibrated(
+            [cell("a"), cell("b", prefill_external=24)])),
+        Case("served calibration: one cell", calibrated([cell("a")])),
+    ]
+
+
+def served_identity_cases() -> list[Case]:
+    from qualify.contract.served_identity import load_served_identity
+    from tests.unit.contract.test_served_identity import edited, identity_document
+
+    def loaded(content: Any) -> Produce:
+        def produce(workspace: Workspace) -> Raised:
+            path = workspace.root / "pair.json"
+            if content is not None:
+                path.write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
+            return refusal_of(lambda: load_served_identity(path))
+        return produce
+
+    return [
+        Case("served identity: no such file", loaded(None)),
+        Case("served identity: not JSON", loaded("{not json")),
+        Case("served identity: its basis missing", loaded(edited(lambda d: d.pop("basis")))),
+        Case("served identity: a zero bound", loaded(edited(lambda d: d["rule"].update(maximum_absolute=0.0)))),
+        Case("served identity: a bound rule reworded", loaded(
+            edited(lambda d: d["rule"]["bound_rule"].update(statement="a bound I chose")))),
+        Case("served identity: top_k under full logprobs", loaded(edited(lambda d: d["evidence"].update(top_k=20)))),
+        Case("served identity: another schema", loaded(identity_document() | {"schema": "trust-ladder.x.v1"})),
     ]
 
 
@@ -1206,6 +1271,8 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "judge.handoffs": judge_handoff_cases,
     "judge.scope": judge_scope_cases,
     "judge.served": judge_served_cases,
+    "judge.served_calibration": judge_served_calibration_cases,
+    "contract.served_identity": served_identity_cases,
     "judge.calibration": judge_calibration_cases,
     "judge.parity": judge_parity_cases,
     "judge.controls": judge_controls_cases,

@@ -1,48 +1,57 @@
 """A served prefill/decode pair, black-box over HTTP (issue 36 item 3): two real ``vllm serve``
 processes (vLLM's OpenAI server, ``python -m vllm.entrypoints.openai.api_server``) on free
-localhost ports, joined by ExampleConnector (kv_producer / kv_consumer over one storage path),
-serving the shipped model as the harness's vLLM lanes load it; ``qualify --prefill-url ...
---decode-url ...`` runs against them and leaves a signed receipt that verifies.
+localhost ports, joined by a connector with a prefill/decode handshake
+(``tests/support/served_connector.py``: vLLM's ExampleConnector storage behind the
+``kv_transfer_params`` handshake NIXL uses), serving the shipped model as the harness's vLLM lanes
+load it. ``qualify calibrate --prefill-url ... --decode-url ... --identity PATH`` calibrates the
+pair and writes its identity; ``qualify --recipe native-text ... --served-identity PATH`` qualifies
+it under that identity; both leave signed receipts that verify; a pair that differs from its
+identity is refused.
 
-What this pair shows: ExampleConnector saves what any instance computes, whatever its ``kv_role``,
-so the decode server's cold recompute lands in the shared store and the prefill server then loads
-it instead of computing the prompt. The run sees that (the prefill server's connector hits) and
-does not qualify the pair: the KV handed over is the decode server's own. The loaded branch is
-still compared, and is bit-equal to the cold recompute under full-vocabulary logprobs.
-
-Two pairs, one after the other (each started once, about 15 s on two cores): one allowing full
-logprobs (two runs against it), then one allowing only the top 20 (one run).
+Two pairs, one after the other (each started once): one allowing full logprobs, then one allowing
+only the top 20. Each is calibrated once (the module's fixture) and qualified once; the refusals
+cost at most a few one-token probes. No test re-parametrizes ``pair`` (an indirect parameter
+starts a pair of its own).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from qualify.archive.keys import ensure_signing_key
+from qualify.archive.verify import verify_receipt
 from qualify.contract.lanes import VLLM_BLOCK_SIZE
+from qualify.contract.rules import SERVED_RULES, SERVED_TOP_K_RULE
+from qualify.contract.served_identity import load_served_identity
 from qualify.core import assets
+from qualify.core.digests import sha256_file
 from qualify.engines.checkpoint import model_files_view
 from qualify.engines.vllm_engine import ENV, ENV_REMOVED, VLLM_ENV_KEPT
 from qualify.interfaces.cli import main
+from qualify.judge.calibration import ZERO_DRIFT_BOUND
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPT_TOKENS = len(assets.load_prompt())
 HANDED_OFF = ((PROMPT_TOKENS - 1) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
-"""ExampleConnector stores the whole blocks before the prompt's last token (1920 of 2048)."""
+"""ExampleConnector's storage holds the whole blocks before the prompt's last token (1920 of 2048)."""
 VOCAB = json.loads((assets.MODEL_DIR / "config.json").read_text())["vocab_size"]
 TOP_K = 20
-"""The second pair's --max-logprobs: below the vocabulary, so the run judges on top-20 logprobs."""
+"""The second pair's --max-logprobs: below the vocabulary, so it is calibrated and judged on top-20 logprobs."""
 START_LIMIT_S = 300.0
 """How long a server may take to answer /health before the fixture gives up (a hang is a failure)."""
+CONNECTOR = {"kv_connector": "HandshakeExampleConnector", "kv_connector_module_path": "tests.support.served_connector"}
 
 
 def _free_port() -> int:
@@ -54,12 +63,11 @@ def _free_port() -> int:
 def _server_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items()
            if not (key.startswith("VLLM_") and key not in VLLM_ENV_KEPT) and key not in ENV_REMOVED}
-    return {**env, **ENV}
+    return {**env, **ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
 
 
 def _start(role: str, port: int, model: Path, storage: Path, log: Path, max_logprobs: int) -> subprocess.Popen[bytes]:
-    transfer = {"kv_connector": "ExampleConnector", "kv_role": role,
-                "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    transfer = {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "shipped", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "4096",
@@ -67,7 +75,7 @@ def _start(role: str, port: int, model: Path, storage: Path, log: Path, max_logp
                "--max-logprobs", str(max_logprobs), "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
                "--kv-transfer-config", json.dumps(transfer)]
     with log.open("wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_server_env(),
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_server_env(), cwd=REPO,
                                 start_new_session=True)
 
 
@@ -116,52 +124,137 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                 process.wait()
 
 
-def _run(pair: tuple[str, str, int], receipts: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, Path]:
+@dataclass(frozen=True)
+class Calibrated:
+    """One pair's calibration: exit code, receipt, the identity written, the archive and its output."""
+
+    code: int
+    receipt: Path
+    identity: Path
+    receipts: Path
+    out: str
+
+
+def _receipt_of(receipts: Path, before: set[Path]) -> Path:
+    [receipt] = [path for path in receipts.iterdir() if path.is_dir() and path not in before]
+    return receipt
+
+
+@pytest.fixture(scope="module")
+def calibrated(pair, tmp_path_factory) -> Calibrated:
+    """The pair calibrated once: ``qualify calibrate ... --identity PATH``."""
     ensure_signing_key()
-    code = main(["--recipe", "native-text", "--prefill-url", pair[0], "--decode-url", pair[1],
-                 "--model", str(assets.MODEL_DIR), "--receipts", str(receipts)])
-    out = capsys.readouterr().out
-    [receipt] = [path for path in receipts.iterdir() if path.is_dir()]
+    root = tmp_path_factory.mktemp("served-calibration")
+    receipts, identity = root / "receipts", root / "pair-identity.json"
+    capture = _Capture()
+    with capture:
+        code = main(["calibrate", "--recipe", "native-text", "--prefill-url", pair[0], "--decode-url", pair[1],
+                     "--model", str(assets.MODEL_DIR), "--identity", str(identity), "--receipts", str(receipts)])
+    return Calibrated(code, _receipt_of(receipts, set()), identity, receipts, capture.text)
+
+
+class _Capture:
+    """Standard output of a command run by a module-scoped fixture (capsys is function-scoped)."""
+
+    def __enter__(self) -> _Capture:
+        import io
+
+        self._saved, self._buffer = sys.stdout, io.StringIO()
+        sys.stdout = self._buffer
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout = self._saved
+        self.text = self._buffer.getvalue()
+
+
+def _verified(receipt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert verify_receipt(receipt) == []
     assert main(["receipts", "verify", str(receipt)]) == 0, capsys.readouterr()
     capsys.readouterr()
-    assert str(receipt) in out
-    return code, receipt
 
 
-def _documents(receipt: Path) -> tuple[dict, list[dict], dict]:
-    summary = json.loads((receipt / "validation-summary.json").read_text())
-    samples = [json.loads((receipt / "samples" / f"sample-{n}.json").read_text()) for n in (1, 2, 3)]
-    evidence = json.loads((receipt / "evidence" / "served-pair.json").read_text())
-    return summary, samples, evidence
+def _qualify(argv: list[str], receipts: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, Path, str, str]:
+    before = {path for path in receipts.iterdir() if path.is_dir()}
+    code = main(argv)
+    captured = capsys.readouterr()
+    receipt = _receipt_of(receipts, before)
+    _verified(receipt, capsys)
+    return code, receipt, captured.out, captured.err
 
 
-def test_the_served_pair_gets_a_verdict_on_the_strongest_logprobs_and_its_receipt_verifies(pair, tmp_path, capsys):
-    code, receipt = _run(pair, tmp_path / "receipts", capsys)
-    summary, samples, evidence = _documents(receipt)
-    # The verdict, its evidence mode (full under --max-logprobs -1, else the top 20) and its rule.
+def test_the_pair_is_calibrated_then_qualified_under_its_identity_on_the_strongest_logprobs(calibrated, pair, capsys):
     full = pair[2] == -1
-    assert summary["lane"] == "served-pair" and summary["rule"]["evidence"] == ("full" if full else "top-k")
-    assert summary["rule"]["top_k"] == (None if full else TOP_K)
+    # The calibration passed, left a receipt that verifies and wrote the identity, which pins the
+    # evidence the decode server grants and its signed statement.
+    assert calibrated.code == 0, calibrated.out
+    _verified(calibrated.receipt, capsys)
+    identity = load_served_identity(calibrated.identity)
+    assert (identity.mode, identity.top_k) == (("full", None) if full else ("top-k", TOP_K))
+    assert identity.basis == f"receipt://{calibrated.receipt.name}"
+    assert identity.statement_sha256 == sha256_file(calibrated.receipt / "attestation.dsse.json")
+    assert identity.field("model.model_check") == "config" and identity.field("decode.vllm_version")
+    # Every cell bit-equal on this build, cold against cold and handoff against cold: the bound only a zero delta meets.
+    assert (identity.maximum_absolute, identity.maximum_mean_absolute) == (ZERO_DRIFT_BOUND, ZERO_DRIFT_BOUND)
+    evidence = json.loads((calibrated.receipt / "evidence" / "served-calibration.json").read_text())
+    assert len(evidence["cells"]) == identity.field("calibration.cells") == 6
+    for cell in evidence["cells"]:
+        for comparison in ("cold_again_vs_cold", "handoff_vs_cold"):
+            assert cell[comparison]["compared_logprob_entries"] == 256 * (VOCAB if full else TOP_K)
+            assert cell[comparison]["tokens_equal"] == 256
+        assert cell["max_abs"] == cell["mean_abs"] == 0.0
+    # The command the calibration printed to run next qualifies the pair under the identity.
+    [command] = [line.removeprefix("next: ") for line in calibrated.out.splitlines() if line.startswith("next: ")]
+    code, receipt, out, err = _qualify(shlex.split(command)[1:], calibrated.receipts, capsys)
+    assert code == 0, out + err
+    summary = json.loads((receipt / "validation-summary.json").read_text())
+    assert summary["status"] == "passed" and summary["lane"] == "served-pair"
     assert summary["scope"]["fixture"]["name"].endswith("full-logprobs" if full else f"top{TOP_K}-logprobs")
-    # The cold branch recomputed the whole prompt.
-    assert evidence["cold_cached_tokens"] == evidence["cold_connector_tokens"] == evidence["cold_prefix_cache_tokens"] == 0
-    for sample in samples:
-        # Loaded through the decode server's connector, none of it from its local prefix cache ...
-        assert sample["decode_cached_tokens"] == sample["decode_connector_tokens"] == HANDED_OFF
-        assert sample["decode_prefix_cache_tokens"] == 0
-        # ... and equal to the cold recompute: every token, every logprob of the vocabulary.
+    assert identity.basis in summary["scope"]["fixture_words"]
+    assert (receipt / "identity.json").read_bytes() == calibrated.identity.read_bytes()
+    for n in (1, 2, 3):
+        sample = json.loads((receipt / "samples" / f"sample-{n}.json").read_text())
+        # The prefill server computed the prompt; the decode server loaded it through its connector ...
+        assert sample["prefill_connector_tokens"] == 0 and sample["decode_prefix_cache_tokens"] == 0
+        assert sample["decode_connector_tokens"] == HANDED_OFF
+        # ... and decoded what its cold recompute decoded, every logprob of the evidence equal.
         assert sample["tokens_equal"] == 256 and sample["max_abs"] == 0.0
         assert sample["compared_logprob_entries"] == 256 * (VOCAB if full else TOP_K)
-        # But the prefill server loaded the prompt from the store (the decode server's cold
-        # recompute, saved by its ExampleConnector) instead of computing it: no evidence of a handoff.
-        assert sample["prefill_connector_tokens"] == HANDED_OFF
-    assert (code, summary["status"]) == (1, "failed")
 
 
-@pytest.mark.parametrize("pair", [-1], ids=["full-logprobs"], indirect=True)  # once: the path is the same under top-k
-def test_a_second_run_finds_no_cold_recompute_and_does_not_qualify(pair, tmp_path, capsys):
-    # The store now holds the prompt: the decode server loads it for the "cold" branch too.
-    code, receipt = _run(pair, tmp_path / "receipts", capsys)
-    summary, _samples, evidence = _documents(receipt)
-    assert evidence["cold_cached_tokens"] == evidence["cold_connector_tokens"] == HANDED_OFF
-    assert (code, summary["status"]) == (1, "failed")
+def _refused(calibrated: Calibrated, pair, edit, tmp_path: Path, capsys) -> str:
+    document = json.loads(calibrated.identity.read_text())
+    edit(document)
+    path = tmp_path / "edited-identity.json"
+    path.write_text(json.dumps(document))
+    code, receipt, _out, err = _qualify(
+        ["--recipe", "native-text", "--prefill-url", pair[0], "--decode-url", pair[1], "--model", str(assets.MODEL_DIR),
+         "--served-identity", str(path), "--receipts", str(calibrated.receipts)], calibrated.receipts, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert json.loads((receipt / "validation-summary.json").read_text())["status"] == "refused"
+    return err.strip()
+
+
+def test_a_pair_of_another_vllm_version_than_its_identity_is_refused(calibrated, pair, tmp_path, capsys):
+    line = _refused(calibrated, pair, lambda d: d["decode"].update(vllm_version="0.0.1"), tmp_path, capsys)
+    assert "decode.vllm_version" in line and "0.0.1" in line
+
+
+def test_a_pair_granting_other_evidence_than_its_identity_is_refused(calibrated, pair, tmp_path, capsys):
+    # The full pair against an identity of top-20 (stronger evidence than calibrated), the top-20
+    # pair against one of full logprobs (weaker): either way the bound was not calibrated for it.
+    def other(document: dict) -> None:
+        if pair[2] == -1:
+            document["evidence"] = {"mode": "top-k", "top_k": TOP_K, "vocab": VOCAB}
+            document["rule"]["top_k_rule"] = {"name": SERVED_TOP_K_RULE, "statement": SERVED_RULES[SERVED_TOP_K_RULE]}
+        else:
+            document["evidence"] = {"mode": "full", "top_k": None, "vocab": VOCAB}
+            document["rule"]["top_k_rule"] = None
+
+    line = _refused(calibrated, pair, other, tmp_path, capsys)
+    assert "evidence" in line and "full logprobs" in line and f"top-{TOP_K}" in line  # what was expected, what was found
+
+
+def test_an_identity_whose_bound_does_not_follow_from_its_basis_is_refused(calibrated, pair, tmp_path, capsys):
+    line = _refused(calibrated, pair, lambda d: d["rule"].update(maximum_absolute=0.5), tmp_path, capsys)
+    assert "rule.maximum_absolute" in line and calibrated.receipt.name in line

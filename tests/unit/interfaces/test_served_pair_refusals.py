@@ -1,6 +1,8 @@
-"""``qualify --recipe native-text --prefill-url URL --decode-url URL``: every bad input is refused
-in one line naming its option, exit 2, with a refused receipt that verifies. The servers here are
-tiny fakes standing in for faults only (a real served pair: tests/vllm/test_served_pair.py)."""
+"""``qualify --recipe native-text --prefill-url URL --decode-url URL --served-identity PATH`` and
+``qualify calibrate --recipe native-text --prefill-url URL --decode-url URL --identity PATH``: every
+bad input is refused in one line naming its option (or the identity's field), exit 2, with a
+refused receipt that verifies. The servers here are tiny fakes standing in for faults only (a real
+served pair: tests/vllm/test_served_pair.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import qualify.handoff.served as served_transport
 from qualify.archive.keys import ensure_signing_key
 from qualify.core import assets
 from qualify.interfaces.cli import main
+from tests.unit.contract.test_served_identity import identity_document
 
 Route = Callable[[], tuple[int, bytes]]
 
@@ -72,11 +75,18 @@ def _signing_key() -> None:
     ensure_signing_key()  # made before the run, so the run's stderr is its refusal only
 
 
-def refused_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *options: str) -> str:
-    """Run the command; assert exit 2, one line on stderr and one refused receipt that verifies;
-    the line."""
+def refused_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *options: str, command: tuple[str, ...] = (),
+                identity: object = "valid") -> str:
+    """Run the command (a qualification, or ``command`` such as ``("calibrate",)``) with a
+    schema-valid identity file unless ``identity`` says otherwise (None: no option); assert exit 2,
+    one line on stderr and one refused receipt that verifies; the line."""
     receipts = tmp_path / "receipts"
-    code = main(["--recipe", "native-text", *options, "--receipts", str(receipts)])
+    extra: list[str] = []
+    if identity is not None and not command:
+        path = tmp_path / "pair.json"
+        path.write_text(json.dumps(identity_document()) if identity == "valid" else str(identity))
+        extra = ["--served-identity", str(path)]
+    code = main([*command, "--recipe", "native-text", *options, *extra, "--receipts", str(receipts)])
     err = capsys.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()
@@ -85,7 +95,7 @@ def refused_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *options: st
     assert main(["receipts", "verify", str(receipt)]) == 0, capsys.readouterr()
     capsys.readouterr()
     summary = json.loads((receipt / "validation-summary.json").read_text())
-    assert summary["status"] == "refused" and summary["lane"] == "served-pair" and summary["identity_sha256"] is None
+    assert summary["status"] == "refused" and summary["lane"] == "served-pair"
     return lines[0]
 
 
@@ -136,3 +146,37 @@ def test_a_server_of_another_model_is_refused(tmp_path, capsys, fake_server):
 def test_a_url_that_is_not_http_is_refused(tmp_path, capsys):
     line = refused_run(tmp_path, capsys, "--prefill-url", "ftp://127.0.0.1:1", "--decode-url", "http://127.0.0.1:1")
     assert "--prefill-url" in line
+
+
+def test_a_run_without_an_identity_is_refused_before_any_request_naming_the_calibrate_command(tmp_path, capsys):
+    dead, other = (f"http://127.0.0.1:{_free_port()}" for _ in range(2))
+    line = refused_run(tmp_path, capsys, "--prefill-url", dead, "--decode-url", other, identity=None)
+    assert "--served-identity" in line and "qualify calibrate" in line and "--identity" in line
+
+
+def test_an_identity_that_is_not_json_is_refused_before_any_request(tmp_path, capsys):
+    dead, other = (f"http://127.0.0.1:{_free_port()}" for _ in range(2))
+    line = refused_run(tmp_path, capsys, "--prefill-url", dead, "--decode-url", other, identity="{not json")
+    assert line.count("--served-identity") == 1 and dead not in line
+
+
+def test_a_pair_of_another_vllm_version_than_its_identity_is_refused_naming_the_field(tmp_path, capsys, fake_server):
+    routes = {**_vllm_routes(assets.MODEL_DIR), "/version": _json({"version": "0.31.0"})}
+    line = refused_run(tmp_path, capsys, "--prefill-url", fake_server(routes), "--decode-url", fake_server(routes))
+    assert "prefill.vllm_version" in line and "0.32.0" in line and "0.31.0" in line
+
+
+def test_a_calibration_without_an_identity_path_is_refused(tmp_path, capsys):
+    dead, other = (f"http://127.0.0.1:{_free_port()}" for _ in range(2))
+    line = refused_run(tmp_path, capsys, "--prefill-url", dead, "--decode-url", other, command=("calibrate",))
+    assert "--identity" in line
+
+
+def test_a_calibration_never_overwrites_an_identity(tmp_path, capsys):
+    dead, other = (f"http://127.0.0.1:{_free_port()}" for _ in range(2))
+    existing = tmp_path / "pair.json"
+    existing.write_text("{}")
+    line = refused_run(tmp_path, capsys, "--prefill-url", dead, "--decode-url", other, "--identity", str(existing),
+                       command=("calibrate",))
+    assert "--identity" in line and str(existing) in line
+    assert existing.read_text() == "{}"

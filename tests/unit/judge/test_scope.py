@@ -240,3 +240,18 @@ def test_the_bounds_of_a_scope_are_accepted() -> None:
     edge = Scope("x" * 128, 1, 1, 1, controls(lengths=(1,), documents=(DocumentOutcome("d", (1,)),)))
     assert read_line(scope_line(False, edge))["repetitions"] == 1
     assert scope_line(False, edge).endswith("0 of 1 documents within E1 gates; d exceeds at 1 (published)")
+
+
+def test_a_scope_calibrated_on_a_receipt_names_it_in_its_fixture_half_and_its_record_validates():
+    calibrated = dataclasses.replace(SCOPE, calibrated_on="receipt://20261205T090000Z-0123456789abcdef")
+    assert "receipt://20261205T090000Z-0123456789abcdef" in fixture_words(calibrated)
+    assert "receipt://" not in fixture_words(SCOPE)
+    document = scope_document(calibrated, True)
+    assert document["fixture_words"] == fixture_words(calibrated) and document["fixture_words"] in document["line"]
+    ScopeRecord.model_validate(document)
+
+
+@pytest.mark.parametrize("calibrated_on", ["receipt:/x", "20261205T090000Z-0123", "receipt://a b", ""])
+def test_a_scope_refuses_a_calibration_that_is_not_a_receipt(calibrated_on):
+    with pytest.raises(ValueError):
+        dataclasses.replace(SCOPE, calibrated_on=calibrated_on)
