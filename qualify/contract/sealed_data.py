@@ -28,8 +28,8 @@ SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "vllm-to-reference": "88eb7b380686b6f25423e3a6c222db316f56cbddf0e849b5d29a47affb76e7d8",
     "vllm-to-vllm": "5efaec89e984bda1728245470cdd6f550ff7a65cc1f3cd1a645eb6a226a63672",
     "vllm-via-connector/ExampleConnector": "87c910789a50ce05cd426e0a9ac0a8011c857b1193238412366cf4c3cead3d47",
-    "vllm-via-connector/MultiConnector": "13ad5a91998fd89cad97ad629f6d7bfed5ac04d6ef39ad01d2e9329320b61d23",
-    "vllm-via-connector/NixlConnector": "254551018f0f6fd9394f10ec30871ae202189d297e86e3617ba2075e4ea167ff",
+    "vllm-via-connector/MultiConnector": "a8328ef014f9b295f9dfed384cdd1894e6ce09a1ce685843e9be52e0bdf8038b",
+    "vllm-via-connector/NixlConnector": "91d1a6e04f3fff608c0b6945e6a76945e2b12f4e6428812138b1e1f0fab7b656",
 })
 """Lane -> SHA-256 of its frozen identity (``qualify.core.digests.document_sha256``: over the
 RFC 8785 bytes of a v3 identity)."""
@@ -50,8 +50,8 @@ SEALED_BASIS_MANIFESTS: Mapping[str, str] = MappingProxyType({
     "vllm-to-reference": "5637b32527083e55145cab4ce04e4a2623104a1ab65031f37aba812a724101e0",
     "vllm-to-vllm": "19f250c0c8957e23afa30231dc0c240b90414f7fe589eb282a3cf9cc9ba89df7",
     "vllm-via-connector/ExampleConnector": "8f6f3716e9fb388c2d667f818de2ef61838951fa7a903a9dc577350c2efd3bb5",
-    "vllm-via-connector/MultiConnector": "19b4097f92dbb058a05274b2a6506fc17d8e59d819b1a4f7b57b088842304d0f",
-    "vllm-via-connector/NixlConnector": "6fa1037b9be03f978a1e5dcde329be8d2b0c733ae81f35569a10cea7b5772744",
+    "vllm-via-connector/MultiConnector": "6d59f63ebb90f521acbf00c5b2dfdc163f3f5dff973268e09b6724c54d5cb234",
+    "vllm-via-connector/NixlConnector": "d9b29abeb4f88134b340e72a23dcd500b472db43766b74db11398dbefcf01270",
 })
 """Lane -> SHA-256 of the ``manifest.json`` of the basis receipt (``onboarding_qualification.basis``)
 its rule was calibrated from; ``qualify.contract.identity.check_basis_receipt`` also checks every
