@@ -717,6 +717,10 @@ class ProducerProcess:
             self._wait_exit(EXIT_GRACE_S, kill=True)
             if self._drain is not None:
                 self._drain.join(timeout=EXIT_GRACE_S)
+            # The output pipe, once its reader ended (left open, it is closed by the garbage
+            # collector with a ResourceWarning, an error under `pytest -W error`).
+            if process.stdout is not None and (self._drain is None or not self._drain.is_alive()):
+                process.stdout.close()
         self._discard_workdir()
 
     def _discard_workdir(self) -> None:
