@@ -96,3 +96,37 @@ def evidence(receipt: Path, name: str) -> dict[str, Any]:
 def summary(receipt: Path) -> dict[str, Any]:
     document: dict[str, Any] = json.loads((receipt / "validation-summary.json").read_text(encoding="utf-8"))
     return document
+
+
+def qualified_run(lane: LaneIdentity, connector: list[str], monkeypatch: Any, runs: Path, claimed: int) -> Path:
+    """Qualify through ``connector`` under ``lane``'s identity: exit 0, the receipt verified, three
+    samples each loading ``claimed`` prompt tokens bit-equal to the cold prefill and to what was saved."""
+    import jsonschema
+
+    code = cli.main(["--recipe", "native-text", *connector, "--identity", str(lane.apply(monkeypatch)),
+                     "--receipts", str(runs)])
+    receipt = only_receipt(runs)
+    assert verify_receipt(receipt) == []
+    judged = summary(receipt)
+    assert code == 0, judged
+    assert judged["passed"] and judged["lane"] == VLLM_VIA_CONNECTOR_LANE and judged["samples"] == 3
+    schema = json.loads((REPO / "contracts" / "connector-sample.v1.schema.json").read_text(encoding="utf-8"))
+    for sample in (1, 2, 3):
+        found = evidence(receipt, f"connector-sample-{sample}")
+        jsonschema.validate(found, schema)
+        assert found["claimed_tokens"] == claimed and found["kv_cells"] == []
+        assert found["loaded_cells_differing_from_saved"] == []
+    return receipt
+
+
+def faulted_cells(lane: LaneIdentity, connector: list[str], fault: str, monkeypatch: Any,
+                  runs: Path) -> tuple[set[tuple[int, str, int, int]], dict[str, Any]]:
+    """Run ``fault`` in every load: exit 1, the receipt verified; the (layer, K/V, head, block)
+    cells sample 1 localised, and its evidence."""
+    code = cli.main(["--recipe", "native-text", *connector, "--connector-fault", fault,
+                     "--identity", str(lane.apply(monkeypatch)), "--receipts", str(runs)])
+    assert code == 1
+    receipt = only_receipt(runs)
+    assert verify_receipt(receipt) == []
+    found = evidence(receipt, "connector-sample-1")
+    return {(c["layer"], c["tensor"], c["head"], c["block"]) for c in found["kv_cells"]}, found

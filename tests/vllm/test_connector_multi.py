@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
-from qualify.archive.verify import verify_receipt
-from qualify.contract.lanes import VLLM_VIA_CONNECTOR_LANE
-from qualify.interfaces import cli
-from tests.support.connector_lane import REPO, LaneIdentity, evidence, identity_here, only_receipt, summary
+from tests.support.connector_lane import REPO, LaneIdentity, evidence, faulted_cells, identity_here, qualified_run
 
 CONFIG = json.dumps({"connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                      "kv_connector_extra_config": {"shared_storage_path": "{storage}"}}]})
@@ -33,31 +29,10 @@ def lane(tmp_path_factory) -> LaneIdentity:
 
 
 def test_qualifies_through_multiconnector(lane, monkeypatch, tmp_path):
-    identity_path = lane.apply(monkeypatch)
-    runs = tmp_path / "runs"
-    code = cli.main(["--recipe", "native-text", *CONNECTOR, "--identity", str(identity_path), "--receipts", str(runs)])
-    receipt = only_receipt(runs)
-    assert verify_receipt(receipt) == []
-    judged = summary(receipt)
-    assert code == 0, judged
-    assert judged["passed"] and judged["lane"] == VLLM_VIA_CONNECTOR_LANE and judged["samples"] == 3
-    for sample in (1, 2, 3):
-        found = evidence(receipt, f"connector-sample-{sample}")
-        jsonschema.validate(found, _schema("connector-sample.v1.schema.json"))
-        assert found["claimed_tokens"] == HANDED_OFF and found["kv_cells"] == []
-        assert found["loaded_cells_differing_from_saved"] == []
+    receipt = qualified_run(lane, CONNECTOR, monkeypatch, tmp_path / "runs", claimed=HANDED_OFF)
     assert evidence(receipt, "connector")["pin"]["name"] == "MultiConnector"
 
 
 def test_a_fault_in_every_load_is_caught_and_localised(lane, monkeypatch, tmp_path):
-    identity_path = lane.apply(monkeypatch)
-    runs = tmp_path / "runs"
-    code = cli.main(["--recipe", "native-text", *CONNECTOR, "--connector-fault", "gqa-head-replication",
-                     "--identity", str(identity_path), "--receipts", str(runs)])
-    assert code == 1
-    receipt = only_receipt(runs)
-    assert verify_receipt(receipt) == []
-    found = evidence(receipt, "connector-sample-1")
-    cells = {(c["layer"], c["tensor"], c["head"], c["block"]) for c in found["kv_cells"]}
+    cells, _ = faulted_cells(lane, CONNECTOR, "gqa-head-replication", monkeypatch, tmp_path / "runs")
     assert cells == {(2, tensor, 1, block) for tensor in ("K", "V") for block in range(HANDED_OFF // 128)}
-    assert len(found["loaded_cells_differing_from_saved"]) == len(cells)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 
-import jsonschema
 import pytest
 
 from qualify.archive.verify import verify_receipt
 from qualify.contract.lanes import VLLM_VIA_CONNECTOR_LANE
 from qualify.interfaces import cli
-from tests.support.connector_lane import REPO, LaneIdentity, evidence, identity_here, only_receipt, summary
+from tests.support.connector_lane import REPO, LaneIdentity, faulted_cells, identity_here, only_receipt, qualified_run, summary
 
 CONNECTOR = ["--connector", "NixlConnector", "--connector-config", "{}"]
 SHIPPED = REPO / "contracts" / "connectors" / "NixlConnector-identity-v1.json"
@@ -44,33 +43,13 @@ def lane(tmp_path_factory) -> LaneIdentity:
 
 @needs_nixl
 def test_qualifies_through_nixl_driving_its_handshake(lane, monkeypatch, tmp_path):
-    identity_path = lane.apply(monkeypatch)
-    runs = tmp_path / "runs"
-    code = cli.main(["--recipe", "native-text", *CONNECTOR, "--identity", str(identity_path), "--receipts", str(runs)])
-    receipt = only_receipt(runs)
-    assert verify_receipt(receipt) == []
-    judged = summary(receipt)
-    assert code == 0, judged
-    assert judged["passed"] and judged["lane"] == VLLM_VIA_CONNECTOR_LANE and judged["samples"] == 3
-    for sample in (1, 2, 3):
-        found = evidence(receipt, f"connector-sample-{sample}")
-        jsonschema.validate(found, _schema("connector-sample.v1.schema.json"))
-        assert found["claimed_tokens"] == PROMPT_TOKENS and found["kv_cells"] == []
-        assert found["loaded_cells_differing_from_saved"] == []
+    qualified_run(lane, CONNECTOR, monkeypatch, tmp_path / "runs", claimed=PROMPT_TOKENS)
 
 
 @needs_nixl
 def test_a_fault_in_every_load_is_caught_and_localised(lane, monkeypatch, tmp_path):
-    identity_path = lane.apply(monkeypatch)
-    runs = tmp_path / "runs"
-    code = cli.main(["--recipe", "native-text", *CONNECTOR, "--connector-fault", "partial-block-dropped",
-                     "--identity", str(identity_path), "--receipts", str(runs)])
-    assert code == 1
-    receipt = only_receipt(runs)
-    assert verify_receipt(receipt) == []
-    found = evidence(receipt, "connector-sample-1")
+    cells, found = faulted_cells(lane, CONNECTOR, "partial-block-dropped", monkeypatch, tmp_path / "runs")
     last = PROMPT_TOKENS // 128 - 1
-    cells = {(c["layer"], c["tensor"], c["head"], c["block"]) for c in found["kv_cells"]}
     assert cells == {(layer, tensor, head, last) for layer in range(4) for tensor in ("K", "V") for head in range(4)}
     assert len(found["loaded_cells_differing_from_saved"]) == len(cells)
 
