@@ -67,16 +67,20 @@ FAULT_POSITION = 1000
 FAULT_DIM = 5
 FAULT_BIT = 22  # a float32 mantissa bit: a relative change of about 0.5 for a normal number
 SWAPPED_BLOCKS = (3, 4)
-RAISE_FROM_POSITIONS = 1024  # the "raise" fault spares the short warm-up request
+LONG_REQUEST_POSITIONS = 1024
+"""The "raise" and "shift-install" faults (and the engine's "other-prompt") reach only requests of at
+least this many positions: they spare the engine's short warm-up and its known-answer check (259
+positions), as a fault that depends on length would, so only a handoff's comparison can catch them."""
 
 CONNECTOR_FAULTS: dict[str, str] = {
     "k-bit-flip": f"one bit ({FAULT_BIT}) of one K element flipped at layer {FAULT_LAYER} "
                   f"(head {FAULT_HEAD}, position {FAULT_POSITION}, dim {FAULT_DIM})",
     "block-order": f"blocks {SWAPPED_BLOCKS} read from the page table in each other's place (K and V)",
     "raise": f"the connector raises while saving layer {FAULT_LAYER} of a request of at least "
-             f"{RAISE_FROM_POSITIONS} positions (an engine failing mid-request)",
+             f"{LONG_REQUEST_POSITIONS} positions (an engine failing mid-request)",
     "shift-install": "consumer: claims every handed-off token but installs the KV one block later, "
-                     "so the cache holds KV of another position range (vLLM #52617)",
+                     "so the cache holds KV of another position range (vLLM #52617), for a request "
+                     f"of at least {LONG_REQUEST_POSITIONS} positions",
 }
 
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -295,7 +299,7 @@ class QualifyKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is u
                 count = transfer.positions // self._block_size
                 blocks = list(transfer.block_ids[:count])
                 keys, values = kv.keys[index], kv.values[index]
-                if self._fault == "shift-install":
+                if self._fault == "shift-install" and transfer.positions >= LONG_REQUEST_POSITIONS:
                     # The cache claims all tokens, but holds KV of positions one block later.
                     keys = np.concatenate([keys[:, self._block_size:], keys[:, :self._block_size]], axis=1)
                     values = np.concatenate([values[:, self._block_size:], values[:, :self._block_size]], axis=1)
@@ -315,7 +319,7 @@ class QualifyKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is u
         self._check(kv_layer)
         index = layer_index(layer_name)
         if self._fault == "raise" and index == FAULT_LAYER and any(
-                t.positions >= RAISE_FROM_POSITIONS for t in exports):
+                t.positions >= LONG_REQUEST_POSITIONS for t in exports):
             raise RuntimeError(f"qualify connector fault 'raise': failing while saving layer {index}")
         for transfer in exports:
             blocks = list(transfer.block_ids)

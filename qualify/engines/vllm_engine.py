@@ -387,7 +387,9 @@ class VllmEngine:
     def prefill(self, tokens: np.ndarray) -> KVCache:
         """Canonical KV of the whole blocks of ``tokens`` (the connector's export)."""
         ids = self._tokens(tokens, "prefill tokens")
-        if self.fault == "other-prompt":
+        from qualify.engines.vllm_connector import LONG_REQUEST_POSITIONS
+
+        if self.fault == "other-prompt" and len(ids) >= LONG_REQUEST_POSITIONS:
             other = assets.load_prompt("prose-email-architecture")
             if len(other) < len(ids):
                 raise Refused("fault other-prompt: the other prompt is shorter")

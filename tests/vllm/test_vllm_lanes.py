@@ -420,12 +420,12 @@ def test_pd_lane_catches_kv_of_another_position_range(tmp_path, monkeypatch):
     assert record["handed_off_positions"] == HANDOFF_POSITIONS
     # The handoff itself was right (the producer's bytes equal the fixture anchor's, the KV within
     # the envelope); the consumer's use of it was not. On this small model the far context
-    # barely moves the logits (tokens can stay exact, the drift inside the calibration-set
-    # bound), so it is the anchor recheck of the handoff's logits that catches it.
+    # barely moves the logits (tokens can stay exact), so it is the decode's logits that catch it:
+    # the lane's drift bound (bit-exact here) or the anchor recheck of the handoff's logits.
     assert not _over(record)
     failed = {check.name for check in run.verdict.checks if not check.passed}
     assert "payload tree as anchored" not in failed and "per-layer seams as anchored" not in failed
-    assert "handoff logit block as anchored" in failed or record["token_agreement_rate"] < 1.0, failed
+    assert failed & {"bounded drift", "handoff logit block as anchored"} or record["token_agreement_rate"] < 1.0, failed
 
 
 # -- another CPU class is refused; this host calibrates, freezes and qualifies ------------------
