@@ -116,8 +116,8 @@ wheel_elsewhere() {
 
 extended() {
   step setup setup
-  # vLLM's venv is mostly a download: it installs in the background while the slow tier runs
-  # (tools/install_vllm.sh; its output in out/vllm-install.log), and the vLLM tier waits for it.
+  # vLLM's venv is mostly a download: it installs in the background (tools/install_vllm.sh; its
+  # output in out/vllm-install.log) while the base install's tiers run, and the vLLM tier waits for it.
   local vllm_began=$SECONDS vllm_install
   bash tools/install_vllm.sh > out/vllm-install.log 2>&1 &
   vllm_install=$!
@@ -131,6 +131,10 @@ extended() {
   # The main job on the bottom and the top of pyproject.toml's numpy range (each numpy alone on
   # PYTHONPATH in front of the venv), with the checkout's digits (tools/numpy_range.sh).
   step numpy-range bash tools/numpy_range.sh
+  # The mutation gate (tools/mutation.py, docs/mutation.md), still beside the vLLM install: it fails
+  # below a group's committed floor (tools/mutation.toml) and prints `mutation_score: …` last; every
+  # uncaught mutant's diff goes to out/mutation-survivors.json.
+  step mutation "$VENV/bin/python" tools/mutation.py --jobs 2 --survivors out/mutation-survivors.json
   if ! wait "$vllm_install"; then
     tail -20 out/vllm-install.log >&2
     echo "test.sh: tools/install_vllm.sh failed (out/vllm-install.log)" >&2
@@ -141,10 +145,6 @@ extended() {
   # One test file per worker (--dist loadfile: a file starts its engines once, in module fixtures);
   # every vLLM engine runs one thread, so two files use both cores.
   VENV=.venv-vllm step vllm run_pytest tests/vllm -q -rs -n 2 --dist loadfile --junitxml=out/vllm-tests.xml
-  # The mutation gate (tools/mutation.py, docs/mutation.md): it fails below a group's committed
-  # floor (tools/mutation.toml) and prints `mutation_score: …` last; every uncaught mutant's diff
-  # goes to out/mutation-survivors.json.
-  step mutation "$VENV/bin/python" tools/mutation.py --jobs 2 --survivors out/mutation-survivors.json
 }
 
 case "${1:-test}" in
