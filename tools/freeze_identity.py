@@ -15,15 +15,25 @@ which pins every file of the (verified) basis receipt.
 
 Engines exact by construction (the numpy engines) are pinned by ABI and known-answer digest
 (``qualify.engines.kat``), computed from the engines the lane's factory builds here; an engine
-this host cannot build (vLLM, CUDA) is pinned by ``--producer-engine``/``--consumer-engine`` with
-no known-answer digest.
+this host cannot build (vLLM, CUDA) is pinned by ``--producer-engine``/``--consumer-engine``. An
+engine measured where it runs (``MEASURED_ENGINE_NAMES``) carries the digest measured there: a
+connector lane's from its basis receipt, a ``transformers`` lane producer's (on its GPU) from
+``--producer-kat-evidence FILE``, the document ``tools/measure_known_answer.py`` wrote there. That
+digest is pinned only where the file's engine for the lane is the identity's producer engine
+(name, version and ABI equal), its measurements agree and its KAT input is this harness's; else the
+freeze is refused. Without one, a freeze pinning such an engine that this host cannot build is
+refused too: an identity pinning no digest for it would be refused by every run at ``identity
+sealed`` (absent evidence is failed evidence).
 
 Re-freeze (``--refreeze PATH...``): recomputes those artifact digests and the numpy engines' ABI
 and known-answer digests of existing identities, keeping their other engines, rules and basis
 URIs -- for a reviewed change that moves no number: ``--refreeze contracts/*-identity-v1.json
---write-sealed``. A source-pinned v3/v4 identity is moved to v5/v6 (its ``adapter`` pin and the
-numpy/BLAS versions in its ABIs dropped). (Retired v1/v2 identities are re-calibrated, not
-re-frozen.)
+--write-sealed``. With ``--producer-kat-evidence FILE`` it pins the producer's measured digest
+(checked as above) in each identity it re-freezes: ``--refreeze
+contracts/transformers-cuda-*-identity-v1.json --producer-kat-evidence
+bench/results/gpu-lanes/known-answers.json --write-sealed``. A source-pinned v3/v4 identity is
+moved to v5/v6 (its ``adapter`` pin and the numpy/BLAS versions in its ABIs dropped). (Retired
+v1/v2 identities are re-calibrated, not re-frozen.)
 
 ``--write-sealed`` regenerates ``qualify/contract/sealed_data.py`` whole from
 ``contracts/*-identity-v1.json`` and their basis receipts; ``--write-schema`` regenerates
@@ -182,22 +192,82 @@ def engine_pin(engine: Any) -> dict[str, str | None]:
 
 
 def named_engine_pin(given: Sequence[str], spec: LaneSpec, role: str,
-                     measured: Mapping[str, Any] | None = None) -> dict[str, str | None]:
+                     measured: Mapping[str, Any] | None = None, evidence: Path | None = None
+                     ) -> dict[str, str | None]:
     """An engine pin given on the command line (``--producer-engine``/``--consumer-engine``): an
     engine with a known-answer check that this host builds as given carries its digest (a connector
-    lane's: the one its engine process measured in the basis calibration, ``measured``); any other
-    (CUDA, or a pin of another build) is pinned as given, with none (a run then refuses an engine
-    with a known-answer check pinned without one)."""
+    lane's: the one its engine process measured in the basis calibration, ``measured``; a producer
+    measured on its own machine: the one ``evidence`` records for it, :func:`evidence_known_answer`);
+    a measured engine this host cannot build, given no evidence, is refused; a pin of another build
+    is pinned as given, with none (a run then refuses an engine with a known-answer check pinned
+    without one)."""
     from qualify.engines.factory import build_consumer, producer_engine
-    from qualify.engines.kat import KAT_ENGINE_NAMES
+    from qualify.engines.kat import KAT_ENGINE_NAMES, MEASURED_ENGINE_NAMES
 
     pin = _engine(*given)
     if pin["name"] not in KAT_ENGINE_NAMES:
         return pin
     if spec.name == VLLM_VIA_CONNECTOR_LANE:
         return {**pin, "kat_sha256": (measured or {}).get(role)}
+    if role == "producer" and evidence is not None:  # measured on the machine it runs on
+        return {**pin, "kat_sha256": evidence_known_answer(evidence, spec.name, pin)}
+    unbuildable = unbuildable_here(spec, role) if pin["name"] in MEASURED_ENGINE_NAMES else None
+    if unbuildable is not None:  # an identity pinning no digest would be refused by every run
+        raise Refused(f"--{role}-engine {pin['name']}: its known-answer digest is measured where it runs, and "
+                      f"this host cannot build it ({unbuildable}); measure it there (tools/measure_known_answer.py) "
+                      f"and pass --producer-kat-evidence FILE")
     built = engine_pin(producer_engine(spec, spec.mode) if role == "producer" else build_consumer(spec))
     return built if [built[key] for key in ("name", "version", "abi")] == list(given) else pin
+
+
+def unbuildable_here(spec: LaneSpec, role: str) -> str | None:
+    """Why this host cannot build the lane's ``role`` engine to measure its KAT, or None where it can:
+    a ``transformers`` lane's producer needs torch and the CUDA device its ABI names (checked without
+    loading the model)."""
+    if spec.kind is not LaneKind.TRANSFORMERS or role != "producer":
+        return None
+    from qualify.engines.factory import lane_producer_abi
+
+    try:
+        lane_producer_abi(spec)
+    except Refused as exc:
+        return one_line(str(exc))
+    return None
+
+
+def evidence_known_answer(path: Path, lane: str, pin: Mapping[str, str | None]) -> str:
+    """The KAT digest ``path`` (``tools/measure_known_answer.py``'s document) records for lane
+    ``lane``'s producer, once it is shown to be of the engine ``pin`` names (name, version, ABI),
+    deterministic (every measurement equal) and of this harness's KAT input; refused otherwise."""
+    from qualify.engines.checkpoint import load_config
+    from qualify.engines.kat import KAT_EVIDENCE_SCHEMA, kat_input
+
+    where = f"--producer-kat-evidence {path}"
+    document = read_strict_json(path, "known-answer evidence")
+    if not isinstance(document, dict) or document.get("schema") != KAT_EVIDENCE_SCHEMA:
+        found = document.get("schema") if isinstance(document, dict) else type(document).__name__
+        raise Refused(f"{where}: schema: found {found!r}, expected {KAT_EVIDENCE_SCHEMA!r}")
+    lanes = document.get("lanes")
+    entry = lanes.get(lane) if isinstance(lanes, dict) else None
+    if not isinstance(entry, dict):
+        raise Refused(f"{where}: records no measurement of lane {lane}")
+    engine = entry.get("engine")
+    if not isinstance(engine, dict):
+        engine = {}
+    for key in ("name", "version", "abi"):
+        if engine.get(key) != pin[key]:
+            raise Refused(f"{where}: lane {lane}: measured on producer_engine.{key} {engine.get(key)!r}, the "
+                          f"identity pins {pin[key]!r}: a known answer measured under other pins is not pinned")
+    expected_input = kat_input(load_config(MODEL_DIR).geometry.vocab)
+    if document.get("kat_input") != expected_input:
+        raise Refused(f"{where}: kat_input: found {document.get('kat_input')}, this harness's KAT input is "
+                      f"{expected_input}")
+    digest, measurements = entry.get("kat_sha256"), entry.get("measurements")
+    if (not isinstance(digest, str) or len(digest) != 64 or not isinstance(measurements, list)
+            or len(measurements) < 2 or any(found != digest for found in measurements)):
+        raise Refused(f"{where}: lane {lane}: kat_sha256 {digest!r} is not what every measurement gave "
+                      f"({measurements}): no known answer")
+    return digest
 
 
 def _engine(name: str, version: str, abi: str) -> dict[str, str | None]:
@@ -328,12 +398,19 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         producer = named_engine_pin(args.producer_engine or here, spec, "producer", measured)
         consumer = named_engine_pin(args.consumer_engine or here, spec, "consumer", measured)
     elif args.producer_engine and args.consumer_engine:
-        producer = named_engine_pin(args.producer_engine, spec, "producer")
+        producer = named_engine_pin(args.producer_engine, spec, "producer", evidence=args.producer_kat_evidence)
         consumer = named_engine_pin(args.consumer_engine, spec, "consumer")
     else:
         built_producer, built_consumer = engine_pins(spec)
-        producer = named_engine_pin(args.producer_engine, spec, "producer") if args.producer_engine else built_producer
+        producer = (named_engine_pin(args.producer_engine, spec, "producer", evidence=args.producer_kat_evidence)
+                    if args.producer_engine else built_producer)
         consumer = named_engine_pin(args.consumer_engine, spec, "consumer") if args.consumer_engine else built_consumer
+    if args.producer_kat_evidence is not None:  # measured elsewhere: it must be of this engine, and agree
+        measured_kat = evidence_known_answer(args.producer_kat_evidence, spec.name, producer)
+        if producer["kat_sha256"] not in (None, measured_kat):
+            raise Refused(f"--producer-kat-evidence {args.producer_kat_evidence}: lane {spec.name}: records "
+                          f"{measured_kat}, this host's {producer['name']} engine gives {producer['kat_sha256']}")
+        producer = {**producer, "kat_sha256": measured_kat}
 
     connector = connector_pin(args) if spec.name == VLLM_VIA_CONNECTOR_LANE else None
     prompt_tokens, prompt_digest = _prompt(args.prompt, args.prompt_tokens)
@@ -497,6 +574,9 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     document["schema"] = LINK_FLOOR_SCHEMA_ID if "link_floor" in document else IDENTITY_SCHEMA_ID
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
     document["producer_engine"], document["consumer_engine"] = refrozen_engines(identity)
+    if args.producer_kat_evidence is not None:  # the producer's KAT, measured where it runs
+        pin = document["producer_engine"]
+        pin["kat_sha256"] = evidence_known_answer(args.producer_kat_evidence, spec.name, pin)
     document["target_cache_identity_sha256"] = target_cache_identity(spec, files, document["producer_engine"]["abi"])
     document["tokenizer_sha256"] = tokenizer_sha256()
     document["prompt"]["sha256"] = prompt_digest
@@ -636,6 +716,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: what qualify.engines.factory.build_producer reports")
     parser.add_argument("--consumer-engine", nargs=3, metavar=("NAME", "VERSION", "ABI"),
                         help="default: what qualify.engines.factory.build_consumer reports")
+    parser.add_argument("--producer-kat-evidence", type=Path, metavar="FILE",
+                        help="pin the producer's known-answer digest measured where it runs, from this "
+                             "tools/measure_known_answer.py document (its engine must be the pinned one)")
     parser.add_argument("--basis", help="receipt://<run-id>/<file> of the calibration (with --lane)")
     parser.add_argument("--maximum-absolute", type=float,
                         help="rung-2 bound (max abs logit delta): derived from --basis; if given, must equal it")

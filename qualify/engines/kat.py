@@ -12,12 +12,22 @@ The consumer checks its own KAT when its identity is sealed; the producer proces
 before it announces itself ready. A mismatch refuses in one line naming the engine, both digests
 and what this host runs (numpy, BLAS, kernel, threads, CPU).
 
-vLLM is not exact by construction: its identities keep the pins that change its bits (version, ISA
-class, threads, attention settings) and carry a KAT too, measured on the CPU class the identity
-covers (:data:`MEASURED_ENGINE_NAMES`). Its prefill hands off whole blocks and keeps the prompt for a
-cold recompute, so its KAT digests both decode paths a lane uses: the cold recompute and the decode
-from the handed-off KV. torch/CUDA engines carry no KAT yet (their identities pin torch, CUDA, the
-device and the attention path).
+vLLM and the ``transformers`` engine on CUDA are not exact by construction
+(:data:`MEASURED_ENGINE_NAMES`): their identities keep the pins that change their bits and carry a
+KAT too, measured on the hardware class the identity covers and checked on top of those pins.
+
+* vLLM: version, ISA class, threads, attention settings; its KAT measured on the CPU class the
+  identity covers. Its prefill hands off whole blocks and keeps the prompt for a cold recompute, so
+  its KAT digests both decode paths a lane uses: the cold recompute and the decode from the
+  handed-off KV.
+* ``transformers-torch`` (the GPU producer of the ``transformers`` lanes): its ABI names transformers,
+  torch, CUDA, the GPU, the dtype, TF32 and the attention implementation; its KAT is measured on
+  that GPU with that ABI (``tools/measure_known_answer.py``, pinned by ``tools/freeze_identity.py
+  --producer-kat-evidence``), and the producer process checks it before it is ready. On the CPU
+  the same engine has a KAT too (the same fixed input); no shipped identity runs it there.
+
+The compact ``torch-llama`` engine carries no KAT (its identity pins torch, CUDA, the device and
+the attention path).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,9 +56,10 @@ KAT_DECODE_STEPS = 4
 
 EXACT_ENGINE_NAMES = frozenset({"reference-numpy", "kquant-numpy", "kquant-eagle1-numpy"})
 """Engines whose bits are exact by construction: their KAT holds on every host."""
-MEASURED_ENGINE_NAMES = frozenset({"vllm"})
-"""Engines whose bits hold only where their pins hold (vLLM: version, ISA class, threads): their
-KAT is measured on the class the identity covers and checked on top of those pins."""
+MEASURED_ENGINE_NAMES = frozenset({"vllm", "transformers-torch"})
+"""Engines whose bits hold only where their pins hold (vLLM: version, ISA class, threads; transformers
+on torch: transformers, torch, CUDA, the GPU, dtype, TF32, attention): their KAT is measured on the
+class the identity covers and checked on top of those pins."""
 KAT_ENGINE_NAMES = EXACT_ENGINE_NAMES | MEASURED_ENGINE_NAMES
 """Every engine an identity must pin a known-answer digest for."""
 
@@ -69,6 +81,21 @@ def kat_tokens(vocab: int) -> np.ndarray:
     """The fixed KAT token ids for a vocabulary of ``vocab`` (prompt, then pending)."""
     rng = np.random.default_rng(KAT_SEED)
     return rng.integers(0, vocab, KAT_PROMPT_TOKENS + KAT_PENDING_TOKENS, dtype=np.int64)
+
+
+KAT_EVIDENCE_SCHEMA = "trust-ladder.known-answer-evidence.v1"
+"""The document a KAT measured where its engine runs is recorded in (``tools/measure_known_answer.py``
+writes it; ``tools/freeze_identity.py --producer-kat-evidence`` pins from it)."""
+
+
+def kat_input(vocab: int) -> dict[str, int | str]:
+    """What the KAT feeds an engine of vocabulary ``vocab``: the sizes, the seed and the SHA-256 of
+    the token ids (int64, little-endian), so a digest measured elsewhere can be shown to be of this
+    input (another numpy drawing other ids would be another KAT)."""
+    tokens = kat_tokens(vocab).astype("<i8")
+    return {"seed": KAT_SEED, "vocab": vocab, "prompt_tokens": KAT_PROMPT_TOKENS,
+            "pending_tokens": KAT_PENDING_TOKENS, "decode_steps": KAT_DECODE_STEPS,
+            "tokens_sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
 
 
 def _absorb(digest: Any, label: str, array: np.ndarray) -> None:
@@ -124,12 +151,18 @@ def known_answer_sha256(engine: Any) -> str:
 
 
 def host_numerics() -> str:
-    """What this host computes with, for a KAT refusal: numpy, BLAS, its kernel and threads, CPU."""
+    """What this host computes with, for a KAT refusal: numpy, BLAS, its kernel and threads, CPU;
+    and torch, CUDA and the GPU where this process runs torch (a ``transformers`` engine)."""
     from qualify.core.hostenv import blas_facts, cpu_model
 
     blas = blas_facts()
-    return (f"numpy {np.__version__}, BLAS {blas['library']}, kernel {blas['kernel'] or 'unknown'}, "
-            f"threads {blas['num_threads'] or 'unknown'}, CPU {os.cpu_count()} x {cpu_model()}")
+    facts = (f"numpy {np.__version__}, BLAS {blas['library']}, kernel {blas['kernel'] or 'unknown'}, "
+             f"threads {blas['num_threads'] or 'unknown'}, CPU {os.cpu_count()} x {cpu_model()}")
+    torch = sys.modules.get("torch")
+    if torch is not None:  # only where an engine already imported it: a numpy run never pays for it
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+        facts += f", torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, GPU {gpu}"
+    return facts
 
 
 def check_known_answer(engine: Any, expected: str | None, role: str, found: str | None = None) -> None:

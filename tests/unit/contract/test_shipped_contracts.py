@@ -190,6 +190,23 @@ def test_a_shipped_identity_pins_no_source_bytes_and_a_known_answer_for_each_eng
         assert (engine["kat_sha256"] is not None) == (engine["name"] in KAT_ENGINE_NAMES)
 
 
+GPU_KNOWN_ANSWERS = assets.REPO_ROOT / "bench" / "results" / "gpu-lanes" / "known-answers.json"
+"""Where the ``transformers`` lanes' producer KATs were measured (on their H200, by
+``tools/measure_known_answer.py``) and pinned from (``tools/freeze_identity.py --producer-kat-evidence``)."""
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if json.loads(p.read_bytes())["lane_kind"] == "transformers"],
+                         ids=lambda p: p.name)
+def test_a_gpu_identity_pins_the_producer_known_answer_measured_on_its_engine(path: Path):
+    """The digest a transformers identity pins for its GPU producer is the one the committed evidence
+    records for that very engine (name, version and ABI equal, every measurement the same;
+    ``test_freeze_known_answer_evidence.py`` re-freezes each from that file, byte for byte)."""
+    producer = json.loads(path.read_bytes())["producer_engine"]
+    lane = json.loads(path.read_bytes())["lane"]
+    assert producer["name"] == "transformers-torch"
+    assert _freeze_tool().evidence_known_answer(GPU_KNOWN_ANSWERS, lane, producer) == producer["kat_sha256"]
+
+
 def _exact_consumer(path: Path) -> bool:
     from qualify.engines.kat import EXACT_ENGINE_NAMES
 

@@ -128,7 +128,8 @@ def test_a_docstring_edit_in_an_engine_source_needs_no_refreeze(docstring_edited
 
 
 class NotExact:
-    """An engine the KAT does not cover (torch/CUDA: its identities pin versions and the device)."""
+    """An engine the KAT does not cover (the compact torch Llama: its identities pin versions and the
+    device)."""
 
     name = "torch-llama"
     abi = "torch-llama-test"
@@ -170,6 +171,31 @@ def test_an_identity_pinning_no_known_answer_for_a_vllm_producer_is_refused(pinn
         check_pinned("vllm", None, "producer", "identity x")
     with pytest.raises(Refused, match="producer_engine.kat_sha256"):
         check_pinned("reference-numpy", None, "producer", "identity x")
+
+
+def test_an_identity_pinning_no_known_answer_for_a_transformers_producer_is_refused(pinned: str) -> None:
+    """The GPU producer of the transformers lanes is measured where it runs, as vLLM is: an identity
+    must pin its digest (checked at 'identity sealed'; the producer process checks the digest itself)."""
+    from qualify.engines.kat import MEASURED_ENGINE_NAMES, check_pinned
+
+    assert MEASURED_ENGINE_NAMES == {"vllm", "transformers-torch"}
+    check_pinned("transformers-torch", pinned, "producer", "identity x")
+    with pytest.raises(Refused, match=r"^identity x: producer_engine.kat_sha256: pinned none, expected the "
+                                      r"transformers-torch engine's known-answer digest \(re-freeze the identity\)$"):
+        check_pinned("transformers-torch", None, "producer", "identity x")
+
+
+def test_the_kat_input_names_the_token_ids_it_feeds() -> None:
+    """What a KAT measured elsewhere records of its input: another seed, size or numpy drawing other
+    ids gives another ``kat_input`` (the freeze refuses evidence of another input)."""
+    import hashlib
+
+    from qualify.engines.kat import KAT_PROMPT_TOKENS, kat_input, kat_tokens
+
+    facts = kat_input(512)
+    assert facts == kat_input(512) != kat_input(513)
+    assert facts["tokens_sha256"] == hashlib.sha256(kat_tokens(512).astype("<i8").tobytes()).hexdigest()
+    assert facts["prompt_tokens"] == KAT_PROMPT_TOKENS and facts["vocab"] == 512
 
 
 class HandsOffWholeBlocks:
