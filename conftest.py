@@ -127,10 +127,12 @@ LONGEST_FIRST = (
     "tests/unit/archive/test_fuzz_receipts.py",
     "tests/unit/engines/test_speculative.py",
     "tests/vllm/test_vllm_lanes.py",
+    "tests/vllm/test_served_pair.py",
     "tests/vllm/test_connector_qualify.py",
 )
 """Modules whose tests take longest (wall seconds in a clean-clone CI run's JUnit files, slow and
-vLLM tiers: 164, 153, 125, 133, 62, 62, 71, 60, 53; 137, 130): collected first, so xdist's two
+vLLM tiers: 164, 153, 125, 133, 62, 62, 71, 60, 53; the vLLM files measured here on 2026-12-05,
+with the whole tier beside other work: about 380, 290, 280): collected first, so xdist's two
 workers start on them and the short tests fill the end, instead of one long test tailing the tier."""
 
 

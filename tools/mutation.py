@@ -633,14 +633,16 @@ class RunRecord:
 
 
 def run_gate(
-    project: Path, tree: Path, gate: Gate, group_of: dict[str, str], jobs: int, only_groups: bool
+    project: Path, tree: Path, gate: Gate, group_of: dict[str, str], jobs: int
 ) -> tuple[RunRecord, list[Mutant]]:
     """mutmut in ``tree`` (a copy of ``project``): the mutants written and classed, the logic ones
-    run with the unit tests, the message ones with the golden tests; each mutant with its result."""
+    run with the unit tests, the message ones with the golden tests; each mutant with its result.
+    Only the groups' files are mutated (a file that pyproject.toml's ``only_mutate`` admits but no
+    group names would be run and never scored)."""
     copy_tree(project, tree)
     seconds: dict[str, float] = {}
     started = time.monotonic()
-    mutate = [option for source in group_of for option in ("--mutate", source)] if only_groups else []
+    mutate = [option for source in group_of for option in ("--mutate", source)]
     run_mutmut(tree, [*mutate, "generate", "--max-children", str(jobs)], "generate")
     mutants = read_mutants(tree, group_of, gate.rules)
     seconds["generate and class"] = time.monotonic() - started
@@ -856,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise GateError(f"--keep: {arguments.keep} is not empty")
                 tree.mkdir(parents=True, exist_ok=True)
                 project = arguments.project.resolve()
-                record, mutants = run_gate(project, tree, gate, group_of, arguments.jobs, bool(arguments.groups))
+                record, mutants = run_gate(project, tree, gate, group_of, arguments.jobs)
                 steps = ", ".join(f"{step} {spent:.0f} s" for step, spent in record.seconds.items())
                 ran = f"mutmut ran in {time.monotonic() - started:.0f} s with {arguments.jobs} workers ({steps})"
             scores, rules, entries = score(mutants, gate, groups, record, arguments.survivors)
