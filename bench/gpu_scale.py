@@ -10,7 +10,9 @@ with its basis receipt like every other lane. This script only plugs two things 
 * an in-process **transport**: the producer engine prefills on the GPU; its 64 K/V tensors are
   gathered into a device staging buffer laid out by :func:`qualify.handoff.wire.payload_layout`,
   copied once into a pinned host buffer that is the safetensors payload, and sealed there in place
-  (:func:`qualify.handoff.wire.seal_handoff_parts`, 16 hashing threads);
+  (:func:`qualify.handoff.wire.seal_handoff_parts`, 16 hashing threads). Before it is made the
+  producer engine's known-answer digest is checked against the identity's, as a producer process
+  checks its own before it is ready (the consumer's is checked at 'identity sealed', by the run);
 * the **device comparer** (:class:`qualify.evidence.comparers.DeviceComparer`): the consumer
   installs the verified bytes, decodes on the GPU and compares every full logit row there.
 
@@ -271,6 +273,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from qualify.engines.factory import build_consumer, build_producer
+    from qualify.engines.kat import check_known_answer
 
     if options.calibrate and options.fault is not None:
         raise Refused("--fault: a calibration measures a lane as it is; run the fault without --calibrate")
@@ -296,6 +299,11 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
     comparers: list[DeviceComparer] = []
 
     def transport(setup: TransportSetup) -> InProcessTransport:
+        if setup.expectation.engine_kat_sha256 is not None:
+            # Before the producer is ready, as the producer process checks its own
+            # (qualify.handoff.service.serve): the honest engine's known answer on this GPU (a
+            # --fault is injected into its handoffs, not its arithmetic); exit 2 at 'producer ready'.
+            check_known_answer(producer, setup.expectation.engine_kat_sha256, "producer")
         producers.append(DeviceProducer(producer, options.fault, setup.handed_off_positions))
         return InProcessTransport(
             producers[-1], key=setup.key, identity_sha256=setup.expectation.identity_sha256,

@@ -17,23 +17,26 @@ Engines exact by construction (the numpy engines) are pinned by ABI and known-an
 (``qualify.engines.kat``), computed from the engines the lane's factory builds here; an engine
 this host cannot build (vLLM, CUDA) is pinned by ``--producer-engine``/``--consumer-engine``. An
 engine measured where it runs (``MEASURED_ENGINE_NAMES``) carries the digest measured there: a
-connector lane's from its basis receipt, a ``transformers`` lane producer's (on its GPU) from
-``--producer-kat-evidence FILE``, the document ``tools/measure_known_answer.py`` wrote there. That
-digest is pinned only where the file's engine for the lane is the identity's producer engine
-(name, version and ABI equal), its measurements agree and its KAT input is this harness's; else the
-freeze is refused. Without one, a freeze pinning such an engine that this host cannot build is
-refused too: an identity pinning no digest for it would be refused by every run at ``identity
-sealed`` (absent evidence is failed evidence).
+connector lane's from its basis receipt, a GPU engine's (a ``transformers`` lane's producer, a
+``torch-llama`` lane's producer and consumer) from ``--producer-kat-evidence FILE`` and
+``--consumer-kat-evidence FILE``, the document ``tools/measure_known_answer.py`` wrote on that GPU.
+That digest is pinned only where the file's engine for the lane and role is the identity's engine of
+that role (name, version and ABI equal), its measurements agree and its KAT input is this
+harness's; else the freeze is refused. Without one, a freeze pinning such an engine that this host
+cannot build is refused too: an identity pinning no digest for it would be refused by every run at
+``identity sealed`` (absent evidence is failed evidence).
 
 Re-freeze (``--refreeze PATH...``): recomputes those artifact digests and the numpy engines' ABI
 and known-answer digests of existing identities, keeping their other engines, rules and basis
 URIs -- for a reviewed change that moves no number: ``--refreeze contracts/*-identity-v1.json
---write-sealed``. With ``--producer-kat-evidence FILE`` it pins the producer's measured digest
-(checked as above) in each identity it re-freezes: ``--refreeze
-contracts/transformers-cuda-*-identity-v1.json --producer-kat-evidence
-bench/results/gpu-lanes/known-answers.json --write-sealed``. A source-pinned v3/v4 identity is
-moved to v5/v6 (its ``adapter`` pin and the numpy/BLAS versions in its ABIs dropped). (Retired
-v1/v2 identities are re-calibrated, not re-frozen.)
+--write-sealed``. With ``--producer-kat-evidence FILE`` (``--consumer-kat-evidence FILE``) it pins
+the producer's (consumer's) measured digest (checked as above) in each identity it re-freezes:
+``--refreeze contracts/transformers-cuda-*-identity-v1.json --producer-kat-evidence
+bench/results/gpu-lanes/known-answers.json --write-sealed``; ``--refreeze
+contracts/llama3-8b-shape-pd-identity-v1.json --producer-kat-evidence FILE --consumer-kat-evidence
+FILE --write-sealed``, ``FILE`` ``bench/results/gpu-lanes/known-answers-llama3-8b-shape.json``. A
+source-pinned v3/v4 identity is moved to v5/v6 (its ``adapter`` pin and the numpy/BLAS versions in
+its ABIs dropped). (Retired v1/v2 identities are re-calibrated, not re-frozen.)
 
 ``--write-sealed`` regenerates ``qualify/contract/sealed_data.py`` whole from
 ``contracts/*-identity-v1.json`` and their basis receipts; ``--write-schema`` regenerates
@@ -196,8 +199,9 @@ def named_engine_pin(given: Sequence[str], spec: LaneSpec, role: str,
                      ) -> dict[str, str | None]:
     """An engine pin given on the command line (``--producer-engine``/``--consumer-engine``): an
     engine with a known-answer check that this host builds as given carries its digest (a connector
-    lane's: the one its engine process measured in the basis calibration, ``measured``; a producer
-    measured on its own machine: the one ``evidence`` records for it, :func:`evidence_known_answer`);
+    lane's: the one its engine process measured in the basis calibration, ``measured``; an engine
+    measured on its own machine: the one ``evidence`` records for it in ``role``,
+    :func:`evidence_known_answer`);
     a measured engine this host cannot build, given no evidence, is refused; a pin of another build
     is pinned as given, with none (a run then refuses an engine with a known-answer check pinned
     without one)."""
@@ -209,21 +213,35 @@ def named_engine_pin(given: Sequence[str], spec: LaneSpec, role: str,
         return pin
     if spec.name == VLLM_VIA_CONNECTOR_LANE:
         return {**pin, "kat_sha256": (measured or {}).get(role)}
-    if role == "producer" and evidence is not None:  # measured on the machine it runs on
-        return {**pin, "kat_sha256": evidence_known_answer(evidence, spec.name, pin)}
+    if evidence is not None:  # measured on the machine it runs on
+        return {**pin, "kat_sha256": evidence_known_answer(evidence, spec.name, pin, role)}
     unbuildable = unbuildable_here(spec, role) if pin["name"] in MEASURED_ENGINE_NAMES else None
     if unbuildable is not None:  # an identity pinning no digest would be refused by every run
         raise Refused(f"--{role}-engine {pin['name']}: its known-answer digest is measured where it runs, and "
                       f"this host cannot build it ({unbuildable}); measure it there (tools/measure_known_answer.py) "
-                      f"and pass --producer-kat-evidence FILE")
+                      f"and pass --{role}-kat-evidence FILE")
     built = engine_pin(producer_engine(spec, spec.mode) if role == "producer" else build_consumer(spec))
     return built if [built[key] for key in ("name", "version", "abi")] == list(given) else pin
 
 
 def unbuildable_here(spec: LaneSpec, role: str) -> str | None:
     """Why this host cannot build the lane's ``role`` engine to measure its KAT, or None where it can:
-    a ``transformers`` lane's producer needs torch and the CUDA device its ABI names (checked without
-    loading the model)."""
+    a ``transformers`` lane's producer needs torch and the CUDA device its ABI names, a
+    ``torch-llama`` lane's engines torch and the device and dtype its model file names (checked
+    without loading or drawing the model)."""
+    if spec.kind is LaneKind.TORCH_LLAMA:
+        from qualify.core.assets import require_asset
+
+        try:
+            from qualify.engines.torch_llama import check_dtype_device, random_model
+        except ImportError as exc:
+            return f"torch is not installed ({one_line(str(exc))})"
+        try:
+            _, _, dtype, device = random_model(require_asset(TORCH_LLAMA_MODELS[spec.name]))
+            check_dtype_device(dtype, device)
+        except Refused as exc:
+            return one_line(str(exc))
+        return None
     if spec.kind is not LaneKind.TRANSFORMERS or role != "producer":
         return None
     from qualify.engines.factory import lane_producer_abi
@@ -235,39 +253,69 @@ def unbuildable_here(spec: LaneSpec, role: str) -> str | None:
     return None
 
 
-def evidence_known_answer(path: Path, lane: str, pin: Mapping[str, str | None]) -> str:
+def evidence_known_answer(path: Path, lane: str, pin: Mapping[str, str | None], role: str = "producer") -> str:
     """The KAT digest ``path`` (``tools/measure_known_answer.py``'s document) records for lane
-    ``lane``'s producer, once it is shown to be of the engine ``pin`` names (name, version, ABI),
-    deterministic (every measurement equal) and of this harness's KAT input; refused otherwise."""
-    from qualify.engines.checkpoint import load_config
-    from qualify.engines.kat import KAT_EVIDENCE_SCHEMA, kat_input
+    ``lane``'s ``role`` engine, once it is shown to be of the engine ``pin`` names (name, version,
+    ABI), deterministic (every measurement equal) and of this harness's KAT input for the lane's
+    vocabulary; refused otherwise."""
+    from qualify.engines.kat import kat_input
 
-    where = f"--producer-kat-evidence {path}"
-    document = read_strict_json(path, "known-answer evidence")
-    if not isinstance(document, dict) or document.get("schema") != KAT_EVIDENCE_SCHEMA:
-        found = document.get("schema") if isinstance(document, dict) else type(document).__name__
-        raise Refused(f"{where}: schema: found {found!r}, expected {KAT_EVIDENCE_SCHEMA!r}")
-    lanes = document.get("lanes")
-    entry = lanes.get(lane) if isinstance(lanes, dict) else None
-    if not isinstance(entry, dict):
-        raise Refused(f"{where}: records no measurement of lane {lane}")
+    where = f"--{role}-kat-evidence {path}"
+    entry, recorded_input = evidence_entry(read_strict_json(path, "known-answer evidence"), lane, role, where)
     engine = entry.get("engine")
     if not isinstance(engine, dict):
         engine = {}
     for key in ("name", "version", "abi"):
         if engine.get(key) != pin[key]:
-            raise Refused(f"{where}: lane {lane}: measured on producer_engine.{key} {engine.get(key)!r}, the "
+            raise Refused(f"{where}: lane {lane}: measured on {role}_engine.{key} {engine.get(key)!r}, the "
                           f"identity pins {pin[key]!r}: a known answer measured under other pins is not pinned")
-    expected_input = kat_input(load_config(MODEL_DIR).geometry.vocab)
-    if document.get("kat_input") != expected_input:
-        raise Refused(f"{where}: kat_input: found {document.get('kat_input')}, this harness's KAT input is "
-                      f"{expected_input}")
+    expected_input = kat_input(lane_vocab(lane_spec(lane)))
+    if recorded_input != expected_input:
+        raise Refused(f"{where}: kat_input: found {recorded_input}, this harness's KAT input is {expected_input}")
     digest, measurements = entry.get("kat_sha256"), entry.get("measurements")
     if (not isinstance(digest, str) or len(digest) != 64 or not isinstance(measurements, list)
             or len(measurements) < 2 or any(found != digest for found in measurements)):
         raise Refused(f"{where}: lane {lane}: kat_sha256 {digest!r} is not what every measurement gave "
                       f"({measurements}): no known answer")
     return digest
+
+
+def evidence_entry(document: Any, lane: str, role: str, where: str) -> tuple[dict[str, Any], Any]:
+    """(the entry, the KAT input it records) of ``lane``'s ``role`` engine in a known-answer evidence
+    document: schema v2 (per lane its ``kat_input`` and one entry per measured role) or v1 (one
+    ``kat_input`` for the document and one producer entry per lane); refused where it has none."""
+    from qualify.engines.kat import KAT_EVIDENCE_SCHEMA, KAT_EVIDENCE_SCHEMA_V1
+
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if schema not in (KAT_EVIDENCE_SCHEMA, KAT_EVIDENCE_SCHEMA_V1):
+        found = schema if isinstance(document, dict) else type(document).__name__
+        raise Refused(f"{where}: schema: found {found!r}, expected {KAT_EVIDENCE_SCHEMA!r} (or "
+                      f"{KAT_EVIDENCE_SCHEMA_V1!r})")
+    lanes = document.get("lanes")
+    measured = lanes.get(lane) if isinstance(lanes, dict) else None
+    if schema == KAT_EVIDENCE_SCHEMA_V1:  # a producer entry per lane
+        entry = measured if isinstance(measured, dict) and measured.get("role", "producer") == role else None
+        recorded_input = document.get("kat_input")
+    else:
+        entry = measured.get(role) if isinstance(measured, dict) else None
+        recorded_input = measured.get("kat_input") if isinstance(measured, dict) else None
+    if not isinstance(entry, dict):
+        raise Refused(f"{where}: records no measurement of lane {lane}" + ("" if role == "producer" else f"'s {role}"))
+    return entry, recorded_input
+
+
+def lane_vocab(spec: LaneSpec) -> int:
+    """The vocabulary the lane's engines run (their KAT's token ids are drawn over it): a
+    ``torch-llama`` lane's model file's, else the shipped model's (read as JSON: no torch)."""
+    if spec.kind is LaneKind.TORCH_LLAMA:
+        config_path = lane_model_dir(spec, None) / "config.json"
+        vocab = _read_config(config_path).get("vocab_size")
+        if isinstance(vocab, bool) or not isinstance(vocab, int):
+            raise Refused(f"model config {config_path}: vocab_size: found {vocab!r}, expected an integer")
+        return vocab
+    from qualify.engines.checkpoint import load_config
+
+    return load_config(MODEL_DIR).geometry.vocab
 
 
 def _engine(name: str, version: str, abi: str) -> dict[str, str | None]:
@@ -399,18 +447,15 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         consumer = named_engine_pin(args.consumer_engine or here, spec, "consumer", measured)
     elif args.producer_engine and args.consumer_engine:
         producer = named_engine_pin(args.producer_engine, spec, "producer", evidence=args.producer_kat_evidence)
-        consumer = named_engine_pin(args.consumer_engine, spec, "consumer")
+        consumer = named_engine_pin(args.consumer_engine, spec, "consumer", evidence=args.consumer_kat_evidence)
     else:
         built_producer, built_consumer = engine_pins(spec)
         producer = (named_engine_pin(args.producer_engine, spec, "producer", evidence=args.producer_kat_evidence)
                     if args.producer_engine else built_producer)
-        consumer = named_engine_pin(args.consumer_engine, spec, "consumer") if args.consumer_engine else built_consumer
-    if args.producer_kat_evidence is not None:  # measured elsewhere: it must be of this engine, and agree
-        measured_kat = evidence_known_answer(args.producer_kat_evidence, spec.name, producer)
-        if producer["kat_sha256"] not in (None, measured_kat):
-            raise Refused(f"--producer-kat-evidence {args.producer_kat_evidence}: lane {spec.name}: records "
-                          f"{measured_kat}, this host's {producer['name']} engine gives {producer['kat_sha256']}")
-        producer = {**producer, "kat_sha256": measured_kat}
+        consumer = (named_engine_pin(args.consumer_engine, spec, "consumer", evidence=args.consumer_kat_evidence)
+                    if args.consumer_engine else built_consumer)
+    producer = with_measured_known_answer(producer, spec, "producer", args.producer_kat_evidence)
+    consumer = with_measured_known_answer(consumer, spec, "consumer", args.consumer_kat_evidence)
 
     connector = connector_pin(args) if spec.name == VLLM_VIA_CONNECTOR_LANE else None
     prompt_tokens, prompt_digest = _prompt(args.prompt, args.prompt_tokens)
@@ -542,6 +587,20 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
     )
 
 
+def with_measured_known_answer(pin: dict[str, str | None], spec: LaneSpec, role: str,
+                               evidence: Path | None) -> dict[str, str | None]:
+    """``pin`` with the ``role`` engine's digest ``evidence`` records (measured elsewhere: it must be
+    of this engine, and agree with the digest this host gave where it built the engine); ``pin`` as
+    it is without evidence."""
+    if evidence is None:
+        return pin
+    measured_kat = evidence_known_answer(evidence, spec.name, pin, role)
+    if pin["kat_sha256"] not in (None, measured_kat):
+        raise Refused(f"--{role}-kat-evidence {evidence}: lane {spec.name}: records {measured_kat}, this host's "
+                      f"{pin['name']} engine gives {pin['kat_sha256']}")
+    return {**pin, "kat_sha256": measured_kat}
+
+
 def follows(option: str, given: float | None, derived: float | None, rule: str) -> float:
     """The derived number; a number given on the command line must be exactly it (a freeze seals
     nothing its basis does not give by the stated rule)."""
@@ -574,9 +633,10 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     document["schema"] = LINK_FLOOR_SCHEMA_ID if "link_floor" in document else IDENTITY_SCHEMA_ID
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
     document["producer_engine"], document["consumer_engine"] = refrozen_engines(identity)
-    if args.producer_kat_evidence is not None:  # the producer's KAT, measured where it runs
-        pin = document["producer_engine"]
-        pin["kat_sha256"] = evidence_known_answer(args.producer_kat_evidence, spec.name, pin)
+    for role, evidence in (("producer", args.producer_kat_evidence), ("consumer", args.consumer_kat_evidence)):
+        if evidence is not None:  # the engine's KAT, measured where it runs
+            pin = document[f"{role}_engine"]
+            pin["kat_sha256"] = evidence_known_answer(evidence, spec.name, pin, role)
     document["target_cache_identity_sha256"] = target_cache_identity(spec, files, document["producer_engine"]["abi"])
     document["tokenizer_sha256"] = tokenizer_sha256()
     document["prompt"]["sha256"] = prompt_digest
@@ -719,6 +779,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--producer-kat-evidence", type=Path, metavar="FILE",
                         help="pin the producer's known-answer digest measured where it runs, from this "
                              "tools/measure_known_answer.py document (its engine must be the pinned one)")
+    parser.add_argument("--consumer-kat-evidence", type=Path, metavar="FILE",
+                        help="the same for the consumer (a torch-llama lane's, measured on its GPU)")
     parser.add_argument("--basis", help="receipt://<run-id>/<file> of the calibration (with --lane)")
     parser.add_argument("--maximum-absolute", type=float,
                         help="rung-2 bound (max abs logit delta): derived from --basis; if given, must equal it")

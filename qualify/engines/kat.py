@@ -12,9 +12,9 @@ The consumer checks its own KAT when its identity is sealed; the producer proces
 before it announces itself ready. A mismatch refuses in one line naming the engine, both digests
 and what this host runs (numpy, BLAS, kernel, threads, CPU).
 
-vLLM and the ``transformers`` engine on CUDA are not exact by construction
-(:data:`MEASURED_ENGINE_NAMES`): their identities keep the pins that change their bits and carry a
-KAT too, measured on the hardware class the identity covers and checked on top of those pins.
+vLLM and the torch engines on CUDA are not exact by construction (:data:`MEASURED_ENGINE_NAMES`):
+their identities keep the pins that change their bits and carry a KAT too, measured on the hardware
+class the identity covers and checked on top of those pins.
 
 * vLLM: version, ISA class, threads, attention settings; its KAT measured on the CPU class the
   identity covers. Its prefill hands off whole blocks and keeps the prompt for a cold recompute, so
@@ -25,9 +25,14 @@ KAT too, measured on the hardware class the identity covers and checked on top o
   that GPU with that ABI (``tools/measure_known_answer.py``, pinned by ``tools/freeze_identity.py
   --producer-kat-evidence``), and the producer process checks it before it is ready. On the CPU
   the same engine has a KAT too (the same fixed input); no shipped identity runs it there.
-
-The compact ``torch-llama`` engine carries no KAT (its identity pins torch, CUDA, the device and
-the attention path).
+* ``torch-llama`` (the compact engine of the ``torch-llama`` lanes, producer and consumer): its ABI
+  names torch, CUDA, the GPU, the dtype, the LM head's float32 accumulation and whether the decode
+  replays a CUDA graph; its weights are drawn from the seed the lane's model file names, on that GPU.
+  Both sides' KATs are measured there (the same tool; pinned with ``--producer-kat-evidence`` and
+  ``--consumer-kat-evidence``): the consumer checks its own at "identity sealed", the producer
+  before it is ready (an in-process producer where its transport is made,
+  ``bench/gpu_scale.py``). The KAT's seed and sizes are every engine's (its token ids drawn over
+  the engine's own vocabulary), so the 8B-shaped engine runs it unchanged.
 """
 
 from __future__ import annotations
@@ -56,10 +61,11 @@ KAT_DECODE_STEPS = 4
 
 EXACT_ENGINE_NAMES = frozenset({"reference-numpy", "kquant-numpy", "kquant-eagle1-numpy"})
 """Engines whose bits are exact by construction: their KAT holds on every host."""
-MEASURED_ENGINE_NAMES = frozenset({"vllm", "transformers-torch"})
+MEASURED_ENGINE_NAMES = frozenset({"vllm", "transformers-torch", "torch-llama"})
 """Engines whose bits hold only where their pins hold (vLLM: version, ISA class, threads; transformers
-on torch: transformers, torch, CUDA, the GPU, dtype, TF32, attention): their KAT is measured on the
-class the identity covers and checked on top of those pins."""
+on torch: transformers, torch, CUDA, the GPU, dtype, TF32, attention; the compact torch Llama: torch,
+CUDA, the GPU, dtype, head accumulation, CUDA graphs): their KAT is measured on the class the
+identity covers and checked on top of those pins."""
 KAT_ENGINE_NAMES = EXACT_ENGINE_NAMES | MEASURED_ENGINE_NAMES
 """Every engine an identity must pin a known-answer digest for."""
 
@@ -83,9 +89,13 @@ def kat_tokens(vocab: int) -> np.ndarray:
     return rng.integers(0, vocab, KAT_PROMPT_TOKENS + KAT_PENDING_TOKENS, dtype=np.int64)
 
 
-KAT_EVIDENCE_SCHEMA = "trust-ladder.known-answer-evidence.v1"
+KAT_EVIDENCE_SCHEMA = "trust-ladder.known-answer-evidence.v2"
 """The document a KAT measured where its engine runs is recorded in (``tools/measure_known_answer.py``
-writes it; ``tools/freeze_identity.py --producer-kat-evidence`` pins from it)."""
+writes it; ``tools/freeze_identity.py --producer-kat-evidence``/``--consumer-kat-evidence`` pin from
+it): per lane its KAT input and an entry per measured role (``producer``, ``consumer``)."""
+KAT_EVIDENCE_SCHEMA_V1 = "trust-ladder.known-answer-evidence.v1"
+"""The first such document, still read: one KAT input for the document and one producer entry per
+lane (``bench/results/gpu-lanes/known-answers.json``)."""
 
 
 def kat_input(vocab: int) -> dict[str, int | str]:
@@ -152,7 +162,8 @@ def known_answer_sha256(engine: Any) -> str:
 
 def host_numerics() -> str:
     """What this host computes with, for a KAT refusal: numpy, BLAS, its kernel and threads, CPU;
-    and torch, CUDA and the GPU where this process runs torch (a ``transformers`` engine)."""
+    and torch, CUDA and the GPU where this process runs torch (a ``transformers`` or ``torch-llama``
+    engine)."""
     from qualify.core.hostenv import blas_facts, cpu_model
 
     blas = blas_facts()

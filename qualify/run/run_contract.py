@@ -388,9 +388,10 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         raise Refused(f"identity {identity_path}: recipe: found {identity.recipe.value}, the run is --recipe {recipe}")
     check_engine_pins(identity, consumer, lane_producer_abi(identity.spec))
     # The consumer's arithmetic, pinned by its bits on the known-answer input (the producer
-    # process checks its own before it is ready: here only that the identity pins one).
-    check_pinned(identity.producer_engine.name, identity.producer_engine.kat_sha256, "producer",
-                 f"identity {identity_path}")
+    # process checks its own before it is ready: here only that the identity pins one). A missing
+    # pin is refused naming its field before any KAT runs.
+    for role, pin in (("producer", identity.producer_engine), ("consumer", identity.consumer_engine)):
+        check_pinned(pin.name, pin.kat_sha256, role, f"identity {identity_path}")
     check_known_answer(consumer, identity.consumer_engine.kat_sha256, "consumer")
     consumer_geometry = consumer.geometry
     check_rope_cache(identity, consumer_geometry.head_dim, f"identity {identity_path}")

@@ -167,6 +167,14 @@ AWAITING_VLLM_KNOWN_ANSWER = {
         "fit the round that added them (docs/models.md)",
 }
 """Shipped identities frozen before vLLM known-answer digests existed, by path under contracts/."""
+AWAITING_GPU_KNOWN_ANSWER = {
+    "llama3-8b-shape-pd-identity-v1.json":
+        "both torch-llama engines are measured known-answer engines (issue 35); their digests are measured on "
+        "the H200 the identity pins (tools/measure_known_answer.py --lane llama3-8b-shape-pd), and no GPU "
+        "machine could be started in the round that made them so (docs/gpu-lanes.md, 'Known answers')",
+}
+"""Shipped identities whose torch-llama engines await their known answers measured on the GPU, by
+path under contracts/: refused at 'identity sealed' until re-frozen from that evidence."""
 
 
 @pytest.mark.parametrize("path", [*SHIPPED, *MODEL_IDENTITIES, *CONNECTOR_IDENTITIES],
@@ -182,7 +190,9 @@ def test_a_shipped_identity_pins_no_source_bytes_and_a_known_answer_for_each_eng
     for role in ("producer_engine", "consumer_engine"):
         engine = document[role]
         assert "numpy-" not in engine["abi"].replace("numpy-llama", "")
-        if path.relative_to(assets.CONTRACTS_DIR).as_posix() in AWAITING_VLLM_KNOWN_ANSWER and engine["name"] == "vllm":
+        where = path.relative_to(assets.CONTRACTS_DIR).as_posix()
+        if ((where in AWAITING_VLLM_KNOWN_ANSWER and engine["name"] == "vllm")
+                or (where in AWAITING_GPU_KNOWN_ANSWER and engine["name"] == "torch-llama")):
             # No run can use it until it is re-frozen: refused at 'identity sealed'.
             with pytest.raises(Refused, match=f"{role}.kat_sha256: pinned none"):
                 check_pinned(engine["name"], engine["kat_sha256"], role.removesuffix("_engine"), str(path))
@@ -205,6 +215,26 @@ def test_a_gpu_identity_pins_the_producer_known_answer_measured_on_its_engine(pa
     lane = json.loads(path.read_bytes())["lane"]
     assert producer["name"] == "transformers-torch"
     assert _freeze_tool().evidence_known_answer(GPU_KNOWN_ANSWERS, lane, producer) == producer["kat_sha256"]
+
+
+LLAMA_KNOWN_ANSWERS = assets.REPO_ROOT / "bench" / "results" / "gpu-lanes" / "known-answers-llama3-8b-shape.json"
+"""Where both engines of the ``torch-llama`` lane are recorded once measured (on the H200 its identity
+pins) and pinned from (``--producer-kat-evidence`` and ``--consumer-kat-evidence``)."""
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if json.loads(p.read_bytes())["lane_kind"] == "torch-llama"],
+                         ids=lambda p: p.name)
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_a_torch_llama_identity_pins_both_known_answers_measured_on_its_engines(path: Path, role: str):
+    """Both digests the 8B-shaped identity pins (its eager producer's, its CUDA-graph consumer's) are
+    the ones the committed evidence records for those very engines (name, version and ABI equal,
+    every measurement the same)."""
+    if path.name in AWAITING_GPU_KNOWN_ANSWER:
+        pytest.skip(f"awaiting its GPU measurement: {AWAITING_GPU_KNOWN_ANSWER[path.name]}")
+    document = json.loads(path.read_bytes())
+    pin = document[f"{role}_engine"]
+    assert pin["name"] == "torch-llama"
+    assert _freeze_tool().evidence_known_answer(LLAMA_KNOWN_ANSWERS, document["lane"], pin, role) == pin["kat_sha256"]
 
 
 def _exact_consumer(path: Path) -> bool:

@@ -128,11 +128,12 @@ def test_a_docstring_edit_in_an_engine_source_needs_no_refreeze(docstring_edited
 
 
 class NotExact:
-    """An engine the KAT does not cover (the compact torch Llama: its identities pin versions and the
-    device)."""
+    """An engine the KAT does not cover: every engine the harness builds has one (the compact torch
+    Llama too, since its identity pins its measured digests); an operator's engine factory
+    (``--engine-factory``) may build another."""
 
-    name = "torch-llama"
-    abi = "torch-llama-test"
+    name = "operator-engine"
+    abi = "operator-engine-test"
 
 
 def test_a_pin_must_match_whether_the_engine_has_a_known_answer(engine: ReferenceEngine, pinned: str) -> None:
@@ -166,7 +167,7 @@ def test_an_identity_pinning_no_known_answer_for_a_vllm_producer_is_refused(pinn
     from qualify.engines.kat import check_pinned
 
     check_pinned("vllm", pinned, "producer", "identity x")
-    check_pinned("torch-llama", None, "producer", "identity x")
+    check_pinned("operator-engine", None, "producer", "identity x")
     with pytest.raises(Refused, match="producer_engine.kat_sha256"):
         check_pinned("vllm", None, "producer", "identity x")
     with pytest.raises(Refused, match="producer_engine.kat_sha256"):
@@ -178,11 +179,25 @@ def test_an_identity_pinning_no_known_answer_for_a_transformers_producer_is_refu
     must pin its digest (checked at 'identity sealed'; the producer process checks the digest itself)."""
     from qualify.engines.kat import MEASURED_ENGINE_NAMES, check_pinned
 
-    assert MEASURED_ENGINE_NAMES == {"vllm", "transformers-torch"}
+    assert MEASURED_ENGINE_NAMES == {"vllm", "transformers-torch", "torch-llama"}
     check_pinned("transformers-torch", pinned, "producer", "identity x")
     with pytest.raises(Refused, match=r"^identity x: producer_engine.kat_sha256: pinned none, expected the "
                                       r"transformers-torch engine's known-answer digest \(re-freeze the identity\)$"):
         check_pinned("transformers-torch", None, "producer", "identity x")
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_an_identity_pinning_no_known_answer_for_either_torch_llama_engine_is_refused(pinned: str, role: str) -> None:
+    """The compact torch Llama (both sides of the 8B-shaped lane) is measured on its GPU, as the
+    transformers producer is: an identity must pin each side's digest, and 'identity sealed' refuses
+    one that pins none, naming the field, before any KAT runs."""
+    from qualify.engines.kat import KAT_ENGINE_NAMES, MEASURED_ENGINE_NAMES, check_pinned
+
+    assert "torch-llama" in MEASURED_ENGINE_NAMES and "torch-llama" in KAT_ENGINE_NAMES
+    check_pinned("torch-llama", pinned, role, "identity x")
+    with pytest.raises(Refused, match=rf"^identity x: {role}_engine.kat_sha256: pinned none, expected the "
+                                      r"torch-llama engine's known-answer digest \(re-freeze the identity\)$"):
+        check_pinned("torch-llama", None, role, "identity x")
 
 
 def test_the_kat_input_names_the_token_ids_it_feeds() -> None:
