@@ -3,12 +3,13 @@ repo states, and tools/vllm_lock.py writes it from a pip report."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "tools" / "vllm-requirements.txt"
@@ -59,10 +60,7 @@ def test_vllm_lock_writes_sorted_hash_pinned_lines(tmp_path: Path) -> None:
                       '{"metadata": {"name": "alpha", "version": "2.0"}, '
                       '"download_info": {"url": "u", "archive_info": {"hash": "sha256=' + "b" * 64 + '"}}}'
                       ']}', encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("vllm_lock", ROOT / "tools" / "vllm_lock.py")
-    assert spec is not None and spec.loader is not None
-    vllm_lock = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vllm_lock)
+    vllm_lock = load_script(ROOT / "tools" / "vllm_lock.py")
     assert vllm_lock.lock_lines(json.loads(report.read_text())) == [
         f"alpha==2.0 --hash=sha256:{'b' * 64}", f"zeta-pkg==1.0 --hash=sha256:{'a' * 64}"]
     unhashed = tmp_path / "unhashed.json"

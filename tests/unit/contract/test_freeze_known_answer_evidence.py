@@ -25,6 +25,7 @@ import pytest
 from qualify.core import assets
 from qualify.engines.checkpoint import load_config
 from qualify.engines.kat import KAT_EVIDENCE_SCHEMA, kat_input
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[3]
 LANE = "transformers-cuda-bf16"
@@ -34,12 +35,7 @@ MEASURED = "5e" * 32
 
 
 def _freeze_tool() -> types.ModuleType:
-    path = REPO / "tools" / "freeze_identity.py"
-    spec = importlib.util.spec_from_file_location("freeze_identity", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "tools" / "freeze_identity.py")
 
 
 def evidence_document() -> dict[str, Any]:
