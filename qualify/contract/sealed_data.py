@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 SEALED_IDENTITIES: Mapping[str, str] = MappingProxyType({
     "kquant-exact-dflash": "540024de156e85e6501fc0e22155221fa1df4e3817457af80e540454efae85f2",
-    "llama3-8b-shape-pd": "6a4dc2934f2c472cfab0d3e12bae7c0abc516fdd3a82bb627cb2c530f2b2d801",
+    "llama3-8b-shape-pd": "595611bbad19c7e3377c6bb0a437d0b8744bbeee9b8ae42984f73099ec0097c9",
     "nvfp4-native-f16": "03801f6bef2d92fa609b9d96636d2243f5c6e53ee51df1369c09f8e9dbdf408c",
     "nvfp4-native-splitk": "0467c59cc807deb83ae7c336fb8a08941aa567f0def77d0571b3a7a8270b1422",
     "nvfp4-native-w4a4": "bf5a5276174481fd2c742d3d47695dae01472ff650e481f9d1a86287770ae5c4",

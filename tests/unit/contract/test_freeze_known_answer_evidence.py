@@ -208,8 +208,8 @@ def test_a_new_freeze_pins_the_measured_digest_and_without_it_is_refused_where_t
 LLAMA = "llama3-8b-shape-pd"
 LLAMA_SHIPPED = assets.CONTRACTS_DIR / f"{LLAMA}-identity-v1.json"
 LLAMA_EVIDENCE = REPO / "bench" / "results" / "gpu-lanes" / "known-answers-llama3-8b-shape.json"
-"""Where both ``torch-llama`` engines' KATs are recorded once measured on the H200 the identity pins
-(``docs/gpu-lanes.md``, "Known answers"); until then the identity pins none and is refused."""
+"""Where both ``torch-llama`` engines' KATs measured on the H200 the identity pins are recorded
+(``docs/gpu-lanes.md``, "Known answers")."""
 ROLES = ("producer", "consumer")
 DIGESTS = {"producer": "9a" * 32, "consumer": "c0" * 32}
 """Digests standing for the two measured on the GPU."""
@@ -350,17 +350,12 @@ def test_a_new_llama_freeze_pins_both_measured_digests_and_without_one_is_refuse
     assert not bare.exists()
 
 
-def test_the_shipped_llama_identity_pins_its_digests_exactly_when_their_evidence_is_committed(
+def test_the_shipped_llama_identity_pins_the_digests_its_committed_evidence_records(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Until both engines are measured on the H200 the identity pins none (and every run refuses it
-    at 'identity sealed'); once the evidence is committed the identity pins what it records, and
-    re-freezes from it byte for byte."""
+    """Both engines were measured on the H200 and the evidence committed: the identity pins what it
+    records, and re-freezes from it byte for byte."""
     document = json.loads(LLAMA_SHIPPED.read_bytes())
-    pinned = [document[f"{role}_engine"]["kat_sha256"] is not None for role in ROLES]
-    if not LLAMA_EVIDENCE.is_file():
-        assert pinned == [False, False], "the llama identity pins a known answer whose evidence is not committed"
-        return
-    assert pinned == [True, True]
+    assert [document[f"{role}_engine"]["kat_sha256"] is not None for role in ROLES] == [True, True]
     path = _llama_unpinned(tmp_path)
     assert _freeze_tool().main(["--refreeze", str(path), *_both_evidence(LLAMA_EVIDENCE)]) == 0, (
         capsys.readouterr().err)

@@ -167,14 +167,6 @@ AWAITING_VLLM_KNOWN_ANSWER = {
         "fit the round that added them (docs/models.md)",
 }
 """Shipped identities frozen before vLLM known-answer digests existed, by path under contracts/."""
-AWAITING_GPU_KNOWN_ANSWER = {
-    "llama3-8b-shape-pd-identity-v1.json":
-        "both torch-llama engines are measured known-answer engines (issue 35); their digests are measured on "
-        "the H200 the identity pins (tools/measure_known_answer.py --lane llama3-8b-shape-pd), and no GPU "
-        "machine could be started in the round that made them so (docs/gpu-lanes.md, 'Known answers')",
-}
-"""Shipped identities whose torch-llama engines await their known answers measured on the GPU, by
-path under contracts/: refused at 'identity sealed' until re-frozen from that evidence."""
 
 
 @pytest.mark.parametrize("path", [*SHIPPED, *MODEL_IDENTITIES, *CONNECTOR_IDENTITIES],
@@ -191,8 +183,7 @@ def test_a_shipped_identity_pins_no_source_bytes_and_a_known_answer_for_each_eng
         engine = document[role]
         assert "numpy-" not in engine["abi"].replace("numpy-llama", "")
         where = path.relative_to(assets.CONTRACTS_DIR).as_posix()
-        if ((where in AWAITING_VLLM_KNOWN_ANSWER and engine["name"] == "vllm")
-                or (where in AWAITING_GPU_KNOWN_ANSWER and engine["name"] == "torch-llama")):
+        if where in AWAITING_VLLM_KNOWN_ANSWER and engine["name"] == "vllm":
             # No run can use it until it is re-frozen: refused at 'identity sealed'.
             with pytest.raises(Refused, match=f"{role}.kat_sha256: pinned none"):
                 check_pinned(engine["name"], engine["kat_sha256"], role.removesuffix("_engine"), str(path))
@@ -229,8 +220,6 @@ def test_a_torch_llama_identity_pins_both_known_answers_measured_on_its_engines(
     """Both digests the 8B-shaped identity pins (its eager producer's, its CUDA-graph consumer's) are
     the ones the committed evidence records for those very engines (name, version and ABI equal,
     every measurement the same)."""
-    if path.name in AWAITING_GPU_KNOWN_ANSWER:
-        pytest.skip(f"awaiting its GPU measurement: {AWAITING_GPU_KNOWN_ANSWER[path.name]}")
     document = json.loads(path.read_bytes())
     pin = document[f"{role}_engine"]
     assert pin["name"] == "torch-llama"
