@@ -254,7 +254,7 @@ StrictValidator = jsonschema.validators.extend(
 (never ``4.0`` or ``true``), a ``number`` is finite and not a boolean."""
 
 
-DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
+DRAFT_2020_12: str = jsonschema.Draft202012Validator.META_SCHEMA["$id"]
 """The ``$schema`` every contract schema declares: the only draft these validators speak."""
 
 
