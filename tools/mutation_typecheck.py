@@ -38,6 +38,7 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,29 +74,61 @@ def mutant_errors(errors: list[dict[str, object]], sources: dict[str, str]) -> l
     return kept
 
 
-def caught_by_type_check() -> dict[str, Any]:
+class TypeCheckInBackground(Mapping[str, Any]):
     """mutmut's ``filter_mutants_with_type_checker`` (mutmut 3.8): mutant name -> its first type error,
-    from its ``type_check_command`` run in ``mutants/``, each error placed in its function by ``ast``."""
-    from mutmut.configuration import config
-    from mutmut.mutation.file_mutation import FailedTypeCheckMutant, MutatedMethodLocation
-    from mutmut.type_checking import run_type_checker
-    from mutmut.utils.format_utils import get_mutant_name
+    from its ``type_check_command`` run in ``mutants/``, each error placed in its function by ``ast``.
 
-    caught: dict[str, Any] = {}
-    with contextlib.chdir("mutants"):
-        errors = run_type_checker(config().type_check_command)
-        by_file: dict[Path, list[Any]] = defaultdict(list)
-        for error in errors:
-            by_file[error.file_path].append(error)
-        for path, file_errors in by_file.items():
-            copies = mutmut_functions(path.read_text(encoding="utf-8"))
-            for error in file_errors:
-                first, last, function, which = next(c for c in copies if c[0] <= error.line_number <= c[1])
-                method = f"{function}__mutmut_{which}"
-                name = get_mutant_name(path.relative_to(Path(".").absolute()), method)
-                location = MutatedMethodLocation(file=path, function_name=method, line_number_start=first, line_number_end=last)
-                caught.setdefault(name, FailedTypeCheckMutant(method_location=location, name=name, error=error))
-    return caught
+    mypy starts when mutmut asks (after the mutants are written) and runs on one core beside
+    mutmut's stats run, which runs the selected tests on the other; the first mutant's look-up waits
+    for it. mutmut reads nothing of it before then (a fresh run has no stats to invalidate)."""
+
+    def __init__(self) -> None:
+        from mutmut.configuration import config
+
+        self._command = config().type_check_command
+        self._mypy = subprocess.Popen(self._command, cwd="mutants", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      encoding="utf-8")
+        self._caught: dict[str, Any] | None = None
+
+    def _result(self) -> dict[str, Any]:
+        if self._caught is None:
+            stdout, stderr = self._mypy.communicate()
+            self._caught = self._place(stdout, stderr)
+        return self._caught
+
+    def _place(self, stdout: str, stderr: str) -> dict[str, Any]:
+        from mutmut.mutation.file_mutation import FailedTypeCheckMutant, MutatedMethodLocation
+        from mutmut.type_checking import parse_mypy_report
+        from mutmut.utils.format_utils import get_mutant_name
+
+        try:  # as mutmut's run_type_checker reads mypy: one JSON object a line, a lone newline for none
+            report = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+        except json.JSONDecodeError:
+            raise RuntimeError(f"type check command did not return JSON. Got: {stdout} (stderr: {stderr})") from None
+        caught: dict[str, Any] = {}
+        with contextlib.chdir("mutants"):  # mutmut names mutants by their path relative to mutants/
+            by_file: dict[Path, list[Any]] = defaultdict(list)
+            for error in parse_mypy_report(report):
+                by_file[error.file_path].append(error)
+            for path, file_errors in by_file.items():
+                copies = mutmut_functions(path.read_text(encoding="utf-8"))
+                for error in file_errors:
+                    first, last, function, which = next(c for c in copies if c[0] <= error.line_number <= c[1])
+                    method = f"{function}__mutmut_{which}"
+                    name = get_mutant_name(path.relative_to(Path(".").absolute()), method)
+                    location = MutatedMethodLocation(file=path, function_name=method, line_number_start=first,
+                                                     line_number_end=last)
+                    caught.setdefault(name, FailedTypeCheckMutant(method_location=location, name=name, error=error))
+        return caught
+
+    def __getitem__(self, name: str) -> Any:
+        return self._result()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._result())
+
+    def __len__(self) -> int:
+        return len(self._result())
 
 
 def run_mutmut(arguments: list[str]) -> int:
@@ -114,8 +147,9 @@ def run_mutmut(arguments: list[str]) -> int:
     from mutmut.configuration import config
 
     sys.path[0] = os.getcwd()  # as under `python -m mutmut`: the working directory, not this script's folder
-    mutmut_main.filter_mutants_with_type_checker = caught_by_type_check
-    run_pytest_in_fresh_basetemps_fastest_tests_first()
+    mutmut_main.filter_mutants_with_type_checker = TypeCheckInBackground  # type: ignore[attr-defined,assignment]  # a mapping mutmut reads by .get
+    run_pytest_in_fresh_basetemps_cheapest_tests_first()
+    run_mutants_in_one_collected_session()
     skip_the_clean_run_after_a_full_stats_run(mutmut_main)
     settings = config()  # read from ./pyproject.toml once; every mutmut step reads this same object
     if options.mutate:
@@ -136,40 +170,163 @@ def run_mutmut(arguments: list[str]) -> int:
     return 0
 
 
-def run_pytest_in_fresh_basetemps_fastest_tests_first() -> None:
+class TestCosts:
+    """What each selected test cost in mutmut's stats run: its setup, call and teardown (mutmut
+    records the call alone), and, per test module, its dearest setup (a module-scoped fixture is
+    paid by whichever of the module's tests runs first in a mutant's run)."""
+
+    def __init__(self) -> None:
+        self.by_test: dict[str, float] = defaultdict(float)
+        self.setup_by_module: dict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        self.by_test[report.nodeid] += report.duration
+        if report.when == "setup":
+            module = report.nodeid.split("::", 1)[0]
+            self.setup_by_module[module] = max(self.setup_by_module[module], report.duration)
+
+    def cost(self, test: str) -> float:
+        return self.setup_by_module.get(test.split("::", 1)[0], 0.0) + self.by_test.get(test, 0.0)
+
+
+STATS_COSTS = TestCosts()
+SUSPICIOUS = 35  # mutmut 3.8's exit code for a "suspicious" result (mutmut.stats.status_by_exit_code)
+
+
+def run_pytest_in_fresh_basetemps_cheapest_tests_first() -> None:
     """Two overrides of mutmut 3.8's pytest runner, for speed only (which tests run is unchanged).
 
     - Each pytest session gets its own ``--basetemp``, removed when the session returns. mutmut ends
       each mutant's process with ``os._exit``, so pytest's numbered temp folders kept their locks and
       were never cleaned: one more per mutant, each session listing all the earlier ones (about
       38,000 folders and 29 GB on a machine that had run the gate a few times).
-    - A mutant's tests run fastest first, by the stats run's durations. mutmut passes them in a
-      set's order and runs them with ``-x``, so a slow test could run before the fast one that
-      kills the mutant.
+    - A mutant's tests run cheapest first, by :class:`TestCosts` from the stats run. mutmut passes
+      them in a set's order (then sorts them by call time alone) and runs them with ``-x``, so a test
+      whose fixtures cost seconds could run before the quick one that kills the mutant.
     """
     import shutil
     import tempfile
 
     from mutmut.runners.harness import PytestRunner
-    from mutmut.state import state
 
     execute_pytest = PytestRunner.execute_pytest
     run_tests = PytestRunner.run_tests
 
     def execute_pytest_in_fresh_basetemp(self: Any, params: list[str], **kwargs: Any) -> int:
         basetemp = tempfile.mkdtemp(prefix="mutation-pytest-")
+        if "plugins" in kwargs:  # only the stats run passes a plugin (its collector): record the costs too
+            kwargs["plugins"] = [*kwargs["plugins"], STATS_COSTS]
         try:
             return int(execute_pytest(self, [*params, "--basetemp", basetemp], **kwargs))
         finally:
             shutil.rmtree(basetemp, ignore_errors=True)
 
-    def run_tests_fastest_first(self: Any, *, mutant_name: str | None, tests: Any) -> int:
-        durations = state().duration_by_test
-        ordered = sorted(tests, key=lambda test: (durations.get(test, 0.0), test))
-        return int(run_tests(self, mutant_name=mutant_name, tests=ordered))
+    def run_tests_cheapest_first(self: Any, *, mutant_name: str | None, tests: Any) -> int:
+        return int(run_tests(self, mutant_name=mutant_name, tests=cheapest_first(tests)))
 
     PytestRunner.execute_pytest = execute_pytest_in_fresh_basetemp  # type: ignore[method-assign]
-    PytestRunner.run_tests = run_tests_fastest_first  # type: ignore[method-assign]
+    PytestRunner.run_tests = run_tests_cheapest_first  # type: ignore[method-assign]
+
+
+def cheapest_first(tests: Any) -> list[str]:
+    return sorted(tests, key=lambda test: (STATS_COSTS.cost(test), test))
+
+
+class CollectedSession:
+    """The selected tests collected once, in the fork runner's parent, for every mutant's process.
+
+    mutmut 3.8 starts each mutant's tests with ``pytest.main`` in its forked process: arguments,
+    plugins, conftests and the collection of every module it names, 0.1 to 0.3 s before the first
+    test runs, about half of a typical mutant's run. Here the parent collects the selection once,
+    with mutmut's own arguments, after its stats run; each forked mutant process runs its tests, from
+    that session, through pytest's ``pytest_runtest_protocol`` hook (every plugin's fixtures, capture
+    and wrappers, as ``pytest.main`` would run them) and stops at the first failure, as mutmut's
+    ``-x`` does. Exit 1 when a test failed, 0 when none did, as ``pytest.main`` returns.
+    """
+
+    def __init__(self, config: Any, session: Any) -> None:
+        self.config = config
+        self.session = session
+        self.items = {item.nodeid: item for item in session.items}
+
+    @classmethod
+    def collect(cls, arguments: list[str]) -> CollectedSession | None:
+        """The session of ``arguments``, collected in ``mutants/``, or None where its collection failed."""
+        from _pytest.config import _prepareconfig
+        from _pytest.main import Session
+
+        # Its terminal reporter writes to the null device (open for the process's life), here and in every fork.
+        null = open(os.devnull, "w")
+        with contextlib.redirect_stdout(null), contextlib.chdir("mutants"):
+            config = _prepareconfig(arguments)
+            config._do_configure()
+            session = Session.from_config(config)
+            config.hook.pytest_sessionstart(session=session)
+            config.hook.pytest_collection(session=session)
+        if session.testsfailed:  # a collection error: each mutant then runs pytest.main, as mutmut does
+            return None
+        return cls(config, session)
+
+    def run(self, tests: list[str]) -> int | None:
+        """Run ``tests`` (node ids) in this process, in order, stopping at the first failure; None where
+        the session lacks one of them. A failing test is a report, never an exception; an exception
+        here is the runner's own failure, and it answers mutmut's "suspicious" (which the gate counts as
+        not detected), never a kill."""
+        import shutil
+        import tempfile
+
+        from _pytest.tmpdir import TempPathFactory
+
+        found = [self.items.get(test) for test in tests]
+        items = [item for item in found if item is not None]
+        if not items or len(items) < len(found):
+            return None
+        # A temp folder of this process's own, removed when it is done (two run at once).
+        self.config.option.basetemp = tempfile.mkdtemp(prefix="mutation-pytest-")
+        self.config._tmp_path_factory = TempPathFactory.from_config(self.config, _ispytest=True)
+        try:
+            with contextlib.chdir("mutants"):
+                for index, item in enumerate(items):
+                    following = items[index + 1] if index + 1 < len(items) else None
+                    item.ihook.pytest_runtest_protocol(item=item, nextitem=following)
+                    if self.session.shouldfail or self.session.shouldstop:
+                        break
+            return 1 if self.session.testsfailed else 0
+        except Exception as error:  # the runner's own failure: reported, and answered as not detected
+            print(f"mutation_typecheck: the collected session failed: {error!r}", file=sys.__stderr__)
+            return SUSPICIOUS
+        finally:
+            shutil.rmtree(self.config.option.basetemp, ignore_errors=True)
+
+
+def run_mutants_in_one_collected_session() -> None:
+    """mutmut's fork runner collects the selection once before its first mutant (:class:`CollectedSession`),
+    and each mutant's process runs its tests from that collection; where it cannot (a collection
+    error, a test the collection lacks), the mutant runs ``pytest.main`` as mutmut does."""
+    from mutmut.runners.harness import PytestRunner
+    from mutmut.workers.isolation import ForkRunner
+
+    startup = ForkRunner.startup
+    run_tests = PytestRunner.run_tests
+    collected: CollectedSession | None = None
+
+    def startup_with_one_collection(self: Any) -> None:
+        nonlocal collected
+        runner = self.test_runner
+        if isinstance(runner, PytestRunner):
+            collected = CollectedSession.collect(
+                ["--rootdir=.", "--tb=native", *runner._pytest_args_regular_run([]), *runner._pytest_add_cli_args])
+        startup(self)  # mutmut freezes the garbage collector's heap for the forks: the collection with it
+
+    def run_tests_from_the_collection(self: Any, *, mutant_name: str | None, tests: Any) -> int:
+        if collected is not None and mutant_name is not None:
+            code = collected.run(cheapest_first(tests))
+            if code is not None:
+                return code
+        return int(run_tests(self, mutant_name=mutant_name, tests=tests))
+
+    ForkRunner.startup = startup_with_one_collection  # type: ignore[method-assign]
+    PytestRunner.run_tests = run_tests_from_the_collection  # type: ignore[method-assign]
 
 
 def skip_the_clean_run_after_a_full_stats_run(mutmut_main: Any) -> None:

@@ -106,7 +106,10 @@ def operator_trust() -> TrustFile:
 
 
 def check(receipt: Path, trust: TrustFile | None = None) -> ReceiptCheck:
-    """``authenticate_receipt`` against the operator's trust file unless another is given."""
+    """``authenticate_receipt`` against the operator's trust file unless another is given (the
+    session's key and trust file made quietly first, as a test run alone has none yet)."""
+    if trust is None:
+        ensure_signing_key(announce=lambda line: None)
     return authenticate_receipt(receipt, operator_trust() if trust is None else trust)
 
 

@@ -81,7 +81,9 @@ def places(tmp_path: Path) -> SimpleNamespace:
 
 
 def verify(capsys: pytest.CaptureFixture[str], *paths: Path, trust: Path | None = None) -> tuple[int, list[str]]:
-    """``qualify receipts verify [--trust T] PATHS`` in-process: exit code and stdout lines."""
+    """``qualify receipts verify [--trust T] PATHS`` in-process: exit code and stdout lines (its own
+    only: what the test printed before, such as the first signing's key notice, is dropped)."""
+    capsys.readouterr()
     code = main(["receipts", "verify", *(["--trust", str(trust)] if trust else []), *map(str, paths)])
     captured = capsys.readouterr()
     assert captured.err == "", captured.err
