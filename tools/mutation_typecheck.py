@@ -185,9 +185,6 @@ class TestCosts:
             module = report.nodeid.split("::", 1)[0]
             self.setup_by_module[module] = max(self.setup_by_module[module], report.duration)
 
-    def cost(self, test: str) -> float:
-        return self.setup_by_module.get(test.split("::", 1)[0], 0.0) + self.by_test.get(test, 0.0)
-
 
 STATS_COSTS = TestCosts()
 SUSPICIOUS = 35  # mutmut 3.8's exit code for a "suspicious" result (mutmut.stats.status_by_exit_code)
@@ -228,8 +225,22 @@ def run_pytest_in_fresh_basetemps_cheapest_tests_first() -> None:
     PytestRunner.run_tests = run_tests_cheapest_first  # type: ignore[method-assign]
 
 
-def cheapest_first(tests: Any) -> list[str]:
-    return sorted(tests, key=lambda test: (STATS_COSTS.cost(test), test))
+def cheapest_first(tests: Any, costs: TestCosts | None = None) -> list[str]:
+    """``tests`` module by module, the module whose share costs least first (its dearest setup and
+    its tests' own costs, by ``costs``, default the stats run's), each module's tests cheapest first.
+    Module by module, as pytest runs a file: interleaved, each switch of module tears down its
+    module-scoped fixtures and the next test of that module sets them up again."""
+    costs = STATS_COSTS if costs is None else costs
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for test in tests:
+        by_module[test.split("::", 1)[0]].append(test)
+
+    def share(module: str) -> float:
+        own = sum(costs.by_test.get(test, 0.0) for test in by_module[module])
+        return costs.setup_by_module.get(module, 0.0) + own
+
+    return [test for module in sorted(by_module, key=lambda module: (share(module), module))
+            for test in sorted(by_module[module], key=lambda test: (costs.by_test.get(test, 0.0), test))]
 
 
 class CollectedSession:

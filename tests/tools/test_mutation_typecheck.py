@@ -4,6 +4,7 @@ inside that mutant's own function, and only where mutmut's unmutated copy of it 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from tests.support.scripts import load_script
 
@@ -63,3 +64,20 @@ def test_a_function_whose_unmutated_copy_errs_gets_no_mutant_caught() -> None:
 def test_mutant_copies_are_found_in_modules_and_class_bodies() -> None:
     found = {(function, which) for _, _, function, which in typecheck.mutmut_functions(MUTATED)}
     assert found == {("x_scale", "orig"), ("x_scale", "1"), ("x_scale", "2"), ("xǁBoxǁopen", "orig"), ("xǁBoxǁopen", "1")}
+
+
+def _report(nodeid: str, when: str, duration: float) -> SimpleNamespace:
+    return SimpleNamespace(nodeid=nodeid, when=when, duration=duration)
+
+
+def test_a_mutants_tests_run_module_by_module_the_cheapest_share_first() -> None:
+    """A module whose fixture costs a second goes after a module of quick tests, even where one
+    of its tests alone is quicker; each module's tests stay together, cheapest first."""
+    costs = typecheck.TestCosts()
+    for report in [_report("a.py::slow", "setup", 1.0), _report("a.py::slow", "call", 0.001),
+                   _report("a.py::quick", "setup", 0.0), _report("a.py::quick", "call", 0.0005),
+                   _report("b.py::one", "setup", 0.01), _report("b.py::one", "call", 0.02),
+                   _report("b.py::two", "call", 0.01), _report("b.py::two", "teardown", 0.002)]:
+        costs.pytest_runtest_logreport(report)
+    assert typecheck.cheapest_first(["a.py::slow", "b.py::one", "a.py::quick", "b.py::two", "c.py::new"], costs) == \
+        ["c.py::new", "b.py::two", "b.py::one", "a.py::quick", "a.py::slow"]

@@ -466,6 +466,10 @@ class RecordReplayProxy:
 
     def close(self) -> None:
         for each in self._sockets:
+            try:  # a shutdown wakes a pump blocked in recv (a close alone does not, on Linux)
+                each.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             each.close()
         self.listener.close()
         for thread in self._threads:
