@@ -88,8 +88,7 @@ class TypeCheckInBackground(Mapping[str, Any]):
     def __init__(self) -> None:
         from mutmut.configuration import config
 
-        self._command = config().type_check_command
-        self._mypy = subprocess.Popen(self._command, cwd="mutants", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self._mypy = subprocess.Popen(config().type_check_command, cwd="mutants", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       encoding="utf-8")
         self._caught: dict[str, Any] | None = None
 

@@ -110,7 +110,8 @@ def check(receipt: Path, trust: TrustFile | None = None) -> ReceiptCheck:
     session's key and trust file made quietly first, as a test run alone has none yet)."""
     if trust is None:
         ensure_signing_key(announce=lambda line: None)
-    return authenticate_receipt(receipt, operator_trust() if trust is None else trust)
+        trust = operator_trust()
+    return authenticate_receipt(receipt, trust)
 
 
 # --------------------------------------------------------------------------- the manifest

@@ -21,7 +21,7 @@ import pytest
 
 from qualify.archive import verify as verify_module
 from qualify.archive.attestation import ENVELOPE, STATEMENT_TYPE, AttestationProblem, read_attestation, sign_statement
-from qualify.archive.keys import TrustedKey, TrustFile, init_key, load_signing_key, rotate_key
+from qualify.archive.keys import TrustedKey, TrustFile, ensure_signing_key, init_key, load_signing_key, rotate_key
 from qualify.archive.layout import MANIFEST, PARTIAL_PREFIX, SUMMARY, json_bytes
 from qualify.archive.verify import verify_receipt
 from qualify.archive.writer import ReceiptWriter
@@ -81,9 +81,7 @@ def places(tmp_path: Path) -> SimpleNamespace:
 
 
 def verify(capsys: pytest.CaptureFixture[str], *paths: Path, trust: Path | None = None) -> tuple[int, list[str]]:
-    """``qualify receipts verify [--trust T] PATHS`` in-process: exit code and stdout lines (its own
-    only: what the test printed before, such as the first signing's key notice, is dropped)."""
-    capsys.readouterr()
+    """``qualify receipts verify [--trust T] PATHS`` in-process: exit code and stdout lines."""
     code = main(["receipts", "verify", *(["--trust", str(trust)] if trust else []), *map(str, paths)])
     captured = capsys.readouterr()
     assert captured.err == "", captured.err
@@ -383,6 +381,7 @@ def test_refused_incomplete_and_failed_receipts_verify_and_the_tally_lists_their
 
 def test_a_refused_run_with_no_identity_leaves_a_receipt_that_verifies(tmp_path, capsys):
     """A contract refused before its identity loaded: no identity files, still signed."""
+    ensure_signing_key(announce=lambda line: None)  # made quietly: stderr stays the verifier's (run alone, too)
     writer = ReceiptWriter(tmp_path, command_line=["qualify", "--identity", "x.json"], identity=None,
                            recipe="native-text", lane=None)
     receipt = writer.finalize(judge_refused("identity sealed: identity x.json: no such file"))
