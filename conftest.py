@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -121,19 +122,21 @@ LONGEST_FIRST = (
     "tests/system/test_onboarding_doc.py",
     "tests/system/test_portability.py",
     "tests/system/test_cancellation.py",
-    "tests/unit/core/test_hostenv.py",
-    "tests/system/test_calibration_can_fail.py",
-    "tests/unit/interfaces/test_plugin.py",
+    "tests/unit/archive/test_fuzz_signed_receipts.py",
     "tests/unit/archive/test_fuzz_receipts.py",
+    "tests/unit/interfaces/test_report.py",
+    "tests/system/test_calibration_can_fail.py",
     "tests/unit/engines/test_speculative.py",
+    "tests/unit/engines/test_reference_engine.py",
     "tests/vllm/test_vllm_lanes.py",
-    "tests/vllm/test_served_pair.py",
     "tests/vllm/test_connector_qualify.py",
+    "tests/vllm/test_served_pair.py",
 )
-"""Modules whose tests take longest (wall seconds in a clean-clone CI run's JUnit files, slow and
-vLLM tiers: 164, 153, 125, 133, 62, 62, 71, 60, 53; the vLLM files measured here on 2026-12-05,
-with the whole tier beside other work: about 380, 290, 280): collected first, so xdist's two
-workers start on them and the short tests fill the end, instead of one long test tailing the tier."""
+"""Modules whose tests take longest, longest first (seconds of their tests in one run of each tier
+on 2 cores, 2026-12-06, other work beside it: slow tier 288, 264, 166, 128, 123, 117, 110, 99, 92,
+79; vLLM tier 346, 345, 328): collected first, so that the two workers start on them (the first
+blocks are dealt module by module, :func:`pytest_xdist_make_scheduler`) and the short tests fill
+the end, instead of one long test tailing the tier."""
 
 
 def _longest_first(items: list[pytest.Item]) -> None:
@@ -142,6 +145,54 @@ def _longest_first(items: list[pytest.Item]) -> None:
     # A stable sort: the other tests keep their collected order.
     items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix() if item.path.is_relative_to(root)
                                          else "", len(rank)))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """xdist's ``load`` scheduling (``-n`` alone) with its first blocks dealt module by module;
+    other ``--dist`` modes are xdist's own."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScheduling
+
+    class ModulesDealtScheduling(LoadScheduling):
+        """xdist sends each worker a first block of consecutive tests (a quarter of its share), so
+        the longest modules, collected first, all went to the first worker, which ran them one
+        after another while the other worker ended minutes earlier. Here those first blocks are
+        dealt whole module by whole module, round robin, in collected order (longest first); the
+        rest is xdist's: more tests to whichever worker runs low."""
+
+        def schedule(self) -> None:
+            if self.collection is not None or not self._check_nodes_have_same_collection():
+                super().schedule()  # rescheduling, or xdist's own refusal of differing collections
+                return
+            self.collection = next(iter(self.node2collection.values()))
+            if self.maxschedchunk is None:  # as xdist's own schedule() sets it
+                self.maxschedchunk = len(self.collection)
+            per_node = max(min(len(self.collection) // len(self.nodes) // 4, self.maxschedchunk), 2)
+            modules: dict[str, list[int]] = {}
+            for index, nodeid in enumerate(self.collection):
+                modules.setdefault(nodeid.split("::", 1)[0], []).append(index)
+            dealt: dict[object, list[int]] = {node: [] for node in self.nodes}
+            turns = itertools.cycle(self.nodes)
+            for indexes in modules.values():
+                if all(len(block) >= per_node for block in dealt.values()):
+                    break
+                node = next(node for node in turns if len(dealt[node]) < per_node)
+                dealt[node] += indexes[:per_node - len(dealt[node])]  # the module's rest stays pending
+            sent = {index for block in dealt.values() for index in block}
+            self.pending[:] = [index for index in range(len(self.collection)) if index not in sent]
+            for node, block in dealt.items():
+                if not block:  # fewer modules than workers: the next tests, as xdist would
+                    block += self.pending[:per_node]
+                    del self.pending[:per_node]
+                if block:
+                    self.node2pending[node].extend(block)
+                    node.send_runtest_some(block)
+            if not self.pending:
+                for node in self.nodes:
+                    node.shutdown()
+
+    return ModulesDealtScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

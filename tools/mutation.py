@@ -70,6 +70,10 @@ DETECTED_EXIT_CODES = {
 HELD_BACK = 34
 # mutmut's "no tests".
 NO_TESTS = 33
+# A logic mutant a rule or entry of the gate file excuses as equivalent: written before the logic
+# run, so mutmut never runs it (an equivalent mutant's tests all pass, so its run is the dearest of
+# all and can only confirm it survives). Not one of mutmut's codes: it reads as "suspicious" there.
+REVIEWED_EQUIVALENT = 38
 # What mutmut prints when the selected tests reach no mutated function (mutmut 3.8, run_stats_collection).
 NO_TEST_REACHES_A_MUTANT = "could not find any test case for any mutant"
 # Written into the tree after a run: which tests the message mutants ran (for --tree).
@@ -645,13 +649,19 @@ def run_gate(
     mutate = [option for source in group_of for option in ("--mutate", source)]
     run_mutmut(tree, [*mutate, "generate", "--max-children", str(jobs)], "generate")
     mutants = read_mutants(tree, group_of, gate.rules)
+    # A stale rule or entry fails here, before the run, not after it.
+    reviewed, _, _ = reviewed_equivalents(mutants, gate, set(group_of.values()))
     seconds["generate and class"] = time.monotonic() - started
-    messages = defaultdict(list)
+    messages, equivalents = defaultdict(list), defaultdict(list)
     for mutant in mutants:
         if mutant.kind == "message":
             messages[mutant.source].append(mutant.name)
+        elif mutant.name in reviewed:
+            equivalents[mutant.source].append(mutant.name)
     for source, names in messages.items():
         write_codes(tree, source, dict.fromkeys(names, HELD_BACK))
+    for source, names in equivalents.items():
+        write_codes(tree, source, dict.fromkeys(names, REVIEWED_EQUIVALENT))
     started = time.monotonic()
     run_mutmut(tree, [*mutate, "run", "--max-children", str(jobs)], "run")
     seconds["logic"] = time.monotonic() - started
@@ -716,30 +726,31 @@ class GroupScore:
         return 100.0 * self.message_detected / self.message if self.message else None
 
 
-def excused_mutants(mutants: list[Mutant], gate: Gate, groups: set[str]) -> tuple[set[str], int, int]:
-    """The undetected logic mutants that a rule or an entry excuses; refuses a stale rule or entry
-    (one matching no mutant of its groups, or only message mutants, which need none)."""
+def reviewed_equivalents(mutants: list[Mutant], gate: Gate, groups: set[str]) -> tuple[set[str], int, int]:
+    """The logic mutants a rule or an entry names as equivalent, from their changes alone (no run
+    needed); refuses a stale rule or entry (one matching no mutant of its groups, or only message
+    mutants, which need none)."""
     scored_modules = {mutant.source.removesuffix(".py").replace("/", ".") for mutant in mutants}
     entries = [e for e in gate.equivalents if e.function.rsplit(".", 1)[0] in scored_modules]
     rules = [rule for rule in gate.rules if set(rule.groups) & groups]
     stale: list[str] = []
-    excused: set[str] = set()
+    reviewed: set[str] = set()
     for entry in entries:
         matches = [m for m in mutants if m.function == entry.function and (m.removed, m.added) == (entry.removed, entry.added)]
         if not matches or all(m.kind == "message" for m in matches):
             stale.append(f"{entry.function}: {' | '.join(entry.added)}")
-        excused |= {m.name for m in matches if m.kind == "logic" and m.code not in DETECTED_EXIT_CODES}
+        reviewed |= {m.name for m in matches if m.kind == "logic"}
     for rule in rules:
         matches = [m for m in mutants if rule.index in m.rules]
         # A rule names the groups it applies to, and must match a mutant in each one scored.
         stale += [f"{rule.describe()} in {group}" for group in sorted(set(rule.groups) & groups - {m.group for m in matches})]
-        excused |= {m.name for m in matches if m.code not in DETECTED_EXIT_CODES}
+        reviewed |= {m.name for m in matches}
     if stale:
         raise GateError(
             "equivalent rules or entries that match no logic mutant (the code changed: correct or remove them): "
             + "; ".join(stale)
         )
-    return excused, len(rules), len(entries)
+    return reviewed, len(rules), len(entries)
 
 
 def score(
@@ -750,7 +761,12 @@ def score(
     scores = {group: GroupScore(group) for group in groups}
     if any(m.code is None for m in mutants) or any(m.code == HELD_BACK and m.kind == "logic" for m in mutants):
         raise GateError("mutmut left mutants not checked: its run did not finish")
-    excused, rules, entries = excused_mutants(mutants, gate, set(groups))
+    reviewed, rules, entries = reviewed_equivalents(mutants, gate, set(groups))
+    if unrun := sorted(m.name for m in mutants if m.code == REVIEWED_EQUIVALENT and m.name not in reviewed):
+        raise GateError(f"{len(unrun)} mutants were not run as equivalent under another gate file than this one "
+                        f"(first: {unrun[0]}): run the gate again")
+    # An equivalent mutant a test detects anyway (run before its rule or entry was written) counts as detected.
+    excused = {m.name for m in mutants if m.name in reviewed and m.code not in DETECTED_EXIT_CODES}
     survivors = []
     for mutant in mutants:
         group = scores[mutant.group]

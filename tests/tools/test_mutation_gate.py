@@ -283,6 +283,28 @@ def test_an_entry_for_a_killed_mutant_is_not_stale_and_excuses_nothing(golden_ru
     assert "equivalent mutants excused: 0 (by 0 rules and 1 entries)" in out and last_line(out) == "mutation_score: 61.5"
 
 
+def test_the_mutants_a_rule_or_entry_excuses_are_not_run_and_count_only_under_that_gate(tmp_path: Path) -> None:
+    project = write_project(tmp_path / "project")
+    tree = tmp_path / "kept"
+    every = GATE.format(golden=GOLDEN, floor=100) + EVERY_SURVIVOR
+    code, out, err = gate(["--project", str(project), "--keep", str(tree), "--jobs", "1"], every, tmp_path)
+    assert (code, err) == (0, "") and "equivalent mutants excused: 5 (by 1 rules and 3 entries)" in out
+    codes = json.loads((tree / "mutants" / "bound.py.meta").read_text())["exit_code_by_key"]
+    assert sorted(codes.values()).count(mutation.REVIEWED_EQUIVALENT) == 5  # mutmut ran none of them
+    code, out, err = score(tree, GATE.format(golden=GOLDEN, floor=99), tmp_path)
+    assert code == 2 and out == "" and "run the gate again" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_stale_entry_is_refused_before_any_mutant_runs(tmp_path: Path) -> None:
+    project = write_project(tmp_path / "project")
+    tree = tmp_path / "kept"
+    stale = GATE.format(golden=GOLDEN, floor=99) + BOUNDARY.replace("value < bound", "value > bound")
+    code, out, err = gate(["--project", str(project), "--keep", str(tree), "--jobs", "1"], stale, tmp_path)
+    assert code == 2 and out == "" and "match no logic mutant" in err
+    codes = json.loads((tree / "mutants" / "bound.py.meta").read_text())["exit_code_by_key"]
+    assert set(codes.values()) == {None}
+
+
 @pytest.mark.parametrize(
     ("text", "named"),
     [

@@ -299,16 +299,47 @@ def test_one_failing_handoff_is_one_failure_and_the_steps_it_blocks_are_skipped_
     assert (found["sample_1_max_abs"], found["max_abs"]) == ("null", "null")
 
 
-@pytest.mark.slow
+ORDERED_STEPS = """\
+import os
+
+RAN = []
+
+
+def _step(number):
+    assert RAN == [os.getpid()] * (number - 1), f"step {number} after steps {len(RAN)} run in this process"
+    RAN.append(os.getpid())
+
+
+"""
+
+
+def ordered_steps(count: int) -> str:
+    """A recipe-shaped module: ``count`` steps, each passing only after all the earlier ones ran in its process."""
+    return ORDERED_STEPS + "".join(f"def test_step_{n}():\n    _step({n})\n\n\n" for n in range(1, count + 1))
+
+
 @pytest.mark.parametrize("mode", sorted(SPLITTING_DIST_MODES))
-def test_a_dist_mode_that_would_split_a_run_keeps_each_recipe_on_one_worker(mode: str, tmp_path: Path) -> None:
-    """``-n 2 --dist worksteal`` (or load, loadgroup) would hand one run's steps to two workers,
-    and a step whose predecessor ran elsewhere fails; the plugin runs each recipe module whole on
-    one worker instead, so both recipes pass side by side."""
+def test_a_dist_mode_that_would_split_a_module_runs_each_recipe_module_whole_on_one_worker(mode: str, tmp_path: Path) -> None:
+    """``-n 2 --dist MODE`` hands a module's consecutive tests to both workers (modules of 5 and
+    11 ordered steps: ``load`` sends blocks of two tests, ``worksteal`` halves of eight); in a
+    recipes directory each module runs whole on one worker, so every step follows its predecessors."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    for name, steps in (("first.py", 5), ("second.py", 11)):
+        (recipes / name).write_text(ordered_steps(steps), encoding="utf-8")
+    junit = tmp_path / "x.xml"
+    done = run_pytest(tmp_path, str(recipes), "-n", "2", "--dist", mode, "-p", "no:randomly", f"--junitxml={junit}")
+    assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
+    assert counts(junit) == {"tests": 16, "failures": 0, "errors": 0, "skipped": 0}
+
+
+@pytest.mark.slow
+def test_both_real_recipes_pass_side_by_side_under_a_splitting_dist_mode(tmp_path: Path) -> None:
+    """The shipped recipes, copied, under ``-n 2 --dist worksteal``: both pass, one receipt each."""
     recipes = copied_recipes(tmp_path)
     junit = tmp_path / "x.xml"
-    done = run_pytest(tmp_path, str(recipes), "-n", "2", "--dist", mode, "--qualify-reference-once", f"--junitxml={junit}",
-                      "--qualify-receipts", str(tmp_path / "receipts"), timeout=RUN_TIMEOUT_S)
+    done = run_pytest(tmp_path, str(recipes), "-n", "2", "--dist", "worksteal", "--qualify-reference-once",
+                      f"--junitxml={junit}", "--qualify-receipts", str(tmp_path / "receipts"), timeout=RUN_TIMEOUT_S)
     assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
     assert counts(junit)["failures"] == 0 and counts(junit)["tests"] > len(STEP_LABELS)
     assert len([path for path in (tmp_path / "receipts").iterdir() if not path.name.startswith(".")]) == 2
