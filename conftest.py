@@ -147,6 +147,7 @@ def _longest_first(items: list[pytest.Item]) -> None:
                                          else "", len(rank)))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (-p no:xdist) never calls it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """xdist's ``load`` scheduling (``-n`` alone) with its first blocks dealt module by module;
     other ``--dist`` modes are xdist's own."""

@@ -57,22 +57,19 @@ export QUALIFY_REQUIRE_PUBLISHED_MODELS=1
 
 check() {
   step setup setup
-  # Lint, layers and types: ruff, the import-linter contracts (layers, a pure judge, no cycles)
-  # and strict mypy on the package, all configured in pyproject.toml.
-  step lint lint
+  # Lint and layers: ruff and the import-linter contracts (layers, a pure judge, no cycles), seconds.
+  step lint bash -c "'$VENV/bin/ruff' check . && '$VENV/bin/lint-imports'"
+  # Types: strict mypy on the package (pyproject.toml), on one core, beside the unit tests; its
+  # output is printed when they end, not interleaved with theirs.
+  local types rc=0
+  ( step types "$VENV/bin/mypy" ) > out/types.log 2>&1 &
+  types=$!
+  trap "kill $types 2>/dev/null || true" EXIT  # a failing step below ends it too
   step unit run_pytest tests/unit tests/tools -n 2 -q -m "not slow" -p no:randomly --junitxml=out/unit-tests.xml
-}
-
-lint() {
-  # ruff and the import-linter contracts on one core while strict mypy runs on the other; the
-  # background pair's output is printed after mypy's, not interleaved with it.
-  local rc=0 other log=out/lint.log
-  ( "$VENV/bin/ruff" check . && "$VENV/bin/lint-imports" ) > "$log" 2>&1 &
-  other=$!
-  "$VENV/bin/mypy" || rc=$?
-  wait "$other" || rc=$?
-  cat "$log"
-  return "$rc"
+  wait "$types" || rc=$?
+  trap - EXIT
+  cat out/types.log
+  [ "$rc" -eq 0 ] || { echo "test.sh: mypy exited $rc (out/types.log)" >&2; exit "$rc"; }
 }
 
 system() {
@@ -80,10 +77,20 @@ system() {
   # Both qualification recipes as CI gates (independent runs spread over the two cores), with JUnit
   # XML; they ship in the package (qualify.recipes), so --pyargs finds them from any directory.
   step recipes run_pytest --pyargs qualify.recipes -n 2 -q --junitxml=out/recipes.xml --qualify-receipts out/receipts
-  # Every fault lane must fail where it was injected.
-  step selftest "$VENV/bin/qualify" selftest --receipts out/selftest-receipts
+  # Every fault lane must fail where it was injected. The self-test runs its lanes one at a time
+  # (one core); the offline verifier and the wheel (one core, and pip) run beside it, and its
+  # output is printed when both are done, not interleaved with theirs.
+  local selftest
+  ( step selftest "$VENV/bin/qualify" selftest --receipts out/selftest-receipts ) > out/selftest.log 2>&1 &
+  selftest=$!
+  trap "kill $selftest 2>/dev/null || true" EXIT  # a failing step below ends it too
   step offline-verifier offline_verifier
   step wheel wheel_elsewhere
+  local rc=0
+  wait "$selftest" || rc=$?
+  trap - EXIT
+  cat out/selftest.log
+  [ "$rc" -eq 0 ] || { echo "test.sh: qualify selftest exited $rc (out/selftest.log)" >&2; exit "$rc"; }
 }
 
 offline_verifier() {

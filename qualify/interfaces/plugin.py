@@ -205,17 +205,44 @@ def recipe_options(config: pytest.Config) -> RecipeOptions:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """Check the options (a bad one stops pytest with one line, exit 4), declare the ``recipe``
-    marker, and keep each module on one xdist worker (:func:`recipe_dist_mode`)."""
+    marker, and, where the command line names recipes, keep each module on one xdist worker
+    (:func:`recipe_dist_mode`)."""
     config.stash[RECIPE_OPTIONS] = recipe_options(config)
     config.addinivalue_line("markers", "recipe(name): a qualification recipe module")
     mode = getattr(config.option, "dist", "no")
-    if recipe_dist_mode(mode) != mode:
+    if recipe_dist_mode(mode) != mode and names_recipes(config):
         config.option.dist = recipe_dist_mode(mode)
 
 
 SPLITTING_DIST_MODES = frozenset({"load", "loadgroup", "worksteal"})
 """xdist modes that hand a module's tests to different workers (``loadgroup`` does for tests
 without an ``xdist_group`` mark, as recipe steps are)."""
+
+
+def names_recipes(config: pytest.Config) -> bool:
+    """Whether the command line names a recipe directory or a module in one (``--pyargs`` names
+    resolved by their specs, never imported): only such a run has its dist mode changed, so a
+    session of other tests with the plugin installed keeps the mode its user chose."""
+    for argument in config.args:
+        target = argument.split("::", 1)[0]
+        given = config.invocation_params.dir / target
+        path = _module_path(target) if config.option.pyargs and not given.exists() else given
+        if path is not None and (is_recipe_directory(path) or (path.is_file() and is_recipe_directory(path.parent))):
+            return True
+    return False
+
+
+def _module_path(name: str) -> Path | None:
+    """Where the module or package ``name`` lives, by its spec; None where it cannot be found."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(spec.origin) if spec.origin else None
 
 
 def recipe_dist_mode(mode: str) -> str:

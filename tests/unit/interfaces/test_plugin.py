@@ -333,6 +333,19 @@ def test_a_dist_mode_that_would_split_a_module_runs_each_recipe_module_whole_on_
     assert counts(junit) == {"tests": 16, "failures": 0, "errors": 0, "skipped": 0}
 
 
+def test_a_session_naming_no_recipes_keeps_the_dist_mode_its_user_chose(tmp_path: Path) -> None:
+    """The plugin loads in every pytest session; the same ordered modules as test files of another
+    directory run under ``--dist load`` as xdist deals them, split over both workers."""
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    for name, count in (("test_first.py", 5), ("test_second.py", 11)):
+        (steps / name).write_text(ordered_steps(count), encoding="utf-8")
+    junit = tmp_path / "x.xml"
+    done = run_pytest(tmp_path, str(steps), "-n", "2", "--dist", "load", "-p", "no:randomly", f"--junitxml={junit}")
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout + done.stderr
+    assert counts(junit)["tests"] == 16 and counts(junit)["failures"] > 0
+
+
 @pytest.mark.slow
 def test_both_real_recipes_pass_side_by_side_under_a_splitting_dist_mode(tmp_path: Path) -> None:
     """The shipped recipes, copied, under ``-n 2 --dist worksteal``: both pass, one receipt each."""
