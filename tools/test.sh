@@ -59,17 +59,26 @@ check() {
   step setup setup
   # Lint and layers: ruff and the import-linter contracts (layers, a pure judge, no cycles), seconds.
   step lint bash -c "'$VENV/bin/ruff' check . && '$VENV/bin/lint-imports'"
-  # Types: strict mypy on the package (pyproject.toml), on one core, beside the unit tests; its
-  # output is printed when they end, not interleaved with theirs.
-  local types rc=0
-  ( step types "$VENV/bin/mypy" ) > out/types.log 2>&1 &
-  types=$!
-  trap "kill $types 2>/dev/null || true" EXIT  # a failing step below ends it too
+  # Types: strict mypy on the package (pyproject.toml), on one core, beside the unit tests.
+  beside types "$VENV/bin/mypy"
   step unit run_pytest tests/unit tests/tools -n 2 -q -m "not slow" -p no:randomly --junitxml=out/unit-tests.xml
-  wait "$types" || rc=$?
+  joined types
+}
+
+beside() {  # beside NAME COMMAND...: the step run in the background, its output into out/NAME.log
+  local name=$1
+  shift
+  ( step "$name" "$@" ) > "out/$name.log" 2>&1 &
+  BESIDE=$!
+  trap "kill $BESIDE 2>/dev/null || true" EXIT  # a step failing meanwhile ends it too
+}
+
+joined() {  # joined NAME: wait for the step started beside, print its output, fail where it failed
+  local name=$1 rc=0
+  wait "$BESIDE" || rc=$?
   trap - EXIT
-  cat out/types.log
-  [ "$rc" -eq 0 ] || { echo "test.sh: mypy exited $rc (out/types.log)" >&2; exit "$rc"; }
+  cat "out/$name.log"
+  [ "$rc" -eq 0 ] || { echo "test.sh: step $name exited $rc (out/$name.log)" >&2; exit "$rc"; }
 }
 
 system() {
@@ -78,19 +87,11 @@ system() {
   # XML; they ship in the package (qualify.recipes), so --pyargs finds them from any directory.
   step recipes run_pytest --pyargs qualify.recipes -n 2 -q --junitxml=out/recipes.xml --qualify-receipts out/receipts
   # Every fault lane must fail where it was injected. The self-test runs its lanes one at a time
-  # (one core); the offline verifier and the wheel (one core, and pip) run beside it, and its
-  # output is printed when both are done, not interleaved with theirs.
-  local selftest
-  ( step selftest "$VENV/bin/qualify" selftest --receipts out/selftest-receipts ) > out/selftest.log 2>&1 &
-  selftest=$!
-  trap "kill $selftest 2>/dev/null || true" EXIT  # a failing step below ends it too
+  # (one core); the offline verifier and the wheel (one core, and pip) run beside it.
+  beside selftest "$VENV/bin/qualify" selftest --receipts out/selftest-receipts
   step offline-verifier offline_verifier
   step wheel wheel_elsewhere
-  local rc=0
-  wait "$selftest" || rc=$?
-  trap - EXIT
-  cat out/selftest.log
-  [ "$rc" -eq 0 ] || { echo "test.sh: qualify selftest exited $rc (out/selftest.log)" >&2; exit "$rc"; }
+  joined selftest
 }
 
 offline_verifier() {
