@@ -227,46 +227,22 @@ def run_pytest_in_fresh_basetemps_cheapest_tests_first() -> None:
     PytestRunner.run_tests = run_tests_cheapest_first  # type: ignore[method-assign]
 
 
-def cheapest_first(tests: Any, costs: TestCosts | None = None, killer: str | None = None) -> list[str]:
+def cheapest_first(tests: Any, costs: TestCosts | None = None) -> list[str]:
     """``tests`` module by module, the module whose share costs least first (its dearest setup and
     its tests' own costs, by ``costs``, default the stats run's), each module's tests cheapest first.
     Module by module, as pytest runs a file: interleaved, each switch of module tears down its
-    module-scoped fixtures and the next test of that module sets them up again. A ``killer`` among
-    them (the test that detected another mutant of the same function) goes first, with its module."""
+    module-scoped fixtures and the next test of that module sets them up again."""
     costs = STATS_COSTS if costs is None else costs
     by_module: dict[str, list[str]] = defaultdict(list)
     for test in tests:
         by_module[test.split("::", 1)[0]].append(test)
-    first = killer.split("::", 1)[0] if killer is not None and killer in by_module.get(killer.split("::", 1)[0], []) else None
 
-    def share(module: str) -> tuple[bool, float]:
+    def share(module: str) -> float:
         own = sum(costs.by_test.get(test, 0.0) for test in by_module[module])
-        return module != first, costs.setup_by_module.get(module, 0.0) + own
+        return costs.setup_by_module.get(module, 0.0) + own
 
     return [test for module in sorted(by_module, key=lambda module: (share(module), module))
-            for test in sorted(by_module[module], key=lambda test: (test != killer, costs.by_test.get(test, 0.0), test))]
-
-
-class KillHistory:
-    """Which test last detected a mutant of each function, shared by the mutants' forked processes
-    through a folder (a file per function). mutmut runs a function's mutants one after another, and
-    a test that detected one often detects the next: run first, it ends the process at once, where
-    the cheapest-first order could run many modules before reaching it. Order only: which tests run
-    and what counts as detected stay mutmut's."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def last(self, mutant_name: str) -> str | None:
-        with contextlib.suppress(OSError):
-            return (self.folder / mutant_name.rsplit("__mutmut_", 1)[0]).read_text(encoding="utf-8") or None
-        return None
-
-    def record(self, mutant_name: str, test: str) -> None:
-        function = self.folder / mutant_name.rsplit("__mutmut_", 1)[0]
-        written = function.with_name(f"{function.name}.{os.getpid()}")
-        written.write_text(test, encoding="utf-8")
-        os.replace(written, function)  # whole, never half-written, for the other worker
+            for test in sorted(by_module[module], key=lambda test: (costs.by_test.get(test, 0.0), test))]
 
 
 class CollectedSession:
@@ -304,7 +280,7 @@ class CollectedSession:
             return None
         return cls(config, session)
 
-    def run(self, tests: list[str], kills: KillHistory | None = None, mutant_name: str = "") -> int | None:
+    def run(self, tests: list[str]) -> int | None:
         """Run ``tests`` (node ids) in this process, in order, stopping at the first failure; None where
         the session lacks one of them. A failing test is a report, never an exception; an exception
         here is the runner's own failure, and it answers mutmut's "suspicious" (which the gate counts as
@@ -328,8 +304,6 @@ class CollectedSession:
                     item.ihook.pytest_runtest_protocol(item=item, nextitem=following)
                     if self.session.shouldfail or self.session.shouldstop:
                         break
-            if self.session.testsfailed and kills is not None:
-                kills.record(mutant_name, item.nodeid)
             return 1 if self.session.testsfailed else 0
         except Exception as error:  # the runner's own failure: reported, and answered as not detected
             print(f"mutation_typecheck: the collected session failed: {error!r}", file=sys.__stderr__)
@@ -342,31 +316,24 @@ def run_mutants_in_one_collected_session() -> None:
     """mutmut's fork runner collects the selection once before its first mutant (:class:`CollectedSession`),
     and each mutant's process runs its tests from that collection; where it cannot (a collection
     error, a test the collection lacks), the mutant runs ``pytest.main`` as mutmut does."""
-    import atexit
-    import shutil
-    import tempfile
-
     from mutmut.runners.harness import PytestRunner
     from mutmut.workers.isolation import ForkRunner
 
     startup = ForkRunner.startup
     run_tests = PytestRunner.run_tests
     collected: CollectedSession | None = None
-    kills: KillHistory | None = None
 
     def startup_with_one_collection(self: Any) -> None:
-        nonlocal collected, kills
+        nonlocal collected
         runner = self.test_runner
         if isinstance(runner, PytestRunner):
             collected = CollectedSession.collect(
                 ["--rootdir=.", "--tb=native", *runner._pytest_args_regular_run([]), *runner._pytest_add_cli_args])
-            kills = KillHistory(Path(tempfile.mkdtemp(prefix="mutation-kills-")))
-            atexit.register(shutil.rmtree, kills.folder, True)  # in this parent only: the forks end by os._exit
         startup(self)  # mutmut freezes the garbage collector's heap for the forks: the collection with it
 
     def run_tests_from_the_collection(self: Any, *, mutant_name: str | None, tests: Any) -> int:
-        if collected is not None and kills is not None and mutant_name is not None:
-            code = collected.run(cheapest_first(tests, killer=kills.last(mutant_name)), kills, mutant_name)
+        if collected is not None and mutant_name is not None:
+            code = collected.run(cheapest_first(tests))
             if code is not None:
                 return code
         return int(run_tests(self, mutant_name=mutant_name, tests=tests))

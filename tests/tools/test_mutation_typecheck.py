@@ -81,23 +81,3 @@ def test_a_mutants_tests_run_module_by_module_the_cheapest_share_first() -> None
         costs.pytest_runtest_logreport(report)
     assert typecheck.cheapest_first(["a.py::slow", "b.py::one", "a.py::quick", "b.py::two", "c.py::new"], costs) == \
         ["c.py::new", "b.py::two", "b.py::one", "a.py::quick", "a.py::slow"]
-
-
-def test_the_test_that_detected_a_functions_last_mutant_runs_first_for_its_next(tmp_path: Path) -> None:
-    """Another mutant of the same function starts with the test that detected the last one, and
-    that test's module; a function with no detection yet, or a killer not among the mutant's
-    tests, keeps the cheapest-first order."""
-    costs = typecheck.TestCosts()
-    for report in [_report("a.py::slow", "setup", 1.0), _report("a.py::quick", "call", 0.0005),
-                   _report("b.py::one", "call", 0.02), _report("b.py::two", "call", 0.01)]:
-        costs.pytest_runtest_logreport(report)
-    tests = ["a.py::slow", "b.py::one", "a.py::quick", "b.py::two", "c.py::new"]
-    kills = typecheck.KillHistory(tmp_path)
-    assert kills.last("m.x_f__mutmut_2") is None
-    kills.record("m.x_f__mutmut_1", "a.py::slow")
-    assert typecheck.cheapest_first(tests, costs, kills.last("m.x_f__mutmut_2")) == \
-        ["a.py::slow", "a.py::quick", "c.py::new", "b.py::two", "b.py::one"]
-    kills.record("m.xǁCǁg__mutmut_1", "b.py::two")
-    assert (kills.last("m.xǁCǁg__mutmut_2"), kills.last("m.x_f__mutmut_3"), kills.last("m.x_h__mutmut_1")) == \
-        ("b.py::two", "a.py::slow", None)
-    assert typecheck.cheapest_first(tests, costs, "d.py::elsewhere") == typecheck.cheapest_first(tests, costs)
