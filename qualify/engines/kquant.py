@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,6 @@ class ExactQ8Linear:
 
     def __init__(self, name: str, weight: Q8Matrix):
         self.name = name
-        self.weight = weight
         self.n_in = weight.n_in
         self.n_out = weight.n_out
         self.blocks = self.n_in // BLOCK
@@ -194,6 +194,26 @@ class ExactQ8Linear:
             weight.quants.astype(np.float32).transpose(1, 2, 0))
         self._scales_by_block = np.ascontiguousarray(weight.scales.T)  # [blocks, n_out]
         check_block_sum_bound(int(np.abs(weight.quants.astype(np.int16)).max(initial=0)), Q8_MAX)
+
+    @classmethod
+    def stack(cls, projections: Sequence[ExactQ8Linear]) -> ExactQ8Linear:
+        """One linear whose output columns are ``projections``' side by side (q/k/v, gate/up),
+        each column with its own projection's bits (exact block sums, an elementwise epilogue by
+        its own weight scales); the input is quantized once, and the projections' blocks become
+        views of the stacked ones."""
+        stacked = cls.__new__(cls)
+        stacked.name = " + ".join(projection.name for projection in projections)
+        stacked.n_in, stacked.blocks = projections[0].n_in, projections[0].blocks
+        stacked.n_out = sum(projection.n_out for projection in projections)
+        stacked._quants_by_block = np.concatenate([p._quants_by_block for p in projections], axis=2)
+        stacked._scales_by_block = np.concatenate([p._scales_by_block for p in projections], axis=1)
+        first = 0
+        for projection in projections:
+            own = slice(first, first + projection.n_out)
+            projection._quants_by_block = stacked._quants_by_block[:, :, own]
+            projection._scales_by_block = stacked._scales_by_block[:, own]
+            first += projection.n_out
+        return stacked
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = _check_input(self.name, x, self.n_in)
@@ -536,9 +556,10 @@ def decode_rows(layer: DecoderLayer, x: np.ndarray, positions: np.ndarray, cache
     cos = layer.rope_cos[positions][:, None, :]  # [R, 1, head_dim]
     sin = layer.rope_sin[positions][:, None, :]
     h = layer.materialize(rms_norm(x, layer.attention_norm, layer.eps))  # [R, hidden]
-    q = apply_rope(layer.q_proj(h).reshape(rows, heads, head_dim), cos, sin)  # [R, heads, hd]
-    k = apply_rope(layer.k_proj(h).reshape(rows, kv_heads, head_dim), cos, sin)  # [R, kv, hd]
-    v = layer.v_proj(h).reshape(rows, kv_heads, head_dim)  # [R, kv, hd]
+    q, k, v = layer.qkv(h)  # [R, heads * hd], [R, kv * hd] x 2
+    q = apply_rope(q.reshape(rows, heads, head_dim), cos, sin)  # [R, heads, hd]
+    k = apply_rope(k.reshape(rows, kv_heads, head_dim), cos, sin)  # [R, kv, hd]
+    v = v.reshape(rows, kv_heads, head_dim)  # [R, kv, hd]
     cache.write(first_slot, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
     attended = np.empty((rows, heads * head_dim), dtype=np.float32)
     for row in range(rows):  # the decode_row attention, row by row

@@ -22,7 +22,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -123,8 +123,11 @@ def quantize_activations_q8k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q8k_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_K of equal-width blocks float32 [T, S, width] -> integer-valued float32 codes of the same
     shape and float32 scales [T, S]."""
-    first_max_index = np.argmax(np.abs(blocks), axis=2)[:, :, None]  # argmax keeps the first
-    signed_max = np.take_along_axis(blocks, first_max_index, axis=2)[:, :, 0]  # [T, S]
+    rows, super_blocks, width = blocks.shape
+    first_max_index = np.argmax(np.abs(blocks), axis=2)  # [T, S]; argmax keeps the first
+    # One gather over the [T * S, width] view (take_along_axis builds its index grids per call).
+    signed_max = blocks.reshape(-1, width)[np.arange(rows * super_blocks), first_max_index.ravel()]
+    signed_max = signed_max.reshape(rows, super_blocks)  # [T, S]
     zero_block = signed_max == 0
     with np.errstate(divide="ignore"):
         iscale = np.where(zero_block, np.float32(0.0), np.float32(-Q8_MAX) / signed_max)
@@ -178,11 +181,32 @@ class ExactA16Q8Linear:
         _require_whole_blocks(tensor)
         _require_float64_exact(tensor.max_row_abs_weight_q10(), Q8_MAX, tensor.name)
         self.name, self.n_in, self.n_out = tensor.name, tensor.n_in, tensor.n_out
-        self.scale2 = tensor.scale2
+        self.scale2: np.float32 | np.ndarray = tensor.scale2  # float32 [n_out] once stacked
         weight_q10_t = np.ascontiguousarray(tensor.weight_q10().T, np.float64)  # [n_in, n_out]
         # [width, n_out] per activation super-block: one exact integer matmul each
         self._columns = super_block_columns(self.n_in)
         self._weight_q10_t_by_super_block = [weight_q10_t[columns] for columns in self._columns]
+
+    @classmethod
+    def stack(cls, projections: Sequence[ExactA16Q8Linear]) -> ExactA16Q8Linear:
+        """One linear whose output columns are ``projections``' side by side (q/k/v, gate/up),
+        each column with its own projection's bits: its super-block sums are exact integers and
+        its epilogue multiplies by its own ``scale2``, elementwise. The input is quantized once;
+        the projections' weight blocks become views of the stacked ones (nothing held twice)."""
+        stacked = cls.__new__(cls)
+        stacked.name = " + ".join(projection.name for projection in projections)
+        stacked.n_in, stacked.n_out = projections[0].n_in, sum(p.n_out for p in projections)
+        stacked.scale2 = np.concatenate([np.full(p.n_out, p.scale2, dtype=np.float32) for p in projections])
+        stacked._columns = projections[0]._columns
+        stacked._weight_q10_t_by_super_block = [
+            np.concatenate([p._weight_q10_t_by_super_block[s] for p in projections], axis=1)
+            for s in range(len(stacked._columns))]
+        first = 0
+        for projection in projections:
+            own = slice(first, first + projection.n_out)
+            projection._weight_q10_t_by_super_block = [block[:, own] for block in stacked._weight_q10_t_by_super_block]
+            first += projection.n_out
+        return stacked
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x float32 [T, n_in] -> float32 [T, n_out] (values exactly representable in float16)."""

@@ -45,7 +45,7 @@ import functools
 import inspect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,39 +109,49 @@ class DenseLinear:
         self.name = name
         self.weight_rows = FixedPointRows.of(weight)  # [n_out, n_in], converted once
 
+    @classmethod
+    def stack(cls, projections: Sequence[DenseLinear]) -> DenseLinear:
+        """One projection over the rows of ``projections`` stacked: :func:`matmul_rows` converts
+        each weight row on its own and each output column depends on its row alone, so every
+        column has its own projection's bits. The projections' ``weight_rows`` become views of
+        the stacked rows, so nothing is held twice."""
+        stacked = cls.__new__(cls)
+        stacked.name = " + ".join(projection.name for projection in projections)
+        stacked.n_in, stacked.n_out = projections[0].n_in, sum(p.n_out for p in projections)
+        stacked.weight_rows = FixedPointRows(np.concatenate([p.weight_rows.integers for p in projections]),
+                                             np.concatenate([p.weight_rows.scale for p in projections]))
+        first = 0
+        for projection in projections:
+            projection.weight_rows = stacked.weight_rows[(slice(first, first + projection.n_out),)]
+            first += projection.n_out
+        return stacked
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         check_finite_activations(x, self.name)
         return matmul_rows(x, self.weight_rows)  # [T, n_in] @ [n_in, n_out] -> [T, n_out]
 
 
 class SharedInputProjections:
-    """Projections that read the same input (q/k/v; gate/up), applied together. Dense ones run as
-    one contraction over their rows stacked: :func:`matmul_rows` converts each weight row on its
-    own and each output column depends on its row alone, so the bits are each projection's; one
-    call per chunk instead of one per projection (a decode step is mostly per-call cost). The
-    projections' own ``weight_rows`` become views of the stacked rows, so nothing is held twice.
-    Any other arithmetic is called projection by projection."""
+    """Projections that read the same input (q/k/v; gate/up), applied together. Where they are
+    all of one class that can ``stack`` them (one projection whose output columns are theirs side
+    by side, each column with its own projection's bits), they run as that one projection: one
+    call instead of one per projection, and the input prepared once (a decode step is mostly
+    per-call cost). Any other mix is called projection by projection."""
 
     def __init__(self, *projections: Linear) -> None:
         self.projections = projections
-        self.stacked: FixedPointRows | None = None
-        if len(projections) > 1 and all(type(p) is DenseLinear for p in projections):
-            dense = [p for p in projections if isinstance(p, DenseLinear)]
-            self.stacked = FixedPointRows(np.concatenate([p.weight_rows.integers for p in dense]),
-                                          np.concatenate([p.weight_rows.scale for p in dense]))
-            first = 0
-            for projection in dense:
-                rows = slice(first, first + projection.n_out)
-                projection.weight_rows = self.stacked[(rows,)]
-                first += projection.n_out
-            self.splits = list(np.cumsum([p.n_out for p in dense])[:-1])
-            self.name = " + ".join(p.name for p in dense)
+        self.stacked: Linear | None = None
+        arithmetic = type(projections[0])
+        stack = getattr(arithmetic, "stack", None)
+        if len(projections) > 1 and callable(stack) and all(type(p) is arithmetic for p in projections) \
+                and len({p.n_in for p in projections}) == 1:
+            self.stacked = stack(projections)
+            self.splits = list(np.cumsum([p.n_out for p in projections])[:-1])
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         if self.stacked is None:
             return [projection(x) for projection in self.projections]
-        check_finite_activations(x, self.name)
-        return np.split(matmul_rows(x, self.stacked), self.splits, axis=-1)
+        return np.split(self.stacked(x), self.splits, axis=-1)
 
 
 def dense_linear(name: str, weight_f32: np.ndarray) -> DenseLinear:

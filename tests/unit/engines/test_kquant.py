@@ -203,6 +203,23 @@ def test_extreme_quants_stay_exact() -> None:
     np.testing.assert_array_equal(y, int64_reference(weight, x))
 
 
+def test_projections_stacked_keep_each_projections_bits(target_weights) -> None:
+    """q/k/v stacked (the input quantized once, one contraction, each column its own weight
+    scales) give every projection's own bits, at decode's few rows and prefill's many."""
+    rng = np.random.default_rng(12)
+    names = [f"model.layers.0.self_attn.{name}_proj" for name in "qkv"]
+    alone = [ExactQ8Linear(name, target_weights.matrices[name]) for name in names]
+    together = [ExactQ8Linear(name, target_weights.matrices[name]) for name in names]
+    stacked = ExactQ8Linear.stack(together)
+    splits = list(np.cumsum([linear.n_out for linear in alone])[:-1])
+    for rows in (1, 300):
+        x = (rng.standard_normal((rows, 256)) * 4).astype(np.float32)
+        for column, single, viewed in zip(np.split(stacked(x), splits, axis=1), alone, together, strict=True):
+            np.testing.assert_array_equal(column.view(np.uint32), single(x).view(np.uint32))
+            np.testing.assert_array_equal(viewed(x).view(np.uint32), single(x).view(np.uint32))
+    assert all(np.shares_memory(linear._quants_by_block, stacked._quants_by_block) for linear in together)
+
+
 def test_rows_do_not_depend_on_batch_shape(target_weights) -> None:
     rng = np.random.default_rng(11)
     linear = ExactQ8Linear("gate", target_weights.matrices["model.layers.2.mlp.gate_proj"])

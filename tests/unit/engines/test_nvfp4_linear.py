@@ -191,6 +191,28 @@ def test_exact_equals_float64_reference_to_rounding(
     assert np.array_equal(y[overflow], np.copysign(np.inf, reference[overflow]))
 
 
+def test_exact_projections_stacked_keep_each_projections_bits() -> None:
+    """q/k/v stacked (one quantization of the input, one contraction, each column its own
+    scale2) give every projection's own bits at one row and at many, and the projections' weight
+    blocks become views of the stacked ones."""
+    rng = np.random.default_rng(24)
+    tensors = [random_case(rng, rows=1, n_out=n_out, n_in=512)[0] for n_out in (48, 16, 16)]
+    alone = [ExactA16Q8Linear(tensor) for tensor in tensors]
+    together = [ExactA16Q8Linear(tensor) for tensor in tensors]
+    stacked = ExactA16Q8Linear.stack(together)
+    assert stacked.n_out == 80 and len({float(t.scale2) for t in tensors}) == 3
+    for rows in (1, 37):
+        x = random_case(rng, rows=rows, n_out=1, n_in=512)[1]
+        columns = np.split(stacked(x), [48, 64], axis=1)
+        for column, single, viewed in zip(columns, alone, together, strict=True):
+            np.testing.assert_array_equal(bits(column), bits(single(x)))
+            np.testing.assert_array_equal(bits(viewed(x)), bits(single(x)))
+    for projection in together:
+        for block, stacked_block in zip(projection._weight_q10_t_by_super_block,
+                                        stacked._weight_q10_t_by_super_block, strict=True):
+            assert np.shares_memory(block, stacked_block)
+
+
 def test_exact_is_batch_invariant_bit_for_bit() -> None:
     rng = np.random.default_rng(23)
     tensor, x = random_case(rng, rows=37, n_out=48, n_in=512)

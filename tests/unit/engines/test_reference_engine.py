@@ -401,7 +401,7 @@ def test_projections_sharing_an_input_run_stacked_with_each_projections_bits() -
         for together, single in zip(shared(x), alone, strict=True):
             assert np.array_equal(together.view(np.uint32), single(x).view(np.uint32))
     for projection in stacked_projections:
-        assert np.shares_memory(projection.weight_rows.integers, shared.stacked.integers)
+        assert np.shares_memory(projection.weight_rows.integers, shared.stacked.weight_rows.integers)
     # Another arithmetic is applied projection by projection.
     doubling = _Doubling(alone[1])
     other = SharedInputProjections(alone[0], doubling)
