@@ -21,17 +21,26 @@ if compgen -G "out/offline-receipts/2*" >/dev/null; then
 else
   "$VENV/bin/qualify" --recipe native-text --reference-once --receipts "$work/checkout" >/dev/null
 fi
-for spec in "numpy==$low" "$range"; do
+# Both runs at once: each is mostly one process at a time (the consumer waits while its producer
+# prefills), so side by side they share the two cores.
+specs=("numpy==$low" "$range") runs=() versions=()
+trap 'kill "${runs[@]}" 2>/dev/null; chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
+for spec in "${specs[@]}"; do
   name="${spec//[^0-9A-Za-z.]/_}"
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$work/$name" "$spec" \
     >/dev/null 2>"$work/pip.log" || { cat "$work/pip.log" >&2; exit 1; }
-  version="$(PYTHONPATH="$work/$name" "$VENV/bin/python" -c 'import numpy; print(numpy.__version__)')"
+  versions+=("$(PYTHONPATH="$work/$name" "$VENV/bin/python" -c 'import numpy; print(numpy.__version__)')")
   case "$(PYTHONPATH="$work/$name" "$VENV/bin/python" -c 'import numpy; print(numpy.__file__)')" in
     "$work/$name"/*) ;;
     *) echo "numpy_range.sh: numpy $spec did not shadow the venv's numpy" >&2; exit 1 ;;
   esac
-  PYTHONPATH="$work/$name" "$VENV/bin/qualify" --recipe native-text --reference-once --receipts "$work/r-$name" >/dev/null
+  PYTHONPATH="$work/$name" "$VENV/bin/qualify" --recipe native-text --reference-once --receipts "$work/r-$name" >/dev/null &
+  runs+=($!)
+done
+for index in "${!specs[@]}"; do
+  spec="${specs[$index]}" name="${specs[$index]//[^0-9A-Za-z.]/_}"
+  wait "${runs[$index]}" || { echo "numpy_range.sh: the main job on numpy $spec failed (exit $?)" >&2; exit 1; }
   "$VENV/bin/python" tools/same_numbers.py "$work"/checkout/2* "$work/r-$name"/2*
-  echo "numpy_range.sh: numpy $version ($spec): QUALIFIED, the checkout's digits"
+  echo "numpy_range.sh: numpy ${versions[$index]} ($spec): QUALIFIED, the checkout's digits"
 done
 echo "numpy_range.sh: $((SECONDS - started)) s"
