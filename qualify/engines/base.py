@@ -10,7 +10,7 @@ came from.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -102,6 +102,13 @@ class Linear(Protocol):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x: float32 [T, n_in] -> float32 [T, n_out]."""
         ...
+
+
+def stacked_columns(projections: Sequence[Linear]) -> list[slice]:
+    """Each projection's output columns once their outputs stand side by side (a projection's
+    ``stack``: q/k/v or gate/up run as one)."""
+    ends = np.cumsum([projection.n_out for projection in projections]).tolist()
+    return [slice(end - projection.n_out, end) for projection, end in zip(projections, ends, strict=True)]
 
 
 def check_tokens(tokens: np.ndarray, vocab: int, what: str) -> np.ndarray:

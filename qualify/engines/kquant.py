@@ -43,7 +43,16 @@ from qualify.core import assets
 from qualify.core.errors import Refused, one_line
 from qualify.core.kv import KVCache
 from qualify.core.numerics import FixedPointRows, matmul_rows
-from qualify.engines.base import ENGINE_VERSION, DecodeResult, GreedyDecoder, Linear, ModelGeometry, check_tokens, finished_decode
+from qualify.engines.base import (
+    ENGINE_VERSION,
+    DecodeResult,
+    GreedyDecoder,
+    Linear,
+    ModelGeometry,
+    check_tokens,
+    finished_decode,
+    stacked_columns,
+)
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
@@ -207,12 +216,9 @@ class ExactQ8Linear:
         stacked.n_out = sum(projection.n_out for projection in projections)
         stacked._quants_by_block = np.concatenate([p._quants_by_block for p in projections], axis=2)
         stacked._scales_by_block = np.concatenate([p._scales_by_block for p in projections], axis=1)
-        first = 0
-        for projection in projections:
-            own = slice(first, first + projection.n_out)
+        for projection, own in zip(projections, stacked_columns(projections), strict=True):
             projection._quants_by_block = stacked._quants_by_block[:, :, own]
             projection._scales_by_block = stacked._scales_by_block[:, own]
-            first += projection.n_out
         return stacked
 
     def __call__(self, x: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ import numpy as np
 
 from qualify.core.errors import Refused
 from qualify.core.numerics import FixedPointRows, matmul_rows
-from qualify.engines.base import Linear
+from qualify.engines.base import Linear, stacked_columns
 from qualify.engines.nvfp4 import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -201,11 +201,8 @@ class ExactA16Q8Linear:
         stacked._weight_q10_t_by_super_block = [
             np.concatenate([p._weight_q10_t_by_super_block[s] for p in projections], axis=1)
             for s in range(len(stacked._columns))]
-        first = 0
-        for projection in projections:
-            own = slice(first, first + projection.n_out)
+        for projection, own in zip(projections, stacked_columns(projections), strict=True):
             projection._weight_q10_t_by_super_block = [block[:, own] for block in stacked._weight_q10_t_by_super_block]
-            first += projection.n_out
         return stacked
 
     def __call__(self, x: np.ndarray) -> np.ndarray:

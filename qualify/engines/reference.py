@@ -68,7 +68,15 @@ from qualify.core.numerics import (
     weighted_sum,
     whole_rows_are_exact,
 )
-from qualify.engines.base import ENGINE_VERSION, DecodeResult, GreedyDecoder, Linear, ModelGeometry, finished_decode
+from qualify.engines.base import (
+    ENGINE_VERSION,
+    DecodeResult,
+    GreedyDecoder,
+    Linear,
+    ModelGeometry,
+    finished_decode,
+    stacked_columns,
+)
 from qualify.engines.checkpoint import check_weights, load_config, load_weights
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
@@ -120,10 +128,8 @@ class DenseLinear:
         stacked.n_in, stacked.n_out = projections[0].n_in, sum(p.n_out for p in projections)
         stacked.weight_rows = FixedPointRows(np.concatenate([p.weight_rows.integers for p in projections]),
                                              np.concatenate([p.weight_rows.scale for p in projections]))
-        first = 0
-        for projection in projections:
-            projection.weight_rows = stacked.weight_rows[(slice(first, first + projection.n_out),)]
-            first += projection.n_out
+        for projection, own in zip(projections, stacked_columns(projections), strict=True):
+            projection.weight_rows = stacked.weight_rows[(own,)]
         return stacked
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
@@ -146,7 +152,7 @@ class SharedInputProjections:
         if len(projections) > 1 and callable(stack) and all(type(p) is arithmetic for p in projections) \
                 and len({p.n_in for p in projections}) == 1:
             self.stacked = stack(projections)
-            self.splits = list(np.cumsum([p.n_out for p in projections])[:-1])
+            self.splits = [columns.stop for columns in stacked_columns(projections)[:-1]]
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         if self.stacked is None:
