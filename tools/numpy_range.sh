@@ -14,7 +14,14 @@ range="$(grep -o '"numpy>=[0-9.]*,<[0-9.]*"' pyproject.toml | tr -d '"')"
 low="${range#numpy>=}"; low="${low%%,*}"
 [ -n "$low" ] || { echo "numpy_range.sh: pyproject.toml states no numpy>=LOW,<HIGH range" >&2; exit 2; }
 work="$(mktemp -d)"
-trap 'chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
+runs=()
+cleanup() {  # on any exit: stop runs still going, remove the work folder. Under `set -e` a failing
+  # command in an EXIT trap becomes the script's exit status, so each one here may fail harmlessly.
+  [ "${#runs[@]}" -eq 0 ] || kill "${runs[@]}" 2>/dev/null || true
+  chmod -R u+w "$work" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
 # The checkout's digits: the offline-verifier step's run when `make test` left one, else a new run.
 if compgen -G "out/offline-receipts/2*" >/dev/null; then
   mkdir "$work/checkout" && cp -r "$(ls -d out/offline-receipts/2* | tail -n 1)" "$work/checkout/"
@@ -23,8 +30,7 @@ else
 fi
 # Both runs at once: each is mostly one process at a time (the consumer waits while its producer
 # prefills), so side by side they share the two cores.
-specs=("numpy==$low" "$range") runs=() versions=()
-trap 'kill "${runs[@]}" 2>/dev/null; chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
+specs=("numpy==$low" "$range") versions=()
 for spec in "${specs[@]}"; do
   name="${spec//[^0-9A-Za-z.]/_}"
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$work/$name" "$spec" \
