@@ -16,11 +16,16 @@ low="${range#numpy>=}"; low="${low%%,*}"
 work="$(mktemp -d)"
 runs=()
 cleanup() {  # on any exit: stop runs still going, remove the work folder. Under `set -e` a failing
-  # command in an EXIT trap becomes the script's exit status, so each one here may fail harmlessly.
-  [ "${#runs[@]}" -eq 0 ] || kill "${runs[@]}" 2>/dev/null || true
-  chmod -R u+w "$work" 2>/dev/null || true
+  # command in an EXIT trap becomes the script's exit status, so each one here may fail harmlessly;
+  # its stderr goes nowhere, so bash's notices of the runs it stops ("Terminated", "No record of
+  # process") never follow the one-line refusal.
+  local run
+  for run in "${runs[@]}"; do
+    if kill "$run"; then wait "$run" || true; fi
+  done
+  chmod -R u+w "$work" || true
   rm -rf "$work"
-}
+} 2>/dev/null
 trap cleanup EXIT
 # The checkout's digits: the offline-verifier step's run when `make test` left one, else a new run.
 if compgen -G "out/offline-receipts/2*" >/dev/null; then
@@ -30,9 +35,10 @@ else
 fi
 # Both runs at once: each is mostly one process at a time (the consumer waits while its producer
 # prefills), so side by side they share the two cores.
-specs=("numpy==$low" "$range") versions=()
+specs=("numpy==$low" "$range") names=() versions=()
 for spec in "${specs[@]}"; do
   name="${spec//[^0-9A-Za-z.]/_}"
+  names+=("$name")
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$work/$name" "$spec" \
     >/dev/null 2>"$work/pip.log" || { cat "$work/pip.log" >&2; exit 1; }
   versions+=("$(PYTHONPATH="$work/$name" "$VENV/bin/python" -c 'import numpy; print(numpy.__version__)')")
@@ -44,7 +50,7 @@ for spec in "${specs[@]}"; do
   runs+=($!)
 done
 for index in "${!specs[@]}"; do
-  spec="${specs[$index]}" name="${specs[$index]//[^0-9A-Za-z.]/_}"
+  spec="${specs[$index]}" name="${names[$index]}"
   wait "${runs[$index]}" || { echo "numpy_range.sh: the main job on numpy $spec failed (exit $?)" >&2; exit 1; }
   "$VENV/bin/python" tools/same_numbers.py "$work"/checkout/2* "$work/r-$name"/2*
   echo "numpy_range.sh: numpy ${versions[$index]} ($spec): QUALIFIED, the checkout's digits"
