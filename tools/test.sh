@@ -4,8 +4,8 @@
 #   bash tools/test.sh test       make test (the README's second command): check, then the system
 #                                 tests, both recipes end to end, the self-test, the offline
 #                                 verifier and the wheel outside the checkout
-#   bash tools/test.sh extended   what .ci/run adds after make test: the slow, torch, browser and
-#                                 vLLM tiers and the mutation gate (the netns tier is .ci/run's own)
+#   bash tools/test.sh extended   what .ci/run adds after make test: the slow, torch, browser,
+#                                 numpy-range, vLLM and (as root) netns tiers and the mutation gate
 # Every tier fails on pytest's "no tests" (exit 5) and prints each step's wall time as
 # `tier <name>: <seconds> s`; the last line of a passing run is `tiers: <total> s`.
 set -euo pipefail
@@ -148,15 +148,15 @@ extended() {
   # The torch extra (installed by setup): torch and transformers engines on the CPU (the CUDA
   # folder skips, naming it).
   step torch run_pytest tests/torch tests/cuda -n 2 -q -rs --junitxml=out/torch-tests.xml
-  # The report in headless Chromium (QUALIFY_REQUIRE_BROWSER=1, set by .ci/run, fails instead of skipping).
-  step browser run_pytest tests/browser -q -rs --junitxml=out/browser-tests.xml
-  # The main job on the bottom and the top of pyproject.toml's numpy range (each numpy alone on
-  # PYTHONPATH in front of the venv), with the checkout's digits (tools/numpy_range.sh).
-  step numpy-range bash tools/numpy_range.sh
   # The mutation gate (tools/mutation.py, docs/mutation.md), still beside the vLLM install: it fails
   # below a group's committed floor (tools/mutation.toml) and prints `mutation_score: …` last; every
-  # uncaught mutant's diff goes to out/mutation-survivors.json.
+  # uncaught mutant's diff goes to out/mutation-survivors.json. The browser and numpy-range tiers
+  # run beside it: both are short and partly waiting (Chromium, a consumer waiting on its
+  # producer), and the gate's own single-process steps (mutmut's stats runs, its last mutants)
+  # leave a core idle for them.
+  beside browser+numpy-range browser_and_numpy_range
   step mutation "$VENV/bin/python" tools/mutation.py --jobs 2 --survivors out/mutation-survivors.json
+  joined browser+numpy-range
   if ! wait "$vllm_install"; then
     tail -20 out/vllm-install.log >&2
     echo "test.sh: tools/install_vllm.sh failed (out/vllm-install.log)" >&2
@@ -166,7 +166,31 @@ extended() {
   # The real vLLM lanes, in their own venv (.venv-vllm, made by tools/install_vllm.sh above).
   # One test file per worker (--dist loadfile: a file starts its engines once, in module fixtures);
   # every vLLM engine runs one thread, so two files use both cores.
+  # The network-namespace tier (root only) runs beside it: its runs mostly wait on the emulated
+  # network, and the vLLM tier's last file leaves a core idle.
+  beside netns netns
   VENV=.venv-vllm step vllm run_pytest tests/vllm -q -rs -n 2 --dist loadfile --junitxml=out/vllm-tests.xml
+  joined netns
+}
+
+browser_and_numpy_range() {
+  # The report in headless Chromium (QUALIFY_REQUIRE_BROWSER=1, set by .ci/run, fails instead of skipping).
+  step browser run_pytest tests/browser -q -rs --junitxml=out/browser-tests.xml
+  # The main job on the bottom and the top of pyproject.toml's numpy range (each numpy alone on
+  # PYTHONPATH in front of the venv), with the checkout's digits (tools/numpy_range.sh).
+  step numpy-range bash tools/numpy_range.sh
+}
+
+netns() {
+  # A producer and a consumer in two network namespaces joined by a veth pair (tests/netns/,
+  # docs/transport.md). They need root: QUALIFY_REQUIRE_NETNS=1 (.ci/run, as root) makes an
+  # unusable `ip netns` fail these tests, not skip them; a kernel without the netem qdisc skips the
+  # netem runs, naming it.
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "test.sh: network-namespace tests not run: not root (they create namespaces and a veth pair)" >&2
+    return 0
+  fi
+  run_pytest tests/netns -q -rs --junitxml=out/netns-tests.xml
 }
 
 case "${1:-test}" in
