@@ -149,8 +149,7 @@ extended() {
   # below a group's committed floor (tools/mutation.toml) and prints `mutation_score: …` last; every
   # uncaught mutant's diff goes to out/mutation-survivors.json. The torch, browser and numpy-range
   # tiers run beside it, one after another: alone on the 2-core machine the gate kept its cores
-  # 87 % busy (1,234 CPU seconds in 708 s), its single-process steps (classing the mutants, mutmut's
-  # stats runs, the type check, the last mutants) leaving the other core idle.
+  # only 87 % busy (1,234 CPU seconds in 708 s, docs/testing.md).
   beside torch+browser+numpy-range torch_browser_and_numpy_range
   step mutation "$VENV/bin/python" tools/mutation.py --jobs 2 --survivors out/mutation-survivors.json
   joined torch+browser+numpy-range
@@ -165,9 +164,16 @@ extended() {
   # every vLLM engine runs one thread, so two files use both cores.
   # The network-namespace tier (root only) runs beside it: its runs mostly wait on the emulated
   # network, and the vLLM tier's last file leaves a core idle.
-  beside netns netns
+  # Root only: QUALIFY_REQUIRE_NETNS=1 (.ci/run, as root) makes an unusable `ip netns` fail them.
+  local as_root=
+  [ "$(id -u)" -ne 0 ] || as_root=1
+  if [ -n "$as_root" ]; then
+    beside netns run_pytest tests/netns -q -rs --junitxml=out/netns-tests.xml
+  else
+    echo "test.sh: network-namespace tests not run: not root (they create namespaces and a veth pair)" >&2
+  fi
   VENV=.venv-vllm step vllm run_pytest tests/vllm -q -rs -n 2 --dist loadfile --junitxml=out/vllm-tests.xml
-  joined netns
+  [ -z "$as_root" ] || joined netns
 }
 
 torch_browser_and_numpy_range() {
@@ -179,18 +185,6 @@ torch_browser_and_numpy_range() {
   # The main job on the bottom and the top of pyproject.toml's numpy range (each numpy alone on
   # PYTHONPATH in front of the venv), with the checkout's digits (tools/numpy_range.sh).
   step numpy-range bash tools/numpy_range.sh
-}
-
-netns() {
-  # A producer and a consumer in two network namespaces joined by a veth pair (tests/netns/,
-  # docs/transport.md). They need root: QUALIFY_REQUIRE_NETNS=1 (.ci/run, as root) makes an
-  # unusable `ip netns` fail these tests, not skip them; a kernel without the netem qdisc skips the
-  # netem runs, naming it.
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "test.sh: network-namespace tests not run: not root (they create namespaces and a veth pair)" >&2
-    return 0
-  fi
-  run_pytest tests/netns -q -rs --junitxml=out/netns-tests.xml
 }
 
 case "${1:-test}" in
