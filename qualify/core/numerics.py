@@ -51,12 +51,16 @@ class FixedPointRows:
     scale: np.ndarray  # [..., N, 1] float64, powers of two
 
     @classmethod
-    def of(cls, values: np.ndarray, bits: int = RIGHT_BITS, *, reuse: bool = False) -> FixedPointRows:
+    def of(cls, values: np.ndarray, bits: int = RIGHT_BITS, *, reuse: bool = False,
+           nonnegative: bool = False) -> FixedPointRows:
         """Scale each vector so its largest magnitude becomes an integer of ``bits`` bits, then
         round every element to the nearest integer (ties to even). Multiplying by a power of two
         is exact, so the only rounding is ``rint``'s. ``reuse`` converts a float64 ``values`` in
-        place (the caller's temporary)."""
-        largest = np.maximum(values.max(axis=-1, keepdims=True), -values.min(axis=-1, keepdims=True))
+        place (the caller's temporary); ``nonnegative`` is the caller's checked promise that no
+        element is below zero, so a vector's largest magnitude is its maximum (one pass, not two)."""
+        largest = values.max(axis=-1, keepdims=True)
+        if not nonnegative:
+            largest = np.maximum(largest, -values.min(axis=-1, keepdims=True))
         if not np.isfinite(largest).all():
             raise ValueError("fixed-point conversion: non-finite values")
         _, exponent = np.frexp(largest)  # largest = m * 2^exponent, m in [0.5, 1) (0 for 0)
@@ -70,23 +74,27 @@ class FixedPointRows:
         return FixedPointRows(self.integers[index], self.scale[index])
 
 
-def whole_rows_are_exact(left: np.ndarray, right_bits: int = RIGHT_BITS) -> bool:
+def whole_rows_are_exact(left: np.ndarray, right_bits: int = RIGHT_BITS, *, nonnegative: bool = False) -> bool:
     """Whether every row of integer-valued ``left`` [..., M, K] times integers of at most
     ``right_bits`` bits stays below 2^53 at every partial sum, in any order: the row's absolute sum
     times 2^right_bits bounds them all. Then the whole dot product is exact in float64, equal to
-    the chunked left-to-right sum, whatever BLAS kernel, blocking or thread split adds it."""
+    the chunked left-to-right sum, whatever BLAS kernel, blocking or thread split adds it.
+    ``nonnegative``: the caller knows no integer is negative, so the row sums need no ``abs``."""
     if left.shape[-1] <= REDUCTION_CHUNK:
         return True
-    row_sums = np.abs(left).sum(axis=-1)  # non-negative integers below 2^53: summed exactly
+    row_sums = (left if nonnegative else np.abs(left)).sum(axis=-1)  # integers below 2^53: exact
     return bool(row_sums.max(initial=0.0) < 2.0 ** (EXACT_INTEGER_BITS - right_bits))
 
 
-def _integer_product(left: np.ndarray, right_t: np.ndarray) -> np.ndarray:
-    """left [..., M, K] @ right_t [..., K, N] (right integers of at most RIGHT_BITS bits),
-    integer-valued float64: one BLAS call when :func:`whole_rows_are_exact`, else each
-    REDUCTION_CHUNK-long partial sum is exact (below 2^53) whatever order BLAS adds it in, and the
-    chunks are added left to right. Both give the same bits whenever the first applies."""
-    if whole_rows_are_exact(left):
+def _exact_product(left: np.ndarray, right_t: np.ndarray, whole_rows: bool) -> np.ndarray:
+    """left [..., M, K] @ right_t [..., K, N] -> float64 [..., M, N], exact: each row of ``left``
+    is integers times one power of two (its scale, or 1), each column of ``right_t`` integers of at
+    most RIGHT_BITS bits times one power of two, so every partial sum is an integer times the
+    row's and the column's scales. ``whole_rows`` (:func:`whole_rows_are_exact` of the integers):
+    one BLAS call, exact whatever order it adds in. Else each REDUCTION_CHUNK-long partial sum is
+    exact (its integer below 2^53) and the chunks are added left to right; both give the same bits
+    whenever the first applies, and a power-of-two scale commutes with every one of those roundings."""
+    if whole_rows:
         return np.asarray(left @ right_t)
     total = left[..., :REDUCTION_CHUNK] @ right_t[..., :REDUCTION_CHUNK, :]
     for start in range(REDUCTION_CHUNK, left.shape[-1], REDUCTION_CHUNK):
@@ -99,19 +107,26 @@ def matmul_rows(a: np.ndarray, b: FixedPointRows) -> np.ndarray:
     float32 [..., M, N]: a projection ``x @ W.T`` or attention scores ``q @ K.T``. Row m of the
     result depends on row m of ``a`` alone, so one row or many give the same bits."""
     left = FixedPointRows.of(a, LEFT_BITS)
-    total = _integer_product(left.integers, np.swapaxes(b.integers, -1, -2))
-    total *= left.scale  # exact: powers of two
-    total *= np.swapaxes(b.scale, -1, -2)
-    return total.astype(np.float32)  # the one rounding
+    whole_rows = whole_rows_are_exact(left.integers)
+    scaled_left = np.multiply(left.integers, left.scale, out=left.integers)  # exact: powers of two
+    total = _exact_product(scaled_left, np.swapaxes(b.integers, -1, -2), whole_rows)
+    result = np.empty(total.shape, dtype=np.float32)
+    # The column scales (exact: powers of two), then the one rounding to float32, in one pass.
+    np.multiply(total, np.swapaxes(b.scale, -1, -2), out=result, casting="same_kind")
+    return result
 
 
 def weighted_sum(weights: np.ndarray, values: FixedPointRows) -> np.ndarray:
     """weights [..., M, K] @ values [..., K, N], the values converted per row (per position, one
     scale each): attention's probabilities times V. Each value row's scale is folded into the
     weights first (exact in float64), then the weights are converted per row."""
-    folded = weights.astype(np.float64) * np.swapaxes(values.scale, -1, -2)  # [..., M, K]
-    left = FixedPointRows.of(folded, LEFT_BITS, reuse=True)
-    total = _integer_product(left.integers, values.integers)
+    # Probabilities are never negative; checked on the float32 weights (half the bytes), it lets
+    # the conversion and the exactness bound skip a pass each over the float64 rows.
+    nonnegative = bool(weights.min(initial=0.0) >= 0)  # False for a NaN, which the conversion refuses
+    folded = np.multiply(weights, np.swapaxes(values.scale, -1, -2), dtype=np.float64)  # [..., M, K], exact
+    left = FixedPointRows.of(folded, LEFT_BITS, reuse=True, nonnegative=nonnegative)
+    whole_rows = whole_rows_are_exact(left.integers, nonnegative=nonnegative)
+    total = _exact_product(left.integers, values.integers, whole_rows)
     total *= left.scale
     return total.astype(np.float32)
 

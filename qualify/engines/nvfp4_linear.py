@@ -77,6 +77,7 @@ def _activations_f32(x: np.ndarray, n_in: int, name: str) -> np.ndarray:
 
 F16_MIN_NORMAL_BITS = np.uint32(0x38800000)  # float32 bits of 2^-14, the least float16 normal
 F16_OVERFLOW_BITS = np.uint32(0x477FF000)  # float32 bits of 65520: at or above, float16 is inf
+F16_CAST_SIZE = 4096  # up to this many values, numpy's own two casts are the faster path
 
 
 def round_through_f16(values_f32: np.ndarray) -> np.ndarray:
@@ -85,6 +86,9 @@ def round_through_f16(values_f32: np.ndarray) -> np.ndarray:
     float32 bit pattern to 10 mantissa bits; the rare rest (float16 subnormals, overflow, NaN)
     take ``astype``."""
     values = np.ascontiguousarray(values_f32, dtype=np.float32)
+    if values.size <= F16_CAST_SIZE:  # a decode row: two casts cost less than the bit path's calls
+        with np.errstate(over="ignore"):
+            return values.astype(np.float16).astype(np.float32)
     bits = values.view(np.uint32)
     rounded = bits >> np.uint32(13)
     rounded &= np.uint32(1)  # lowest kept mantissa bit: a tie goes to even

@@ -277,12 +277,13 @@ def weighted_sum_own_diagonal(probs: np.ndarray, past_value_rows: FixedPointRows
     rows = probs.shape[-2]
     diagonal = np.arange(rows)
     scales = np.swapaxes(past_value_rows.scale, -1, -2)[:, None]  # [kv, 1, 1, keys]
-    folded = probs.astype(np.float64) * scales  # [kv, group, rows, keys]
+    nonnegative = bool(probs.min(initial=0.0) >= 0)  # as weighted_sum: one pass fewer when true
+    folded = np.multiply(probs, scales, dtype=np.float64)  # [kv, group, rows, keys], exact
     own_scales = own_value_rows.scale[:, None, :, 0]  # [kv, 1, rows]
     folded[..., diagonal, start + diagonal] = probs[..., diagonal, start + diagonal] * own_scales
-    left = FixedPointRows.of(folded, LEFT_BITS, reuse=True)
+    left = FixedPointRows.of(folded, LEFT_BITS, reuse=True, nonnegative=nonnegative)
     # Row i's terms are its integers here, the own weight at its diagonal included.
-    one_product = whole_rows_are_exact(left.integers)
+    one_product = whole_rows_are_exact(left.integers, nonnegative=nonnegative)
     own_weights = left.integers[..., diagonal, start + diagonal].copy()  # [kv, group, rows]
     left.integers[..., diagonal, start + diagonal] = 0  # the diagonal multiplies the own value
     own_terms = own_weights[..., None] * own_value_rows.integers[:, None]  # [kv, group, rows, hd], exact

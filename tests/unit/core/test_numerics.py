@@ -72,6 +72,24 @@ def test_weighted_sum_matches_probabilities_times_values() -> None:
     assert np.abs(found - exact).max() <= 1e-5
 
 
+@pytest.mark.parametrize("shift", [0.0, 0.002], ids=["probabilities", "signed weights"])
+def test_weighted_sum_is_the_documented_conversion_whatever_the_weights_signs(shift: float) -> None:
+    """Each value row's scale folded into the weights, the folded rows converted to 23-bit
+    integers by their largest magnitude (a negative one where it is larger), one exact product,
+    rounded once: the same bits for probabilities and for weights of either sign."""
+    rng = np.random.default_rng(5)
+    weights = (rng.dirichlet(np.ones(300), size=(2, 3)) - shift).astype(np.float32)  # [2, 3, 300]
+    weights[1, 2, 7] = np.float32(-0.5) if shift else weights[1, 2, 7]  # the row's largest is negative
+    values = FixedPointRows.of(rng.standard_normal((2, 300, 16)).astype(np.float32))
+    folded = weights.astype(np.float64) * np.swapaxes(values.scale, -1, -2)
+    largest = np.abs(folded).max(axis=-1, keepdims=True)
+    scale = np.ldexp(1.0, np.frexp(largest)[1] - 23)
+    integers = np.rint(folded / scale)
+    assert np.abs(integers).max() <= 2**23
+    expected = ((integers @ values.integers) * scale).astype(np.float32)
+    assert np.array_equal(weighted_sum(weights, values).view(np.uint32), expected.view(np.uint32))
+
+
 def test_whole_rows_are_exact_up_to_the_last_row_sum_below_2_to_the_53() -> None:
     # A row's absolute sum times the right operand's largest integer (2^21) bounds every partial sum.
     limit = 2.0 ** (53 - 21)
@@ -101,7 +119,7 @@ def test_one_product_gives_the_chunked_sums_bits(monkeypatch: pytest.MonkeyPatch
     left_rows = FixedPointRows.of(a, 23).integers
     assert whole_rows_are_exact(left_rows) == (left_scale == 1.0)
     fast = matmul_rows(a, w), weighted_sum(probs, values)
-    monkeypatch.setattr(numerics, "whole_rows_are_exact", lambda left, right_bits=21: False)
+    monkeypatch.setattr(numerics, "whole_rows_are_exact", lambda *args, **kwargs: False)
     chunked = matmul_rows(a, w), weighted_sum(probs, values)
     for found, expected in zip(fast, chunked, strict=True):
         assert np.array_equal(found.view(np.uint32), expected.view(np.uint32))

@@ -440,15 +440,15 @@ def test_one_product_reductions_keep_the_chunked_bits(engine: ReferenceEngine, p
 
     one_products = []
 
-    def counted(left: np.ndarray, right_bits: int = 21) -> bool:
-        exact = numerics.whole_rows_are_exact(left, right_bits)
+    def counted(left: np.ndarray, right_bits: int = 21, *, nonnegative: bool = False) -> bool:
+        exact = numerics.whole_rows_are_exact(left, right_bits, nonnegative=nonnegative)
         one_products.append(exact and left.shape[-1] > numerics.REDUCTION_CHUNK)
         return exact
 
     monkeypatch.setattr(reference, "whole_rows_are_exact", counted)
     fast = run()
     assert any(one_products)  # the scoring attention took the fast path
-    monkeypatch.setattr(numerics, "whole_rows_are_exact", lambda left, right_bits=21: False)
-    monkeypatch.setattr(reference, "whole_rows_are_exact", lambda left, right_bits=21: False)
+    monkeypatch.setattr(numerics, "whole_rows_are_exact", lambda *args, **kwargs: False)
+    monkeypatch.setattr(reference, "whole_rows_are_exact", lambda *args, **kwargs: False)
     for found, chunked in zip(fast, run(), strict=True):
         assert np.array_equal(found.view(np.uint32), chunked.view(np.uint32))
