@@ -75,8 +75,10 @@ def main(argv: list) -> int:
     if len(argv) != 3 or argv[0] != "--trust":
         print("usage: verify_receipt_offline.py --trust TRUST.json RECEIPT_DIR", file=sys.stderr)
         return 2
-    receipt = Path(argv[2]).resolve()
+    receipt = Path(argv[2]).absolute()  # not resolved: a link is refused below, never followed
     try:
+        if receipt.is_symlink():
+            raise NotVerified("a symbolic link: verify the receipt at its own path, not through a link")
         line, code = verify(json.loads(Path(argv[1]).read_bytes()), receipt), 0
     except (NotVerified, OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as exc:
         why = str(exc) if isinstance(exc, NotVerified) else f"unreadable or malformed input ({type(exc).__name__}: {exc})"

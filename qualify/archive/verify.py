@@ -538,19 +538,34 @@ def _manifest_schema(root: Path) -> object:
 # --------------------------------------------------------------------------- the command
 
 
-def _archive_contents(target: Path) -> tuple[list[Path], list[Path]]:
+def _archive_contents(target: Path) -> tuple[list[Path], list[Path], list[Path]]:
     """The receipts to check under ``target`` (itself when it holds any file a receipt holds, so
-    a receipt missing its manifest is checked as one receipt) and the ``.partial-`` leftovers of
+    a receipt missing its manifest is checked as one receipt), the ``.partial-`` leftovers of
     runs killed before they finalized (their claimed, still empty run directory is part of the
-    leftover, not a receipt). Raises ``OSError`` when ``target`` cannot be listed."""
+    leftover, not a receipt), and the strays: symbolic links and other hidden entries, which no
+    run writes and which are never followed or skipped unsaid. Raises ``OSError`` when ``target``
+    cannot be listed."""
     own_files = (MANIFEST, ENVELOPE, *REQUIRED_FILES)
     if target.name.startswith(PARTIAL_PREFIX) or any(os.path.lexists(target / name) for name in own_files):
-        return [target], []
-    children = sorted(p for p in target.iterdir() if stat.S_ISDIR(p.lstat().st_mode))
+        return [target], [], []
+    entries = sorted((p, p.lstat().st_mode) for p in target.iterdir())
+    children = [p for p, mode in entries if stat.S_ISDIR(mode)]
     partial = [p for p in children if p.name.startswith(PARTIAL_PREFIX)]
     claimed = {p.name.removeprefix(PARTIAL_PREFIX) for p in partial}
     receipts = [p for p in children if not p.name.startswith(".") and not (p.name in claimed and _is_empty(p))]
-    return receipts, partial
+    strays = [p for p, mode in entries if stat.S_ISLNK(mode) or (p.name.startswith(".") and p not in partial)]
+    return receipts, partial, strays
+
+
+STRAY_LINK = "a symbolic link: not followed; verify the receipt at its own path"
+"""The problem of a link given or found in an archive: its target would read as the link's run."""
+STRAY_HIDDEN = "a hidden entry in the archive: no run writes one; not verified"
+"""The problem of a hidden entry (a dot-named one other than a ``.partial-`` leftover)."""
+
+
+def _stray_check(path: Path) -> ReceiptCheck:
+    """A path ``receipts verify`` reports and never verifies: a symbolic link or a hidden entry."""
+    return ReceiptCheck(shown(path.name), "tampered", problems=[STRAY_LINK if path.is_symlink() else STRAY_HIDDEN])
 
 
 def _is_empty(directory: Path) -> bool:
@@ -588,8 +603,11 @@ def _checks(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None) ->
     """Each receipt under ``paths`` (each one receipt or an archive) with its check, in order;
     :class:`Refused` (one line) when a path cannot be listed."""
     for path in paths:
+        if Path(path).is_symlink():
+            yield Path(path), _stray_check(Path(path))
+            continue
         try:
-            receipts, partial = _archive_contents(Path(path))
+            receipts, partial, strays = _archive_contents(Path(path))
         except OSError as exc:
             raise Refused(f"receipts verify: {shown(os.fspath(path))}: cannot list "
                           f"({exc.strerror or type(exc).__name__})") from None
@@ -597,6 +615,8 @@ def _checks(paths: Sequence[str | os.PathLike[str]], trust: TrustFile | None) ->
             yield receipt, authenticate_receipt(receipt, trust)
         for leftover in partial:
             yield leftover, ReceiptCheck(shown(leftover.name), "partial", status="incomplete")
+        for stray in strays:
+            yield stray, _stray_check(stray)
 
 
 _RECORDED = ("passed", "failed", "refused", "incomplete")

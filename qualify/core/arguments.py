@@ -179,12 +179,16 @@ MAX_DEADLINE_S = 7 * 24 * 3600.0
 """The longest producer phase limit (a week): longer is a typo, never a real phase's time."""
 
 
+DECIMAL_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+"""A number as an operator types it: a sign, ASCII digits, an optional fraction and exponent; not the
+underscores, surrounding spaces, other scripts' digits, ``inf`` or ``nan`` that ``float`` accepts."""
+
+
 def deadline_seconds(text: str) -> float:
-    """``--deadline-s``: a positive finite number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a number of seconds") from None
+    """``--deadline-s``: a positive finite number of seconds, in ASCII decimal notation."""
+    if not DECIMAL_NUMBER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a number of seconds")
+    value = float(text)
     if not (0 < value <= MAX_DEADLINE_S):
         raise argparse.ArgumentTypeError(
             f"found {shown(text)}, expected a positive number of seconds, at most {MAX_DEADLINE_S:.0f}")

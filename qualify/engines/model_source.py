@@ -175,6 +175,8 @@ def model_kind(path: Path) -> str:
         return "hf"
     if not path.exists():
         raise _refuse(path, "model", "missing; expected a Hugging Face directory or a GGUF file")
+    if not path.is_file():  # a FIFO or a device would block the read below, or never end
+        raise _refuse(path, "model", "not a regular file; expected a Hugging Face directory or a GGUF file")
     try:
         with path.open("rb") as handle:
             magic = handle.read(len(GGUF_MAGIC))

@@ -318,7 +318,17 @@ def _wants_recipe(argv: Sequence[str]) -> bool:
     return any(token == "--recipe" or token.startswith("--recipe=") for token in argv)
 
 
+def _asks_version_with_more(argv: list[str]) -> bool:
+    """Whether ``argv`` names ``--version`` beside other arguments: argparse would print the
+    version and exit 0 before it read them."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return len(argv) > 1 and "--version" in options
+
+
 def _dispatch(argv: list[str]) -> int:
+    if _asks_version_with_more(argv):
+        _say_error("qualify: --version takes no other arguments")
+        return EXIT_REFUSED
     if _wants_recipe(argv):
         recipe_parser = OneLineParser(prog="qualify", add_help=False)
         recipe_parser.add_argument("--recipe", metavar="NAME", choices=_recipe_names(), required=True)

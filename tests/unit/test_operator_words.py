@@ -1017,6 +1017,13 @@ def verify_cases() -> list[Case]:
         archive_with_leftovers(workspace.root / "archive")
         return walked(workspace, [workspace.root / "archive"])
 
+    def with_links_and_hidden_entries(workspace: Workspace) -> object:
+        genuine = receipt(workspace)
+        archive = genuine.parent
+        shutil.copytree(genuine, archive / f".{genuine.name}")
+        (archive / RUN_B).symlink_to(genuine, target_is_directory=True)
+        return walked(workspace, [archive, archive / RUN_B])
+
     def claimed_unlistable(workspace: Workspace) -> object:
         archive = workspace.root / "archive"
         archive_with_leftovers(archive)
@@ -1084,6 +1091,8 @@ def verify_cases() -> list[Case]:
         # ---- what an archive holds
         Case("an archive with leftovers of killed runs", with_leftovers),
         Case("an archive whose claimed run directory cannot be listed", claimed_unlistable),
+        Case("an archive holding a hidden copy and a link, and the link given as a path",
+             with_links_and_hidden_entries),
         # ---- the JSON document
         Case("the document of a leftover", document_of_a_leftover),
         Case("the document of a verified archive, its trust file named", document_verified(True, True)),

@@ -489,6 +489,33 @@ def test_a_claimed_directory_that_cannot_be_listed_is_checked_as_a_receipt(tmp_p
     assert (RUN_A, "tampered") in [(entry["name"], entry["state"]) for entry in document["receipts"]]
 
 
+def test_links_and_hidden_entries_of_an_archive_are_reported_and_fail_it(pristine, tmp_path, capsys):
+    """A tampered copy hidden beside a genuine receipt, and links to receipts (the genuine one
+    under a failing run's name, one elsewhere, a dangling one), are never skipped unsaid nor
+    followed: each is listed, not verified, and the archive fails, as does a link given as the path."""
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    genuine = archive / pristine.name
+    shutil.copytree(pristine, genuine)
+    hidden = archive / f".{pristine.name}"
+    shutil.copytree(pristine, hidden)
+    make_writable(hidden)
+    (hidden / "command.log").write_text("edited")
+    (archive / OTHER_RUN).symlink_to(genuine, target_is_directory=True)
+    (archive / "20260101T000000Z-cccccccccccccccc").symlink_to(tmp_path / "gone")
+    (archive / ".notes").write_text("a hidden file")
+    document = verify_document([archive], None, None)
+    found = {entry["name"]: (entry["state"], entry["problems"]) for entry in document["receipts"]}
+    assert found.pop(pristine.name)[0] in {"verified", "untrusted"}
+    link, hidden = ("tampered", [verify_module.STRAY_LINK]), ("tampered", [verify_module.STRAY_HIDDEN])
+    assert found == {f".{pristine.name}": hidden, ".notes": hidden, OTHER_RUN: link,
+                     "20260101T000000Z-cccccccccccccccc": link}
+    assert document["exit_code"] == 1 and walk([archive], capsys)[0] == 1
+    linked = verify_document([archive / OTHER_RUN], None, None)
+    assert [(entry["name"], entry["state"]) for entry in linked["receipts"]] == [(OTHER_RUN, "tampered")]
+    assert linked["exit_code"] == 1
+
+
 def test_the_document_lists_a_leftover_as_partial_and_incomplete_and_passes(tmp_path):
     archive = tmp_path / "archive"
     (archive / f"{PARTIAL_PREFIX}{RUN_A}").mkdir(parents=True)

@@ -242,6 +242,23 @@ def test_a_path_that_is_neither_is_refused(tmp_path: Path) -> None:
     assert "notes.txt: model: neither a directory nor a GGUF file" in refusal(text)
 
 
+def test_a_fifo_is_refused_not_read(tmp_path: Path) -> None:
+    """A FIFO (or a device) as --model would block ``open`` until a writer came, or never end:
+    refused in one line before any read, by ``qualify model inspect`` as by a run."""
+    import os
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    for command in (["model", "inspect", str(fifo)], ["--recipe", "native-text", "--model", str(fifo)]):
+        done = subprocess.run([sys.executable, "-m", "qualify.interfaces.cli", *command], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        refusal_line = done.stderr.splitlines()[-1]  # a run says first where it made its signing key
+        assert str(fifo) in refusal_line and "not a regular file" in refusal_line
+
+
 # ---- qualify model inspect: the same loader from the command line, exit 2 with one line ------
 
 

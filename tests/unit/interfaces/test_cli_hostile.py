@@ -269,6 +269,11 @@ USAGE_ERRORS = [
     ["--recipe", "native-text", "stray"],
     ["--recipe", "native-text", "--identity"],
     ["--recipe", "native-text", "--deadline-s", "nan"],
+    ["--recipe", "native-text", "--deadline-s", "1_000"],  # float() takes these three; an operator's number is none
+    ["--recipe", "native-text", "--deadline-s", " 5"],
+    ["--recipe", "native-text", "--deadline-s", "\uff15"],
+    ["--version", "extra"],
+    ["--recipe", "native-text", "--version"],
     ["--recipe", "native-text", "--rec", "x"],
     ["calibrate"],
     ["calibrate", "--recipe", "native-text", "--lane", "no-such-lane"],
