@@ -11,7 +11,6 @@ identities pin, is :data:`qualify.engines.base.ENGINE_VERSION` and does not foll
 
 import sys
 from collections.abc import Sequence
-from importlib.metadata import Distribution
 from pathlib import Path
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[1]
@@ -25,6 +24,8 @@ DISTRIBUTION = "trust-ladder"
 
 
 def _first_version(path: Sequence[str]) -> str | None:
+    from importlib.metadata import Distribution  # imported on use: the package's import stays cheap
+
     found = next(iter(Distribution.discover(name=DISTRIBUTION, path=list(path))), None)
     return None if found is None else found.version
 
@@ -58,4 +59,15 @@ def harness_version(package_parent: Path = PACKAGE_PARENT, search_path: Sequence
     return _scm_version(package_parent) or _first_version(search) or UNKNOWN_VERSION
 
 
-__version__ = harness_version()
+_VERSION: list[str] = []
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``, computed on first use (:func:`harness_version`; in a checkout it asks git):
+    importing the package stays cheap, so the executable answers an interrupt from its first
+    milliseconds (:mod:`qualify.interfaces.launch`)."""
+    if name == "__version__":
+        if not _VERSION:
+            _VERSION.append(harness_version())
+        return _VERSION[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -469,15 +469,20 @@ def console() -> None:
     default_blas_threads(os.environ)
     import signal
 
-    from qualify.run.signals import INTERRUPT_SIGNALS, hold_interrupts_after_runs
-
-    hold_interrupts_after_runs()
+    started = False
     try:
+        from qualify.run.signals import hold_interrupts_after_runs
+
+        hold_interrupts_after_runs()
+        started = True
         code = main()
-    except KeyboardInterrupt as exc:  # landed between the command's end and the block below
+    except KeyboardInterrupt as exc:  # before main, or between the command's end and the block below
+        if not started:
+            _say_error("qualify: interrupted")
         code = 128 + int(getattr(exc, "signum", signal.SIGINT))
     finally:
-        signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPT_SIGNALS)
+        # qualify.run.signals.INTERRUPT_SIGNALS, named here: an interrupt during its import leaves it unbound
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     sys.exit(code)
 
 
