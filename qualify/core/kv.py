@@ -70,6 +70,12 @@ class KVCache:
         return cls(keys, values, draft=cls.from_tensors(draft) if draft else None)
 
 
+def first_non_finite(kv: KVCache) -> str | None:
+    """The wire name of the first tensor of ``kv`` (draft context included) holding a NaN or an
+    infinity, or None: no consumer installs such a KV (:func:`check_kv_fits`)."""
+    return next((name for name, array in kv.tensors().items() if not np.isfinite(array).all()), None)
+
+
 def check_kv_fits(kv: KVCache, layers: int, kv_heads: int, head_dim: int, max_positions: int,
                   extra_positions: int) -> int:
     """Refuse (one line naming the tensor) a KV a consumer cannot install: wrong layer count,

@@ -26,7 +26,7 @@ from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
 from qualify.core.internal_error import InternalError, described, internal_error_line, save_traceback, traceback_lines
-from qualify.core.kv import KVGeometry
+from qualify.core.kv import KVGeometry, first_non_finite
 from qualify.engines import faults
 from qualify.engines.base import LaneEngine
 from qualify.evidence.compare import transform_between
@@ -660,6 +660,10 @@ class QualificationRun:
             measured = {"payload_bytes": transport.payload_bytes, "payload_gbit_per_s": transport.gbit_per_s}
             opened = open_handoff(handoff, key=self._run_key, expectation=self._handoff_expectation(request_id),
                                   digest_threads=self.options.digest_threads)
+            # Intact bytes of values no consumer installs: the producer's failure, this sample's.
+            tainted = first_non_finite(opened.kv)
+            if tainted is not None:
+                raise HandoffRefused(f"{tainted}: non-finite values (NaN or infinity)", check="kv.values")
         except (ProducerFailed, HandoffRefused) as exc:
             if isinstance(exc, HandoffRefused):
                 error = f"handoff refused by check {exc.check}: {one_line(str(exc))}"

@@ -45,6 +45,25 @@ def build_dying_producer(lane: str, mode: str):
     return lane_engine
 
 
+def build_nan_producer(lane: str, mode: str):
+    """A real producer engine whose first handoff's KV holds one NaN (layer 2's V), sealed and
+    sent intact: the bytes verify, the values cannot be installed."""
+    lane_engine = build_producer(lane, mode)
+    engine = lane_engine.engine
+    real_prefill = engine.prefill
+    calls = []
+
+    def prefill(tokens):
+        kv = real_prefill(tokens)
+        calls.append(len(tokens))
+        if len(calls) == DIES_ON_REQUEST:
+            kv.values[2][1, 5, 3] = float("nan")
+        return kv
+
+    engine.prefill = prefill
+    return lane_engine
+
+
 def _contract_with_rule():
     """The lane's real artifacts handing off the fixture three times, under a rule wide enough for
     the lane (the run's prompt is the contract's first handoff's: the fixture)."""
@@ -83,3 +102,20 @@ def test_producer_killed_mid_handoff_leaves_complete_failing_receipt(tmp_path: P
     assert summary["passed"] is False and "producer failed" in summary["verdict"]
     sample = read_receipt_json(receipt, "samples/sample-1.json")
     assert "producer failed" in sample["error"] and "killed by signal 9" in sample["error"]
+
+
+@pytest.mark.slow
+def test_a_producers_nan_kv_leaves_a_failed_sample_and_a_failed_run(tmp_path: Path):
+    """As a killed producer: the sample that carried it fails, naming the tensor, and the receipt
+    is complete and failed, not incomplete."""
+    options = RunOptions(recipe="native-text", receipts=tmp_path, reference_once=True,
+                         engine_factory="tests.system.test_qualifier:build_nan_producer")
+    run = QualificationRun(options, _contract_with_rule())
+    outcomes = [run.step(label) for label in STEP_LABELS]
+    run.close()
+    assert [o.passed for o in outcomes[:3]] == [True, True, True] and not outcomes[3].passed
+    receipt = run.receipt_path
+    assert receipt is not None and verify_receipt(receipt) == []
+    assert (check(receipt).state, check(receipt).status) == ("verified", "failed")
+    sample = read_receipt_json(receipt, "samples/sample-1.json")
+    assert "kv.values" in sample["error"] and "layers.2.v" in sample["error"]
