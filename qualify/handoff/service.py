@@ -24,7 +24,13 @@ Readiness means a warm-up prefill has completed (then one ready line is written)
 process is alive. Every request runs under a watchdog; on expiry, and after any error that touched
 the engine, the producer sends an error frame and exits 75 (EX_TEMPFAIL): a dead producer is a
 known state, a live one serving from a half-broken engine is not. Three consecutive non-engine
-errors (bad frames, failed authentication) also exit 75.
+errors of an authenticated client (bad frames, bad requests) also exit 75.
+
+Admission (:mod:`qualify.handoff.admission`): every accepted connection gets its TLS handshake,
+``hello`` and ``auth`` on a thread of its own under one short deadline, bounded in number in all
+and per peer address; one authenticated client is served at a time, the others wait their turn.
+A peer that connects and stays silent, trickles its handshake, or holds a certificate but not the
+run key is dropped at that deadline without delaying anyone, and never counts toward the exit.
 
 Protocol (:mod:`qualify.handoff.protocol`, shared with the client; Unix socket by default,
 loopback TCP, or TCP under TLS): ``hello``/``auth`` with the run key, then ``ready?``, ``prefill`` and
@@ -51,6 +57,7 @@ import hmac
 import importlib
 import json
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -73,6 +80,7 @@ from qualify.core.errors import Refused, one_line
 from qualify.core.hostenv import host_facts
 from qualify.engines.base import Engine, LaneEngine, ModelGeometry
 from qualify.engines.faults import faulty_producer
+from qualify.handoff.admission import LISTEN_BACKLOG, Admissions, Admitting
 from qualify.handoff.protocol import (
     EXIT_OK,
     EXIT_REFUSED,
@@ -98,10 +106,10 @@ from qualify.handoff.wire import SealedHandoff, handoff_key_id, seal_handoff_par
 
 DEFAULT_ENGINE_FACTORY = "qualify.engines.factory:build_producer"
 MAX_NON_ENGINE_ERRORS = 3
+# How often connections past their admission deadline are looked for and dropped.
+EXPIRY_SWEEP_S = 0.25
 # Once a frame has started, the rest must arrive within this many seconds.
 FRAME_STALL_S = 60.0
-# A client's TLS handshake must finish within this many seconds (a stalled one is dropped).
-TLS_HANDSHAKE_S = 30.0
 # The run id a producer without --run-id seals its warm-up prefill under (never sent).
 WARMUP_RUN_ID = "warmup"
 # A GIL-independent backstop (faulthandler, exits 1) behind the watchdog, for a hang in C code
@@ -242,7 +250,7 @@ def bind_unix(path: Path) -> socket.socket:
     finally:
         os.umask(old_umask)
     os.chmod(path, 0o600)
-    listener.listen(1)
+    listener.listen(LISTEN_BACKLOG)
     return listener
 
 
@@ -255,7 +263,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     except OSError as exc:
         listener.close()
         raise StartRefused(one_line(f"--host/--port {host}:{port}: cannot bind ({exc})")) from None
-    listener.listen(1)
+    listener.listen(LISTEN_BACKLOG)
     return listener
 
 
@@ -305,7 +313,8 @@ def _log(message: str) -> None:
 
 
 class ProducerService:
-    """Serves one client connection at a time; fails closed (exit 75) as the module says."""
+    """Admits connections concurrently and serves one authenticated client at a time; fails
+    closed (exit 75) as the module says."""
 
     def __init__(
         self,
@@ -331,6 +340,9 @@ class ProducerService:
         self.address = address
         self.send_lock = threading.Lock()
         self.non_engine_errors = 0
+        self.admissions = Admissions()
+        # Authenticated connections (socket, run id), served in turn by serve().
+        self.authenticated: queue.Queue[tuple[socket.socket, str]] = queue.Queue()
         self.requests_served = 0
         self._host_facts: dict[str, Any] | None = None
         # Beats on the ready channel from start to the ready line (see StartHeartbeat).
@@ -493,33 +505,116 @@ class ProducerService:
     # -- serving -------------------------------------------------------------------------------
 
     def serve(self) -> int:
-        """Accept connections until ``shutdown``; returns the exit status (0)."""
+        """Admit connections on other threads and serve the authenticated ones in turn until
+        ``shutdown``; returns the exit status (0)."""
+        threading.Thread(target=self._accept_forever, name="producer-accept", daemon=True).start()
+        threading.Thread(target=self._expire_forever, name="producer-expire", daemon=True).start()
         while True:
-            accepted, peer = self.listener.accept()
-            _tune(accepted)
-            conn = self._secured(accepted, peer)
-            if conn is None:
-                continue
+            conn, run_id = self.authenticated.get()
+            if self.config.run_id is None:
+                self.run_id = run_id
             with conn:
                 if self._serve_connection(conn):
                     self.cleanup()
                     return EXIT_OK
 
-    def _secured(self, conn: socket.socket, peer: object) -> socket.socket | None:
-        """``conn`` itself without TLS; else its TLS side once the handshake (the client's
-        certificate verified against --tls-client-ca) completes within TLS_HANDSHAKE_S. A client
-        that fails or stalls it is dropped, logged, and counts for nothing: it never reached the
-        protocol."""
-        if self.tls is None:
-            return conn
-        conn.settimeout(TLS_HANDSHAKE_S)
+    def _accept_forever(self) -> None:
+        while True:
+            try:
+                accepted, peer = self.listener.accept()
+            except OSError:  # the listener closed (cleanup): nothing more to admit
+                return
+            _tune(accepted)
+            peer_address = peer[0] if isinstance(peer, tuple) else "local"
+            entry, displaced = self.admissions.enter(accepted, peer_address)
+            for other in displaced:
+                _log(f"admission: a connection of {other.peer} displaced by a newer one (admission bound)")
+            threading.Thread(target=self._admit, args=(entry,), name="producer-admit", daemon=True).start()
+
+    def _expire_forever(self) -> None:
+        while True:
+            time.sleep(EXPIRY_SWEEP_S)
+            for entry in self.admissions.expire():
+                _log(f"admission: {entry.peer} not authenticated within {self.admissions.seconds:g} s; "
+                     "connection dropped")
+
+    def _admit(self, entry: Admitting) -> None:
+        """TLS, hello and auth for one connection under its admission deadline; an authenticated
+        one joins the queue serve() takes from, any other is closed."""
+        conn: socket.socket | None = None
+        run_id: str | None = None
         try:
-            return self.tls.wrap_socket(conn, server_side=True)
+            conn = self._secured(entry)
+            run_id = None if conn is None else self._authenticate(conn, entry)
+        except OSError:  # dropped (displaced or late), or the peer left mid-way
+            pass
+        except Exception as exc:  # one connection's admission never takes the producer down
+            _log(f"admission of {entry.peer}: {type(exc).__name__}: {one_line(str(exc))}; connection dropped")
+        finally:
+            self.admissions.leave(entry)
+        if run_id is None or entry.dropped:
+            try:
+                entry.sock.close()
+            except OSError:
+                pass
+            return
+        assert conn is not None
+        self.authenticated.put((conn, run_id))
+
+    def _secured(self, entry: Admitting) -> socket.socket | None:
+        """``entry``'s socket itself without TLS; else its TLS side once the handshake (the
+        client's certificate verified against --tls-client-ca) completes. A client that fails or
+        stalls it is dropped, logged, and counts for nothing: it never reached the protocol."""
+        if self.tls is None:
+            return entry.sock
+        wrapped = self.tls.wrap_socket(entry.sock, server_side=True, do_handshake_on_connect=False)
+        entry.sock = wrapped
+        if entry.dropped:  # displaced while the socket changed hands
+            entry.drop()
+        try:
+            wrapped.settimeout(self.admissions.remaining(entry))
+            wrapped.do_handshake()
         except (ssl.SSLError, OSError) as exc:
-            reason = getattr(exc, "reason", None) or type(exc).__name__
-            _log(f"TLS handshake with {peer} failed ({reason}); connection dropped")
-            conn.close()
+            if not entry.dropped:
+                reason = getattr(exc, "reason", None) or type(exc).__name__
+                _log(f"TLS handshake with {entry.peer} failed ({reason}); connection dropped")
             return None
+        return wrapped
+
+    def _authenticate(self, conn: socket.socket, entry: Admitting) -> str | None:
+        """hello, then the client's auth frame, by ``entry``'s deadline: the run id it proved it
+        holds the run key for, or None (an error frame sent where the peer said something)."""
+        nonce = secrets.token_bytes(32)
+        conn.settimeout(self.admissions.remaining(entry))
+        conn.sendall(encode_frame_header({"op": "hello", "protocol": PROTOCOL, "nonce": nonce.hex(),
+                                          "key_id": handoff_key_id(self.key)}))
+        try:
+            auth = _read_header(conn, self.admissions.remaining(entry), lambda: self.admissions.remaining(entry))
+        except (_PeerGone, _BadFrame):
+            return None
+        proof = auth.get("mac") if auth.get("op") == "auth" else None
+        run_id = auth.get("run_id")
+        problem = None
+        if not isinstance(run_id, str) or not ID_PATTERN.fullmatch(run_id):
+            problem = f"auth run_id: found {str(run_id)[:80]!r}, expected an id"
+        else:
+            try:
+                proof_bytes = bytes.fromhex(proof) if isinstance(proof, str) else b""
+            except ValueError:
+                proof_bytes = b""
+            if not hmac.compare_digest(proof_bytes, client_auth_mac(self.key, nonce, run_id)):
+                problem = "client authentication failed (wrong run key?)"
+            elif self.config.run_id is not None and run_id != self.config.run_id:
+                problem = f"auth run_id: found {run_id!r}, this producer serves run {self.config.run_id!r}"
+        if problem is not None:
+            _log(f"auth from {entry.peer}: {problem}; connection dropped")
+            conn.settimeout(self.admissions.remaining(entry))
+            conn.sendall(encode_frame_header({"op": "auth", "status": "error", "error": one_line(problem)}))
+            return None
+        conn.settimeout(self.admissions.remaining(entry))
+        conn.sendall(encode_frame_header({"op": "auth", "status": "ok"}))
+        assert isinstance(run_id, str)
+        return run_id
 
     def _non_engine_error(self, conn: socket.socket, op: str, message: str) -> None:
         self.non_engine_errors += 1
@@ -538,31 +633,7 @@ class ProducerService:
             return False
 
     def _converse(self, conn: socket.socket) -> bool:
-        nonce = secrets.token_bytes(32)
-        try:
-            self._send(conn, {"op": "hello", "protocol": PROTOCOL, "nonce": nonce.hex(),
-                              "key_id": handoff_key_id(self.key)})
-            auth = self._read_frame(conn)
-        except (_PeerGone, _BadFrame, OSError):
-            return False
-        proof = auth.get("mac") if auth.get("op") == "auth" else None
-        run_id = auth.get("run_id")
-        if not isinstance(run_id, str) or not ID_PATTERN.fullmatch(run_id):
-            self._non_engine_error(conn, "auth", f"auth run_id: found {str(run_id)[:80]!r}, expected an id")
-            return False
-        try:
-            proof_bytes = bytes.fromhex(proof) if isinstance(proof, str) else b""
-        except ValueError:
-            proof_bytes = b""
-        if not hmac.compare_digest(proof_bytes, client_auth_mac(self.key, nonce, run_id)):
-            self._non_engine_error(conn, "auth", "client authentication failed (wrong run key?)")
-            return False
-        if self.config.run_id is not None and run_id != self.config.run_id:
-            self._non_engine_error(conn, "auth", f"auth run_id: found {run_id!r}, this producer serves run "
-                                                 f"{self.config.run_id!r}")
-            return False
-        self.run_id = run_id
-        self._send(conn, {"op": "auth", "status": "ok"})
+        """An authenticated client's requests, until it leaves (False) or asks ``shutdown`` (True)."""
         while True:
             try:
                 request = self._read_frame(conn)
@@ -658,22 +729,31 @@ class ProducerService:
             conn.sendall(encode_frame_header(header))
 
     def _read_frame(self, conn: socket.socket) -> FrameHeader:
-        conn.settimeout(None)
-        first = conn.recv(FRAME_LENGTH.size)
-        if not first:
-            raise _PeerGone()
-        conn.settimeout(FRAME_STALL_S)
-        prefix = first + _recv_exact(conn, FRAME_LENGTH.size - len(first))
-        (length,) = FRAME_LENGTH.unpack(prefix)
-        if length > MAX_HEADER_BYTES:
-            raise _BadFrame(f"frame header of {length} bytes exceeds {MAX_HEADER_BYTES}")
-        try:
-            header = decode_frame_header(_recv_exact(conn, length))
-        except Refused as exc:
-            raise _BadFrame(str(exc)) from None
-        if header.get("blobs"):
-            raise _BadFrame("requests carry no blobs")
-        return header
+        """The next request: waited for as long as the client likes (between requests it decodes),
+        then the rest of the frame within FRAME_STALL_S."""
+        return _read_header(conn, None, lambda: FRAME_STALL_S)
+
+
+def _read_header(conn: socket.socket, first_wait: float | None, stall_s: Callable[[], float]) -> FrameHeader:
+    """One frame header from ``conn``: its first bytes within ``first_wait`` seconds (None: no
+    limit), every later read within ``stall_s()`` seconds."""
+    conn.settimeout(first_wait)
+    first = conn.recv(FRAME_LENGTH.size)
+    if not first:
+        raise _PeerGone()
+    conn.settimeout(stall_s())
+    prefix = first + _recv_exact(conn, FRAME_LENGTH.size - len(first))
+    (length,) = FRAME_LENGTH.unpack(prefix)
+    if length > MAX_HEADER_BYTES:
+        raise _BadFrame(f"frame header of {length} bytes exceeds {MAX_HEADER_BYTES}")
+    conn.settimeout(stall_s())
+    try:
+        header = decode_frame_header(_recv_exact(conn, length))
+    except Refused as exc:
+        raise _BadFrame(str(exc)) from None
+    if header.get("blobs"):
+        raise _BadFrame("requests carry no blobs")
+    return header
 
 
 def _recv_exact(conn: socket.socket, count: int) -> bytes:

@@ -26,6 +26,7 @@ import pytest
 from qualify.contract.lanes import ProducerMode, lane_spec
 from qualify.core.assets import REPO_ROOT
 from qualify.core.errors import HandoffRefused, Refused
+from qualify.handoff.admission import ADMISSION_S
 from qualify.handoff.client import ProducerFailure, RemoteProducer, parse_producer_address
 from qualify.handoff.protocol import (
     FRAME_LENGTH,
@@ -64,6 +65,8 @@ RUN_A = "run-a"
 RUN_B = "run-b"
 # A stalled peer is given up on after about a second (no test waits longer for one).
 SHORT_DEADLINES = PhaseDeadlines(ready_s=2.0, verify_s=1.5, handoff_s=1.5, silence_s=1.0)
+# A hostile peer's connection and TLS handshake, each (they are all on loopback).
+CONNECT_S = 2.0
 
 
 # ------------------------------------------------------------------------------------------
@@ -570,6 +573,83 @@ def test_a_truncated_stream_fails_the_request_and_nothing_is_returned(tls_set: P
     finally:
         peer.close()
 
+
+
+# ------------------------------------------------------------------------------------------
+# hostile clients holding the producer's port
+
+
+def hold_the_port(tls_set: Path, port: int, *, silent: int, trickling: int, idle_after_tls: int) -> list[socket.socket]:
+    """Connections a hostile network holds open: ``silent`` TCP peers that never send a byte,
+    ``trickling`` ones that start a TLS ClientHello and stop, and ``idle_after_tls`` certificate
+    holders that finish TLS but never authenticate (they lack the run key). Each must connect, and
+    finish TLS, within CONNECT_S: a producer that admits one connection at a time fails here."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(silent):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=CONNECT_S))
+        for _ in range(trickling):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=CONNECT_S))
+            held[-1].sendall(b"\x16\x03\x01\x02\x00\x01")  # a handshake record's header, one body byte
+        context = consumer_tls(tls_set)
+        for _ in range(idle_after_tls):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_S)
+            held.append(raw)
+            held[-1] = context.wrap_socket(raw, server_hostname="127.0.0.1")
+    except OSError as exc:
+        for peer in held:
+            peer.close()
+        raise AssertionError(f"hostile peer {len(held)} could not connect and finish TLS within {CONNECT_S} s: "
+                             f"{type(exc).__name__}") from None
+    return held
+
+
+def dropped(peer: socket.socket) -> bool:
+    """Whether the producer has closed ``peer``'s connection (what it sent before, a hello, read past)."""
+    peer.settimeout(ADMISSION_S + HANG_GUARD_S)
+    try:
+        while peer.recv(4096):
+            pass
+    except (ConnectionError, ssl.SSLError):
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_hundred_silent_or_stalled_peers_neither_delay_nor_stop_a_correct_client(
+        tls_set: Path, served: ServedProducer) -> None:
+    """Before admission was concurrent, one silent TCP peer held the producer 25-27 s and two made
+    a correct run fail; here 100 hold the port while a client with the set and the run key must be
+    ready, and hand off, within deadlines shorter than one admission deadline of theirs."""
+    held = hold_the_port(tls_set, served.port, silent=50, trickling=25, idle_after_tls=25)
+    try:
+        prompt = PhaseDeadlines(ready_s=ADMISSION_S - 1.0, verify_s=ADMISSION_S - 1.0, handoff_s=ADMISSION_S - 1.0,
+                                silence_s=ADMISSION_S - 1.0)
+        with remote(served.port, consumer_tls(tls_set), key=run_key(tls_set), deadlines=prompt) as producer:
+            handoff = producer.request_prefill(TOKENS, "sample-1")
+        assert open_in(handoff, key=run_key(tls_set), run_id=RUN_A, request_id="sample-1")[1].run_id == RUN_A
+        # Every one of them is dropped (displaced by a newer peer, or at its admission deadline).
+        assert [index for index, peer in enumerate(held) if not dropped(peer)] == []
+    finally:
+        for peer in held:
+            peer.close()
+    # and no failed handshake or authentication counted toward the producer's exit
+    with remote(served.port, consumer_tls(tls_set), key=run_key(tls_set)) as producer:
+        assert producer.request_prefill(TOKENS, "sample-2").transport is not None
+    assert served.process.poll() is None
+
+
+def test_certificate_holders_without_the_run_key_never_stop_the_producer(tls_set: Path, other_set: Path,
+                                                                         served: ServedProducer) -> None:
+    """Failed authentications are dropped at the door: five in a row (the exit after three
+    consecutive errors is for an authenticated client's frames) leave the producer serving."""
+    for _ in range(5):
+        with pytest.raises(ProducerFailure, match="auth refused; producer said: client authentication failed"):
+            remote(served.port, consumer_tls(tls_set), key=run_key(other_set)).start()
+    with remote(served.port, consumer_tls(tls_set), key=run_key(tls_set)) as producer:
+        assert producer.request_prefill(TOKENS, "sample-1").transport is not None
+    assert served.process.poll() is None
 
 
 # ------------------------------------------------------------------------------------------
