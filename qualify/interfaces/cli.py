@@ -22,20 +22,22 @@ engines), and the handler is called as ``handler(argv) -> int`` with the argumen
 command words (for ``--recipe``, the whole argument list). A handler that cannot be imported makes
 the command exit 2 with a one-line "not available".
 
-=====================  ============================================================
-command                handler
-=====================  ============================================================
-``--recipe NAME ...``  ``qualify.interfaces.console.run_cli``
-``receipts verify``    ``qualify.interfaces.verify_command.verify_cli``
-``keys``               ``qualify.interfaces.keys_command.keys_cli``
-``enroll``             ``qualify.interfaces.enroll_command.enroll_cli``
-``calibrate``          ``qualify.interfaces.console.calibrate_cli``
-``selftest``           ``qualify.interfaces.console.selftest_cli``
-``report``             ``qualify.interfaces.report.report_cli``
-``producer serve``     ``qualify.interfaces.producer_command.producer_serve_cli``
-``producer expect``    ``qualify.interfaces.producer_command.producer_expect_cli``
-``model inspect``      ``qualify.interfaces.model_command.model_inspect_cli``
-=====================  ============================================================
+======================  ==============================================================
+command                 handler
+======================  ==============================================================
+``--recipe NAME ...``   ``qualify.interfaces.console.run_cli``
+``receipts verify``     ``qualify.interfaces.verify_command.verify_cli``
+``keys``                ``qualify.interfaces.keys_command.keys_cli``
+``enroll``              ``qualify.interfaces.enroll_command.enroll_cli``
+``calibrate``           ``qualify.interfaces.console.calibrate_cli``
+``selftest``            ``qualify.interfaces.console.selftest_cli``
+``report``              ``qualify.interfaces.report.report_cli``
+``producer serve``      ``qualify.interfaces.producer_command.producer_serve_cli``
+``producer expect``     ``qualify.interfaces.producer_command.producer_expect_cli``
+``producer supervise``  ``qualify.interfaces.producer_command.producer_supervise_cli``
+``producer health``     ``qualify.interfaces.producer_command.producer_health_cli``
+``model inspect``       ``qualify.interfaces.model_command.model_inspect_cli``
+======================  ==============================================================
 
 A ``--recipe`` run naming ``--prefill-url`` or ``--decode-url`` is a served pair, handled by
 ``qualify.interfaces.served_pair_command.served_pair_cli``; a ``calibrate`` naming either, by
@@ -133,6 +135,18 @@ def _load_producer_expect() -> Handler:
     return producer_expect_cli
 
 
+def _load_producer_supervise() -> Handler:
+    from qualify.interfaces.producer_command import producer_supervise_cli
+
+    return producer_supervise_cli
+
+
+def _load_producer_health() -> Handler:
+    from qualify.interfaces.producer_command import producer_health_cli
+
+    return producer_health_cli
+
+
 def _load_model_inspect() -> Handler:
     from qualify.interfaces.model_command import model_inspect_cli
 
@@ -180,6 +194,10 @@ DELEGATES: tuple[Delegate, ...] = (
     Delegate(("producer", "serve"), _load_producer_serve, "run a producer service process (Unix socket, or TCP under TLS)"),
     Delegate(("producer", "expect"), _load_producer_expect,
              "write the --expect document of a producer a run reaches with --producer-at"),
+    Delegate(("producer", "supervise"), _load_producer_supervise,
+             "run a producer under supervision: signed startup receipt, restart ritual, backoff, latch"),
+    Delegate(("producer", "health"), _load_producer_health,
+             "whether a supervised producer is up, ready or latched, and what it serves"),
     Delegate(("model", "inspect"), _load_model_inspect,
              "load a model (published name, Hugging Face directory or GGUF file) and print what it is"),
 )

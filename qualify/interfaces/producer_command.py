@@ -1,5 +1,6 @@
-"""``qualify producer serve`` and ``qualify producer expect``: the producer service's command
-line, and the ``--expect`` document a producer is started with.
+"""``qualify producer serve``, ``expect``, ``supervise`` and ``health``: the producer service's
+command line, the ``--expect`` document a producer is started with, and the supervisor of a
+resident producer (:mod:`qualify.run.supervisor` says what it does).
 
 ``producer serve`` (:func:`producer_serve_cli`; also the process the harness starts, ``python -m
 qualify.interfaces.producer_command``) parses and checks its arguments (a refusal is one line on
@@ -16,6 +17,7 @@ nothing written).
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import json
 import math
@@ -23,22 +25,38 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from qualify.contract.lanes import LANES, ProducerMode, Recipe
 from qualify.core.arguments import (
+    DECIMAL_NUMBER,
     OneLineParser,
     path_argument,
     require_regular_file,
+    require_writable_directory,
     require_writable_file,
     say_refusal,
 )
 from qualify.core.errors import Refused, one_line
 from qualify.engines.faults import fault_named
-from qualify.handoff.protocol import DEFAULT_WARMUP_TOKENS, DEFAULT_WATCHDOG_S, ID_PATTERN, KEY_ENV, StartRefused
-from qualify.handoff.service import DEFAULT_ENGINE_FACTORY, EngineFactory, ServiceConfig, refused_to_start, serve
+from qualify.handoff.protocol import (
+    DEFAULT_WARMUP_TOKENS,
+    DEFAULT_WATCHDOG_S,
+    ID_PATTERN,
+    KEY_ENV,
+    StartRefused,
+    read_run_key,
+)
+from qualify.handoff.service import (
+    DEFAULT_ENGINE_FACTORY,
+    EngineFactory,
+    ServiceConfig,
+    load_expectation,
+    refused_to_start,
+    serve,
+)
 
 EXIT_WRITTEN = 0
 EXIT_REFUSED = 2
@@ -249,3 +267,127 @@ def producer_expect_cli(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(producer_serve_cli())
+
+
+# --------------------------------------------------------------------------- producer supervise / health
+
+SUPERVISOR_OWN_OPTIONS = ("--ready-fd", "--parent-pid", "--exit-with-stdin")
+"""``producer serve`` options the supervisor sets itself (it reads the ready line, and the
+producer dies with it), refused among the arguments it is given."""
+
+
+def _seconds(*, zero: bool = False) -> Callable[[str], float]:
+    """argparse ``type``: a finite number of seconds in ASCII decimals, positive (or, with
+    ``zero``, zero or more)."""
+    def parse(text: str) -> float:
+        value = float(text) if DECIMAL_NUMBER.fullmatch(text) else math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            least = "zero or more" if zero else "a positive number of"
+            raise argparse.ArgumentTypeError(f"found {text!r}, expected {least} seconds")
+        return value
+    return parse
+
+
+def _count(text: str) -> int:
+    if not re.fullmatch(r"[0-9]{1,3}", text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"found {text!r}, expected a whole number from 1 to 999")
+    return int(text)
+
+
+def _supervise_parser() -> OneLineParser:
+    parser = OneLineParser(prog="qualify producer supervise",
+                           description="Run a producer under supervision: readiness by a signed startup receipt, "
+                                       "restart with stale state moved aside, backoff, latch (docs/transport.md). "
+                                       "Usage: qualify producer supervise --state-dir DIR [options] -- "
+                                       "<producer serve arguments>")
+    parser.add_argument("--state-dir", required=True, type=path_argument, metavar="DIR",
+                        help="state.json, the startup receipt, stale/, latched.json, producer.log")
+    parser.add_argument("--failures-to-latch", type=_count, default=3,
+                        help="consecutive failures after which it latches off (default 3)")
+    parser.add_argument("--backoff-s", type=_seconds(), default=1.0,
+                        help="wait after the first failure, doubled per consecutive failure (default 1)")
+    parser.add_argument("--stable-s", type=_seconds(zero=True), default=60.0,
+                        help="a producer ready this long before it ends is not a failure (default 60)")
+    parser.add_argument("--ready-timeout-s", type=_seconds(), default=1800.0,
+                        help="a start not ready within this is a failure (default 1800)")
+    return parser
+
+
+def producer_supervise_cli(argv: Sequence[str] | None = None) -> int:
+    """``qualify producer supervise --state-dir DIR [options] -- <producer serve arguments>``:
+    exit 0 when a signal stopped it, 69 latched, 2 refused before starting (one line)."""
+    from qualify.archive.keys import ensure_signing_key
+    from qualify.run.supervisor import SupervisorConfig, supervise
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        say_refusal("qualify producer supervise: error: give the producer's arguments after --, as "
+                    "`qualify producer supervise --state-dir DIR -- --lane ... --mode ...`")
+        return EXIT_REFUSED
+    split = argv.index("--")
+    options = _supervise_parser().parse_args(argv[:split])
+    serve_argv = argv[split + 1:]
+    own = [option for option in SUPERVISOR_OWN_OPTIONS
+           if any(word == option or word.startswith(option + "=") for word in serve_argv)]
+    try:
+        if own:
+            raise StartRefused(f"{own[0]}: the supervisor sets it itself; leave it out of the producer's arguments")
+        config = parse_config(serve_argv)  # every producer argument checked before anything starts
+        kind, value = config.key_source
+        if kind == "fd":
+            raise StartRefused("--key-fd: a supervised producer rereads its run key at every restart; give "
+                               "--key-file or --key-env")
+        if kind == "file":
+            read_run_key(config.key_source)  # refused now, not at each of three starts before a latch
+        load_expectation(config.expect_path)
+        state_dir = require_writable_directory("--state-dir", options.state_dir) if options.state_dir.exists() \
+            else options.state_dir
+        key = ensure_signing_key()
+    except (StartRefused, Refused) as refusal:
+        say_refusal(f"qualify producer supervise: {one_line(str(refusal))}")
+        return EXIT_REFUSED
+    try:
+        return supervise(SupervisorConfig(
+            serve_argv=tuple(serve_argv), state_dir=state_dir, socket_path=config.socket_path,
+            failures_to_latch=options.failures_to_latch, first_backoff_s=options.backoff_s,
+            stable_s=options.stable_s, ready_timeout_s=options.ready_timeout_s), key)
+    except Refused as refusal:  # another supervisor holds the state directory
+        say_refusal(f"qualify producer supervise: {one_line(str(refusal))}")
+        return EXIT_REFUSED
+
+
+def producer_health_cli(argv: Sequence[str] | None = None) -> int:
+    """``qualify producer health --state-dir DIR [--trust FILE] [--json]``: one line (or a JSON
+    document); exit 0 ready, 1 starting, backing off, stopped or down, 69 latched, 2 refused (no
+    state, or a startup receipt whose signature does not verify)."""
+    from qualify.archive.keys import default_trust_path, load_trust
+    from qualify.run.supervisor import health
+
+    parser = OneLineParser(prog="qualify producer health",
+                           description="Whether a supervised producer is up, ready or latched, and what it serves.")
+    parser.add_argument("--state-dir", required=True, type=path_argument, metavar="DIR")
+    parser.add_argument("--trust", type=path_argument, help="trust file the startup receipt's signer must be in "
+                        "(default: the operator's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    options = parser.parse_args(argv)
+    try:
+        found = health(options.state_dir, load_trust(options.trust or default_trust_path()))
+    except Refused as refusal:
+        say_refusal(f"qualify producer health: {one_line(str(refusal))}")
+        return EXIT_REFUSED
+    document = found.document()
+    if options.json:
+        print(json.dumps(document, sort_keys=True))
+    elif found.status == "ready":
+        identity = document["identity"]
+        print(f"ready: lane {identity['lane']}, mode {identity['producer_mode']}, run key {str(identity['key_id'])[:16]}…, "
+              f"at {identity['address']}, producer pid {identity['pid']}, startup receipt verified "
+              f"(ready since {document['ready_utc']}, {document['restarts']} restarts)")
+    elif found.status == "latched":
+        print(f"latched: {document['reason']}")
+    else:
+        pid = document.get("supervisor_pid")
+        print({"down": f"down: the supervisor (pid {pid}) is not running and did not stop itself",
+               "stopped": f"stopped: the supervisor (pid {pid}) stopped, and its producer with it"}.get(
+                   found.status, f"{found.status}: not ready yet (supervisor pid {pid})"))
+    return found.exit_code

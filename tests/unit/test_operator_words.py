@@ -1273,6 +1273,115 @@ def kat_cases() -> list[Case]:
     ]
 
 
+# =========================================================================== qualify.run.supervisor
+
+
+def supervisor_cases() -> list[Case]:
+    import subprocess
+    import sys
+    import time
+
+    from qualify.archive.keys import ensure_signing_key
+    from qualify.interfaces.producer_command import producer_health_cli, producer_supervise_cli
+    from qualify.run.supervisor import LATCH_FILE, STARTUP_DIR, STARTUP_FILE, write_startup_receipt, write_state
+
+    def cli(workspace: Workspace, handler: Callable[[list[str]], int], argv: list[str]) -> CliRun:
+        workspace.capsys.readouterr()
+        try:
+            code = handler(argv)
+        except SystemExit as usage:  # argparse's one-line usage refusal
+            code = int(usage.code or 0)
+        captured = workspace.capsys.readouterr()
+        return CliRun(code, captured.out, captured.err)
+
+    def ready_state(workspace: Workspace) -> Path:
+        """A state directory as a supervisor leaves it once its producer is ready (this process
+        standing in for both, so both are alive)."""
+        key = ensure_signing_key()
+        state = workspace.root / "state"
+        state.mkdir()
+        ready = {"event": "ready", "protocol": "trust-ladder-handoff/1", "pid": os.getpid(),
+                 "address": f"unix:{workspace.root}/producer.sock", "lane": "nvfp4-native-w4a4",
+                 "producer_mode": "native", "key_id": "ab" * 32, "warmup_s": 0.25}
+        startup = write_startup_receipt(state, key, ready, started=time.time(), restarts=2,
+                                        serve_argv=("--lane", "nvfp4-native-w4a4"))
+        write_state(state, "ready", producer_pid=os.getpid())
+        workspace.mask(str(os.getpid()), "<pid>")
+        workspace.mask(startup["ready_utc"], "<utc>")
+        workspace.mask(key.key_id[:16], "<key id 16>")
+        return state
+
+    def health(workspace: Workspace, state: Path, *options: str) -> CliRun:
+        return cli(workspace, producer_health_cli, ["--state-dir", str(state), *options])
+
+    def tampered(workspace: Workspace) -> CliRun:
+        state = ready_state(workspace)
+        receipt = state / STARTUP_DIR / STARTUP_FILE
+        receipt.write_bytes(receipt.read_bytes().replace(b'"native"', b'"exact"'))
+        return health(workspace, state)
+
+    def gone(workspace: Workspace, status: str) -> CliRun:
+        """A state directory whose supervisor's process id no process holds now (it was reaped)."""
+        state = workspace.root / "state"
+        state.mkdir()
+        write_state(state, status)
+        finished = subprocess.Popen([sys.executable, "-c", "pass"])
+        finished.wait()
+        document = json.loads((state / "state.json").read_text())
+        document["supervisor_pid"] = finished.pid
+        (state / "state.json").write_text(json.dumps(document))
+        workspace.mask(str(finished.pid), "<pid>")
+        return health(workspace, state)
+
+    def latched(workspace: Workspace, handler: str) -> CliRun:
+        state = workspace.root / "state"
+        state.mkdir()
+        (state / LATCH_FILE).write_text(json.dumps({"reason": "3 consecutive failures, the last exit 2 before "
+                                                              "becoming ready"}))
+        if handler == "health":
+            return health(workspace, state)
+        return cli(workspace, producer_supervise_cli, ["--state-dir", str(state), "--", *serve_arguments(workspace)])
+
+    def serve_arguments(workspace: Workspace, key: list[str] | None = None) -> list[str]:
+        from tests.unit.handoff.test_handoff_service import EXPECTATION
+
+        (workspace.root / "expect.json").write_text(json.dumps(EXPECTATION.to_document()))
+        (workspace.root / "run.key").write_text("00" * 32)
+        (workspace.root / "run.key").chmod(0o600)
+        key = ["--key-file", str(workspace.root / "run.key")] if key is None else key
+        return ["--lane", "nvfp4-native-w4a4", "--mode", "native", "--expect", str(workspace.root / "expect.json"),
+                *key, "--socket", str(workspace.root / "producer.sock")]
+
+    def supervise(workspace: Workspace, before: list[str], after: list[str] | None) -> CliRun:
+        argv = ["--state-dir", str(workspace.root / "state"), *before]
+        if after is not None:
+            argv += ["--", *serve_arguments(workspace), *after]
+        return cli(workspace, producer_supervise_cli, argv)
+
+    return [
+        Case("health of a ready producer", lambda workspace: health(workspace, ready_state(workspace))),
+        Case("health of a ready producer, --json", lambda workspace: health(workspace, ready_state(workspace), "--json")),
+        Case("health of a startup receipt edited after it was signed", tampered),
+        Case("health when the supervisor is gone", lambda workspace: gone(workspace, "ready")),
+        Case("health after the supervisor stopped", lambda workspace: gone(workspace, "stopped")),
+        Case("health of a state directory with no state",
+             lambda workspace: health(workspace, workspace.root / "nothing-here")),
+        Case("health of a latched producer", lambda workspace: latched(workspace, "health")),
+        Case("supervise on a latched state directory", lambda workspace: latched(workspace, "supervise")),
+        Case("supervise without -- before the producer's arguments",
+             lambda workspace: supervise(workspace, ["--lane", "x"], None)),
+        Case("supervise given --ready-fd for the producer", lambda workspace: supervise(workspace, [], ["--ready-fd", "1"])),
+        Case("supervise given a producer argument serve refuses",
+             lambda workspace: supervise(workspace, [], ["--mode", "fast"])),
+        Case("supervise given --backoff-s 1_0", lambda workspace: supervise(workspace, ["--backoff-s", "1_0"], [])),
+        Case("supervise given --failures-to-latch 0",
+             lambda workspace: supervise(workspace, ["--failures-to-latch", "0"], [])),
+        Case("supervise given --key-fd for the producer",
+             lambda workspace: cli(workspace, producer_supervise_cli, ["--state-dir", str(workspace.root / "state"), "--",
+                                                                      *serve_arguments(workspace, ["--key-fd", "0"])])),
+    ]
+
+
 # =========================================================================== the golden files
 
 
@@ -1293,6 +1402,7 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "engines.connector_pair": connector_pair_cases,
     "engines.connector_loads": connector_loads_cases,
     "engines.connector_under_test": connector_under_test_cases,
+    "run.supervisor": supervisor_cases,
 }
 
 
