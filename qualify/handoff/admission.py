@@ -102,7 +102,3 @@ class Admissions:
     def __len__(self) -> int:
         with self._lock:
             return len(self._admitting)
-
-    def remaining(self, entry: Admitting) -> float:
-        """Seconds left before ``entry``'s deadline (0 when past it)."""
-        return max(entry.deadline - time.monotonic(), 0.0)

@@ -543,6 +543,9 @@ class ProducerService:
         one joins the queue serve() takes from, any other is closed."""
         conn: socket.socket | None = None
         run_id: str | None = None
+        # Every read and write of the admission waits at most its whole deadline; the sweeper
+        # (_expire_forever) cuts a peer that trickles bytes to stay inside each one.
+        entry.sock.settimeout(self.admissions.seconds)
         try:
             conn = self._secured(entry)
             run_id = None if conn is None else self._authenticate(conn, entry)
@@ -568,11 +571,10 @@ class ProducerService:
         if self.tls is None:
             return entry.sock
         wrapped = self.tls.wrap_socket(entry.sock, server_side=True, do_handshake_on_connect=False)
-        entry.sock = wrapped
+        entry.sock = wrapped  # the TLS socket keeps the plain one's timeout
         if entry.dropped:  # displaced while the socket changed hands
             entry.drop()
         try:
-            wrapped.settimeout(self.admissions.remaining(entry))
             wrapped.do_handshake()
         except (ssl.SSLError, OSError) as exc:
             if not entry.dropped:
@@ -585,11 +587,10 @@ class ProducerService:
         """hello, then the client's auth frame, by ``entry``'s deadline: the run id it proved it
         holds the run key for, or None (an error frame sent where the peer said something)."""
         nonce = secrets.token_bytes(32)
-        conn.settimeout(self.admissions.remaining(entry))
         conn.sendall(encode_frame_header({"op": "hello", "protocol": PROTOCOL, "nonce": nonce.hex(),
                                           "key_id": handoff_key_id(self.key)}))
         try:
-            auth = _read_header(conn, self.admissions.remaining(entry), lambda: self.admissions.remaining(entry))
+            auth = _read_header(conn, self.admissions.seconds, self.admissions.seconds)
         except (_PeerGone, _BadFrame):
             return None
         proof = auth.get("mac") if auth.get("op") == "auth" else None
@@ -608,10 +609,8 @@ class ProducerService:
                 problem = f"auth run_id: found {run_id!r}, this producer serves run {self.config.run_id!r}"
         if problem is not None:
             _log(f"auth from {entry.peer}: {problem}; connection dropped")
-            conn.settimeout(self.admissions.remaining(entry))
             conn.sendall(encode_frame_header({"op": "auth", "status": "error", "error": one_line(problem)}))
             return None
-        conn.settimeout(self.admissions.remaining(entry))
         conn.sendall(encode_frame_header({"op": "auth", "status": "ok"}))
         assert isinstance(run_id, str)
         return run_id
@@ -731,22 +730,21 @@ class ProducerService:
     def _read_frame(self, conn: socket.socket) -> FrameHeader:
         """The next request: waited for as long as the client likes (between requests it decodes),
         then the rest of the frame within FRAME_STALL_S."""
-        return _read_header(conn, None, lambda: FRAME_STALL_S)
+        return _read_header(conn, None, FRAME_STALL_S)
 
 
-def _read_header(conn: socket.socket, first_wait: float | None, stall_s: Callable[[], float]) -> FrameHeader:
+def _read_header(conn: socket.socket, first_wait: float | None, stall_s: float) -> FrameHeader:
     """One frame header from ``conn``: its first bytes within ``first_wait`` seconds (None: no
-    limit), every later read within ``stall_s()`` seconds."""
+    limit), each later read within ``stall_s`` seconds."""
     conn.settimeout(first_wait)
     first = conn.recv(FRAME_LENGTH.size)
     if not first:
         raise _PeerGone()
-    conn.settimeout(stall_s())
+    conn.settimeout(stall_s)
     prefix = first + _recv_exact(conn, FRAME_LENGTH.size - len(first))
     (length,) = FRAME_LENGTH.unpack(prefix)
     if length > MAX_HEADER_BYTES:
         raise _BadFrame(f"frame header of {length} bytes exceeds {MAX_HEADER_BYTES}")
-    conn.settimeout(stall_s())
     try:
         header = decode_frame_header(_recv_exact(conn, length))
     except Refused as exc:

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -130,7 +130,6 @@ class Supervisor:
     failures: int = 0
     restarts: int = 0
     stopping: int | None = None  # the signal that asked the supervisor to stop
-    child: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -250,7 +249,6 @@ class Supervisor:
             self._restart_ritual()
             self._state("starting")
             child, started = self._start()
-            self.child = child
             ready = self._await_ready(child)
             became_ready = time.monotonic()
             if ready is not None and self.stopping is None:

@@ -31,6 +31,7 @@ from qualify.handoff.wire import mint_run_key
 from qualify.interfaces.producer_command import producer_health_cli
 from qualify.run.supervisor import EXIT_LATCHED, LATCH_FILE, STALE_DIR, STARTUP_DIR, STATE_FILE, verified_startup
 from tests.unit.handoff.test_handoff_service import EXPECTATION, FACTORY, HANG_GUARD_DEADLINES, HANG_GUARD_S
+from tests.unit.handoff.test_producer_deadlines import gone
 
 CLI = "import sys; from qualify.interfaces.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -85,14 +86,6 @@ def health(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, di
     return code, json.loads(capsys.readouterr().out)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture
 def stopped_at_the_end() -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
@@ -133,10 +126,10 @@ def test_a_producer_killed_five_times_is_back_each_time_with_a_fresh_signed_star
             os.kill(pid, signal.SIGKILL)
     stale = sorted((state_dir / STALE_DIR).iterdir())
     assert len(stale) == 5 and all((entry / "startup.json").is_file() for entry in stale)
-    assert len(set(pids)) == 6 and not any(alive(pid) for pid in pids[:5])
+    assert len(set(pids)) == 6 and all(gone(pid) for pid in pids[:5])
     supervisor.send_signal(signal.SIGTERM)
     assert supervisor.wait(HANG_GUARD_S) == 0
-    assert not alive(pids[-1]) and state(state_dir)["status"] == "stopped"
+    assert gone(pids[-1]) and state(state_dir)["status"] == "stopped"
     assert not (state_dir / STARTUP_DIR).exists() and len(list((state_dir / STALE_DIR).iterdir())) == 6
     assert health(state_dir, capsys)[0] == 1
 
