@@ -95,3 +95,24 @@ def kill_producer(producer: Transport) -> None:
 
     if isinstance(producer, (ProducerProcess, RemoteProducer)):
         producer.kill()
+
+
+KILL_REAP_S = 10.0
+"""How long a producer killed on purpose may take to be gone (SIGKILL is not deferred)."""
+
+
+def kill_and_reap(producer: Transport, timeout_s: float = KILL_REAP_S) -> int | None:
+    """SIGKILL a producer process's group and wait for the process to exit: its exit status (-9
+    when the kill took), or None where there is no local process to kill (in-process, remote) or it
+    did not exit within ``timeout_s``."""
+    import time
+
+    from qualify.handoff.client import ProducerProcess
+
+    if not isinstance(producer, ProducerProcess):
+        return None
+    producer.kill()
+    deadline = time.monotonic() + timeout_s
+    while (status := producer.exit_status) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return status

@@ -58,6 +58,7 @@ from qualify.core.errors import Refused
 from qualify.handoff.setup import RemoteProducerChoice
 from qualify.interfaces import documents
 from qualify.interfaces.tables import Field, FittedTable, hanging
+from qualify.judge.scope import SERVICE_CONDITIONS
 from qualify.run.connector_lane import ConnectorLaneRun, ConnectorRequest
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, StepOutcome
 from qualify.run.signals import interrupt_signal, interrupts_raise, signals_held
@@ -110,6 +111,10 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
                         help="limit every producer phase (ready, verify, handoff) to SECONDS "
                              "(default: derived from the identity's basis receipt)")
     parser.add_argument("--model", metavar="NAME|PATH", help=MODEL_HELP)
+    parser.add_argument("--service-conditions", choices=tuple(SERVICE_CONDITIONS), metavar="aba|recovery",
+                        help="also judge determinism under service conditions: aba (three prompts interleaved on "
+                             "one warm producer, each equal to its solo run) or recovery (the producer killed and "
+                             "started again between handoffs 1 and 2, its handoffs equal to the one before)")
     parser.add_argument("--json", action="store_true", help=json_help("recipe"))
     _connector_arguments(parser)
     remote = parser.add_argument_group("a producer already running (docs/transport.md)")
@@ -215,6 +220,9 @@ def _remote_producer_choice(args: argparse.Namespace) -> RemoteProducerChoice | 
         return None
     if args.fault is not None:
         raise Refused("--fault: not with --producer-at (a fault lane is served by a producer this run starts)")
+    if args.service_conditions is not None:
+        raise Refused("--service-conditions: not with --producer-at (they restart the producer, so they need one "
+                      "this run starts)")
     host, port = parse_producer_address(args.producer_at)
     if any(value is not None for value in tls_files.values()):
         missing = [name for name, value in tls_files.items() if value is None]
@@ -510,6 +518,9 @@ def run_cli(argv: Sequence[str]) -> int:
     args = _recipe_parser("qualify").parse_args(list(argv))
     connector = connector_request(args, "qualify")
     if connector is not None:  # the connector lane: vLLM on both sides, through the operator's connector
+        if args.service_conditions is not None:
+            raise Refused("--service-conditions: not with --connector (the connector lane's producer is the "
+                          "operator's vLLM, which this run does not restart)")
         args.producer = args.consumer = EngineChoice.VLLM.value
     _check_run_choices(args)
     producer_at = _remote_producer_choice(args)
@@ -517,7 +528,7 @@ def run_cli(argv: Sequence[str]) -> int:
         recipe=args.recipe, identity=args.identity, producer=args.producer,
         consumer=args.consumer, reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
         receipts=args.receipts, command_line=["qualify", *argv], deadline_s=args.deadline_s, model=args.model,
-        producer_at=producer_at,
+        producer_at=producer_at, service_conditions=args.service_conditions,
     )
     console = json_progress_console() if args.json else operator_console()
     run = QualificationRun(options) if connector is None else ConnectorLaneRun(options, request=connector)

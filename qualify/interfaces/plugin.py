@@ -111,6 +111,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "instead of the shipped one")
     group.addoption(f"{OPTION_PREFIX}deadline-s", default=None, metavar="SECONDS",
                     help="limit every producer phase to SECONDS (default: from the identity's basis receipt)")
+    group.addoption(f"{OPTION_PREFIX}service-conditions", default=None, metavar="aba|recovery",
+                    help="also judge determinism under service conditions (see qualify --recipe --help)")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class RecipeOptions:
     receipts: Path | None
     deadline_s: float | None
     model: str | None = None
+    service_conditions: str | None = None
 
 
 RECIPE_OPTIONS = pytest.StashKey[RecipeOptions]()
@@ -199,7 +202,19 @@ def recipe_options(config: pytest.Config) -> RecipeOptions:
         receipts=receipts,
         deadline_s=_converted(config, f"{OPTION_PREFIX}deadline-s", deadline_seconds),
         model=config.getoption(f"{OPTION_PREFIX}model"),
+        service_conditions=_service_conditions(config),
     )
+
+
+def _service_conditions(config: pytest.Config) -> str | None:
+    """``--qualify-service-conditions``: one of the conditions a run can be judged under, or None."""
+    from qualify.judge.scope import SERVICE_CONDITIONS
+
+    option = f"{OPTION_PREFIX}service-conditions"
+    value: str | None = config.getoption(option)
+    if value is not None and value not in SERVICE_CONDITIONS:
+        raise _usage_error(option, f"found {value!r}, expected one of {', '.join(SERVICE_CONDITIONS)}")
+    return value
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -329,6 +344,7 @@ def qualification(request: pytest.FixtureRequest) -> Iterator[QualificationRun]:
         command_line=["pytest", *config.invocation_params.args],
         deadline_s=chosen.deadline_s,
         model=chosen.model,
+        service_conditions=chosen.service_conditions,
     )
     run = QualificationRun(options)
     _OPEN_RUNS.append(run)

@@ -790,10 +790,12 @@ def judge_link_floor(records: Sequence[Record], gbit_per_s_minimum: float) -> Ve
 
 def judge_qualification(records: Sequence[Record], rule: Rule, anchor_records: Sequence[Record], *,
                         deterministic_producer: bool, scope: Scope | None = None,
-                        link_floor_gbit_per_s: float | None = None) -> Verdict:
+                        link_floor_gbit_per_s: float | None = None,
+                        service: Verdict | None = None) -> Verdict:
     """The whole run's verdict: :func:`judge_summary` over the repetitions, then
     :func:`judge_reproduction` against the anchor (the fixture handoffs its basis receipt
-    retained), then :func:`judge_link_floor` when the identity declares a floor. With a
+    retained), then :func:`judge_link_floor` when the identity declares a floor, then ``service``,
+    a run's service conditions as :func:`qualify.judge.service.judge_service_conditions` judged them. With a
     ``scope``, the headline is its scope line (:func:`qualify.judge.scope.scope_line`) followed
     by the evidence: what the verdict covers is never left out of the words."""
     parsed = parse_rule(rule)
@@ -804,6 +806,8 @@ def judge_qualification(records: Sequence[Record], rule: Rule, anchor_records: S
     parts = [summary, reproduction]
     if link_floor_gbit_per_s is not None:
         parts.append(judge_link_floor(records, link_floor_gbit_per_s))
+    if service is not None:
+        parts.append(service)
     passed = all(verdict.passed for verdict in parts)
     failing = [r for verdict in parts if not verdict.passed for r in verdict.reasons]
     evidence = "; ".join(verdict.headline for verdict in parts)

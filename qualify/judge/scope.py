@@ -18,6 +18,14 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 separator of the line in it (``;``, ``,``, parentheses, spaces), so the line reads one way only."""
 
 
+SERVICE_CONDITIONS: dict[str, str] = {
+    "aba": "A/B/A interleaving on one warm producer",
+    "recovery": "a producer killed (SIGKILL) between two handoffs and started again",
+}
+"""Each service condition a qualification can run under (``--service-conditions``, issue 38), and
+how its scope line words it (judged in :mod:`qualify.judge.service`)."""
+
+
 CALIBRATED_ON = re.compile(r"receipt://[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A calibration receipt as a scope line names it: ``receipt://<run-id>``."""
 
@@ -106,9 +114,14 @@ class Scope:
     output_tokens: int
     controls: ControlsOutcome | None
     calibrated_on: str | None = None
+    # The service conditions the handoffs ran under (a key of SERVICE_CONDITIONS), or None.
+    service_conditions: str | None = None
 
     def __post_init__(self) -> None:
         _name(self.fixture, "fixture")
+        if self.service_conditions is not None and self.service_conditions not in SERVICE_CONDITIONS:
+            raise ValueError(f"scope: service conditions {self.service_conditions!r}, expected one of "
+                             f"{', '.join(SERVICE_CONDITIONS)}")
         for what in ("repetitions", "prompt_tokens", "output_tokens"):
             _count(getattr(self, what), f"fixture {self.fixture}: {what}")
         if self.controls is not None and not isinstance(self.controls, ControlsOutcome):
@@ -146,10 +159,13 @@ def controls_words(controls: ControlsOutcome | None) -> str:
 
 def fixture_words(scope: Scope) -> str:
     """The fixture half of a scope line: "fixture F (repetitions × prompt/output tokens)", and
-    ", calibrated on receipt://R" inside the parentheses when the scope names its calibration."""
+    ", calibrated on receipt://R" inside the parentheses when the scope names its calibration, and
+    ", under <conditions>" when the handoffs ran under service conditions."""
     calibrated = f", calibrated on {scope.calibrated_on}" if scope.calibrated_on is not None else ""
+    service = (f", under {SERVICE_CONDITIONS[scope.service_conditions]}"
+               if scope.service_conditions is not None else "")
     return (f"fixture {scope.fixture} ({scope.repetitions} × "
-            f"{scope.prompt_tokens}/{scope.output_tokens}{calibrated})")
+            f"{scope.prompt_tokens}/{scope.output_tokens}{calibrated}{service})")
 
 
 def scope_line(passed: bool, scope: Scope, reason: str | None = None) -> str:

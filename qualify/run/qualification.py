@@ -38,6 +38,7 @@ from qualify.handoff.setup import (
     RemoteProducerChoice,
     TransportFactory,
     TransportSetup,
+    kill_and_reap,
     kill_producer,
     producer_process,
     remote_producer,
@@ -50,7 +51,8 @@ from qualify.judge import (
     judge_refused,
     judge_sample,
 )
-from qualify.judge.scope import Scope
+from qualify.judge.scope import SERVICE_CONDITIONS, Scope
+from qualify.judge.service import RESTARTED, SERVICE_EVIDENCE, judge_service_conditions
 from qualify.run.run_contract import (
     ORDERED_HANDOFFS,
     Contract,
@@ -60,6 +62,7 @@ from qualify.run.run_contract import (
     contract_from_identity,
     default_identity_path,
 )
+from qualify.run.service_conditions import ServiceLog
 from qualify.run.signals import interrupt_signal, interrupts_raise, signals_held
 
 if TYPE_CHECKING:
@@ -67,7 +70,7 @@ if TYPE_CHECKING:
     from qualify.contract.identity import Identity
     from qualify.contract.lanes import LaneSpec
     from qualify.handoff.transport import Transport
-    from qualify.handoff.wire import HandoffExpectation
+    from qualify.handoff.wire import HandoffExpectation, HandoffManifest
 
 _T = TypeVar("_T")
 
@@ -101,6 +104,8 @@ class RunOptions:
     model: str | None = None
     # ``--producer-at``: connect to a running producer instead of starting one.
     producer_at: RemoteProducerChoice | None = None
+    # ``--service-conditions``: aba or recovery (qualify.run.service_conditions), or None.
+    service_conditions: str | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,8 @@ class QualificationRun:
         # Per repetition, the handoff branch's (proposed, accepted) draft tokens (None: no draft):
         # a calibration records the anchor's, the counts a draft floor is derived from.
         self.draft_counts: dict[int, tuple[int, int] | None] = {}
+        # The starts and requests of a run under --service-conditions (None: none asked for).
+        self.service: ServiceLog | None = None
 
     def _add_seconds(self, activity: str, started: float) -> None:
         self.seconds[activity] = self.seconds.get(activity, 0.0) + time.perf_counter() - started
@@ -359,6 +366,7 @@ class QualificationRun:
             identity_path, identity = self._load_identity()
             try:
                 check_lane_engines(identity.spec, options.producer, options.consumer)
+                self._check_service_conditions(identity.onboarding_qualification.require_deterministic_remote_output)
                 self.consumer = self.build_consumer(identity.spec)
                 self.contract = contract_from_identity(identity_path, options.recipe, options.drift_graded,
                                                        self.consumer, connector=self.connector_pin())
@@ -372,6 +380,7 @@ class QualificationRun:
             chosen_lane(options.recipe, options.producer, options.consumer)  # refuses unknown choices
             if options.fault is not None:
                 faults.fault_named(options.fault)
+            self._check_service_conditions(self.contract.deterministic_producer)
             self.consumer = self.build_consumer(self.contract.spec)
             self._check_link_floor(self.contract, f"lane {self.contract.lane}")
         contract = self.contract
@@ -392,9 +401,26 @@ class QualificationRun:
             versions={"harness": __version__, "consumer": self._engine_facts(self.consumer)},
         )
         self.receipt_path = self.receipt.path
+        if options.service_conditions is not None:
+            self.service = ServiceLog(options.service_conditions, contract.prompt_name)
         self.log(f"lane {contract.lane} (rung {contract.rung}, producer mode {contract.producer_mode.value}); "
                  f"identity sha256 {contract.identity_sha256}; fault {options.fault or 'none'}")
         return f"lane {contract.lane}, identity {contract.identity_sha256[:16]}"
+
+    def _check_service_conditions(self, deterministic_producer: bool) -> None:
+        """Service conditions judge bit-identical handoffs across producer starts this run makes:
+        refused for a producer it does not start, and for one not declared deterministic."""
+        conditions = self.options.service_conditions
+        if conditions is None:
+            return
+        if conditions not in SERVICE_CONDITIONS:
+            raise Refused(f"--service-conditions: found {conditions!r}, expected one of {', '.join(SERVICE_CONDITIONS)}")
+        if self.options.producer_at is not None:
+            raise Refused(f"--service-conditions {conditions}: restarts the producer between handoffs, so it needs a "
+                          f"producer this run starts, not --producer-at")
+        if not deterministic_producer:
+            raise Refused(f"--service-conditions {conditions}: judges bit-identical handoffs, and the identity does "
+                          f"not declare a deterministic producer")
 
     def _check_link_floor(self, contract: Contract, where: str) -> None:
         """A link-rate floor is judged on a handoff that crossed a network link: a producer this
@@ -590,19 +616,21 @@ class QualificationRun:
         contract = self._contract
         return contract.spec.handed_off_positions(contract.handoff_positions)
 
-    def _handoff_expectation(self, request_id: str) -> HandoffExpectation:
+    def _handoff_expectation(self, request_id: str, prompt: np.ndarray | None = None) -> HandoffExpectation:
         """What every handoff of this run must be: this run, lane and key, the identity, the
-        consumer's geometry at the handed-off positions, the handed-off prompt prefix."""
+        consumer's geometry at the handed-off positions, the handed-off prefix of the contract's
+        prompt (or of ``prompt``, one a service condition interleaves)."""
         from qualify.handoff.wire import HandoffExpectation
 
         contract = self._contract
+        prompt = contract.prompt if prompt is None else prompt
         handed_off = self._handed_off_positions()
         return HandoffExpectation(
             identity_sha256=contract.identity_sha256,
             cache_identity=contract.target_cache_identity,
             geometry=self._consumer.geometry.kv_geometry(handed_off, contract.expectation.kv_dtype),
             # The manifest names the tokens whose KV it carries: the handed-off prefix.
-            prompt_sha256=assets.prompt_sha256(contract.prompt[:handed_off]),
+            prompt_sha256=assets.prompt_sha256(prompt[:handed_off]),
             run_id=self._receipt.run_id,
             request_id=request_id,
             draft_geometry=self._expected_draft_geometry(),
@@ -652,8 +680,11 @@ class QualificationRun:
         repetition = index + 1
         request_id = f"sample-{repetition}"
         measured: dict[str, Any] = {}
+        self._before_handoff(index)
         try:
             handoff = self._producer.request_prefill(contract.prompt[:contract.handoff_positions], request_id)
+            if self.service is not None:
+                self.service.served(request_id, contract.prompt_name)
             transport = handoff.transport
             if transport is None:
                 raise ProducerFailed(f"{request_id}: the transport reported no transfer figures")
@@ -694,7 +725,7 @@ class QualificationRun:
                 repetition=repetition,
                 comparison=comparison,
                 payload_sha256=manifest.payload_sha256,
-                seams_sha256=canonical_sha256([[seam.layer, seam.k_sha256, seam.v_sha256] for seam in manifest.seams]),
+                seams_sha256=seams_sha256(manifest),
                 payload_bytes=manifest.payload_size,
                 payload_gbit_per_s=transport.gbit_per_s,
                 handed_off_positions=manifest.handed_off_positions,
@@ -714,10 +745,70 @@ class QualificationRun:
             )
 
         self._unsettled.append((repetition, build_record))
-        if self._comparer.deferred:
-            # Recorded and judged at the next step, while that handoff decodes (or at the verdict).
-            return f"sample {repetition} compared on the device; recorded with the next step"
-        return self._settle()
+        # A deferred sample is recorded and judged at the next step, while that handoff decodes
+        # (or at the verdict).
+        message = (f"sample {repetition} compared on the device; recorded with the next step"
+                   if self._comparer.deferred else self._settle())
+        self._after_handoff(index)
+        return message
+
+    # -- service conditions (qualify.run.service_conditions) ---------------------------------
+
+    def _before_handoff(self, index: int) -> None:
+        """``recovery``: before handoff 2, the producer killed and started again; ``aba``: before
+        handoffs 2 and 3, the warm producer serves prompt B, then C."""
+        service = self.service
+        if service is None or index == 0:
+            return
+        if service.conditions == "recovery" and index == 1:
+            status = kill_and_reap(self._producer)
+            self._stop_producer()
+            service.started(RESTARTED, killed_exit_status=status)
+            self.log(f"service conditions recovery: producer killed (SIGKILL; exit status {status}); starting it again")
+            self._start_producer()
+        elif service.conditions == "aba":
+            self._serve_other(service.other_prompts[index - 1])
+
+    def _after_handoff(self, index: int) -> None:
+        """``aba``: after the last handoff, B and C each served solo by a freshly started producer."""
+        service = self.service
+        if service is None or service.conditions != "aba" or index != ORDERED_HANDOFFS - 1:
+            return
+        for name in service.other_prompts:
+            self._stop_producer()
+            service.started(f"solo run of {name}")
+            self._start_producer()
+            self._serve_other(name)
+
+    def _serve_other(self, name: str) -> None:
+        """Hand off the shipped prompt ``name`` on the current producer, verify it, decode it on
+        the consumer and log its digests (equality with its solo run is judged at the verdict)."""
+        from qualify.evidence.compare import generated_token_sha256, logit_digests
+        from qualify.handoff.wire import open_handoff
+
+        service, contract = self._have(self.service, "service log"), self._contract
+        prompt = assets.load_prompt(name)
+        request_id = f"service-{len(service.requests) + 1}"
+        if len(prompt) != len(contract.prompt):
+            raise StepFailed(f"service conditions: prompt {name} has {len(prompt)} tokens, the fixture {len(contract.prompt)}")
+        try:
+            handoff = self._producer.request_prefill(prompt[:contract.handoff_positions], request_id)
+            opened = open_handoff(handoff, key=self._run_key, expectation=self._handoff_expectation(request_id, prompt),
+                                  digest_threads=self.options.digest_threads)
+            tainted = first_non_finite(opened.kv)
+            if tainted is not None:
+                raise HandoffRefused(f"{tainted}: non-finite values (NaN or infinity)", check="kv.values")
+        except (ProducerFailed, HandoffRefused) as exc:
+            self._stop_producer()
+            raise StepFailed(f"service conditions: {request_id} (prompt {name}): {one_line(str(exc))}") from None
+        manifest = opened.manifest
+        decoded = self._consumer.decode(opened.kv, prompt[manifest.handed_off_positions:], contract.output_tokens)
+        digests = {"payload_sha256": manifest.payload_sha256, "seams_sha256": seams_sha256(manifest),
+                   "logit_block_sha256": logit_digests(decoded.logits).block_sha256,
+                   "generated_token_sha256": generated_token_sha256(decoded.tokens)}
+        service.served(request_id, name, digests)
+        self.log(f"service conditions {service.conditions}: {request_id} prompt {name} (producer start "
+                 f"{len(service.starts)}): payload sha256 {manifest.payload_sha256}")
 
     def _settle(self) -> str:
         """Record and judge the oldest compared sample not yet recorded."""
@@ -762,7 +853,7 @@ class QualificationRun:
             return None
         return Scope(fixture=contract.prompt_name, repetitions=contract.repetitions,
                      prompt_tokens=len(contract.prompt), output_tokens=contract.output_tokens,
-                     controls=contract.controls)
+                     controls=contract.controls, service_conditions=self.options.service_conditions)
 
     def _judge_summary(self) -> str:
         self.settle_all()
@@ -771,9 +862,14 @@ class QualificationRun:
             raise StepFailed("calibration runs have no verdict step")
         if contract.anchor_records is None:
             raise StepFailed("no anchor in the basis receipt to recheck the run's digests against")
+        service = None
+        if self.service is not None:
+            evidence = self.service.document(self.records)
+            self._receipt.add_evidence(SERVICE_EVIDENCE, evidence)
+            service = judge_service_conditions(evidence)
         verdict = judge_qualification(self.records, contract.rule, contract.anchor_records,
                                       deterministic_producer=contract.deterministic_producer, scope=self._scope(),
-                                      link_floor_gbit_per_s=contract.link_floor_gbit_per_s)
+                                      link_floor_gbit_per_s=contract.link_floor_gbit_per_s, service=service)
         self.finish(verdict)  # finalize writes the receipt's one "verdict:" line
         if not verdict.passed:
             raise StepFailed(verdict.headline)
@@ -785,3 +881,6 @@ class StepFailed(Exception):
     """A step ran and its evidence failed the contract (the run is not qualified)."""
 
 
+def seams_sha256(manifest: HandoffManifest) -> str:
+    """One digest over a handoff's per-layer seam digests (layer, K, V), as its record keeps it."""
+    return canonical_sha256([[seam.layer, seam.k_sha256, seam.v_sha256] for seam in manifest.seams])

@@ -361,6 +361,37 @@ def judge_scope_cases() -> list[Case]:
     return [Case("a control document named with a space", refused(DocumentOutcome, "no spaces", ()))]
 
 
+def judge_service_cases() -> list[Case]:
+    from qualify.judge.scope import Scope, scope_line
+    from qualify.judge.service import judge_service_conditions
+    from tests.unit.judge.test_service import aba, recovery
+
+    def changed(document: dict[str, Any], request: int, **fields: Any) -> dict[str, Any]:
+        document["requests"][request].update(fields)
+        return document
+
+    not_killed = recovery()
+    not_killed["starts"][1] = {"start": 2, "began": "run start"}
+    one_prompt = aba()
+    one_prompt["requests"] = [dict(request, position=n) for n, request in
+                              enumerate((r for r in one_prompt["requests"] if r["prompt"] == "python-textwrap"), 1)]
+    scope = Scope(fixture="python-textwrap", repetitions=3, prompt_tokens=2048, output_tokens=256, controls=None,
+                  service_conditions="aba")
+    return [
+        Case("A/B/A: every prompt equal to its solo run", judged(judge_service_conditions, aba())),
+        Case("recovery: the handoffs after the kill equal the one before", judged(judge_service_conditions, recovery())),
+        Case("A/B/A: prompt B after A differs from its solo run",
+             judged(judge_service_conditions, changed(aba(), 1, payload_sha256="0" * 64, seams_sha256="1" * 64))),
+        Case("recovery: the handoff after the kill differs",
+             judged(judge_service_conditions, changed(recovery(), 1, logit_block_sha256="2" * 64))),
+        Case("recovery: no kill", judged(judge_service_conditions, not_killed)),
+        Case("A/B/A: one prompt only", judged(judge_service_conditions, one_prompt)),
+        Case("unknown conditions", judged(judge_service_conditions, {"conditions": "abc"})),
+        Case("the scope line under service conditions",
+             lambda _workspace: [scope_line(True, scope), scope_line(False, scope, "why")]),
+    ]
+
+
 # =========================================================================== qualify.judge: a served pair
 
 
@@ -1388,6 +1419,7 @@ def supervisor_cases() -> list[Case]:
 MODULES: dict[str, Callable[[], list[Case]]] = {
     "judge.handoffs": judge_handoff_cases,
     "judge.scope": judge_scope_cases,
+    "judge.service": judge_service_cases,
     "judge.served": judge_served_cases,
     "judge.served_calibration": judge_served_calibration_cases,
     "contract.served_identity": served_identity_cases,

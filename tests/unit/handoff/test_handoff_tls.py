@@ -853,8 +853,11 @@ def qualify_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
      "--tls-cert, --tls-key missing"),
     (("--producer-at", "127.0.0.1:7443", "--key-file", "{set}/run.key", "--fault", "v-scale"),
      "--fault: not with --producer-at"),
+    (("--producer-at", "127.0.0.1:7443", "--key-file", "{set}/run.key", "--service-conditions", "recovery"),
+     "--service-conditions: not with --producer-at"),
     (("--producer-at", "127.0.0.1", "--key-file", "{set}/run.key"), "expected HOST:PORT"),
-], ids=["plain-off-loopback", "tls-without-address", "no-key", "half-tls", "fault", "no-port"])
+], ids=["plain-off-loopback", "tls-without-address", "no-key", "half-tls", "fault", "service-conditions",
+                        "no-port"])
 def test_producer_at_usage_is_refused_with_exit_2_in_one_line(tls_set: Path, tmp_path: Path, args: tuple[str, ...],
                                                              cause: str) -> None:
     result = qualify_cli(*(arg.format(set=tls_set) for arg in args), "--receipts", str(tmp_path), cwd=tmp_path)
