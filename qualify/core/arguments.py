@@ -193,3 +193,21 @@ def deadline_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"found {shown(text)}, expected a positive number of seconds, at most {MAX_DEADLINE_S:.0f}")
     return value
+
+
+WHOLE_NUMBER = re.compile(r"[0-9]+")
+"""A count as an operator types it: ASCII digits only (no sign, underscores, spaces or other scripts' digits)."""
+
+
+def whole_number(text: str) -> int:
+    """A count such as ``--handoffs``: a positive whole number in ASCII digits."""
+    if not WHOLE_NUMBER.fullmatch(text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a whole number of at least 1")
+    return int(text)
+
+
+def rate_gbit_per_s(text: str) -> float:
+    """A rate such as ``--link-floor``: a positive finite number of Gbit/s, in ASCII decimal notation."""
+    if not DECIMAL_NUMBER.fullmatch(text) or not (0 < float(text) < float("inf")):
+        raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a positive number of Gbit/s")
+    return float(text)

@@ -165,6 +165,12 @@ def _load_served_calibrate() -> Handler:
     return served_calibrate_cli
 
 
+def _load_soak() -> Handler:
+    from qualify.interfaces.soak_command import soak_cli
+
+    return soak_cli
+
+
 def _load_recipe() -> Handler:
     from qualify.interfaces.console import run_cli
 
@@ -198,6 +204,8 @@ DELEGATES: tuple[Delegate, ...] = (
              "run a producer under supervision: signed startup receipt, restart ritual, backoff, latch"),
     Delegate(("producer", "health"), _load_producer_health,
              "whether a supervised producer is up, ready or latched, and what it serves"),
+    Delegate(("soak",), _load_soak,
+             "hand off N times back to back against one producer, under committed soak criteria"),
     Delegate(("model", "inspect"), _load_model_inspect,
              "load a model (published name, Hugging Face directory or GGUF file) and print what it is"),
 )

@@ -117,6 +117,12 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
                              "started again between handoffs 1 and 2, its handoffs equal to the one before)")
     parser.add_argument("--json", action="store_true", help=json_help("recipe"))
     _connector_arguments(parser)
+    remote_arguments(parser)
+    return parser
+
+
+def remote_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--producer-at`` and what reaching a running producer needs (TLS files, its run key)."""
     remote = parser.add_argument_group("a producer already running (docs/transport.md)")
     remote.add_argument("--producer-at", metavar="HOST:PORT",
                         help="connect to this running producer (qualify producer serve --port) instead of starting one")
@@ -129,7 +135,6 @@ def _recipe_parser(prog: str) -> argparse.ArgumentParser:
     remote.add_argument("--key-file", type=path_argument, metavar="FILE",
                         help="the run key the producer was started with (hex, mode 0600; qualify keys tls: run.key)")
     remote.add_argument("--key-env", metavar="VARIABLE", help="read that run key from this environment variable")
-    return parser
 
 
 def _connector_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,7 +178,7 @@ def _anchors(text: str) -> int:
     return int(text)
 
 
-def _receipt_archive(receipts: Path | None) -> Path:
+def receipt_archive(receipts: Path | None) -> Path:
     """The archive a run writes to, refused up front (one line, before any step) when it is a
     file, under a file, or cannot be written: no receipt can be written there, so no run begins."""
     try:
@@ -200,10 +205,10 @@ def _check_run_choices(args: argparse.Namespace) -> None:
     chosen_lane(args.recipe, args.producer, args.consumer)
     if args.fault is not None:
         faults.fault_named(args.fault)
-    _receipt_archive(args.receipts)
+    receipt_archive(args.receipts)
 
 
-def _remote_producer_choice(args: argparse.Namespace) -> RemoteProducerChoice | None:
+def remote_producer_choice(args: argparse.Namespace) -> RemoteProducerChoice | None:
     """``--producer-at`` and what it needs (the run key; TLS unless loopback), refused in one line
     before any step; None without it, and then none of its options may be given."""
     from qualify.handoff.client import is_loopback_host, parse_producer_address
@@ -218,9 +223,9 @@ def _remote_producer_choice(args: argparse.Namespace) -> RemoteProducerChoice | 
             raise Refused(f"{given[0]}: only with --producer-at (a run that starts its producer mints its own "
                           f"run key and speaks over a private socket)")
         return None
-    if args.fault is not None:
+    if getattr(args, "fault", None) is not None:
         raise Refused("--fault: not with --producer-at (a fault lane is served by a producer this run starts)")
-    if args.service_conditions is not None:
+    if getattr(args, "service_conditions", None) is not None:
         raise Refused("--service-conditions: not with --producer-at (they restart the producer, so they need one "
                       "this run starts)")
     host, port = parse_producer_address(args.producer_at)
@@ -434,7 +439,7 @@ def refusal_line(run: QualificationRun) -> str | None:
 
 def blocked_steps(run: QualificationRun) -> list[StepOutcome]:
     """The steps a failed step kept from running (every one after it)."""
-    outcomes = [run.outcomes[label] for label in STEP_LABELS if label in run.outcomes]
+    outcomes = [run.outcomes[label] for label in run.labels if label in run.outcomes]
     first_failed = next((index for index, outcome in enumerate(outcomes) if not outcome.passed), len(outcomes))
     return outcomes[first_failed + 1:]
 
@@ -475,7 +480,7 @@ def show_run(run: QualificationRun, console: Console) -> None:
     tools/console_screenshots.py renders one run at several)."""
     console.print(header_line(run.options.recipe))
     blocked = blocked_steps(run)
-    for label in STEP_LABELS:
+    for label in run.labels:
         outcome = run.outcomes.get(label)
         if outcome is not None and outcome not in blocked:
             console.print(step_line(outcome))
@@ -490,7 +495,7 @@ def drive(run: QualificationRun, console: Console) -> int:
     """Run every step with progress, then the table, verdict and receipt path; the exit code. A
     refused run (the contract, or the lane cannot run here) says why in one line on stderr."""
     try:
-        for label in STEP_LABELS:
+        for label in run.labels:
             if any(not outcome.passed for outcome in run.outcomes.values()):
                 run.step(label)  # blocked by the failed step: recorded as not run, shown on one line
                 continue
@@ -523,7 +528,7 @@ def run_cli(argv: Sequence[str]) -> int:
                           "operator's vLLM, which this run does not restart)")
         args.producer = args.consumer = EngineChoice.VLLM.value
     _check_run_choices(args)
-    producer_at = _remote_producer_choice(args)
+    producer_at = remote_producer_choice(args)
     options = RunOptions(
         recipe=args.recipe, identity=args.identity, producer=args.producer,
         consumer=args.consumer, reference_once=args.reference_once, drift_graded=args.drift_graded, fault=args.fault,
@@ -611,7 +616,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     spec = lane_spec(args.lane)
     if spec.recipe.value != args.recipe:
         raise Refused(f"calibrate --lane {args.lane}: its recipe is {spec.recipe.value}, the run is --recipe {args.recipe}")
-    _receipt_archive(args.receipts)
+    receipt_archive(args.receipts)
     console = json_progress_console() if args.json else operator_console()
     options = RunOptions(recipe=args.recipe, receipts=args.receipts,
                          command_line=["qualify", "calibrate", *argv])

@@ -125,7 +125,7 @@ def render_report(receipts: Sequence[Path], output: Path, trust_option: Path | N
     write_atomically(output, data)
     for view in views:
         signature = "verified" if view.verified else f"NOT VERIFIED ({view.state})"
-        print(f"report: {view.run_id}: {status_label(view.status)}, signature {signature}")
+        print(f"report: {view.run_id}: {status_label(view.status, soak=view.soak)}, signature {signature}")
     print(f"report: wrote {output} ({len(data)} bytes)")
     return EXIT_WRITTEN if all(view.verified for view in views) else EXIT_NOT_VERIFIED
 

@@ -116,6 +116,8 @@ class ReceiptView:
     host: Mapping[str, Any] | None
     samples: list[SampleView] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # A soak's receipt (evidence/soak.json, listed in its signed manifest): it qualifies no fixture.
+    soak: bool = False
 
     @property
     def verified(self) -> bool:
@@ -373,4 +375,5 @@ def load_receipt(path: Path, trust: TrustFile | None) -> ReceiptView:
         legacy=legacy, bounds=_bounds(identity, summary, rung),
         envelope=_envelope(path, identity, rung, _layer_count(samples)),
         identity=identity, host=host, samples=samples, notes=notes,
+        soak=os.path.lexists(path / "evidence" / "soak.json"),
     )

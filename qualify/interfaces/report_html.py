@@ -80,8 +80,15 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def status_label(status: str) -> str:
-    """The verdict's word: QUALIFIED, NOT QUALIFIED, REFUSED or INCOMPLETE."""
+SOAK_STATUS_LABELS = {"passed": "SOAK PASSED", "failed": "SOAK FAILED"}
+"""A soak qualifies no fixture: its verdict's words (qualify.judge.soak)."""
+
+
+def status_label(status: str, *, soak: bool = False) -> str:
+    """The verdict's word: QUALIFIED, NOT QUALIFIED, REFUSED or INCOMPLETE; for a soak's receipt
+    SOAK PASSED or SOAK FAILED."""
+    if soak and status in SOAK_STATUS_LABELS:
+        return SOAK_STATUS_LABELS[status]
     return STATUS_LABELS.get(status, status.upper())
 
 
@@ -352,7 +359,8 @@ def _scope_part(view: ReceiptView) -> str:
 def _verdict_header(view: ReceiptView) -> str:
     reasons = "".join(f"<li>{_e(reason)}</li>" for reason in view.reasons)
     return (f'<header id="verdict" class="verdict">{signature_banner(view)}'
-            f'<h1><span id="verdict-status" class="status status-{_e(view.status)}">{_e(status_label(view.status))}'
+            f'<h1><span id="verdict-status" class="status status-{_e(view.status)}">'
+            f'{_e(status_label(view.status, soak=view.soak))}'
             f'</span><span class="run-id">{_e(view.run_id)}</span></h1>'
             f'<p id="verdict-headline" class="headline">{_e(view.verdict)}</p>'
             f'<ul id="verdict-reasons">{reasons}</ul>{_scope_part(view)}'
@@ -396,7 +404,7 @@ def single_page(view: ReceiptView) -> str:
               f'{_kv_figure(view, "kv-heatmap")}</section>'
             + f'<section id="samples"><h2>Sample records</h2>{_samples_table(view, "samples-table")}</section>'
             + _host_section(view) + _notes(view.notes))
-    return _page(f"qualify report: {view.run_id}: {status_label(view.status)}", body, "single")
+    return _page(f"qualify report: {view.run_id}: {status_label(view.status, soak=view.soak)}", body, "single")
 
 
 # --------------------------------------------------------------------------- several receipts
@@ -410,7 +418,7 @@ def _receipt_curve(index: int, view: ReceiptView) -> Curve | None:
     length = min(found["logit_max_abs_delta"].shape[0] for found in series)
     maximum = np.max(np.stack([found["logit_max_abs_delta"][:length] for found in series]), axis=0)
     mean = np.max(np.stack([found["logit_mean_abs_delta"][:length] for found in series]), axis=0)
-    return Curve(f"{index}: {view.run_id} ({status_label(view.status)})", maximum, mean,
+    return Curve(f"{index}: {view.run_id} ({status_label(view.status, soak=view.soak)})", maximum, mean,
                  view.bounds.maximum_absolute, view.bounds.maximum_mean_absolute)
 
 
@@ -464,7 +472,7 @@ def _side_by_side(views: Sequence[ReceiptView]) -> str:
 def _verdict_cell(index: int, view: ReceiptView) -> str:
     reasons = "".join(f"<li>{_e(reason)}</li>" for reason in view.reasons)
     return (f'<td id="verdict-receipt-{index}"><span class="status status-{_e(view.status)}">'
-            f'{_e(status_label(view.status))}</span><p class="headline">{_e(view.verdict)}</p>'
+            f'{_e(status_label(view.status, soak=view.soak))}</span><p class="headline">{_e(view.verdict)}</p>'
             f"<ul>{reasons}</ul></td>")
 
 
@@ -473,7 +481,7 @@ def compare_page(views: Sequence[ReceiptView]) -> str:
     sample records of each."""
     banners = "".join(signature_banner(view, f"signature-receipt-{index}")
                       for index, view in enumerate(views, 1) if not view.verified)
-    statuses = ", ".join(f"{status_label(view.status)}" for view in views)
+    statuses = ", ".join(f"{status_label(view.status, soak=view.soak)}" for view in views)
     header = (f'<header id="verdict" class="verdict compare">{banners}'
               f"<h1>Comparison of {len(views)} receipts</h1>"
               f'<p id="verdict-headline" class="headline">{_e(statuses)}</p></header>')

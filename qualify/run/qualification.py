@@ -140,6 +140,11 @@ class QualificationRun:
     a step whose predecessor failed fails too. :meth:`close` stops the producer and seals the
     receipt (a failing one if the run did not reach its verdict)."""
 
+    labels: tuple[str, ...] = STEP_LABELS
+    """This kind of run's steps, in order."""
+    first_evidence_step: str = HANDOFF_STEPS[0]
+    """The first step that gathers evidence: a refusal before it is the run's refusal (exit 2)."""
+
     def __init__(self, options: RunOptions, contract: Contract | None = None,
                  log: Callable[[str], None] | None = None, *,
                  transport: TransportFactory | None = None, comparer: ComparerFactory | None = None,
@@ -202,10 +207,11 @@ class QualificationRun:
 
     def step(self, label: str) -> StepOutcome:
         """Run the step called ``label``; refuses out-of-order or unknown labels."""
-        if label not in STEP_LABELS:
-            raise Refused(f"step: found {label!r}, expected one of {', '.join(STEP_LABELS)}")
-        index = STEP_LABELS.index(label)
-        for earlier in STEP_LABELS[:index]:
+        labels = self.labels
+        if label not in labels:
+            raise Refused(f"step: found {label!r}, expected one of {', '.join(labels)}")
+        index = labels.index(label)
+        for earlier in labels[:index]:
             previous = self.outcomes.get(earlier)
             if previous is None or not previous.passed:
                 reason = "did not run" if previous is None else "failed"
@@ -228,7 +234,7 @@ class QualificationRun:
             # Refused before any handoff: the lane cannot run here (no GPU, no vLLM, the producer
             # refused to start) or its contract was refused; exit 2, its receipt marked refused.
             outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started,
-                                  refused=index < STEP_LABELS.index(HANDOFF_STEPS[0]))
+                                  refused=index < labels.index(self.first_evidence_step))
         except (ProducerFailed, StepFailed) as exc:
             outcome = StepOutcome(label, False, one_line(str(exc)), time.perf_counter() - started)
             failure = judge_failed_step(label, outcome.message, self.sample_verdicts[-1] if self.sample_verdicts else None,
@@ -253,7 +259,7 @@ class QualificationRun:
     def run_all(self, on_step: Callable[[StepOutcome], None] | None = None) -> list[StepOutcome]:
         """Every step in order, stopping at the first failure (later steps are reported blocked)."""
         outcomes = []
-        for label in STEP_LABELS:
+        for label in self.labels:
             outcome = self.step(label)
             outcomes.append(outcome)
             if on_step is not None:

@@ -392,6 +392,42 @@ def judge_service_cases() -> list[Case]:
     ]
 
 
+def judge_soak_cases() -> list[Case]:
+    from qualify.judge.soak import judge_soak
+    from tests.unit.judge.test_soak import ANCHOR, handoff
+
+    def soak(records: list[dict[str, Any]], anchor: str | None = ANCHOR) -> Produce:
+        return judged(judge_soak, records, handoffs=3, link_floor_gbit_per_s=2.0, anchor_payload_sha256=anchor,
+                      link_words="over a Unix socket on this host", criteria="native-text-unix-v1")
+
+    death = {"handoff": 2, "request": "soak-2", "error": "producer failed: closed the connection; exit status killed "
+             "by signal 9", "producer_died": True, "exit_status": -9}
+    return [
+        Case("three handoffs held", soak([handoff(1, 5.0), handoff(2, 3.0), handoff(3, 7.0)])),
+        Case("one handoff under the floor", soak([handoff(1), handoff(2, 1.5), handoff(3)])),
+        Case("the producer died at handoff 2", soak([handoff(1), death])),
+        Case("a payload other than the anchor's", soak([handoff(1), handoff(2, payload_sha256="b" * 64), handoff(3)])),
+        Case("no anchor", soak([handoff(1), handoff(2), handoff(3)], anchor=None)),
+    ]
+
+
+def contract_soak_cases() -> list[Case]:
+    from qualify.contract.soak import check_command_matches, load_soak_criteria
+
+    criteria = load_soak_criteria()
+
+    def differing(**asked: Any) -> Produce:
+        given = {"handoffs": criteria.handoffs, "link_floor_gbit_per_s": criteria.link_floor_gbit_per_s,
+                 "network": False, **asked}
+        return refused(check_command_matches, criteria, "soak criteria contracts/soak/native-text-unix-v1.json", **given)
+
+    return [
+        Case("--handoffs other than the criteria's", differing(handoffs=50)),
+        Case("--link-floor other than the criteria's", differing(link_floor_gbit_per_s=2.5)),
+        Case("--producer-at under unix-socket criteria", differing(network=True)),
+    ]
+
+
 # =========================================================================== qualify.judge: a served pair
 
 
@@ -1420,6 +1456,8 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "judge.handoffs": judge_handoff_cases,
     "judge.scope": judge_scope_cases,
     "judge.service": judge_service_cases,
+    "judge.soak": judge_soak_cases,
+    "contract.soak": contract_soak_cases,
     "judge.served": judge_served_cases,
     "judge.served_calibration": judge_served_calibration_cases,
     "contract.served_identity": served_identity_cases,
