@@ -123,7 +123,12 @@ def resolve_model(argument: str | Path) -> Path:
     text = str(argument)
     published = PUBLISHED_MODELS.get(text)
     if published is None:
-        return Path(text)
+        path = Path(text)
+        if not path.exists() and not path.is_symlink() and len(path.parts) == 1 and path.suffix.lower() != ".gguf":
+            # A bare word: most likely a model's name, and not one the harness publishes.
+            raise Refused(f"--model {text}: no such file or directory, and not a published model's name "
+                          f"(published: {', '.join(PUBLISHED_MODELS)}); give a Hugging Face directory or a GGUF file")
+        return path
     from importlib import metadata
 
     try:
@@ -187,11 +192,76 @@ def model_kind(path: Path) -> str:
     return "gguf"
 
 
+GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""Bytes of each fixed-size GGUF metadata value type (8 is a string, 9 an array)."""
+GGUF_STRING, GGUF_ARRAY = 8, 9
+
+
+def gguf_architecture(path: Path) -> str:
+    """``general.architecture`` from a GGUF file's header alone, without parsing its tensors or
+    the rest of its metadata (a large vocabulary takes the ``gguf`` reader most of a minute), so
+    another architecture is refused at once. Refused when the header is cut or malformed."""
+    import struct
+
+    def read(handle: Any, size: int) -> bytes:
+        data = handle.read(size)
+        if len(data) != size:
+            raise _refuse(path, "header", "truncated GGUF metadata")
+        return data
+
+    def string(handle: Any) -> bytes:
+        (length,) = struct.unpack("<Q", read(handle, 8))
+        return read(handle, length)
+
+    def skip(handle: Any, value_type: int) -> None:
+        if value_type in GGUF_SCALAR_SIZES:
+            read(handle, GGUF_SCALAR_SIZES[value_type])
+        elif value_type == GGUF_STRING:
+            string(handle)
+        elif value_type == GGUF_ARRAY:
+            item_type, count = struct.unpack("<IQ", read(handle, 12))
+            if item_type in GGUF_SCALAR_SIZES:
+                handle.seek(GGUF_SCALAR_SIZES[item_type] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(handle, item_type)
+        else:
+            raise _refuse(path, "header", f"metadata value type {value_type}, not a GGUF type")
+
+    try:
+        with path.open("rb") as handle:
+            magic, version = struct.unpack("<4sI", read(handle, 8))
+            if magic != GGUF_MAGIC or version not in (2, 3):
+                raise _refuse(path, "header", f"GGUF version {version}, expected 2 or 3")
+            _tensor_count, kv_count = struct.unpack("<QQ", read(handle, 16))
+            for _ in range(kv_count):
+                key = string(handle)
+                (value_type,) = struct.unpack("<I", read(handle, 4))
+                if key == b"general.architecture" and value_type == GGUF_STRING:
+                    return string(handle).decode("utf-8", errors="replace")
+                skip(handle, value_type)
+    except OSError as exc:
+        raise _refuse(path, "header", f"unreadable ({type(exc).__name__})") from None
+    raise _refuse(path, "general.architecture", "missing from the GGUF metadata")
+
+
+def check_architecture(path: Path, kind: str) -> None:
+    """Refuse a model of an architecture the engines do not implement from its header alone
+    (``config.json``, or the GGUF metadata's first keys), before any file is hashed or parsed."""
+    if kind == "hf":
+        load_config(path)
+        return
+    architecture = gguf_architecture(path)
+    if architecture != "llama":
+        raise _refuse(path, "general.architecture", f"found {architecture!r}, expected 'llama'")
+
+
 def load_model(path: str | Path, pins: Mapping[str, str] | None = None) -> LoadedModel:
     """Load and validate the model at ``path``. With ``pins`` (an identity's ``{file: sha256}``),
     every pinned file must exist with that digest and no unpinned file may be read."""
     path = Path(path)
     kind = model_kind(path)
+    check_architecture(path, kind)
     files = _hf_files(path) if kind == "hf" else [path]
     entries = tuple(ModelFile(_file_name(path, file), sha256_file(file), file.stat().st_size)
                     for file in files)

@@ -24,9 +24,11 @@ from qualify.engines.checkpoint import load_config, load_weights
 from qualify.engines.kquant import permute_qk_rows_to_gguf
 from qualify.engines.model_source import (
     GGUF_LAYER_NAMES,
+    PUBLISHED_MODELS,
     TOKENIZER_FILE,
     add_gguf_tokenizer,
     load_model,
+    resolve_model,
 )
 
 HF_FILES = ("config.json", TOKENIZER_FILE, "model.safetensors")
@@ -232,6 +234,40 @@ def test_pins_refuse_a_wrong_digest_a_missing_file_and_an_unpinned_file(tmp_path
         in refusal(directory, dict(pins, **{"model.safetensors.index.json": "1" * 64}))
     unpinned = {name: digest for name, digest in pins.items() if name != "config.json"}
     assert "config.json: read but not pinned by the identity" in refusal(directory, unpinned)
+
+
+def test_another_architecture_is_refused_from_the_header_alone(tmp_path: Path, shipped) -> None:
+    """The refusal needs only the GGUF header: a file cut right after its metadata (no tensor
+    data; the gguf reader refuses it as unreadable) still names its architecture, and so does a
+    HF directory whose weights are gone."""
+    whole = write_gguf(tmp_path / "Gemma-3.270M.Q8.gguf", *shipped, architecture="gemma3")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:4096])
+    assert refusal(cut).endswith("cut.gguf: general.architecture: found 'gemma3', expected 'llama'")
+    directory = hf_copy(tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForCausalLM"]
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").unlink()
+    assert "architectures: expected ['LlamaForCausalLM'], found ['Qwen2ForCausalLM']" in refusal(directory)
+
+
+def test_a_gguf_header_cut_before_its_architecture_is_refused(tmp_path: Path, shipped) -> None:
+    whole = write_gguf(tmp_path / "g.gguf", *shipped)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:30])
+    assert refusal(cut).endswith("cut.gguf: header: truncated GGUF metadata")
+
+
+def test_a_bare_name_that_is_no_published_model_is_refused_naming_those_that_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Refused) as caught:
+        resolve_model("gemma-3-270m")
+    assert "not a published model's name" in str(caught.value)
+    assert all(name in str(caught.value) for name in PUBLISHED_MODELS)
+    (tmp_path / "gemma-3-270m").mkdir()  # a directory of that name is a path, as given
+    assert resolve_model("gemma-3-270m") == Path("gemma-3-270m")
 
 
 def test_a_path_that_is_neither_is_refused(tmp_path: Path) -> None:
