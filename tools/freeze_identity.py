@@ -100,6 +100,7 @@ from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prom
 from qualify.core.digests import jcs_sha256, sha256_file
 from qualify.core.errors import Refused, one_line
 from qualify.core.strict_json import read_strict_json, schema_validator
+from qualify.engines.chosen_model import rope_scaling
 from qualify.engines.reference import rope_cache_sha256
 from qualify.run.run_contract import connector_identity_path
 
@@ -525,7 +526,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         "prompt": {"name": args.prompt, "tokens": prompt_tokens, "sha256": prompt_digest},
         "prompt_template": {"name": RAW_TOKEN_TEMPLATE_NAME, "sha256": jcs_sha256(RAW_TOKEN_TEMPLATE_RULE)},
         "context_policy": {"handoff_positions": prompt_tokens - 1, "max_positions": max_positions},
-        "rope": {"theta": theta, "cache_sha256": rope_cache_sha256(theta, head_dim, max_positions)},
+        "rope": {"theta": theta, "cache_sha256": rope_cache_sha256(theta, head_dim, max_positions, rope_scaling())},
         "logit_units": parse_logit_units(args.logit_units).model_dump(mode="json"),
         "speculative_draft": draft,
         "calibration": derived.calibration,
@@ -642,7 +643,7 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     document["prompt"]["sha256"] = prompt_digest
     document["onboarding_qualification"]["prompt_sha256"] = prompt_digest
     document["prompt_template"]["sha256"] = jcs_sha256(RAW_TOKEN_TEMPLATE_RULE)
-    document["rope"]["cache_sha256"] = rope_cache_sha256(rope.theta, head_dim, max_positions)
+    document["rope"]["cache_sha256"] = rope_cache_sha256(rope.theta, head_dim, max_positions, rope_scaling())
     if document["speculative_draft"] is not None:
         document["speculative_draft"]["draft_sha256"] = repo_file_sha256(args.draft or DEFAULT_DRAFT, "--draft")
     return document

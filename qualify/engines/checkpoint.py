@@ -1,7 +1,9 @@
 """Load a Hugging Face Llama checkpoint (``config.json`` + ``model.safetensors``), failing closed.
 
-Only what the reference engine implements is accepted: ``LlamaForCausalLM`` with SiLU, no biases,
-default RoPE, tied embeddings. Weights are upcast to float32 exactly (float16 -> float32 is
+Only what the reference engine implements is accepted: ``LlamaForCausalLM`` (Llama 2 and 3.x:
+RoPE plain, ``linear`` or ``llama3``-scaled; tied or untied ``lm_head``; no biases) and
+``Qwen2ForCausalLM`` (Qwen2 and 2.5: Q/K/V biases, tied or untied head, no sliding window), with
+SiLU. Weights are upcast to float32 exactly (float16 -> float32 is
 lossless) and refused if any value is not finite. Every refusal is one line naming file and field.
 """
 
@@ -24,13 +26,48 @@ WEIGHTS_FILE = "model.safetensors"
 ACCEPTED_WEIGHT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 
 
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+"""The Hugging Face architectures the engines implement, and their ``model_type``."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A scaled RoPE (Hugging Face ``rope_scaling``): ``linear`` divides every inverse frequency
+    by ``factor``; ``llama3`` divides the low frequencies by it, keeps the high ones and blends
+    between (Llama 3.1 and later)."""
+
+    rope_type: str  # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The config fields the reference engine needs, already validated."""
+    """The config fields the reference engine needs, already validated. The defaults are the
+    shipped model's: a Llama with a tied head, no biases and plain RoPE."""
 
     geometry: ModelGeometry
     intermediate: int
     rms_norm_eps: float
+    architecture: str = "llama"  # a value of ARCHITECTURES
+    tied_head: bool = True  # the LM head is the embedding; else lm_head.weight
+    qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
+    rope_scaling: RopeScaling | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is the architecture every engine implements (the shipped model's)."""
+        return self.tied_head and not self.qkv_bias and self.rope_scaling is None
+
+    def features(self) -> str:
+        """What sets it apart from a plain Llama, in words (for refusals)."""
+        parts = [name for name, present in (("an untied lm_head", not self.tied_head),
+                                            ("Q/K/V biases", self.qkv_bias)) if present]
+        if self.rope_scaling is not None:
+            parts.append(f"{self.rope_scaling.rope_type} RoPE scaling")
+        return ", ".join(parts) or "nothing"
 
 
 def _refuse(path: Path, field: str, problem: str) -> Refused:
@@ -57,18 +94,46 @@ def _positive_float(config: dict[str, Any], key: str, path: Path) -> float:
     return float(value)
 
 
-def _rope_theta(config: dict[str, Any], path: Path) -> float:
-    """rope_theta at top level (transformers 4 style) or in rope_parameters (transformers 5)."""
+def _rope_scaling(section: dict[str, Any], field: str, path: Path) -> RopeScaling | None:
+    """``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5): None for plain
+    RoPE, the scaling for ``linear`` and ``llama3``; any other type is refused naming it."""
+    rope_type = section.get("rope_type", section.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type == "linear":
+        return RopeScaling("linear", _positive_float(section, "factor", path))
+    if rope_type == "llama3":
+        low, high = (_positive_float(section, key, path) for key in ("low_freq_factor", "high_freq_factor"))
+        if high <= low:
+            raise _refuse(path, f"{field}.high_freq_factor", f"{high} is not above low_freq_factor {low}")
+        return RopeScaling("llama3", _positive_float(section, "factor", path), low, high,
+                           _positive_int(section, "original_max_position_embeddings", path))
+    raise _refuse(path, f"{field}.rope_type", f"found {rope_type!r}, expected 'default', 'linear' or 'llama3' "
+                                              "(dynamic and YaRN scaling are not implemented)")
+
+
+def _rope(config: dict[str, Any], path: Path) -> tuple[float, RopeScaling | None]:
+    """RoPE's theta and scaling: rope_theta and rope_scaling at top level (transformers 4 style),
+    or in rope_parameters (transformers 5)."""
     scaling = config.get("rope_scaling")
-    if scaling is not None:
-        raise _refuse(path, "rope_scaling", f"expected null (plain RoPE), found {scaling!r}")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise _refuse(path, "rope_scaling", f"expected null or an object, found {scaling!r}")
+    parsed = None if scaling is None else _rope_scaling(scaling, "rope_scaling", path)
     parameters = config.get("rope_parameters")
     if parameters is not None:
         if not isinstance(parameters, dict):
             raise _refuse(path, "rope_parameters", f"expected an object, found {parameters!r}")
-        if parameters.get("rope_type", "default") != "default":
-            raise _refuse(path, "rope_parameters.rope_type",
-                          f"expected 'default', found {parameters.get('rope_type')!r}")
+        from_parameters = _rope_scaling(parameters, "rope_parameters", path)
+        if scaling is not None and from_parameters != parsed:
+            raise _refuse(path, "rope_parameters", "disagrees with rope_scaling")
+        parsed = from_parameters
+    return _rope_theta(config, path), parsed
+
+
+def _rope_theta(config: dict[str, Any], path: Path) -> float:
+    """rope_theta at top level (transformers 4 style) or in rope_parameters (transformers 5)."""
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict):
         if "rope_theta" in parameters:
             theta = _positive_float(parameters, "rope_theta", path)
             if "rope_theta" in config and _positive_float(config, "rope_theta", path) != theta:
@@ -94,20 +159,24 @@ def load_config(model_dir: Path) -> LlamaConfig:
         raise _refuse(path, "json", f"expected an object, found {type(config).__name__}")
 
     architectures = config.get("architectures")
-    if architectures != ["LlamaForCausalLM"]:
-        raise _refuse(path, "architectures", f"expected ['LlamaForCausalLM'], found {architectures!r}")
-    if config.get("model_type", "llama") != "llama":
-        raise _refuse(path, "model_type", f"expected 'llama', found {config.get('model_type')!r}")
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+        raise _refuse(path, "architectures", f"expected one of {[[name] for name in ARCHITECTURES]}, "
+                                             f"found {architectures!r}")
+    architecture = ARCHITECTURES[architectures[0]]
+    if config.get("model_type", architecture) != architecture:
+        raise _refuse(path, "model_type", f"expected {architecture!r}, found {config.get('model_type')!r}")
+    if architecture == "qwen2" and config.get("use_sliding_window", False) is not False:
+        raise _refuse(path, "use_sliding_window", f"expected false (sliding-window attention is not implemented), "
+                                                  f"found {config['use_sliding_window']!r}")
     if "hidden_act" not in config:
         raise _refuse(path, "hidden_act", "missing; expected 'silu'")
     if config["hidden_act"] != "silu":
         raise _refuse(path, "hidden_act", f"expected 'silu', found {config['hidden_act']!r}")
     if "tie_word_embeddings" not in config:
-        raise _refuse(path, "tie_word_embeddings", "missing; expected true")
-    if config["tie_word_embeddings"] is not True:
-        raise _refuse(path, "tie_word_embeddings",
-                      f"expected true (the LM head is the embedding), found {config['tie_word_embeddings']!r}")
-    for key in ("attention_bias", "mlp_bias"):
+        raise _refuse(path, "tie_word_embeddings", "missing; expected true or false")
+    if not isinstance(config["tie_word_embeddings"], bool):
+        raise _refuse(path, "tie_word_embeddings", f"expected true or false, found {config['tie_word_embeddings']!r}")
+    for key in ("attention_bias", "mlp_bias") if architecture == "llama" else ("mlp_bias",):
         # Absent means false in Hugging Face's LlamaConfig; anything but false is unimplemented.
         if config.get(key, False) is not False:
             raise _refuse(path, key, f"expected false (no biases), found {config[key]!r}")
@@ -116,12 +185,14 @@ def load_config(model_dir: Path) -> LlamaConfig:
     hidden = _positive_int(config, "hidden_size", path)
     heads = _positive_int(config, "num_attention_heads", path)
     kv_heads = _positive_int(config, "num_key_value_heads", path)
-    head_dim = _positive_int(config, "head_dim", path)
+    # Qwen2 configs leave head_dim to the division, as Hugging Face's Qwen2 model does.
+    head_dim = (hidden // heads if architecture == "qwen2" and config.get("head_dim") is None
+                else _positive_int(config, "head_dim", path))
     intermediate = _positive_int(config, "intermediate_size", path)
     vocab = _positive_int(config, "vocab_size", path)
     max_positions = _positive_int(config, "max_position_embeddings", path)
     rms_norm_eps = _positive_float(config, "rms_norm_eps", path)
-    rope_theta = _rope_theta(config, path)
+    rope_theta, rope_scaling = _rope(config, path)
     if heads % kv_heads != 0:
         raise _refuse(path, "num_key_value_heads",
                       f"{kv_heads} does not divide num_attention_heads {heads}")
@@ -131,11 +202,15 @@ def load_config(model_dir: Path) -> LlamaConfig:
     geometry = ModelGeometry(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                              head_dim=head_dim, vocab=vocab, max_positions=max_positions,
                              rope_theta=rope_theta)
-    return LlamaConfig(geometry=geometry, intermediate=intermediate, rms_norm_eps=rms_norm_eps)
+    return LlamaConfig(geometry=geometry, intermediate=intermediate, rms_norm_eps=rms_norm_eps,
+                       architecture=architecture, tied_head=config["tie_word_embeddings"],
+                       qkv_bias=architecture == "qwen2", rope_scaling=rope_scaling)
 
 
-def expected_tensor_shapes(geometry: ModelGeometry, intermediate: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor a tied-embedding Llama checkpoint holds, by Hugging Face name, with its shape."""
+def expected_tensor_shapes(geometry: ModelGeometry, intermediate: int, *, tied_head: bool = True,
+                           qkv_bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint holds, by Hugging Face name, with its shape: a Llama's, plus
+    ``lm_head.weight`` when the head is untied and the Q/K/V biases of a Qwen2."""
     hidden, attn_width = geometry.hidden, geometry.heads * geometry.head_dim
     kv_width = geometry.kv_heads * geometry.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (geometry.vocab, hidden)}
@@ -150,7 +225,13 @@ def expected_tensor_shapes(geometry: ModelGeometry, intermediate: int) -> dict[s
         shapes[prefix + "mlp.gate_proj.weight"] = (intermediate, hidden)
         shapes[prefix + "mlp.up_proj.weight"] = (intermediate, hidden)
         shapes[prefix + "mlp.down_proj.weight"] = (hidden, intermediate)
+        if qkv_bias:
+            shapes[prefix + "self_attn.q_proj.bias"] = (attn_width,)
+            shapes[prefix + "self_attn.k_proj.bias"] = (kv_width,)
+            shapes[prefix + "self_attn.v_proj.bias"] = (kv_width,)
     shapes["model.norm.weight"] = (hidden,)
+    if not tied_head:
+        shapes["lm_head.weight"] = (geometry.vocab, hidden)
     return shapes
 
 
@@ -177,10 +258,10 @@ def check_tensors(weights: dict[str, np.ndarray], expected: dict[str, tuple[int,
 
 
 def check_weights(weights: dict[str, np.ndarray], geometry: ModelGeometry, intermediate: int,
-                  source: str) -> None:
-    """The model's tensors, checked with :func:`check_tensors` against its geometry."""
-    check_tensors(weights, expected_tensor_shapes(geometry, intermediate), source,
-                  "; an untied lm_head or other extras are not implemented")
+                  source: str, *, tied_head: bool = True, qkv_bias: bool = False) -> None:
+    """The model's tensors, checked with :func:`check_tensors` against its geometry and config."""
+    check_tensors(weights, expected_tensor_shapes(geometry, intermediate, tied_head=tied_head, qkv_bias=qkv_bias),
+                  source, "; an lm_head beside a tied embedding, or biases of a Llama, are not implemented")
 
 
 def load_checkpoint(model_dir: Path) -> tuple[ModelGeometry, dict[str, np.ndarray]]:
@@ -206,7 +287,8 @@ def load_weights(model_dir: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
         if tensor.dtype not in ACCEPTED_WEIGHT_DTYPES:
             raise _refuse(path, name, f"dtype {tensor.dtype}, expected float16 or float32")
         weights[name] = np.ascontiguousarray(tensor, dtype=np.float32)
-    check_weights(weights, config.geometry, config.intermediate, str(path))
+    check_weights(weights, config.geometry, config.intermediate, str(path), tied_head=config.tied_head,
+                  qkv_bias=config.qkv_bias)
     return weights
 
 

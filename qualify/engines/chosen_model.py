@@ -24,6 +24,7 @@ from qualify.contract.lanes import ProducerMode
 from qualify.core import model_choice
 from qualify.core.errors import Refused
 from qualify.core.model_choice import ModelChoice
+from qualify.engines.checkpoint import RopeScaling
 from qualify.engines.kquant import KQuantConfig, KQuantEngine, KQuantModel, KQuantWeights, Q8Matrix
 from qualify.engines.model_source import PUBLISHED_MODELS, LoadedModel, load_model, resolve_model
 from qualify.engines.nvfp4 import (
@@ -98,7 +99,23 @@ def reference_engine(make_linear: MakeLinear | None = None, materialize: Materia
     ``materialize`` as :class:`~qualify.engines.reference.ReferenceEngine` takes them)."""
     loaded = loaded_model()
     return ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps,
-                           make_linear=make_linear, materialize=materialize)
+                           make_linear=make_linear, materialize=materialize, rope_scaling=loaded.config.rope_scaling)
+
+
+def rope_scaling() -> RopeScaling | None:
+    """The chosen model's RoPE scaling (None for the shipped model, or plain RoPE): what its RoPE
+    tables, and the digest an identity pins of them, are computed with."""
+    return _LOADED[0].config.rope_scaling if _LOADED and model_choice.chosen() is not None else None
+
+
+def require_plain(lane_kind: str) -> None:
+    """Refuse (one line) a chosen model whose architecture ``lane_kind`` does not implement: the
+    k-quant and vLLM lanes run a plain Llama (tied head, no biases, plain RoPE) only."""
+    loaded = loaded_model()
+    if not loaded.config.plain:
+        raise Refused(f"--model {require_choice().name}: a {loaded.config.architecture} model with "
+                      f"{loaded.config.features()}; the {lane_kind} lanes run a plain Llama only (tied head, no "
+                      f"biases, plain RoPE); its NVFP4 lanes run it (docs/models.md)")
 
 
 def require_choice() -> ModelChoice:
@@ -186,6 +203,7 @@ def q8_0_engine(mode: ProducerMode = ProducerMode.EXACT) -> KQuantEngine:
     """The chosen model's Q8_0 weights, plain greedy decode: in llama.cpp's exact arithmetic, the
     ``kquant-exact`` lane's engine and the E2 yardstick; ``NATIVE`` is the ``kquant-native``
     fault producer's float accumulation."""
+    require_plain("k-quant")
     loaded = loaded_model()
     geometry = loaded.geometry
     config = KQuantConfig(vocab=geometry.vocab, hidden=geometry.hidden, intermediate=loaded.config.intermediate,
@@ -216,6 +234,7 @@ def hf_float32_dir() -> Path:
 
     from safetensors.numpy import save_file
 
+    require_plain("vLLM")
     loaded, choice = loaded_model(), require_choice()
     geometry, config = loaded.geometry, loaded.config
     document = {

@@ -204,7 +204,7 @@ def gguf_architecture(path: Path) -> str:
     import struct
 
     def read(handle: Any, size: int) -> bytes:
-        data = handle.read(size)
+        data: bytes = handle.read(size)
         if len(data) != size:
             raise _refuse(path, "header", "truncated GGUF metadata")
         return data
@@ -351,7 +351,8 @@ def _hf_weights(directory: Path, files: list[Path], config: LlamaConfig) -> dict
             if name in weights:
                 raise _refuse(file, name, "tensor stored twice across shards")
             weights[name] = widen(bytes(tensor["data"])).reshape(tensor["shape"])
-    check_weights(weights, config.geometry, config.intermediate, str(directory))
+    check_weights(weights, config.geometry, config.intermediate, str(directory), tied_head=config.tied_head,
+                  qkv_bias=config.qkv_bias)
     return weights
 
 
@@ -410,17 +411,22 @@ def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
         rope_theta=_gguf_float(reader, path, "llama.rope.freq_base") if "llama.rope.freq_base"
         in reader.fields else 10000.0,
     )
+    # llama.cpp writes output.weight only for an untied head (convert_hf_to_gguf.py skips a tied one).
+    untied = any(tensor.name == "output.weight" for tensor in reader.tensors)
     return LlamaConfig(geometry=geometry,
                        intermediate=_gguf_int(reader, path, "llama.feed_forward_length"),
-                       rms_norm_eps=_gguf_float(reader, path, "llama.attention.layer_norm_rms_epsilon"))
+                       rms_norm_eps=_gguf_float(reader, path, "llama.attention.layer_norm_rms_epsilon"),
+                       tied_head=not untied)
 
 
 def _gguf_hf_name(name: str, path: Path) -> str:
     if name in GGUF_TOP_NAMES:
         return GGUF_TOP_NAMES[name]
     if name == "output.weight":
-        raise _refuse(path, name, "an untied LM head is not implemented (the reference engine ties "
-                                  "it to token_embd)")
+        return "lm_head.weight"
+    if name == "rope_freqs.weight":
+        raise _refuse(path, name, "llama3 RoPE scaling stored as frequency factors is not implemented for GGUF; "
+                                  "give the model's Hugging Face directory")
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_LAYER_NAMES:
         return f"model.layers.{int(parts[1])}.{GGUF_LAYER_NAMES[parts[2]]}"
@@ -455,7 +461,7 @@ def _gguf_model(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
         elif hf_name.endswith("k_proj.weight"):
             values = permute_qk_rows_from_gguf(values, geometry.kv_heads)
         weights[hf_name] = np.ascontiguousarray(values, dtype=np.float32)
-    check_weights(weights, geometry, config.intermediate, str(path))
+    check_weights(weights, geometry, config.intermediate, str(path), tied_head=config.tied_head)
     return config, weights, _gguf_tokenizer(reader, path)
 
 

@@ -8,12 +8,14 @@ head_dim 32, intermediate 512, vocab 4096):
     for each layer:
         h = RMSNorm(x)                                 # float32, weight * x / sqrt(mean(x^2) + eps)
         q, k, v = Wq h, Wk h, Wv h                     # pluggable Linear (dense fixed-point by default)
+        q, k, v = q + bq, k + bk, v + bv               # Qwen2 only: float32 biases
         q, k = RoPE(q), RoPE(k)                        # Hugging Face rotate_half layout
+                                                       #   (inverse frequencies scaled for Llama 3.x)
         a = softmax(q k^T / sqrt(head_dim)) v          # grouped-query, causal, float32 softmax
         x = x + Wo a
         m = RMSNorm(x)
         x = x + Wdown(silu(Wgate m) * Wup m)           # SwiGLU
-    logits = RMSNorm(x) @ embed^T                      # tied LM head, always dense fixed-point
+    logits = RMSNorm(x) @ head^T                       # embed (tied) or lm_head, always dense fixed-point
 
 Two forward paths share the layer weights and arithmetic kinds but not reduction shapes:
 
@@ -77,7 +79,7 @@ from qualify.engines.base import (
     finished_decode,
     stacked_columns,
 )
-from qualify.engines.checkpoint import check_weights, load_config, load_weights
+from qualify.engines.checkpoint import RopeScaling, check_weights, load_config, load_weights
 
 # Bump whenever the numerics of this file change (op order, reduction shapes, block size, dtypes):
 # the abi is part of every lane's cache identity, so old KV never aliases new arithmetic.
@@ -196,20 +198,43 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     return weight * (x * (np.float32(1.0) / np.sqrt(mean_square + eps)))
 
 
-def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [positions, head_dim] float32, angles laid out [f, f] (HF rotate_half layout)."""
+def scaled_inverse_frequencies(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    """Hugging Face's ``linear`` and ``llama3`` RoPE scaling of float32 inverse frequencies, in
+    float32 elementwise operations (each IEEE-rounded, so the same bits on every machine)."""
+    f32 = np.float32
+    factor = f32(scaling.factor)
+    if scaling.rope_type == "linear":
+        return inv_freq / factor
+    low, high = f32(scaling.low_freq_factor), f32(scaling.high_freq_factor)
+    old_context = f32(scaling.original_max_position_embeddings)
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = f32(2 * math.pi) / inv_freq
+    # Long wavelengths (low frequencies) are divided by factor; short ones kept; between, blended.
+    llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (f32(1) - smooth) * llama / factor + smooth * llama
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, llama).astype(np.float32)
+
+
+def rope_tables(positions: int, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [positions, head_dim] float32, angles laid out [f, f] (HF rotate_half layout);
+    the inverse frequencies scaled when the model declares a RoPE scaling."""
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv_freq = np.float32(1.0) / power(float(np.float32(theta)), exponents)  # [head_dim / 2]
+    if scaling is not None:
+        inv_freq = scaled_inverse_frequencies(inv_freq, scaling)
     # One float32 product per angle, the same rounding as HF's float32 outer product.
     freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([freqs, freqs], axis=-1)  # [positions, head_dim]
     return cos_sin(angles)
 
 
-def rope_cache_sha256(theta: float, head_dim: int, max_positions: int) -> str:
+def rope_cache_sha256(theta: float, head_dim: int, max_positions: int, scaling: RopeScaling | None = None) -> str:
     """SHA-256 of :func:`rope_tables`: float32 little-endian cos then sin, ``[max_positions,
     head_dim]``. An identity pins it, and every run recomputes it on its host."""
-    cos, sin = rope_tables(max_positions, head_dim, theta)
+    cos, sin = rope_tables(max_positions, head_dim, theta, scaling)
     return sha256_bytes(np.asarray(cos, dtype="<f4").tobytes() + np.asarray(sin, dtype="<f4").tobytes())
 
 
@@ -343,8 +368,18 @@ class DecoderLayer:
         self.up_proj = linear("mlp.up_proj.weight")  # hidden -> intermediate
         self.down_proj = linear("mlp.down_proj.weight")  # intermediate -> hidden
 
-        self.qkv = SharedInputProjections(self.q_proj, self.k_proj, self.v_proj)
+        self.shared_qkv = SharedInputProjections(self.q_proj, self.k_proj, self.v_proj)
         self.gate_up = SharedInputProjections(self.gate_proj, self.up_proj)
+        # Qwen2's Q/K/V biases [width] float32, added after each projection (None: a Llama).
+        names = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+        self.qkv_bias = tuple(weights[prefix + name] for name in names) if prefix + names[0] in weights else None
+
+    def qkv(self, h: np.ndarray) -> tuple[np.ndarray, ...]:
+        """h [T, hidden] -> q [T, heads * hd], k and v [T, kv_heads * hd], biases added if any."""
+        q, k, v = self.shared_qkv(h)
+        if self.qkv_bias is None:
+            return q, k, v
+        return tuple(projected + bias for projected, bias in zip((q, k, v), self.qkv_bias, strict=True))
 
     @property
     def linears(self) -> list[Linear]:
@@ -624,11 +659,14 @@ class ReferenceEngine(GreedyDecoder):
 
     def __init__(self, geometry: ModelGeometry, weights: dict[str, np.ndarray], *,
                  rms_norm_eps: float, make_linear: MakeLinear | None = None,
-                 materialize: Materialize | None = None) -> None:
+                 materialize: Materialize | None = None, rope_scaling: RopeScaling | None = None) -> None:
         gate = weights.get("model.layers.0.mlp.gate_proj.weight")
         if not isinstance(gate, np.ndarray) or gate.ndim != 2:
             raise Refused("weights: model.layers.0.mlp.gate_proj.weight: missing or not a matrix")
-        check_weights(weights, geometry, gate.shape[0], "weights")
+        # An untied head and Q/K/V biases come with the weights (the loader checked them against
+        # the config); each is then checked like every other tensor.
+        check_weights(weights, geometry, gate.shape[0], "weights", tied_head="lm_head.weight" not in weights,
+                      qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights)
         if isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, (int, float, np.floating)) \
                 or not math.isfinite(rms_norm_eps) or rms_norm_eps <= 0:
             raise Refused(f"rms_norm_eps: expected a positive finite number, found {rms_norm_eps!r}")
@@ -640,9 +678,10 @@ class ReferenceEngine(GreedyDecoder):
         self.materialize: Materialize = KeepFloat32() if materialize is None else materialize
         materialize_kind = arithmetic_kind(self.materialize, "materialize")
 
-        self.rope = rope_tables(geometry.max_positions, geometry.head_dim, geometry.rope_theta)
+        self.rope = rope_tables(geometry.max_positions, geometry.head_dim, geometry.rope_theta, rope_scaling)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden] float32
-        self.lm_head_rows = FixedPointRows.of(self.embed)  # tied LM head [vocab, hidden]
+        # The LM head [vocab, hidden]: the embedding when tied, else lm_head.weight.
+        self.lm_head_rows = FixedPointRows.of(weights.get("lm_head.weight", self.embed))
         self.layers = [
             DecoderLayer(weights, f"model.layers.{index}.", geometry, rms_norm_eps, self.rope,
                          make_linear, self.materialize)
@@ -668,12 +707,12 @@ class ReferenceEngine(GreedyDecoder):
         config = load_config(Path(model_dir))
         weights = load_weights(Path(model_dir), config)
         return cls(config.geometry, weights, rms_norm_eps=config.rms_norm_eps,
-                   make_linear=make_linear, materialize=materialize)
+                   make_linear=make_linear, materialize=materialize, rope_scaling=config.rope_scaling)
 
     # ---- shared pieces ---------------------------------------------------------------------
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
-        """Final norm then the tied LM head: x [T, hidden] -> float32 [T, vocab], always the
+        """Final norm then the LM head: x [T, hidden] -> float32 [T, vocab], always the
         fixed-point contraction whatever the projections are (the embedding upcast from float16)."""
         normed = self.materialize(rms_norm(x, self.final_norm, self.eps))
         check_finite_activations(normed, "lm head")

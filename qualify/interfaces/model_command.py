@@ -25,12 +25,16 @@ def model_inspect_cli(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     model = load_model(resolve_model(args.model))
     geometry = model.geometry
-    _OUT.print(f"model {args.model}: {model.kind}, llama, {geometry.layers} layers, hidden {geometry.hidden}, "
+    config = model.config
+    scaling = config.rope_scaling
+    rope = "" if scaling is None else f" scaled {scaling.rope_type} x{scaling.factor:g}"
+    _OUT.print(f"model {args.model}: {model.kind}, {config.architecture}, {geometry.layers} layers, hidden {geometry.hidden}, "
                f"{geometry.heads} heads / {geometry.kv_heads} KV heads x {geometry.head_dim}, intermediate "
                f"{model.config.intermediate}, vocab {geometry.vocab}, max positions {geometry.max_positions}, "
-               f"RoPE theta {geometry.rope_theta:g}, RMS norm eps {model.config.rms_norm_eps:g}")
+               f"RoPE theta {geometry.rope_theta:g}{rope}, RMS norm eps {model.config.rms_norm_eps:g}")
     parameters = sum(int(weight.size) for weight in model.weights.values())
-    _OUT.print(f"weights: {len(model.weights)} tensors, {parameters} parameters, float32 (tied LM head)")
+    _OUT.print(f"weights: {len(model.weights)} tensors, {parameters} parameters, float32 ("
+               f"{'tied LM head' if config.tied_head else 'untied lm_head'}{', Q/K/V biases' if config.qkv_bias else ''})")
     _OUT.print(f"tokenizer: {model.tokenizer.get_vocab_size(with_added_tokens=True)} tokens")
     published = PUBLISHED_MODELS.get(args.model)
     if published is not None:

@@ -338,9 +338,10 @@ def check_rope_cache(identity: Identity, head_dim: int, where: str) -> None:
     """Refuse (exit 2, before any handoff) a host whose reference RoPE tables differ from the
     tables the identity pins: the cold recompute and every numpy engine rotate with them, and their
     inverse frequencies are a transcendental that must come out the same on every host."""
+    from qualify.engines.chosen_model import rope_scaling
     from qualify.engines.reference import rope_cache_sha256
 
-    found = rope_cache_sha256(identity.rope.theta, head_dim, identity.context_policy.max_positions)
+    found = rope_cache_sha256(identity.rope.theta, head_dim, identity.context_policy.max_positions, rope_scaling())
     if found != identity.rope.cache_sha256:
         raise Refused(f"{where}: rope.cache_sha256: pinned {identity.rope.cache_sha256}, this host's RoPE tables "
                       f"(theta {identity.rope.theta}, head_dim {head_dim}, {identity.context_policy.max_positions} "

@@ -184,8 +184,8 @@ def test_unsupported_architectures_are_refused_naming_the_field(tmp_path: Path, 
     config = json.loads((directory / "config.json").read_text())
     config["architectures"] = ["MistralForCausalLM"]
     (directory / "config.json").write_text(json.dumps(config))
-    assert "config.json: architectures: expected ['LlamaForCausalLM'], found ['MistralForCausalLM']" \
-        in refusal(directory)
+    message = refusal(directory)
+    assert "config.json: architectures: expected one of" in message and "found ['MistralForCausalLM']" in message
     message = refusal(write_gguf(tmp_path / "g.gguf", *shipped, architecture="gpt2"))
     assert message.endswith("g.gguf: general.architecture: found 'gpt2', expected 'llama'")
 
@@ -200,11 +200,11 @@ def test_missing_tensors_are_refused_naming_the_tensor(tmp_path: Path, shipped) 
     assert "g.gguf: model.layers.2.self_attn.v_proj.weight: tensor missing" in refusal(path)
 
 
-def test_an_untied_head_and_unknown_tensor_types_are_refused(tmp_path: Path, shipped) -> None:
+def test_an_untied_head_loads_and_unknown_tensor_types_are_refused(tmp_path: Path, shipped) -> None:
     config, weights = shipped
-    untied = write_gguf(tmp_path / "untied.gguf", config, weights,
-                        extra={"output.weight": weights["model.embed_tokens.weight"]})
-    assert "untied.gguf: output.weight: an untied LM head is not implemented" in refusal(untied)
+    head = weights["model.embed_tokens.weight"][::-1].copy()
+    untied = load_model(write_gguf(tmp_path / "untied.gguf", config, weights, extra={"output.weight": head}))
+    assert not untied.config.tied_head and np.array_equal(untied.weights["lm_head.weight"], head)
     # IQ4_NL: 32 values in 18 bytes; a real llama.cpp type the loader does not dequantize.
     hidden = config.geometry.hidden
     raw = {"blk.0.attn_q.weight": (np.zeros((hidden, hidden // 32 * 18), dtype=np.uint8),
@@ -246,10 +246,10 @@ def test_another_architecture_is_refused_from_the_header_alone(tmp_path: Path, s
     assert refusal(cut).endswith("cut.gguf: general.architecture: found 'gemma3', expected 'llama'")
     directory = hf_copy(tmp_path / "hf")
     config = json.loads((directory / "config.json").read_text())
-    config["architectures"] = ["Qwen2ForCausalLM"]
+    config["architectures"] = ["Gemma3ForCausalLM"]
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "model.safetensors").unlink()
-    assert "architectures: expected ['LlamaForCausalLM'], found ['Qwen2ForCausalLM']" in refusal(directory)
+    assert "architectures: expected one of" in refusal(directory)
 
 
 def test_a_gguf_header_cut_before_its_architecture_is_refused(tmp_path: Path, shipped) -> None:

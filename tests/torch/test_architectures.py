@@ -1,0 +1,174 @@
+"""The architectures users serve, against Hugging Face transformers (issue 37): Llama 3.x (``llama3``
+and ``linear`` RoPE scaling, an untied ``lm_head``) and Qwen2/2.5 (Q/K/V biases, tied or untied
+head). Each checkpoint is built here with random weights from its architecture's config (tiny,
+the shipped tokenizer's vocabulary), saved as a Hugging Face directory, loaded through
+``--model``'s loader, and run by the numpy reference engine: full logits within float32 rounding
+of transformers' on every position of a prompt and of a decode after a handoff. ``qualify model
+inspect`` prints each; the k-quant and vLLM lanes refuse them in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from qualify.core import assets
+from qualify.core.errors import Refused
+from qualify.engines import chosen_model
+from qualify.engines.model_source import load_model
+from qualify.engines.reference import ReferenceEngine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT_TOKENS, HANDOFF, DECODE = 96, 80, 12
+# Max |Δlogit| over logits of magnitude ~3.6: measured 0.7-1.1e-5 (float32 rounding over 2 layers
+# and 12 decode steps); leaving out the RoPE scaling gives 2.2-3.2, leaving out Qwen2's biases 4.6-4.7.
+TOLERANCE = 1e-4
+
+
+def _tiny(kind: str) -> tuple[Any, Any]:
+    """(config, model class) of a tiny random checkpoint of ``kind``, vocabulary the shipped tokenizer's."""
+    transformers = pytest.importorskip("transformers", reason="torch extra not installed (pip install -e '.[torch]')")
+    common = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, hidden_act="silu", initializer_range=0.1)
+    if kind == "llama3":
+        return transformers.LlamaConfig(
+            **common, head_dim=16, tie_word_embeddings=False, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64}), transformers.LlamaForCausalLM
+    if kind == "llama-linear":
+        return transformers.LlamaConfig(**common, head_dim=16, tie_word_embeddings=True, rope_theta=10000.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 4.0}), transformers.LlamaForCausalLM
+    tied = kind == "qwen2-tied"
+    return transformers.Qwen2Config(**common, tie_word_embeddings=tied, rope_theta=1000000.0,
+                                    use_sliding_window=False), transformers.Qwen2ForCausalLM
+
+
+@pytest.fixture(params=["llama3", "llama-linear", "qwen2", "qwen2-tied"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path, Any]]:
+    """A random-weight checkpoint as a Hugging Face directory, and the transformers model."""
+    import torch
+
+    config, model_class = _tiny(request.param)
+    torch.manual_seed(20261206)
+    model = model_class(config).eval()
+    with torch.no_grad():  # biases are zero at init: give them values, or they test nothing
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.5)
+    directory = tmp_path / f"{request.param}-tiny"
+    model.save_pretrained(directory, safe_serialization=True)
+    shutil.copyfile(assets.MODEL_DIR / "tokenizer.json", directory / "tokenizer.json")
+    yield request.param, directory, model
+    chosen_model.use_model(None)
+
+
+def _transformers_logits(model: Any, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """All prompt rows' logits, and greedy decode rows after a handoff of HANDOFF positions."""
+    import torch
+
+    with torch.no_grad():
+        full = model(torch.tensor(prompt[None]), use_cache=False).logits[0].numpy()
+        out = model(torch.tensor(prompt[None, :HANDOFF]), use_cache=True)
+        cache, token = out.past_key_values, torch.tensor(prompt[None, HANDOFF:])
+        rows = []
+        for _ in range(DECODE):
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0, -1].numpy())
+            token = out.logits[:, -1:].argmax(-1)
+    return full, np.stack(rows)
+
+
+def test_the_reference_engine_agrees_with_transformers(checkpoint: tuple[str, Path, Any]) -> None:
+    kind, directory, model = checkpoint
+    loaded = load_model(directory)
+    assert loaded.config.tied_head == (kind in ("llama-linear", "qwen2-tied"))
+    assert loaded.config.qkv_bias == kind.startswith("qwen2")
+    assert (loaded.config.rope_scaling is not None) == kind.startswith("llama")
+    engine = ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps,
+                             rope_scaling=loaded.config.rope_scaling)
+    prompt = assets.load_prompt()[:PROMPT_TOKENS]
+    expected_rows, expected_decode = _transformers_logits(model, prompt)
+    kv = engine.prefill(prompt[:HANDOFF])
+    decoded = engine.decode(kv, prompt[HANDOFF:], DECODE)
+    # Every row's logits: transformers' forward over the prompt against the reference's decode
+    # of it one row at a time after a handoff of one position.
+    forced = engine.teacher_forced(engine.prefill(prompt[:1]), prompt[1:2], prompt[2:PROMPT_TOKENS])
+    assert np.abs(forced - expected_rows[1:PROMPT_TOKENS - 1]).max() < TOLERANCE, kind
+    assert np.abs(decoded.logits - expected_decode).max() < TOLERANCE, kind
+    assert list(decoded.tokens) == list(expected_decode.argmax(-1)), kind
+
+
+def test_model_inspect_prints_the_architecture_and_the_other_lanes_refuse_it(
+        checkpoint: tuple[str, Path, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from qualify.interfaces import cli
+
+    kind, directory, _ = checkpoint
+    assert cli.main(["model", "inspect", str(directory)]) == 0
+    printed = capsys.readouterr().out
+    assert "qwen2" in printed if kind.startswith("qwen2") else "llama" in printed
+    chosen_model.use_model(str(directory))
+    engine = chosen_model.reference_engine()
+    assert engine.prefill(assets.load_prompt()[:8]).geometry.positions == 8
+    for build in (chosen_model.q8_0_engine, chosen_model.hf_float32_dir):
+        with pytest.raises(Refused, match="run a plain Llama only") as refused:
+            build()
+        assert "\n" not in str(refused.value)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"][0] in str(loaded_architecture(directory))
+
+
+def loaded_architecture(directory: Path) -> str:
+    config = load_model(directory).config
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.architecture]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_an_nvfp4_lanes_handoffs_on_the_checkpoint_keep_tokens_and_bound_drift(
+        kind: str, tmp_path: Path) -> None:
+    """The run's three handoffs on the chosen model: a real producer process loading the same
+    directory (``--model``), the NVFP4 split-K lane's quantized projections over the checkpoint's
+    biases, untied head and scaled RoPE, checked against the consumer's cold recompute under a
+    rule wide enough for a random model (no identity is frozen for it, so there is no verdict)."""
+    import dataclasses
+
+    import torch
+
+    from qualify.contract.lanes import lane_spec
+    from qualify.evidence.records import BoundedDriftRule
+    from qualify.judge.calibration import ANCHOR_PART
+    from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
+    from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
+
+    config, model_class = _tiny(kind)
+    torch.manual_seed(20261206)
+    model = model_class(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.5)
+    directory = tmp_path / f"{kind}-tiny"
+    model.save_pretrained(directory, safe_serialization=True)
+    shutil.copyfile(assets.MODEL_DIR / "tokenizer.json", directory / "tokenizer.json")
+    try:
+        chosen_model.use_model(str(directory))
+        fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, assets.load_prompt(assets.MAIN_PROMPT))
+        contract = calibration_contract(lane_spec("nvfp4-native-splitk"), "native-text", [fixture] * ORDERED_HANDOFFS,
+                                        calibration_set={"name": "none", "sha256": "0" * 64}, controls=None)
+        contract = dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1))
+        run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path / "receipts", reference_once=True,
+                                          model=str(directory)), contract)
+        outcomes = [run.step(label) for label in STEP_LABELS[:-1]]
+        run.close()
+    finally:
+        chosen_model.use_model(None)
+    assert [outcome.passed for outcome in outcomes] == [True] * len(outcomes), [o.message for o in outcomes]
+    assert all(record["token_agreement_rate"] == 1.0 and 0 < record["max_abs"] < 1.0 for record in run.records)
