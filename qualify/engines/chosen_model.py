@@ -110,12 +110,12 @@ def rope_scaling() -> RopeScaling | None:
 
 def require_plain(lane_kind: str) -> None:
     """Refuse (one line) a chosen model whose architecture ``lane_kind`` does not implement: the
-    k-quant and vLLM lanes run a plain Llama (tied head, no biases, plain RoPE) only."""
+    vLLM lanes run a plain Llama (tied head, no biases, plain RoPE) only."""
     loaded = loaded_model()
     if not loaded.config.plain:
         raise Refused(f"--model {require_choice().name}: a {loaded.config.architecture} model with "
                       f"{loaded.config.features()}; the {lane_kind} lanes run a plain Llama only (tied head, no "
-                      f"biases, plain RoPE); its NVFP4 lanes run it (docs/models.md)")
+                      f"biases, plain RoPE); its NVFP4 and k-quant lanes run it (docs/models.md)")
 
 
 def require_choice() -> ModelChoice:
@@ -178,7 +178,8 @@ def _q8_0_of(loaded: LoadedModel) -> KQuantWeights:
     matrices: dict[str, Q8Matrix] = {}
     vectors: dict[str, np.ndarray] = {}
     for name, weight in sorted(loaded.weights.items()):
-        if QUANTIZED_PROJECTION.match(name) or name == "model.embed_tokens.weight":
+        # The projections, the embedding and an untied head in Q8_0; norms and biases stay float32.
+        if QUANTIZED_PROJECTION.match(name) or name in ("model.embed_tokens.weight", "lm_head.weight"):
             raw = gguf.quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
             matrices[name.removesuffix(".weight")] = Q8Matrix.from_gguf_bytes(raw, *weight.shape)
         else:
@@ -203,13 +204,13 @@ def q8_0_engine(mode: ProducerMode = ProducerMode.EXACT) -> KQuantEngine:
     """The chosen model's Q8_0 weights, plain greedy decode: in llama.cpp's exact arithmetic, the
     ``kquant-exact`` lane's engine and the E2 yardstick; ``NATIVE`` is the ``kquant-native``
     fault producer's float accumulation."""
-    require_plain("k-quant")
     loaded = loaded_model()
     geometry = loaded.geometry
     config = KQuantConfig(vocab=geometry.vocab, hidden=geometry.hidden, intermediate=loaded.config.intermediate,
                           layers=geometry.layers, heads=geometry.heads, kv_heads=geometry.kv_heads,
                           head_dim=geometry.head_dim, max_positions=geometry.max_positions,
-                          rope_theta=geometry.rope_theta, rms_norm_eps=loaded.config.rms_norm_eps)
+                          rope_theta=geometry.rope_theta, rms_norm_eps=loaded.config.rms_norm_eps,
+                          rope_scaling=loaded.config.rope_scaling)
     return KQuantEngine(KQuantModel(q8_0_weights(), config, mode))
 
 

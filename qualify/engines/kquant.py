@@ -53,6 +53,7 @@ from qualify.engines.base import (
     finished_decode,
     stacked_columns,
 )
+from qualify.engines.checkpoint import RopeScaling
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
@@ -395,6 +396,8 @@ class KQuantConfig:
     max_positions: int
     rope_theta: float
     rms_norm_eps: float
+    # A chosen model's RoPE scaling (Llama 3.x); the shipped model's RoPE is plain.
+    rope_scaling: RopeScaling | None = None
 
     def hparams(self, arch: str, layers: int) -> dict[str, int | float]:
         return {
@@ -577,8 +580,9 @@ def decode_rows(layer: DecoderLayer, x: np.ndarray, positions: np.ndarray, cache
 
 class KQuantModel:
     """The k-quant target: GGUF Q8_0 weights in the reference engine's layers (prefill is the
-    reference's batched prefill), a Q8_0 tied LM head in the same arithmetic, and a batched row
-    forward whose every row is bit-identical to one-row decode."""
+    reference's batched prefill), a Q8_0 LM head in the same arithmetic (the embedding when tied,
+    else ``lm_head``), and a batched row forward whose every row is bit-identical to one-row
+    decode. Biases (Qwen2's Q/K/V) stay float32 and are added after their projections."""
 
     def __init__(self, weights: KQuantWeights, config: KQuantConfig, mode: ProducerMode) -> None:
         if not isinstance(mode, ProducerMode):
@@ -590,10 +594,12 @@ class KQuantModel:
         self.config = config
         self.geometry = geometry
         self.make_linear = linear_factory(weights.matrices, mode)
-        self.reference = ReferenceEngine(geometry, dequantized_weights(weights),
-                                         rms_norm_eps=config.rms_norm_eps, make_linear=self.make_linear)
+        dequantized = dequantized_weights(weights)
+        self.reference = ReferenceEngine(geometry, dequantized, rms_norm_eps=config.rms_norm_eps,
+                                         make_linear=self.make_linear, rope_scaling=config.rope_scaling)
         self.embed_table = self.reference.embed  # [vocab, hidden] float32, dequantized Q8_0 rows
-        self.lm_head = self.make_linear("model.embed_tokens.weight", self.embed_table)  # tied
+        head = "lm_head.weight" if "lm_head" in weights.matrices else "model.embed_tokens.weight"  # untied, or tied
+        self.lm_head = self.make_linear(head, dequantized[head])
         self.final_norm = weights.vectors["model.norm.weight"]  # [hidden]
         self.eps = np.float32(config.rms_norm_eps)
         self.abi = f"{ABI_VERSION}+{self.reference.abi}+lm_head-{arithmetic_kind(self.lm_head, 'lm_head')}"

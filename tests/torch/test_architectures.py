@@ -4,7 +4,8 @@ head). Each checkpoint is built here with random weights from its architecture's
 the shipped tokenizer's vocabulary), saved as a Hugging Face directory, loaded through
 ``--model``'s loader, and run by the numpy reference engine: full logits within float32 rounding
 of transformers' on every position of a prompt and of a decode after a handoff. ``qualify model
-inspect`` prints each; the k-quant and vLLM lanes refuse them in one line.
+inspect`` prints each; the NVFP4 and k-quant lanes hand them off; the vLLM lanes refuse them in
+one line.
 """
 
 from __future__ import annotations
@@ -118,10 +119,10 @@ def test_model_inspect_prints_the_architecture_and_the_other_lanes_refuse_it(
     chosen_model.use_model(str(directory))
     engine = chosen_model.reference_engine()
     assert engine.prefill(assets.load_prompt()[:8]).geometry.positions == 8
-    for build in (chosen_model.q8_0_engine, chosen_model.hf_float32_dir):
-        with pytest.raises(Refused, match="run a plain Llama only") as refused:
-            build()
-        assert "\n" not in str(refused.value)
+    assert chosen_model.q8_0_engine().prefill(assets.load_prompt()[:8]).geometry.positions == 8
+    with pytest.raises(Refused, match="run a plain Llama only") as refused:
+        chosen_model.hf_float32_dir()
+    assert "\n" not in str(refused.value)
     config = json.loads((directory / "config.json").read_text())
     assert config["architectures"][0] in str(loaded_architecture(directory))
 
@@ -131,19 +132,23 @@ def loaded_architecture(directory: Path) -> str:
     return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.architecture]
 
 
+LANES = {"nvfp4-native-splitk": "native-text", "kquant-exact": "kquant-target-plus-dflash"}
+
+
+@pytest.mark.parametrize("lane", sorted(LANES))
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])
-def test_an_nvfp4_lanes_handoffs_on_the_checkpoint_keep_tokens_and_bound_drift(
-        kind: str, tmp_path: Path) -> None:
+def test_a_lanes_handoffs_on_the_checkpoint_keep_tokens(kind: str, lane: str, tmp_path: Path) -> None:
     """The run's three handoffs on the chosen model: a real producer process loading the same
-    directory (``--model``), the NVFP4 split-K lane's quantized projections over the checkpoint's
-    biases, untied head and scaled RoPE, checked against the consumer's cold recompute under a
-    rule wide enough for a random model (no identity is frozen for it, so there is no verdict)."""
+    directory (``--model``), the lane's quantized projections over the checkpoint's biases,
+    untied head and scaled RoPE, checked against the consumer's cold recompute: NVFP4 under a
+    drift rule wide enough for a random model, k-quant bit for bit (rung 3). No identity is frozen
+    for the model, so the run has no anchor and stops before its verdict."""
     import dataclasses
 
     import torch
 
     from qualify.contract.lanes import lane_spec
-    from qualify.evidence.records import BoundedDriftRule
+    from qualify.evidence.records import BitExactRule, BoundedDriftRule
     from qualify.judge.calibration import ANCHOR_PART
     from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
     from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
@@ -161,14 +166,20 @@ def test_an_nvfp4_lanes_handoffs_on_the_checkpoint_keep_tokens_and_bound_drift(
     try:
         chosen_model.use_model(str(directory))
         fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, assets.load_prompt(assets.MAIN_PROMPT))
-        contract = calibration_contract(lane_spec("nvfp4-native-splitk"), "native-text", [fixture] * ORDERED_HANDOFFS,
+        contract = calibration_contract(lane_spec(lane), LANES[lane], [fixture] * ORDERED_HANDOFFS,
                                         calibration_set={"name": "none", "sha256": "0" * 64}, controls=None)
-        contract = dataclasses.replace(contract, rule=BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1))
-        run = QualificationRun(RunOptions(recipe="native-text", receipts=tmp_path / "receipts", reference_once=True,
+        rule = (BitExactRule(acceptance_floor=None) if lane == "kquant-exact"
+                else BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.1))
+        contract = dataclasses.replace(contract, rule=rule)
+        run = QualificationRun(RunOptions(recipe=LANES[lane], receipts=tmp_path / "receipts", reference_once=True,
                                           model=str(directory)), contract)
         outcomes = [run.step(label) for label in STEP_LABELS[:-1]]
         run.close()
     finally:
         chosen_model.use_model(None)
     assert [outcome.passed for outcome in outcomes] == [True] * len(outcomes), [o.message for o in outcomes]
-    assert all(record["token_agreement_rate"] == 1.0 and 0 < record["max_abs"] < 1.0 for record in run.records)
+    assert all(record["token_agreement_rate"] == 1.0 for record in run.records)
+    if lane == "kquant-exact":
+        assert all(record["handoff_logit_block_sha256"] == record["cold_logit_block_sha256"] for record in run.records)
+    else:
+        assert all(0 < record["max_abs"] < 1.0 for record in run.records)
