@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from qualify.contract.lanes import ProducerMode
 from qualify.core import model_choice
 from qualify.core.errors import Refused
 from qualify.core.model_choice import ModelChoice
-from qualify.engines.checkpoint import RopeScaling
+from qualify.engines.checkpoint import LlamaConfig, RopeScaling
 from qualify.engines.kquant import KQuantConfig, KQuantEngine, KQuantModel, KQuantWeights, Q8Matrix
 from qualify.engines.model_source import PUBLISHED_MODELS, LoadedModel, load_model, resolve_model
 from qualify.engines.nvfp4 import (
@@ -106,16 +107,6 @@ def rope_scaling() -> RopeScaling | None:
     """The chosen model's RoPE scaling (None for the shipped model, or plain RoPE): what its RoPE
     tables, and the digest an identity pins of them, are computed with."""
     return _LOADED[0].config.rope_scaling if _LOADED and model_choice.chosen() is not None else None
-
-
-def require_plain(lane_kind: str) -> None:
-    """Refuse (one line) a chosen model whose architecture ``lane_kind`` does not implement: the
-    vLLM lanes run a plain Llama (tied head, no biases, plain RoPE) only."""
-    loaded = loaded_model()
-    if not loaded.config.plain:
-        raise Refused(f"--model {require_choice().name}: a {loaded.config.architecture} model with "
-                      f"{loaded.config.features()}; the {lane_kind} lanes run a plain Llama only (tied head, no "
-                      f"biases, plain RoPE); its NVFP4 and k-quant lanes run it (docs/models.md)")
 
 
 def require_choice() -> ModelChoice:
@@ -221,6 +212,33 @@ def hf_float32_sha256() -> tuple[str, int]:
                          for name, weight in sorted(loaded_model().weights.items()))
 
 
+def hf_config_document(config: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` of a float32 Hugging Face directory of ``config``'s model: a Llama
+    (its RoPE scaling as Hugging Face writes it) or a Qwen2 (no sliding window), tied or not."""
+    geometry = config.geometry
+    scaling = config.rope_scaling
+    rope_scaling = None if scaling is None else (
+        {"rope_type": "linear", "factor": scaling.factor} if scaling.rope_type == "linear" else
+        {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+         "high_freq_factor": scaling.high_freq_factor,
+         "original_max_position_embeddings": scaling.original_max_position_embeddings})
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.architecture]
+    document: dict[str, Any] = {
+        "architectures": [architecture], "model_type": config.architecture, "vocab_size": geometry.vocab,
+        "hidden_size": geometry.hidden, "intermediate_size": config.intermediate,
+        "num_hidden_layers": geometry.layers, "num_attention_heads": geometry.heads,
+        "num_key_value_heads": geometry.kv_heads, "head_dim": geometry.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": geometry.max_positions, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": geometry.rope_theta, "rope_scaling": rope_scaling, "tie_word_embeddings": config.tied_head,
+        "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32",
+    }
+    if config.architecture == "llama":
+        document.update(attention_bias=False, mlp_bias=False)
+    else:
+        document.update(use_sliding_window=False, sliding_window=None, max_window_layers=geometry.layers)
+    return document
+
+
 @cache
 def hf_float32_dir() -> Path:
     """The chosen model as a float32 ``LlamaForCausalLM`` directory (``config.json``,
@@ -235,19 +253,8 @@ def hf_float32_dir() -> Path:
 
     from safetensors.numpy import save_file
 
-    require_plain("vLLM")
     loaded, choice = loaded_model(), require_choice()
-    geometry, config = loaded.geometry, loaded.config
-    document = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": geometry.vocab,
-        "hidden_size": geometry.hidden, "intermediate_size": config.intermediate,
-        "num_hidden_layers": geometry.layers, "num_attention_heads": geometry.heads,
-        "num_key_value_heads": geometry.kv_heads, "head_dim": geometry.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": geometry.max_positions, "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": geometry.rope_theta, "rope_scaling": None, "tie_word_embeddings": True,
-        "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 0,
-        "torch_dtype": "float32",
-    }
+    document = hf_config_document(loaded.config)
     directory = Path(tempfile.mkdtemp(prefix=f"qualify-{choice.name}-hf-float32-"))  # mode 0700
     atexit.register(shutil.rmtree, directory, True)
     (directory / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")

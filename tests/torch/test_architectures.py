@@ -4,8 +4,8 @@ head). Each checkpoint is built here with random weights from its architecture's
 the shipped tokenizer's vocabulary), saved as a Hugging Face directory, loaded through
 ``--model``'s loader, and run by the numpy reference engine: full logits within float32 rounding
 of transformers' on every position of a prompt and of a decode after a handoff. ``qualify model
-inspect`` prints each; the NVFP4 and k-quant lanes hand them off; the vLLM lanes refuse them in
-one line.
+inspect`` prints each; the NVFP4 and k-quant lanes hand them off (``tests/vllm/`` runs the vLLM
+lanes on them).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from qualify.core import assets
-from qualify.core.errors import Refused
 from qualify.engines import chosen_model
 from qualify.engines.model_source import load_model
 from qualify.engines.reference import ReferenceEngine
@@ -36,37 +35,44 @@ TOLERANCE = 1e-4
 def _tiny(kind: str) -> tuple[Any, Any]:
     """(config, model class) of a tiny random checkpoint of ``kind``, vocabulary the shipped tokenizer's."""
     transformers = pytest.importorskip("transformers", reason="torch extra not installed (pip install -e '.[torch]')")
-    common = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, hidden_act="silu", initializer_range=0.1)
     if kind == "llama3":
         return transformers.LlamaConfig(
-            **common, head_dim=16, tie_word_embeddings=False, rope_theta=500000.0,
+            **common, head_dim=32, tie_word_embeddings=False, rope_theta=500000.0,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 64}), transformers.LlamaForCausalLM
     if kind == "llama-linear":
-        return transformers.LlamaConfig(**common, head_dim=16, tie_word_embeddings=True, rope_theta=10000.0,
+        return transformers.LlamaConfig(**common, head_dim=32, tie_word_embeddings=True, rope_theta=10000.0,
                                         rope_scaling={"rope_type": "linear", "factor": 4.0}), transformers.LlamaForCausalLM
     tied = kind == "qwen2-tied"
     return transformers.Qwen2Config(**common, tie_word_embeddings=tied, rope_theta=1000000.0,
                                     use_sliding_window=False), transformers.Qwen2ForCausalLM
 
 
-@pytest.fixture(params=["llama3", "llama-linear", "qwen2", "qwen2-tied"])
-def checkpoint(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path, Any]]:
-    """A random-weight checkpoint as a Hugging Face directory, and the transformers model."""
+def write_tiny_checkpoint(kind: str, directory: Path) -> Any:
+    """A random-weight checkpoint of ``kind`` saved as a Hugging Face directory (the shipped
+    tokenizer beside it); the transformers model, in eval mode."""
     import torch
 
-    config, model_class = _tiny(request.param)
+    config, model_class = _tiny(kind)
     torch.manual_seed(20261206)
     model = model_class(config).eval()
     with torch.no_grad():  # biases are zero at init: give them values, or they test nothing
         for name, parameter in model.named_parameters():
             if name.endswith(".bias"):
                 parameter.normal_(0.0, 0.5)
-    directory = tmp_path / f"{request.param}-tiny"
     model.save_pretrained(directory, safe_serialization=True)
     shutil.copyfile(assets.MODEL_DIR / "tokenizer.json", directory / "tokenizer.json")
+    return model
+
+
+@pytest.fixture(params=["llama3", "llama-linear", "qwen2", "qwen2-tied"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path, Any]]:
+    """A random-weight checkpoint as a Hugging Face directory, and the transformers model."""
+    directory = tmp_path / f"{request.param}-tiny"
+    model = write_tiny_checkpoint(request.param, directory)
     yield request.param, directory, model
     chosen_model.use_model(None)
 
@@ -120,16 +126,11 @@ def test_model_inspect_prints_the_architecture_and_the_other_lanes_refuse_it(
     engine = chosen_model.reference_engine()
     assert engine.prefill(assets.load_prompt()[:8]).geometry.positions == 8
     assert chosen_model.q8_0_engine().prefill(assets.load_prompt()[:8]).geometry.positions == 8
-    with pytest.raises(Refused, match="run a plain Llama only") as refused:
-        chosen_model.hf_float32_dir()
-    assert "\n" not in str(refused.value)
-    config = json.loads((directory / "config.json").read_text())
-    assert config["architectures"][0] in str(loaded_architecture(directory))
-
-
-def loaded_architecture(directory: Path) -> str:
-    config = load_model(directory).config
-    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.architecture]
+    # What a vLLM lane loads: the same architecture, scaling, head and weights, written afresh.
+    written = chosen_model.hf_float32_dir()
+    assert load_model(written).config == load_model(directory).config
+    source = json.loads((directory / "config.json").read_text())
+    assert json.loads((written / "config.json").read_text())["architectures"] == source["architectures"]
 
 
 LANES = {"nvfp4-native-splitk": "native-text", "kquant-exact": "kquant-target-plus-dflash"}
@@ -137,15 +138,15 @@ LANES = {"nvfp4-native-splitk": "native-text", "kquant-exact": "kquant-target-pl
 
 @pytest.mark.parametrize("lane", sorted(LANES))
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])
-def test_a_lanes_handoffs_on_the_checkpoint_keep_tokens(kind: str, lane: str, tmp_path: Path) -> None:
-    """The run's three handoffs on the chosen model: a real producer process loading the same
-    directory (``--model``), the lane's quantized projections over the checkpoint's biases,
-    untied head and scaled RoPE, checked against the consumer's cold recompute: NVFP4 under a
-    drift rule wide enough for a random model, k-quant bit for bit (rung 3). No identity is frozen
-    for the model, so the run has no anchor and stops before its verdict."""
+def test_a_lanes_handoffs_on_the_checkpoint(kind: str, lane: str, tmp_path: Path) -> None:
+    """The run's handoffs on the chosen model: a real producer process loading the same directory
+    (``--model``), the lane's quantized projections over the checkpoint's biases, untied head and
+    scaled RoPE, checked against the consumer's cold recompute. k-quant: bit for bit (rung 3).
+    NVFP4: a random model's top-two margins are tiny, so 4-bit weights part from the cold
+    recompute at a near-tie; what shows the architecture is right is that the parting is a
+    near-tie and the teacher-forced drift after it stays small (dropping the biases or the scaling
+    moves logits by 2-5, above). No identity is frozen for the model: no anchor, no verdict."""
     import dataclasses
-
-    import torch
 
     from qualify.contract.lanes import lane_spec
     from qualify.evidence.records import BitExactRule, BoundedDriftRule
@@ -153,16 +154,8 @@ def test_a_lanes_handoffs_on_the_checkpoint_keep_tokens(kind: str, lane: str, tm
     from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
     from qualify.run.run_contract import ORDERED_HANDOFFS, CalibrationHandoff, calibration_contract
 
-    config, model_class = _tiny(kind)
-    torch.manual_seed(20261206)
-    model = model_class(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(0.0, 0.5)
     directory = tmp_path / f"{kind}-tiny"
-    model.save_pretrained(directory, safe_serialization=True)
-    shutil.copyfile(assets.MODEL_DIR / "tokenizer.json", directory / "tokenizer.json")
+    write_tiny_checkpoint(kind, directory)
     try:
         chosen_model.use_model(str(directory))
         fixture = CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, assets.load_prompt(assets.MAIN_PROMPT))
@@ -177,9 +170,17 @@ def test_a_lanes_handoffs_on_the_checkpoint_keep_tokens(kind: str, lane: str, tm
         run.close()
     finally:
         chosen_model.use_model(None)
-    assert [outcome.passed for outcome in outcomes] == [True] * len(outcomes), [o.message for o in outcomes]
-    assert all(record["token_agreement_rate"] == 1.0 for record in run.records)
+    assert [outcome.passed for outcome in outcomes[:3]] == [True] * 3, [o.message for o in outcomes]
+    assert run.records, [o.message for o in outcomes]
     if lane == "kquant-exact":
+        assert [outcome.passed for outcome in outcomes] == [True] * len(outcomes), [o.message for o in outcomes]
+        assert all(record["token_agreement_rate"] == 1.0 for record in run.records)
         assert all(record["handoff_logit_block_sha256"] == record["cold_logit_block_sha256"] for record in run.records)
-    else:
-        assert all(0 < record["max_abs"] < 1.0 for record in run.records)
+        return
+    for record in run.records:
+        if record["token_agreement_rate"] == 1.0:
+            assert 0 < record["max_abs"] < 1.0
+        else:
+            where = record["localisation"]
+            assert where["divergence_class"] == "near-tie", where
+            assert where["teacher_forced"]["max_abs"] < 1.0 and where["teacher_forced"]["mean_abs"] < 0.05, where
