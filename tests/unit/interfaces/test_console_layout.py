@@ -17,7 +17,7 @@ from rich.console import Console, RenderableType
 from qualify.interfaces import console as operator
 from qualify.interfaces.tables import WRAPPED_TEXT_MIN, Field, FittedTable
 from qualify.judge import judge_incomplete, judge_summary
-from qualify.run.qualification import StepOutcome
+from qualify.run.qualification import STEP_LABELS, StepOutcome
 from qualify.run.selftest import FaultResult
 from tests.support.receipt_forgery import RULE
 from tests.unit.judge.test_judge import rung2_record
@@ -228,7 +228,8 @@ def finished_run(verdict: Any) -> Any:
     """What :func:`operator.show_report` reads of a finished run: its verdict, nothing else."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(refused=False, receipt_path=None, records=[], verdict=verdict, outcomes={})
+    return SimpleNamespace(refused=False, receipt_path=None, records=[], verdict=verdict, outcomes={},
+                           labels=STEP_LABELS)
 
 
 @pytest.mark.parametrize("records", [[rung2_record(n) for n in (1, 2, 3)], [rung2_record(1, max_abs=30.5)]],

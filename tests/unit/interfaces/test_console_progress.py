@@ -26,6 +26,7 @@ class FakeRun:
 
     def __init__(self, fail_at: str | None = None, refused: bool = False, console: Console | None = None) -> None:
         self.options = RunOptions(recipe="native-text")
+        self.labels = STEP_LABELS
         self.outcomes: dict[str, StepOutcome] = {}
         self.records: list[dict[str, Any]] = []
         self.verdict: Verdict | None = None
