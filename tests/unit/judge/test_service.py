@@ -87,7 +87,7 @@ def test_a_missing_digest_fails():
     document = recovery()
     del document["requests"][2]["logit_block_sha256"]
     (detail,) = failed_details(document)
-    assert "sample-3" in detail and "logit blocks" in detail and "missing" in detail
+    assert "sample-3" in detail and detail.endswith("in logit blocks (logit blocks missing vs python-textw…)")
 
 
 @pytest.mark.parametrize("change", ["no kill", "kill not SIGKILL", "not restarted"])
@@ -154,3 +154,70 @@ def test_the_qualification_fails_when_its_service_evidence_does():
 def test_a_scope_names_only_known_conditions():
     with pytest.raises(ValueError, match="service conditions"):
         Scope(fixture=A, repetitions=3, prompt_tokens=2048, output_tokens=256, controls=None, service_conditions="abc")
+
+
+def _failed_names(document: object) -> list[str]:
+    verdict = judge_service_conditions(document)  # type: ignore[arg-type]
+    assert not verdict.passed
+    return [check.name for check in verdict.checks if not check.passed]
+
+
+@pytest.mark.parametrize(("broken", "detail"), [
+    ({"requests": []}, "the evidence holds no requests"),
+    ({"requests": "none"}, "the evidence holds no requests"),
+    ({"requests": [_request("sample-1", A, 1, 1), "junk"]}, "request #2 does not name"),
+    ({"requests": [_request("sample-1", A, 1, 1), {**_request("s", A, 1, 2), "prompt": 1}]}, "request #2 does not name"),
+    ({"requests": [_request("sample-1", A, 1, 1), {**_request("s", A, 1, 2), "request": None}]}, "request #2 does not name"),
+    ({"requests": [_request("sample-1", A, 1, 1), {**_request("s", A, 1, 2), "start": "1"}]}, "request #2 does not name"),
+    ({"requests": [_request("sample-1", A, 1, 1), {**_request("s", A, 1, 2), "position": 2.0}]}, "request #2 does not name"),
+])
+def test_evidence_that_does_not_name_its_requests_fails_that_check(broken: dict[str, Any], detail: str):
+    verdict = judge_service_conditions({**recovery(), **broken})
+    assert [(check.name, detail in check.detail) for check in verdict.checks] == [("service evidence", True)]
+
+
+def test_a_document_that_is_no_mapping_fails_closed():
+    assert _failed_names(["not", "a", "document"]) == ["service conditions"]
+
+
+def test_malformed_starts_are_passed_over():
+    document = recovery()
+    document["starts"] = ["junk", {"start": "2"}, *document["starts"]]
+    assert judge_service_conditions(document).passed
+
+
+def test_the_smallest_recovery_passes_and_its_kill_is_the_first_request_after_it():
+    document = recovery()
+    document["requests"] = document["requests"][:2]  # sample-1 on start 1, sample-2 first after the kill
+    assert judge_service_conditions(document).passed
+
+
+def test_a_prompt_first_served_after_a_kill_has_no_solo_run_and_later_requests_are_still_judged():
+    document = recovery()
+    document["requests"] = [_request("sample-2", A, 2, 1), _request("sample-3", A, 2, 2), _request("sample-4", A, 2, 3)]
+    verdict = judge_service_conditions(document)
+    no_solo = [check for check in verdict.checks if "no solo run" in check.detail]
+    assert [check.detail.split(": ")[2].split(" (")[0] for check in no_solo] == [
+        "request sample-2", "request sample-3", "request sample-4"]
+
+
+def test_two_prompts_interleaved_are_enough_for_aba():
+    document = {
+        "conditions": "aba",
+        "starts": [{"start": 1, "began": "run start"}, {"start": 2, "began": f"solo run of {B}"}],
+        "requests": [_request("sample-1", A, 1, 1), _request("service-2", B, 1, 2), _request("sample-2", A, 1, 3),
+                     _request("service-4", B, 2, 1)],
+    }
+    assert judge_service_conditions(document).passed
+    document["requests"][2]["prompt"] = B  # B twice after A... and A never after B
+    document["requests"][2].update(_digests(B))
+    (detail,) = failed_details(document)
+    assert detail.endswith(f"prompt(s) {A} never served right after another prompt")
+
+
+def test_every_prompt_never_served_after_another_is_named():
+    document = aba()
+    document["requests"] = [_request("sample-1", A, 1, 1), _request("sample-2", A, 1, 2),
+                            _request("service-3", B, 2, 1), _request("service-4", C, 3, 1)]
+    (detail,) = [check.detail for check in judge_service_conditions(document).checks if not check.passed]
+    assert detail == f"A/B/A: not exercised: prompt(s) {C}, {B}, {A} never served right after another prompt"

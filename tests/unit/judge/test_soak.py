@@ -72,3 +72,24 @@ def test_no_anchor_fails_closed():
     assert anchor_payload([]) is None
     assert anchor_payload([{"payload_sha256": ANCHOR}, {"payload_sha256": "b" * 64}]) is None
     assert anchor_payload([{"payload_sha256": ANCHOR}, {"payload_sha256": ANCHOR}]) == ANCHOR
+
+
+def test_a_rate_at_the_floor_holds():
+    assert judged([handoff(1, 2.0), handoff(2, 2.0), handoff(3, 2.0)]).passed
+
+
+def test_one_anchor_sample_is_an_anchor_and_a_missing_digest_is_none():
+    assert anchor_payload([{"payload_sha256": ANCHOR}]) == ANCHOR
+    assert anchor_payload([{"payload_sha256": None}, {"payload_sha256": None}]) is None
+    assert anchor_payload([{"payload_sha256": 7}]) is None
+
+
+def test_more_records_than_n_fail_the_count_even_when_n_of_them_held():
+    verdict = judged([handoff(1), handoff(2), handoff(3), {"handoff": 4, "error": "producer failed: gone"}])
+    completed = next(check for check in verdict.checks if check.name == "handoffs completed")
+    assert not completed.passed and completed.detail.startswith("3 of 3 handoffs completed")
+
+
+def test_a_record_that_is_no_mapping_fails_naming_it():
+    verdict = judged([handoff(1), "junk", handoff(3)])  # type: ignore[list-item]
+    assert "handoff 2: not a handoff record" in [check.detail for check in verdict.checks if not check.passed]
