@@ -9,6 +9,7 @@ import re
 import stat
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -199,11 +200,19 @@ WHOLE_NUMBER = re.compile(r"[0-9]+")
 """A count as an operator types it: ASCII digits only (no sign, underscores, spaces or other scripts' digits)."""
 
 
-def whole_number(text: str) -> int:
-    """A count such as ``--handoffs``: a positive whole number in ASCII digits."""
-    if not WHOLE_NUMBER.fullmatch(text) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a whole number of at least 1")
-    return int(text)
+def whole_number_from(minimum: int) -> Callable[[str], int]:
+    """A parser of whole numbers of at least ``minimum`` in ASCII digits (a port, a descriptor, a
+    count): ``int`` alone would take ``1_000``, `` 5`` and other scripts' digits."""
+    def whole(text: str) -> int:
+        if not WHOLE_NUMBER.fullmatch(text) or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a whole number of at least {minimum}")
+        return int(text)
+
+    return whole
+
+
+whole_number = whole_number_from(1)
+"""A count such as ``--handoffs``: a positive whole number in ASCII digits."""
 
 
 def rate_gbit_per_s(text: str) -> float:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from qualify.core import assets
+from qualify.core.arguments import whole_number_from
 from qualify.core.digests import strict_json_loads
 from qualify.core.errors import Refused, one_line
 from qualify.engines.connector_pair import consumer_main, producer_main, run_pair, summary_line
@@ -35,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-engine", action="store_true", help="pair: one kv_both engine produces and consumes")
     parser.add_argument("--fault", action="append", default=[], help="a fault branch (consumer only)")
     parser.add_argument("--model-dir", type=Path, default=assets.MODEL_DIR)
-    parser.add_argument("--reply-fd", type=int, help="serve-*: the pipe each reply line is written to")
+    parser.add_argument("--reply-fd", type=whole_number_from(0), help="serve-*: the pipe each reply line is written to")
     parser.add_argument("--model-view", type=Path, help="serve-*: the folder of the model's files the engine "
                         "names the model by (one path for both engines of a pair)")
-    parser.add_argument("--side-channel-port", type=int, help="serve-*: where the engine's connector listens "
+    parser.add_argument("--side-channel-port", type=whole_number_from(0), help="serve-*: where the engine's connector listens "
                         "for its peer's handshake (NIXL's side channel)")
     args = parser.parse_args(argv)
     try:

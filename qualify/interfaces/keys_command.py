@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from qualify.archive.keys import ALGORITHM, TRUST_FILE, init_key, load_signing_key, rotate_key, trust_file_of
 from qualify.archive.layout import json_bytes
-from qualify.core.arguments import OneLineParser, path_argument, say_refusal
+from qualify.core.arguments import OneLineParser, path_argument, say_refusal, whole_number
 from qualify.core.errors import Refused, one_line
 from qualify.handoff.tls import DEFAULT_VALID_DAYS, SET_FILES, issue_tls_set
 
@@ -29,7 +29,7 @@ def _parser() -> OneLineParser:
     tls.add_argument("--dir", required=True, type=path_argument, help="an empty or new directory for the set")
     tls.add_argument("--producer-host", required=True, action="append", metavar="NAME|ADDRESS",
                      help="a host name or IP address consumers dial the producer by (repeatable)")
-    tls.add_argument("--valid-days", type=int, default=DEFAULT_VALID_DAYS,
+    tls.add_argument("--valid-days", type=whole_number, default=DEFAULT_VALID_DAYS,
                      help=f"how long the certificates are valid (default {DEFAULT_VALID_DAYS})")
     return parser
 

@@ -33,11 +33,14 @@ from qualify.contract.lanes import LANES, ProducerMode, Recipe
 from qualify.core.arguments import (
     DECIMAL_NUMBER,
     OneLineParser,
+    deadline_seconds,
     path_argument,
     require_regular_file,
     require_writable_directory,
     require_writable_file,
     say_refusal,
+    whole_number,
+    whole_number_from,
 )
 from qualify.core.errors import Refused, one_line
 from qualify.engines.faults import fault_named
@@ -87,7 +90,7 @@ def _serve_parser() -> _ServeParser:
     parser.add_argument("--expect", required=True, type=Path,
                         help="JSON: expected engine version, geometry, digests, identity digest")
     parser.add_argument("--socket", type=Path, help="Unix socket path (default transport)")
-    parser.add_argument("--port", type=int, help="serve loopback TCP on this port instead (0: any)")
+    parser.add_argument("--port", type=whole_number_from(0), help="serve loopback TCP on this port instead (0: any)")
     parser.add_argument("--host", default="127.0.0.1", help="TCP address (loopback only unless "
                         "--allow-non-loopback)")
     parser.add_argument("--allow-non-loopback", action="store_true",
@@ -96,19 +99,19 @@ def _serve_parser() -> _ServeParser:
     parser.add_argument("--tls-key", type=Path, help="TLS: its private key (PEM, mode 0600)")
     parser.add_argument("--tls-client-ca", type=Path,
                         help="TLS: the CA a consumer's client certificate must chain to (mutual TLS)")
-    parser.add_argument("--watchdog-s", type=float, default=DEFAULT_WATCHDOG_S,
+    parser.add_argument("--watchdog-s", type=deadline_seconds, default=DEFAULT_WATCHDOG_S,
                         help="per-request watchdog in seconds; on expiry the producer exits 75")
-    parser.add_argument("--key-fd", type=int, help="read the hex run key from this descriptor")
+    parser.add_argument("--key-fd", type=whole_number_from(0), help="read the hex run key from this descriptor")
     parser.add_argument("--key-file", type=Path, help="read the hex run key from this file")
     parser.add_argument("--key-env", help=f"read the hex run key from this variable "
                         f"(default {KEY_ENV} when set)")
     parser.add_argument("--engine-factory", default=DEFAULT_ENGINE_FACTORY,
                         help="module:function building the engine from (lane, mode)")
-    parser.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP_TOKENS)
-    parser.add_argument("--ready-fd", type=int, help="write the ready line here (default stdout)")
+    parser.add_argument("--warmup-tokens", type=whole_number, default=DEFAULT_WARMUP_TOKENS)
+    parser.add_argument("--ready-fd", type=whole_number_from(0), help="write the ready line here (default stdout)")
     parser.add_argument("--exit-with-stdin", action="store_true",
                         help="exit when stdin reaches EOF (the parent is gone)")
-    parser.add_argument("--parent-pid", type=int,
+    parser.add_argument("--parent-pid", type=whole_number,
                         help="die with this process, the one that started the producer (Linux: the "
                              "kernel SIGKILLs the producer when it dies; refused if it is not the parent)")
     parser.add_argument("--fault", default=None,

@@ -272,6 +272,9 @@ USAGE_ERRORS = [
     ["--recipe", "native-text", "--deadline-s", "1_000"],  # float() takes these three; an operator's number is none
     ["--recipe", "native-text", "--deadline-s", " 5"],
     ["--recipe", "native-text", "--deadline-s", "\uff15"],
+    ["keys", "tls", "--valid-days", "\uff13"],
+    ["soak", "--handoffs", "1_00", "--link-floor", "1"],
+    ["soak", "--handoffs", "100", "--link-floor", "nan"],
     ["--version", "extra"],
     ["--recipe", "native-text", "--version"],
     ["--recipe", "native-text", "--rec", "x"],
@@ -290,6 +293,17 @@ def test_argparse_errors_fit_on_one_line(places: Places, capsys: pytest.CaptureF
     line = refusal_line(run(capsys, *argv))
     assert "usage:" not in line
     assert line.startswith(("qualify", "refused: qualify")), line
+    places.assert_nothing_written()
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--port", "7_443"), ("--warmup-tokens", " 8"), ("--watchdog-s", "inf"), ("--key-fd", "-1"), ("--ready-fd", "\uff11"),
+])
+def test_the_producers_numbers_are_plain_ascii_decimals(places: Places, capsys: pytest.CaptureFixture[str],
+                                                        option: str, value: str) -> None:
+    """int() and float() take these; the producer refuses them before it starts, in one line."""
+    line = refusal_line(run(capsys, "producer", "serve", "--lane", "nvfp4-native-w4a4", option, value))
+    assert f"argument {option}: found" in line, line
     places.assert_nothing_written()
 
 
