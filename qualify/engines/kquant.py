@@ -643,6 +643,8 @@ class KQuantEngine(GreedyDecoder):
     ``kquant-native`` producer, and the plain-decode baseline speculative decode must equal."""
 
     name = "kquant-numpy"
+    # Pure numpy, no thread pool or device: a forked child may run it (qualify.evidence.cold_ahead).
+    fork_safe = True
     version = ENGINE_VERSION
     logit_units = "raw"
 

@@ -654,6 +654,8 @@ class ReferenceEngine(GreedyDecoder):
     ``teacher_forced``) of the canonical KV layout, with pluggable projections."""
 
     name = "reference-numpy"
+    # Pure numpy, no thread pool or device: a forked child may run it (qualify.evidence.cold_ahead).
+    fork_safe = True
     version = ENGINE_VERSION
     logit_units = "raw"
 

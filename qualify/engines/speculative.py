@@ -71,6 +71,8 @@ class SpeculativeEngine:
     EAGLE-1 draft. ``prefill`` returns the target KV with the draft's own KV in ``draft``."""
 
     name = "kquant-eagle1-numpy"
+    # Pure numpy, no thread pool or device: a forked child may run it (qualify.evidence.cold_ahead).
+    fork_safe = True
     version = ENGINE_VERSION
     logit_units = "raw"
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult, Engine
+from qualify.evidence.cold_ahead import BranchesAhead, forks_cleanly
 from qualify.evidence.compare import BranchComparison, LogitTransform, compare_branches
 
 if TYPE_CHECKING:
@@ -44,6 +45,10 @@ class ComparerSetup:
     # Compare every handoff with the reference step's cold branch; else each handoff after the
     # first recomputes its own (the first uses the reference step's).
     reference_once: bool = False
+    # How many handoffs this comparer will compare (each with its own cold branch unless
+    # reference_once): the host comparer computes the branches after the first ahead, beside
+    # the handoffs, where the consumer forks cleanly (qualify.evidence.cold_ahead).
+    handoffs: int = 1
 
 
 @dataclass
@@ -89,6 +94,8 @@ class HostComparer:
         # own (unless reference_once), so three handoffs still meet three cold computations, and
         # the consumer's determinism is checked across them, without a fourth.
         self._cold_unused = False
+        # The later handoffs' cold branches, computed by a forked child from the reference step on.
+        self._ahead: BranchesAhead | None = None
 
     def _recompute(self) -> tuple[KVCache, DecodeResult, float]:
         setup = self.setup
@@ -98,9 +105,18 @@ class HostComparer:
         return kv, result, time.perf_counter() - started
 
     def reference(self) -> float:
+        setup = self.setup
+        later = 0 if setup.reference_once else setup.handoffs - 1
+        if later > 0 and self._ahead is None and forks_cleanly(setup.consumer):
+            self._ahead = BranchesAhead(self._recompute, later)
         self._cold = self._recompute()
         self._cold_unused = True
         return self._cold[2]
+
+    def _later_branch(self) -> tuple[KVCache, DecodeResult, float]:
+        """A later handoff's cold branch: the child's next, else recomputed here."""
+        branch = None if self._ahead is None else self._ahead.next()
+        return self._recompute() if branch is None else branch
 
     def compare(self, kv: KVCache, pending: np.ndarray, meanwhile: Callable[[], None]) -> ComparedHandoff:
         setup, consumer = self.setup, self.setup.consumer
@@ -113,7 +129,7 @@ class HostComparer:
             cold_kv, cold, _ = self._cold
             self._cold_unused = False
         else:
-            cold_kv, cold, seconds["recompute"] = self._recompute()
+            cold_kv, cold, seconds["recompute"] = self._later_branch()
         teacher_forced = None
         if not np.array_equal(result.tokens, cold.tokens):
             # Rows after a divergence compare like with like only when the handoff branch is fed
@@ -135,6 +151,9 @@ class HostComparer:
 
     def close(self) -> None:
         self._cold = None
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
 
 class DeviceEngine(Protocol):

@@ -445,7 +445,9 @@ class QualificationRun:
             output_tokens=contract.output_tokens,
             transform=transform_between(consumer.logit_units, contract.logit_units),
             maximum_absolute=maximum_absolute, maximum_mean_absolute=maximum_mean_absolute,
-            reference_once=self.options.reference_once))
+            reference_once=self.options.reference_once,
+            # A qualification's handoffs share its prompt; a calibration's cells each bring their own.
+            handoffs=contract.repetitions if contract.rule is not None else 1))
 
     def switch_prompt(self, prompt_name: str, prompt: np.ndarray, env: dict[str, str]) -> str:
         """A calibration's next cell: the same run and receipt, another prompt. Its own comparer

@@ -1,0 +1,112 @@
+"""Cold branches computed ahead, in a forked child, while the handoffs run.
+
+Every handoff is compared with a cold local recompute of its own (``HostComparer``), and that
+recompute does not depend on the handoff. Computed in line it doubles the consumer's work on the
+run's critical path while the producer's process and a second core wait; computed ahead in a
+child it runs beside the producer's prefill and the consumer's decode.
+
+The child is a fork of the consumer's process: the same engine object, its weights shared
+copy-on-write, the same arithmetic. The numpy engines' bits do not depend on the process, its
+thread count or how BLAS splits the work (:mod:`qualify.core.numerics`), so a branch from the child
+is the branch an in-line recompute gives; the tests compare them bit for bit. Only an engine that
+declares ``fork_safe`` (pure numpy: no thread pool, device or open session a fork would break) is
+forked; any other recomputes in line, as before.
+
+The child closes every descriptor it inherited but its pipe and standard streams (a producer's
+socket or pipe held open there would hide the parent's end from the producer), takes the default
+disposition of the stop signals (the run's handlers stay the parent's; an operator's Ctrl-C stops
+it), sends each branch as it is done and stops when its parent is gone. A branch the child does not
+deliver (killed, or the engine raised there) is recomputed in line, where the same code raises the
+same error, so a child never changes what a run concludes, only when it is known.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def forks_cleanly(engine: object) -> bool:
+    """Whether ``engine`` declares that a forked child may run it (else the engine it wraps, as a
+    :class:`~qualify.engines.base.LaneEngine` does), and this platform forks."""
+    declared = getattr(engine, "fork_safe", None)
+    if declared is None:
+        declared = getattr(getattr(engine, "engine", None), "fork_safe", None)
+    return declared is True and "fork" in multiprocessing.get_all_start_methods()
+
+
+def _close_inherited(keep: int) -> None:
+    """Close every descriptor above the standard streams but ``keep``."""
+    highest = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    os.closerange(3, keep)
+    os.closerange(keep + 1, highest if highest != resource.RLIM_INFINITY else 1 << 16)
+
+
+def _serve(compute: Callable[[], Any], count: int, sender: Connection, parent: int) -> None:
+    """The child: ``count`` branches, each sent as ``("branch", value)``, or one
+    ``("error", line)`` and stop."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _close_inherited(sender.fileno())
+    for _ in range(count):
+        if os.getppid() != parent:
+            return  # the run is gone: nobody will read
+        try:
+            branch = compute()
+        except BaseException as exc:  # recomputed in line by the parent, which raises it there
+            sender.send(("error", f"{type(exc).__name__}: {exc}"))
+            return
+        sender.send(("branch", branch))
+
+
+class BranchesAhead:
+    """``count`` results of ``compute()``, computed in order by a forked child from the moment
+    this is made. :meth:`next` returns the next one, or None where the child did not deliver it."""
+
+    def __init__(self, compute: Callable[[], Any], count: int) -> None:
+        context = multiprocessing.get_context("fork")
+        receiver, sender = context.Pipe(duplex=False)
+        self.child = context.Process(target=_serve, args=(compute, count, sender, os.getpid()),
+                                     name="qualify-cold-ahead", daemon=True)
+        self.child.start()  # multiprocessing flushes stdout and stderr first: nothing printed twice
+        sender.close()
+        self._receiver: Connection | None = receiver
+        self.undelivered: str | None = None  # why the child stopped delivering, once it has
+
+    def next(self) -> Any | None:
+        """The child's next branch (waiting for it), or None: the child ended or failed (its
+        reason in :attr:`undelivered`) and the caller computes the branch itself."""
+        receiver = self._receiver
+        if receiver is None:
+            return None
+        try:
+            kind, value = receiver.recv()
+        except (EOFError, OSError) as exc:
+            self.close(f"the child ended without it ({type(exc).__name__}; exit code {self._reap()})")
+            return None
+        if kind != "branch":
+            self.close(f"the child failed: {value}")
+            return None
+        return value
+
+    def _reap(self) -> int | None:
+        self.child.join(timeout=5.0)
+        return self.child.exitcode
+
+    def close(self, reason: str = "closed") -> None:
+        """Stop the child (if it still runs) and reap it; later :meth:`next` calls return None."""
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+            self.undelivered = reason
+        if self.child.is_alive():
+            self.child.kill()
+        self.child.join(timeout=5.0)
