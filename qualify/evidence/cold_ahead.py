@@ -18,17 +18,29 @@ disposition of the stop signals (the run's handlers stay the parent's; an operat
 it), sends each branch as it is done and stops when its parent is gone. A branch the child does not
 deliver (killed, or the engine raised there) is recomputed in line, where the same code raises the
 same error, so a child never changes what a run concludes, only when it is known.
+
+Two schedules use it: a qualification's comparer forks at its reference step for the cold
+branches of handoffs 2 and 3 (one prompt); a calibration plans the branch of every handoff, each
+cell with its own prompt (:class:`PlannedColdBranches`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import resource
 import signal
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
+
+import numpy as np
+
+from qualify.core.kv import KVCache
+from qualify.engines.base import DecodeResult, Engine
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -110,3 +122,57 @@ class BranchesAhead:
         if self.child.is_alive():
             self.child.kill()
         self.child.join(timeout=5.0)
+
+
+ColdBranch = tuple[KVCache, DecodeResult, float]
+"""A cold local recompute: the consumer's own KV, its greedy decode, and the seconds both took."""
+
+
+def cold_branch(consumer: Engine, prompt: np.ndarray, handoff_positions: int, output_tokens: int) -> ColdBranch:
+    """The consumer's own prefill of ``prompt[:handoff_positions]``, then the pending tokens and
+    ``output_tokens`` greedy tokens decoded from it, as every handoff of that split is."""
+    started = time.perf_counter()
+    kv = consumer.prefill(prompt[:handoff_positions])
+    result = consumer.decode(kv, prompt[handoff_positions:], output_tokens)
+    return kv, result, time.perf_counter() - started
+
+
+def branch_key(prompt: np.ndarray, handoff_positions: int, output_tokens: int) -> tuple[str, int, int]:
+    """What a cold branch is the branch of: the prompt's tokens (SHA-256 of int64), its split and
+    the decoded length."""
+    tokens = np.ascontiguousarray(prompt, dtype=np.int64)
+    return hashlib.sha256(tokens.tobytes()).hexdigest(), int(handoff_positions), int(output_tokens)
+
+
+class PlannedColdBranches:
+    """The cold branches of a run whose handoffs are known before it starts and bring prompts of
+    their own (a calibration's cells, then its anchors: one branch per handoff, in order),
+    computed by a forked child of the consumer from the moment this is made. A comparer takes the
+    next one only when it is the branch of the comparer's own prompt, split and length; any other
+    request ends the plan, and that branch and every later one are recomputed in line."""
+
+    def __init__(self, consumer: Engine, handoffs: Sequence[tuple[np.ndarray, int]], output_tokens: int) -> None:
+        planned = [(np.array(prompt, copy=True), positions) for prompt, positions in handoffs]
+        self._expected = deque(branch_key(prompt, positions, output_tokens) for prompt, positions in planned)
+        pending = iter(planned)
+
+        def compute() -> ColdBranch:
+            prompt, positions = next(pending)
+            return cold_branch(consumer, prompt, positions, output_tokens)
+
+        self.ahead = BranchesAhead(compute, len(planned))
+
+    def take(self, prompt: np.ndarray, handoff_positions: int, output_tokens: int) -> ColdBranch | None:
+        """The next planned branch if it is this one's, else None (and the plan ends)."""
+        if not self._expected:
+            return None
+        if self._expected.popleft() != branch_key(prompt, handoff_positions, output_tokens):
+            self.close("a branch out of the plan's order was asked for")
+            return None
+        branch: ColdBranch | None = self.ahead.next()
+        return branch
+
+    def close(self, reason: str = "closed") -> None:
+        """Stop the child; every later branch is recomputed in line."""
+        self._expected.clear()
+        self.ahead.close(reason)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from qualify.core.kv import KVCache
-from qualify.engines.base import DecodeResult, Engine
-from qualify.evidence.cold_ahead import BranchesAhead, forks_cleanly
+from qualify.engines.base import Engine
+from qualify.evidence.cold_ahead import BranchesAhead, ColdBranch, PlannedColdBranches, cold_branch, forks_cleanly
 from qualify.evidence.compare import BranchComparison, LogitTransform, compare_branches
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ class ComparerSetup:
     # reference_once): the host comparer computes the branches after the first ahead, beside
     # the handoffs, where the consumer forks cleanly (qualify.evidence.cold_ahead).
     handoffs: int = 1
+    # A calibration's plan: every handoff's cold branch, computed ahead by a child of the run.
+    planned: PlannedColdBranches | None = None
 
 
 @dataclass
@@ -89,7 +91,7 @@ class HostComparer:
 
     def __init__(self, setup: ComparerSetup) -> None:
         self.setup = setup
-        self._cold: tuple[KVCache, DecodeResult, float] | None = None
+        self._cold: ColdBranch | None = None
         # The reference step's cold branch serves the first handoff; each later one recomputes its
         # own (unless reference_once), so three handoffs still meet three cold computations, and
         # the consumer's determinism is checked across them, without a fourth.
@@ -97,25 +99,27 @@ class HostComparer:
         # The later handoffs' cold branches, computed by a forked child from the reference step on.
         self._ahead: BranchesAhead | None = None
 
-    def _recompute(self) -> tuple[KVCache, DecodeResult, float]:
+    def _recompute(self) -> ColdBranch:
         setup = self.setup
-        started = time.perf_counter()
-        kv = setup.consumer.prefill(setup.prompt[:setup.handoff_positions])
-        result = setup.consumer.decode(kv, setup.prompt[setup.handoff_positions:], setup.output_tokens)
-        return kv, result, time.perf_counter() - started
+        return cold_branch(setup.consumer, setup.prompt, setup.handoff_positions, setup.output_tokens)
 
     def reference(self) -> float:
         setup = self.setup
         later = 0 if setup.reference_once else setup.handoffs - 1
         if later > 0 and self._ahead is None and forks_cleanly(setup.consumer):
             self._ahead = BranchesAhead(self._recompute, later)
-        self._cold = self._recompute()
+            self._cold = self._recompute()  # this one here, the later ones in the child meanwhile
+        else:
+            self._cold = self._next_branch()
         self._cold_unused = True
         return self._cold[2]
 
-    def _later_branch(self) -> tuple[KVCache, DecodeResult, float]:
-        """A later handoff's cold branch: the child's next, else recomputed here."""
+    def _next_branch(self) -> ColdBranch:
+        """The next cold branch: this comparer's child's, else the run's plan's, else recomputed here."""
+        setup = self.setup
         branch = None if self._ahead is None else self._ahead.next()
+        if branch is None and setup.planned is not None:
+            branch = setup.planned.take(setup.prompt, setup.handoff_positions, setup.output_tokens)
         return self._recompute() if branch is None else branch
 
     def compare(self, kv: KVCache, pending: np.ndarray, meanwhile: Callable[[], None]) -> ComparedHandoff:
@@ -129,7 +133,7 @@ class HostComparer:
             cold_kv, cold, _ = self._cold
             self._cold_unused = False
         else:
-            cold_kv, cold, seconds["recompute"] = self._later_branch()
+            cold_kv, cold, seconds["recompute"] = self._next_branch()
         teacher_forced = None
         if not np.array_equal(result.tokens, cold.tokens):
             # Rows after a divergence compare like with like only when the handoff branch is fed
@@ -152,8 +156,7 @@ class HostComparer:
     def close(self) -> None:
         self._cold = None
         if self._ahead is not None:
-            self._ahead.close()
-            self._ahead = None
+            self._ahead.close()  # idempotent: the child stopped and reaped
 
 
 class DeviceEngine(Protocol):

@@ -171,6 +171,8 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
                                     calibration_set={"name": chosen_set.name, "sha256": set_digest},
                                     controls=controls_ref, output_tokens=chosen_set.output_tokens)
     run = run_factory(options, contract, log=log, transport=transport, comparer=comparer, consumer=consumer)
+    if not options.reference_once:  # one cold branch per handoff, each computed ahead of it
+        run.planned_handoffs = [(handoff.prompt, len(handoff.prompt) - 1) for handoff in handoffs]
     echo = log or (lambda line: None)
     entries: list[dict[str, Any]] = []
     controls_record: dict[str, Any] | None = None

@@ -29,6 +29,7 @@ from qualify.core.internal_error import InternalError, described, internal_error
 from qualify.core.kv import KVGeometry, first_non_finite
 from qualify.engines import faults
 from qualify.engines.base import LaneEngine
+from qualify.evidence.cold_ahead import PlannedColdBranches, forks_cleanly
 from qualify.evidence.compare import transform_between
 from qualify.evidence.comparers import Comparer, ComparerFactory, ComparerSetup, HostComparer
 from qualify.evidence.records import SampleRecord, failed_sample_record, record_json
@@ -193,6 +194,12 @@ class QualificationRun:
         self.draft_counts: dict[int, tuple[int, int] | None] = {}
         # The starts and requests of a run under --service-conditions (None: none asked for).
         self.service: ServiceLog | None = None
+        # Every handoff the run will make, as (prompt, handed-off positions), when its driver knows
+        # them before the first step and they bring prompts of their own (a calibration): their
+        # cold branches are then computed ahead, from the identity step on, where the consumer
+        # forks cleanly (qualify.evidence.cold_ahead.PlannedColdBranches).
+        self.planned_handoffs: list[tuple[np.ndarray, int]] | None = None
+        self.planned: PlannedColdBranches | None = None
 
     def _add_seconds(self, activity: str, started: float) -> None:
         self.seconds[activity] = self.seconds.get(activity, 0.0) + time.perf_counter() - started
@@ -280,6 +287,8 @@ class QualificationRun:
             if self.comparer is not None:
                 self.comparer.close()
                 self.comparer = None
+            if self.planned is not None:
+                self.planned.close()
             if self.producer is not None:
                 self.producer.close()
                 self.producer = None
@@ -395,6 +404,8 @@ class QualificationRun:
                           f"{len(HANDOFF_STEPS)} ordered handoffs")
         # Both sides are compared in the contract's units; an engine emitting other units is
         # refused here (a soft cap cannot be undone).
+        if self.planned_handoffs and self.planned is None and forks_cleanly(self.consumer):
+            self.planned = PlannedColdBranches(self.consumer, self.planned_handoffs, contract.output_tokens)
         self.comparer = self._new_comparer()
         self.receipt = ReceiptWriter(
             archive_dir(options.receipts),
@@ -447,7 +458,8 @@ class QualificationRun:
             maximum_absolute=maximum_absolute, maximum_mean_absolute=maximum_mean_absolute,
             reference_once=self.options.reference_once,
             # A qualification's handoffs share its prompt; a calibration's cells each bring their own.
-            handoffs=contract.repetitions if contract.rule is not None else 1))
+            handoffs=contract.repetitions if contract.rule is not None else 1,
+            planned=self.planned))
 
     def switch_prompt(self, prompt_name: str, prompt: np.ndarray, env: dict[str, str]) -> str:
         """A calibration's next cell: the same run and receipt, another prompt. Its own comparer

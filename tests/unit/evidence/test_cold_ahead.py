@@ -5,10 +5,12 @@ none of the run's descriptors, stops on an interrupt of its own and is always re
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import select
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +21,13 @@ from qualify.core import assets
 from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult
 from qualify.engines.factory import build_consumer
-from qualify.evidence.cold_ahead import BranchesAhead, forks_cleanly
+from qualify.evidence.cold_ahead import BranchesAhead, PlannedColdBranches, cold_branch, forks_cleanly
 from qualify.evidence.compare import parse_logit_transform
 from qualify.evidence.comparers import ComparerSetup, HostComparer
+
+# Every fork this process makes (one registration for the whole session: it cannot be undone).
+FORKS: list[int] = []
+os.register_at_fork(after_in_parent=lambda: FORKS.append(1))
 
 
 def _slow() -> None:
@@ -149,20 +155,99 @@ def _three_handoffs(setup: ComparerSetup) -> list:
         comparer.close()
 
 
-def test_later_cold_branches_come_from_the_child_and_equal_in_line_ones(tmp_path: Path) -> None:
+def _setup(notes: Path, **chosen) -> ComparerSetup:
     prompt = assets.load_prompt(assets.MAIN_PROMPT)[:48]
-    consumer = PrefillPids(build_consumer(lane_spec(DEFAULT_NATIVE_TEXT_LANE)), tmp_path / "pids")
-    setup = ComparerSetup(consumer=consumer, prompt=prompt, handoff_positions=40, output_tokens=6,  # type: ignore[arg-type]
-                          transform=parse_logit_transform("raw"), maximum_absolute=1.0, maximum_mean_absolute=0.1,
-                          handoffs=3)
+    consumer = PrefillPids(build_consumer(lane_spec(DEFAULT_NATIVE_TEXT_LANE)), notes)
+    return ComparerSetup(consumer=consumer, prompt=prompt, handoff_positions=40, output_tokens=6,  # type: ignore[arg-type]
+                         transform=parse_logit_transform("raw"), maximum_absolute=1.0, maximum_mean_absolute=0.1,
+                         **chosen)
+
+
+@pytest.mark.parametrize("handoffs", [2, 3])
+def test_later_cold_branches_come_from_the_child_and_equal_in_line_ones(tmp_path: Path, handoffs: int) -> None:
+    setup = _setup(tmp_path / "pids", handoffs=handoffs)
+    forks = len(FORKS)
     ahead = _three_handoffs(setup)
+    assert len(FORKS) == forks + 1 and not multiprocessing.active_children()  # one child, reaped at close
     pids = (tmp_path / "pids").read_text().split()
-    # In this process: the reference's cold branch and the handoff KV; in one child: two branches.
-    assert pids.count(str(os.getpid())) == 2 and len(pids) == 4 and len(set(pids)) == 2
+    # Here: the reference's cold branch and the handoff KV; in the child: the later handoffs'
+    # branches (a third handoff past the comparer's count is recomputed here).
+    assert len(pids) == 4 and len(set(pids)) == 2
+    assert pids.count(str(os.getpid())) == 2 + (3 - handoffs)
     (tmp_path / "pids").unlink()
-    in_line = _three_handoffs(ComparerSetup(**{**setup.__dict__, "handoffs": 1}))
+    in_line = _three_handoffs(replace(setup, handoffs=1))
     assert (tmp_path / "pids").read_text().split() == [str(os.getpid())] * 4
     for child, own in zip(ahead, in_line, strict=True):
         assert child.result().cold_digests == own.result().cold_digests
         assert child.result().handoff_digests == own.result().handoff_digests
     assert all("recompute" in compared.seconds for compared in ahead[1:] + in_line[1:])
+
+
+@pytest.mark.parametrize("chosen", [{}, {"handoffs": 1}, {"handoffs": 3, "reference_once": True}])
+def test_one_cold_branch_or_one_handoff_forks_nothing(tmp_path: Path, chosen: dict) -> None:
+    forks = len(FORKS)
+    compared = _three_handoffs(_setup(tmp_path / "pids", **chosen))
+    assert len(FORKS) == forks
+    assert ("recompute" in compared[1].seconds) is not chosen.get("reference_once", False)
+
+
+def _cells(tmp_path: Path) -> tuple[PrefillPids, list[tuple[np.ndarray, int]]]:
+    fixture = assets.load_prompt(assets.MAIN_PROMPT)
+    consumer = PrefillPids(build_consumer(lane_spec(DEFAULT_NATIVE_TEXT_LANE)), tmp_path / "pids")
+    # Two cells of their own prompts, then the same anchor twice (as a calibration plans them).
+    return consumer, [(fixture[:40], 39), (fixture[8:52], 43), (fixture[:48], 47), (fixture[:48], 47)]
+
+
+def test_a_planned_branch_per_handoff_comes_from_the_child_in_order(tmp_path: Path) -> None:
+    consumer, cells = _cells(tmp_path)
+    plan = PlannedColdBranches(consumer, cells, output_tokens=5)  # type: ignore[arg-type]
+    try:
+        taken = [plan.take(prompt, positions, 5) for prompt, positions in cells]
+        assert plan.take(*cells[0], 5) is None  # the plan is spent
+    finally:
+        plan.close()
+    pids = (tmp_path / "pids").read_text().split()
+    assert len(pids) == 4 and str(os.getpid()) not in pids and not plan.ahead.child.is_alive()
+    for branch, (prompt, positions) in zip(taken, cells, strict=True):
+        assert branch is not None
+        kv, result, seconds = branch
+        own_kv, own, _ = cold_branch(consumer.engine, prompt, positions, 5)
+        assert np.array_equal(result.tokens, own.tokens) and np.array_equal(result.logits, own.logits)
+        assert all(np.array_equal(a, b) for a, b in zip(kv.keys + kv.values, own_kv.keys + own_kv.values, strict=True))
+        assert seconds > 0
+
+
+@pytest.mark.parametrize("asked", ["another prompt", "another split", "another length"])
+def test_a_branch_out_of_the_plans_order_ends_the_plan(tmp_path: Path, asked: str) -> None:
+    consumer, cells = _cells(tmp_path)
+    plan = PlannedColdBranches(consumer, cells, output_tokens=5)  # type: ignore[arg-type]
+    prompt, positions = cells[0]
+    try:
+        wrong = {"another prompt": (cells[1][0], positions, 5), "another split": (prompt, positions - 1, 5),
+                 "another length": (prompt, positions, 6)}[asked]
+        assert plan.take(*wrong) is None
+        assert plan.take(prompt, positions, 5) is None and plan.take(*cells[1], 5) is None
+        assert plan.ahead.undelivered == "a branch out of the plan's order was asked for"
+        assert not plan.ahead.child.is_alive()
+    finally:
+        plan.close()
+
+
+def test_a_comparer_takes_its_branches_from_the_plan(tmp_path: Path) -> None:
+    consumer, cells = _cells(tmp_path)
+    plan = PlannedColdBranches(consumer, cells, output_tokens=5)  # type: ignore[arg-type]
+    results = []
+    try:
+        for prompt, positions in cells[:2]:
+            setup = ComparerSetup(consumer=consumer, prompt=prompt, handoff_positions=positions,  # type: ignore[arg-type]
+                                  output_tokens=5, transform=parse_logit_transform("raw"), maximum_absolute=1.0,
+                                  maximum_mean_absolute=0.1, planned=plan)
+            comparer = HostComparer(setup)
+            comparer.reference()
+            kv = consumer.engine.prefill(prompt[:positions])
+            results.append(comparer.compare(kv, prompt[positions:], meanwhile=lambda: None).result())
+            comparer.close()
+    finally:
+        plan.close()
+    assert str(os.getpid()) not in (tmp_path / "pids").read_text().split()  # every cold branch from the child
+    assert all(result.cold_digests == result.handoff_digests for result in results)
