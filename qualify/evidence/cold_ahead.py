@@ -72,11 +72,15 @@ def _serve(compute: Callable[[], Any], count: int, sender: Connection, parent: i
         if os.getppid() != parent:
             return  # the run is gone: nobody will read
         try:
-            branch = compute()
+            message: tuple[str, Any] = ("branch", compute())
         except BaseException as exc:  # recomputed in line by the parent, which raises it there
-            sender.send(("error", f"{type(exc).__name__}: {exc}"))
+            message = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            sender.send(message)
+        except Exception:  # the parent closed its end or is gone (or the branch would not pickle, and
+            return  # the parent recomputes it): stop without a word on the operator's terminal
+        if message[0] == "error":
             return
-        sender.send(("branch", branch))
 
 
 class BranchesAhead:
