@@ -33,11 +33,20 @@ from qualify.archive.verify import ReceiptCheck, authenticate_receipt
 STEP_LIMIT_S = 900.0
 
 
-def _children(pid: int) -> list[int]:
+def _producers(pid: int) -> list[int]:
+    """The run's child processes that lead a session of their own: its producer (started in a new
+    session), not the consumer's forked child that computes cold branches ahead."""
     found: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         found.extend(int(child) for child in (task / "children").read_text().split())
-    return found
+    return [child for child in found if _session_of(child) == child]
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _command_log(archive: Path) -> str:
@@ -74,7 +83,7 @@ def drill(archive: Path, recipe: str, recover_s: float, stop_at: int, extra: lis
     run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: "step reference computed: ok" in _command_log(archive), "the cold recompute")
-        producers = _children(run.pid)
+        producers = _producers(run.pid)
         if len(producers) != 1:
             raise SystemExit(f"stall_drill: expected one producer process, found {producers}")
         producer = producers[0]
