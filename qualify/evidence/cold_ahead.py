@@ -15,7 +15,8 @@ forked; any other recomputes in line, as before.
 The child closes every descriptor it inherited but its pipe and standard streams (a producer's
 socket or pipe held open there would hide the parent's end from the producer), takes the default
 disposition of the stop signals (the run's handlers stay the parent's; an operator's Ctrl-C stops
-it), sends each branch as it is done and stops when its parent is gone. A branch the child does not
+it), sends each branch as it is done and stops when its parent is gone. The parent gives up on
+a child whose CPU time stands still for 30 s (a fork can inherit a lock another thread held). A branch the child does not
 deliver (killed, or the engine raised there) is recomputed in line, where the same code raises the
 same error, so a child never changes what a run concludes, only when it is known.
 
@@ -35,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,22 @@ from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult, Engine
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# A child whose CPU time stands still this long is stuck (a cold branch is CPU work throughout).
+STALLED_AFTER_S = 30.0
+POLL_S = 0.5
+
+
+def cpu_ticks(pid: int | None) -> int | None:
+    """User plus system clock ticks ``pid`` has run (Linux ``/proc``), or None once it is gone
+    or a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except (OSError, ValueError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[11]) + int(fields[12])  # utime, stime
 
 
 def forks_cleanly(engine: object) -> bool:
@@ -87,7 +105,8 @@ class BranchesAhead:
     """``count`` results of ``compute()``, computed in order by a forked child from the moment
     this is made. :meth:`next` returns the next one, or None where the child did not deliver it."""
 
-    def __init__(self, compute: Callable[[], Any], count: int) -> None:
+    def __init__(self, compute: Callable[[], Any], count: int, *, stalled_after_s: float = STALLED_AFTER_S) -> None:
+        self.stalled_after_s = stalled_after_s
         context = multiprocessing.get_context("fork")
         receiver, sender = context.Pipe(duplex=False)
         self.child = context.Process(target=_serve, args=(compute, count, sender, os.getpid()),
@@ -104,6 +123,9 @@ class BranchesAhead:
         if receiver is None:
             return None
         try:
+            if not self._wait_while_it_works(receiver):
+                self.close(f"the child used no CPU time for {self.stalled_after_s:g} s (stuck)")
+                return None
             kind, value = receiver.recv()
         except (EOFError, OSError) as exc:
             self.close(f"the child ended without it ({type(exc).__name__}; exit code {self._reap()})")
@@ -112,6 +134,22 @@ class BranchesAhead:
             self.close(f"the child failed: {value}")
             return None
         return value
+
+    def _wait_while_it_works(self, receiver: Connection) -> bool:
+        """Wait until the child has sent something (or ended); False if meanwhile its CPU time
+        stood still for ``stalled_after_s``. A fork of a process with threads can inherit a lock
+        another thread held, and a child stuck on it must not hang the run: its branch is then
+        computed in line."""
+        last_ticks, still_since = cpu_ticks(self.child.pid), time.monotonic()
+        while not receiver.poll(POLL_S):
+            ticks = cpu_ticks(self.child.pid)
+            if ticks is None or ticks != last_ticks:  # ended (recv sees EOF) or working
+                last_ticks, still_since = ticks, time.monotonic()
+                if ticks is None:
+                    return True
+            elif time.monotonic() - still_since >= self.stalled_after_s:
+                return False
+        return True
 
     def _reap(self) -> int | None:
         self.child.join(timeout=5.0)

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import select
 import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -251,3 +252,30 @@ def test_a_comparer_takes_its_branches_from_the_plan(tmp_path: Path) -> None:
         plan.close()
     assert str(os.getpid()) not in (tmp_path / "pids").read_text().split()  # every cold branch from the child
     assert all(result.cold_digests == result.handoff_digests for result in results)
+
+
+def _busy(seconds: float) -> str:
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends:
+        pass
+    return "worked"
+
+
+def test_a_child_that_stops_working_is_given_up_and_its_branch_left_to_the_caller() -> None:
+    # Blocked on a lock it will never get (as a fork can inherit one another thread held): no CPU.
+    ahead = BranchesAhead(threading.Event().wait, 1, stalled_after_s=1.0)
+    try:
+        began = time.monotonic()
+        assert ahead.next() is None
+        assert time.monotonic() - began < 10 and not ahead.child.is_alive()
+        assert ahead.undelivered == "the child used no CPU time for 1 s (stuck)"
+    finally:
+        ahead.close()
+
+
+def test_a_child_working_longer_than_the_stall_bound_is_waited_for() -> None:
+    ahead = BranchesAhead(lambda: _busy(3.0), 1, stalled_after_s=1.0)
+    try:
+        assert ahead.next() == "worked"
+    finally:
+        ahead.close()
