@@ -80,6 +80,7 @@ from qualify.contract.identity import (
     LINK_FLOOR_SCHEMA_ID,
     RELPATH,
     SOURCE_PINNED_IDENTITY_SCHEMA_IDS,
+    TEACHER_FORCED_SCHEMA_ID,
     Identity,
     identity_schema_text,
     identity_sha256,
@@ -93,7 +94,14 @@ from qualify.contract.lanes import (
     lane_spec,
     target_cache_identity,
 )
-from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
+from qualify.contract.rules import (
+    BOUND_RULE,
+    BOUND_RULE_STATEMENT,
+    FLOOR_RULE,
+    FLOOR_RULE_STATEMENT,
+    TEACHER_FORCED_BOUND_RULE,
+    TEACHER_FORCED_BOUND_RULE_STATEMENT,
+)
 from qualify.contract.units import parse_logit_units
 from qualify.core import model_choice
 from qualify.core.assets import CONTRACTS_DIR, MAIN_PROMPT, MODEL_DIR, load_prompt, prompt_sha256
@@ -492,14 +500,23 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
     bounded = spec.recipe.full_logits_mode == "bounded-drift"
     if not bounded and (args.maximum_absolute is not None or args.maximum_mean_absolute is not None):
         raise Refused(f"lane {spec.name}: recipe {spec.recipe.value} is exact; drop the bounds")
-    if bounded:
+    teacher_forced = derived.teacher_forced
+    if teacher_forced is not None:
+        # The lane parts from the cold recompute: judged teacher-forced (v7), four numbers sealed.
+        full_logits = {"mode": "teacher-forced"}
+        for name in ("maximum_absolute", "maximum_mean_absolute"):
+            full_logits[name] = follows(f"--{name.replace('_', '-')}", getattr(args, name),
+                                        getattr(teacher_forced, name), TEACHER_FORCED_BOUND_RULE)
+        full_logits["near_tie_margin"] = teacher_forced.near_tie_margin
+        full_logits["maximum_changed_row_share"] = teacher_forced.maximum_changed_row_share
+    elif bounded:
         full_logits["maximum_absolute"] = follows("--maximum-absolute", args.maximum_absolute,
                                                   derived.maximum_absolute, BOUND_RULE)
         full_logits["maximum_mean_absolute"] = follows("--maximum-mean-absolute", args.maximum_mean_absolute,
                                                        derived.maximum_mean_absolute, BOUND_RULE)
 
     return {
-        "schema": IDENTITY_SCHEMA_ID,
+        "schema": IDENTITY_SCHEMA_ID if teacher_forced is None else TEACHER_FORCED_SCHEMA_ID,
         "lane": spec.name,
         "lane_kind": spec.kind.value,
         "recipe": spec.recipe.value,
@@ -512,7 +529,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens": args.output_tokens,
             "repetitions": args.repetitions,
             "prompt_sha256": prompt_digest,
-            "require_exact_tokens": True,
+            "require_exact_tokens": teacher_forced is None,
             "require_deterministic_remote_output": True,
             "full_logits": full_logits,
             "basis": args.basis,
@@ -531,6 +548,7 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_draft": draft,
         "calibration": derived.calibration,
         "controls": derived.controls,
+        **({} if teacher_forced is None else {"link_floor": None}),
     }
 
 
@@ -542,6 +560,7 @@ class Derived(NamedTuple):
     acceptance_floor: float | None
     calibration: dict[str, Any]
     controls: dict[str, str] | None
+    teacher_forced: Any = None  # TeacherForcedBounds when the lane parts from the cold recompute
 
 
 def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derived:
@@ -549,7 +568,15 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
     calibration/controls blocks naming what it measured; refuses a basis that is not a calibration
     of this lane under the committed calibration set, or that does not judge."""
     from qualify.contract.controls import load_calibration_set, load_controls_criteria
-    from qualify.judge.calibration import anchor_draft_counts, calibration_cells, derive_acceptance_floor, derive_bounds
+    from qualify.judge.calibration import (
+        anchor_draft_counts,
+        anchor_records,
+        calibration_cells,
+        derive_acceptance_floor,
+        derive_bounds,
+        derive_teacher_forced_bounds,
+        keeps_tokens,
+    )
     from qualify.run.run_contract import receipt_evidence, receipt_sample_records
 
     run_id = basis_uri.removeprefix("receipt://").partition("/")[0]
@@ -567,6 +594,12 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
     bounds = derive_bounds(cells)
     if problems or bounds is None:
         raise Refused(f"--basis {basis_uri}: its cells do not give a bound: {'; '.join(problems) or 'fewer than 2 cells'}")
+    teacher_forced = None
+    if spec.recipe.rung == 2 and not keeps_tokens(anchor_records(evidence, records)):
+        teacher_forced = derive_teacher_forced_bounds(cells)
+        if teacher_forced is None:
+            raise Refused(f"--basis {basis_uri}: the lane parts from the cold recompute and its cells do not record "
+                          f"teacher-forced rows; re-calibrate")
     counts = anchor_draft_counts(evidence)
     floor = derive_acceptance_floor(*counts) if spec.speculative_draft and counts is not None else None
     if spec.speculative_draft and floor is None:
@@ -581,10 +614,13 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
         maximum_mean_absolute=bounds.maximum_mean_absolute if spec.recipe.full_logits_mode == "bounded-drift" else None,
         acceptance_floor=floor,
         calibration={"set": stated_set,
-                     "bound_rule": {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT},
+                     "bound_rule": ({"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT} if teacher_forced is None
+                                    else {"name": TEACHER_FORCED_BOUND_RULE,
+                                          "statement": TEACHER_FORCED_BOUND_RULE_STATEMENT}),
                      "floor_rule": ({"name": FLOOR_RULE, "statement": FLOOR_RULE_STATEMENT}
                                     if spec.speculative_draft else None)},
         controls=controls,
+        teacher_forced=teacher_forced,
     )
 
 
@@ -631,7 +667,8 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     rope = identity.rope
     max_positions = identity.context_policy.max_positions
 
-    document["schema"] = LINK_FLOOR_SCHEMA_ID if "link_floor" in document else IDENTITY_SCHEMA_ID
+    if not identity.teacher_forced:
+        document["schema"] = LINK_FLOOR_SCHEMA_ID if "link_floor" in document else IDENTITY_SCHEMA_ID
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
     document["producer_engine"], document["consumer_engine"] = refrozen_engines(identity)
     for role, evidence in (("producer", args.producer_kat_evidence), ("consumer", args.consumer_kat_evidence)):
@@ -824,7 +861,8 @@ def declare_link_floor(document: dict[str, Any], gbit_per_s: float | None) -> di
     """The document with a link-rate floor declared (schema v4), or as it was when none is given."""
     if gbit_per_s is None:
         return document
-    return {**document, "schema": LINK_FLOOR_SCHEMA_ID, "link_floor": {"gbit_per_s_minimum": gbit_per_s}}
+    schema = TEACHER_FORCED_SCHEMA_ID if document.get("schema") == TEACHER_FORCED_SCHEMA_ID else LINK_FLOOR_SCHEMA_ID
+    return {**document, "schema": schema, "link_floor": {"gbit_per_s_minimum": gbit_per_s}}
 
 
 def _freeze(args: argparse.Namespace) -> None:

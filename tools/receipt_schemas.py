@@ -92,6 +92,24 @@ def _not_null(names: Sequence[str]) -> dict[str, Any]:
     return {"properties": {name: {"not": {"type": "null"}} for name in names}}
 
 
+ADDED_BY_TEACHER_FORCED_RULE: dict[str, tuple[str, ...]] = {
+    "SampleRecord": ("max_row_mean_abs",),
+    "TeacherForcedSummary": ("max_row_mean_abs", "partings"),
+    "BoundedDriftRule": ("near_tie_margin", "maximum_changed_row_share"),
+    "ScopeRecord": ("judged_by",),
+}
+"""Fields the teacher-forced rule added to forms that receipts written before it lack: written
+by every writer since (null when not measured), optional to a schema so an older receipt still fits."""
+
+
+def _optional_where_added(definitions: dict[str, Any]) -> None:
+    """Take :data:`ADDED_BY_TEACHER_FORCED_RULE`'s fields out of ``required`` where they appear."""
+    for name, fields in ADDED_BY_TEACHER_FORCED_RULE.items():
+        definition = definitions.get(name)
+        if definition is not None:
+            definition["required"] = [field for field in definition["required"] if field not in fields]
+
+
 def sample_record_schema() -> dict[str, Any]:
     """``samples/sample-<n>.json``: :class:`SampleRecord`'s JSON form (:func:`record_json`)."""
     generated = SampleRecord.model_json_schema(by_alias=True, mode="serialization", schema_generator=_EvidenceSchema)
@@ -102,6 +120,7 @@ def sample_record_schema() -> dict[str, Any]:
     # The model's own rule: a sample without an error holds every required measurement.
     generated["if"] = {"properties": {"error": {"type": "null"}}}
     generated["then"] = _not_null(REQUIRED_SAMPLE_FIELDS)
+    _optional_where_added({"SampleRecord": generated, **generated["$defs"]})
     head = _head(SAMPLE_SCHEMA, "Sample record (samples/sample-<n>.json)",
                  f"{description} Every field is present (null when not measured); a non-finite measurement is "
                  f"the string NaN, Infinity or -Infinity. Generated from qualify.evidence.records.SampleRecord by "
@@ -124,7 +143,8 @@ def summary_schema(schema_id: str) -> dict[str, Any]:
     as the judging rule it holds (v1 has no ``status``; v3 adds the verdict's ``scope``)."""
     generated = ValidationSummary.model_json_schema(by_alias=True, mode="serialization",
                                                     schema_generator=_FileFormSchema)
-    rule = TypeAdapter(QualificationRule).json_schema(mode="serialization", schema_generator=_FileFormSchema)
+    # Validation mode: the rule's serializer drops its unused clauses, which serialization mode cannot describe.
+    rule = TypeAdapter(QualificationRule).json_schema(mode="validation", schema_generator=_FileFormSchema)
     generated["$defs"].update(rule.pop("$defs"))
     generated.pop("title")
     description = generated.pop("description").replace("``", "")
@@ -132,6 +152,10 @@ def summary_schema(schema_id: str) -> dict[str, Any]:
     properties["schema"] = {"const": schema_id}
     properties["run_id"] = {"type": "string", "pattern": RUN_ID.pattern, "description": "the receipt directory's name"}
     properties["rule"] = {"oneOf": [{"type": "null"}, rule]}
+    if schema_id != SCOPED_SUMMARY_SCHEMA:  # written before the teacher-forced rule existed: the rule as it then was
+        for name in ADDED_BY_TEACHER_FORCED_RULE["BoundedDriftRule"]:
+            del generated["$defs"]["BoundedDriftRule"]["properties"][name]
+            generated["$defs"]["BoundedDriftRule"]["required"].remove(name)
     properties["started_utc"] = properties["finished_utc"] = {"type": "string", "pattern": TIMESTAMP}
     if schema_id in (SUMMARY_SCHEMA, SCOPED_SUMMARY_SCHEMA):
         properties["status"] = {"enum": ["passed", "failed", "refused", "incomplete"]}
@@ -162,6 +186,7 @@ def summary_schema(schema_id: str) -> dict[str, Any]:
         for name in ("lane", "identity_sha256"):  # v1 summaries always name both
             properties[name] = next(branch for branch in properties[name]["anyOf"] if branch != {"type": "null"})
         note = " Legacy: written before status existed; passed and error say how the run ended."
+    _optional_where_added(generated["$defs"])
     head = _head(schema_id, f"Validation summary {schema_id.rsplit('.', 1)[1]} (validation-summary.json)",
                  f"{description}{note} Generated from qualify.evidence.records.ValidationSummary by "
                  f"tools/receipt_schemas.py.")

@@ -119,6 +119,15 @@ class ScopeControls(_ScopeForm):
         return self
 
 
+class ScopeJudgedBy(_ScopeForm):
+    """The rule that judged the handoffs when it is not the exact-token one, and the partings it
+    allowed as near-ties out of all it saw (null when a sample's rows could not be read)."""
+
+    rule: _Name
+    near_tie_partings: Annotated[int, Field(ge=0)] | None
+    partings: Annotated[int, Field(ge=0)] | None
+
+
 class ScopeRecord(_ScopeForm):
     """What a verdict covers, as a summary holds it (:func:`qualify.judge.scope.scope_document`):
     the scope line, its fixture and controls halves word for word, and the facts they state."""
@@ -128,6 +137,7 @@ class ScopeRecord(_ScopeForm):
     controls_words: _Line
     fixture: ScopeFixture
     controls: ScopeControls | None
+    judged_by: ScopeJudgedBy | None = None
 
 
 def scope_record(verdict: Verdict) -> ScopeRecord | None:

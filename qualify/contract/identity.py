@@ -58,7 +58,7 @@ from qualify.contract.lanes import (
     check_speculative_draft,
     target_cache_identity,
 )
-from qualify.contract.rules import BOUND_RULE, FLOOR_RULE, STATED_RULES
+from qualify.contract.rules import BOUND_RULE, FLOOR_RULE, STATED_RULES, TEACHER_FORCED_BOUND_RULE
 from qualify.contract.units import LogitUnits
 from qualify.core.assets import CONTRACTS_DIR, RECEIPTS_DIR, require_asset
 from qualify.core.digests import canonical_json_bytes, document_sha256, sha256_bytes
@@ -66,7 +66,8 @@ from qualify.core.errors import Refused, one_line
 from qualify.core.model_choice import pinned_model_name
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
 
-IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v5", "trust-ladder.onboarding-identity.v6"]
+IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v5", "trust-ladder.onboarding-identity.v6",
+                           "trust-ladder.onboarding-identity.v7"]
 IDENTITY_SCHEMA_IDS: tuple[str, ...] = get_args(IdentitySchemaId)
 """Every ``schema`` string an onboarding identity document may declare to load."""
 IDENTITY_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[0]
@@ -74,6 +75,9 @@ IDENTITY_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[0]
 engine's arithmetic by ABI and known-answer digest, no engine source or numpy/BLAS version pin)."""
 LINK_FLOOR_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[1]
 """The ``schema`` string of an identity that declares a link-rate floor (v6: v5 plus ``link_floor``)."""
+TEACHER_FORCED_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[2]
+"""The ``schema`` string of a teacher-forced identity (v7: a rung-2 lane whose tokens may part at
+near-ties, judged by ``full_logits`` mode ``teacher-forced``; ``link_floor`` may be null or a floor)."""
 RETIRED_IDENTITY_SCHEMA_IDS: tuple[str, ...] = ("trust-ladder.onboarding-identity.v1",
                                                 "trust-ladder.onboarding-identity.v2")
 """Versions that no longer load: their bounds were sealed from the fixture itself, with no
@@ -287,13 +291,27 @@ class BoundedDriftLogits(_Frozen):
     maximum_mean_absolute: PositiveFloat
 
 
+class TeacherForcedLogits(_Frozen):
+    """Rung 2 for a lane whose greedy tokens part from the cold recompute at near-ties (rule
+    ``teacher-forced-near-tie.v1``): from its first parting the handoff is fed the cold tokens;
+    every parting must sit at a cold top-1/top-2 margin at most ``near_tie_margin``, every row's max
+    and mean abs delta within ``maximum_absolute`` and ``maximum_mean_absolute``, and the share of
+    parted rows within ``maximum_changed_row_share``."""
+
+    mode: Literal["teacher-forced"]
+    maximum_absolute: PositiveFloat
+    maximum_mean_absolute: PositiveFloat
+    near_tie_margin: PositiveFloat
+    maximum_changed_row_share: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+
+
 class ExactLogits(_Frozen):
     """Rung 3: full logits must be bit-identical (digests equal, deltas zero)."""
 
     mode: Literal["exact"]
 
 
-FullLogitsRule = Annotated[BoundedDriftLogits | ExactLogits, Field(discriminator="mode")]
+FullLogitsRule = Annotated[BoundedDriftLogits | TeacherForcedLogits | ExactLogits, Field(discriminator="mode")]
 
 
 def _known_rule(name: str) -> str:
@@ -345,8 +363,9 @@ class OnboardingQualification(_Frozen):
     output_tokens: PositiveInt
     repetitions: PositiveInt
     prompt_sha256: Sha256
-    # The harness judges nothing weaker: both flags are part of every rule.
-    require_exact_tokens: Literal[True]
+    # The harness judges nothing weaker: both flags are part of every rule, and exact tokens are
+    # waived only by the teacher-forced rule (v7), which judges every parting instead.
+    require_exact_tokens: bool
     require_deterministic_remote_output: Literal[True]
     full_logits: FullLogitsRule
     basis: ReceiptUri
@@ -432,6 +451,11 @@ class Identity(_Frozen):
             raise ValueError(str(exc)) from None
         return self
 
+    @property
+    def teacher_forced(self) -> bool:
+        """Judged by the teacher-forced rule (v7) rather than by exact tokens."""
+        return isinstance(self.onboarding_qualification.full_logits, TeacherForcedLogits)
+
     def document(self) -> dict[str, Any]:
         """The JSON document (plain dicts) this identity was loaded from (a v5 document has no
         ``link_floor``, not a null one: its digest stays what it was sealed as)."""
@@ -442,6 +466,8 @@ class Identity(_Frozen):
     def _link_floor_follows_version(self) -> Identity:
         """v6 declares a link floor and v5 none (the schemas say so too; this holds for an
         identity built in Python)."""
+        if self.schema_id == TEACHER_FORCED_SCHEMA_ID:
+            return self  # v7: a floor or none
         if (self.link_floor is not None) != (self.schema_id == LINK_FLOOR_SCHEMA_ID):
             expected = (f"a floor (schema {LINK_FLOOR_SCHEMA_ID})" if self.schema_id == LINK_FLOOR_SCHEMA_ID
                         else f"none (schema {self.schema_id}; a floor needs {LINK_FLOOR_SCHEMA_ID})")
@@ -481,12 +507,25 @@ class Identity(_Frozen):
             raise _rule_error("onboarding_qualification.schema",
                               f"found {render(rule.schema_id)}, recipe {recipe.value} uses "
                               f"{render(recipe.onboarding_schema)}")
-        if rule.full_logits.mode != recipe.full_logits_mode:
+        teacher_forced = isinstance(rule.full_logits, TeacherForcedLogits)
+        if teacher_forced != (self.schema_id == TEACHER_FORCED_SCHEMA_ID):
+            raise _rule_error("onboarding_qualification.full_logits.mode",
+                              f"found {render(rule.full_logits.mode)}, schema {render(self.schema_id)} "
+                              + ("judges teacher-forced" if not teacher_forced else
+                                 f"does not declare it (teacher-forced needs {render(TEACHER_FORCED_SCHEMA_ID)})"))
+        if rule.require_exact_tokens == teacher_forced:
+            raise _rule_error("onboarding_qualification.require_exact_tokens",
+                              f"found {render(rule.require_exact_tokens)}, expected "
+                              f"{render(not teacher_forced)} under mode {render(rule.full_logits.mode)}")
+        if teacher_forced and recipe.rung == 2:
+            pass  # the teacher-forced rule is rung 2's other mode
+        elif rule.full_logits.mode != recipe.full_logits_mode:
             raise _rule_error("onboarding_qualification.full_logits.mode",
                               f"found {render(rule.full_logits.mode)}, recipe {recipe.value} judges "
                               f"{render(recipe.full_logits_mode)}")
         bounds = rule.full_logits
-        if isinstance(bounds, BoundedDriftLogits) and bounds.maximum_mean_absolute > bounds.maximum_absolute:
+        if isinstance(bounds, (BoundedDriftLogits, TeacherForcedLogits)) and \
+                bounds.maximum_mean_absolute > bounds.maximum_absolute:
             raise _rule_error("onboarding_qualification.full_logits.maximum_mean_absolute",
                               f"found {bounds.maximum_mean_absolute!r}, expected at most maximum_absolute "
                               f"({bounds.maximum_absolute!r})")
@@ -511,8 +550,9 @@ class Identity(_Frozen):
     def _calibration_rules_fit(self) -> Identity:
         """The bound rule is the bound rule; a floor rule is stated exactly when a draft is declared."""
         basis = self.calibration
-        if basis.bound_rule.name != BOUND_RULE:
-            raise _rule_error("calibration.bound_rule.name", f"found {render(basis.bound_rule.name)}, expected {BOUND_RULE}")
+        bound_rule = TEACHER_FORCED_BOUND_RULE if self.teacher_forced else BOUND_RULE
+        if basis.bound_rule.name != bound_rule:
+            raise _rule_error("calibration.bound_rule.name", f"found {render(basis.bound_rule.name)}, expected {bound_rule}")
         if (basis.floor_rule is None) != (self.speculative_draft is None):
             expected = "null (no draft is declared)" if self.speculative_draft is None else f"rule {FLOOR_RULE}"
             raise _rule_error("calibration.floor_rule", f"expected {expected}")
@@ -560,6 +600,12 @@ _DIGEST_RULES: Mapping[str, str] = MappingProxyType({
         " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."
         " Engines are pinned by ABI and known-answer digest, not by source bytes or numpy/BLAS versions."
         " v6 is v5 plus link_floor, the link-rate floor every handoff is judged against."),
+    "trust-ladder.onboarding-identity.v7": (
+        " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."
+        " Engines are pinned by ABI and known-answer digest, not by source bytes or numpy/BLAS versions."
+        " v7 is a rung-2 identity judged teacher-forced: full_logits mode teacher-forced (tokens may part"
+        " from the cold recompute at near-ties), require_exact_tokens false, bounds by rule"
+        " teacher-forced-cell-max-plus-one-sd.v1; link_floor is null or a floor."),
 })
 """What a version's schema says about its digest (v1's text predates the rule and stays as committed)."""
 
@@ -574,19 +620,39 @@ def identity_json_schema(schema_id: str = IDENTITY_SCHEMA_ID) -> dict[str, Any]:
     generated = Identity.model_json_schema(schema_generator=_ContractSchema)  # by alias (pydantic's default)
     version = schema_id.rsplit(".", 1)[1]
     generated["properties"]["schema"] = {"const": schema_id, "type": "string"}
+    rule = generated["$defs"]["OnboardingQualification"]["properties"]
+    logits = rule["full_logits"]
+    if schema_id == TEACHER_FORCED_SCHEMA_ID:
+        # v7 judges teacher-forced alone: exact tokens waived, the one mode of full_logits.
+        rule["require_exact_tokens"] = {"const": False, "type": "boolean"}
+        rule["full_logits"] = {"$ref": "#/$defs/TeacherForcedLogits"}
+        del generated["$defs"]["BoundedDriftLogits"], generated["$defs"]["ExactLogits"]
+        generated["properties"]["link_floor"] = {"anyOf": [{"$ref": "#/$defs/LinkFloor"}, {"type": "null"}],
+                                                 "description": "null, or the link-rate floor every handoff is judged against"}
+        generated["required"].append("link_floor")
+        return {**_schema_head(generated, schema_id, version), **generated}
+    # v5 and v6 as committed: exact tokens, and no teacher-forced mode.
+    rule["require_exact_tokens"] = {"const": True, "type": "boolean"}
+    logits["oneOf"] = [item for item in logits["oneOf"] if item["$ref"] != "#/$defs/TeacherForcedLogits"]
+    del logits["discriminator"]["mapping"]["teacher-forced"], generated["$defs"]["TeacherForcedLogits"]
     if schema_id == LINK_FLOOR_SCHEMA_ID:
         generated["properties"]["link_floor"] = {"$ref": "#/$defs/LinkFloor", "description": (
             "the link-rate floor every handoff is judged against")}
         generated["required"].append("link_floor")
     else:
         del generated["properties"]["link_floor"], generated["$defs"]["LinkFloor"]
-    head = {
+    return {**_schema_head(generated, schema_id, version), **generated}
+
+
+def _schema_head(generated: dict[str, Any], schema_id: str, version: str) -> dict[str, Any]:
+    """The schema's head (draft, id, title, description), taking title and description out of
+    ``generated``."""
+    return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": f"https://trust-ladder.invalid/contracts/{IDENTITY_SCHEMA_PATHS[schema_id].name}",
         "title": f"{generated.pop('title')} {version}",
         "description": generated.pop("description") + _DIGEST_RULES[schema_id],
     }
-    return {**head, **generated}
 
 
 def identity_schema_text(schema_id: str = IDENTITY_SCHEMA_ID) -> str:

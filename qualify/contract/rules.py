@@ -25,8 +25,35 @@ FLOOR_RULE_STATEMENT = (
     "so their counts are one measurement, counted once)"
 )
 
+TEACHER_FORCED_BOUND_RULE = "teacher-forced-cell-max-plus-one-sd.v1"
+TEACHER_FORCED_BOUND_RULE_STATEMENT = (
+    "the policy of cell-max-plus-one-sd.v1 applied to four per-cell values, a cell's handoff being fed "
+    "the cold recompute's tokens (teacher-forced) so that every one of its rows scores the cold "
+    "recompute's context: the largest per-row max abs logit delta, the largest per-row mean abs logit "
+    "delta, the largest cold top-1 minus top-2 margin at a row whose top token changed (a parting; 0 "
+    "when none changed) and the share of rows whose top token changed; each sealed number is the "
+    "largest per-cell value plus one sample standard deviation (n - 1) of the per-cell values, and the "
+    "least positive double when every cell's value is zero"
+)
+"""The bound rule of a teacher-forced identity (a rung-2 lane whose greedy tokens part from the
+cold recompute at near-ties): the same policy as :data:`BOUND_RULE`, over the values the
+teacher-forced judging reads (:func:`qualify.judge.handoffs.judge_rung2_sample`)."""
+
+TEACHER_FORCED_RULE = "teacher-forced-near-tie.v1"
+TEACHER_FORCED_RULE_STATEMENT = (
+    "the handoff branch is decoded greedily and, from its first parting on, fed the cold recompute's "
+    "tokens; a row parts when its top token differs from the cold recompute's; every parting must sit "
+    "where the cold top-1 minus top-2 margin is at most the sealed near-tie margin (a decisive parting "
+    "fails, named by its step and margin); every one of the rows must keep its max abs logit delta "
+    "within maximum_absolute and its mean abs logit delta within maximum_mean_absolute; and the share "
+    "of rows that part must stay within maximum_changed_row_share"
+)
+"""How a teacher-forced identity judges a handoff (rung 2 for lanes that do not keep tokens);
+the exact-token rule stays for lanes that keep them."""
+
 STATED_RULES: Mapping[str, str] = MappingProxyType({BOUND_RULE: BOUND_RULE_STATEMENT,
-                                                     FLOOR_RULE: FLOOR_RULE_STATEMENT})
+                                                     FLOOR_RULE: FLOOR_RULE_STATEMENT,
+                                                     TEACHER_FORCED_BOUND_RULE: TEACHER_FORCED_BOUND_RULE_STATEMENT})
 """Rule name -> its statement: the only rules an identity may name."""
 
 SERVED_BOUND_RULE = "served-cell-max-plus-one-sd.v1"

@@ -394,7 +394,9 @@ def classify_divergence(
 class TeacherForcedDrift:
     """The handoff branch fed the cold tokens, against the cold logits (contract units).
 
-    ``top1_flips`` counts rows whose emitted argmax differs from the cold row's emitted argmax.
+    ``top1_flips`` counts rows whose emitted argmax differs from the cold row's emitted argmax;
+    ``partings`` lists those rows in order with the cold top-1 minus top-2 margin there (contract
+    units), what the teacher-forced rule judges a parting by.
     """
 
     max_abs: float
@@ -403,6 +405,12 @@ class TeacherForcedDrift:
     top1_flips: int
     row_max_abs: np.ndarray
     row_mean_abs: np.ndarray
+    partings: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def max_row_mean_abs(self) -> float:
+        """The largest per-row mean abs delta (NaN when a row's is): each row is judged alone."""
+        return largest(self.row_mean_abs)
 
 
 def teacher_forced_drift(
@@ -421,15 +429,30 @@ def teacher_forced_drift(
         forced, cold, transform,
         maximum_absolute=maximum_absolute, maximum_mean_absolute=maximum_mean_absolute,
     )
-    flips = 0
+    transform = parse_logit_transform(transform) if isinstance(transform, str) else transform
+    parted: list[np.ndarray] = []
+    margins = np.empty(forced.shape[0])
     step = _chunk_rows(forced.shape[1])
     for start in range(0, forced.shape[0], step):
         stop = start + step
-        flips += int(np.count_nonzero(forced[start:stop].argmax(axis=1) != cold[start:stop].argmax(axis=1)))
+        parted.append(start + np.flatnonzero(forced[start:stop].argmax(axis=1) != cold[start:stop].argmax(axis=1)))
+        margins[start:stop] = _top1_minus_top2(transform.apply(cold[start:stop]))
     return TeacherForcedDrift(
-        delta.max_abs, delta.mean_abs, delta.first_row_over_rule, flips,
-        delta.row_max_abs, delta.row_mean_abs,
+        delta.max_abs, delta.mean_abs, delta.first_row_over_rule, sum(len(rows) for rows in parted),
+        delta.row_max_abs, delta.row_mean_abs, partings_at(np.concatenate(parted), margins),
     )
+
+
+def partings_at(rows: np.ndarray, cold_margins: np.ndarray) -> tuple[tuple[int, float], ...]:
+    """``(row, cold margin there)`` for each parted row, in row order."""
+    return tuple((int(row), float(cold_margins[row])) for row in np.sort(rows))
+
+
+def largest(values: np.ndarray) -> float:
+    """The largest value of a per-row series, NaN when any is (a non-finite row is never hidden); 0.0 when empty."""
+    if values.size == 0:
+        return 0.0
+    return float("nan") if bool(np.isnan(values).any()) else float(values.max())
 
 
 # --------------------------------------------------------------------------- KV deltas
@@ -680,7 +703,7 @@ def compare_branches(
     deltas = _DeltaStream(rows, vocab, step)
     forced_deltas = _DeltaStream(rows, vocab, step) if forced is not None else None
     margins = np.empty(rows)
-    flips = 0
+    parted: list[np.ndarray] = []
     capped = transform.cap is not None
     handoff_units = np.empty((step, vocab), dtype=np.float32) if capped else None
     cold_units = np.empty((step, vocab), dtype=np.float32) if capped else None
@@ -690,7 +713,7 @@ def compare_branches(
         count = stop - start
         left, right = handoff_logits[start:stop], cold_logits[start:stop]
         if forced is not None:
-            flips += int(np.count_nonzero(forced[start:stop].argmax(axis=1) != right.argmax(axis=1)))
+            parted.append(start + np.flatnonzero(forced[start:stop].argmax(axis=1) != right.argmax(axis=1)))
         if handoff_units is not None and cold_units is not None:  # capped units
             left = transform.apply(left, out=handoff_units[:count])
             right = transform.apply(right, out=cold_units[:count])
@@ -706,8 +729,9 @@ def compare_branches(
     if forced_deltas is not None:
         forced_delta = forced_deltas.result(maximum_absolute, maximum_mean_absolute)
         teacher = TeacherForcedDrift(
-            forced_delta.max_abs, forced_delta.mean_abs, forced_delta.first_row_over_rule, flips,
-            forced_delta.row_max_abs, forced_delta.row_mean_abs,
+            forced_delta.max_abs, forced_delta.mean_abs, forced_delta.first_row_over_rule,
+            sum(len(rows) for rows in parted), forced_delta.row_max_abs, forced_delta.row_mean_abs,
+            partings_at(np.concatenate(parted), margins),
         )
 
     divergence = agreement.first_divergence

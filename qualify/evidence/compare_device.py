@@ -60,6 +60,7 @@ from qualify.evidence.compare import (
     generated_token_sha256,
     localise_divergence,
     parse_logit_transform,
+    partings_at,
     token_agreement,
 )
 
@@ -450,8 +451,8 @@ def start_comparison(
         passed_bytes = 2 * logits.numel() * 4
         if forced is not None:
             forced_max, forced_sum = _row_deltas(_units(forced, transform), cold.units)
-            flips = (forced.argmax(dim=1) != cold.argmax).sum().float()
-            summaries += [forced_max, forced_sum, flips.expand(rows)]
+            parted = (forced.argmax(dim=1) != cold.argmax).double()  # 1.0 where the top token changed
+            summaries += [forced_max, forced_sum, parted]
             passed_bytes += 2 * forced.numel() * 4
         logit_pass_s = clock.stop(started)
         host = torch.stack(summaries).double().cpu().numpy()  # [2 or 5, rows]
@@ -459,8 +460,10 @@ def start_comparison(
     teacher = None
     if forced is not None:
         forced_delta = _logit_delta(host[2], host[3], vocab, maximum_absolute, maximum_mean_absolute)
+        parted_rows = np.flatnonzero(host[4])
         teacher = TeacherForcedDrift(forced_delta.max_abs, forced_delta.mean_abs, forced_delta.first_row_over_rule,
-                                     int(host[4][0]), forced_delta.row_max_abs, forced_delta.row_mean_abs)
+                                     int(parted_rows.size), forced_delta.row_max_abs, forced_delta.row_mean_abs,
+                                     partings_at(parted_rows, cold.margins))
 
     divergence = agreement.first_divergence
     margin_at, drift_at, divergence_class = localise_divergence(

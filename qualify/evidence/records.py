@@ -25,9 +25,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 from pydantic.fields import FieldInfo
@@ -114,11 +116,34 @@ class BoundedDriftRule(_Frozen):
     maximum_absolute: float
     maximum_mean_absolute: float
     drift_graded: bool = True
+    near_tie_margin: float | None = None
+    maximum_changed_row_share: float | None = None
+
+    @property
+    def teacher_forced(self) -> bool:
+        """Judged by the teacher-forced rule (tokens may part at near-ties; every row's max and
+        mean judged, and the share of parted rows) rather than by exact tokens."""
+        return self.near_tie_margin is not None
+
+    @model_serializer(mode="wrap")
+    def _without_unused_clauses(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """An exact-token rule is written as it was before the teacher-forced clauses existed (no
+        null keys): its receipts keep their form, and only a teacher-forced rule names them."""
+        dumped: dict[str, Any] = handler(self)
+        if self.near_tie_margin is None:
+            dumped.pop("near_tie_margin", None)
+            dumped.pop("maximum_changed_row_share", None)
+        return dumped
 
     @model_validator(mode="after")
     def _bounds_finite(self) -> BoundedDriftRule:
         _finite_positive(self.maximum_absolute, "maximum_absolute")
         _finite_positive(self.maximum_mean_absolute, "maximum_mean_absolute")
+        if (self.near_tie_margin is None) != (self.maximum_changed_row_share is None):
+            raise ValueError("near_tie_margin and maximum_changed_row_share: both or neither")
+        if self.near_tie_margin is not None and self.maximum_changed_row_share is not None:
+            _finite_positive(self.near_tie_margin, "near_tie_margin")
+            _finite_positive(self.maximum_changed_row_share, "maximum_changed_row_share")
         return self
 
 
@@ -223,6 +248,8 @@ def rule_from_identity(identity: RuleSource, *, drift_graded: bool) -> BoundedDr
                 maximum_absolute=logits.maximum_absolute,
                 maximum_mean_absolute=logits.maximum_mean_absolute,
                 drift_graded=drift_graded,
+                near_tie_margin=getattr(logits, "near_tie_margin", None),
+                maximum_changed_row_share=getattr(logits, "maximum_changed_row_share", None),
             )
         if identity.rung == 3:
             draft = identity.speculative_draft
@@ -253,13 +280,25 @@ def parse_rule(rule: Mapping[str, Any] | BoundedDriftRule | BitExactRule) -> Bou
 # --------------------------------------------------------------------------- localisation
 
 
+class Parting(_Frozen):
+    """A teacher-forced row whose top token differs from the cold recompute's, and the cold
+    top-1 minus top-2 margin there (contract units): what a near-tie is judged by."""
+
+    row: Position
+    cold_margin: float
+
+
 class TeacherForcedSummary(_Frozen):
-    """Teacher-forced drift: the handoff branch fed the cold tokens, against the cold logits."""
+    """Teacher-forced drift: the handoff branch fed the cold tokens, against the cold logits.
+    ``max_row_mean_abs`` and ``partings`` are what the teacher-forced rule judges (null in
+    receipts from before it)."""
 
     max_abs: float
     mean_abs: float
     first_row_over_rule: Position | None
     top1_flips: Count
+    max_row_mean_abs: float | None = None
+    partings: tuple[Parting, ...] | None = None
 
 
 class KVLayerMaxAbs(_Frozen):
@@ -312,6 +351,9 @@ class SampleRecord(_Frozen):
     token_agreement_rate: float | None = None
     max_abs: float | None = None
     mean_abs: float | None = None
+    max_row_mean_abs: float | None = Field(default=None, description=(
+        "the largest per-row mean abs logit delta of the free-running branch (the teacher-forced rule "
+        "judges every row's mean; null in receipts from before it)"))
     handoff_generated_token_sha256: Sha256Hex | None = None
     cold_generated_token_sha256: Sha256Hex | None = None
     handoff_logit_block_sha256: Sha256Hex | None = None

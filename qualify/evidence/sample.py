@@ -7,12 +7,13 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from qualify.core.errors import Refused
-from qualify.evidence.compare import BranchComparison, KVComparison
+from qualify.evidence.compare import BranchComparison, KVComparison, largest
 from qualify.evidence.records import (
     PHASE_FIELDS,
     KVLayerMaxAbs,
     KVOverEnvelope,
     Localisation,
+    Parting,
     SampleRecord,
     TeacherForcedSummary,
 )
@@ -61,6 +62,7 @@ def sample_record(
         token_agreement_rate=comparison.token_agreement_rate,
         max_abs=comparison.max_abs,
         mean_abs=comparison.mean_abs,
+        max_row_mean_abs=largest(comparison.delta.row_mean_abs),
         handoff_generated_token_sha256=comparison.handoff_generated_token_sha256,
         cold_generated_token_sha256=comparison.cold_generated_token_sha256,
         handoff_logit_block_sha256=comparison.handoff_digests.block_sha256,
@@ -111,6 +113,8 @@ def _localisation(
             mean_abs=teacher.mean_abs,
             first_row_over_rule=teacher.first_row_over_rule,
             top1_flips=teacher.top1_flips,
+            max_row_mean_abs=teacher.max_row_mean_abs,
+            partings=tuple(Parting(row=row, cold_margin=margin) for row, margin in teacher.partings),
         ),
         kv_layer_max_abs=None if kv is None else tuple(
             KVLayerMaxAbs(layer=item.layer, k=item.k, v=item.v, k_position=item.k_position, v_position=item.v_position)

@@ -19,10 +19,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
+from qualify.contract.rules import (
+    BOUND_RULE,
+    BOUND_RULE_STATEMENT,
+    FLOOR_RULE,
+    FLOOR_RULE_STATEMENT,
+    TEACHER_FORCED_BOUND_RULE,
+)
 from qualify.core.errors import one_line
 from qualify.core.stats import wilson_interval
-from qualify.judge.handoffs import Check, Record, Verdict, _finite, _Judgement, _plain, judge_reproduction
+from qualify.evidence.records import BoundedDriftRule
+from qualify.judge.handoffs import (
+    Check,
+    Record,
+    TeacherForcedRows,
+    Verdict,
+    _finite,
+    _Judgement,
+    _plain,
+    judge_reproduction,
+    judge_teacher_forced_rows,
+    teacher_forced_rows,
+)
 
 CALIBRATION_EVIDENCE = "calibration"
 """The receipt evidence name of a calibration's cell map (``evidence/calibration.json``)."""
@@ -39,7 +57,9 @@ ANCHOR_PART = "anchor"
 
 @dataclass(frozen=True)
 class CellDrift:
-    """One calibration cell's handoff: which document and length, and its drift."""
+    """One calibration cell's handoff: which document and length, and its drift. ``rows`` are
+    its teacher-forced rows (:func:`~qualify.judge.handoffs.teacher_forced_rows`), None in a
+    receipt from before the teacher-forced rule, or when they cannot be read."""
 
     repetition: int
     document: str
@@ -47,6 +67,37 @@ class CellDrift:
     max_abs: float
     mean_abs: float
     tokens_exact: bool
+    rows: TeacherForcedRows | None = None
+    output_tokens: int | None = None
+
+    @property
+    def teacher_forced_values(self) -> tuple[float, float, float, float] | None:
+        """The four values :data:`TEACHER_FORCED_BOUND_RULE` reads: largest row max, largest row
+        mean, largest cold margin at a parting (0 with none), share of parted rows."""
+        if self.rows is None or self.output_tokens is None:
+            return None
+        rows = self.rows
+        return (rows.max_abs, rows.max_row_mean_abs, max((cold for _, cold in rows.partings), default=0.0),
+                len(rows.partings) / self.output_tokens)
+
+
+@dataclass(frozen=True)
+class TeacherForcedBounds:
+    """The numbers :data:`TEACHER_FORCED_BOUND_RULE` derives from the cells: what a teacher-forced
+    identity seals (its ``full_logits``)."""
+
+    maximum_absolute: float
+    maximum_mean_absolute: float
+    near_tie_margin: float
+    maximum_changed_row_share: float
+
+    def rule(self, *, repetitions: int, output_tokens: int) -> BoundedDriftRule:
+        """The judging rule these numbers make (drift-graded, as every rung-2 rule)."""
+        return BoundedDriftRule(repetitions=repetitions, output_tokens=output_tokens,
+                                maximum_absolute=self.maximum_absolute,
+                                maximum_mean_absolute=self.maximum_mean_absolute,
+                                near_tie_margin=self.near_tie_margin,
+                                maximum_changed_row_share=self.maximum_changed_row_share)
 
 
 @dataclass(frozen=True)
@@ -118,8 +169,12 @@ def calibration_cells(evidence: Mapping[str, Any], records: Sequence[Record]) ->
             problems.append(
                 f"cell {document}@{tokens}: sample {repetition} has no teacher-forced drift that is a finite number >= 0")
             continue
+        rows = teacher_forced_rows(record)
+        output_tokens = record.get("output_tokens")
         cells.append(CellDrift(repetition, document, tokens, drift[0], drift[1],
-                               _finite(record.get("token_agreement_rate")) == 1.0))
+                               _finite(record.get("token_agreement_rate")) == 1.0,
+                               None if isinstance(rows, str) else rows,
+                               output_tokens if type(output_tokens) is int and output_tokens > 0 else None))
     return cells, problems
 
 
@@ -142,6 +197,24 @@ def derive_bounds(cells: Sequence[CellDrift]) -> DerivedBounds | None:
     maximum, max_spread = bound_of([cell.max_abs for cell in cells])
     mean, mean_spread = bound_of([cell.mean_abs for cell in cells])
     return DerivedBounds(maximum, mean, max_spread, mean_spread, tuple(cells))
+
+
+def derive_teacher_forced_bounds(cells: Sequence[CellDrift]) -> TeacherForcedBounds | None:
+    """The numbers :data:`TEACHER_FORCED_BOUND_RULE` gives for ``cells``; None with fewer than two
+    cells or with a cell whose teacher-forced rows were not recorded."""
+    values = [cell.teacher_forced_values for cell in cells]
+    if len(cells) < 2 or any(value is None for value in values):
+        return None
+    columns = list(zip(*[value for value in values if value is not None], strict=True))
+    maximum, mean, margin, share = (bound_of(list(column))[0] for column in columns)
+    return TeacherForcedBounds(maximum, mean, margin, min(share, 1.0))
+
+
+def keeps_tokens(anchors: Sequence[Mapping[str, Any]]) -> bool:
+    """The fixture's anchors kept the cold recompute's greedy tokens: the exact-token rule judges
+    such a lane (a calibration cell that parted counts its teacher-forced drift); a lane whose
+    fixture parts is judged teacher-forced."""
+    return all(_finite(anchor.get("token_agreement_rate")) == 1.0 for anchor in anchors)
 
 
 def anchor_records(evidence: Mapping[str, Any], records: Sequence[Record]) -> list[Mapping[str, Any]]:
@@ -182,15 +255,27 @@ def _rule_stated(evidence: Mapping[str, Any]) -> list[str]:
 
 def bound_problems(evidence: Mapping[str, Any], records: Sequence[Record], *,
                    maximum_absolute: float | None, maximum_mean_absolute: float | None,
-                   acceptance_floor: float | None) -> list[str]:
+                   acceptance_floor: float | None, teacher_forced: TeacherForcedBounds | None = None) -> list[str]:
     """Why sealed numbers do not follow from their basis by the stated rules (empty: they do).
     ``maximum_*`` None is a rung-3 rule (bit-exact: every cell must show zero drift);
-    ``acceptance_floor`` None declares no draft."""
+    ``acceptance_floor`` None declares no draft; ``teacher_forced`` is a teacher-forced identity's
+    four numbers (then ``maximum_*`` are ignored: they are two of the four)."""
     problems = _rule_stated(evidence)
     cells, cell_problems = calibration_cells(evidence, records)
     problems += cell_problems
     derived = derive_bounds(cells)
-    if derived is None:
+    if teacher_forced is not None:
+        follows = derive_teacher_forced_bounds(cells)
+        if follows is None:
+            problems.append(f"calibration set: {len(cells)} cells with teacher-forced rows recorded, "
+                            f"rule {TEACHER_FORCED_BOUND_RULE} needs at least 2 and every cell's rows")
+        else:
+            for name in ("maximum_absolute", "maximum_mean_absolute", "near_tie_margin", "maximum_changed_row_share"):
+                sealed, given = getattr(teacher_forced, name), getattr(follows, name)
+                if sealed != given:
+                    problems.append(f"{name}: sealed {sealed!r}, the basis gives {given!r} by rule "
+                                    f"{TEACHER_FORCED_BOUND_RULE}")
+    elif derived is None:
         problems.append(f"calibration set: {len(cells)} measured cells, the rule needs at least 2")
     elif maximum_absolute is None or maximum_mean_absolute is None:
         drifting = [f"{c.document}@{c.prompt_tokens}" for c in cells if c.max_abs != 0.0 or c.mean_abs != 0.0]
@@ -223,6 +308,7 @@ class CalibrationJudgement:
     acceptance_floor: float | None
     failures: list[str]
     verdict: Verdict
+    teacher_forced: TeacherForcedBounds | None = None
 
     @property
     def proposed_maximum_absolute(self) -> float | None:
@@ -266,9 +352,14 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
     anchors = anchor_records(evidence, records)
     anchor_ok = [r for r in anchors if not r.get("error")]
     anchor_tokens_exact = bool(anchor_ok) and all(_finite(r.get("token_agreement_rate")) == 1.0 for r in anchor_ok)
-    judgement.check("anchor tokens exact", anchor_tokens_exact,
-                    "the fixture's greedy tokens exact in every anchor handoff" if anchor_tokens_exact
-                    else "the fixture's greedy tokens diverged in an anchor handoff: no rule can qualify this lane on it")
+    teacher_forced = None
+    if rung == 2 and anchor_ok and not keeps_tokens(anchor_ok):
+        teacher_forced = derive_teacher_forced_bounds(cells)
+        _check_anchors_teacher_forced(judgement, anchor_ok, teacher_forced)
+    else:
+        judgement.check("anchor tokens exact", anchor_tokens_exact,
+                        "the fixture's greedy tokens exact in every anchor handoff" if anchor_tokens_exact
+                        else "the fixture's greedy tokens diverged in an anchor handoff: no rule can qualify this lane on it")
     determinism = judge_reproduction(anchor_ok, anchor_ok, rung=rung, deterministic_producer=True, draft=draft)
     deterministic = determinism.passed and len(anchor_ok) >= 2
     judgement.check("anchor reproduced", deterministic,
@@ -289,14 +380,43 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
         within = fixture_max <= bounds.maximum_absolute and fixture_mean <= bounds.maximum_mean_absolute
         fixture_note = (f"; the fixture's own drift (max {fixture_max!r}, mean {fixture_mean!r}) is "
                         f"{'within' if within else 'OUTSIDE'} the derived bounds")
+    if teacher_forced is not None:
+        gives = (f"the lane parts from the cold recompute, so rule {TEACHER_FORCED_BOUND_RULE} gives "
+                 f"maximum_absolute {teacher_forced.maximum_absolute!r}, maximum_mean_absolute (per row) "
+                 f"{teacher_forced.maximum_mean_absolute!r}, near_tie_margin {teacher_forced.near_tie_margin!r}, "
+                 f"maximum_changed_row_share {teacher_forced.maximum_changed_row_share!r}")
+        fixture_note = ""
+    else:
+        gives = (f"rule {BOUND_RULE} gives maximum_absolute {None if bounds is None else bounds.maximum_absolute!r}, "
+                 f"maximum_mean_absolute {None if bounds is None else bounds.maximum_mean_absolute!r}")
     headline = (f"calibration of {lane}: {len(cells)} cells over {len({c.document for c in cells})} documents, "
-                f"{len(anchor_ok)} fixture anchors, {restarts} producer restarts; rule {BOUND_RULE} gives "
-                f"maximum_absolute {None if bounds is None else bounds.maximum_absolute!r}, maximum_mean_absolute "
-                f"{None if bounds is None else bounds.maximum_mean_absolute!r}"
+                f"{len(anchor_ok)} fixture anchors, {restarts} producer restarts; {gives}"
                 + (f"; acceptance floor {floor!r} by {FLOOR_RULE}" if floor is not None else "") + fixture_note)
     reasons = judgement.failures
     verdict = Verdict(not reasons, headline, list(reasons) or [headline], judgement.checks + determinism.checks)
-    return CalibrationJudgement(tuple(cells), bounds, anchor_tokens_exact, deterministic, floor, failures, verdict)
+    return CalibrationJudgement(tuple(cells), bounds, anchor_tokens_exact, deterministic, floor, failures, verdict,
+                                teacher_forced)
+
+
+def _check_anchors_teacher_forced(judgement: _Judgement, anchors: Sequence[Mapping[str, Any]],
+                                  bounds: TeacherForcedBounds | None) -> None:
+    """A lane that parts is judged teacher-forced: its numbers must be derivable (every cell's rows
+    recorded) and the fixture's own anchors must pass the rule they make, or no qualification could."""
+    if bounds is None:
+        judgement.check("teacher-forced rule", False,
+                        f"the lane parts from the cold recompute, and rule {TEACHER_FORCED_BOUND_RULE} needs at "
+                        f"least 2 cells with their teacher-forced rows recorded")
+        return
+    failing = []
+    for anchor in anchors:
+        tokens = anchor.get("output_tokens")
+        verdict = judge_teacher_forced_rows(anchor, bounds.rule(
+            repetitions=1, output_tokens=tokens if type(tokens) is int and tokens > 0 else 1))
+        failing += [] if verdict.passed else [f"anchor {anchor.get('repetition')}: {verdict.reasons[0]}"]
+    judgement.check("anchors judged teacher-forced", bool(anchors) and not failing,
+                    f"every fixture anchor passes the derived teacher-forced rule ({len(anchors)} anchors)"
+                    if anchors and not failing else "; ".join(failing) or "no fixture anchor to judge",
+                    reasons=failing)
 
 
 def cell_table(cells: Sequence[CellDrift]) -> list[dict[str, Any]]:
@@ -310,4 +430,5 @@ __all__ = [
     "CALIBRATION_PART", "FLOOR_RULE", "FLOOR_RULE_STATEMENT", "ZERO_DRIFT_BOUND", "CalibrationJudgement",
     "CellDrift", "Check", "DerivedBounds", "anchor_draft_counts", "anchor_records", "bound_of", "bound_problems",
     "calibration_cells", "cell_table", "derive_acceptance_floor", "derive_bounds", "judge_calibration",
+    "TeacherForcedBounds", "derive_teacher_forced_bounds", "keeps_tokens",
 ]

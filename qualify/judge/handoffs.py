@@ -28,11 +28,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
+from qualify.contract.rules import TEACHER_FORCED_RULE
 from qualify.core.errors import one_line
 from qualify.evidence.records import (
     LOGIT_DIGEST_FIELDS,
@@ -332,7 +333,8 @@ def _common_sample_checks(
             + ("" if tokens == rule.output_tokens else f", rule requires {rule.output_tokens}"),
         )
     rate = values["token_agreement_rate"]
-    if rate is not None:
+    parting_allowed = isinstance(rule, BoundedDriftRule) and rule.teacher_forced
+    if rate is not None and not parting_allowed:
         where = _localisation_words(record, tokens=True)
         if rate == 1.0:
             detail = f"tokens exact: {tokens}/{tokens}" if tokens is not None else "tokens exact"
@@ -341,7 +343,7 @@ def _common_sample_checks(
             detail = f"tokens diverge: agreement {_num(rate)}{agreed}" + (f"; {where}" if where else "")
         judgement.check("tokens exact", rate == 1.0, detail)
     handoff_tokens, cold_tokens = values["handoff_generated_token_sha256"], values["cold_generated_token_sha256"]
-    if handoff_tokens is not None and cold_tokens is not None:
+    if handoff_tokens is not None and cold_tokens is not None and not parting_allowed:
         judgement.check(
             "generated-token digest", handoff_tokens == cold_tokens,
             "generated-token digest equals the cold run's" if handoff_tokens == cold_tokens
@@ -390,6 +392,8 @@ def judge_rung2_sample(record: Record, rule: Rule) -> Verdict:
     values = _common_sample_checks(evidence, judgement, parsed, ())
     if values is None:
         return judgement.failed()
+    if parsed.teacher_forced:
+        return _judge_teacher_forced(evidence.record, values, parsed, judgement)
     maximum, mean = values["max_abs"], values["mean_abs"]
     bound, mean_bound = parsed.maximum_absolute, parsed.maximum_mean_absolute
     if maximum is not None and mean is not None:
@@ -412,6 +416,128 @@ def judge_rung2_sample(record: Record, rule: Rule) -> Verdict:
         f"tokens exact ({tokens}/{tokens}) and bounded drift: max {_num(maximum, bound)} <= {_num(bound)}, "
         f"mean {_num(mean, mean_bound)} <= {_num(mean_bound)}"
     )
+
+
+@dataclass(frozen=True)
+class TeacherForcedRows:
+    """What the teacher-forced rule reads from one sample: every row's largest max and mean abs
+    delta, and its partings as ``(row, cold margin)``. Tokens that never parted need no forcing:
+    the free-running rows then score the cold context (decode equals teacher forcing on its own
+    tokens), so they are read from the sample itself."""
+
+    max_abs: float
+    max_row_mean_abs: float
+    partings: tuple[tuple[int, float], ...]
+
+
+def teacher_forced_rows(record: Mapping[str, Any]) -> TeacherForcedRows | str:
+    """The sample's teacher-forced rows, or why they cannot be read (absent evidence fails)."""
+    rate = _finite(record.get("token_agreement_rate"))
+    if rate == 1.0:
+        maximum, mean = _finite(record.get("max_abs")), _finite(record.get("max_row_mean_abs"))
+        if maximum is None or mean is None or maximum < 0 or mean < 0:
+            return "sample omits max_abs or max_row_mean_abs as a finite number >= 0"
+        return TeacherForcedRows(float(maximum), float(mean), ())
+    where = record.get("localisation")
+    teacher = where.get("teacher_forced") if isinstance(where, Mapping) else None
+    if not isinstance(teacher, Mapping):
+        return "tokens parted and the sample omits localisation.teacher_forced"
+    maximum, mean = _finite(teacher.get("max_abs")), _finite(teacher.get("max_row_mean_abs"))
+    if maximum is None or mean is None or maximum < 0 or mean < 0:
+        return "sample localisation.teacher_forced omits max_abs or max_row_mean_abs as a finite number >= 0"
+    listed = teacher.get("partings")
+    if not isinstance(listed, (list, tuple)):
+        return "sample localisation.teacher_forced omits partings"
+    partings: list[tuple[int, float]] = []
+    for item in listed:
+        row = item.get("row") if isinstance(item, Mapping) else None
+        margin = _finite(item.get("cold_margin")) if isinstance(item, Mapping) else None
+        if type(row) is not int or row < 0 or margin is None or margin < 0:
+            return f"sample localisation.teacher_forced.partings: malformed entry {one_line(repr(item))[:80]}"
+        partings.append((row, float(margin)))
+    rows = [row for row, _ in partings]
+    if rows != sorted(set(rows)) or not partings:
+        return "sample localisation.teacher_forced.partings: expected rows in increasing order, at least one"
+    if teacher.get("top1_flips") != len(partings):
+        return (f"sample localisation.teacher_forced: top1_flips {teacher.get('top1_flips')!r} but "
+                f"{len(partings)} partings listed")
+    return TeacherForcedRows(float(maximum), float(mean), tuple(partings))
+
+
+def _judge_teacher_forced(record: Mapping[str, Any], values: Mapping[str, Any], rule: BoundedDriftRule,
+                          judgement: _Judgement) -> Verdict:
+    """Rung 2 under the teacher-forced rule (:data:`~qualify.contract.rules.TEACHER_FORCED_RULE`):
+    every parting a near-tie, every row's max and mean within the bounds, the parted share within
+    its ceiling."""
+    rows = _check_teacher_forced_rows(record, values["output_tokens"], rule, judgement)
+    if rows is None:
+        return judgement.failed()
+    if not rule.drift_graded:
+        _check_logit_digests_refuse_first(values, judgement)
+    return judgement.verdict(
+        f"teacher-forced: {len(rows.partings)} partings, each a near-tie; every row within max "
+        f"{_num(rule.maximum_absolute)} and mean {_num(rule.maximum_mean_absolute)}")
+
+
+def judge_teacher_forced_rows(record: Record, rule: Rule) -> Verdict:
+    """The teacher-forced rule's own clauses alone (partings, rows, parted share) on one sample:
+    what a calibration asks of its fixture anchors under the rule its cells give."""
+    parsed = _rule_of(rule, BoundedDriftRule, "judge_teacher_forced_rows")
+    judgement, evidence = _open_sample(record)
+    if evidence is None:
+        return judgement.failed()
+    tokens = evidence.whole("output_tokens", minimum=1)
+    if tokens is None:
+        judgement.check("output tokens", False, "sample omits output_tokens as a whole number >= 1")
+        return judgement.failed()
+    rows = _check_teacher_forced_rows(evidence.record, tokens, parsed, judgement)
+    if rows is None:
+        return judgement.failed()
+    return judgement.verdict(f"teacher-forced: {len(rows.partings)} partings, each a near-tie")
+
+
+def _check_teacher_forced_rows(record: Mapping[str, Any], tokens: int | None, rule: BoundedDriftRule,
+                               judgement: _Judgement) -> TeacherForcedRows | None:
+    """The three clauses of the teacher-forced rule; None when the rows cannot be read."""
+    if rule.near_tie_margin is None or rule.maximum_changed_row_share is None:
+        raise TypeError("the teacher-forced clauses need a teacher-forced rule")
+    rows = teacher_forced_rows(record)
+    if isinstance(rows, str):
+        judgement.check("teacher-forced rows", False, rows)
+        return None
+    margin = rule.near_tie_margin
+    decisive = [(row, cold) for row, cold in rows.partings if cold > margin]
+    near = len(rows.partings) - len(decisive)
+    if decisive:
+        row, cold = decisive[0]
+        detail = (f"decisive parting at step {row}: cold margin {_num(cold, margin)} > near-tie margin {_num(margin)}"
+                  + (f" (and {len(decisive) - 1} more)" if len(decisive) > 1 else ""))
+    elif rows.partings:
+        detail = (f"{near} partings, each a near-tie (cold margin at most {_num(max(c for _, c in rows.partings), margin)}"
+                  f" <= {_num(margin)}), first at step {rows.partings[0][0]}")
+    else:
+        detail = "no parting: tokens exact"
+    judgement.check("near-tie partings", not decisive, detail)
+    bound, mean_bound = rule.maximum_absolute, rule.maximum_mean_absolute
+    inside = rows.max_abs <= bound and rows.max_row_mean_abs <= mean_bound
+    where = ""
+    teacher = record.get("localisation", {}).get("teacher_forced") if rows.partings else None
+    if not inside and isinstance(teacher, Mapping) and type(teacher.get("first_row_over_rule")) is int:
+        where = f"; first row over the rule {teacher['first_row_over_rule']}"
+    judgement.check(
+        "teacher-forced drift", inside,
+        f"every row within: max {_num(rows.max_abs, bound)} <= {_num(bound)}, row mean "
+        f"{_num(rows.max_row_mean_abs, mean_bound)} <= {_num(mean_bound)}" if inside
+        else f"teacher-forced drift exceeds its identity rule: max={_num(rows.max_abs, bound)}, row mean="
+             f"{_num(rows.max_row_mean_abs, mean_bound)} (rule: every row max <= {_num(bound)}, mean <= "
+             f"{_num(mean_bound)}){where}")
+    if tokens is not None:
+        share, ceiling = len(rows.partings) / tokens, rule.maximum_changed_row_share
+        judgement.check(
+            "parted rows", share <= ceiling,
+            f"{len(rows.partings)}/{tokens} rows parted (share {_num(share, ceiling)} "
+            f"{'<=' if share <= ceiling else 'exceeds the ceiling'} {_num(ceiling)})")
+    return rows
 
 
 def _check_logit_digests_refuse_first(values: Mapping[str, Any], judgement: _Judgement) -> bool:
@@ -627,13 +753,15 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
     exact_everywhere = count > 0 and len(rates) == count and all(
         isinstance(x, (int, float)) and not isinstance(x, bool) and x == 1.0 for x in rates
     )
-    judgement.check(
-        "tokens exact in every repetition", exact_everywhere,
-        "token agreement exactly 1.0 in every repetition" if exact_everywhere
-        else "token agreement is not exactly 1.0 in every repetition",
-    )
+    teacher_forced = isinstance(rule, BoundedDriftRule) and rule.teacher_forced
+    if not teacher_forced:
+        judgement.check(
+            "tokens exact in every repetition", exact_everywhere,
+            "token agreement exactly 1.0 in every repetition" if exact_everywhere
+            else "token agreement is not exactly 1.0 in every repetition",
+        )
 
-    if isinstance(rule, BoundedDriftRule):
+    if isinstance(rule, BoundedDriftRule) and not teacher_forced:
         maxima = [x for x in (_finite(r.get("max_abs")) for r in mappings) if x is not None]
         means = [y for y in (_finite(r.get("mean_abs")) for r in mappings) if y is not None]
         numeric = count > 0 and len(maxima) == count and len(means) == count
@@ -664,7 +792,12 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
     ):
         _check_equal_across(judgement, mappings, count, name, words)
 
-    if isinstance(rule, BoundedDriftRule):
+    if teacher_forced:
+        partings = near_tie_partings(mappings, rule)
+        headline = (f"{count}/{rule.repetitions} handoffs judged teacher-forced: "
+                    + (f"{partings[0]} of {partings[1]} partings near-ties" if partings is not None else "partings unread")
+                    + "; generated-token and payload digests equal across repetitions")
+    elif isinstance(rule, BoundedDriftRule):
         headline = (
             f"{count}/{rule.repetitions} handoffs with exact tokens and "
             + next(c.detail for c in judgement.checks if c.name == "bounded drift in every repetition")
@@ -680,6 +813,22 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
             + acceptance + "; digests equal across repetitions"
         )
     return judgement.verdict(headline)
+
+
+def near_tie_partings(records: Sequence[Record], rule: Rule) -> tuple[int, int] | None:
+    """(near-tie partings, all partings) over ``records`` under a teacher-forced rule; None when
+    any record's rows cannot be read (its sample judgement says why)."""
+    parsed = parse_rule(rule)
+    if not isinstance(parsed, BoundedDriftRule) or parsed.near_tie_margin is None:
+        return None
+    near = total = 0
+    for record in (_plain(r) for r in records):
+        rows = teacher_forced_rows(record) if isinstance(record, Mapping) else "not a record"
+        if isinstance(rows, str):
+            return None
+        total += len(rows.partings)
+        near += sum(1 for _, cold in rows.partings if cold <= parsed.near_tie_margin)
+    return near, total
 
 
 def _check_equal_across(
@@ -811,6 +960,8 @@ def judge_qualification(records: Sequence[Record], rule: Rule, anchor_records: S
     passed = all(verdict.passed for verdict in parts)
     failing = [r for verdict in parts if not verdict.passed for r in verdict.reasons]
     evidence = "; ".join(verdict.headline for verdict in parts)
+    if scope is not None and isinstance(parsed, BoundedDriftRule) and parsed.teacher_forced:
+        scope = replace(scope, judged_by=TEACHER_FORCED_RULE, partings=near_tie_partings(records, parsed))
     if scope is not None:
         line = scope_line(passed, scope, failing[0] if failing else None)  # a passed run has no failing reason
         headline = f"{line}. Evidence: {evidence}"

@@ -116,6 +116,10 @@ class Scope:
     calibrated_on: str | None = None
     # The service conditions the handoffs ran under (a key of SERVICE_CONDITIONS), or None.
     service_conditions: str | None = None
+    # The rule that judged the handoffs when it is not the exact-token one (the teacher-forced
+    # rule's name), and (near-tie partings, all partings) over the repetitions when they were read.
+    judged_by: str | None = None
+    partings: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _name(self.fixture, "fixture")
@@ -128,6 +132,12 @@ class Scope:
             raise ValueError(f"scope: controls {type(self.controls).__name__}, expected a ControlsOutcome or None")
         if self.calibrated_on is not None and not CALIBRATED_ON.fullmatch(str(self.calibrated_on)):
             raise ValueError(f"scope: calibrated on {self.calibrated_on!r}, expected receipt://<run-id>")
+        if self.judged_by is not None:
+            _name(self.judged_by, "rule")
+        if self.partings is not None:
+            near, total = self.partings
+            if self.judged_by is None or not (type(near) is int and type(total) is int and 0 <= near <= total):
+                raise ValueError(f"scope: partings {self.partings!r}, expected (near-ties, all) under a named rule")
 
 
 def length_ranges(lengths: Sequence[int], grid: Sequence[int]) -> str:
@@ -160,12 +170,19 @@ def controls_words(controls: ControlsOutcome | None) -> str:
 def fixture_words(scope: Scope) -> str:
     """The fixture half of a scope line: "fixture F (repetitions × prompt/output tokens)", and
     ", calibrated on receipt://R" inside the parentheses when the scope names its calibration, and
-    ", under <conditions>" when the handoffs ran under service conditions."""
+    ", under <conditions>" when the handoffs ran under service conditions, and ", judged
+    teacher-forced by <rule>: N of M partings near-ties" under the teacher-forced rule."""
     calibrated = f", calibrated on {scope.calibrated_on}" if scope.calibrated_on is not None else ""
     service = (f", under {SERVICE_CONDITIONS[scope.service_conditions]}"
                if scope.service_conditions is not None else "")
+    judged = ""
+    if scope.judged_by is not None:
+        judged = f", judged teacher-forced by {scope.judged_by}"
+        if scope.partings is not None:
+            near, total = scope.partings
+            judged += (": no parting" if total == 0 else f": {near} of {total} partings near-ties")
     return (f"fixture {scope.fixture} ({scope.repetitions} × "
-            f"{scope.prompt_tokens}/{scope.output_tokens}{calibrated}{service})")
+            f"{scope.prompt_tokens}/{scope.output_tokens}{calibrated}{service}{judged})")
 
 
 def scope_line(passed: bool, scope: Scope, reason: str | None = None) -> str:
@@ -189,6 +206,10 @@ def scope_document(scope: Scope, passed: bool) -> dict[str, Any]:
         "controls_words": controls_words(controls),
         "fixture": {"name": scope.fixture, "repetitions": scope.repetitions,
                     "prompt_tokens": scope.prompt_tokens, "output_tokens": scope.output_tokens},
+        "judged_by": None if scope.judged_by is None else {
+            "rule": scope.judged_by,
+            "near_tie_partings": None if scope.partings is None else scope.partings[0],
+            "partings": None if scope.partings is None else scope.partings[1]},
         "controls": None if controls is None else {
             "criteria": controls.criteria,
             "source": controls.source,

@@ -212,7 +212,8 @@ def basis_rule_problems(identity: Identity, evidence: dict[str, Any], records: l
     """Why the identity's sealed numbers do not follow from its basis by its stated rules: the
     calibration set and rule the basis measured must be the identity's, and its bounds and draft
     floor must be what the rules derive from the basis (:mod:`qualify.judge.calibration`)."""
-    from qualify.judge.calibration import bound_problems
+    from qualify.contract.identity import TeacherForcedLogits
+    from qualify.judge.calibration import TeacherForcedBounds, bound_problems
 
     basis = identity.calibration
     problems = []
@@ -221,11 +222,16 @@ def basis_rule_problems(identity: Identity, evidence: dict[str, Any], records: l
         problems.append(f"calibration.set: the basis measured {evidence.get('set')!r}, the identity names {stated_set!r}")
     bounds = identity.onboarding_qualification.full_logits
     draft = identity.speculative_draft
+    teacher_forced = None
+    if isinstance(bounds, TeacherForcedLogits):
+        teacher_forced = TeacherForcedBounds(bounds.maximum_absolute, bounds.maximum_mean_absolute,
+                                             bounds.near_tie_margin, bounds.maximum_changed_row_share)
     problems += bound_problems(
         evidence, records,
         maximum_absolute=getattr(bounds, "maximum_absolute", None),
         maximum_mean_absolute=getattr(bounds, "maximum_mean_absolute", None),
-        acceptance_floor=None if draft is None else draft.acceptance_floor)
+        acceptance_floor=None if draft is None else draft.acceptance_floor,
+        teacher_forced=teacher_forced)
     return problems
 
 

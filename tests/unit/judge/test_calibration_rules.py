@@ -234,13 +234,50 @@ def test_one_anchor_is_not_enough() -> None:
     assert not result.verdict.passed and not result.deterministic
 
 
-def test_a_diverged_anchor_fails_and_a_diverged_cell_does_not() -> None:
+def parted(repetition: int, row_max: float, row_mean: float, partings: list[tuple[int, float]]) -> dict[str, Any]:
+    """A sample whose tokens parted, with its teacher-forced rows as the comparer records them."""
+    teacher = {"max_abs": row_max, "mean_abs": row_mean / 2, "first_row_over_rule": None,
+               "top1_flips": len(partings), "max_row_mean_abs": row_mean,
+               "partings": [{"row": row, "cold_margin": margin} for row, margin in partings]}
+    return record(repetition, 19.0, 2.0, exact=False, output_tokens=256, localisation={"teacher_forced": teacher})
+
+
+def test_a_parted_cell_counts_its_drift_and_the_fixture_parting_makes_the_lane_teacher_forced() -> None:
+    """A cell that parted counts its teacher-forced drift under the exact-token rule; a fixture
+    anchor that parts leaves the exact-token rule unable to qualify the lane, so it is judged
+    teacher-forced, which anchors from before that rule (no rows recorded) cannot derive."""
     document, records = calibrated([1.0, 1.5], [0.05, 0.07])
     records[0] = record(1, 19.0, 2.0, exact=False, teacher=(1.0, 0.05))
     assert judged(records, document).verdict.passed
     records[2] = record(3, 0.5, 0.05, exact=False, teacher=(0.5, 0.05))
     result = judged(records, document)
-    assert not result.verdict.passed and not result.anchor_tokens_exact
+    assert not result.verdict.passed and not result.anchor_tokens_exact and result.teacher_forced is None
+    assert [c.name for c in result.verdict.checks if not c.passed] == ["teacher-forced rule"]
+
+
+def test_a_lane_that_parts_at_near_ties_is_calibrated_teacher_forced() -> None:
+    document, _ = calibrated([1.0, 1.5], [0.05, 0.07])
+    cells = [parted(1, 2.0, 0.3, [(5, 0.2), (40, 0.1)]), parted(2, 3.0, 0.4, [(9, 0.4)])]
+    anchors = [parted(3, 2.5, 0.35, [(7, 0.3)]), parted(4, 2.5, 0.35, [(7, 0.3)])]
+    result = judged(cells + anchors, document)
+    assert result.verdict.passed, result.verdict.reasons
+    assert result.teacher_forced is not None
+    assert result.teacher_forced.maximum_absolute == 3.0 + statistics.stdev([2.0, 3.0])
+    assert result.teacher_forced.maximum_mean_absolute == 0.4 + statistics.stdev([0.3, 0.4])
+    assert result.teacher_forced.near_tie_margin == 0.4 + statistics.stdev([0.2, 0.4])
+    assert result.teacher_forced.maximum_changed_row_share == 2 / 256 + statistics.stdev([2 / 256, 1 / 256])
+    assert "teacher-forced-cell-max-plus-one-sd.v1" in result.verdict.headline
+
+
+def test_a_decisive_anchor_parting_fails_the_calibration() -> None:
+    """The fixture's anchors must pass the rule the cells give, or no qualification could."""
+    document, _ = calibrated([1.0, 1.5], [0.05, 0.07])
+    cells = [parted(1, 2.0, 0.3, [(5, 0.2)]), parted(2, 3.0, 0.4, [(9, 0.4)])]
+    anchors = [parted(3, 2.5, 0.35, [(7, 3.0)]), parted(4, 2.5, 0.35, [(7, 3.0)])]
+    result = judged(cells + anchors, document)
+    assert not result.verdict.passed
+    assert [c.name for c in result.verdict.checks if not c.passed] == ["anchors judged teacher-forced"]
+    assert all("decisive parting at step 7" in reason for reason in result.verdict.reasons)
 
 
 def test_fewer_restarts_than_the_set_requires_fail() -> None:
@@ -375,11 +412,21 @@ def test_a_clean_calibration_returns_the_bounds_its_cells_derive_and_no_floor() 
     assert result.acceptance_floor is None and result.failures == []
 
 
-def test_diverged_anchors_fail_only_the_anchor_tokens_check() -> None:
+def test_diverged_anchors_fail_only_the_anchor_tokens_check_on_rung_3() -> None:
+    document, records = calibrated([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    records[3:] = [record(4, 0.0, 0.0, exact=False), record(5, 0.0, 0.0, exact=False)]
+    result = judged(records, document, rung=3)
+    assert [name for name, passed in outcomes(result).items() if not passed] == ["anchor tokens exact"]
+    assert len(result.verdict.reasons) == 1 and result.bounds == derive_bounds(result.cells)
+
+
+def test_diverged_anchors_without_teacher_forced_rows_fail_only_the_teacher_forced_rule_on_rung_2() -> None:
+    """On rung 2 a lane that parts is judged teacher-forced; anchors that record no teacher-forced
+    rows leave that rule underivable, and nothing else fails."""
     document, records = calibrated([1.0, 1.5, 1.25], [0.05, 0.07, 0.06])
     records[3:] = [record(4, 0.5, 0.05, exact=False), record(5, 0.5, 0.05, exact=False)]
     result = judged(records, document)
-    assert [name for name, passed in outcomes(result).items() if not passed] == ["anchor tokens exact"]
+    assert [name for name, passed in outcomes(result).items() if not passed] == ["teacher-forced rule"]
     assert len(result.verdict.reasons) == 1 and result.bounds == derive_bounds(result.cells)
 
 
