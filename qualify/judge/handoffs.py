@@ -474,9 +474,10 @@ def _judge_teacher_forced(record: Mapping[str, Any], values: Mapping[str, Any], 
         return judgement.failed()
     if not rule.drift_graded:
         _check_logit_digests_refuse_first(values, judgement)
+    partings = f"{len(rows.partings)} partings, each a near-tie" if rows.partings else "tokens exact"
     return judgement.verdict(
-        f"teacher-forced: {len(rows.partings)} partings, each a near-tie; every row within max "
-        f"{_num(rule.maximum_absolute)} and mean {_num(rule.maximum_mean_absolute)}")
+        f"teacher-forced: {partings}; every row within max {_num(rule.maximum_absolute)} and mean "
+        f"{_num(rule.maximum_mean_absolute)}")
 
 
 def judge_teacher_forced_rows(record: Record, rule: Rule) -> Verdict:
@@ -493,7 +494,8 @@ def judge_teacher_forced_rows(record: Record, rule: Rule) -> Verdict:
     rows = _check_teacher_forced_rows(evidence.record, tokens, parsed, judgement)
     if rows is None:
         return judgement.failed()
-    return judgement.verdict(f"teacher-forced: {len(rows.partings)} partings, each a near-tie")
+    return judgement.verdict(f"teacher-forced: {len(rows.partings)} partings, each a near-tie" if rows.partings
+                             else "teacher-forced: tokens exact")
 
 
 def _check_teacher_forced_rows(record: Mapping[str, Any], tokens: int | None, rule: BoundedDriftRule,
@@ -511,7 +513,7 @@ def _check_teacher_forced_rows(record: Mapping[str, Any], tokens: int | None, ru
     if decisive:
         row, cold = decisive[0]
         detail = (f"decisive parting at step {row}: cold margin {_num(cold, margin)} > near-tie margin {_num(margin)}"
-                  + (f" (and {len(decisive) - 1} more)" if len(decisive) > 1 else ""))
+                  + (f" ({len(decisive)} decisive partings)" if len(decisive) > 1 else ""))
     elif rows.partings:
         detail = (f"{near} partings, each a near-tie (cold margin at most {_num(max(c for _, c in rows.partings), margin)}"
                   f" <= {_num(margin)}), first at step {rows.partings[0][0]}")

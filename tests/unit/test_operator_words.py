@@ -215,6 +215,21 @@ def judge_handoff_cases() -> list[Case]:
     row = "a" * 64
     scope = Scope("python-textwrap", 3, 2048, 256, None)
     three = [rung2_record(i) for i in (1, 2, 3)]
+    forced = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25, near_tie_margin=0.75,
+                              maximum_changed_row_share=0.05)
+    tight = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25, near_tie_margin=0.75,
+                             maximum_changed_row_share=0.01)
+
+    def parted(repetition: int = 1, *, row_max: float = 6.5, row_mean: float = 0.75,
+               partings: Sequence[tuple[int, float]] = ((12, 0.125), (30, 0.5)), **teacher: Any) -> dict[str, Any]:
+        summary = {"max_abs": row_max, "mean_abs": row_mean / 2, "first_row_over_rule": None,
+                   "top1_flips": len(partings), "max_row_mean_abs": row_mean,
+                   "partings": [{"row": row, "cold_margin": margin} for row, margin in partings], **teacher}
+        return rung2_record(repetition, token_agreement_rate=12 / 256, cold_generated_token_sha256="7" * 64,
+                            seams_sha256="a" * 64,
+                            localisation={"first_divergence_position": partings[0][0], "teacher_forced": summary})
+
+    forced_three = [parted(i) for i in (1, 2, 3)]
     return [
         # ---- one sample, rung 2
         Case("rung-2 sample: passing", judged(judge_sample, rung2_record(), RULE2)),
@@ -352,6 +367,21 @@ def judge_handoff_cases() -> list[Case]:
         Case("qualification: repetition 2 diverging under a scope", judged(
             judge_qualification, [rung2_record(1), rung2_record(2, token_agreement_rate=0.5), rung2_record(3)], RULE2,
             three, deterministic_producer=False, scope=scope)),
+        # ---- rung 2 judged teacher-forced (tokens may part at near-ties)
+        Case("teacher-forced sample: two near-tie partings", judged(judge_sample, parted(), forced)),
+        Case("teacher-forced sample: tokens exact", judged(judge_sample, rung2_record(max_row_mean_abs=1.0), forced)),
+        Case("teacher-forced sample: tokens exact, every row's mean unrecorded", judged(judge_sample, rung2_record(), forced)),
+        Case("teacher-forced sample: a decisive parting, rows over both bounds, too many rows parted", judged(
+            judge_sample, parted(row_max=12.5, row_mean=1.5, partings=[(3, 0.2), (9, 0.9), (40, 2.5)]), tight)),
+        Case("teacher-forced sample: parted, no teacher-forced rows", judged(
+            judge_sample, rung2_record(token_agreement_rate=0.5), forced)),
+        Case("teacher-forced sample: flips and listed partings disagree", judged(
+            judge_sample, parted(top1_flips=5), forced)),
+        Case("qualification, teacher-forced: passing under a scope", judged(
+            judge_qualification, forced_three, forced, forced_three, deterministic_producer=True, scope=scope)),
+        Case("qualification, teacher-forced: a decisive parting under a scope", judged(
+            judge_qualification, [*forced_three[:2], parted(3, partings=[(4, 3.5)])], forced, forced_three,
+            deterministic_producer=True, scope=scope)),
     ]
 
 
@@ -526,9 +556,18 @@ def served_identity_cases() -> list[Case]:
 
 
 def judge_calibration_cases() -> list[Case]:
+    from dataclasses import replace
+
     from qualify.contract.rules import BOUND_RULE
-    from qualify.judge.calibration import ANCHOR_PART, CALIBRATION_PART, bound_problems, calibration_cells, derive_bounds
-    from tests.unit.judge.test_calibration_rules import ANCHORS, CELLS, calibrated, evidence, record
+    from qualify.judge.calibration import (
+        ANCHOR_PART,
+        CALIBRATION_PART,
+        bound_problems,
+        calibration_cells,
+        derive_bounds,
+        derive_teacher_forced_bounds,
+    )
+    from tests.unit.judge.test_calibration_rules import ANCHORS, CELLS, calibrated, evidence, parted, record
     from tests.unit.judge.test_calibration_rules import judged as calibration
 
     draft_digests = {"handoff_draft_tokens_sha256": "d" * 64, "handoff_draft_trace_sha256": "e" * 64}
@@ -557,6 +596,16 @@ def judge_calibration_cases() -> list[Case]:
         assert bounds is not None
         return bound_problems(document, records, maximum_absolute=None, acceptance_floor=None,
                               maximum_mean_absolute=bounds.maximum_mean_absolute)
+
+    def tf_one_ulp_over(_workspace: Workspace) -> list[str]:
+        records = [parted(1, 2.0, 0.3, [(5, 0.2)]), parted(2, 3.0, 0.4, [(9, 0.4)]),
+                   parted(3, 2.5, 0.35, [(7, 0.3)]), parted(4, 2.5, 0.35, [(7, 0.3)])]
+        document = evidence(CELLS[:2] + ANCHORS)
+        bounds = derive_teacher_forced_bounds(calibration_cells(document, records)[0])
+        assert bounds is not None
+        over = replace(bounds, near_tie_margin=math.nextafter(bounds.near_tie_margin, math.inf))
+        return bound_problems(document, records, maximum_absolute=None, maximum_mean_absolute=None,
+                              acceptance_floor=None, teacher_forced=over)
 
     def long_rule(_workspace: Workspace) -> list[str]:
         document, records = calibrated([1.0, 1.5], [0.05, 0.07])
@@ -626,6 +675,13 @@ def judge_calibration_cases() -> list[Case]:
         Case("calibration, a draft lane: no anchor counts", judged_calibration(uncounted[1], uncounted[0], draft=True)),
         Case("calibration, a lane without a draft: anchor counts recorded",
              judged_calibration(counted[1], counted[0], draft=False)),
+        Case("calibration: the fixture parts at near-ties (teacher-forced)", judged_calibration(
+            [parted(1, 2.0, 0.3, [(5, 0.2), (40, 0.1)]), parted(2, 3.0, 0.4, [(9, 0.4)]),
+             parted(3, 2.5, 0.35, [(7, 0.3)]), parted(4, 2.5, 0.35, [(7, 0.3)])], evidence(CELLS[:2] + ANCHORS))),
+        Case("calibration: the fixture parts decisively (teacher-forced)", judged_calibration(
+            [parted(1, 2.0, 0.3, [(5, 0.2)]), parted(2, 3.0, 0.4, [(9, 0.4)]),
+             parted(3, 2.5, 0.35, [(7, 3.0)]), parted(4, 2.5, 0.35, [(7, 3.0)])], evidence(CELLS[:2] + ANCHORS))),
+        Case("sealed numbers, teacher-forced: a near-tie margin one ULP over", tf_one_ulp_over),
     ]
 
 
