@@ -162,6 +162,12 @@ def calibration_document(result: Calibration, *, exit_code: int, recipe: str, an
     if result.proposed_maximum_absolute is not None:
         proposed = {"maximum_absolute": json_number(result.proposed_maximum_absolute),
                     "maximum_mean_absolute": json_number(result.proposed_maximum_mean_absolute)}
+    if result.teacher_forced is not None:  # the fixture parted: the teacher-forced rule's numbers
+        forced = result.teacher_forced
+        proposed = {"maximum_absolute": json_number(forced.maximum_absolute),
+                    "maximum_mean_absolute": json_number(forced.maximum_mean_absolute),
+                    "near_tie_margin": forced.near_tie_margin,
+                    "maximum_changed_row_share": forced.maximum_changed_row_share}
     document = head("calibrate", exit_code, None)
     document.update({
         "lane": result.lane, "recipe": recipe, "anchors": anchors, "headline": result.headline,

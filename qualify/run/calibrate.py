@@ -29,6 +29,7 @@ from qualify.judge.calibration import (
     CALIBRATION_EVIDENCE_SCHEMA,
     CALIBRATION_PART,
     CellDrift,
+    TeacherForcedBounds,
     judge_calibration,
 )
 from qualify.judge.scope import ControlsOutcome
@@ -110,6 +111,8 @@ class Calibration:
     controls: ControlsOutcome | None = None
     # The controls judgement as JSON (every cell's gate and exceedance), empty without controls.
     controls_judgement: dict[str, Any] = field(default_factory=dict)
+    # The teacher-forced rule's four numbers, when the fixture parted (docs/calibration.md 1b).
+    teacher_forced: TeacherForcedBounds | None = None
 
     @property
     def observed_max_abs(self) -> float:
@@ -232,7 +235,7 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
     return Calibration(lane, run.records, judged.cells, judged.proposed_maximum_absolute,
                        judged.proposed_maximum_mean_absolute, judged.acceptance_floor, run.receipt_path,
                        judged.failures, judged.anchor_tokens_exact, judged.deterministic, verdict.passed,
-                       verdict.headline, controls_outcome, table)
+                       verdict.headline, controls_outcome, table, judged.teacher_forced)
 
 
 def _judged_controls(record: dict[str, Any] | None, criteria: Any, run: QualificationRun

@@ -49,9 +49,19 @@ def next_steps(result: Calibration, lane: str, recipe: str, connector: list[str]
     ``connector``: a connector lane's ``--connector ...`` options, as calibrated."""
     if result.failures:
         return [StepLine("no rule derived: a handoff failed; publish this receipt as its result", "bold red")]
+    forced = result.teacher_forced
+    if forced is not None and result.passed:
+        lead = StepLine(
+            f"derived teacher-forced rule (the fixture parts from the cold recompute, each time at a near-tie; "
+            f"largest cell value plus one standard deviation over {len(result.cells)} calibration cells): "
+            f"maximum_absolute {forced.maximum_absolute!r}, maximum_mean_absolute (per row) "
+            f"{forced.maximum_mean_absolute!r}, near_tie_margin {forced.near_tie_margin!r}, "
+            f"maximum_changed_row_share {forced.maximum_changed_row_share!r}", "bold")
+        return [lead, *freeze_steps(lane, result.receipt_path, connector)]
     if not result.tokens_exact:
         return [StepLine("no rule derived: the lane does not keep exact tokens on its fixture (an anchor handoff "
-                         "diverged); publish this receipt as its result", "bold red")]
+                         "diverged) and the teacher-forced rule refuses it (see the receipt's verdict); publish "
+                         "this receipt as its result", "bold red")]
     if not result.deterministic:
         return [StepLine("no rule derived: the fixture anchors differ across restarts or environments (see the "
                          "receipt's verdict); no sealed identity can cover it", "bold red")]
