@@ -343,6 +343,14 @@ def _common_sample_checks(
             detail = f"tokens diverge: agreement {_num(rate)}{agreed}" + (f"; {where}" if where else "")
         judgement.check("tokens exact", rate == 1.0, detail)
     handoff_tokens, cold_tokens = values["handoff_generated_token_sha256"], values["cold_generated_token_sha256"]
+    if handoff_tokens is not None and cold_tokens is not None and parting_allowed and rate is not None:
+        # Tokens may part, but the digests must say what the agreement says.
+        agrees = (handoff_tokens == cold_tokens) == (rate == 1.0)
+        judgement.check(
+            "generated-token digest", agrees,
+            "generated-token digest agrees with the token agreement" if agrees
+            else f"generated-token digest {'differs from' if handoff_tokens != cold_tokens else 'equals'} the cold "
+                 f"run's while the token agreement is {_num(rate)}")
     if handoff_tokens is not None and cold_tokens is not None and not parting_allowed:
         judgement.check(
             "generated-token digest", handoff_tokens == cold_tokens,
@@ -433,13 +441,15 @@ class TeacherForcedRows:
 def teacher_forced_rows(record: Mapping[str, Any]) -> TeacherForcedRows | str:
     """The sample's teacher-forced rows, or why they cannot be read (absent evidence fails)."""
     rate = _finite(record.get("token_agreement_rate"))
+    where = record.get("localisation")
+    teacher = where.get("teacher_forced") if isinstance(where, Mapping) else None
     if rate == 1.0:
+        if teacher is not None:
+            return "tokens exact, yet the sample records teacher-forced rows: contradictory evidence"
         maximum, mean = _finite(record.get("max_abs")), _finite(record.get("max_row_mean_abs"))
         if maximum is None or mean is None or maximum < 0 or mean < 0:
             return "sample omits max_abs or max_row_mean_abs as a finite number >= 0"
         return TeacherForcedRows(float(maximum), float(mean), ())
-    where = record.get("localisation")
-    teacher = where.get("teacher_forced") if isinstance(where, Mapping) else None
     if not isinstance(teacher, Mapping):
         return "tokens parted and the sample omits localisation.teacher_forced"
     maximum, mean = _finite(teacher.get("max_abs")), _finite(teacher.get("max_row_mean_abs"))
@@ -456,9 +466,12 @@ def teacher_forced_rows(record: Mapping[str, Any]) -> TeacherForcedRows | str:
             return f"sample localisation.teacher_forced.partings: malformed entry {one_line(repr(item))[:80]}"
         partings.append((row, float(margin)))
     rows = [row for row, _ in partings]
-    if rows != sorted(set(rows)) or not partings:
-        return "sample localisation.teacher_forced.partings: expected rows in increasing order, at least one"
-    if teacher.get("top1_flips") != len(partings):
+    tokens = record.get("output_tokens")
+    if rows != sorted(set(rows)) or not partings or type(tokens) is not int or rows[-1] >= tokens:
+        return (f"sample localisation.teacher_forced.partings: expected rows in increasing order below "
+                f"output_tokens {tokens!r}, at least one")
+    flips = teacher.get("top1_flips")
+    if type(flips) is not int or flips != len(partings):
         return (f"sample localisation.teacher_forced: top1_flips {teacher.get('top1_flips')!r} but "
                 f"{len(partings)} partings listed")
     return TeacherForcedRows(float(maximum), float(mean), tuple(partings))

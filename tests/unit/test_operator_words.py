@@ -374,7 +374,9 @@ def judge_handoff_cases() -> list[Case]:
         Case("teacher-forced sample: a decisive parting, rows over both bounds, too many rows parted", judged(
             judge_sample, parted(row_max=12.5, row_mean=1.5, partings=[(3, 0.2), (9, 0.9), (40, 2.5)]), tight)),
         Case("teacher-forced sample: parted, no teacher-forced rows", judged(
-            judge_sample, rung2_record(token_agreement_rate=0.5), forced)),
+            judge_sample, rung2_record(token_agreement_rate=0.5, cold_generated_token_sha256="7" * 64), forced)),
+        Case("teacher-forced sample: tokens exact by agreement, digests differing", judged(
+            judge_sample, rung2_record(max_row_mean_abs=1.0, cold_generated_token_sha256="7" * 64), forced)),
         Case("teacher-forced sample: flips and listed partings disagree", judged(
             judge_sample, parted(top1_flips=5), forced)),
         Case("qualification, teacher-forced: passing under a scope", judged(

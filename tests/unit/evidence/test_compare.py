@@ -594,3 +594,154 @@ def test_compare_kv_refusals_name_the_tensor_at_fault(tensor):
     own_keys, own_values = ([own_short], [good]) if tensor == "K" else ([good], [own_short])
     with pytest.raises(Refused, match=f"^kv layer 0 {tensor}: handed-off shape \\[2, 5, 4\\] does not fit"):
         compare_kv([good], [good], own_keys, own_values)
+
+
+# --------------------------------------------------------------------------- teacher-forced partings (the teacher-forced rule)
+
+PARTED_ROWS = (0, 5, 17, 63)
+"""Rows whose teacher-forced top token is made to differ from the cold one (first and last included)."""
+
+
+def _forced_with_partings(cold_logits: np.ndarray, rows: tuple[int, ...] = PARTED_ROWS, noise: float = 1e-3,
+                          seed: int = 7) -> np.ndarray:
+    """Teacher-forced logits: the cold logits plus a little noise, with the cold runner-up lifted
+    above the cold top token at ``rows`` (a row of the noise may part as well: the expectation is
+    computed from the argmaxes, never assumed)."""
+    rng = np.random.default_rng(seed)
+    forced = (cold_logits + rng.standard_normal(cold_logits.shape) * noise).astype(np.float32)
+    for row in rows:
+        ranked = np.argsort(cold_logits[row])
+        forced[row, ranked[-2]] = forced[row, ranked[-1]] + np.float32(1.0)
+    return forced
+
+
+def _expected_partings(forced: np.ndarray, cold_logits: np.ndarray, spec: str) -> tuple[tuple[int, float], ...]:
+    """Rows whose emitted argmax differs, with numpy's top-1 minus top-2 of the cold row in contract units."""
+    transform = parse_logit_transform(spec)
+    units = cold_logits if transform.cap is None else _softcap(cold_logits, transform.cap)
+    ordered = np.sort(units, axis=1).astype(np.float64)
+    margins = ordered[:, -1] - ordered[:, -2]
+    rows = np.flatnonzero(forced.argmax(axis=1) != cold_logits.argmax(axis=1))
+    return tuple((int(row), float(margins[row])) for row in rows)
+
+
+@pytest.mark.parametrize("spec", ["raw", "tanh-softcap:5"])
+def test_compare_branches_records_each_parting_with_its_cold_margin(spec: str, chunk_bytes: int) -> None:
+    handoff, cold = _decode_pair(noise=0.6)
+    forced = _forced_with_partings(cold.logits)
+    result = compare_branches(handoff, cold, spec, maximum_absolute=1.5, maximum_mean_absolute=0.3,
+                              teacher_forced_logits=forced)
+    tf = result.teacher_forced
+    assert tf is not None
+    expected = _expected_partings(forced, cold.logits, spec)
+    assert set(PARTED_ROWS) <= {row for row, _ in expected}
+    assert tf.partings == expected
+    assert tf.top1_flips == len(tf.partings)
+    assert [row for row, _ in tf.partings] == sorted({row for row, _ in tf.partings})
+    # each margin is the cold row's, the one the comparison reports for that row
+    assert all(margin == float(result.cold_margins[row]) for row, margin in tf.partings)
+
+
+@pytest.mark.parametrize("spec", ["raw", "tanh-softcap:5"])
+def test_teacher_forced_drift_gives_the_partings_compare_branches_gives(spec: str, chunk_bytes: int) -> None:
+    handoff, cold = _decode_pair(noise=0.6)
+    forced = _forced_with_partings(cold.logits)
+    branches = compare_branches(handoff, cold, spec, maximum_absolute=1.5, maximum_mean_absolute=0.3,
+                                teacher_forced_logits=forced).teacher_forced
+    alone = teacher_forced_drift(forced, cold.logits, spec, maximum_absolute=1.5, maximum_mean_absolute=0.3)
+    assert branches is not None
+    assert alone.partings == branches.partings == _expected_partings(forced, cold.logits, spec)
+    assert alone.top1_flips == branches.top1_flips
+    assert alone.max_row_mean_abs == branches.max_row_mean_abs
+
+
+def test_no_parting_is_recorded_where_every_teacher_forced_top_token_is_the_cold_one(chunk_bytes: int) -> None:
+    handoff, cold = _decode_pair(noise=0.6)
+    forced = cold.logits.copy()
+    forced[3] += np.float32(0.25)  # drift that moves no top token
+    result = compare_branches(handoff, cold, "raw", maximum_absolute=1.5, maximum_mean_absolute=0.3,
+                              teacher_forced_logits=forced)
+    assert result.teacher_forced is not None
+    assert result.teacher_forced.partings == () and result.teacher_forced.top1_flips == 0
+    assert teacher_forced_drift(forced, cold.logits).partings == ()
+
+
+def test_a_parting_at_a_saturated_soft_cap_records_the_margin_in_contract_units() -> None:
+    """Under a soft cap the margin is the capped one: two raw logits far apart but both deep in the
+    cap's saturation part by a margin far smaller than their raw gap."""
+    cold = np.zeros((2, 8), dtype=np.float32)
+    cold[0, [1, 2]] = [60.0, 40.0]
+    cold[1, [3, 4]] = [1.0, 0.5]
+    forced = cold.copy()
+    forced[0, 2] = 70.0  # the runner-up overtakes: a parting at row 0
+    drift = teacher_forced_drift(forced, cold, "tanh-softcap:5")
+    capped = _softcap(cold[0], 5.0).astype(np.float64)
+    assert drift.partings == ((0, float(capped[1] - capped[2])),)
+    assert drift.partings[0][1] < 1e-3  # far below the raw gap of 20
+    assert teacher_forced_drift(forced, cold, "raw").partings == ((0, 20.0),)
+
+
+@pytest.mark.parametrize("spec", ["raw", "tanh-softcap:5"])
+def test_max_row_mean_abs_is_the_largest_per_row_mean_abs_delta(spec: str, chunk_bytes: int) -> None:
+    handoff, cold = _decode_pair(noise=0.6)
+    forced = _forced_with_partings(cold.logits)
+    forced[11] += np.float32(0.5)  # one row whose mean stands out above the block's
+    transform = parse_logit_transform(spec)
+    units = (lambda x: x) if transform.cap is None else (lambda x: _softcap(x, transform.cap))
+    per_row = np.abs(units(forced) - units(cold.logits)).astype(np.float64).mean(axis=1)
+    result = compare_branches(handoff, cold, spec, maximum_absolute=1.5, maximum_mean_absolute=0.3,
+                              teacher_forced_logits=forced)
+    tf = result.teacher_forced
+    assert tf is not None
+    assert int(per_row.argmax()) == 11
+    assert tf.max_row_mean_abs == pytest.approx(float(per_row.max()), rel=1e-6)
+    assert tf.max_row_mean_abs == float(tf.row_mean_abs.max())
+    assert tf.max_row_mean_abs > tf.mean_abs
+
+
+def test_largest_is_nan_when_any_row_is_and_zero_when_there_is_none() -> None:
+    assert compare.largest(np.array([0.5, 2.0, 1.0])) == 2.0
+    assert math.isnan(compare.largest(np.array([0.5, math.nan, 2.0])))
+    assert math.isnan(compare.largest(np.array([math.nan])))
+    assert compare.largest(np.array([])) == 0.0
+
+
+def test_a_nan_teacher_forced_row_makes_the_largest_row_mean_nan() -> None:
+    _, cold = _blocks()
+    forced = cold.copy()
+    forced[9, 4] = np.nan
+    assert math.isnan(teacher_forced_drift(forced, cold).max_row_mean_abs)
+
+
+def test_partings_at_lists_rows_in_order_with_their_margins() -> None:
+    margins = np.array([0.5, 0.25, 1.0, 0.125])
+    assert compare.partings_at(np.array([3, 0, 2]), margins) == ((0, 0.5), (2, 1.0), (3, 0.125))
+    assert compare.partings_at(np.array([], dtype=np.int64), margins) == ()
+
+
+def test_the_sample_record_carries_the_partings_and_both_largest_row_means() -> None:
+    handoff, cold = _decode_pair(noise=0.6, rows=256)
+    forced = _forced_with_partings(cold.logits)
+    comparison = compare_branches(handoff, cold, "raw", maximum_absolute=11.0, maximum_mean_absolute=1.25,
+                                  teacher_forced_logits=forced)
+    model = sample_record(
+        repetition=1, comparison=comparison, payload_sha256=PAYLOAD_SHA, payload_bytes=100,
+        payload_gbit_per_s=1.0, handed_off_positions=2047, recomputed_positions=0,
+        phases={name: 0.0 for name in PHASE_FIELDS},
+    )
+    tf = comparison.teacher_forced
+    assert tf is not None and model.localisation is not None and model.localisation.teacher_forced is not None
+    summary = model.localisation.teacher_forced
+    assert [(p.row, p.cold_margin) for p in summary.partings or ()] == list(tf.partings)
+    assert summary.max_row_mean_abs == tf.max_row_mean_abs
+    assert model.max_row_mean_abs == float(comparison.delta.row_mean_abs.max())
+    as_json = record_json(model)
+    assert as_json["localisation"]["teacher_forced"]["partings"] == [
+        {"row": row, "cold_margin": margin} for row, margin in tf.partings]
+    # judged by the teacher-forced rule: near-ties up to the largest margin pass, one below it does not
+    largest_margin = max(margin for _, margin in tf.partings)
+    wide = BoundedDriftRule(maximum_absolute=11.0, maximum_mean_absolute=1.25, near_tie_margin=largest_margin,
+                            maximum_changed_row_share=1.0)
+    narrow = wide.model_copy(update={"near_tie_margin": math.nextafter(largest_margin, 0.0)})
+    assert judge_sample(as_json, wide).passed
+    assert not judge_sample(as_json, narrow).passed
