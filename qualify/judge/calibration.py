@@ -265,13 +265,13 @@ def bound_problems(evidence: Mapping[str, Any], records: Sequence[Record], *,
     problems += cell_problems
     derived = derive_bounds(cells)
     if teacher_forced is not None:
-        follows = derive_teacher_forced_bounds(cells)
-        if follows is None:
+        forced = derive_teacher_forced_bounds(cells)
+        if forced is None:
             problems.append(f"calibration set: {len(cells)} cells with teacher-forced rows recorded, "
                             f"rule {TEACHER_FORCED_BOUND_RULE} needs at least 2 and every cell's rows")
         else:
             for name in ("maximum_absolute", "maximum_mean_absolute", "near_tie_margin", "maximum_changed_row_share"):
-                sealed, given = getattr(teacher_forced, name), getattr(follows, name)
+                sealed, given = getattr(teacher_forced, name), getattr(forced, name)
                 if sealed != given:
                     problems.append(f"{name}: sealed {sealed!r}, the basis gives {given!r} by rule "
                                     f"{TEACHER_FORCED_BOUND_RULE}")
