@@ -69,6 +69,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from qualify.archive.layout import SUMMARY
 from qualify.archive.reader import resolve_receipt_uri
 from qualify.contract.controls import model_contracts_dir
 from qualify.contract.identity import (
@@ -585,6 +586,11 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
     records = receipt_sample_records(receipt)
     if evidence.get("lane") != spec.name:
         raise Refused(f"--basis {basis_uri}: a calibration of lane {evidence.get('lane')!r}, not {spec.name}")
+    summary = read_strict_json(receipt / SUMMARY, f"--basis {basis_uri}: {SUMMARY}")
+    if not isinstance(summary, dict) or summary.get("status") != "passed":
+        status = summary.get("status") if isinstance(summary, dict) else None
+        raise Refused(f"--basis {basis_uri}: the calibration's verdict is {status!r}, not 'passed': a failed "
+                      f"calibration is no basis (its receipt is published as its result)")
     calibration_set, set_digest = load_calibration_set()
     stated_set = {"name": calibration_set.name, "sha256": set_digest}
     if evidence.get("set") != stated_set:

@@ -1012,6 +1012,24 @@ def test_freeze_tool_derives_the_bounds_from_a_real_calibration_and_refuses_any_
     assert not any((tmp_path / name).exists() for name in ("x.json", "off.json", "other.json"))
 
 
+
+DRAFT_RULE_CALIBRATION = "20261207T042556Z-1cc33780f9cf9e90"
+"""nvfp4-native-w4a4 on SmolLM2 judged by the teacher-forced rule's draft, which failed a
+calibration whose fixture parts in more rows than the derived ceiling: a failed verdict."""
+
+
+def test_a_failed_calibration_is_no_basis_to_freeze_from() -> None:
+    """A calibration whose verdict failed is published as its result, never frozen from, even
+    where its numbers are derivable (this one's are, by the teacher-forced rule)."""
+    from qualify.contract.lanes import lane_spec
+    from qualify.core.errors import Refused as Refusal
+
+    freeze = _freeze_tool()
+    with pytest.raises(Refusal, match="the calibration's verdict is 'failed', not 'passed'"):
+        freeze.derived_numbers(lane_spec("nvfp4-native-w4a4"), f"receipt://{DRAFT_RULE_CALIBRATION}/command.log",
+                               REPO / "receipts")
+
+
 def test_refreeze_recomputes_the_artifact_digests_and_keeps_the_rest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
