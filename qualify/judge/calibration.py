@@ -91,10 +91,10 @@ class TeacherForcedBounds:
     near_tie_margin: float
     maximum_changed_row_share: float
 
-    def rule(self, *, repetitions: int, output_tokens: int) -> BoundedDriftRule:
-        """The judging rule these numbers make (drift-graded, as every rung-2 rule)."""
-        return BoundedDriftRule(repetitions=repetitions, output_tokens=output_tokens,
-                                maximum_absolute=self.maximum_absolute,
+    def rule(self) -> BoundedDriftRule:
+        """The clauses these numbers make, for :func:`~qualify.judge.handoffs.judge_teacher_forced_rows`
+        (which reads a sample's own token count; the repetitions are a qualification's)."""
+        return BoundedDriftRule(maximum_absolute=self.maximum_absolute,
                                 maximum_mean_absolute=self.maximum_mean_absolute,
                                 near_tie_margin=self.near_tie_margin,
                                 maximum_changed_row_share=self.maximum_changed_row_share)
@@ -205,9 +205,9 @@ def derive_teacher_forced_bounds(cells: Sequence[CellDrift]) -> TeacherForcedBou
     values = [cell.teacher_forced_values for cell in cells]
     if len(cells) < 2 or any(value is None for value in values):
         return None
-    columns = list(zip(*[value for value in values if value is not None], strict=True))
-    maximum, mean, margin, share = (bound_of(list(column))[0] for column in columns)
-    return TeacherForcedBounds(maximum, mean, margin, min(share, 1.0))
+    maximum, mean, margin, share = (bound_of([value[index] for value in values if value is not None])[0]
+                                    for index in range(4))
+    return TeacherForcedBounds(maximum, mean, margin, min(share, 1.0))  # a share above 1 means nothing
 
 
 def keeps_tokens(anchors: Sequence[Mapping[str, Any]]) -> bool:
@@ -411,9 +411,7 @@ def _anchors_under(anchors: Sequence[Mapping[str, Any]], bounds: TeacherForcedBo
     qualification judges the fixture, and publishes what it finds)."""
     failing = []
     for anchor in anchors:
-        tokens = anchor.get("output_tokens")
-        verdict = judge_teacher_forced_rows(anchor, bounds.rule(
-            repetitions=1, output_tokens=tokens if type(tokens) is int and tokens > 0 else 1))
+        verdict = judge_teacher_forced_rows(anchor, bounds.rule())
         failing += [] if verdict.passed else [f"anchor {anchor.get('repetition')}: {'; '.join(verdict.reasons)}"]
     if failing:
         return f"; the fixture's own anchors are OUTSIDE the derived teacher-forced rule ({'; '.join(failing)})"

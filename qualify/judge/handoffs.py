@@ -436,6 +436,7 @@ class TeacherForcedRows:
     max_abs: float
     max_row_mean_abs: float
     partings: tuple[tuple[int, float], ...]
+    first_row_over_rule: int | None = None
 
 
 def teacher_forced_rows(record: Mapping[str, Any]) -> TeacherForcedRows | str:
@@ -474,7 +475,8 @@ def teacher_forced_rows(record: Mapping[str, Any]) -> TeacherForcedRows | str:
     if type(flips) is not int or flips != len(partings):
         return (f"sample localisation.teacher_forced: top1_flips {teacher.get('top1_flips')!r} but "
                 f"{len(partings)} partings listed")
-    return TeacherForcedRows(float(maximum), float(mean), tuple(partings))
+    over = teacher.get("first_row_over_rule")
+    return TeacherForcedRows(float(maximum), float(mean), tuple(partings), over if type(over) is int else None)
 
 
 def _judge_teacher_forced(record: Mapping[str, Any], values: Mapping[str, Any], rule: BoundedDriftRule,
@@ -487,10 +489,14 @@ def _judge_teacher_forced(record: Mapping[str, Any], values: Mapping[str, Any], 
         return judgement.failed()
     if not rule.drift_graded:
         _check_logit_digests_refuse_first(values, judgement)
-    partings = f"{len(rows.partings)} partings, each a near-tie" if rows.partings else "tokens exact"
+    partings = f"{_partings(len(rows.partings))}, each a near-tie" if rows.partings else "tokens exact"
     return judgement.verdict(
         f"teacher-forced: {partings}; every row within max {_num(rule.maximum_absolute)} and mean "
         f"{_num(rule.maximum_mean_absolute)}")
+
+
+def _partings(count: int) -> str:
+    return f"{count} parting" + ("" if count == 1 else "s")
 
 
 def judge_teacher_forced_rows(record: Record, rule: Rule) -> Verdict:
@@ -507,7 +513,7 @@ def judge_teacher_forced_rows(record: Record, rule: Rule) -> Verdict:
     rows = _check_teacher_forced_rows(evidence.record, tokens, parsed, judgement)
     if rows is None:
         return judgement.failed()
-    return judgement.verdict(f"teacher-forced: {len(rows.partings)} partings, each a near-tie" if rows.partings
+    return judgement.verdict(f"teacher-forced: {_partings(len(rows.partings))}, each a near-tie" if rows.partings
                              else "teacher-forced: tokens exact")
 
 
@@ -522,23 +528,20 @@ def _check_teacher_forced_rows(record: Mapping[str, Any], tokens: int | None, ru
         return None
     margin = rule.near_tie_margin
     decisive = [(row, cold) for row, cold in rows.partings if cold > margin]
-    near = len(rows.partings) - len(decisive)
     if decisive:
         row, cold = decisive[0]
         detail = (f"decisive parting at step {row}: cold margin {_num(cold, margin)} > near-tie margin {_num(margin)}"
                   + (f" ({len(decisive)} decisive partings)" if len(decisive) > 1 else ""))
     elif rows.partings:
-        detail = (f"{near} partings, each a near-tie (cold margin at most {_num(max(c for _, c in rows.partings), margin)}"
+        widest = max(cold for _, cold in rows.partings)
+        detail = (f"{_partings(len(rows.partings))}, each a near-tie (cold margin at most {_num(widest, margin)}"
                   f" <= {_num(margin)}), first at step {rows.partings[0][0]}")
     else:
         detail = "no parting: tokens exact"
     judgement.check("near-tie partings", not decisive, detail)
     bound, mean_bound = rule.maximum_absolute, rule.maximum_mean_absolute
     inside = rows.max_abs <= bound and rows.max_row_mean_abs <= mean_bound
-    where = ""
-    teacher = record.get("localisation", {}).get("teacher_forced") if rows.partings else None
-    if not inside and isinstance(teacher, Mapping) and type(teacher.get("first_row_over_rule")) is int:
-        where = f"; first row over the rule {teacher['first_row_over_rule']}"
+    where = "" if rows.first_row_over_rule is None else f"; first row over the rule {rows.first_row_over_rule}"
     judgement.check(
         "teacher-forced drift", inside,
         f"every row within: max {_num(rows.max_abs, bound)} <= {_num(bound)}, row mean "
@@ -808,9 +811,9 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
         _check_equal_across(judgement, mappings, count, name, words)
 
     if teacher_forced:
-        partings = near_tie_partings(mappings, rule)
+        partings = near_tie_partings(mappings, rule)  # a passing summary's partings are all near-ties
         headline = (f"{count}/{rule.repetitions} handoffs judged teacher-forced: "
-                    + (f"{partings[0]} of {partings[1]} partings near-ties" if partings is not None else "partings unread")
+                    + (f"{partings[1]} partings, each a near-tie" if partings is not None else "partings unread")
                     + "; generated-token and payload digests equal across repetitions")
     elif isinstance(rule, BoundedDriftRule):
         headline = (

@@ -379,6 +379,21 @@ def judge_handoff_cases() -> list[Case]:
             judge_sample, rung2_record(max_row_mean_abs=1.0, cold_generated_token_sha256="7" * 64), forced)),
         Case("teacher-forced sample: flips and listed partings disagree", judged(
             judge_sample, parted(top1_flips=5), forced)),
+        Case("teacher-forced sample: every value one ULP inside its bound", judged(judge_sample, parted(
+            row_max=math.nextafter(11.0, 0.0), row_mean=math.nextafter(1.25, 0.0),
+            partings=[(12, math.nextafter(0.75, 0.0))]), forced)),
+        Case("teacher-forced sample: every value one ULP over its bound", judged(judge_sample, parted(
+            row_max=math.nextafter(11.0, 20.0), row_mean=math.nextafter(1.25, 2.0),
+            partings=[(12, math.nextafter(0.75, 1.0))]), forced)),
+        Case("teacher-forced sample: two of 256 rows parted, the ceiling exactly 2/256", judged(
+            judge_sample, parted(), forced.model_copy(update={'maximum_changed_row_share': 2 / 256}))),
+        *(Case(f"teacher-forced sample, 3 tokens: one row parted, the ceiling one ULP {side} 1/3", judged(
+            judge_sample, {**parted(partings=[(1, 0.125)]), "output_tokens": 3},
+            forced.model_copy(update={'output_tokens': 3, 'maximum_changed_row_share': math.nextafter(1 / 3, toward)})))
+          for side, toward in (("over", 1.0), ("under", 0.0))),
+        Case("teacher-forced sample: tokens parted, generated-token digests equal", judged(
+            judge_sample, {**parted(), "cold_generated_token_sha256": rung2_record()["handoff_generated_token_sha256"]},
+            forced)),
         Case("qualification, teacher-forced: passing under a scope", judged(
             judge_qualification, forced_three, forced, forced_three, deterministic_producer=True, scope=scope)),
         Case("qualification, teacher-forced: a decisive parting under a scope", judged(

@@ -25,7 +25,7 @@ from qualify.judge.calibration import (
     calibration_cells,
     derive_teacher_forced_bounds,
 )
-from qualify.judge.handoffs import near_tie_partings
+from qualify.judge.handoffs import judge_teacher_forced_rows, near_tie_partings
 from qualify.judge.scope import Scope, fixture_words, scope_document, scope_line
 from tests.unit.judge.test_calibration_rules import ANCHORS, CELLS, evidence, parted
 from tests.unit.judge.test_calibration_rules import record as calibration_record
@@ -308,7 +308,7 @@ def test_a_summary_of_parting_repetitions_passes_without_the_exact_token_checks(
     names = set(outcomes(verdict))
     assert "tokens exact in every repetition" not in names and "bounded drift in every repetition" not in names
     assert {"samples", "generated-token digest across repetitions"} <= names
-    assert "6 of 6 partings near-ties" in verdict.headline
+    assert "6 partings, each a near-tie" in verdict.headline
 
 
 def test_a_summary_fails_a_decisive_parting_in_one_repetition_naming_it() -> None:
@@ -485,9 +485,76 @@ def test_a_cell_without_its_teacher_forced_rows_leaves_the_numbers_underivable()
 def test_the_derived_rule_passes_the_basis_anchors() -> None:
     """The numbers a calibration seals make a rule its own fixture anchors pass."""
     _, records, bounds = derived_bounds()
-    rule = bounds.rule(repetitions=1, output_tokens=TOKENS)
+    rule = bounds.rule()
+    assert rule.output_tokens == TOKENS
     assert rule.teacher_forced
     for anchor in records[3:]:
         sample = rung2_record(anchor["repetition"], token_agreement_rate=anchor["token_agreement_rate"],
                               handoff_generated_token_sha256=HANDOFF_TOKENS_SHA, localisation=anchor["localisation"])
         assert judge_rung2_sample(sample, rule).passed
+
+
+# --------------------------------------------------------------------------- edges the mutation gate named
+
+
+def test_rows_read_at_zero_and_below_one_are_rows_not_absences() -> None:
+    """A max of 0.5 and a row mean of 0 are measurements, on both paths (tokens exact, parted)."""
+    assert judge_rung2_sample(exact_sample(max_abs=0.5, max_row_mean_abs=0.0), RULE_TF).passed
+    assert judge_rung2_sample(exact_sample(max_abs=0.0, max_row_mean_abs=0.0, mean_abs=0.0), RULE_TF).passed
+    assert judge_rung2_sample(parted_sample(row_max=0.5, row_mean=0.0, max_abs=0.5), RULE_TF).passed
+    assert judge_rung2_sample(parted_sample(row_max=0.0, row_mean=0.0, max_abs=0.0, mean_abs=0.0), RULE_TF).passed
+
+
+def test_a_parting_at_the_last_row_counts_and_one_past_it_is_refused() -> None:
+    assert judge_rung2_sample(parted_sample(partings=[(TOKENS - 1, 0.25)]), RULE_TF).passed
+    verdict = judge_rung2_sample(parted_sample(partings=[(TOKENS, 0.25)]), RULE_TF)
+    assert not verdict.passed and "below output_tokens 256" in verdict.reasons[0]
+
+
+def test_a_malformed_parting_is_named_by_its_first_80_characters() -> None:
+    entry = {"row": "r" * 200, "cold_margin": 0.25}
+    verdict = judge_rung2_sample(parted_sample() | {
+        "localisation": {"teacher_forced": teacher(PARTINGS) | {"partings": [entry], "top1_flips": 1}}}, RULE_TF)
+    assert not verdict.passed
+    assert verdict.reasons[0].endswith(f"malformed entry {repr(entry)[:80]}")
+
+
+def test_the_rows_clauses_alone_need_a_teacher_forced_rule_and_the_samples_own_token_count() -> None:
+    with pytest.raises(TypeError, match="the teacher-forced clauses need a teacher-forced rule"):
+        judge_teacher_forced_rows(parted_sample(), BoundedDriftRule(maximum_absolute=1.0, maximum_mean_absolute=0.5))
+    for tokens in (None, 0, "256"):
+        verdict = judge_teacher_forced_rows(parted_sample() | {"output_tokens": tokens}, RULE_TF)
+        assert not verdict.passed and [c.name for c in verdict.checks if not c.passed][0] == "output tokens"
+    assert judge_teacher_forced_rows(parted_sample(), RULE_TF).headline == "passed: teacher-forced: 2 partings, each a near-tie"
+    assert judge_teacher_forced_rows(exact_sample(), RULE_TF).headline == "passed: teacher-forced: tokens exact"
+    crowded = parted_sample(partings=[(row, 0.25) for row in range(9)])  # 9 of 256: over the 8-row ceiling
+    verdict = judge_teacher_forced_rows(crowded, RULE_TF)
+    assert not verdict.passed and [c.name for c in verdict.checks if not c.passed] == ["parted rows"]
+
+
+def test_near_tie_partings_of_a_record_that_is_no_mapping_are_unread() -> None:
+    assert near_tie_partings(["not a record", parted_sample()], RULE_TF) is None
+    assert near_tie_partings([parted_sample(), parted_sample(2, partings=[(3, 0.75)])], RULE_TF) == (2, 3)
+
+
+def test_the_scope_document_carries_near_ties_and_all_partings_apart() -> None:
+    scope = Scope("python-textwrap", 3, 2048, TOKENS, None, judged_by=TEACHER_FORCED_RULE, partings=(4, 5))
+    assert scope_document(scope, False)["judged_by"] == {
+        "rule": TEACHER_FORCED_RULE, "near_tie_partings": 4, "partings": 5}
+    with pytest.raises(ValueError, match="^scope: rule 'two words'"):
+        Scope("python-textwrap", 3, 2048, TOKENS, None, judged_by="two words")
+
+
+def test_a_cells_token_count_must_be_a_whole_number_above_zero_for_its_share() -> None:
+    document = evidence(CELLS[:2] + ANCHORS)
+    good = [parted(1, 2.0, 0.3, [(0, 0.2)]), parted(2, 3.0, 0.4, [(0, 0.4)])]
+    anchors = [parted(3, 2.5, 0.35, [(0, 0.3)]), parted(4, 2.5, 0.35, [(0, 0.3)])]
+    one_row = [dict(record, output_tokens=1) for record in good]
+    bounds = derive_teacher_forced_bounds(calibration_cells(document, one_row + anchors)[0])
+    assert bounds is not None and bounds.maximum_changed_row_share == 1.0  # 1 of 1 row: capped at the whole
+    half = [dict(good[0], output_tokens=1), dict(good[1], output_tokens=2)]
+    bounds = derive_teacher_forced_bounds(calibration_cells(document, half + anchors)[0])
+    assert bounds is not None and bounds.maximum_changed_row_share == 1.0  # 1.0 + sd, capped
+    for tokens in (0, "256", None):
+        unread = [dict(good[0], output_tokens=tokens), good[1]]
+        assert derive_teacher_forced_bounds(calibration_cells(document, unread + anchors)[0]) is None
