@@ -119,6 +119,7 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 
 LONGEST_FIRST = (
     "tests/system/test_published_model_kquant.py",
+    "tests/system/test_published_model_teacher_forced.py",
     "tests/system/test_onboarding_doc.py",
     "tests/system/test_portability.py",
     "tests/system/test_cancellation.py",

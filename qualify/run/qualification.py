@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from qualify import __version__
+from qualify.contract.rules import TEACHER_FORCED_RULE
 from qualify.core import assets
 from qualify.core.digests import canonical_sha256
 from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
@@ -32,7 +33,7 @@ from qualify.engines.base import LaneEngine
 from qualify.evidence.cold_ahead import PlannedColdBranches, forks_cleanly
 from qualify.evidence.compare import transform_between
 from qualify.evidence.comparers import Comparer, ComparerFactory, ComparerSetup, HostComparer
-from qualify.evidence.records import SampleRecord, failed_sample_record, record_json
+from qualify.evidence.records import BoundedDriftRule, SampleRecord, failed_sample_record, record_json
 from qualify.evidence.sample import sample_record
 from qualify.evidence.series import sample_series
 from qualify.handoff.setup import (
@@ -871,9 +872,13 @@ class QualificationRun:
         contract = self.contract
         if contract is None or contract.rule is None:
             return None
+        # The rule is named here too, so a run stopped by a sample's refusal states it; the
+        # partings are counted by the whole run's judgement (judge_qualification).
+        forced = isinstance(contract.rule, BoundedDriftRule) and contract.rule.teacher_forced
         return Scope(fixture=contract.prompt_name, repetitions=contract.repetitions,
                      prompt_tokens=len(contract.prompt), output_tokens=contract.output_tokens,
-                     controls=contract.controls, service_conditions=self.options.service_conditions)
+                     controls=contract.controls, service_conditions=self.options.service_conditions,
+                     judged_by=TEACHER_FORCED_RULE if forced else None)
 
     def _judge_summary(self) -> str:
         self.settle_all()
