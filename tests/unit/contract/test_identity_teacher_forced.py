@@ -6,7 +6,6 @@ tests/unit/contract/test_shipped_contracts.py checks every version.)"""
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -35,6 +34,7 @@ from qualify.core.assets import CONTRACTS_DIR
 from qualify.core.digests import jcs_sha256
 from qualify.core.errors import Refused
 from qualify.evidence.records import BoundedDriftRule, rule_from_identity
+from tests.unit.contract.test_identity import mutated
 
 SHIPPED = CONTRACTS_DIR / "nvfp4-native-w4a4-identity-v1.json"
 """A shipped v5 rung-2 identity (bounded-drift, exact tokens) the v7 documents are made from."""
@@ -60,16 +60,6 @@ def v7_document() -> dict[str, Any]:
                                              "statement": TEACHER_FORCED_BOUND_RULE_STATEMENT}
     document["link_floor"] = None
     return document
-
-
-def edited(document: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
-    clone = copy.deepcopy(document)
-    *parents, last = path.split(".")
-    node = clone
-    for part in parents:
-        node = node[part]
-    node[last] = value
-    return clone
 
 
 def refusal(document: dict[str, Any]) -> str:
@@ -117,7 +107,7 @@ def test_the_shipped_v5_identity_is_not_teacher_forced() -> None:
 
 
 def test_a_v7_identity_may_declare_a_link_floor() -> None:
-    identity = parse_identity_document(edited(v7_document(), "link_floor", {"gbit_per_s_minimum": 3.0}), where="x")
+    identity = parse_identity_document(mutated(v7_document(), "link_floor", {"gbit_per_s_minimum": 3.0}), where="x")
     assert identity.link_floor is not None and identity.link_floor.gbit_per_s_minimum == 3.0
 
 
@@ -128,7 +118,7 @@ def test_a_v7_identity_must_state_its_link_floor_even_when_null() -> None:
 
 
 def test_a_v7_share_ceiling_of_exactly_one_loads() -> None:
-    identity = parse_identity_document(edited(v7_document(), f"{LOGITS}.maximum_changed_row_share", 1.0), where="x")
+    identity = parse_identity_document(mutated(v7_document(), f"{LOGITS}.maximum_changed_row_share", 1.0), where="x")
     rule = rule_from_identity(identity, drift_graded=True)
     assert isinstance(rule, BoundedDriftRule) and rule.maximum_changed_row_share == 1.0
 
@@ -153,21 +143,21 @@ def test_a_v5_identity_makes_the_exact_token_rule() -> None:
 
 
 def _v7_bounded_drift() -> dict[str, Any]:
-    return edited(v7_document(), LOGITS, shipped_document()[RULE]["full_logits"])
+    return mutated(v7_document(), LOGITS, shipped_document()[RULE]["full_logits"])
 
 
 def _v5_teacher_forced() -> dict[str, Any]:
-    document = edited(v7_document(), "schema", IDENTITY_SCHEMA_ID)
+    document = mutated(v7_document(), "schema", IDENTITY_SCHEMA_ID)
     del document["link_floor"]
     return document
 
 
 def _exact_tokens_under_teacher_forced() -> dict[str, Any]:
-    return edited(v7_document(), f"{RULE}.require_exact_tokens", True)
+    return mutated(v7_document(), f"{RULE}.require_exact_tokens", True)
 
 
 def _exact_token_bound_rule_under_teacher_forced() -> dict[str, Any]:
-    return edited(v7_document(), "calibration.bound_rule", {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT})
+    return mutated(v7_document(), "calibration.bound_rule", {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT})
 
 
 REFUSED = {
@@ -197,14 +187,14 @@ def test_a_mix_of_the_teacher_forced_and_exact_token_forms_is_refused_naming_the
                                               (1.5, "expected a number <= 1"),
                                               (1.0000000000000002, "expected a number <= 1")])
 def test_a_share_ceiling_of_zero_or_above_one_is_refused_naming_the_field(value: float, words: str) -> None:
-    document = edited(v7_document(), f"{LOGITS}.maximum_changed_row_share", value)
+    document = mutated(v7_document(), f"{LOGITS}.maximum_changed_row_share", value)
     assert refusal(document) == f"identity x: {LOGITS}.maximum_changed_row_share: found {value!r}, {words}"
     assert "maximum_changed_row_share" in model_refusal(document)
 
 
 @pytest.mark.parametrize("field", ["near_tie_margin", "maximum_absolute", "maximum_mean_absolute"])
 def test_a_teacher_forced_number_of_zero_is_refused_naming_the_field(field: str) -> None:
-    document = edited(v7_document(), f"{LOGITS}.{field}", 0.0)
+    document = mutated(v7_document(), f"{LOGITS}.{field}", 0.0)
     assert refusal(document).startswith(f"identity x: {LOGITS}.{field}: found 0.0")
     assert field in model_refusal(document)
 
@@ -217,7 +207,7 @@ def test_a_teacher_forced_rule_missing_a_number_is_refused_naming_it(field: str)
 
 
 def test_a_mean_bound_above_the_max_bound_is_refused_under_teacher_forced_too() -> None:
-    document = edited(v7_document(), f"{LOGITS}.maximum_mean_absolute", 3.0)
+    document = mutated(v7_document(), f"{LOGITS}.maximum_mean_absolute", 3.0)
     assert refusal(document).startswith(f"identity x: {LOGITS}.maximum_mean_absolute: found 3.0, expected at most")
 
 
@@ -232,7 +222,7 @@ def committed_v7_schema() -> dict[str, Any]:
 def test_the_committed_v7_schema_validates_a_v7_document_and_the_v5_schema_refuses_it() -> None:
     jsonschema.Draft202012Validator(committed_v7_schema()).validate(v7_document())
     jsonschema.Draft202012Validator(committed_v7_schema()).validate(
-        edited(v7_document(), "link_floor", {"gbit_per_s_minimum": 3.0}))
+        mutated(v7_document(), "link_floor", {"gbit_per_s_minimum": 3.0}))
     assert not jsonschema.Draft202012Validator(identity_json_schema(IDENTITY_SCHEMA_ID)).is_valid(v7_document())
 
 
@@ -247,7 +237,7 @@ def test_the_committed_v7_schema_validates_a_v7_document_and_the_v5_schema_refus
 def test_the_committed_v7_schema_refuses_what_v7_does_not_allow(path: str, value: Any) -> None:
     validator = jsonschema.Draft202012Validator(committed_v7_schema())
     assert validator.is_valid(v7_document())
-    assert not validator.is_valid(edited(v7_document(), path, value))
+    assert not validator.is_valid(mutated(v7_document(), path, value))
 
 
 def test_the_v5_schema_keeps_exact_tokens_and_no_teacher_forced_mode() -> None:
