@@ -61,6 +61,7 @@ from qualify.evidence.records import BoundedDriftRule, record_json
 from qualify.evidence.sample import sample_record
 from qualify.handoff.wire import Handoff, HandoffExpectation, mint_run_key, open_handoff, seal_handoff_parts
 from qualify.judge import Verdict, judge_reproduction, judge_summary
+from qualify.judge.envelope import FixtureEnvelope, HandoffSeries, derive_fixture_envelope, judge_envelope
 from qualify.run.run_contract import identity_path_for_lane
 
 LANES = ("nvfp4-native-w4a4", "nvfp4-native-f16", "nvfp4-native-splitk")
@@ -235,6 +236,12 @@ class LaneBench:
     def records(self, kv: KVCache) -> list[dict[str, Any]]:
         """The sample records of handing off ``kv`` (sealed, opened, decoded, compared), one per
         repetition of the rule."""
+        record, _ = self.sample(kv)
+        return [{**record, "repetition": repetition} for repetition in range(1, self.rule.repetitions + 1)]
+
+    def sample(self, kv: KVCache, repetition: int = 1) -> tuple[dict[str, Any], HandoffSeries]:
+        """One handoff of ``kv`` (sealed, opened, decoded, compared): its sample record, and the
+        series a fixture envelope judges (teacher-forced rows where the tokens parted)."""
         self.probes += 1
         request_id = f"probe-{self.probes}"
         sealed = seal_handoff_parts(
@@ -253,13 +260,18 @@ class LaneBench:
             "transport_s": 0.0, "verify_s": opened.timings.verify_s, "install_s": opened.timings.install_s,
             "decode_s": compared.seconds["decode"], "recompute_s": 0.0,
         }
-        return [record_json(sample_record(
+        record = record_json(sample_record(
             repetition=repetition, comparison=comparison, payload_sha256=manifest.payload_sha256,
             seams_sha256=seams, payload_bytes=manifest.payload_size, payload_gbit_per_s=0.0,
             handed_off_positions=manifest.handed_off_positions,
             recomputed_positions=len(self.prompt) - manifest.handed_off_positions,
             kv_envelope=self.kv_envelope, phases=phases,
-        )) for repetition in range(1, self.rule.repetitions + 1)]
+        ))
+        rows = comparison.teacher_forced if comparison.teacher_forced is not None else comparison.delta
+        assert comparison.kv is not None  # every comparer compares the KV (qualify/evidence/series.py)
+        series = HandoffSeries(tuple(rows.row_max_abs.tolist()), tuple(rows.row_mean_abs.tolist()),
+                               tuple(comparison.kv.position_max_abs.tolist()))
+        return record, series
 
     def judge(self, records: list[dict[str, Any]]) -> tuple[Verdict, Verdict]:
         drift = judge_summary(records, self.rule)
@@ -530,6 +542,281 @@ def reproduce_lines(lanes: list[dict[str, Any]], bounds_given: bool) -> list[str
     return lines
 
 
+# --------------------------------------------------------------------------- non-deterministic producers
+
+
+ND_RULES = ("exact-token", "teacher-forced")
+"""The two rung-2 rules a lane declared non-deterministic is judged under, each with the fixture
+envelope and no digest check (:func:`NonDeterministicBench.caught`)."""
+
+ND_CLASSES: dict[str, ProbeClass] = {
+    probe.name: probe
+    for probe in (
+        CLASSES["v-scale"],
+        CLASSES["k-scale"],
+        ProbeClass("element-scale", f"eps: one layer-{faults.FAULT_LAYER} K element x (1 + eps)",
+                   one_two_five(-7, 5), _scale("element-scale")),
+        ProbeClass("last-position-scale", "eps: the last handed-off position's K and V x (1 + eps), every layer",
+                   one_two_five(-7, -1), _scale("last-position-scale")),
+        CLASSES["block-swap"],
+    )
+}
+"""The issue's fault classes: V and K scaled, one element, the last position, and block swaps
+(whose grid holds the half block, 64 positions, and the block, 128)."""
+
+NAMED_SWAPS = (("half-block swap", "64"), ("block swap", "128"))
+JITTER_SEED = 20261207
+ND_DEFAULT_OUT = DEFAULT_OUT.parent / "detection-power-non-deterministic.json"
+
+
+def jittered(kv: KVCache, rng: np.random.Generator, ulps: int) -> KVCache:
+    """Every K and V element's magnitude moved by a uniformly drawn whole number of ULPs in
+    [-ulps, ulps] (clamped at zero and the largest finite float32): an emulated run-to-run
+    variation, of the size a reduction order that changes with the batch leaves in float32 sums."""
+    if ulps == 0:
+        return kv
+
+    def moved(tensor: np.ndarray) -> np.ndarray:
+        if tensor.dtype != np.float32:
+            raise Refused(f"--jitter-ulps: the KV is {tensor.dtype}, expected float32")
+        bits = tensor.view(np.uint32)
+        magnitude = (bits & np.uint32(0x7FFFFFFF)).astype(np.int64)
+        magnitude += rng.integers(-ulps, ulps + 1, size=tensor.shape)
+        np.clip(magnitude, 0, 0x7F7FFFFF, out=magnitude)
+        return ((bits & np.uint32(0x80000000)) | magnitude.astype(np.uint32)).view(np.float32)
+
+    return KVCache([moved(k) for k in kv.keys], [moved(v) for v in kv.values], draft=kv.draft, meta=kv.meta)
+
+
+@dataclass
+class NonDeterministicProbe:
+    """One fault's qualification (the rule's repetitions, each its own jittered handoff), judged
+    under each rule of :data:`ND_RULES`."""
+
+    figure: str | None
+    fault: str | None
+    caught: dict[str, bool]
+    verdicts: dict[str, str]
+    max_abs: float
+    token_agreement_rate: float
+    seconds: float
+
+    def document(self) -> dict[str, Any]:
+        return {"value": self.figure, "fault": self.fault, "caught": self.caught, "verdicts": self.verdicts,
+                "worst_max_abs": self.max_abs, "worst_token_agreement_rate": self.token_agreement_rate,
+                "seconds": round(self.seconds, 2)}
+
+
+@dataclass
+class NonDeterministicBench:
+    """The lane declared non-deterministic: its producer started ``len(prefills)`` times, each
+    handoff jittered by ``ulps``, the fixture envelope stated from honest handoffs over those
+    starts, and the two rules' clauses derived from the same handoffs."""
+
+    bench: LaneBench
+    ulps: int
+    prefills: list[KVCache]
+    envelope: FixtureEnvelope | None = None
+    rules: dict[str, BoundedDriftRule] = field(default_factory=dict)
+    qualifications: int = 0
+
+    def handoffs(self, transform: Callable[[KVCache], KVCache] | None,
+                 ) -> tuple[list[dict[str, Any]], list[HandoffSeries]]:
+        """One qualification: the rule's repetitions, each from the next producer start, jittered
+        with its own seeded draw, then ``transform`` (a fault) applied."""
+        self.qualifications += 1
+        records, series = [], []
+        for repetition in range(1, self.bench.rule.repetitions + 1):
+            rng = np.random.default_rng([JITTER_SEED, self.ulps, self.qualifications, repetition])
+            kv = jittered(self.prefills[(self.qualifications + repetition) % len(self.prefills)], rng, self.ulps)
+            record, measured = self.bench.sample(kv if transform is None else transform(kv), repetition)
+            records.append(record)
+            series.append(measured)
+        return records, series
+
+    def caught(self, records: list[dict[str, Any]], series: list[HandoffSeries]) -> dict[str, tuple[bool, str]]:
+        """Per rule: (caught, verdict words), the summary with no digest compared across
+        repetitions or against an anchor, and the envelope."""
+        assert self.envelope is not None
+        envelope = judge_envelope(series, self.envelope)
+        judged = {}
+        for name, rule in self.rules.items():
+            summary = judge_summary(records, rule, deterministic_producer=False)
+            failing = [verdict.headline for verdict in (summary, envelope) if not verdict.passed]
+            judged[name] = (bool(failing), "; ".join(failing) or f"{summary.headline}; {envelope.headline}")
+        return judged
+
+    def probe(self, figure: str | None, fault: str | None) -> NonDeterministicProbe:
+        started = time.perf_counter()
+        transform = None if fault is None else faults.kv_transform(fault, self.bench.producer.geometry.rope_theta)
+        records, series = self.handoffs(transform)
+        judged = self.caught(records, series)
+        return NonDeterministicProbe(
+            figure, None if fault is None else faults.fault_named(fault).name,
+            {name: hit for name, (hit, _) in judged.items()}, {name: words for name, (_, words) in judged.items()},
+            max(float(r["max_abs"]) for r in records), min(float(r["token_agreement_rate"]) for r in records),
+            time.perf_counter() - started)
+
+
+def _teacher_forced_clauses(records: list[dict[str, Any]]) -> tuple[float, float]:
+    """(near-tie margin, parted share) by the teacher-forced bound policy over the honest handoffs
+    as cells: each handoff's largest cold margin at a parting (0 when none) and its parted share."""
+    from qualify.judge.calibration import bound_of
+
+    margins, shares = [], []
+    for record in records:
+        teacher = (record.get("localisation") or {}).get("teacher_forced") or {}
+        partings = teacher.get("partings") or []
+        margins.append(max((float(p["cold_margin"]) for p in partings), default=0.0))
+        shares.append(len(partings) / int(record["output_tokens"]))
+    return bound_of(margins)[0], bound_of(shares)[0]
+
+
+def set_up_non_deterministic(bench: LaneBench, ulps: int, starts: int, per_start: int, held_out: int,
+                             log: Callable[[str], None]) -> tuple[NonDeterministicBench, dict[str, Any]]:
+    """Start the producer ``starts`` times (the bench's own start first), state the envelope from
+    ``starts * per_start`` honest handoffs, derive both rules, and judge ``held_out`` further
+    honest qualifications under each (their false alarms are reported, never hidden)."""
+    prefix = bench.prompt[:bench.handed_off]
+    prefills = [bench.honest_kv]
+    for _ in range(starts - 1):
+        again = build_producer(bench.lane, lane_spec(bench.lane).mode).prefill(prefix)
+        prefills.append(again)
+    nd = NonDeterministicBench(bench, ulps, prefills)
+    records, series = [], []
+    for start in range(starts):
+        for index in range(per_start):
+            rng = np.random.default_rng([JITTER_SEED, ulps, 0, start, index])
+            record, measured = bench.sample(jittered(prefills[start], rng, ulps))
+            records.append(record)
+            series.append(measured)
+    nd.envelope = derive_fixture_envelope(series, starts=starts)
+    margin, share = _teacher_forced_clauses(records)
+    ceiling_max, ceiling_mean = max(nd.envelope.row_max_abs), max(nd.envelope.row_mean_abs)
+    # Both rules' drift bounds are the envelope's largest ceilings, which every row within its own
+    # ceiling meets: the envelope judges the rows, these only restate it for judge_summary.
+    exact = BoundedDriftRule(repetitions=bench.rule.repetitions, output_tokens=bench.rule.output_tokens,
+                             maximum_absolute=ceiling_max, maximum_mean_absolute=ceiling_mean)
+    nd.rules = {"exact-token": exact,
+                "teacher-forced": exact.model_copy(update={"near_tie_margin": margin,
+                                                           "maximum_changed_row_share": share})}
+    honest = [nd.probe(None, None) for _ in range(held_out)]
+    false_alarms = {name: sum(probe.caught[name] for probe in honest) for name in ND_RULES}
+    for name in ND_RULES:
+        log(f"{bench.lane} declared non-deterministic, jitter {ulps} ULPs, {name}: {false_alarms[name]} of "
+            f"{held_out} honest held-out qualifications refused")
+    state = {
+        "jitter_ulps": ulps, "producer_starts": starts, "envelope_handoffs": len(series),
+        "starts_bit_identical": all(a.tobytes() == b.tobytes() for kv in prefills[1:]
+                                    for a, b in zip(prefills[0].keys + prefills[0].values, kv.keys + kv.values,
+                                                    strict=True)),
+        "envelope": {"rule": nd.envelope.rule, "largest_row_max_abs": ceiling_max,
+                     "largest_row_mean_abs": ceiling_mean,
+                     "largest_position_max_abs": max(nd.envelope.position_max_abs),
+                     "honest_spread_row_max_abs": max(max(column) - min(column) for column in
+                                                      zip(*(m.row_max_abs for m in series), strict=True))},
+        "rules": {name: rule.model_dump() for name, rule in nd.rules.items()},
+        "held_out": {"qualifications": held_out, "refused": false_alarms,
+                     "verdicts": [probe.document() for probe in honest]},
+    }
+    return nd, state
+
+
+def measure_non_deterministic(nd: NonDeterministicBench, probe_class: ProbeClass,
+                              log: Callable[[str], None]) -> dict[str, Any]:
+    grid = probe_class.grid
+    probes: dict[int, NonDeterministicProbe] = {}
+
+    def probe_at(index: int) -> NonDeterministicProbe:
+        if index not in probes:
+            probe = probes[index] = nd.probe(grid[index], probe_class.fault(grid[index]))
+            log(f"  {probe.fault}: " + ", ".join(f"{name} {'caught' if probe.caught[name] else 'missed'}"
+                                                 for name in ND_RULES)
+                + f"; worst max {probe.max_abs:.6g}, tokens {probe.token_agreement_rate:.4g} [{probe.seconds:.1f} s]")
+        return probes[index]
+
+    def caught_under(name: str) -> Callable[[int], bool]:
+        return lambda index: probe_at(index).caught[name]
+
+    searches = {name: bisect(len(grid), caught_under(name)) for name in ND_RULES}
+    if probe_class.name == "block-swap":
+        for _, span in NAMED_SWAPS:
+            probe_at(grid.index(span))
+    return {
+        "class": probe_class.name, "parameter": probe_class.parameter, "grid": list(grid),
+        "rules": {name: {"smallest_caught": None if search.boundary is None else grid[search.boundary],
+                         "caught_at_grid_minimum": search.boundary == 0,
+                         "largest_missed": (grid[-1] if search.boundary is None
+                                            else grid[search.boundary - 1] if search.boundary > 0 else None),
+                         "non_monotone": [grid[i] for i in search.non_monotone]}
+                  for name, search in searches.items()},
+        "named": {words: {name: probes[grid.index(span)].caught[name] for name in ND_RULES}
+                  for words, span in NAMED_SWAPS} if probe_class.name == "block-swap" else {},
+        "probes": [probes[i].document() for i in sorted(probes)],
+    }
+
+
+def non_deterministic_table(classes: list[dict[str, Any]]) -> list[str]:
+    header = ("class", "parameter", *(f"{name}: smallest caught" for name in ND_RULES),
+              *(f"{name}: largest missed" for name in ND_RULES))
+    rows = [header]
+    for result in classes:
+        found = [result["rules"][name] for name in ND_RULES]
+        rows.append((result["class"], result["parameter"], *(_caught_text(f, result["grid"][-1]) for f in found),
+                     *((f["largest_missed"] or "-") + (" (non-monotone)" if f["non_monotone"] else "")
+                       for f in found)))
+        for words, caught in result["named"].items():
+            rows.append((f"  {words}", "", *("caught" if caught[name] else "missed" for name in ND_RULES), "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "-+-".join("-" * width for width in widths))
+    return lines
+
+
+def non_deterministic_line(classes: list[dict[str, Any]]) -> str:
+    """The last line: the smallest caught V eps under each rule, the producer declared non-deterministic."""
+    result = next((r for r in classes if r["class"] == "v-scale"), None)
+    if result is None:
+        return "min_detected_v_scale_eps_non_deterministic: none (v-scale was not measured)"
+    return "min_detected_v_scale_eps_non_deterministic: " + ", ".join(
+        f"{_caught_text(result['rules'][name], result['grid'][-1])} ({name})" for name in ND_RULES)
+
+
+def run_non_deterministic(args: argparse.Namespace, chosen: list[str]) -> int:
+    """``--non-deterministic``: the default lane declared non-deterministic (no digest check at
+    all), judged by each rule with its fixture envelope; prints the table and its last line."""
+    started = time.perf_counter()
+    bench = set_up_lane(DEFAULT_NATIVE_TEXT_LANE, None)
+    nd, state = set_up_non_deterministic(bench, args.jitter_ulps, args.starts, args.envelope_handoffs // args.starts,
+                                         args.held_out, log)
+    classes = [measure_non_deterministic(nd, ND_CLASSES[name], log) for name in chosen]
+    wall_s = time.perf_counter() - started
+    last = non_deterministic_line(classes)
+    out = args.out if args.out != DEFAULT_OUT else ND_DEFAULT_OUT.with_name(
+        f"{ND_DEFAULT_OUT.stem}-{args.jitter_ulps}ulps.json")
+    document = {"schema": "trust-ladder.detection-power-non-deterministic.v1", "lane": DEFAULT_NATIVE_TEXT_LANE,
+                "prompt": PROMPT_NOTE, **state, "classes": classes, "handoffs": bench.probes,
+                "wall_s": round(wall_s, 1), "last_line": last}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    held = state["held_out"]
+    print(f"{DEFAULT_NATIVE_TEXT_LANE} declared non-deterministic: no digest checked across repetitions or "
+          f"against an anchor; run-to-run variation emulated by {args.jitter_ulps} ULPs of seeded jitter per KV "
+          f"element; {state['producer_starts']} producer starts (bit-identical: {state['starts_bit_identical']})")
+    print(f"fixture envelope ({state['envelope']['rule']}) from {state['envelope_handoffs']} honest handoffs: "
+          f"largest row max ceiling {state['envelope']['largest_row_max_abs']!r}, largest honest spread "
+          f"{state['envelope']['honest_spread_row_max_abs']!r}")
+    print("honest held-out qualifications refused: " + ", ".join(
+        f"{held['refused'][name]} of {held['qualifications']} ({name})" for name in ND_RULES))
+    print()
+    for line in non_deterministic_table(classes):
+        print(line)
+    print()
+    print(f"wall {wall_s:.1f} s, {bench.probes} handoffs; JSON: {out}")
+    print(last)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--lanes", default=",".join(LANES), help=f"comma-separated lanes (default {','.join(LANES)})")
@@ -538,9 +825,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bounds", default=None, metavar="MAX,MEAN",
                         help="judge every lane under these bounds instead of its identity's")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="write the JSON here")
+    parser.add_argument("--non-deterministic", action="store_true",
+                        help=f"the default lane declared non-deterministic: fixture envelope, no digest check "
+                             f"(classes {','.join(ND_CLASSES)})")
+    parser.add_argument("--jitter-ulps", type=int, default=0, metavar="U",
+                        help="with --non-deterministic: each KV element moved by up to U ULPs per handoff")
+    parser.add_argument("--starts", type=int, default=2, help="with --non-deterministic: producer starts")
+    parser.add_argument("--envelope-handoffs", type=int, default=8,
+                        help="with --non-deterministic: honest handoffs the envelope is stated from")
+    parser.add_argument("--held-out", type=int, default=3,
+                        help="with --non-deterministic: honest qualifications judged after the envelope")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
+        if args.non_deterministic:
+            chosen = [name for name in (args.classes if args.classes != ",".join(CLASSES)
+                                        else ",".join(ND_CLASSES)).split(",") if name]
+            if not chosen or any(name not in ND_CLASSES for name in chosen):
+                raise Refused(f"--classes: found {args.classes!r}, expected some of {', '.join(ND_CLASSES)}")
+            for option, value, least in (("--jitter-ulps", args.jitter_ulps, 0), ("--starts", args.starts, 2),
+                                         ("--held-out", args.held_out, 1),
+                                         ("--envelope-handoffs", args.envelope_handoffs, 2 * args.starts)):
+                if value < least:
+                    raise Refused(f"{option}: found {value}, expected a whole number >= {least}")
+            return run_non_deterministic(args, chosen)
         lanes = [lane for lane in args.lanes.split(",") if lane]
         unknown = [lane for lane in lanes if lane not in LANES]
         if unknown or not lanes:

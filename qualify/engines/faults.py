@@ -116,6 +116,14 @@ FAULT_CLASSES: dict[str, FaultClass] = {
                    lambda n: (f"K spans of {int(n)} positions at {BLOCK_SWAP_START} and {BLOCK_SWAP_START + int(n)} "
                               "handed off in each other's place while V stays (K and V block tables disagree)"),
                    _swap_span),
+        FaultClass("element-scale", (2,), f"F: one layer-{FAULT_LAYER} K element (the kv-ulp site) multiplied by F",
+                   1.0000001, 1e6, False,
+                   lambda f: f"one K element at layer {FAULT_LAYER} scaled by {value_text(f)}",
+                   lambda f: f"layer {FAULT_LAYER} K"),
+        FaultClass("last-position-scale", (2,), "F: every layer's K and V at the last handed-off position "
+                   "multiplied by F", 1.0000001, 2.0, False,
+                   lambda f: f"K and V of the last handed-off position scaled by {value_text(f)} in every layer",
+                   lambda f: "the last handed-off position"),
         FaultClass("head-swap", (2,), f"N: layer {FAULT_LAYER} KV heads {SWAPPED_HEADS[0]} and {SWAPPED_HEADS[1]} "
                    "exchanged over the last N positions", 1, 4096, True,
                    lambda n: (f"layer {FAULT_LAYER} K and V of KV heads {SWAPPED_HEADS[0]} and {SWAPPED_HEADS[1]} "
@@ -270,6 +278,28 @@ def swap_heads(kv: KVCache, positions: int) -> KVCache:
     return KVCache(keys, values, draft=kv.draft, meta=kv.meta)
 
 
+def scale_element(kv: KVCache, factor: float) -> KVCache:
+    """The one K element of :func:`nudge_ulps`' site (layer FAULT_LAYER, head FAULT_HEAD, position
+    FAULT_POSITION clamped to the last handed-off one, dim FAULT_DIM) multiplied by ``factor``."""
+    keys = list(kv.keys)
+    target = keys[FAULT_LAYER].copy()
+    site = (FAULT_HEAD, min(FAULT_POSITION, target.shape[1] - 1), FAULT_DIM)
+    target[site] = (target[site] * np.float32(factor)).astype(target.dtype)
+    keys[FAULT_LAYER] = target
+    return KVCache(keys, kv.values, draft=kv.draft, meta=kv.meta)
+
+
+def scale_last_position(kv: KVCache, factor: float) -> KVCache:
+    """Every layer's K and V at the last handed-off position multiplied by ``factor``: the position
+    a producer that wrote its final token's KV late, or from another step, gets wrong."""
+    def scaled(t: np.ndarray) -> np.ndarray:  # t: [kv_heads, positions, head_dim]
+        out = t.copy()
+        out[:, -1] = (t[:, -1] * np.float32(factor)).astype(t.dtype)
+        return out
+
+    return KVCache([scaled(k) for k in kv.keys], [scaled(v) for v in kv.values], draft=kv.draft, meta=kv.meta)
+
+
 def kv_transform(name: str, rope_theta: float) -> Callable[[KVCache], KVCache] | None:
     """The KV corruption the fault ``name`` applies after prefill; None for faults applied
     elsewhere (``other-prompt``, ``other-mode``)."""
@@ -284,6 +314,8 @@ def kv_transform(name: str, rope_theta: float) -> Callable[[KVCache], KVCache] |
         "position-shift": lambda kv: rotate_keys(kv, rope_theta, value),
         "block-swap": lambda kv: swap_blocks(kv, int(value)),
         "head-swap": lambda kv: swap_heads(kv, int(value)),
+        "element-scale": lambda kv: scale_element(kv, value),
+        "last-position-scale": lambda kv: scale_last_position(kv, value),
     }
     return transforms[fault.kind]
 

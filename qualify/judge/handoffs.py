@@ -723,11 +723,19 @@ def judge_sample(record: Record, rule: Rule) -> Verdict:
 # --------------------------------------------------------------------------- summary
 
 
-def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
+NON_DETERMINISTIC_FIELDS: frozenset[str] = frozenset(
+    {"handoff_generated_token_sha256", "payload_sha256", "handoff_logit_block_sha256"})
+"""The digests a producer declared non-deterministic may change across repetitions (its bytes and
+what the consumer decodes from them); the cold recompute's stay exact."""
+
+
+def judge_summary(records: Sequence[Record], rule: Rule, *, deterministic_producer: bool = True) -> Verdict:
     """Over all repetitions: the right number, every sample passing its rung's per-sample
     judgement (tokens exact in each, drift inside the rule or bit-exact), and determinism: the
-    generated-token, payload and logit block digests equal across repetitions."""
+    generated-token, payload and logit block digests equal across repetitions (for a rung-2
+    producer declared non-deterministic, the cold recompute's digests only)."""
     rule = parse_rule(rule)
+    deterministic_producer = deterministic_producer or rule.rung == 3  # bit-exact is deterministic
     judgement = _Judgement()
     plain = [_plain(record) for record in records]
     count = len(plain)
@@ -808,18 +816,21 @@ def judge_summary(records: Sequence[Record], rule: Rule) -> Verdict:
             if isinstance(rule, BitExactRule) and rule.acceptance_floor is not None else ()
         ),
     ):
-        _check_equal_across(judgement, mappings, count, name, words)
+        if deterministic_producer or name not in NON_DETERMINISTIC_FIELDS:
+            _check_equal_across(judgement, mappings, count, name, words)
+    digests = ("generated-token and payload digests equal across repetitions" if deterministic_producer
+               else "cold digests equal across repetitions (the producer is declared non-deterministic)")
 
     if teacher_forced:
         partings = near_tie_partings(mappings, rule)  # a passing summary's partings are all near-ties
         headline = (f"{count}/{rule.repetitions} handoffs judged teacher-forced: "
                     + (f"{partings[1]} partings, each a near-tie" if partings is not None else "partings unread")
-                    + "; generated-token and payload digests equal across repetitions")
+                    + f"; {digests}")
     elif isinstance(rule, BoundedDriftRule):
         headline = (
             f"{count}/{rule.repetitions} handoffs with exact tokens and "
             + next(c.detail for c in judgement.checks if c.name == "bounded drift in every repetition")
-            + "; generated-token and payload digests equal across repetitions"
+            + f"; {digests}"
         )
     else:
         acceptance_rates = [x for x in (_finite(r.get("draft_acceptance_rate")) for r in mappings) if x is not None]
@@ -958,19 +969,29 @@ def judge_link_floor(records: Sequence[Record], gbit_per_s_minimum: float) -> Ve
 def judge_qualification(records: Sequence[Record], rule: Rule, anchor_records: Sequence[Record], *,
                         deterministic_producer: bool, scope: Scope | None = None,
                         link_floor_gbit_per_s: float | None = None,
-                        service: Verdict | None = None) -> Verdict:
+                        service: Verdict | None = None, envelope: Verdict | None = None) -> Verdict:
     """The whole run's verdict: :func:`judge_summary` over the repetitions, then
     :func:`judge_reproduction` against the anchor (the fixture handoffs its basis receipt
     retained), then :func:`judge_link_floor` when the identity declares a floor, then ``service``,
     a run's service conditions as :func:`qualify.judge.service.judge_service_conditions` judged them. With a
     ``scope``, the headline is its scope line (:func:`qualify.judge.scope.scope_line`) followed
-    by the evidence: what the verdict covers is never left out of the words."""
+    by the evidence: what the verdict covers is never left out of the words. A producer declared
+    non-deterministic needs ``envelope``, its samples held to the fixture envelope
+    (:func:`qualify.judge.envelope.judge_envelope`): without it drift would be judged by a
+    cross-document maximum alone, so its absence fails."""
     parsed = parse_rule(rule)
-    summary = judge_summary(records, parsed)
+    summary = judge_summary(records, parsed, deterministic_producer=deterministic_producer)
     reproduction = judge_reproduction(
         records, anchor_records, rung=parsed.rung, deterministic_producer=deterministic_producer,
         draft=isinstance(parsed, BitExactRule) and parsed.acceptance_floor is not None)
     parts = [summary, reproduction]
+    if envelope is not None:
+        parts.append(envelope)
+    elif not deterministic_producer and parsed.rung == 2:
+        parts.append(Verdict(False, "failed: no fixture envelope for a producer declared non-deterministic",
+                             ["no fixture envelope for a producer declared non-deterministic: its drift has "
+                              "nothing tighter than a cross-document maximum to be judged by"],
+                             [Check("inside the fixture envelope", False, "no fixture envelope")]))
     if link_floor_gbit_per_s is not None:
         parts.append(judge_link_floor(records, link_floor_gbit_per_s))
     if service is not None:

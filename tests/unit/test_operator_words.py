@@ -363,10 +363,12 @@ def judge_handoff_cases() -> list[Case]:
              judged(judge_failed_step, "handoff 2", "wire refused  the\nmanifest", scope=scope)),
         Case("failed step: handoff 2 without a scope", judged(judge_failed_step, "handoff 2", "refused")),
         Case("qualification: passing under a scope", judged(
-            judge_qualification, three, RULE2, three, deterministic_producer=False, scope=scope)),
+            judge_qualification, anchor, RULE2, anchor, deterministic_producer=True, scope=scope)),
         Case("qualification: repetition 2 diverging under a scope", judged(
-            judge_qualification, [rung2_record(1), rung2_record(2, token_agreement_rate=0.5), rung2_record(3)], RULE2,
-            three, deterministic_producer=False, scope=scope)),
+            judge_qualification, [rung2_record(1, seams_sha256="a" * 64),
+                                  rung2_record(2, token_agreement_rate=0.5, seams_sha256="a" * 64),
+                                  rung2_record(3, seams_sha256="a" * 64)], RULE2,
+            anchor, deterministic_producer=True, scope=scope)),
         # ---- rung 2 judged teacher-forced (tokens may part at near-ties)
         Case("teacher-forced sample: two near-tie partings", judged(judge_sample, parted(), forced)),
         Case("teacher-forced sample: tokens exact", judged(judge_sample, rung2_record(max_row_mean_abs=1.0), forced)),
@@ -699,6 +701,29 @@ def judge_calibration_cases() -> list[Case]:
             [parted(1, 2.0, 0.3, [(5, 0.2)]), parted(2, 3.0, 0.4, [(9, 0.4)]),
              parted(3, 2.5, 0.35, [(7, 3.0)]), parted(4, 2.5, 0.35, [(7, 3.0)])], evidence(CELLS[:2] + ANCHORS))),
         Case("sealed numbers, teacher-forced: a near-tie margin one ULP over", tf_one_ulp_over),
+    ]
+
+
+def judge_envelope_cases() -> list[Case]:
+    from qualify.judge import judge_summary
+    from qualify.judge.envelope import derive_fixture_envelope, judge_envelope
+    from tests.unit.judge.test_envelope import HONEST, series
+    from tests.unit.judge.test_judge import RULE2, three
+
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    moved = three()
+    moved[1]["payload_sha256"] = "b" * 64
+    return [
+        Case("envelope: honest handoffs inside", judged(judge_envelope, HONEST, envelope)),
+        Case("envelope: a row and a position outside", judged(judge_envelope, [series([1.0, 3.5, 0.001])], envelope)),
+        Case("envelope: a series of another length", judged(judge_envelope, [series([1.0, 2.0])], envelope)),
+        Case("envelope: no handoffs", judged(judge_envelope, [], envelope)),
+        Case("envelope: too few honest handoffs", refused(derive_fixture_envelope, HONEST[:3], starts=2)),
+        Case("envelope: one producer start", refused(derive_fixture_envelope, HONEST, starts=1)),
+        Case("envelope: an honest NaN", refused(derive_fixture_envelope, [*HONEST[:3], series([1.0, math.nan, 0.0])],
+                                                starts=2)),
+        Case("summary: non-deterministic producer, payload digest moved",
+             judged(judge_summary, moved, RULE2, deterministic_producer=False)),
     ]
 
 
@@ -1536,6 +1561,7 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "contract.served_identity": served_identity_cases,
     "judge.calibration": judge_calibration_cases,
     "judge.parity": judge_parity_cases,
+    "judge.envelope": judge_envelope_cases,
     "judge.controls": judge_controls_cases,
     "contract.identity": identity_cases,
     "engines.kat": kat_cases,

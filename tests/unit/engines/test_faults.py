@@ -72,6 +72,8 @@ def test_every_bare_name_is_its_own_fault_unchanged() -> None:
     ("position-shift=2e-3", "position-shift=0.002", "position-shift", 0.002),
     ("block-swap=64", "block-swap=64", "block-swap", 64),
     ("head-swap=0016", "head-swap=16", "head-swap", 16),
+    ("element-scale=2e3", "element-scale=2000", "element-scale", 2000.0),
+    ("last-position-scale=1.01", "last-position-scale=1.01", "last-position-scale", 1.01),
 ])
 def test_a_value_names_a_fault_of_its_class_written_one_way(given: str, name: str, kind: str, value: float) -> None:
     fault = faults.fault_named(given)
@@ -96,6 +98,8 @@ def test_the_default_value_is_described_as_the_bare_name_is() -> None:
     ("position-shift", ["0.000001", "1e-6", "4096"], ["0.00000099", "4096.0001", "0"]),
     ("block-swap", ["1", "512"], ["0", "513"]),
     ("head-swap", ["1", "4096"], ["0", "4097"]),
+    ("element-scale", ["1.0000001", "1000000"], ["1", "1000000.1"]),
+    ("last-position-scale", ["1.0000001", "2"], ["1", "2.0000001"]),
 ])
 def test_values_are_accepted_exactly_up_to_each_end_of_the_range(kind: str, inside: list[str], outside: list[str]) -> None:
     for text in inside:
@@ -121,7 +125,7 @@ def test_a_whole_number_class_refuses_anything_but_digits(text: str) -> None:
 
 @pytest.mark.parametrize(("name", "message"), [
     ("nosuch", "fault: unknown name 'nosuch'; expected one of block-order, kv-ulp, other-mode, other-prompt, rope-offset, "
-               "v-scale, or NAME=VALUE with NAME one of block-swap, head-swap, k-scale, kv-ulp, position-shift, v-scale"),
+               "v-scale, or NAME=VALUE with NAME one of block-swap, element-scale, head-swap, k-scale, kv-ulp, last-position-scale, position-shift, v-scale"),
     ("nosuch=1", "fault: unknown name 'nosuch' in 'nosuch=1'; expected one of "),
     ("V-SCALE=1.1", "fault: unknown name 'V-SCALE' in 'V-SCALE=1.1'; "),
     ("=1.1", "fault: unknown name '' in '=1.1'; "),
@@ -253,9 +257,31 @@ def test_a_head_swap_exchanges_two_heads_over_the_last_positions_and_is_an_invol
     assert same_bytes(apply(f"head-swap={span}", faulty), kv)
 
 
+def test_an_element_scale_moves_exactly_the_kv_ulp_site() -> None:
+    kv = random_kv()
+    faulty = apply("element-scale=3", kv)
+    site = (faults.FAULT_HEAD, faults.FAULT_POSITION, faults.FAULT_DIM)
+    assert {name: where.tolist() for name, where in changed(kv, faulty).items()} == {
+        f"layers.{faults.FAULT_LAYER}.k": [list(site)]}
+    assert faulty.keys[faults.FAULT_LAYER][site] == np.float32(kv.keys[faults.FAULT_LAYER][site] * np.float32(3))
+    assert changed(apply("kv-ulp=1", kv), kv).keys() == changed(faulty, kv).keys()
+
+
+def test_a_last_position_scale_moves_k_and_v_of_the_last_position_in_every_layer() -> None:
+    kv = random_kv()
+    faulty = apply("last-position-scale=1.5", kv)
+    differing = changed(kv, faulty)
+    assert set(differing) == {f"layers.{i}.{t}" for i in range(LAYERS) for t in "kv"}
+    for where in differing.values():
+        assert set(where[:, 1].tolist()) == {POSITIONS - 1}
+    for before, after in zip(kv.keys + kv.values, faulty.keys + faulty.values, strict=True):
+        assert np.array_equal(after[:, -1], before[:, -1] * np.float32(1.5))
+
+
 # 1.01, not 1.001: bfloat16 keeps 8 significant bits, so x * 1.001 rounds back to x there.
 @pytest.mark.parametrize("name", ["v-scale=1.01", "k-scale=1.01", "kv-ulp=16", "position-shift=1",
-                                  "block-swap=128", "head-swap=64"])
+                                  "block-swap=128", "head-swap=64", "element-scale=1.01",
+                                  "last-position-scale=1.01"])
 def test_a_corruption_keeps_the_dtype_and_leaves_its_input_alone(name: str) -> None:
     for dtype in (np.float32, ml_dtypes.bfloat16):
         kv = random_kv(dtype)

@@ -203,7 +203,7 @@ BAD_OPTIONS = [
                  id="unknown-recipe"),
     pytest.param("--qualify-fault=v_scale", "ERROR: argument --qualify-fault: fault: unknown name 'v_scale'; expected one of block-order, "
                  "kv-ulp, other-mode, other-prompt, rope-offset, v-scale, or NAME=VALUE with NAME one of block-swap, "
-                 "head-swap, k-scale, kv-ulp, position-shift, v-scale", id="unknown-fault"),
+                 "element-scale, head-swap, k-scale, kv-ulp, last-position-scale, position-shift, v-scale", id="unknown-fault"),
     # Exactly 1 scales by nothing: one below the range's lower end, refused like any value outside it.
     pytest.param("--qualify-fault=k-scale=1", "ERROR: argument --qualify-fault: fault k-scale: found '1', expected a number from "
                  "1.0000001 to 2 (F: layer 2 K multiplied by F)", id="fault-value-outside-its-range"),

@@ -829,7 +829,9 @@ def test_a_qualification_fails_with_the_failing_halfs_reasons_only():
     assert not failed_reproduction.passed
     assert failed_reproduction.reasons == judge_reproduction(
         moved, anchors, rung=2, deterministic_producer=True, draft=False).reasons
-    assert judge_qualification(moved, RULE2, anchors, deterministic_producer=False).passed
+    not_anchored = judge_qualification(moved, RULE2, anchors, deterministic_producer=False)
+    assert not not_anchored.passed  # no fixture envelope: tests/unit/judge/test_envelope.py gives it one
+    assert not_anchored.reasons[0].startswith("no fixture envelope for a producer declared non-deterministic")
 
 
 def test_a_bit_exact_lane_with_a_floor_must_reproduce_its_draft_and_one_without_a_floor_need_not():
@@ -1036,9 +1038,11 @@ def test_a_failed_step_and_a_qualification_carry_the_scope_they_were_judged_unde
     failed = judge_failed_step("handoff 2", "wire refused", scope=scope)
     assert (failed.status, failed.scope) == ("failed", scope)
     assert judge_failed_step("handoff 2", "wire refused").scope is None
-    passing = judge_qualification(three(), RULE2, three(), deterministic_producer=False, scope=scope)
+    anchors = three(seams_sha256=SEAMS_SHA)
+    passing = judge_qualification(three(seams_sha256=SEAMS_SHA), RULE2, anchors, deterministic_producer=True,
+                                  scope=scope)
     failing = judge_qualification([rung2_record(1), rung2_record(2, token_agreement_rate=0.5), rung2_record(3)], RULE2,
-                                  three(), deterministic_producer=False, scope=scope)
+                                  anchors, deterministic_producer=True, scope=scope)
     assert (passing.passed, passing.scope) == (True, scope)
     assert (failing.passed, failing.scope) == (False, scope)
     assert failing.reasons[0] == judge_summary(

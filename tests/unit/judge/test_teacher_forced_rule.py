@@ -343,7 +343,7 @@ def test_a_qualification_judged_teacher_forced_names_the_rule_and_counts_the_par
 
 def test_a_failed_teacher_forced_qualification_still_counts_its_near_ties_among_its_partings() -> None:
     records = three_parted([(7, 0.25), (40, 0.75)])
-    verdict = judge_qualification(records, RULE_TF, three_parted(), deterministic_producer=False, scope=SCOPE)
+    verdict = judge_qualification(records, RULE_TF, three_parted(), deterministic_producer=True, scope=SCOPE)
     assert not verdict.passed and verdict.scope is not None
     assert verdict.scope.partings == (3, 6)
     assert verdict.headline.startswith("NOT QUALIFIED on fixture python-textwrap")

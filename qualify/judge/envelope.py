@@ -1,0 +1,121 @@
+"""A non-deterministic producer's fixture envelope: derived from the fixture's own repeated honest
+handoffs, index by index, and every judged handoff's rows and positions held inside it.
+
+For a producer whose bits vary run to run no digest can be rechecked against an anchor, so drift
+is the only defence; a cross-document maximum is far too loose for that (docs/detection-power.md).
+The envelope is the fixture's own: per decoded row and per handed-off position, what the honest
+producer reached over its repeated runs, widened by the run-to-run range it showed there
+(:data:`~qualify.contract.rules.FIXTURE_ENVELOPE_RULE`).
+
+Pure: plain float sequences in, an envelope or a verdict out. Imports the contract's rule names and
+:mod:`qualify.judge.handoffs`' verdict types only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qualify.contract.rules import FIXTURE_ENVELOPE_RULE
+from qualify.core.errors import Refused
+from qualify.judge.handoffs import Verdict, _Judgement, _num
+
+MINIMUM_ENVELOPE_HANDOFFS = 4
+"""The fewest honest handoffs an envelope is stated from: with fewer, a range is too thin a measure
+of run-to-run spread to widen anything by."""
+
+MINIMUM_ENVELOPE_STARTS = 2
+"""The fewest producer starts an envelope is stated from: variation across a restart (another
+allocation, another autotuning pick) must be in it, not only within one process."""
+
+SERIES_NAMES: tuple[tuple[str, str], ...] = (
+    ("row_max_abs", "row max |delta logit|"),
+    ("row_mean_abs", "row mean |delta logit|"),
+    ("position_max_abs", "handed-off position max |delta K or V|"),
+)
+"""The three series an envelope bounds, and how a verdict names each."""
+
+
+@dataclass(frozen=True)
+class HandoffSeries:
+    """What one handoff is held to its envelope by: per decoded row its max and mean abs logit
+    delta against the cold recompute (teacher-forced rows where the tokens part), and per handed-off
+    position the max abs K or V delta against the consumer's own prefill (a receipt's series)."""
+
+    row_max_abs: tuple[float, ...]
+    row_mean_abs: tuple[float, ...]
+    position_max_abs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class FixtureEnvelope:
+    """Per-index ceilings from ``handoffs`` honest handoffs over ``starts`` producer starts."""
+
+    handoffs: int
+    starts: int
+    row_max_abs: tuple[float, ...]
+    row_mean_abs: tuple[float, ...]
+    position_max_abs: tuple[float, ...]
+    rule: str = FIXTURE_ENVELOPE_RULE
+
+
+def derive_fixture_envelope(series: Sequence[HandoffSeries], *, starts: int) -> FixtureEnvelope:
+    """The envelope of ``series`` (the fixture's honest handoffs over ``starts`` producer starts):
+    at each index the largest value plus the range. Refused when there are too few handoffs or
+    starts, the series' lengths disagree, or an honest value is not a finite non-negative number."""
+    if len(series) < MINIMUM_ENVELOPE_HANDOFFS:
+        raise Refused(f"fixture envelope: honest handoffs: found {len(series)}, expected at least "
+                      f"{MINIMUM_ENVELOPE_HANDOFFS}")
+    if starts < MINIMUM_ENVELOPE_STARTS or starts > len(series):
+        raise Refused(f"fixture envelope: producer starts: found {starts}, expected {MINIMUM_ENVELOPE_STARTS} "
+                      f"to {len(series)} (at most one per honest handoff)")
+    ceilings: dict[str, tuple[float, ...]] = {}
+    for name, words in SERIES_NAMES:
+        columns = [getattr(handoff, name) for handoff in series]
+        lengths = {len(column) for column in columns}
+        if len(lengths) != 1 or 0 in lengths:
+            raise Refused(f"fixture envelope: {name}: lengths {sorted(lengths)} across the honest handoffs, "
+                          "expected one non-zero length")
+        for handoff, column in enumerate(columns, start=1):
+            bad = next((i for i, value in enumerate(column) if not (math.isfinite(value) and value >= 0)), None)
+            if bad is not None:
+                raise Refused(f"fixture envelope: {name}[{bad}] of honest handoff {handoff} is "
+                              f"{column[bad]!r}, expected a finite {words} >= 0")
+        ceilings[name] = tuple(max(values) + (max(values) - min(values)) for values in zip(*columns, strict=True))
+    return FixtureEnvelope(len(series), starts, ceilings["row_max_abs"], ceilings["row_mean_abs"],
+                           ceilings["position_max_abs"])
+
+
+def judge_envelope(series: Sequence[HandoffSeries], envelope: FixtureEnvelope) -> Verdict:
+    """Does every handoff keep every row and handed-off position within the envelope? A value
+    above its ceiling, a non-finite one, or a series of another length fails, naming the handoff,
+    the index, the value and the ceiling; no handoffs fails."""
+    judgement = _Judgement()
+    problems: list[str] = []
+    nearest = 0.0  # the largest value / ceiling over every index with a positive ceiling
+    for handoff, measured in enumerate(series, start=1):
+        for name, words in SERIES_NAMES:
+            values, ceilings = getattr(measured, name), getattr(envelope, name)
+            if len(values) != len(ceilings):
+                problems.append(f"handoff {handoff}: {len(values)} {name} values, the envelope has {len(ceilings)}")
+                continue
+            outside = [i for i, (value, ceiling) in enumerate(zip(values, ceilings, strict=True))
+                       if not value <= ceiling]  # NaN compares false: outside
+            nearest = max([nearest] + [value / ceiling for value, ceiling in zip(values, ceilings, strict=True)
+                                       if 0 < ceiling and value <= ceiling])
+            if outside:
+                first = outside[0]
+                problems.append(f"handoff {handoff}: {words} outside the fixture envelope at {len(outside)} of "
+                                f"{len(values)} indices, first at {first} ({_num(values[first], ceilings[first])} "
+                                f"> {_num(ceilings[first])})")
+    if not series:
+        problems.append("no handoffs to hold to the fixture envelope")
+    indices = sum(len(getattr(envelope, name)) for name, _ in SERIES_NAMES)
+    judgement.check(
+        "inside the fixture envelope", not problems,
+        "; ".join(problems) if problems else
+        f"every decoded row and handed-off position of {len(series)} handoffs inside the fixture envelope "
+        f"({indices} ceilings from {envelope.handoffs} honest handoffs over {envelope.starts} producer starts, "
+        f"{envelope.rule}; nearest at {_num(nearest)} of its ceiling)", reasons=problems)
+    return judgement.verdict(judgement.checks[0].detail)

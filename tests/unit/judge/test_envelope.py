@@ -1,0 +1,160 @@
+"""A non-deterministic producer's fixture envelope (fixture-envelope-max-plus-range.v1): derived
+index by index from the fixture's honest handoffs, every judged row and position held inside it;
+and the summary of a producer declared non-deterministic, which compares only the cold digests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qualify.contract.rules import FIXTURE_ENVELOPE_RULE
+from qualify.core.errors import Refused
+from qualify.judge import judge_qualification, judge_summary
+from qualify.judge.envelope import (
+    MINIMUM_ENVELOPE_HANDOFFS,
+    FixtureEnvelope,
+    HandoffSeries,
+    derive_fixture_envelope,
+    judge_envelope,
+)
+from tests.unit.judge.test_judge import RULE2, three
+
+
+def series(row_max: list[float], row_mean: list[float] | None = None,
+           positions: list[float] | None = None) -> HandoffSeries:
+    return HandoffSeries(tuple(row_max), tuple(row_mean if row_mean is not None else [x / 8 for x in row_max]),
+                         tuple(positions if positions is not None else [x / 2 for x in row_max]))
+
+
+HONEST = [series([1.0, 2.0, 0.0]), series([1.5, 2.0, 0.0]), series([1.25, 1.0, 0.0]), series([1.0, 2.0, 0.0])]
+
+
+def test_each_ceiling_is_the_largest_value_plus_the_range_at_its_index() -> None:
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    assert envelope.row_max_abs == (2.0, 3.0, 0.0)  # 1.5 + 0.5, 2 + 1, 0 + 0
+    assert envelope.row_mean_abs == (0.25, 0.375, 0.0)
+    assert envelope.position_max_abs == (1.0, 1.5, 0.0)
+    assert (envelope.handoffs, envelope.starts, envelope.rule) == (4, 2, FIXTURE_ENVELOPE_RULE)
+
+
+def test_a_producer_whose_runs_agree_gets_exactly_its_measured_values() -> None:
+    same = [series([0.5, 0.75])] * MINIMUM_ENVELOPE_HANDOFFS
+    envelope = derive_fixture_envelope(same, starts=2)
+    assert envelope.row_max_abs == (0.5, 0.75)
+    assert judge_envelope(same, envelope).passed
+    nudged = series([0.5, math.nextafter(0.75, 1.0)], row_mean=[0.5 / 8, 0.75 / 8], positions=[0.25, 0.375])
+    assert not judge_envelope([nudged], envelope).passed
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=3, max_size=3),
+                min_size=MINIMUM_ENVELOPE_HANDOFFS, max_size=8))
+def test_every_honest_handoff_lies_inside_the_envelope_it_states(rows: list[list[float]]) -> None:
+    honest = [series(row) for row in rows]
+    assert judge_envelope(honest, derive_fixture_envelope(honest, starts=2)).passed
+
+
+def test_a_row_above_its_ceiling_fails_naming_the_handoff_index_value_and_ceiling() -> None:
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    faulty = series([1.0, 2.0, 0.001])  # row 2's ceiling is 0: honest runs never moved it
+    verdict = judge_envelope([HONEST[0], faulty], envelope)
+    assert not verdict.passed
+    assert verdict.reasons == ["handoff 2: row max |delta logit| outside the fixture envelope at 1 of 3 indices, "
+                               "first at 2 (0.001 > 0)",
+                               "handoff 2: row mean |delta logit| outside the fixture envelope at 1 of 3 indices, "
+                               "first at 2 (0.000125 > 0)",
+                               "handoff 2: handed-off position max |delta K or V| outside the fixture envelope at 1 "
+                               "of 3 indices, first at 2 (0.0005 > 0)"]
+
+
+def test_one_position_alone_outside_fails() -> None:
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    verdict = judge_envelope([series([1.0, 2.0, 0.0], positions=[0.5, 1.6, 0.0])], envelope)
+    assert [check.passed for check in verdict.checks] == [False]
+    assert "handed-off position max |delta K or V| outside the fixture envelope at 1 of 3 indices, first at 1" \
+        in verdict.reasons[0]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_value_lies_outside(value: float) -> None:
+    envelope = FixtureEnvelope(4, 2, (1.0,), (1.0,), (1.0,))
+    assert judge_envelope([series([0.5], row_mean=[0.5], positions=[0.5])], envelope).passed
+    for where in ({"row_max": [value]}, {"row_mean": [value]}, {"positions": [value]}):
+        measured = {"row_max": [0.5], "row_mean": [0.5], "positions": [0.5], **where}
+        assert not judge_envelope([series(**measured)], envelope).passed, where
+
+
+def test_a_series_of_another_length_or_no_handoff_fails() -> None:
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    short = judge_envelope([series([1.0, 2.0])], envelope)
+    assert not short.passed and "handoff 1: 2 row_max_abs values, the envelope has 3" in short.reasons
+    empty = judge_envelope([], envelope)
+    assert not empty.passed and empty.reasons == ["no handoffs to hold to the fixture envelope"]
+
+
+def test_a_passing_verdict_names_how_near_the_nearest_index_came() -> None:
+    """Its words are in tests/golden/judge.envelope.txt; here, the figure: 1.5 of a 2.0 ceiling."""
+    verdict = judge_envelope(HONEST, derive_fixture_envelope(HONEST, starts=2))
+    assert verdict.passed and "nearest at 0.75 of its ceiling" in verdict.headline
+    alone = judge_envelope([series([1.0, 1.0, 0.0], row_mean=[0.0] * 3, positions=[0.0] * 3)],
+                           derive_fixture_envelope(HONEST, starts=2))
+    assert "nearest at 0.5 of its ceiling" in alone.headline  # 1.0 of 2.0; zero ceilings are not ratios
+
+
+@pytest.mark.parametrize(("handoffs", "starts", "words"), [
+    (HONEST[:3], 2, "honest handoffs: found 3, expected at least 4"),
+    (HONEST, 1, "producer starts: found 1, expected 2 to 4"),
+    (HONEST, 5, "producer starts: found 5, expected 2 to 4"),
+    ([*HONEST[:3], series([1.0, 2.0])], 2, "row_max_abs: lengths [2, 3] across the honest handoffs"),
+    ([*HONEST[:3], series([1.0, math.nan, 0.0])], 2, "row_max_abs[1] of honest handoff 4 is nan, expected a finite"),
+    ([*HONEST[:3], series([1.0, 2.0, 0.0], positions=[0.0, -1.0, 0.0])], 2,
+     "position_max_abs[1] of honest handoff 4 is -1.0, expected a finite"),
+])
+def test_an_envelope_is_stated_only_from_enough_clean_honest_handoffs(
+        handoffs: list[HandoffSeries], starts: int, words: str) -> None:
+    with pytest.raises(Refused) as refused:
+        derive_fixture_envelope(handoffs, starts=starts)
+    assert str(refused.value).startswith("fixture envelope: ") and words in str(refused.value)
+
+
+# --------------------------------------------------------------------------- the summary, non-deterministic
+
+
+def test_a_non_deterministic_producer_may_change_its_digests_across_repetitions() -> None:
+    records = three()
+    records[1]["payload_sha256"] = "b" * 64
+    records[2]["handoff_logit_block_sha256"] = "c" * 64
+    assert not judge_summary(records, RULE2).passed
+    verdict = judge_summary(records, RULE2, deterministic_producer=False)
+    assert verdict.passed, verdict.reasons
+    assert verdict.headline.endswith("; cold digests equal across repetitions (the producer is declared "
+                                     "non-deterministic)")
+
+
+@pytest.mark.parametrize("field", ["cold_logit_block_sha256", "cold_generated_token_sha256", "payload_bytes"])
+def test_the_cold_recompute_and_the_payload_size_stay_exact_for_a_non_deterministic_producer(field: str) -> None:
+    records = three()
+    records[2][field] = 1 if field == "payload_bytes" else "f" * 64
+    if field == "cold_generated_token_sha256":
+        records[2]["handoff_generated_token_sha256"] = records[2][field]  # tokens still exact in the sample
+    verdict = judge_summary(records, RULE2, deterministic_producer=False)
+    assert not verdict.passed
+    assert any("differs across repetitions (repetition 3 vs 1)" in reason for reason in verdict.reasons)
+
+
+def test_a_non_deterministic_qualification_is_judged_by_its_envelope_and_fails_without_one() -> None:
+    records, anchors = three(seams_sha256="a" * 64), three(seams_sha256="a" * 64)
+    records[1]["payload_sha256"] = "b" * 64  # not the anchor's: reported, not failed
+    inside = judge_envelope(HONEST, derive_fixture_envelope(HONEST, starts=2))
+    outside = judge_envelope([series([1.0, 3.5, 0.0])], derive_fixture_envelope(HONEST, starts=2))
+    assert judge_qualification(records, RULE2, anchors, deterministic_producer=False, envelope=inside).passed
+    refused = judge_qualification(records, RULE2, anchors, deterministic_producer=False, envelope=outside)
+    assert not refused.passed and refused.reasons == outside.reasons
+    bare = judge_qualification(records, RULE2, anchors, deterministic_producer=False)
+    assert not bare.passed and bare.reasons == [
+        "no fixture envelope for a producer declared non-deterministic: its drift has nothing tighter than a "
+        "cross-document maximum to be judged by"]
+    assert not judge_qualification(records, RULE2, anchors, deterministic_producer=True, envelope=inside).passed
