@@ -11,7 +11,8 @@ import pytest
 
 from tests.support.published import NAME
 
-pytestmark = [pytest.mark.published_model, pytest.mark.slow]
+# beside_vllm: .ci/run runs it on the core the vLLM tier leaves idle (tools/test.sh), not in the slow tier.
+pytestmark = [pytest.mark.published_model, pytest.mark.slow, pytest.mark.beside_vllm]
 
 
 def test_the_default_native_lane_on_the_published_model_is_judged_teacher_forced(

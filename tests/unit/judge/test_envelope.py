@@ -158,3 +158,32 @@ def test_a_non_deterministic_qualification_is_judged_by_its_envelope_and_fails_w
         "no fixture envelope for a producer declared non-deterministic: its drift has nothing tighter than a "
         "cross-document maximum to be judged by"]
     assert not judge_qualification(records, RULE2, anchors, deterministic_producer=True, envelope=inside).passed
+
+
+def test_as_many_starts_as_handoffs_and_one_row_series_are_enough() -> None:
+    one_row = [series([x]) for x in (1.0, 2.0, 1.5, 1.25)]
+    envelope = derive_fixture_envelope(one_row, starts=len(one_row))
+    assert (envelope.starts, envelope.row_max_abs) == (4, (3.0,))
+
+
+def test_the_nearest_figure_counts_small_ceilings_and_a_value_exactly_at_its_ceiling() -> None:
+    small = [series([0.25, 0.5], row_mean=[0.0, 0.0], positions=[0.0, 0.0])] * MINIMUM_ENVELOPE_HANDOFFS
+    envelope = derive_fixture_envelope(small, starts=2)  # ceilings 0.25 and 0.5: every one below 1
+    at_ceiling = judge_envelope(small, envelope)
+    assert at_ceiling.passed and "nearest at 1 of its ceiling" in at_ceiling.headline
+    halfway = judge_envelope([series([0.125, 0.25], row_mean=[0.0, 0.0], positions=[0.0, 0.0])], envelope)
+    assert "nearest at 0.5 of its ceiling" in halfway.headline
+
+
+def test_a_value_a_hair_above_its_ceiling_never_prints_as_equal_to_it() -> None:
+    ceiling = 0.1 + 0.2  # 0.30000000000000004: nine digits print it as 0.3
+    envelope = FixtureEnvelope(4, 2, (ceiling,), (1.0,), (1.0,))
+    verdict = judge_envelope([series([math.nextafter(ceiling, 1.0)], row_mean=[0.5], positions=[0.5])], envelope)
+    assert not verdict.passed and f"({math.nextafter(ceiling, 1.0)!r} > 0.3)" in verdict.reasons[0]
+
+
+def test_a_missing_envelope_is_a_failed_check_of_its_own() -> None:
+    bare = judge_qualification(three(seams_sha256="a" * 64), RULE2, three(seams_sha256="a" * 64),
+                               deterministic_producer=False)
+    assert [(check.name, check.passed) for check in bare.checks if check.name == "inside the fixture envelope"] == [
+        ("inside the fixture envelope", False)]
