@@ -278,9 +278,10 @@ class LaneBench:
             kv_envelope=self.kv_envelope, phases=phases,
         ))
         rows = comparison.teacher_forced if comparison.teacher_forced is not None else comparison.delta
-        assert comparison.kv is not None  # every comparer compares the KV (qualify/evidence/series.py)
+        kv = comparison.kv
+        assert kv is not None and kv.tensor_position_max_abs is not None  # the host comparer keeps both
         series = HandoffSeries(tuple(rows.row_max_abs.tolist()), tuple(rows.row_mean_abs.tolist()),
-                               tuple(comparison.kv.position_max_abs.tolist()))
+                               tuple(kv.position_max_abs.tolist()), tuple(kv.tensor_position_max_abs.ravel().tolist()))
         return record, series
 
     def judge(self, records: list[dict[str, Any]]) -> tuple[Verdict, Verdict]:
@@ -719,9 +720,11 @@ def set_up_non_deterministic(bench: LaneBench, jitter: float, starts: int, per_s
         "starts_bit_identical": all(a.tobytes() == b.tobytes() for kv in prefills[1:]
                                     for a, b in zip(prefills[0].keys + prefills[0].values, kv.keys + kv.values,
                                                     strict=True)),
-        "envelope": {"rule": nd.envelope.rule, "largest_row_max_abs": ceiling_max,
+        "envelope": {"rule": nd.envelope.rule, "multipliers": list(nd.envelope.multipliers),
+                     "largest_row_max_abs": ceiling_max,
                      "largest_row_mean_abs": ceiling_mean,
                      "largest_position_max_abs": max(nd.envelope.position_max_abs),
+                     "tensor_position_ceilings": len(nd.envelope.tensor_position_max_abs),
                      "honest_spread_row_max_abs": max(max(column) - min(column) for column in
                                                       zip(*(m.row_max_abs for m in series), strict=True))},
         "rules": {name: rule.model_dump() for name, rule in nd.rules.items()},
@@ -813,7 +816,8 @@ def run_non_deterministic(args: argparse.Namespace, chosen: list[str]) -> int:
           f"against an anchor; run-to-run variation emulated by seeded jitter of {args.jitter:g} of each KV "
           f"tensor's largest magnitude; {state['producer_starts']} producer starts (bit-identical: "
           f"{state['starts_bit_identical']})")
-    print(f"fixture envelope ({state['envelope']['rule']}) from {state['envelope_handoffs']} honest handoffs: "
+    print(f"fixture envelope ({state['envelope']['rule']}, k {state['envelope']['multipliers']} for row max, row "
+          f"mean, position, layer tensor position) from {state['envelope_handoffs']} honest handoffs: "
           f"largest row max ceiling {state['envelope']['largest_row_max_abs']!r}, largest honest spread "
           f"{state['envelope']['honest_spread_row_max_abs']!r}")
     print("honest held-out qualifications refused: " + ", ".join(

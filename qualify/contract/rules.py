@@ -51,22 +51,26 @@ TEACHER_FORCED_RULE_STATEMENT = (
 """How a teacher-forced identity judges a handoff (rung 2 for lanes that do not keep tokens);
 the exact-token rule stays for lanes that keep them."""
 
-FIXTURE_ENVELOPE_RULE = "fixture-envelope-max-plus-range.v1"
+FIXTURE_ENVELOPE_RULE = "fixture-envelope-loo-range.v1"
 FIXTURE_ENVELOPE_RULE_STATEMENT = (
     "for a producer declared non-deterministic, the fixture is handed off repeatedly over more than one "
-    "producer start; at every decoded row the envelope of its max abs and of its mean abs logit delta "
-    "against the cold recompute (teacher-forced rows where the tokens part), and at every handed-off "
-    "position the envelope of its max abs K or V delta against the consumer's own prefill, is the "
-    "largest value those handoffs showed there plus their range there (largest minus smallest); every "
-    "row and every handed-off position of a judged handoff must lie within its envelope, and a "
-    "non-finite value lies outside it"
+    "producer start; four series are measured per handoff: at every decoded row its max abs and its "
+    "mean abs logit delta against the cold recompute (teacher-forced rows where the tokens part), at "
+    "every handed-off position its max abs K or V delta against the consumer's own prefill over every "
+    "layer, and the same for each layer's K and each layer's V apart; per series, "
+    "k is twice the larger of 1 and the largest amount, over handoffs and indices, by which one handoff "
+    "exceeded the largest value of the others at an index, in units of the others' range there (where "
+    "that range is positive); each index's ceiling is the largest value the handoffs showed there plus k "
+    "times their range there; every row and every handed-off position of a judged handoff must lie "
+    "within its ceiling, and a non-finite value lies outside it"
 )
 """How a non-deterministic producer is judged without any digest check: the bounds are the
 fixture's own, index by index, so a fault that moves one row or one position beyond what the
 honest producer's own run-to-run variation reached there is caught, however far inside a
-cross-document maximum it stays. Why the range: it is the run-to-run spread measured at that
-index, a margin the data gives (as one standard deviation does for the cross-document bounds);
-a producer whose repeated runs agree gets an envelope of exactly its measured values."""
+cross-document maximum it stays. Why a multiple of the range: the range is the run-to-run spread
+at that index, and how far an unseen honest run steps past it is measured on the same runs by
+leaving each out in turn (doubled, and never less than two ranges: the leave-one-out runs see one
+run fewer than the envelope does). A producer whose runs agree gets its measured values exactly."""
 
 STATED_RULES: Mapping[str, str] = MappingProxyType({BOUND_RULE: BOUND_RULE_STATEMENT,
                                                      FLOOR_RULE: FLOOR_RULE_STATEMENT,

@@ -473,10 +473,14 @@ class KVLayerDelta:
 @dataclass(frozen=True)
 class KVComparison:
     """Per-layer K/V deltas and, per handed-off position, the max abs delta over every layer,
-    head and dim of K and V (locates a positional fault such as swapped blocks)."""
+    head and dim of K and V (locates a positional fault such as swapped blocks). The host comparer
+    also keeps each tensor's own per-position maxima, ``tensor_position_max_abs`` [2 * layers,
+    positions] (layer by layer, K before V), what a fixture envelope judges position by position;
+    the device comparer leaves it None."""
 
     layers: tuple[KVLayerDelta, ...]
     position_max_abs: np.ndarray
+    tensor_position_max_abs: np.ndarray | None = None
 
     def first_position_over(self, threshold: float) -> int | None:
         """First position whose KV delta exceeds ``threshold`` (NaN counts as over)."""
@@ -484,9 +488,11 @@ class KVComparison:
         return int(over[0]) if over.size else None
 
 
-def _tensor_delta(handoff: np.ndarray, own: np.ndarray, what: str, profile: np.ndarray) -> tuple[float, int]:
+def _tensor_delta(handoff: np.ndarray, own: np.ndarray, what: str, profile: np.ndarray,
+                  rows: list[np.ndarray]) -> tuple[float, int]:
     """Max abs delta of one handed-off tensor and its first position; folds per-position maxima
-    into ``profile`` (NaN propagates, so a NaN position counts as over any threshold)."""
+    into ``profile`` (NaN propagates, so a NaN position counts as over any threshold) and appends
+    them to ``rows``."""
     heads, positions, dim = handoff.shape
     if own.ndim != 3 or own.shape[0] != heads or own.shape[2] != dim or own.shape[1] < positions:
         raise Refused(f"{what}: handed-off shape {list(handoff.shape)} does not fit own prefill {list(own.shape)}")
@@ -496,6 +502,7 @@ def _tensor_delta(handoff: np.ndarray, own: np.ndarray, what: str, profile: np.n
         np.abs(diff, out=diff)
         np.maximum(per_position, diff.max(axis=1), out=per_position)
     np.maximum(profile, per_position, out=profile)
+    rows.append(per_position)
     if positions == 0:
         return 0.0, 0
     position = int(per_position.argmax())
@@ -522,6 +529,7 @@ def compare_kv(
         raise Refused("kv: no layers to compare")
     positions: int | None = None
     profile = np.zeros(0)
+    rows: list[np.ndarray] = []  # [2 * layers] of [positions]: K then V per layer
     layers = []
     for layer, tensors in enumerate(zip(handoff_keys, handoff_values, own_keys, own_values, strict=True)):
         key, value, own_key, own_value = (np.asarray(t) for t in tensors)
@@ -535,10 +543,10 @@ def compare_kv(
             if tensor.shape[1] != positions:
                 raise Refused(f"kv layer {layer} {name}: {tensor.shape[1]} handed-off positions, "
                               f"layer 0 has {positions}")
-        k, k_position = _tensor_delta(key, own_key, f"kv layer {layer} K", profile)
-        v, v_position = _tensor_delta(value, own_value, f"kv layer {layer} V", profile)
+        k, k_position = _tensor_delta(key, own_key, f"kv layer {layer} K", profile, rows)
+        v, v_position = _tensor_delta(value, own_value, f"kv layer {layer} V", profile, rows)
         layers.append(KVLayerDelta(layer, k, v, k_position, v_position))
-    return KVComparison(tuple(layers), profile)
+    return KVComparison(tuple(layers), profile, np.stack(rows))
 
 
 # --------------------------------------------------------------------------- speculative draft

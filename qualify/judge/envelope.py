@@ -4,7 +4,8 @@ handoffs, index by index, and every judged handoff's rows and positions held ins
 For a producer whose bits vary run to run no digest can be rechecked against an anchor, so drift
 is the only defence; a cross-document maximum is far too loose for that (docs/detection-power.md).
 The envelope is the fixture's own: per decoded row and per handed-off position, what the honest
-producer reached over its repeated runs, widened by the run-to-run range it showed there
+producer reached over its repeated runs, widened by a multiple of the run-to-run range it showed
+there, the multiple measured on the same runs by leaving each out in turn
 (:data:`~qualify.contract.rules.FIXTURE_ENVELOPE_RULE`).
 
 Pure: plain float sequences in, an envelope or a verdict out. Imports the contract's rule names and
@@ -33,6 +34,7 @@ SERIES_NAMES: tuple[tuple[str, str], ...] = (
     ("row_max_abs", "row max |delta logit|"),
     ("row_mean_abs", "row mean |delta logit|"),
     ("position_max_abs", "handed-off position max |delta K or V|"),
+    ("tensor_position_max_abs", "layer K or V position max |delta|"),
 )
 """The three series an envelope bounds, and how a verdict names each."""
 
@@ -40,12 +42,16 @@ SERIES_NAMES: tuple[tuple[str, str], ...] = (
 @dataclass(frozen=True)
 class HandoffSeries:
     """What one handoff is held to its envelope by: per decoded row its max and mean abs logit
-    delta against the cold recompute (teacher-forced rows where the tokens part), and per handed-off
-    position the max abs K or V delta against the consumer's own prefill (a receipt's series)."""
+    delta against the cold recompute (teacher-forced rows where the tokens part); per handed-off
+    position the max abs K or V delta against the consumer's own prefill over every layer (a
+    receipt's series), and the same for each layer's K and for its V apart, flattened layer by
+    layer, K before V (2 * layers * positions values): a fault in one layer's tensor shows there
+    against that tensor's own run-to-run spread, not under another layer's larger delta."""
 
     row_max_abs: tuple[float, ...]
     row_mean_abs: tuple[float, ...]
     position_max_abs: tuple[float, ...]
+    tensor_position_max_abs: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -57,12 +63,31 @@ class FixtureEnvelope:
     row_max_abs: tuple[float, ...]
     row_mean_abs: tuple[float, ...]
     position_max_abs: tuple[float, ...]
+    tensor_position_max_abs: tuple[float, ...]
+    multipliers: tuple[float, ...] = (2.0, 2.0, 2.0, 2.0)
     rule: str = FIXTURE_ENVELOPE_RULE
+
+
+def leave_one_out_exceedance(columns: Sequence[Sequence[float]]) -> float:
+    """The largest amount by which one honest handoff rose above the others' largest value at an
+    index, in units of the others' range there (0 when none rose above a positive range): how far
+    an unseen honest run may step past the envelope's data, measured on the data."""
+    largest = 0.0
+    for values in zip(*columns, strict=True):
+        ordered = sorted(values)
+        for value in values:
+            others_max = ordered[-2] if value == ordered[-1] else ordered[-1]
+            others_min = ordered[1] if value == ordered[0] else ordered[0]
+            spread = others_max - others_min
+            if spread > 0 and value > others_max:
+                largest = max(largest, (value - others_max) / spread)
+    return largest
 
 
 def derive_fixture_envelope(series: Sequence[HandoffSeries], *, starts: int) -> FixtureEnvelope:
     """The envelope of ``series`` (the fixture's honest handoffs over ``starts`` producer starts):
-    at each index the largest value plus the range. Refused when there are too few handoffs or
+    at each index the largest value plus a multiple of the range there, the multiple for each
+    series twice the larger of 1 and its :func:`leave_one_out_exceedance`. Refused when there are too few handoffs or
     starts, the series' lengths disagree, or an honest value is not a finite non-negative number."""
     if len(series) < MINIMUM_ENVELOPE_HANDOFFS:
         raise Refused(f"fixture envelope: honest handoffs: found {len(series)}, expected at least "
@@ -71,6 +96,7 @@ def derive_fixture_envelope(series: Sequence[HandoffSeries], *, starts: int) -> 
         raise Refused(f"fixture envelope: producer starts: found {starts}, expected {MINIMUM_ENVELOPE_STARTS} "
                       f"to {len(series)} (at most one per honest handoff)")
     ceilings: dict[str, tuple[float, ...]] = {}
+    multipliers: list[float] = []
     for name, words in SERIES_NAMES:
         columns = [getattr(handoff, name) for handoff in series]
         lengths = {len(column) for column in columns}
@@ -82,9 +108,12 @@ def derive_fixture_envelope(series: Sequence[HandoffSeries], *, starts: int) -> 
             if bad is not None:
                 raise Refused(f"fixture envelope: {name}[{bad}] of honest handoff {handoff} is "
                               f"{column[bad]!r}, expected a finite {words} >= 0")
-        ceilings[name] = tuple(max(values) + (max(values) - min(values)) for values in zip(*columns, strict=True))
+        multiple = 2.0 * max(1.0, leave_one_out_exceedance(columns))
+        multipliers.append(multiple)
+        ceilings[name] = tuple(max(values) + multiple * (max(values) - min(values))
+                               for values in zip(*columns, strict=True))
     return FixtureEnvelope(len(series), starts, ceilings["row_max_abs"], ceilings["row_mean_abs"],
-                           ceilings["position_max_abs"])
+                           ceilings["position_max_abs"], ceilings["tensor_position_max_abs"], tuple(multipliers))
 
 
 def judge_envelope(series: Sequence[HandoffSeries], envelope: FixtureEnvelope) -> Verdict:
@@ -107,8 +136,8 @@ def judge_envelope(series: Sequence[HandoffSeries], envelope: FixtureEnvelope) -
             if outside:
                 first = outside[0]
                 problems.append(f"handoff {handoff}: {words} outside the fixture envelope at {len(outside)} of "
-                                f"{len(values)} indices, first at {first} ({_num(values[first], ceilings[first])} "
-                                f"> {_num(ceilings[first])})")
+                                f"{len(values)} indices, first at {_where(name, first, measured)} "
+                                f"({_num(values[first], ceilings[first])} > {_num(ceilings[first])})")
     if not series:
         problems.append("no handoffs to hold to the fixture envelope")
     indices = sum(len(getattr(envelope, name)) for name, _ in SERIES_NAMES)
@@ -117,5 +146,15 @@ def judge_envelope(series: Sequence[HandoffSeries], envelope: FixtureEnvelope) -
         "; ".join(problems) if problems else
         f"every decoded row and handed-off position of {len(series)} handoffs inside the fixture envelope "
         f"({indices} ceilings from {envelope.handoffs} honest handoffs over {envelope.starts} producer starts, "
-        f"{envelope.rule}; nearest at {_num(nearest)} of its ceiling)", reasons=problems)
+        f"{envelope.rule}, k {'/'.join(_num(k) for k in envelope.multipliers)}; nearest at {_num(nearest)} of its "
+        "ceiling)", reasons=problems)
     return judgement.verdict(judgement.checks[0].detail)
+
+
+def _where(name: str, index: int, measured: HandoffSeries) -> str:
+    """An index as the verdict names it: a row or position by number, a tensor's position by layer,
+    K or V, and position (its series holds each layer's K then V, each over every position)."""
+    positions = len(measured.position_max_abs)
+    if name != "tensor_position_max_abs" or positions == 0:
+        return str(index)
+    return f"layer {index // (2 * positions)} {'KV'[(index // positions) % 2]} position {index % positions}"

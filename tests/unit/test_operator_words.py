@@ -715,7 +715,7 @@ def judge_envelope_cases() -> list[Case]:
     moved[1]["payload_sha256"] = "b" * 64
     return [
         Case("envelope: honest handoffs inside", judged(judge_envelope, HONEST, envelope)),
-        Case("envelope: a row and a position outside", judged(judge_envelope, [series([1.0, 3.5, 0.001])], envelope)),
+        Case("envelope: a row and a position outside", judged(judge_envelope, [series([1.0, 4.5, 0.001])], envelope)),
         Case("envelope: a series of another length", judged(judge_envelope, [series([1.0, 2.0])], envelope)),
         Case("envelope: no handoffs", judged(judge_envelope, [], envelope)),
         Case("envelope: too few honest handoffs", refused(derive_fixture_envelope, HONEST[:3], starts=2)),

@@ -287,6 +287,12 @@ def test_kv_layer_deltas_match_numpy():
     profile = np.max([np.abs(h - o[:, :48]).max(axis=(0, 2)) for h, o in pairs], axis=0)
     np.testing.assert_array_equal(result.position_max_abs, profile)
     assert result.first_position_over(1.0) == 7
+    # Each tensor's own per-position maxima, layer by layer, K before V.
+    tensors = [np.abs(h - o[:, :48]).max(axis=(0, 2)) for layer in range(3)
+               for h, o in ((handed_keys[layer], own_keys[layer]), (handed_values[layer], own_values[layer]))]
+    assert result.tensor_position_max_abs is not None
+    np.testing.assert_array_equal(result.tensor_position_max_abs, np.stack(tensors))
+    assert result.tensor_position_max_abs.shape == (6, 48)
 
 
 def test_kv_refusals_and_nan():

@@ -19,25 +19,43 @@ from qualify.judge.envelope import (
     HandoffSeries,
     derive_fixture_envelope,
     judge_envelope,
+    leave_one_out_exceedance,
 )
 from tests.unit.judge.test_judge import RULE2, three
 
 
 def series(row_max: list[float], row_mean: list[float] | None = None,
-           positions: list[float] | None = None) -> HandoffSeries:
+           positions: list[float] | None = None, tensors: list[float] | None = None) -> HandoffSeries:
+    """One handoff's series; by default its positions are half its rows' maxima and its one
+    layer's K and V each a quarter of them."""
+    positions = positions if positions is not None else [x / 2 for x in row_max]
     return HandoffSeries(tuple(row_max), tuple(row_mean if row_mean is not None else [x / 8 for x in row_max]),
-                         tuple(positions if positions is not None else [x / 2 for x in row_max]))
+                         tuple(positions), tuple(tensors if tensors is not None else [x / 2 for x in positions] * 2))
 
 
 HONEST = [series([1.0, 2.0, 0.0]), series([1.5, 2.0, 0.0]), series([1.25, 1.0, 0.0]), series([1.0, 2.0, 0.0])]
 
 
-def test_each_ceiling_is_the_largest_value_plus_the_range_at_its_index() -> None:
+def test_each_ceiling_is_the_largest_value_plus_k_ranges_at_its_index() -> None:
+    # Row max at index 0 is 1.0, 1.5, 1.25, 1.0: left out, 1.5 rose one range (0.25) above the others'
+    # largest, so k = 2 * max(1, 1.0) = 2; index 1 (2, 2, 1, 2) never rose above the others.
     envelope = derive_fixture_envelope(HONEST, starts=2)
-    assert envelope.row_max_abs == (2.0, 3.0, 0.0)  # 1.5 + 0.5, 2 + 1, 0 + 0
-    assert envelope.row_mean_abs == (0.25, 0.375, 0.0)
-    assert envelope.position_max_abs == (1.0, 1.5, 0.0)
+    assert envelope.multipliers == (2.0, 2.0, 2.0, 2.0)
+    assert envelope.row_max_abs == (2.5, 4.0, 0.0)  # 1.5 + 2 * 0.5, 2 + 2 * 1, 0 + 0
+    assert envelope.row_mean_abs == (0.3125, 0.5, 0.0)
+    assert envelope.position_max_abs == (1.25, 2.0, 0.0)
     assert (envelope.handoffs, envelope.starts, envelope.rule) == (4, 2, FIXTURE_ENVELOPE_RULE)
+
+
+def test_k_is_twice_the_largest_leave_one_out_step_past_the_others() -> None:
+    # Left out, 4 rose 3 of the others' ranges (0..1) above their largest: k = 6 for row max only.
+    handoffs = [series([0.0], row_mean=[0.5], positions=[0.5]), series([1.0], row_mean=[0.5], positions=[0.5]),
+                series([1.0], row_mean=[0.5], positions=[0.5]), series([4.0], row_mean=[0.5], positions=[0.5])]
+    assert leave_one_out_exceedance([[0.0], [1.0], [1.0], [4.0]]) == 3.0
+    envelope = derive_fixture_envelope(handoffs, starts=2)
+    assert envelope.multipliers == (6.0, 2.0, 2.0, 2.0)
+    assert envelope.row_max_abs == (4.0 + 6.0 * 4.0,)
+    assert leave_one_out_exceedance([[1.0, 5.0], [1.0, 5.0], [1.0, 5.0]]) == 0.0  # no range: no step
 
 
 def test_a_producer_whose_runs_agree_gets_exactly_its_measured_values() -> None:
@@ -67,12 +85,26 @@ def test_a_row_above_its_ceiling_fails_naming_the_handoff_index_value_and_ceilin
                                "handoff 2: row mean |delta logit| outside the fixture envelope at 1 of 3 indices, "
                                "first at 2 (0.000125 > 0)",
                                "handoff 2: handed-off position max |delta K or V| outside the fixture envelope at 1 "
-                               "of 3 indices, first at 2 (0.0005 > 0)"]
+                               "of 3 indices, first at 2 (0.0005 > 0)",
+                               "handoff 2: layer K or V position max |delta| outside the fixture envelope at 2 of 6 "
+                               "indices, first at layer 0 K position 2 (0.00025 > 0)"]
+
+
+def test_one_tensors_position_alone_outside_fails_named_by_layer_tensor_and_position() -> None:
+    """A fault in one layer's V at one position, under another layer's larger delta there: the
+    all-layer position series cannot see it, the tensor's own series does."""
+    honest = [series([1.0], row_mean=[0.1], positions=[4.0], tensors=[4.0, 0.5 + i / 64, 0.25, 0.25])
+              for i in range(4)]  # layer 0 K, layer 0 V, layer 1 K, layer 1 V at the one position
+    envelope = derive_fixture_envelope(honest, starts=2)
+    faulty = series([1.0], row_mean=[0.1], positions=[4.0], tensors=[4.0, 0.5, 0.25, 0.5])
+    verdict = judge_envelope([faulty], envelope)
+    assert verdict.reasons == ["handoff 1: layer K or V position max |delta| outside the fixture envelope at 1 of 4 "
+                               "indices, first at layer 1 V position 0 (0.5 > 0.25)"]
 
 
 def test_one_position_alone_outside_fails() -> None:
     envelope = derive_fixture_envelope(HONEST, starts=2)
-    verdict = judge_envelope([series([1.0, 2.0, 0.0], positions=[0.5, 1.6, 0.0])], envelope)
+    verdict = judge_envelope([series([1.0, 2.0, 0.0], positions=[0.5, 2.1, 0.0])], envelope)
     assert [check.passed for check in verdict.checks] == [False]
     assert "handed-off position max |delta K or V| outside the fixture envelope at 1 of 3 indices, first at 1" \
         in verdict.reasons[0]
@@ -80,7 +112,7 @@ def test_one_position_alone_outside_fails() -> None:
 
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_value_lies_outside(value: float) -> None:
-    envelope = FixtureEnvelope(4, 2, (1.0,), (1.0,), (1.0,))
+    envelope = FixtureEnvelope(4, 2, (1.0,), (1.0,), (1.0,), (1.0, 1.0))
     assert judge_envelope([series([0.5], row_mean=[0.5], positions=[0.5])], envelope).passed
     for where in ({"row_max": [value]}, {"row_mean": [value]}, {"positions": [value]}):
         measured = {"row_max": [0.5], "row_mean": [0.5], "positions": [0.5], **where}
@@ -96,12 +128,12 @@ def test_a_series_of_another_length_or_no_handoff_fails() -> None:
 
 
 def test_a_passing_verdict_names_how_near_the_nearest_index_came() -> None:
-    """Its words are in tests/golden/judge.envelope.txt; here, the figure: 1.5 of a 2.0 ceiling."""
+    """Its words are in tests/golden/judge.envelope.txt; here, the figure: 1.5 of a 2.5 ceiling."""
     verdict = judge_envelope(HONEST, derive_fixture_envelope(HONEST, starts=2))
-    assert verdict.passed and "nearest at 0.75 of its ceiling" in verdict.headline
+    assert verdict.passed and "nearest at 0.6 of its ceiling" in verdict.headline
     alone = judge_envelope([series([1.0, 1.0, 0.0], row_mean=[0.0] * 3, positions=[0.0] * 3)],
                            derive_fixture_envelope(HONEST, starts=2))
-    assert "nearest at 0.5 of its ceiling" in alone.headline  # 1.0 of 2.0; zero ceilings are not ratios
+    assert "nearest at 0.4 of its ceiling" in alone.headline  # 1.0 of 2.5; zero ceilings are not ratios
 
 
 @pytest.mark.parametrize(("handoffs", "starts", "words"), [
@@ -149,7 +181,7 @@ def test_a_non_deterministic_qualification_is_judged_by_its_envelope_and_fails_w
     records, anchors = three(seams_sha256="a" * 64), three(seams_sha256="a" * 64)
     records[1]["payload_sha256"] = "b" * 64  # not the anchor's: reported, not failed
     inside = judge_envelope(HONEST, derive_fixture_envelope(HONEST, starts=2))
-    outside = judge_envelope([series([1.0, 3.5, 0.0])], derive_fixture_envelope(HONEST, starts=2))
+    outside = judge_envelope([series([1.0, 4.5, 0.0])], derive_fixture_envelope(HONEST, starts=2))
     assert judge_qualification(records, RULE2, anchors, deterministic_producer=False, envelope=inside).passed
     refused = judge_qualification(records, RULE2, anchors, deterministic_producer=False, envelope=outside)
     assert not refused.passed and refused.reasons == outside.reasons
@@ -163,7 +195,7 @@ def test_a_non_deterministic_qualification_is_judged_by_its_envelope_and_fails_w
 def test_as_many_starts_as_handoffs_and_one_row_series_are_enough() -> None:
     one_row = [series([x]) for x in (1.0, 2.0, 1.5, 1.25)]
     envelope = derive_fixture_envelope(one_row, starts=len(one_row))
-    assert (envelope.starts, envelope.row_max_abs) == (4, (3.0,))
+    assert (envelope.starts, envelope.row_max_abs) == (4, (4.0,))  # 2 + 2 * (2 - 1)
 
 
 def test_the_nearest_figure_counts_small_ceilings_and_a_value_exactly_at_its_ceiling() -> None:
@@ -177,7 +209,7 @@ def test_the_nearest_figure_counts_small_ceilings_and_a_value_exactly_at_its_cei
 
 def test_a_value_a_hair_above_its_ceiling_never_prints_as_equal_to_it() -> None:
     ceiling = 0.1 + 0.2  # 0.30000000000000004: nine digits print it as 0.3
-    envelope = FixtureEnvelope(4, 2, (ceiling,), (1.0,), (1.0,))
+    envelope = FixtureEnvelope(4, 2, (ceiling,), (1.0,), (1.0,), (1.0, 1.0))
     verdict = judge_envelope([series([math.nextafter(ceiling, 1.0)], row_mean=[0.5], positions=[0.5])], envelope)
     assert not verdict.passed and f"({math.nextafter(ceiling, 1.0)!r} > 0.3)" in verdict.reasons[0]
 
