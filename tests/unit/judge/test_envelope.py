@@ -219,3 +219,34 @@ def test_a_missing_envelope_is_a_failed_check_of_its_own() -> None:
                                deterministic_producer=False)
     assert [(check.name, check.passed) for check in bare.checks if check.name == "inside the fixture envelope"] == [
         ("inside the fixture envelope", False)]
+
+
+def loo_by_definition(columns: list[list[float]]) -> float:
+    """The leave-one-out step by its words: each handoff left out in turn, against the others."""
+    largest = 0.0
+    for index in range(len(columns[0])):
+        values = [column[index] for column in columns]
+        for left_out in range(len(values)):
+            others = values[:left_out] + values[left_out + 1:]
+            spread = max(others) - min(others)
+            if spread > 0 and values[left_out] > max(others):
+                largest = max(largest, (values[left_out] - max(others)) / spread)
+    return largest
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 8.0]), min_size=2, max_size=2),
+                min_size=3, max_size=6))
+def test_the_leave_one_out_step_is_what_its_words_define(columns: list[list[float]]) -> None:
+    assert leave_one_out_exceedance(columns) == loo_by_definition(columns)
+
+
+def test_a_tensor_index_is_named_by_its_layer_tensor_and_position_over_several_positions() -> None:
+    # Two positions, two layers: index 4 is layer 1, K, position 0 (layer by layer, K before V, each
+    # over every position).
+    honest = [series([1.0], row_mean=[0.1], positions=[1.0, 1.0], tensors=[0.5] * 8)] * MINIMUM_ENVELOPE_HANDOFFS
+    envelope = derive_fixture_envelope(honest, starts=2)
+    faulty = series([1.0], row_mean=[0.1], positions=[1.0, 1.0], tensors=[0.5] * 4 + [0.75] + [0.5] * 3)
+    assert judge_envelope([faulty], envelope).reasons == [
+        "handoff 1: layer K or V position max |delta| outside the fixture envelope at 1 of 8 indices, first at "
+        "layer 1 K position 0 (0.75 > 0.5)"]
