@@ -5,6 +5,8 @@ Where is each thing judged?
 * a handoff sample, the summary over repetitions, the reproduction of the anchor (rung 2 bounded
   drift, rung 3 bit-exact), a run that stopped early: :mod:`qualify.judge.handoffs`;
 * a calibration, and the bounds and floor its stated rules derive: :mod:`qualify.judge.calibration`;
+* a producer declared non-deterministic, held to the fixture envelope its honest handoffs state:
+  :mod:`qualify.judge.envelope`;
 * a served pair over HTTP, and its top-k rule: :mod:`qualify.judge.served`; a served pair's
   calibration, its bounds derived by the lanes' policy: :mod:`qualify.judge.served_calibration`;
 * the E1/E2 controls against their yardstick gates: :mod:`qualify.judge.controls`;
