@@ -65,7 +65,13 @@ from qualify.run.run_contract import (
     default_identity_path,
 )
 from qualify.run.service_conditions import ServiceLog
-from qualify.run.signals import interrupt_signal, interrupts_raise, signals_held
+from qualify.run.signals import (
+    interrupt_caught,
+    interrupt_signal,
+    interrupts_raise,
+    raise_swallowed_interrupt,
+    signals_held,
+)
 
 if TYPE_CHECKING:
     from qualify.archive.writer import ReceiptWriter
@@ -230,9 +236,12 @@ class QualificationRun:
         self._running = self._last_step = label
         failure: Verdict | None = None
         try:
+            raise_swallowed_interrupt()  # one that arrived where Python drops a handler's raise
             message = self._run(label)
+            raise_swallowed_interrupt()
             outcome = StepOutcome(label, True, message, time.perf_counter() - started)
         except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM/SIGHUP under interrupts_raise()
+            interrupt_caught()
             self.outcomes[label] = StepOutcome(
                 label, False, f"interrupted by {signal.Signals(interrupt_signal(exc)).name}",
                 time.perf_counter() - started)

@@ -38,6 +38,7 @@ def interrupt_signal(exc: BaseException) -> int:
 class _HeldSignals:
     depth: int = 0
     pending: int | None = None
+    raised: int | None = None  # the last interrupt raised, until a run's step caught it
 
 
 _HELD = _HeldSignals()
@@ -50,7 +51,24 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     if _HELD.depth > 0:
         _HELD.pending = _HELD.pending or signum
         return
+    _HELD.raised = signum
     raise RunInterrupted(signum)
+
+
+def interrupt_caught() -> None:
+    """A run's step caught the interrupt its handler raised: nothing is left to raise again."""
+    _HELD.raised = None
+
+
+def raise_swallowed_interrupt() -> None:
+    """Raise again an interrupt whose raise never reached the run: a handler that runs inside an
+    at-fork callback, a finalizer or a weakref callback has its exception printed as "Exception
+    ignored" and dropped (measured: SIGINT landing in logging's at-fork lock release, as the
+    consumer forked its cold-ahead child, let the run finish and exit 0). Called between a run's
+    steps and at each step's end, so such a signal stops the run at the next boundary."""
+    signum, _HELD.raised = _HELD.raised, None
+    if signum is not None:
+        raise RunInterrupted(signum)
 
 
 _late_signals: list[int] = []
@@ -91,11 +109,13 @@ def interrupts_raise() -> Iterator[None]:
         signal.signal(signum, _raise_interrupt)
         # None: a handler set outside Python; the default is what it meant here.
         previous[signum] = signal.SIG_DFL if current is None else current
+    _HELD.raised = None
     try:
         if _late_signals:
             raise RunInterrupted(_late_signals.pop(0))
         yield
     finally:
+        _HELD.raised = None  # a run's end forgets: its receipt is sealed, its verdict decided
         for restored, handler in previous.items():
             signal.signal(restored, _note_late_signal if _hold_after_runs else handler)
 
