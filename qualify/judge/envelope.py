@@ -36,7 +36,7 @@ SERIES_NAMES: tuple[tuple[str, str], ...] = (
     ("position_max_abs", "handed-off position max |delta K or V|"),
     ("tensor_position_max_abs", "layer K or V position max |delta|"),
 )
-"""The three series an envelope bounds, and how a verdict names each."""
+"""The four series an envelope bounds, and how a verdict names each."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,9 @@ def leave_one_out_exceedance(columns: Sequence[Sequence[float]]) -> float:
 def derive_fixture_envelope(series: Sequence[HandoffSeries], *, starts: int) -> FixtureEnvelope:
     """The envelope of ``series`` (the fixture's honest handoffs over ``starts`` producer starts):
     at each index the largest value plus a multiple of the range there, the multiple for each
-    series twice the larger of 1 and its :func:`leave_one_out_exceedance`. Refused when there are too few handoffs or
-    starts, the series' lengths disagree, or an honest value is not a finite non-negative number."""
+    series twice the larger of 1 and its :func:`leave_one_out_exceedance`. Refused when there are
+    too few handoffs or starts, the series' lengths disagree, or an honest value is not a finite
+    non-negative number."""
     if len(series) < MINIMUM_ENVELOPE_HANDOFFS:
         raise Refused(f"fixture envelope: honest handoffs: found {len(series)}, expected at least "
                       f"{MINIMUM_ENVELOPE_HANDOFFS}")

@@ -287,12 +287,15 @@ def test_a_fifo_is_refused_not_read(tmp_path: Path) -> None:
 
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
-    for command in (["model", "inspect", str(fifo)], ["--recipe", "native-text", "--model", str(fifo)]):
+    receipts = tmp_path / "receipts"  # the refused run's receipt stays here, not in the operator's archive
+    for command in (["model", "inspect", str(fifo)],
+                    ["--recipe", "native-text", "--model", str(fifo), "--receipts", str(receipts)]):
         done = subprocess.run([sys.executable, "-m", "qualify.interfaces.cli", *command], capture_output=True,
                               text=True, timeout=120, cwd=tmp_path)
         assert done.returncode == 2, done.stderr
         refusal_line = done.stderr.splitlines()[-1]  # a run says first where it made its signing key
         assert str(fifo) in refusal_line and "not a regular file" in refusal_line
+    assert len(list(receipts.iterdir())) == 1  # every run leaves a receipt, a refused one too
 
 
 # ---- qualify model inspect: the same loader from the command line, exit 2 with one line ------
