@@ -21,8 +21,9 @@ deliver (killed, or the engine raised there) is recomputed in line, where the sa
 same error, so a child never changes what a run concludes, only when it is known.
 
 Two schedules use it: a qualification's comparer forks at its reference step for the cold
-branches of handoffs 2 and 3 (one prompt); a calibration plans the branch of every handoff, each
-cell with its own prompt (:class:`PlannedColdBranches`).
+branch of every handoff (one prompt; the first runs beside the first handoff's prefill and decode
+rather than before them); a calibration plans the branch of every handoff, each cell with its own
+prompt (:class:`PlannedColdBranches`).
 """
 
 from __future__ import annotations

@@ -68,8 +68,10 @@ class Comparer(Protocol):
 
     deferred: bool
 
-    def reference(self) -> float:
-        """Compute the cold local recompute the handoffs are compared against; its seconds."""
+    def reference(self) -> float | None:
+        """Compute the cold local recompute the handoffs are compared against; its seconds, or
+        None where it is computed beside the handoffs instead (each comparison then reports the
+        seconds its own branch took)."""
         ...
 
     def compare(self, kv: KVCache, pending: np.ndarray, meanwhile: Callable[[], None]) -> ComparedHandoff:
@@ -92,25 +94,28 @@ class HostComparer:
     def __init__(self, setup: ComparerSetup) -> None:
         self.setup = setup
         self._cold: ColdBranch | None = None
-        # The reference step's cold branch serves the first handoff; each later one recomputes its
-        # own (unless reference_once), so three handoffs still meet three cold computations, and
-        # the consumer's determinism is checked across them, without a fourth.
+        # Each handoff is compared with a cold branch of its own (one for all under
+        # reference_once), so three handoffs meet three cold computations and the consumer's
+        # determinism is checked across them. An in-line reference step's branch serves the first.
         self._cold_unused = False
-        # The later handoffs' cold branches, computed by a forked child from the reference step on.
+        # Every handoff's cold branch, computed by a forked child from the reference step on.
         self._ahead: BranchesAhead | None = None
 
     def _recompute(self) -> ColdBranch:
         setup = self.setup
         return cold_branch(setup.consumer, setup.prompt, setup.handoff_positions, setup.output_tokens)
 
-    def reference(self) -> float:
+    def reference(self) -> float | None:
+        """Where the consumer forks cleanly and no run plan holds the branches, a child computes
+        every handoff's cold branch in order from now on, and this returns None at once: the
+        first branch then runs beside the first handoff's prefill and decode instead of before
+        them, off the run's critical path. Else the first branch is computed (or taken from the
+        plan) here, and its seconds returned."""
         setup = self.setup
-        later = 0 if setup.reference_once else setup.handoffs - 1
-        if later > 0 and self._ahead is None and forks_cleanly(setup.consumer):
-            self._ahead = BranchesAhead(self._recompute, later)
-            self._cold = self._recompute()  # this one here, the later ones in the child meanwhile
-        else:
-            self._cold = self._next_branch()
+        if setup.planned is None and self._ahead is None and forks_cleanly(setup.consumer):
+            self._ahead = BranchesAhead(self._recompute, 1 if setup.reference_once else setup.handoffs)
+            return None
+        self._cold = self._next_branch()
         self._cold_unused = True
         return self._cold[2]
 
@@ -133,7 +138,8 @@ class HostComparer:
             cold_kv, cold, _ = self._cold
             self._cold_unused = False
         else:
-            cold_kv, cold, seconds["recompute"] = self._next_branch()
+            self._cold = self._next_branch()
+            cold_kv, cold, seconds["recompute"] = self._cold
         teacher_forced = None
         if not np.array_equal(result.tokens, cold.tokens):
             # Rows after a divergence compare like with like only when the handoff branch is fed

@@ -694,6 +694,8 @@ class QualificationRun:
 
     def _compute_reference(self) -> str:
         seconds = self._comparer.reference()
+        if seconds is None:
+            return "cold local recompute: one per handoff, by a forked child beside the handoffs"
         self.seconds["recompute"] = self.seconds.get("recompute", 0.0) + seconds
         return f"cold local recompute: {self._contract.output_tokens} tokens in {seconds:.2f} s"
 
