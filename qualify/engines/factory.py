@@ -37,6 +37,7 @@ from qualify.engines.base import Engine, LaneEngine, ModelGeometry
 
 if TYPE_CHECKING:
     from qualify.engines.nvfp4_linear import Arithmetic
+    from qualify.engines.reference import Materialize
 
 TORCH_LLAMA_CACHE_POSITIONS = 2048 + 256
 
@@ -141,12 +142,30 @@ def _nvfp4_arithmetic(spec: LaneSpec, mode: ProducerMode) -> Arithmetic:
             raise Refused(f"lane {spec.name}: native mode needs a variant")
 
 
+def _nvfp4_materialize(arithmetic: Arithmetic) -> Materialize:
+    """An NVFP4 engine's intermediates: float16 round trips for ``f16``, else float32."""
+    from qualify.engines.reference import KeepFloat32, RoundTripFloat16
+
+    return RoundTripFloat16() if arithmetic == "f16" else KeepFloat32()
+
+
+def _nvfp4_abi(arithmetic: Arithmetic) -> str:
+    """``_nvfp4_engine(arithmetic).abi`` without building it: no checkpoint loaded and no weight
+    image made (seconds of the identity step on a real model). Every projection of the engine
+    is of that arithmetic (the factory makes no other), so its kind and the materialize hook's
+    name the abi, as :class:`~qualify.engines.reference.ReferenceEngine` composes it."""
+    from qualify.engines.nvfp4_linear import nvfp4_linear_kind
+    from qualify.engines.reference import arithmetic_kind, engine_abi
+
+    return engine_abi({nvfp4_linear_kind(arithmetic)}, arithmetic_kind(_nvfp4_materialize(arithmetic), "materialize"))
+
+
 def _nvfp4_engine(arithmetic: Arithmetic) -> Engine:
     from qualify.engines.nvfp4_layouts import load_checkpoint
     from qualify.engines.nvfp4_linear import make_nvfp4_linear_factory
-    from qualify.engines.reference import KeepFloat32, ReferenceEngine, RoundTripFloat16
+    from qualify.engines.reference import ReferenceEngine
 
-    materialize = RoundTripFloat16() if arithmetic == "f16" else KeepFloat32()
+    materialize = _nvfp4_materialize(arithmetic)
     if model_choice.chosen() is not None:
         from qualify.engines import chosen_model
 
@@ -231,6 +250,9 @@ def lane_producer_abi(spec: LaneSpec) -> str:
         # The producer runs without CUDA graphs (_build); no 8B-shaped engine is built to say so.
         _, _, dtype, device = random_model(assets.require_asset(TORCH_LLAMA_MODELS[spec.name]))
         return torch_llama_abi(torch.device(device), DTYPES[dtype], cuda_graph=False)
+    if spec.kind is LaneKind.NVFP4:
+        require_checkpoint_files(spec.kind)
+        return _nvfp4_abi(_nvfp4_arithmetic(spec, spec.mode))
     return _build(spec, spec.mode).abi
 
 

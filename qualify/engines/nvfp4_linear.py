@@ -309,7 +309,7 @@ class W4A4Linear:
         return round_through_f16(y)
 
 
-_LINEAR_BY_ARITHMETIC: dict[str, Callable[[Nvfp4Tensor], Linear]] = {
+_LINEAR_BY_ARITHMETIC: dict[str, type[ExactA16Q8Linear] | type[SplitKLinear] | type[W4A4Linear]] = {
     "exact": ExactA16Q8Linear,
     "splitk": SplitKLinear,
     "f16": F16Linear,
@@ -320,6 +320,12 @@ _LINEAR_BY_ARITHMETIC: dict[str, Callable[[Nvfp4Tensor], Linear]] = {
 def _require_arithmetic(arithmetic: str) -> None:
     if arithmetic not in ARITHMETICS:
         raise Refused(f"nvfp4 arithmetic: {arithmetic!r} is not one of {list(ARITHMETICS)}")
+
+
+def nvfp4_linear_kind(arithmetic: Arithmetic) -> str:
+    """The ``kind`` every projection of ``arithmetic`` declares (part of its engine's abi)."""
+    _require_arithmetic(arithmetic)
+    return _LINEAR_BY_ARITHMETIC[arithmetic].kind
 
 
 def make_nvfp4_linear(tensor: Nvfp4Tensor, arithmetic: Arithmetic) -> Linear:

@@ -544,6 +544,13 @@ def arithmetic_kind(hook: object, what: str) -> str:
     return name
 
 
+def engine_abi(linear_kinds: set[str], materialize_kind: str) -> str:
+    """A reference engine's abi: this file's arithmetic, its projections' kinds and its
+    materialize hook's (named only when intermediates do not stay float32)."""
+    abi = f"{ABI_VERSION}+{','.join(sorted(linear_kinds))}"
+    return abi if materialize_kind == KeepFloat32.kind else f"{abi}+{materialize_kind}"
+
+
 def make_engine_linear(make_linear: MakeLinear, name: str, weight_f32: np.ndarray) -> Linear:
     """Call the factory and refuse a projection whose shape disagrees with the weight or whose
     arithmetic has no name (see :func:`arithmetic_kind`)."""
@@ -692,15 +699,11 @@ class ReferenceEngine(GreedyDecoder):
         self.final_norm = weights["model.norm.weight"]  # [hidden]
         self.eps = np.float32(rms_norm_eps)
 
-        linear_kinds = sorted({arithmetic_kind(linear, "make_linear")
-                               for layer in self.layers for linear in layer.linears})
-        abi = f"{ABI_VERSION}+{','.join(linear_kinds)}"
-        if materialize_kind != KeepFloat32.kind:
-            abi += f"+{materialize_kind}"
+        linear_kinds = {arithmetic_kind(linear, "make_linear") for layer in self.layers for linear in layer.linears}
         check_ieee_environment()
         # The arithmetic's name only: numpy and its BLAS are recorded in the host facts, and the
         # known-answer check (qualify.engines.kat) pins the bits they must give.
-        self.abi = abi
+        self.abi = engine_abi(linear_kinds, materialize_kind)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path = assets.MODEL_DIR, make_linear: MakeLinear | None = None,

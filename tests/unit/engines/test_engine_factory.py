@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from qualify.contract.lanes import (
+    LANES,
     REFERENCE_TO_VLLM_LANE,
     VLLM_BLOCK_SIZE,
     VLLM_TO_REFERENCE_LANE,
+    LaneKind,
     ProducerMode,
     lane_spec,
 )
@@ -32,6 +34,7 @@ from qualify.engines.factory import (
     build_consumer,
     build_producer,
     checkpoint_digests,
+    lane_producer_abi,
     producer_facts,
 )
 from qualify.engines.reference import ReferenceEngine
@@ -59,6 +62,15 @@ def test_a_lane_engine_carries_its_lane_facts() -> None:
     assert producer.handoff_block_size is None
     assert (producer.name, producer.version, producer.abi) == (
         producer.engine.name, producer.engine.version, producer.engine.abi)
+
+
+@pytest.mark.parametrize("lane", sorted(name for name, spec in LANES.items() if spec.kind is LaneKind.NVFP4))
+def test_an_nvfp4_lanes_producer_abi_is_the_built_producers_without_building_it(lane: str) -> None:
+    """The identity step names the producer's abi before the producer starts; on an NVFP4 lane
+    it is composed from the arithmetic (no weight image made) and must be the one the producer
+    process reports, or every handoff's cache identity would be refused."""
+    spec = lane_spec(lane)
+    assert lane_producer_abi(spec) == build_producer(lane, spec.mode).abi
 
 
 def test_a_producer_built_in_the_other_mode_carries_that_modes_cache_identity() -> None:
