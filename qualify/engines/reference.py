@@ -259,7 +259,10 @@ def silu(x: np.ndarray) -> np.ndarray:
 def softmax_(scores: np.ndarray) -> np.ndarray:
     """In-place float32 softmax over the last axis (max-subtracted; -inf entries become 0)."""
     scores -= scores.max(axis=-1, keepdims=True)
-    scores[...] = exp(scores)
+    if scores.flags.c_contiguous:
+        exp(scores, out=scores)
+    else:
+        scores[...] = exp(scores)
     scores /= tree_sum(scores)
     return scores
 
