@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -102,6 +103,19 @@ def _serve(compute: Callable[[], Any], count: int, sender: Connection, parent: i
             return
 
 
+def _note_stop_signals(noted: list[int]) -> dict[int, Any]:
+    """Replace each stop signal's Python handler with one that appends the signal to ``noted``;
+    returns the replaced handlers (none outside the main thread, where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    replaced: dict[int, Any] = {}
+    for signum in STOP_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):  # a default or ignored disposition runs no Python code
+            replaced[signum] = signal.signal(signum, lambda received, frame: noted.append(received))
+    return replaced
+
+
 class BranchesAhead:
     """``count`` results of ``compute()``, computed in order by a forked child from the moment
     this is made. :meth:`next` returns the next one, or None where the child did not deliver it."""
@@ -112,10 +126,26 @@ class BranchesAhead:
         receiver, sender = context.Pipe(duplex=False)
         self.child = context.Process(target=_serve, args=(compute, count, sender, os.getpid()),
                                      name="qualify-cold-ahead", daemon=True)
-        self.child.start()  # multiprocessing flushes stdout and stderr first: nothing printed twice
-        sender.close()
         self._receiver: Connection | None = receiver
         self.undelivered: str | None = None  # why the child stopped delivering, once it has
+        # A stop signal whose handler raises inside the fork's at-fork callbacks (logging's lock
+        # release) has its exception printed as "Exception ignored" and dropped: while the child
+        # starts, the handlers only note a signal, which is raised again once it has started, in
+        # line here, with the child this object's to stop.
+        noted: list[int] = []
+        handlers = _note_stop_signals(noted)
+        try:
+            self.child.start()  # multiprocessing flushes stdout and stderr first: nothing printed twice
+        finally:
+            sender.close()
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        if noted:
+            try:
+                signal.raise_signal(noted[0])  # its handler runs here, in this thread
+            except BaseException:
+                self.close("the run was stopped as the child started")
+                raise
 
     def next(self) -> Any | None:
         """The child's next branch (waiting for it), or None: the child ended or failed (its

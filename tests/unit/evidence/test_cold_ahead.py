@@ -99,6 +99,33 @@ def test_an_interrupt_stops_the_child_and_not_the_run(ahead_of) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
+# A SIGINT sent to this process from inside the fork's after-in-parent callbacks (where a handler
+# raising would have its exception printed as "Exception ignored" and dropped), while armed.
+SIGINT_IN_FORK = threading.Event()
+os.register_at_fork(after_in_parent=lambda: SIGINT_IN_FORK.is_set() and os.kill(os.getpid(), signal.SIGINT))
+
+
+class Stopped(Exception):
+    pass
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+def test_an_interrupt_as_the_child_forks_reaches_the_caller_and_leaves_no_child(capfd: pytest.CaptureFixture[str]) -> None:
+    previous = signal.signal(signal.SIGINT, _raise_stopped)
+    SIGINT_IN_FORK.set()
+    try:
+        with pytest.raises(Stopped):
+            BranchesAhead(_slow, 1)
+    finally:
+        SIGINT_IN_FORK.clear()
+        signal.signal(signal.SIGINT, previous)
+    assert not multiprocessing.active_children()  # stopped and reaped before the interrupt went on
+    assert "Exception ignored" not in capfd.readouterr().err
+
+
 def test_close_stops_a_running_child_and_reaps_it(ahead_of) -> None:
     ahead = ahead_of(_slow, 1)
     ahead.close()
