@@ -170,7 +170,7 @@ def test_the_recipe_document_v2_is_v1_with_the_scope_of_the_summary_v3() -> None
     """v2 adds ``scope`` and nothing else; its form is the receipt summary's, part for part."""
     v1, v2 = (json.loads((CONTRACTS_DIR / f"cli-recipe.v{n}.schema.json").read_text()) for n in (1, 2))
     summary_defs = json.loads((CONTRACTS_DIR / "validation-summary.v3.schema.json").read_text())["$defs"]
-    scope_parts = ("ScopeRecord", "ScopeFixture", "ScopeControls", "ScopeControlDocument", "ScopeJudgedBy")
+    scope_parts = ("ScopeRecord", "ScopeFixture", "ScopeControls", "ScopeControlDocument", "ScopeJudgedBy", "ScopeEnvelope")
     assert {name: v2["$defs"].pop(name) for name in scope_parts} == {name: summary_defs[name] for name in scope_parts}
     result = v2["$defs"]["result"]
     assert result["properties"].pop("scope")["anyOf"] == [{"$ref": "#/$defs/ScopeRecord"}, {"type": "null"}]
