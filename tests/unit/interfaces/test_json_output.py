@@ -254,6 +254,27 @@ def fake_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quiet_key:
     yield result
 
 
+def test_calibrate_json_of_a_non_deterministic_producer_carries_its_envelope_and_no_anchor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_calibration: Calibration, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dataclasses import replace
+
+    from qualify.judge.envelope import FixtureEnvelope
+    from qualify.run import calibrate as calibrate_module
+
+    envelope = FixtureEnvelope(8, 2, (1.0,), (0.1,), (0.5,), (0.25, 0.25), (2.0, 2.0, 7.17, 6.56))
+    result = replace(fake_calibration, envelope=envelope, non_deterministic=True, deterministic=False)
+    asked: dict[str, Any] = {}
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *args, **kwargs: asked.update(kwargs) or result)
+    code, document, err = run_json(capsys, "calibrate", "--recipe", "native-text", "--lane", "nvfp4-native-f16",
+                                   "--non-deterministic", "--receipts", str(tmp_path / "archive"), "--json")
+    validate("calibrate", document)
+    assert code == 0 and err == "" and document["anchors"] == 0
+    assert (asked["non_deterministic"], asked["envelope_handoffs"], asked["envelope_starts"]) == (True, 8, 2)
+    assert document["fixture_envelope"] == {"rule": "fixture-envelope-loo-range.v1", "handoffs": 8,
+                                            "producer_starts": 2, "multipliers": [2.0, 2.0, 7.17, 6.56]}
+
+
 def test_calibrate_json_carries_the_cells_and_next_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_calibration: Calibration
 ) -> None:
