@@ -226,3 +226,19 @@ def test_a_comparer_that_computes_no_per_tensor_series_fails_closed(tmp_path: Pa
     assert [check.name for check in run.verdict.checks if not check.passed] == ["inside the fixture envelope"]
     summary = json.loads((run.receipt_path / "validation-summary.json").read_text(encoding="utf-8"))  # type: ignore[operator]
     assert summary["status"] == "failed" and not list((run.receipt_path / "series").glob("envelope-*"))  # type: ignore[operator]
+
+
+def test_a_soak_under_a_non_deterministic_identity_is_refused_at_its_first_step(tmp_path: Path) -> None:
+    """A soak holds every handoff's payload to the anchor bit for bit: such a producer has none."""
+    from qualify.contract.soak import load_soak_criteria
+    from qualify.run.soak import SoakRun
+    from tests.system.test_soak import criteria_file
+
+    run = SoakRun(RunOptions(recipe="native-text", receipts=tmp_path / "receipts"),
+                  load_soak_criteria(criteria_file(tmp_path, 2, 0.001)),
+                  contract=envelope_contract(ceilings_everywhere(1.0)))
+    outcome = run.step("identity sealed")
+    run.close()
+    assert not outcome.passed and outcome.refused
+    summary = json.loads((run.receipt_path / "validation-summary.json").read_text(encoding="utf-8"))  # type: ignore[operator]
+    assert summary["status"] == "refused"
