@@ -5,8 +5,10 @@ The bounds come from the calibration set alone (documents and lengths kept apart
 qualification fixture and the controls), each cell under a freshly started producer in the next
 numeric environment this host can run; the fixture is then handed off (at least twice, across
 restarts) only to retain the digests a qualification must reproduce bit for bit, never to set a
-bound. The rules that turn these into sealed numbers are stated in :mod:`qualify.contract.rules`
-and applied by :mod:`qualify.judge.calibration`.
+bound. A producer declared non-deterministic retains no anchor: the fixture is handed off
+repeatedly over several producer starts and each handoff's series state its fixture envelope
+(:mod:`qualify.judge.envelope`). The rules that turn these into sealed numbers are stated in
+:mod:`qualify.contract.rules` and applied by :mod:`qualify.judge.calibration`.
 """
 
 from __future__ import annotations
