@@ -32,6 +32,18 @@ def handoff_series(arrays: Mapping[str, np.ndarray]) -> HandoffSeries:
                            for name, _ in SERIES_NAMES))
 
 
+NO_TENSOR_SERIES = ("no per-tensor KV series to hold to the fixture envelope (its comparer computed none, as the "
+                    "device comparer does; compare on the host)")
+"""Why a compared handoff has no envelope series (absent evidence, which the envelope fails)."""
+NO_COMPARISON = "no envelope series (the sample failed before its comparison)"
+"""Why a failed handoff has none."""
+
+
+def missing_series(repetition: object, why: str) -> str:
+    """How the envelope check names a handoff it has no series of."""
+    return f"handoff {repetition}: {why}"
+
+
 def identity_seal(identity: Identity) -> EnvelopeSeal | None:
     """What the identity seals of its fixture envelope (None: its producer is declared deterministic)."""
     sealed = identity.onboarding_qualification.fixture_envelope
@@ -82,4 +94,5 @@ def basis_envelope(identity: Identity, receipt_dir: Path, evidence: Mapping[str,
     return envelope
 
 
-__all__ = ["basis_envelope", "basis_envelope_series", "handoff_series", "identity_seal"]
+__all__ = ["NO_COMPARISON", "NO_TENSOR_SERIES", "basis_envelope", "basis_envelope_series", "handoff_series",
+           "identity_seal", "missing_series"]

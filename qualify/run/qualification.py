@@ -56,7 +56,7 @@ from qualify.judge import (
 from qualify.judge.envelope import judge_envelope
 from qualify.judge.scope import SERVICE_CONDITIONS, Scope
 from qualify.judge.service import RESTARTED, SERVICE_EVIDENCE, judge_service_conditions
-from qualify.run.fixture_envelope import handoff_series
+from qualify.run.fixture_envelope import NO_COMPARISON, NO_TENSOR_SERIES, handoff_series, missing_series
 from qualify.run.run_contract import (
     ORDERED_HANDOFFS,
     Contract,
@@ -873,9 +873,7 @@ class QualificationRun:
         if repetition in self._envelope_pending:
             arrays = self._envelope_pending.pop(repetition)
             if arrays is None:  # absent evidence is failed evidence: the envelope judges it so
-                self._envelope_missing[repetition] = (
-                    f"handoff {repetition}: no per-tensor KV series to hold to the fixture envelope (its comparer "
-                    f"computes none: the device comparer; compare on the host)")
+                self._envelope_missing[repetition] = missing_series(repetition, NO_TENSOR_SERIES)
                 self.log(f"sample {repetition}: no envelope series: {self._envelope_missing[repetition]}")
             else:
                 self._receipt.add_envelope_series(repetition, arrays)
@@ -910,7 +908,7 @@ class QualificationRun:
             elif type(repetition) is int and repetition in self._envelope_missing:
                 missing.append(self._envelope_missing[repetition])
             else:
-                missing.append(f"handoff {repetition}: no envelope series (the sample failed before its comparison)")
+                missing.append(missing_series(repetition, NO_COMPARISON))
         return judge_envelope(series, envelope, missing=missing)
 
     def settle_all(self) -> None:

@@ -788,6 +788,7 @@ def envelope_seal_and_qualification_cases() -> list[Case]:
     from qualify.judge import judge_qualification
     from qualify.judge.envelope import EnvelopeSeal, derive_fixture_envelope, judge_envelope, seal_problems
     from qualify.judge.scope import EnvelopeScope, Scope
+    from qualify.run.fixture_envelope import NO_COMPARISON, NO_TENSOR_SERIES, missing_series
     from tests.unit.judge.test_envelope import HONEST, series
     from tests.unit.judge.test_judge import RULE2, three
 
@@ -802,9 +803,7 @@ def envelope_seal_and_qualification_cases() -> list[Case]:
 
     inside = judge_envelope(HONEST[:3], envelope)
     outside = judge_envelope([*HONEST[:2], series([1.0, 4.5, 0.0])], envelope)
-    missing = judge_envelope(HONEST[:2], envelope, missing=[
-        "handoff 3: no per-tensor KV series to hold to the fixture envelope (its comparer computes none: the device "
-        "comparer; compare on the host)"])
+    missing = judge_envelope(HONEST[:2], envelope, missing=[missing_series(3, NO_TENSOR_SERIES)])
     return [
         Case("seal: every field moved", problems(replace(seal, rule="fixture-envelope-max-plus-range.v1", handoffs=8,
                                                          starts=3, multipliers=(2.0, 2.5, 2.0, 2.0),
@@ -812,6 +811,8 @@ def envelope_seal_and_qualification_cases() -> list[Case]:
         Case("seal: one multiplier too few", problems(replace(seal, multipliers=(2.0, 2.0, 2.0)), HONEST)),
         Case("seal: handoffs that state no envelope", problems(seal, HONEST[:3])),
         Case("envelope: a handoff without its series", lambda _workspace: missing),
+        Case("envelope: a handoff that failed before its comparison",
+             judged(judge_envelope, HONEST[:2], envelope, missing=[missing_series(3, NO_COMPARISON)])),
         Case("qualification held to its envelope: passed",
              judged(judge_qualification, records, RULE2, three(seams_sha256="a" * 64), deterministic_producer=False,
                     scope=scope, envelope=inside)),
