@@ -9,7 +9,6 @@ from typing import Any
 
 from qualify.contract.rules import FIXTURE_ENVELOPE_RULE, FIXTURE_ENVELOPE_RULE_STATEMENT
 from qualify.judge.calibration import (
-    CALIBRATION_PART,
     ENVELOPE_PART,
     anchor_records,
     declares_envelope,
@@ -132,8 +131,3 @@ def test_a_failed_envelope_handoff_fails_the_calibration() -> None:
     result = judged(document, records, by_repetition)
     assert {check.name for check in result.verdict.checks if not check.passed} == {"handoffs", "fixture envelope"}
 
-
-def test_a_cell_entry_is_never_an_envelope_handoff() -> None:
-    document, _, _ = calibration()
-    assert [entry["part"] for entry in document["handoffs"]][:3] == [CALIBRATION_PART] * 3
-    assert [repetition for repetition, _ in envelope_handoffs(document)[0]] == [4, 5, 6, 7]
