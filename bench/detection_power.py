@@ -69,9 +69,11 @@ from qualify.evidence.compare import transform_between
 from qualify.evidence.comparers import ComparerSetup, HostComparer
 from qualify.evidence.records import BoundedDriftRule, record_json
 from qualify.evidence.sample import sample_record
+from qualify.evidence.series import envelope_series
 from qualify.handoff.wire import Handoff, HandoffExpectation, mint_run_key, open_handoff, seal_handoff_parts
 from qualify.judge import Verdict, judge_reproduction, judge_summary
 from qualify.judge.envelope import FixtureEnvelope, HandoffSeries, derive_fixture_envelope, judge_envelope
+from qualify.run.fixture_envelope import handoff_series
 from qualify.run.run_contract import identity_path_for_lane
 
 LANES = ("nvfp4-native-w4a4", "nvfp4-native-f16", "nvfp4-native-splitk")
@@ -277,12 +279,10 @@ class LaneBench:
             recomputed_positions=len(self.prompt) - manifest.handed_off_positions,
             kv_envelope=self.kv_envelope, phases=phases,
         ))
-        rows = comparison.teacher_forced if comparison.teacher_forced is not None else comparison.delta
-        kv = comparison.kv
-        assert kv is not None and kv.tensor_position_max_abs is not None  # the host comparer keeps both
-        series = HandoffSeries(tuple(rows.row_max_abs.tolist()), tuple(rows.row_mean_abs.tolist()),
-                               tuple(kv.position_max_abs.tolist()), tuple(kv.tensor_position_max_abs.ravel().tolist()))
-        return record, series
+        # The series a run records for a fixture envelope (qualify.evidence.series), as its judge reads them.
+        arrays = envelope_series(comparison)
+        assert arrays is not None  # the host comparer keeps each tensor's per-position series
+        return record, handoff_series(arrays)
 
     def judge(self, records: list[dict[str, Any]]) -> tuple[Verdict, Verdict]:
         drift = judge_summary(records, self.rule)

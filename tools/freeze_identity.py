@@ -79,6 +79,7 @@ from qualify.contract.identity import (
     IDENTITY_SCHEMA_IDS,
     IDENTITY_SCHEMA_PATHS,
     LINK_FLOOR_SCHEMA_ID,
+    NON_DETERMINISTIC_SCHEMA_ID,
     RELPATH,
     SOURCE_PINNED_IDENTITY_SCHEMA_IDS,
     TEACHER_FORCED_SCHEMA_ID,
@@ -98,6 +99,8 @@ from qualify.contract.lanes import (
 from qualify.contract.rules import (
     BOUND_RULE,
     BOUND_RULE_STATEMENT,
+    FIXTURE_ENVELOPE_RULE,
+    FIXTURE_ENVELOPE_RULE_STATEMENT,
     FLOOR_RULE,
     FLOOR_RULE_STATEMENT,
     TEACHER_FORCED_BOUND_RULE,
@@ -516,8 +519,12 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         full_logits["maximum_mean_absolute"] = follows("--maximum-mean-absolute", args.maximum_mean_absolute,
                                                        derived.maximum_mean_absolute, BOUND_RULE)
 
+    envelope = derived.envelope
+    schema = (NON_DETERMINISTIC_SCHEMA_ID if envelope is not None
+              else IDENTITY_SCHEMA_ID if teacher_forced is None else TEACHER_FORCED_SCHEMA_ID)
+    qualification_envelope = {} if envelope is None else {"fixture_envelope": sealed_envelope(envelope)}
     return {
-        "schema": IDENTITY_SCHEMA_ID if teacher_forced is None else TEACHER_FORCED_SCHEMA_ID,
+        "schema": schema,
         "lane": spec.name,
         "lane_kind": spec.kind.value,
         "recipe": spec.recipe.value,
@@ -531,9 +538,10 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
             "repetitions": args.repetitions,
             "prompt_sha256": prompt_digest,
             "require_exact_tokens": teacher_forced is None,
-            "require_deterministic_remote_output": True,
+            "require_deterministic_remote_output": envelope is None,
             "full_logits": full_logits,
             "basis": args.basis,
+            **qualification_envelope,
         },
         "target_cache_identity_sha256": target_cache_identity(spec, files, str(producer["abi"])),
         "checkpoint": {"files": files, "total_bytes": total_bytes},
@@ -549,8 +557,20 @@ def build_document(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_draft": draft,
         "calibration": derived.calibration,
         "controls": derived.controls,
-        **({} if teacher_forced is None else {"link_floor": None}),
+        **({} if teacher_forced is None and envelope is None else {"link_floor": None}),
     }
+
+
+def sealed_envelope(envelope: Any) -> dict[str, Any]:
+    """An identity's ``onboarding_qualification.fixture_envelope`` for the envelope its basis
+    states (:class:`qualify.judge.envelope.FixtureEnvelope`): its rule as stated, counts, each
+    series' multiple and the digest of its ceilings (the ceilings stay in the basis receipt)."""
+    from qualify.judge.envelope import SERIES_NAMES, ceilings_sha256
+
+    return {"rule": {"name": FIXTURE_ENVELOPE_RULE, "statement": FIXTURE_ENVELOPE_RULE_STATEMENT},
+            "handoffs": envelope.handoffs, "producer_starts": envelope.starts,
+            "multipliers": {name: k for (name, _), k in zip(SERIES_NAMES, envelope.multipliers, strict=True)},
+            "ceilings_sha256": ceilings_sha256(envelope)}
 
 
 class Derived(NamedTuple):
@@ -562,6 +582,7 @@ class Derived(NamedTuple):
     calibration: dict[str, Any]
     controls: dict[str, str] | None
     teacher_forced: Any = None  # TeacherForcedBounds when the lane parts from the cold recompute
+    envelope: Any = None  # FixtureEnvelope when the basis declares its producer non-deterministic
 
 
 def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derived:
@@ -571,13 +592,16 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
     from qualify.contract.controls import load_calibration_set, load_controls_criteria
     from qualify.judge.calibration import (
         anchor_draft_counts,
-        anchor_records,
         calibration_cells,
+        declares_envelope,
         derive_acceptance_floor,
         derive_bounds,
         derive_teacher_forced_bounds,
+        fixture_records,
         keeps_tokens,
     )
+    from qualify.judge.envelope import derive_fixture_envelope
+    from qualify.run.fixture_envelope import basis_envelope_series
     from qualify.run.run_contract import receipt_evidence, receipt_sample_records
 
     run_id = basis_uri.removeprefix("receipt://").partition("/")[0]
@@ -600,8 +624,16 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
     bounds = derive_bounds(cells)
     if problems or bounds is None:
         raise Refused(f"--basis {basis_uri}: its cells do not give a bound: {'; '.join(problems) or 'fewer than 2 cells'}")
+    envelope = None
+    if declares_envelope(evidence):  # a producer declared non-deterministic: its envelope, no anchor
+        series, starts = basis_envelope_series(receipt, evidence)
+        try:
+            envelope = derive_fixture_envelope(series, starts=starts)
+        except Refused as exc:
+            raise Refused(f"--basis {basis_uri}: its envelope handoffs state no fixture envelope: "
+                          f"{one_line(str(exc))}") from None
     teacher_forced = None
-    if spec.recipe.rung == 2 and not keeps_tokens(anchor_records(evidence, records)):
+    if spec.recipe.rung == 2 and not keeps_tokens(fixture_records(evidence, records)):
         teacher_forced = derive_teacher_forced_bounds(cells)
         if teacher_forced is None:
             raise Refused(f"--basis {basis_uri}: the lane parts from the cold recompute and its cells do not record "
@@ -627,6 +659,7 @@ def derived_numbers(spec: LaneSpec, basis_uri: str, archive_dir: Path) -> Derive
                                     if spec.speculative_draft else None)},
         controls=controls,
         teacher_forced=teacher_forced,
+        envelope=envelope,
     )
 
 
@@ -673,7 +706,7 @@ def refrozen_document(identity: Identity, args: argparse.Namespace) -> dict[str,
     rope = identity.rope
     max_positions = identity.context_policy.max_positions
 
-    if not identity.teacher_forced:
+    if not identity.teacher_forced and identity.deterministic_producer:  # v7 and v8 keep their version
         document["schema"] = LINK_FLOOR_SCHEMA_ID if "link_floor" in document else IDENTITY_SCHEMA_ID
     document["checkpoint"] = {"files": files, "total_bytes": total_bytes}
     document["producer_engine"], document["consumer_engine"] = refrozen_engines(identity)
@@ -699,9 +732,14 @@ def check_follows_basis(identity: Identity, archive_dir: Path) -> None:
 
     run_id = identity.onboarding_qualification.basis.removeprefix("receipt://").partition("/")[0]
     receipt = archive_dir / run_id
-    problems = basis_rule_problems(identity, receipt_evidence(receipt, "calibration"), receipt_sample_records(receipt))
+    evidence = receipt_evidence(receipt, "calibration")
+    problems = basis_rule_problems(identity, evidence, receipt_sample_records(receipt))
     if problems:
         raise Refused(f"identity {identity.lane}: {problems[0]}")
+    if not identity.deterministic_producer:  # its sealed envelope, re-derived from the basis's series
+        from qualify.run.fixture_envelope import basis_envelope
+
+        basis_envelope(identity, receipt, evidence, where=f"identity {identity.lane}")
     basis_controls(identity, receipt)
 
 
@@ -867,7 +905,8 @@ def declare_link_floor(document: dict[str, Any], gbit_per_s: float | None) -> di
     """The document with a link-rate floor declared (schema v4), or as it was when none is given."""
     if gbit_per_s is None:
         return document
-    schema = TEACHER_FORCED_SCHEMA_ID if document.get("schema") == TEACHER_FORCED_SCHEMA_ID else LINK_FLOOR_SCHEMA_ID
+    kept = (TEACHER_FORCED_SCHEMA_ID, NON_DETERMINISTIC_SCHEMA_ID)  # a floor or none already
+    schema = document["schema"] if document.get("schema") in kept else LINK_FLOOR_SCHEMA_ID
     return {**document, "schema": schema, "link_floor": {"gbit_per_s_minimum": gbit_per_s}}
 
 

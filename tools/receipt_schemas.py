@@ -96,10 +96,11 @@ ADDED_BY_TEACHER_FORCED_RULE: dict[str, tuple[str, ...]] = {
     "SampleRecord": ("max_row_mean_abs",),
     "TeacherForcedSummary": ("max_row_mean_abs", "partings"),
     "BoundedDriftRule": ("near_tie_margin", "maximum_changed_row_share"),
-    "ScopeRecord": ("judged_by",),
+    "ScopeRecord": ("judged_by", "envelope"),
 }
-"""Fields the teacher-forced rule added to forms that receipts written before it lack: written
-by every writer since (null when not measured), optional to a schema so an older receipt still fits."""
+"""Fields the teacher-forced rule (and, for ``envelope``, the fixture envelope) added to forms that
+receipts written before it lack: written by every writer since (null when not measured), optional
+to a schema so an older receipt still fits."""
 
 
 def _optional_where_added(definitions: dict[str, Any]) -> None:

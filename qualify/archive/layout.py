@@ -17,6 +17,10 @@ Layout of ``<archive>/<run-id>/``::
     series/sample-<n>.safetensors  the per-position, per-layer series of that sample
                               (:mod:`qualify.evidence.series`); absent for a sample that failed
                               before its comparison
+    series/envelope-<n>.safetensors  the four series a fixture envelope holds that handoff to
+                              (a producer declared non-deterministic: its calibration's fixture
+                              handoffs and every sample of its qualifications); absent where the
+                              comparer computed none, which the envelope judges as failed
     validation-summary.json   the verdict over the run, with its status
     manifest.json             SHA-256 and size of every other file but the envelope (RFC 8785 bytes)
     attestation.dsse.json     the signed in-toto statement over every other file (written last;

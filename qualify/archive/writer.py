@@ -128,6 +128,15 @@ class ScopeJudgedBy(_ScopeForm):
     partings: Annotated[int, Field(ge=0)] | None
 
 
+class ScopeEnvelope(_ScopeForm):
+    """The fixture envelope a producer declared non-deterministic was held to instead of an anchor
+    recheck: its rule, and the honest handoffs and producer starts it was stated from."""
+
+    rule: _Name
+    handoffs: _Positive
+    producer_starts: _Positive
+
+
 class ScopeRecord(_ScopeForm):
     """What a verdict covers, as a summary holds it (:func:`qualify.judge.scope.scope_document`):
     the scope line, its fixture and controls halves word for word, and the facts they state."""
@@ -138,6 +147,7 @@ class ScopeRecord(_ScopeForm):
     fixture: ScopeFixture
     controls: ScopeControls | None
     judged_by: ScopeJudgedBy | None = None
+    envelope: ScopeEnvelope | None = None
 
 
 def scope_record(verdict: Verdict) -> ScopeRecord | None:
@@ -340,18 +350,28 @@ class ReceiptWriter:
         per-layer series an auditor plots (names and shapes: :mod:`qualify.evidence.series`).
         Each tensor is a numpy array; the file is listed in the manifest and the signed statement
         like every other. Returns its final path."""
+        return self._write_series(repetition, f"sample-{repetition}.safetensors", tensors, "series")
+
+    def add_envelope_series(self, repetition: int, tensors: Mapping[str, Any]) -> Path:
+        """Write ``series/envelope-<repetition>.safetensors``: the four series a fixture envelope
+        holds one handoff to (names and shapes: :mod:`qualify.evidence.series`), for a producer
+        declared non-deterministic. Returns its final path."""
+        from qualify.evidence.series import envelope_file_name
+
+        return self._write_series(repetition, envelope_file_name(repetition), tensors, "envelope series")
+
+    def _write_series(self, repetition: int, name: str, tensors: Mapping[str, Any], what: str) -> Path:
         self._require_open()
         from safetensors.numpy import save
 
         if type(repetition) is not int or repetition < 1:
-            raise Refused(f"receipt {self.run_id}: series repetition {repetition!r}, expected an integer >= 1")
-        name = f"sample-{repetition}.safetensors"
+            raise Refused(f"receipt {self.run_id}: {what} repetition {repetition!r}, expected an integer >= 1")
         series_dir = self.staging / "series"
         series_dir.mkdir(exist_ok=True)
         # Sorted names: the same tensors give the same bytes, so the file's digest is reproducible.
         _write_new(series_dir / name, save({key: tensors[key] for key in sorted(tensors)},
                                            metadata={"run_id": self.run_id, "repetition": str(repetition)}))
-        self.log(f"series {repetition} recorded ({len(tensors)} tensors)")
+        self.log(f"{what} {repetition} recorded ({len(tensors)} tensors)")
         return self.path / "series" / name
 
     def add_evidence(self, name: str, document: Mapping[str, Any]) -> Path:

@@ -58,7 +58,16 @@ from qualify.contract.lanes import (
     check_speculative_draft,
     target_cache_identity,
 )
-from qualify.contract.rules import BOUND_RULE, FLOOR_RULE, STATED_RULES, TEACHER_FORCED_BOUND_RULE
+from qualify.contract.rules import (
+    BOUND_RULE,
+    FIXTURE_ENVELOPE_CEILINGS_DIGEST,
+    FIXTURE_ENVELOPE_MINIMUM_HANDOFFS,
+    FIXTURE_ENVELOPE_MINIMUM_STARTS,
+    FIXTURE_ENVELOPE_RULE,
+    FLOOR_RULE,
+    STATED_RULES,
+    TEACHER_FORCED_BOUND_RULE,
+)
 from qualify.contract.units import LogitUnits
 from qualify.core.assets import CONTRACTS_DIR, RECEIPTS_DIR, require_asset
 from qualify.core.digests import canonical_json_bytes, document_sha256, sha256_bytes
@@ -67,7 +76,7 @@ from qualify.core.model_choice import pinned_model_name
 from qualify.core.strict_json import check_json_values, check_schema, format_path, read_strict_json, render
 
 IdentitySchemaId = Literal["trust-ladder.onboarding-identity.v5", "trust-ladder.onboarding-identity.v6",
-                           "trust-ladder.onboarding-identity.v7"]
+                           "trust-ladder.onboarding-identity.v7", "trust-ladder.onboarding-identity.v8"]
 IDENTITY_SCHEMA_IDS: tuple[str, ...] = get_args(IdentitySchemaId)
 """Every ``schema`` string an onboarding identity document may declare to load."""
 IDENTITY_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[0]
@@ -78,6 +87,10 @@ LINK_FLOOR_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[1]
 TEACHER_FORCED_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[2]
 """The ``schema`` string of a teacher-forced identity (v7: a rung-2 lane whose tokens may part at
 near-ties, judged by ``full_logits`` mode ``teacher-forced``; ``link_floor`` may be null or a floor)."""
+NON_DETERMINISTIC_SCHEMA_ID: str = IDENTITY_SCHEMA_IDS[3]
+"""The ``schema`` string of an identity whose producer is declared non-deterministic (v8: rung 2,
+``require_deterministic_remote_output`` false and a sealed ``fixture_envelope``, no anchor
+recheck; ``full_logits`` bounded-drift or teacher-forced; ``link_floor`` null or a floor)."""
 RETIRED_IDENTITY_SCHEMA_IDS: tuple[str, ...] = ("trust-ladder.onboarding-identity.v1",
                                                 "trust-ladder.onboarding-identity.v2")
 """Versions that no longer load: their bounds were sealed from the fixture itself, with no
@@ -351,6 +364,41 @@ class LinkFloor(_Frozen):
     gbit_per_s_minimum: PositiveFloat
 
 
+EnvelopeMultiple = Annotated[float, Field(ge=2, allow_inf_nan=False,
+                                          description="k of one series: twice the larger of 1 and its leave-one-out step")]
+
+
+class EnvelopeMultipliers(_Frozen):
+    """The multiple k of each series of a fixture envelope (rule ``fixture-envelope-loo-range.v1``),
+    each at least 2."""
+
+    row_max_abs: EnvelopeMultiple
+    row_mean_abs: EnvelopeMultiple
+    position_max_abs: EnvelopeMultiple
+    tensor_position_max_abs: EnvelopeMultiple
+
+
+class SealedFixtureEnvelope(_Frozen):
+    """A non-deterministic producer's fixture envelope, sealed: its stated rule, the honest fixture
+    handoffs and producer starts of the basis receipt it was stated from, each series' multiple and
+    the SHA-256 of its ceilings (every load re-derives them from the basis receipt's series)."""
+
+    rule: StatedRule
+    handoffs: Annotated[int, Field(ge=FIXTURE_ENVELOPE_MINIMUM_HANDOFFS)]
+    producer_starts: Annotated[int, Field(ge=FIXTURE_ENVELOPE_MINIMUM_STARTS)]
+    multipliers: EnvelopeMultipliers
+    ceilings_sha256: Sha256
+
+    @model_validator(mode="after")
+    def _states_its_rule(self) -> SealedFixtureEnvelope:
+        if self.rule.name != FIXTURE_ENVELOPE_RULE:
+            raise _rule_error("rule.name", f"found {render(self.rule.name)}, expected {FIXTURE_ENVELOPE_RULE}")
+        if self.producer_starts > self.handoffs:
+            raise _rule_error("producer_starts", f"found {self.producer_starts}, expected at most handoffs "
+                                                 f"({self.handoffs}): a start hands off at least once")
+        return self
+
+
 class OnboardingQualification(_Frozen):
     """The qualification rule, written before the run (seed §32.2)."""
 
@@ -363,12 +411,16 @@ class OnboardingQualification(_Frozen):
     output_tokens: PositiveInt
     repetitions: PositiveInt
     prompt_sha256: Sha256
-    # The harness judges nothing weaker: both flags are part of every rule, and exact tokens are
-    # waived only by the teacher-forced rule (v7), which judges every parting instead.
+    # The harness judges nothing weaker: both flags are part of every rule; exact tokens are waived
+    # only by the teacher-forced rule (v7, v8), which judges every parting instead, and determinism
+    # only by a sealed fixture envelope (v8), which holds every row and position instead.
     require_exact_tokens: bool
-    require_deterministic_remote_output: Literal[True]
+    require_deterministic_remote_output: bool
     full_logits: FullLogitsRule
     basis: ReceiptUri
+    fixture_envelope: SealedFixtureEnvelope | None = Field(
+        default=None, description="v8 only, and required there: the sealed fixture envelope a producer declared "
+                                  "non-deterministic is held to")
 
 
 class Identity(_Frozen):
@@ -456,18 +508,53 @@ class Identity(_Frozen):
         """Judged by the teacher-forced rule (v7) rather than by exact tokens."""
         return isinstance(self.onboarding_qualification.full_logits, TeacherForcedLogits)
 
+    @property
+    def deterministic_producer(self) -> bool:
+        """The producer is declared deterministic (every version but v8): its anchor is rechecked
+        bit for bit; a non-deterministic one is held to its sealed fixture envelope instead."""
+        return self.onboarding_qualification.require_deterministic_remote_output
+
     def document(self) -> dict[str, Any]:
         """The JSON document (plain dicts) this identity was loaded from (a v5 document has no
-        ``link_floor``, not a null one: its digest stays what it was sealed as)."""
-        return self.model_dump(mode="json", by_alias=True,
-                               exclude={"link_floor"} if self.schema_id == IDENTITY_SCHEMA_ID else None)
+        ``link_floor``, not a null one, and no version before v8 a ``fixture_envelope``: their
+        digests stay what they were sealed as)."""
+        exclude: dict[str, Any] = {}
+        if self.schema_id == IDENTITY_SCHEMA_ID:
+            exclude["link_floor"] = True
+        if self.schema_id != NON_DETERMINISTIC_SCHEMA_ID:
+            exclude["onboarding_qualification"] = {"fixture_envelope"}
+        return self.model_dump(mode="json", by_alias=True, exclude=exclude or None)
+
+    @model_validator(mode="after")
+    def _determinism_follows_version(self) -> Identity:
+        """v8, and only v8, declares a non-deterministic producer, and then carries its sealed
+        fixture envelope; rung 3 is bit-exact, so its producer is always deterministic."""
+        rule = self.onboarding_qualification
+        declared = not rule.require_deterministic_remote_output
+        v8 = self.schema_id == NON_DETERMINISTIC_SCHEMA_ID
+        if declared != v8:
+            raise _rule_error("onboarding_qualification.require_deterministic_remote_output",
+                              f"found {render(rule.require_deterministic_remote_output)}, schema {render(self.schema_id)} "
+                              + ("declares a non-deterministic producer (false)" if v8 else
+                                 f"declares a deterministic one (true; a non-deterministic producer needs "
+                                 f"{render(NON_DETERMINISTIC_SCHEMA_ID)})"))
+        if declared and self.rung != 2:
+            raise _rule_error("onboarding_qualification.require_deterministic_remote_output",
+                              f"found false, rung {self.rung} is bit-exact: only a rung-2 producer may be declared "
+                              f"non-deterministic")
+        if (rule.fixture_envelope is None) == declared:
+            raise _rule_error("onboarding_qualification.fixture_envelope",
+                              "found null, expected the sealed fixture envelope a producer declared non-deterministic "
+                              "is held to" if declared else
+                              "expected null: a deterministic producer is rechecked against its anchor")
+        return self
 
     @model_validator(mode="after")
     def _link_floor_follows_version(self) -> Identity:
         """v6 declares a link floor and v5 none (the schemas say so too; this holds for an
         identity built in Python)."""
-        if self.schema_id == TEACHER_FORCED_SCHEMA_ID:
-            return self  # v7: a floor or none
+        if self.schema_id in (TEACHER_FORCED_SCHEMA_ID, NON_DETERMINISTIC_SCHEMA_ID):
+            return self  # v7, v8: a floor or none
         if (self.link_floor is not None) != (self.schema_id == LINK_FLOOR_SCHEMA_ID):
             expected = (f"a floor (schema {LINK_FLOOR_SCHEMA_ID})" if self.schema_id == LINK_FLOOR_SCHEMA_ID
                         else f"none (schema {self.schema_id}; a floor needs {LINK_FLOOR_SCHEMA_ID})")
@@ -508,11 +595,15 @@ class Identity(_Frozen):
                               f"found {render(rule.schema_id)}, recipe {recipe.value} uses "
                               f"{render(recipe.onboarding_schema)}")
         teacher_forced = isinstance(rule.full_logits, TeacherForcedLogits)
-        if teacher_forced != (self.schema_id == TEACHER_FORCED_SCHEMA_ID):
+        # v7 judges teacher-forced alone; v8 (a non-deterministic producer) either rung-2 mode.
+        allowed = (teacher_forced and self.schema_id == NON_DETERMINISTIC_SCHEMA_ID) or \
+            teacher_forced == (self.schema_id == TEACHER_FORCED_SCHEMA_ID)
+        if not allowed:
             raise _rule_error("onboarding_qualification.full_logits.mode",
                               f"found {render(rule.full_logits.mode)}, schema {render(self.schema_id)} "
                               + ("judges teacher-forced" if not teacher_forced else
-                                 f"does not declare it (teacher-forced needs {render(TEACHER_FORCED_SCHEMA_ID)})"))
+                                 f"does not declare it (teacher-forced needs {render(TEACHER_FORCED_SCHEMA_ID)} "
+                                 f"or {render(NON_DETERMINISTIC_SCHEMA_ID)})"))
         if rule.require_exact_tokens == teacher_forced:
             raise _rule_error("onboarding_qualification.require_exact_tokens",
                               f"found {render(rule.require_exact_tokens)}, expected "
@@ -606,6 +697,15 @@ _DIGEST_RULES: Mapping[str, str] = MappingProxyType({
         " v7 is a rung-2 identity judged teacher-forced: full_logits mode teacher-forced (tokens may part"
         " from the cold recompute at near-ties), require_exact_tokens false, bounds by rule"
         " teacher-forced-cell-max-plus-one-sd.v1; link_floor is null or a floor."),
+    "trust-ladder.onboarding-identity.v8": (
+        " Its digest (identity_sha256, sealed per lane) is the SHA-256 of its RFC 8785 (JCS) bytes."
+        " Engines are pinned by ABI and known-answer digest, not by source bytes or numpy/BLAS versions."
+        " v8 is a rung-2 identity whose producer is declared non-deterministic:"
+        " require_deterministic_remote_output false, no anchor is rechecked, and every handoff is held to"
+        " onboarding_qualification.fixture_envelope, stated by rule fixture-envelope-loo-range.v1 from the"
+        " basis receipt's honest fixture handoffs over several producer starts; its ceilings_sha256 is the "
+        + FIXTURE_ENVELOPE_CEILINGS_DIGEST + "; full_logits is bounded-drift (require_exact_tokens true) or teacher-forced"
+        " (false); link_floor is null or a floor."),
 })
 """What a version's schema says about its digest (v1's text predates the rule and stays as committed)."""
 
@@ -620,8 +720,26 @@ def identity_json_schema(schema_id: str = IDENTITY_SCHEMA_ID) -> dict[str, Any]:
     generated = Identity.model_json_schema(schema_generator=_ContractSchema)  # by alias (pydantic's default)
     version = schema_id.rsplit(".", 1)[1]
     generated["properties"]["schema"] = {"const": schema_id, "type": "string"}
-    rule = generated["$defs"]["OnboardingQualification"]["properties"]
+    qualification = generated["$defs"]["OnboardingQualification"]
+    rule = qualification["properties"]
     logits = rule["full_logits"]
+    if schema_id == NON_DETERMINISTIC_SCHEMA_ID:
+        # v8: a rung-2 producer declared non-deterministic, held to its sealed fixture envelope.
+        rule["require_deterministic_remote_output"] = {"const": False, "type": "boolean"}
+        rule["fixture_envelope"] = {"$ref": "#/$defs/SealedFixtureEnvelope", "description": (
+            "the sealed fixture envelope every handoff is held to (no anchor is rechecked)")}
+        qualification["required"].append("fixture_envelope")
+        logits["oneOf"] = [item for item in logits["oneOf"] if item["$ref"] != "#/$defs/ExactLogits"]
+        del logits["discriminator"]["mapping"]["exact"], generated["$defs"]["ExactLogits"]
+        generated["properties"]["link_floor"] = {"anyOf": [{"$ref": "#/$defs/LinkFloor"}, {"type": "null"}],
+                                                 "description": "null, or the link-rate floor every handoff is judged against"}
+        generated["required"].append("link_floor")
+        return {**_schema_head(generated, schema_id, version), **generated}
+    # v5 to v7 as committed: a deterministic producer, no fixture envelope.
+    rule["require_deterministic_remote_output"] = {"const": True, "type": "boolean"}
+    del rule["fixture_envelope"]
+    for name in ("SealedFixtureEnvelope", "EnvelopeMultipliers"):
+        del generated["$defs"][name]
     if schema_id == TEACHER_FORCED_SCHEMA_ID:
         # v7 judges teacher-forced alone: exact tokens waived, the one mode of full_logits.
         rule["require_exact_tokens"] = {"const": False, "type": "boolean"}
@@ -855,6 +973,7 @@ __all__ = [
     "IDENTITY_SCHEMA_PATH",
     "IDENTITY_SCHEMA_PATHS",
     "LINK_FLOOR_SCHEMA_ID",
+    "NON_DETERMINISTIC_SCHEMA_ID",
     "RECEIPT_URI",
     "RELPATH",
     "ReceiptResolver",
@@ -864,6 +983,7 @@ __all__ = [
     "Checkpoint",
     "ContextPolicy",
     "DraftGeometry",
+    "EnvelopeMultipliers",
     "EngineRef",
     "ExactLogits",
     "Identity",
@@ -872,6 +992,7 @@ __all__ = [
     "OnboardingQualification",
     "PromptRef",
     "Rope",
+    "SealedFixtureEnvelope",
     "SpeculativeDraft",
     "StatedRule",
     "check_basis_receipt",

@@ -72,9 +72,27 @@ at that index, and how far an unseen honest run steps past it is measured on the
 leaving each out in turn (doubled, and never less than two ranges: the leave-one-out runs see one
 run fewer than the envelope does). A producer whose runs agree gets its measured values exactly."""
 
+FIXTURE_ENVELOPE_CEILINGS_DIGEST = (
+    "SHA-256 over, for each of row_max_abs, row_mean_abs, position_max_abs and tensor_position_max_abs "
+    "in that order: the series' name in ASCII, a zero byte, its number of ceilings as an unsigned 64-bit "
+    "little-endian integer, then its ceilings as IEEE 754 binary64 little-endian"
+)
+"""How a sealed fixture envelope's ``ceilings_sha256`` is computed
+(:func:`qualify.judge.envelope.ceilings_sha256`): from the ceilings alone, with no JSON number form
+in between, so any implementation reproduces it."""
+
+FIXTURE_ENVELOPE_MINIMUM_HANDOFFS = 4
+"""The fewest honest handoffs an envelope is stated from: with fewer, a range is too thin a measure
+of run-to-run spread to widen anything by."""
+
+FIXTURE_ENVELOPE_MINIMUM_STARTS = 2
+"""The fewest producer starts an envelope is stated from: variation across a restart (another
+allocation, another autotuning pick) must be in it, not only within one process."""
+
 STATED_RULES: Mapping[str, str] = MappingProxyType({BOUND_RULE: BOUND_RULE_STATEMENT,
                                                      FLOOR_RULE: FLOOR_RULE_STATEMENT,
-                                                     TEACHER_FORCED_BOUND_RULE: TEACHER_FORCED_BOUND_RULE_STATEMENT})
+                                                     TEACHER_FORCED_BOUND_RULE: TEACHER_FORCED_BOUND_RULE_STATEMENT,
+                                                     FIXTURE_ENVELOPE_RULE: FIXTURE_ENVELOPE_RULE_STATEMENT})
 """Rule name -> its statement: the only rules an identity may name."""
 
 SERVED_BOUND_RULE = "served-cell-max-plus-one-sd.v1"

@@ -83,6 +83,7 @@ JCS_SCHEMAS: frozenset[str] = frozenset({
     "trust-ladder.onboarding-identity.v5",
     "trust-ladder.onboarding-identity.v6",
     "trust-ladder.onboarding-identity.v7",
+    "trust-ladder.onboarding-identity.v8",
     "trust-ladder.handoff-manifest.v4",
     "trust-ladder.calibration.v2",
     "trust-ladder.calibration.v3",

@@ -28,6 +28,26 @@ Deltas and margins are non-negative or NaN (a NaN is evidence: a non-finite row 
 never hidden); token ids fit uint32. The KV tensors are always present: both comparers compare
 the handed-off KV with the consumer's own prefill on every sample. Logit deltas are per position,
 never per logit, so a sample's series is a few kilobytes plus 8 bytes per handed-off position.
+
+A handoff held to a fixture envelope (a producer declared non-deterministic: its calibration's
+fixture handoffs and every sample of its qualification) also has ``series/envelope-<repetition>
+.safetensors`` (:meth:`qualify.archive.writer.ReceiptWriter.add_envelope_series`), the four series
+:mod:`qualify.judge.envelope` bounds, all float64:
+
+============================  ============  =======================================================
+name                          shape         what
+============================  ============  =======================================================
+``row_max_abs``               [P]           per decoded row, max |handoff - cold| logit, the
+                                            teacher-forced rows where the tokens parted
+``row_mean_abs``              [P]           per decoded row, mean |handoff - cold| logit, likewise
+``position_max_abs``          [H]           per handed-off position, max |K or V delta| over every
+                                            layer (``kv_position_max_abs_delta``)
+``tensor_position_max_abs``   [2 * L, H]    per layer's K, then its V, per handed-off position,
+                                            max |delta| over heads and dims
+============================  ============  =======================================================
+
+Only the host comparer computes the per-tensor series; where a comparer gives none the file is not
+written, and the envelope judges that handoff as failed (absent evidence is failed evidence).
 """
 
 from __future__ import annotations
@@ -131,23 +151,96 @@ def _same_length(tensors: Mapping[str, np.ndarray], names: tuple[str, ...], what
                           f"{first!r} has {length}")
 
 
-def _read_bounded(path: Path) -> bytes:
+ENVELOPE_TENSORS: tuple[str, ...] = ("row_max_abs", "row_mean_abs", "position_max_abs", "tensor_position_max_abs")
+"""The four series of an envelope file, in the order :data:`qualify.judge.envelope.SERIES_NAMES` holds them."""
+
+ENVELOPE_DTYPE = np.dtype("<f8")
+
+
+def envelope_file_name(repetition: int) -> str:
+    """``envelope-<repetition>.safetensors``: a handoff's envelope series under ``series/``."""
+    return f"envelope-{repetition}.safetensors"
+
+
+def envelope_series(comparison: BranchComparison) -> dict[str, np.ndarray] | None:
+    """The four series a fixture envelope bounds, of one compared handoff (the module docstring),
+    checked as :func:`read_envelope_series` checks them; None when the comparer computed no
+    per-tensor KV series (the device comparer), which the caller records as missing evidence."""
+    kv = comparison.kv
+    if kv is None or kv.tensor_position_max_abs is None:
+        return None
+    rows = comparison.teacher_forced if comparison.teacher_forced is not None else comparison.delta
+    tensors = {
+        "row_max_abs": rows.row_max_abs,
+        "row_mean_abs": rows.row_mean_abs,
+        "position_max_abs": kv.position_max_abs,
+        "tensor_position_max_abs": kv.tensor_position_max_abs,
+    }
+    series = {name: np.ascontiguousarray(values, dtype=ENVELOPE_DTYPE) for name, values in tensors.items()}
+    return check_envelope_series(series, "envelope series", rows=comparison.output_tokens)
+
+
+def check_envelope_series(tensors: Mapping[str, np.ndarray], where: str, *, rows: int | None = None,
+                          positions: int | None = None) -> dict[str, np.ndarray]:
+    """Refuse (one line naming ``where`` and the tensor) anything but the four envelope series:
+    exactly those names, float64, the rows' two series of one length (``rows`` when given), the
+    per-tensor series two rows per layer over as many positions as ``position_max_abs``
+    (``positions`` when given), every value >= 0 or NaN."""
+    names = sorted(tensors)
+    if names != sorted(ENVELOPE_TENSORS):
+        wrong = next(iter(sorted(set(names) ^ set(ENVELOPE_TENSORS))))
+        what = "missing" if wrong not in tensors else "unexpected"
+        raise Refused(f"{where}: {what} tensor {wrong!r}, expected {', '.join(ENVELOPE_TENSORS)}")
+    for name in ENVELOPE_TENSORS:
+        array = tensors[name]
+        ndim = 2 if name == "tensor_position_max_abs" else 1
+        if not isinstance(array, np.ndarray) or array.dtype != ENVELOPE_DTYPE or array.ndim != ndim:
+            found = f"{array.dtype}{list(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
+            raise Refused(f"{where}: tensor {name!r} is {found}, expected {ndim}-D float64")
+        if array.size == 0:
+            raise Refused(f"{where}: tensor {name!r} is empty")
+        if bool(np.any(array < 0)):  # NaN compares false: kept, the envelope judges it outside
+            raise Refused(f"{where}: tensor {name!r} holds a negative value, expected abs deltas (>= 0 or NaN)")
+    decoded = tensors["row_max_abs"].shape[0]
+    if tensors["row_mean_abs"].shape[0] != decoded or (rows is not None and decoded != rows):
+        raise Refused(f"{where}: tensors 'row_max_abs' and 'row_mean_abs' have {decoded} and "
+                      f"{tensors['row_mean_abs'].shape[0]} rows, expected {rows if rows is not None else decoded} each")
+    handed_off = tensors["position_max_abs"].shape[0]
+    if positions is not None and handed_off != positions:
+        raise Refused(f"{where}: tensor 'position_max_abs' has {handed_off} positions, expected {positions}")
+    tensor_rows, tensor_positions = tensors["tensor_position_max_abs"].shape
+    if tensor_rows % 2 or tensor_positions != handed_off:
+        raise Refused(f"{where}: tensor 'tensor_position_max_abs' is [{tensor_rows}, {tensor_positions}], expected "
+                      f"[2 * layers, {handed_off}] (each layer's K then V over the handed-off positions)")
+    return dict(tensors)
+
+
+def read_envelope_series(source: Path | str | bytes | bytearray | memoryview, *, rows: int | None = None,
+                         positions: int | None = None) -> dict[str, np.ndarray]:
+    """Load one envelope series file (a path, or its bytes) and check it as
+    :func:`check_envelope_series` does; anything else is refused in one line. Untrusted input:
+    its size is bounded before parsing."""
+    where, tensors = _load(source, "envelope series")
+    return check_envelope_series(tensors, where, rows=rows, positions=positions)
+
+
+def _read_bounded(path: Path, where: str) -> bytes:
     """A regular file's bytes, at most :data:`MAX_SERIES_BYTES` (never blocks on a FIFO)."""
     try:
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
-        raise Refused(f"series {path}: cannot open: {exc.strerror or type(exc).__name__}") from None
+        raise Refused(f"{where}: cannot open: {exc.strerror or type(exc).__name__}") from None
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            raise Refused(f"series {path}: not a regular file")
+            raise Refused(f"{where}: not a regular file")
         with os.fdopen(descriptor, "rb", closefd=False) as handle:
             data = handle.read(MAX_SERIES_BYTES + 1)
     except OSError as exc:
-        raise Refused(f"series {path}: cannot read: {exc.strerror or type(exc).__name__}") from None
+        raise Refused(f"{where}: cannot read: {exc.strerror or type(exc).__name__}") from None
     finally:
         os.close(descriptor)
     if len(data) > MAX_SERIES_BYTES:
-        raise Refused(f"series {path}: larger than {MAX_SERIES_BYTES} bytes")
+        raise Refused(f"{where}: larger than {MAX_SERIES_BYTES} bytes")
     return data
 
 
@@ -162,17 +255,24 @@ def read_series(
     :func:`check_series` does (``positions``/``layers``/``handed_off``: the lengths a record
     expects); anything else is refused in one line. The input is untrusted: its size is bounded
     before parsing."""
+    where, tensors = _load(source, "series")
+    return check_series(tensors, where, positions=positions, layers=layers, handed_off=handed_off)
+
+
+def _load(source: Path | str | bytes | bytearray | memoryview, what: str) -> tuple[str, dict[str, np.ndarray]]:
+    """(where, tensors) of a safetensors file given by path or bytes, its size bounded before
+    parsing; refused in one line naming ``what`` (and the path) when it is not well formed."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
     if isinstance(source, (bytes, bytearray, memoryview)):
-        where = "series"
+        where = what
         data = bytes(source)
         if len(data) > MAX_SERIES_BYTES:
             raise Refused(f"{where}: {len(data)} bytes, expected at most {MAX_SERIES_BYTES}")
     else:
-        where = f"series {source}"
-        data = _read_bounded(Path(source))
+        where = f"{what} {source}"
+        data = _read_bounded(Path(source), where)
     try:
         tensors = load(data)
     except KeyError as exc:  # a dtype safetensors knows and numpy does not (BF16, F8_*)
@@ -180,4 +280,4 @@ def read_series(
     except (SafetensorError, ValueError, TypeError, OverflowError) as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise Refused(f"{where}: not a well-formed safetensors file: {reason[:200]}") from None
-    return check_series(tensors, where, positions=positions, layers=layers, handed_off=handed_off)
+    return where, tensors

@@ -178,6 +178,18 @@ def _anchors(text: str) -> int:
     return int(text)
 
 
+def _whole_number(option: str) -> Callable[[str], int]:
+    """A whole-number option (ASCII digits, 1 to :data:`MAX_REPETITIONS`); the rule's own limits
+    (an envelope's least handoffs and starts) are checked once every option is read."""
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"[0-9]{1,7}", text) or not 1 <= int(text) <= MAX_REPETITIONS:
+            raise argparse.ArgumentTypeError(f"found {shown(text)}, expected a whole number from 1 to {MAX_REPETITIONS}")
+        return int(text)
+
+    parse.__name__ = option
+    return parse
+
+
 def receipt_archive(receipts: Path | None) -> Path:
     """The archive a run writes to, refused up front (one line, before any step) when it is a
     file, under a file, or cannot be written: no receipt can be written there, so no run begins."""
@@ -583,7 +595,7 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     """``qualify calibrate --recipe R --lane L [--anchors N] [--no-controls]``: measure the lane on
     its calibration set, anchor its fixture, measure its controls, archive, derive the rule."""
     from qualify.judge.scope import controls_words
-    from qualify.run.calibrate import ANCHOR_HANDOFFS, calibrate
+    from qualify.run.calibrate import ANCHOR_HANDOFFS, ENVELOPE_HANDOFFS, ENVELOPE_STARTS, calibrate
     from qualify.run.onboarding import next_steps
 
     parser = OneLineParser(prog="qualify calibrate",
@@ -592,15 +604,33 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     parser.add_argument("--recipe", required=True, choices=RECIPE_NAMES)
     parser.add_argument("--lane", choices=list(LANES), metavar="LANE",
                         help="lane name (qualify/contract/lanes.py); with --connector: vllm-via-connector")
-    parser.add_argument("--anchors", type=_anchors, default=ANCHOR_HANDOFFS,
-                        help=f"fixture anchor handoffs, 2 to {MAX_REPETITIONS} (default {ANCHOR_HANDOFFS})")
+    parser.add_argument("--anchors", type=_anchors, default=None,
+                        help=f"fixture anchor handoffs, 2 to {MAX_REPETITIONS} (default {ANCHOR_HANDOFFS}; none "
+                             f"with --non-deterministic)")
     parser.add_argument("--no-controls", action="store_true",
                         help="skip the E2 controls (the receipt then cannot seal an identity that declares them)")
+    parser.add_argument("--non-deterministic", action="store_true",
+                        help="declare the producer non-deterministic: no anchor; the fixture handed off "
+                             "--envelope-handoffs times over --envelope-starts producer starts states its fixture "
+                             "envelope (docs/calibration.md)")
+    parser.add_argument("--envelope-handoffs", type=_whole_number("--envelope-handoffs"), default=None,
+                        help=f"with --non-deterministic: fixture envelope handoffs (default {ENVELOPE_HANDOFFS})")
+    parser.add_argument("--envelope-starts", type=_whole_number("--envelope-starts"), default=None,
+                        help=f"with --non-deterministic: producer starts they run on (default {ENVELOPE_STARTS})")
     parser.add_argument("--receipts", type=path_argument, help="receipt archive for the calibration receipt")
     parser.add_argument("--model", metavar="NAME|PATH", help=MODEL_HELP)
     parser.add_argument("--json", action="store_true", help=json_help("calibrate"))
     _connector_arguments(parser)
     args = parser.parse_args(list(argv))
+    if args.non_deterministic and args.anchors is not None:
+        raise Refused("--anchors: a producer declared --non-deterministic retains no anchor (its fixture handoffs "
+                      "state the envelope: --envelope-handoffs)")
+    for option in ("envelope_handoffs", "envelope_starts"):
+        if getattr(args, option) is not None and not args.non_deterministic:
+            raise Refused(f"--{option.replace('_', '-')}: only with --non-deterministic")
+    anchors = ANCHOR_HANDOFFS if args.anchors is None else args.anchors
+    envelope_handoffs = ENVELOPE_HANDOFFS if args.envelope_handoffs is None else args.envelope_handoffs
+    envelope_starts = ENVELOPE_STARTS if args.envelope_starts is None else args.envelope_starts
     connector = connector_request(args, "qualify calibrate")
     if connector is not None:
         if args.lane not in (None, VLLM_VIA_CONNECTOR_LANE):
@@ -616,23 +646,31 @@ def calibrate_cli(argv: Sequence[str]) -> int:
     spec = lane_spec(args.lane)
     if spec.recipe.value != args.recipe:
         raise Refused(f"calibrate --lane {args.lane}: its recipe is {spec.recipe.value}, the run is --recipe {args.recipe}")
+    if args.non_deterministic:
+        from qualify.run.calibrate import check_envelope_counts
+
+        check_envelope_counts(spec, envelope_handoffs, envelope_starts)  # refused before any step
     receipt_archive(args.receipts)
     console = json_progress_console() if args.json else operator_console()
     options = RunOptions(recipe=args.recipe, receipts=args.receipts,
                          command_line=["qualify", "calibrate", *argv])
-    with live_activity(console, f"calibrate {args.lane}: calibration set, {args.anchors} anchors") as show:
+    fixture = (f"{envelope_handoffs} envelope handoffs over {envelope_starts} starts" if args.non_deterministic
+               else f"{anchors} anchors")
+    with live_activity(console, f"calibrate {args.lane}: calibration set, {fixture}") as show:
         def log(line: str) -> None:
             console.print(Text(line, style="dim"))
             show(f"calibrate {args.lane}: {line[:60]}")
 
         factory: Any = QualificationRun if connector is None else partial(ConnectorLaneRun, request=connector)
-        result = calibrate(spec, args.recipe, options, log=log, anchors=args.anchors,
-                           controls=not args.no_controls, run_factory=factory)
+        result = calibrate(spec, args.recipe, options, log=log, anchors=anchors,
+                           controls=not args.no_controls, run_factory=factory,
+                           non_deterministic=args.non_deterministic, envelope_handoffs=envelope_handoffs,
+                           envelope_starts=envelope_starts)
     code = EXIT_PASS if result.passed else EXIT_FAILED
     steps = next_steps(result, args.lane, args.recipe, None if connector is None else connector.arguments())
     if args.json:
         documents.emit(documents.calibration_document(result, exit_code=code, recipe=args.recipe,
-                                                      anchors=args.anchors, steps=steps))
+                                                      anchors=0 if args.non_deterministic else anchors, steps=steps))
         return code
     console.print(sample_table(result.records))
     for line in _localisation_lines(result.records):

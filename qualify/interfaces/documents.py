@@ -185,6 +185,11 @@ def calibration_document(result: Calibration, *, exit_code: int, recipe: str, an
         "next_steps": [{"text": step.text, "style": step.style} for step in steps],
         "receipt": receipt_ref(result.receipt_path),
     })
+    if result.non_deterministic:  # only then: a deterministic calibration's document is as it was
+        envelope = result.envelope
+        document["fixture_envelope"] = None if envelope is None else {
+            "rule": envelope.rule, "handoffs": envelope.handoffs, "producer_starts": envelope.starts,
+            "multipliers": list(envelope.multipliers)}
     return document
 
 

@@ -22,13 +22,16 @@ from typing import Any
 from qualify.contract.rules import (
     BOUND_RULE,
     BOUND_RULE_STATEMENT,
+    FIXTURE_ENVELOPE_RULE,
+    FIXTURE_ENVELOPE_RULE_STATEMENT,
     FLOOR_RULE,
     FLOOR_RULE_STATEMENT,
     TEACHER_FORCED_BOUND_RULE,
 )
-from qualify.core.errors import one_line
+from qualify.core.errors import Refused, one_line
 from qualify.core.stats import wilson_interval
 from qualify.evidence.records import BoundedDriftRule
+from qualify.judge.envelope import FixtureEnvelope, HandoffSeries, derive_fixture_envelope
 from qualify.judge.handoffs import (
     Check,
     Record,
@@ -53,6 +56,9 @@ positive-bound form a bounded-drift recipe's schema requires (never a margin cho
 
 CALIBRATION_PART = "calibration"
 ANCHOR_PART = "anchor"
+ENVELOPE_PART = "envelope"
+"""A fixture handoff of a producer declared non-deterministic: its series state the fixture
+envelope (:mod:`qualify.judge.envelope`); it retains no digest to recheck (there is no anchor)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,64 @@ def anchor_records(evidence: Mapping[str, Any], records: Sequence[Record]) -> li
     return [by_repetition[r] for r in wanted if type(r) is int and r in by_repetition]
 
 
+def declares_envelope(evidence: Mapping[str, Any]) -> bool:
+    """The calibration declared its producer non-deterministic: its fixture handoffs state a
+    fixture envelope (``fixture_envelope`` in the evidence) instead of retaining an anchor."""
+    return isinstance(evidence, Mapping) and evidence.get("fixture_envelope") is not None
+
+
+def fixture_records(evidence: Mapping[str, Any], records: Sequence[Record]) -> list[Mapping[str, Any]]:
+    """The fixture's handoffs of a calibration: its anchors, or for a producer declared
+    non-deterministic its envelope handoffs (what decides whether the lane keeps tokens)."""
+    part = ENVELOPE_PART if declares_envelope(evidence) else ANCHOR_PART
+    problems: list[str] = []
+    by_repetition = _records_by_repetition(records)
+    wanted = [h.get("repetition") for h in _handoffs(evidence, problems) if h.get("part") == part]
+    return [by_repetition[r] for r in wanted if type(r) is int and r in by_repetition]
+
+
+def envelope_handoffs(evidence: Mapping[str, Any]) -> tuple[list[tuple[int, int]], list[str]]:
+    """Each envelope handoff's (repetition, producer start) as the evidence records them, and
+    every problem that keeps one from counting (a malformed entry, a declaration that differs
+    from the entries)."""
+    problems: list[str] = []
+    declared = evidence.get("fixture_envelope") if isinstance(evidence, Mapping) else None
+    if not isinstance(declared, Mapping):
+        return [], ["calibration evidence: fixture_envelope missing or not an object"]
+    found: list[tuple[int, int]] = []
+    for handoff in _handoffs(evidence, problems):
+        if handoff.get("part") != ENVELOPE_PART:
+            continue
+        repetition, start = handoff.get("repetition"), handoff.get("producer_start")
+        if type(repetition) is not int or type(start) is not int or start < 1:
+            problems.append(f"calibration evidence: an envelope handoff entry is malformed: "
+                            f"{one_line(repr(dict(handoff)))[:120]}")
+            continue
+        found.append((repetition, start))
+    starts = len({start for _, start in found})
+    for name, count in (("handoffs", len(found)), ("producer_starts", starts)):
+        if declared.get(name) != count:
+            problems.append(f"calibration evidence: fixture_envelope.{name} {declared.get(name)!r}, its entries "
+                            f"show {count}")
+    rule = declared.get("rule")
+    if not isinstance(rule, Mapping) or rule.get("name") != FIXTURE_ENVELOPE_RULE or \
+            rule.get("statement") != FIXTURE_ENVELOPE_RULE_STATEMENT:
+        problems.append(f"calibration evidence: fixture_envelope.rule: found {one_line(repr(rule))[:120]}, expected "
+                        f"{FIXTURE_ENVELOPE_RULE} as stated")
+    return found, problems
+
+
+def producer_starts(evidence: Mapping[str, Any]) -> int:
+    """How many producer starts a calibration's handoffs ran on: one per handoff, or as the
+    entries' ``producer_start`` say where a fixture envelope's handoffs share a start."""
+    problems: list[str] = []
+    handoffs = _handoffs(evidence, problems)
+    starts = [h.get("producer_start") for h in handoffs]
+    if declares_envelope(evidence) and all(type(start) is int for start in starts):
+        return len(set(starts))
+    return len(handoffs)
+
+
 def anchor_draft_counts(evidence: Mapping[str, Any]) -> tuple[int, int] | None:
     """(proposed, accepted) of the first anchor handoff; None when it recorded no draft."""
     problems: list[str] = []
@@ -309,6 +373,8 @@ class CalibrationJudgement:
     failures: list[str]
     verdict: Verdict
     teacher_forced: TeacherForcedBounds | None = None
+    # The fixture envelope its envelope handoffs state (a producer declared non-deterministic).
+    envelope: FixtureEnvelope | None = None
 
     @property
     def proposed_maximum_absolute(self) -> float | None:
@@ -320,12 +386,21 @@ class CalibrationJudgement:
 
 
 def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *, lane: str, rung: int,
-                      draft: bool, restarts_minimum: int) -> CalibrationJudgement:
+                      draft: bool, restarts_minimum: int,
+                      envelope_series: Mapping[int, HandoffSeries] | None = None) -> CalibrationJudgement:
     """Judge a calibration of ``lane``. It passes when every handoff succeeded, at least
     ``restarts_minimum`` producer restarts happened (every handoff after the first restarts it),
     every calibration cell's drift is finite (and zero, on rung 3), the anchors' greedy tokens
     are exact, and the anchors' deterministic digests agree across their restarts and
-    environments (:func:`judge_reproduction` with the anchors as each other's basis)."""
+    environments (:func:`judge_reproduction` with the anchors as each other's basis).
+
+    A calibration that declares its producer non-deterministic (:func:`declares_envelope`) has
+    no anchor: its fixture handoffs' series (``envelope_series``, by repetition) must state a
+    fixture envelope (:func:`~qualify.judge.envelope.derive_fixture_envelope`) over the producer
+    starts its evidence records, and no digest has to agree across them."""
+    if declares_envelope(evidence):
+        return _judge_envelope_calibration(records, evidence, lane=lane, rung=rung, draft=draft,
+                                           restarts_minimum=restarts_minimum, series=envelope_series or {})
     judgement = _Judgement()
     plain = [_plain(record) for record in records]
     failures = [one_line(str(r["error"])) for r in plain if isinstance(r, Mapping) and r.get("error")]
@@ -405,17 +480,89 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
                                 teacher_forced)
 
 
-def _anchors_under(anchors: Sequence[Mapping[str, Any]], bounds: TeacherForcedBounds) -> str:
+def _judge_envelope_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *, lane: str, rung: int,
+                                draft: bool, restarts_minimum: int,
+                                series: Mapping[int, HandoffSeries]) -> CalibrationJudgement:
+    """:func:`judge_calibration` of a producer declared non-deterministic: the cells as always,
+    then the fixture envelope its envelope handoffs state in place of an anchor."""
+    judgement = _Judgement()
+    plain = [_plain(record) for record in records]
+    failures = [one_line(str(r["error"])) for r in plain if isinstance(r, Mapping) and r.get("error")]
+    failures += [f"sample is not a record: {type(r).__name__}" for r in plain if not isinstance(r, Mapping)]
+    judgement.check("handoffs", not failures,
+                    f"{len(plain)} handoffs measured" if not failures else f"{len(failures)} of {len(plain)} handoffs failed",
+                    reasons=[f"handoff failed: {failure}" for failure in failures])
+    restarts = max(producer_starts(evidence) - 1, 0)
+    judgement.check("producer restarts", restarts >= restarts_minimum,
+                    f"{restarts} producer restarts (at least {restarts_minimum})")
+    judgement.check("rule stated", not _rule_stated(evidence), "; ".join(_rule_stated(evidence)) or f"rule {BOUND_RULE}")
+    judgement.check("non-deterministic declaration", rung == 2 and not draft,
+                    "a rung-2 producer without a draft, which may be declared non-deterministic" if rung == 2 and not draft
+                    else f"rung {rung}{' with a draft' if draft else ''} is bit-exact: its producer cannot be declared "
+                         "non-deterministic")
+    cells, cell_problems = calibration_cells(evidence, records)
+    bounds = derive_bounds(cells)
+    judgement.check("calibration cells", not cell_problems and bounds is not None,
+                    f"{len(cells)} cells measured" if not cell_problems and bounds is not None
+                    else "; ".join(cell_problems) or f"{len(cells)} cells: the rule needs at least 2",
+                    reasons=cell_problems)
+    fixture = [r for r in fixture_records(evidence, records) if not r.get("error")]
+    teacher_forced = None
+    forced_note = ""
+    if fixture and not keeps_tokens(fixture):
+        teacher_forced = derive_teacher_forced_bounds(cells)
+        judgement.check("teacher-forced rule", teacher_forced is not None,
+                        f"the fixture parts from the cold recompute: rule {TEACHER_FORCED_BOUND_RULE} derived"
+                        if teacher_forced is not None else
+                        f"the fixture parts from the cold recompute, and rule {TEACHER_FORCED_BOUND_RULE} needs at "
+                        f"least 2 cells with their teacher-forced rows recorded")
+        if teacher_forced is not None:
+            forced_note = _anchors_under(fixture, teacher_forced, what="envelope handoff")
+    entries, entry_problems = envelope_handoffs(evidence)
+    missing = [f"envelope handoff {repetition}: no series recorded (the comparer computed no per-tensor KV series)"
+               for repetition, _ in entries if repetition not in series]
+    envelope: FixtureEnvelope | None = None
+    problems = entry_problems + missing
+    if not problems:
+        try:
+            envelope = derive_fixture_envelope([series[repetition] for repetition, _ in entries],
+                                               starts=len({start for _, start in entries}))
+        except Refused as exc:
+            problems.append(one_line(str(exc)))
+    judgement.check("fixture envelope", envelope is not None,
+                    f"rule {FIXTURE_ENVELOPE_RULE} stated from {envelope.handoffs} envelope handoffs over "
+                    f"{envelope.starts} producer starts (k {'/'.join(repr(k) for k in envelope.multipliers)})"
+                    if envelope is not None else "; ".join(problems), reasons=problems)
+    if teacher_forced is not None:
+        gives = (f"the lane parts from the cold recompute, so rule {TEACHER_FORCED_BOUND_RULE} gives "
+                 f"maximum_absolute {teacher_forced.maximum_absolute!r}, maximum_mean_absolute (per row) "
+                 f"{teacher_forced.maximum_mean_absolute!r}, near_tie_margin {teacher_forced.near_tie_margin!r}, "
+                 f"maximum_changed_row_share {teacher_forced.maximum_changed_row_share!r}")
+    else:
+        gives = (f"rule {BOUND_RULE} gives maximum_absolute {None if bounds is None else bounds.maximum_absolute!r}, "
+                 f"maximum_mean_absolute {None if bounds is None else bounds.maximum_mean_absolute!r}")
+    stated = (f"; rule {FIXTURE_ENVELOPE_RULE} states the fixture envelope from {envelope.handoffs} envelope handoffs "
+              f"over {envelope.starts} producer starts (k {'/'.join(repr(k) for k in envelope.multipliers)}); no "
+              f"anchor: the producer is declared non-deterministic" if envelope is not None else "")
+    headline = (f"calibration of {lane}: {len(cells)} cells over {len({c.document for c in cells})} documents, "
+                f"{len(fixture)} fixture envelope handoffs, {restarts} producer restarts; {gives}{stated}{forced_note}")
+    reasons = judgement.failures
+    verdict = Verdict(not reasons, headline, list(reasons) or [headline], judgement.checks)
+    return CalibrationJudgement(tuple(cells), bounds, bool(fixture) and keeps_tokens(fixture), False, None, failures,
+                                verdict, teacher_forced, envelope)
+
+
+def _anchors_under(anchors: Sequence[Mapping[str, Any]], bounds: TeacherForcedBounds, what: str = "anchor") -> str:
     """The fixture anchors judged by the rule the cells give, as a note for the headline: like the
     exact-token rule's fixture note, it fails nothing here (the anchor sets no number; a
     qualification judges the fixture, and publishes what it finds)."""
     failing = []
     for anchor in anchors:
         verdict = judge_teacher_forced_rows(anchor, bounds.rule())
-        failing += [] if verdict.passed else [f"anchor {anchor.get('repetition')}: {'; '.join(verdict.reasons)}"]
+        failing += [] if verdict.passed else [f"{what} {anchor.get('repetition')}: {'; '.join(verdict.reasons)}"]
     if failing:
-        return f"; the fixture's own anchors are OUTSIDE the derived teacher-forced rule ({'; '.join(failing)})"
-    return f"; the fixture's own anchors ({len(anchors)}) are within the derived teacher-forced rule"
+        return f"; the fixture's own {what}s are OUTSIDE the derived teacher-forced rule ({'; '.join(failing)})"
+    return f"; the fixture's own {what}s ({len(anchors)}) are within the derived teacher-forced rule"
 
 
 def cell_table(cells: Sequence[CellDrift]) -> list[dict[str, Any]]:
@@ -425,7 +572,8 @@ def cell_table(cells: Sequence[CellDrift]) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "ANCHOR_PART", "BOUND_RULE", "BOUND_RULE_STATEMENT", "CALIBRATION_EVIDENCE", "CALIBRATION_EVIDENCE_SCHEMA",
+    "ANCHOR_PART", "ENVELOPE_PART", "declares_envelope", "envelope_handoffs", "fixture_records", "producer_starts",
+    "BOUND_RULE", "BOUND_RULE_STATEMENT", "CALIBRATION_EVIDENCE", "CALIBRATION_EVIDENCE_SCHEMA",
     "CALIBRATION_PART", "FLOOR_RULE", "FLOOR_RULE_STATEMENT", "ZERO_DRIFT_BOUND", "CalibrationJudgement",
     "CellDrift", "Check", "DerivedBounds", "anchor_draft_counts", "anchor_records", "bound_of", "bound_problems",
     "calibration_cells", "cell_table", "derive_acceptance_floor", "derive_bounds", "judge_calibration",

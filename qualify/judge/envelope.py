@@ -14,21 +14,26 @@ Pure: plain float sequences in, an envelope or a verdict out. Imports the contra
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qualify.contract.rules import FIXTURE_ENVELOPE_RULE
+from qualify.contract.rules import (
+    FIXTURE_ENVELOPE_MINIMUM_HANDOFFS,
+    FIXTURE_ENVELOPE_MINIMUM_STARTS,
+    FIXTURE_ENVELOPE_RULE,
+)
 from qualify.core.errors import Refused
 from qualify.judge.handoffs import Verdict, _Judgement, _num
 
-MINIMUM_ENVELOPE_HANDOFFS = 4
-"""The fewest honest handoffs an envelope is stated from: with fewer, a range is too thin a measure
-of run-to-run spread to widen anything by."""
+MINIMUM_ENVELOPE_HANDOFFS = FIXTURE_ENVELOPE_MINIMUM_HANDOFFS
+"""The fewest honest handoffs an envelope is stated from (the contract's number: an identity is
+refused for fewer)."""
 
-MINIMUM_ENVELOPE_STARTS = 2
-"""The fewest producer starts an envelope is stated from: variation across a restart (another
-allocation, another autotuning pick) must be in it, not only within one process."""
+MINIMUM_ENVELOPE_STARTS = FIXTURE_ENVELOPE_MINIMUM_STARTS
+"""The fewest producer starts an envelope is stated from (the contract's number)."""
 
 SERIES_NAMES: tuple[tuple[str, str], ...] = (
     ("row_max_abs", "row max |delta logit|"),
@@ -117,12 +122,73 @@ def derive_fixture_envelope(series: Sequence[HandoffSeries], *, starts: int) -> 
                            ceilings["position_max_abs"], ceilings["tensor_position_max_abs"], tuple(multipliers))
 
 
-def judge_envelope(series: Sequence[HandoffSeries], envelope: FixtureEnvelope) -> Verdict:
+def ceilings_sha256(envelope: FixtureEnvelope) -> str:
+    """The digest an identity seals the ceilings by, as
+    :data:`~qualify.contract.rules.FIXTURE_ENVELOPE_CEILINGS_DIGEST` states it: reproducible from
+    the ceilings alone, with no JSON number form in between."""
+    digest = hashlib.sha256()
+    for name, _ in SERIES_NAMES:
+        values: tuple[float, ...] = getattr(envelope, name)
+        digest.update(name.encode("ascii") + b"\0" + struct.pack("<Q", len(values)))
+        digest.update(struct.pack(f"<{len(values)}d", *values))
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class EnvelopeSeal:
+    """What an identity seals of a fixture envelope: its rule, the handoffs and producer starts it
+    was stated from, the multiple k of each series (:data:`SERIES_NAMES` order) and the digest of
+    its ceilings (:func:`ceilings_sha256`). The ceilings themselves stay in the basis receipt."""
+
+    rule: str
+    handoffs: int
+    starts: int
+    multipliers: tuple[float, ...]
+    ceilings_sha256: str
+
+    @classmethod
+    def of(cls, envelope: FixtureEnvelope) -> EnvelopeSeal:
+        return cls(envelope.rule, envelope.handoffs, envelope.starts, envelope.multipliers, ceilings_sha256(envelope))
+
+
+def seal_problems(sealed: EnvelopeSeal, series: Sequence[HandoffSeries], *, starts: int) -> tuple[list[str],
+                                                                                                  FixtureEnvelope | None]:
+    """Why ``sealed`` does not follow from the basis's honest handoffs ``series`` over ``starts``
+    producer starts by :data:`FIXTURE_ENVELOPE_RULE` (empty: it does), each naming the sealed field;
+    and the envelope the basis gives (None when it gives none)."""
+    try:
+        envelope = derive_fixture_envelope(series, starts=starts)
+    except Refused as exc:
+        return [f"fixture_envelope: the basis gives no envelope by rule {FIXTURE_ENVELOPE_RULE}: {exc}"], None
+    derived = EnvelopeSeal.of(envelope)
+    problems = []
+    if sealed.rule != derived.rule:
+        problems.append(f"fixture_envelope.rule.name: sealed {sealed.rule!r}, the basis is stated by {derived.rule!r}")
+    for field, words in (("handoffs", "handoffs"), ("starts", "producer_starts")):
+        if getattr(sealed, field) != getattr(derived, field):
+            problems.append(f"fixture_envelope.{words}: sealed {getattr(sealed, field)!r}, the basis gives "
+                            f"{getattr(derived, field)!r}")
+    for (name, _), given, found in zip(SERIES_NAMES, derived.multipliers, sealed.multipliers, strict=False):
+        if given != found:
+            problems.append(f"fixture_envelope.multipliers.{name}: sealed {found!r}, the basis gives {given!r} by rule "
+                            f"{FIXTURE_ENVELOPE_RULE}")
+    if len(sealed.multipliers) != len(derived.multipliers):
+        problems.append(f"fixture_envelope.multipliers: sealed {len(sealed.multipliers)}, expected "
+                        f"{len(derived.multipliers)} (one per series)")
+    if sealed.ceilings_sha256 != derived.ceilings_sha256:
+        problems.append(f"fixture_envelope.ceilings_sha256: sealed {sealed.ceilings_sha256}, the basis gives "
+                        f"{derived.ceilings_sha256} by rule {FIXTURE_ENVELOPE_RULE}")
+    return problems, envelope
+
+
+def judge_envelope(series: Sequence[HandoffSeries], envelope: FixtureEnvelope, *,
+                   missing: Sequence[str] = ()) -> Verdict:
     """Does every handoff keep every row and handed-off position within the envelope? A value
     above its ceiling, a non-finite one, or a series of another length fails, naming the handoff,
-    the index, the value and the ceiling; no handoffs fails."""
+    the index, the value and the ceiling; no handoffs fails. ``missing`` names handoffs whose
+    series were not measured (absent evidence is failed evidence): each fails the check first."""
     judgement = _Judgement()
-    problems: list[str] = []
+    problems: list[str] = list(missing)
     nearest = 0.0  # the largest value / ceiling over every index with a positive ceiling
     for handoff, measured in enumerate(series, start=1):
         for name, words in SERIES_NAMES:
@@ -139,7 +205,7 @@ def judge_envelope(series: Sequence[HandoffSeries], envelope: FixtureEnvelope) -
                 problems.append(f"handoff {handoff}: {words} outside the fixture envelope at {len(outside)} of "
                                 f"{len(values)} indices, first at {_where(name, first, measured)} "
                                 f"({_num(values[first], ceilings[first])} > {_num(ceilings[first])})")
-    if not series:
+    if not series and not missing:
         problems.append("no handoffs to hold to the fixture envelope")
     indices = sum(len(getattr(envelope, name)) for name, _ in SERIES_NAMES)
     judgement.check(

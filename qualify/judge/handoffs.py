@@ -978,13 +978,15 @@ def judge_qualification(records: Sequence[Record], rule: Rule, anchor_records: S
     by the evidence: what the verdict covers is never left out of the words. A producer declared
     non-deterministic needs ``envelope``, its samples held to the fixture envelope
     (:func:`qualify.judge.envelope.judge_envelope`): without it drift would be judged by a
-    cross-document maximum alone, so its absence fails."""
+    cross-document maximum alone, so its absence fails. Such a producer on rung 2 has no anchor:
+    ``anchor_records`` are not rechecked for it."""
     parsed = parse_rule(rule)
     summary = judge_summary(records, parsed, deterministic_producer=deterministic_producer)
-    reproduction = judge_reproduction(
-        records, anchor_records, rung=parsed.rung, deterministic_producer=deterministic_producer,
-        draft=isinstance(parsed, BitExactRule) and parsed.acceptance_floor is not None)
-    parts = [summary, reproduction]
+    parts = [summary]
+    if deterministic_producer or parsed.rung == 3:  # a non-deterministic producer has no anchor to recheck
+        parts.append(judge_reproduction(
+            records, anchor_records, rung=parsed.rung, deterministic_producer=deterministic_producer,
+            draft=isinstance(parsed, BitExactRule) and parsed.acceptance_floor is not None))
     if envelope is not None:
         parts.append(envelope)
     elif not deterministic_producer and parsed.rung == 2:

@@ -102,6 +102,21 @@ class ControlsOutcome:
 
 
 @dataclass(frozen=True)
+class EnvelopeScope:
+    """The fixture envelope a producer declared non-deterministic was held to, in place of an
+    anchor recheck: its rule and the honest handoffs and producer starts it was stated from."""
+
+    rule: str
+    handoffs: int
+    producer_starts: int
+
+    def __post_init__(self) -> None:
+        _name(self.rule, "envelope rule")
+        _count(self.handoffs, "envelope handoffs")
+        _count(self.producer_starts, "envelope producer starts")
+
+
+@dataclass(frozen=True)
 class Scope:
     """The fixture a verdict ran on, and its lane's controls (None: the identity declares none).
     ``calibrated_on``: the calibration receipt (``receipt://<run-id>``) a rule judged here was
@@ -120,6 +135,8 @@ class Scope:
     # rule's name), and (near-tie partings, all partings) over the repetitions when they were read.
     judged_by: str | None = None
     partings: tuple[int, int] | None = None
+    # The fixture envelope the handoffs were held to (a producer declared non-deterministic), or None.
+    envelope: EnvelopeScope | None = None
 
     def __post_init__(self) -> None:
         _name(self.fixture, "fixture")
@@ -134,6 +151,8 @@ class Scope:
             raise ValueError(f"scope: calibrated on {self.calibrated_on!r}, expected receipt://<run-id>")
         if self.judged_by is not None:
             _name(self.judged_by, "rule")
+        if self.envelope is not None and not isinstance(self.envelope, EnvelopeScope):
+            raise ValueError(f"scope: envelope {type(self.envelope).__name__}, expected an EnvelopeScope or None")
         if self.partings is not None:
             near, total = self.partings
             if self.judged_by is None or not (type(near) is int and type(total) is int and 0 <= near <= total):
@@ -171,7 +190,9 @@ def fixture_words(scope: Scope) -> str:
     """The fixture half of a scope line: "fixture F (repetitions × prompt/output tokens)", and
     ", calibrated on receipt://R" inside the parentheses when the scope names its calibration, and
     ", under <conditions>" when the handoffs ran under service conditions, and ", judged
-    teacher-forced by <rule>: N of M partings near-ties" under the teacher-forced rule."""
+    teacher-forced by <rule>: N of M partings near-ties" under the teacher-forced rule, and ", held
+    to its fixture envelope by <rule> from N handoffs over S producer starts, no anchor rechecked:
+    producer declared non-deterministic" for a producer declared non-deterministic."""
     calibrated = f", calibrated on {scope.calibrated_on}" if scope.calibrated_on is not None else ""
     service = (f", under {SERVICE_CONDITIONS[scope.service_conditions]}"
                if scope.service_conditions is not None else "")
@@ -181,8 +202,13 @@ def fixture_words(scope: Scope) -> str:
         if scope.partings is not None:
             near, total = scope.partings
             judged += (": no parting" if total == 0 else f": {near} of {total} partings near-ties")
+    held = ""
+    if scope.envelope is not None:
+        envelope = scope.envelope
+        held = (f", held to its fixture envelope by {envelope.rule} from {envelope.handoffs} handoffs over "
+                f"{envelope.producer_starts} producer starts, no anchor rechecked: producer declared non-deterministic")
     return (f"fixture {scope.fixture} ({scope.repetitions} × "
-            f"{scope.prompt_tokens}/{scope.output_tokens}{calibrated}{service}{judged})")
+            f"{scope.prompt_tokens}/{scope.output_tokens}{calibrated}{service}{judged}{held})")
 
 
 def scope_line(passed: bool, scope: Scope, reason: str | None = None) -> str:
@@ -210,6 +236,9 @@ def scope_document(scope: Scope, passed: bool) -> dict[str, Any]:
             "rule": scope.judged_by,
             "near_tie_partings": None if scope.partings is None else scope.partings[0],
             "partings": None if scope.partings is None else scope.partings[1]},
+        "envelope": None if scope.envelope is None else {
+            "rule": scope.envelope.rule, "handoffs": scope.envelope.handoffs,
+            "producer_starts": scope.envelope.producer_starts},
         "controls": None if controls is None else {
             "criteria": controls.criteria,
             "source": controls.source,

@@ -5,8 +5,10 @@ The bounds come from the calibration set alone (documents and lengths kept apart
 qualification fixture and the controls), each cell under a freshly started producer in the next
 numeric environment this host can run; the fixture is then handed off (at least twice, across
 restarts) only to retain the digests a qualification must reproduce bit for bit, never to set a
-bound. The rules that turn these into sealed numbers are stated in :mod:`qualify.contract.rules`
-and applied by :mod:`qualify.judge.calibration`.
+bound. A producer declared non-deterministic retains no anchor: the fixture is handed off
+repeatedly over several producer starts and each handoff's series state its fixture envelope
+(:mod:`qualify.judge.envelope`). The rules that turn these into sealed numbers are stated in
+:mod:`qualify.contract.rules` and applied by :mod:`qualify.judge.calibration`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from qualify.contract.controls import CalibrationSet, load_calibration_set, load_controls_criteria, load_document
 from qualify.contract.lanes import LaneSpec
+from qualify.contract.rules import FIXTURE_ENVELOPE_RULE, FIXTURE_ENVELOPE_RULE_STATEMENT
 from qualify.core import assets
 from qualify.core.errors import ProducerFailed, Refused
 from qualify.engines.base import LaneEngine
@@ -28,11 +31,14 @@ from qualify.judge.calibration import (
     CALIBRATION_EVIDENCE,
     CALIBRATION_EVIDENCE_SCHEMA,
     CALIBRATION_PART,
+    ENVELOPE_PART,
     CellDrift,
     TeacherForcedBounds,
     judge_calibration,
 )
+from qualify.judge.envelope import MINIMUM_ENVELOPE_HANDOFFS, MINIMUM_ENVELOPE_STARTS, FixtureEnvelope
 from qualify.judge.scope import ControlsOutcome
+from qualify.run.fixture_envelope import handoff_series
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions, driven
 from qualify.run.run_contract import CalibrationHandoff, calibration_contract
 
@@ -42,6 +48,19 @@ CONTROLS_EVIDENCE = "controls"
 ANCHOR_HANDOFFS = 2
 """Fixture anchors per calibration: two, across a producer restart and another environment, so
 the retained digests are shown to reproduce before any qualification relies on them."""
+
+ENVELOPE_HANDOFFS = 8
+ENVELOPE_STARTS = 2
+"""A producer declared non-deterministic hands the fixture off 8 times over 2 producer starts (4
+per start) in place of the anchors: :func:`~qualify.judge.envelope.derive_fixture_envelope` needs
+at least 4 handoffs and 2 starts; with 4 per start the run-to-run range within a process and
+across a restart are both measured, and each handoff left out still meets 7 others for its
+leave-one-out step (an envelope from fewer runs is a looser bound on the false-alarm rate:
+docs/detection-power.md measured 0 of 30 honest held-out handoffs refused with these counts)."""
+
+ENVELOPE_EVIDENCE_SCHEMA = "trust-ladder.calibration-evidence.v2"
+"""The calibration evidence of a producer declared non-deterministic: v1 plus ``fixture_envelope``
+(rule, handoffs, producer starts) and each handoff's ``producer_start``; no anchors."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,9 @@ class Calibration:
     controls_judgement: dict[str, Any] = field(default_factory=dict)
     # The teacher-forced rule's four numbers, when the fixture parted (docs/calibration.md 1b).
     teacher_forced: TeacherForcedBounds | None = None
+    # A producer declared non-deterministic: the fixture envelope its envelope handoffs state.
+    envelope: FixtureEnvelope | None = None
+    non_deterministic: bool = False
 
     @property
     def observed_max_abs(self) -> float:
@@ -124,13 +146,37 @@ class Calibration:
         return max((cell.mean_abs for cell in self.cells), default=float("nan"))
 
 
-def calibration_handoffs(calibration_set: CalibrationSet, anchors: int = ANCHOR_HANDOFFS) -> list[CalibrationHandoff]:
+def calibration_handoffs(calibration_set: CalibrationSet, anchors: int = ANCHOR_HANDOFFS,
+                         envelope_handoffs: int = 0) -> list[CalibrationHandoff]:
     """Every handoff a calibration makes, in order: each calibration document at each prompt
-    length of the set, then ``anchors`` handoffs of the qualification fixture."""
+    length of the set, then ``anchors`` handoffs of the qualification fixture, or, for a producer
+    declared non-deterministic (``envelope_handoffs`` > 0), that many fixture envelope handoffs."""
     handoffs = [CalibrationHandoff(CALIBRATION_PART, entry.name, load_document(entry.name)[:length])
                 for entry in calibration_set.documents for length in calibration_set.prompt_lengths]
     fixture = assets.load_prompt(assets.MAIN_PROMPT)
+    if envelope_handoffs > 0:
+        return handoffs + [CalibrationHandoff(ENVELOPE_PART, assets.MAIN_PROMPT, fixture)] * envelope_handoffs
     return handoffs + [CalibrationHandoff(ANCHOR_PART, assets.MAIN_PROMPT, fixture)] * anchors
+
+
+def envelope_start(index: int, handoffs: int, starts: int) -> int:
+    """Which of ``starts`` producer starts (from 0) the ``index``-th of ``handoffs`` envelope
+    handoffs runs on: consecutive runs of nearly equal length, so a start hands off more than once."""
+    return index * starts // handoffs
+
+
+def check_envelope_counts(spec: LaneSpec, handoffs: int, starts: int) -> None:
+    """Refuse a non-deterministic declaration the rule cannot state an envelope from, or a lane
+    whose rung judges bit-exact handoffs (rung 3, a draft): one line naming the option."""
+    if spec.recipe.rung != 2 or spec.speculative_draft:
+        raise Refused(f"--non-deterministic: lane {spec.name} is rung {spec.recipe.rung} (bit-exact): only a rung-2 "
+                      f"producer without a draft may be declared non-deterministic")
+    if handoffs < MINIMUM_ENVELOPE_HANDOFFS:
+        raise Refused(f"--envelope-handoffs: found {handoffs}, expected at least {MINIMUM_ENVELOPE_HANDOFFS} "
+                      f"(a fixture envelope is stated from that many honest handoffs)")
+    if not MINIMUM_ENVELOPE_STARTS <= starts <= handoffs // 2:
+        raise Refused(f"--envelope-starts: found {starts}, expected {MINIMUM_ENVELOPE_STARTS} to {handoffs // 2} "
+                      f"(each start hands the fixture off at least twice, of {handoffs} envelope handoffs)")
 
 
 def _measure_controls(spec: LaneSpec, consumer: LaneEngine, log: Callable[[str], None]) -> dict[str, Any]:
@@ -151,14 +197,23 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
               transport: TransportFactory | None = None, comparer: ComparerFactory | None = None,
               environments: list[dict[str, str]] | None = None, consumer: LaneEngine | None = None,
               calibration_set: tuple[CalibrationSet, str] | None = None, anchors: int = ANCHOR_HANDOFFS,
-              controls: bool = True, run_factory: Callable[..., QualificationRun] = QualificationRun) -> Calibration:
+              controls: bool = True, run_factory: Callable[..., QualificationRun] = QualificationRun,
+              non_deterministic: bool = False, envelope_handoffs: int = ENVELOPE_HANDOFFS,
+              envelope_starts: int = ENVELOPE_STARTS) -> Calibration:
     """Measure the lane ``spec`` on its calibration set and anchor its fixture (each handoff under a fresh
     producer, cycling ``environments``: by default every one this CPU runs; an in-process
     producer passes ``[{}]``), measure its E2 controls when the committed criteria preregister the
     lane (``controls=False`` skips them, and the calibration then cannot seal an identity that
     declares them), archive everything as one receipt and judge it. ``run_factory`` builds the run
-    (the connector lane's :class:`~qualify.run.connector_lane.ConnectorLaneRun`, bound to its connector)."""
-    if anchors < 2:
+    (the connector lane's :class:`~qualify.run.connector_lane.ConnectorLaneRun`, bound to its connector).
+
+    ``non_deterministic`` declares the producer non-deterministic: no anchor is retained; the
+    fixture is handed off ``envelope_handoffs`` times over ``envelope_starts`` producer starts, each
+    handoff's envelope series recorded (``series/envelope-<n>.safetensors``), and the fixture
+    envelope stated from them (:data:`~qualify.contract.rules.FIXTURE_ENVELOPE_RULE`)."""
+    if non_deterministic:
+        check_envelope_counts(spec, envelope_handoffs, envelope_starts)
+    elif anchors < 2:
         raise Refused(f"--anchors: found {anchors}, expected at least 2 (a retained digest must be shown to reproduce)")
     lane = spec.name
     chosen_set, set_digest = calibration_set or load_calibration_set()
@@ -168,14 +223,29 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
     check_disjoint(criteria, chosen_set)
     preregistered = lane in criteria.lanes
     controls_ref = {"name": criteria.name, "sha256": criteria_digest} if preregistered and controls else None
-    handoffs = calibration_handoffs(chosen_set, anchors)
+    handoffs = calibration_handoffs(chosen_set, anchors, envelope_handoffs if non_deterministic else 0)
     environments = calibration_environments() if environments is None else environments
+    declared = ({"rule": {"name": FIXTURE_ENVELOPE_RULE, "statement": FIXTURE_ENVELOPE_RULE_STATEMENT},
+                 "handoffs": envelope_handoffs, "producer_starts": envelope_starts} if non_deterministic else None)
     contract = calibration_contract(spec, recipe, handoffs,
                                     calibration_set={"name": chosen_set.name, "sha256": set_digest},
-                                    controls=controls_ref, output_tokens=chosen_set.output_tokens)
+                                    controls=controls_ref, output_tokens=chosen_set.output_tokens,
+                                    fixture_envelope=declared)
     run = run_factory(options, contract, log=log, transport=transport, comparer=comparer, consumer=consumer)
     if not options.reference_once:  # one cold branch per handoff, each computed ahead of it
         run.planned_handoffs = [(handoff.prompt, len(handoff.prompt) - 1) for handoff in handoffs]
+    # Each handoff's producer start (from 1; the steps start the first): every cell and anchor on a
+    # fresh one, the envelope handoffs in runs that share one, so both within-process and
+    # across-restart variation are in the envelope.
+    first_envelope = len(handoffs) - (envelope_handoffs if non_deterministic else 0)
+    starts: list[int] = []
+    for index in range(len(handoffs)):
+        group = (None if index < first_envelope
+                 else envelope_start(index - first_envelope, envelope_handoffs, envelope_starts))
+        shares = index > first_envelope and group == envelope_start(index - 1 - first_envelope, envelope_handoffs,
+                                                                     envelope_starts)
+        starts.append(starts[-1] if shares else (starts[-1] if starts else 0) + 1)
+    run.envelope_repetitions = set(range(first_envelope + 1, len(handoffs) + 1)) if non_deterministic else set()
     echo = log or (lambda line: None)
     entries: list[dict[str, Any]] = []
     controls_record: dict[str, Any] | None = None
@@ -185,8 +255,9 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
             if not outcome.passed:
                 raise Refused(f"calibration {label}: {outcome.message}")
         for index, handoff in enumerate(handoffs):
-            environment = environments[index % len(environments)]
-            if index > 0:  # the first handoff uses the producer the steps started (no overrides)
+            environment = environments[(starts[index] - 1) % len(environments)]
+            fresh = index == 0 or starts[index] != starts[index - 1]
+            if index > 0 and fresh:  # the first handoff uses the producer the steps started (no overrides)
                 try:
                     run.switch_prompt(handoff.document, handoff.prompt, environment)
                 except ProducerFailed as exc:  # the producer's failure, not the harness's: no rule
@@ -194,11 +265,14 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
                                   f"restart: {exc}") from None
             message = run._handoff(index)
             run.log(f"calibration handoff {index + 1}/{len(handoffs)} ({handoff.part} {handoff.document} "
-                    f"@{len(handoff.prompt)}, fresh producer, environment {environment or 'as the operator set it'}): "
-                    f"{message}")
-            entries.append({"repetition": index + 1, "part": handoff.part, "document": handoff.document,
-                            "prompt_tokens": len(handoff.prompt),
-                            "prompt_sha256": assets.prompt_sha256(handoff.prompt), "environment": environment})
+                    f"@{len(handoff.prompt)}, {'fresh producer' if fresh else 'the same producer'} "
+                    f"(start {starts[index]}), environment {environment or 'as the operator set it'}): {message}")
+            entry: dict[str, Any] = {"repetition": index + 1, "part": handoff.part, "document": handoff.document,
+                                     "prompt_tokens": len(handoff.prompt),
+                                     "prompt_sha256": assets.prompt_sha256(handoff.prompt), "environment": environment}
+            if non_deterministic:
+                entry["producer_start"] = starts[index]
+            entries.append(entry)
         run.settle_all()  # a deferred comparer's last samples
         for entry in entries:
             counts = run.draft_counts.get(entry["repetition"])
@@ -209,8 +283,8 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
             run._receipt.add_evidence(CONTROLS_EVIDENCE, controls_record)
         from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
 
-        evidence = {
-            "schema": CALIBRATION_EVIDENCE_SCHEMA,
+        evidence: dict[str, Any] = {
+            "schema": ENVELOPE_EVIDENCE_SCHEMA if non_deterministic else CALIBRATION_EVIDENCE_SCHEMA,
             "lane": lane,
             "set": {"name": chosen_set.name, "sha256": set_digest},
             "rule": {"name": BOUND_RULE, "statement": BOUND_RULE_STATEMENT},
@@ -221,9 +295,13 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
             "handoffs": entries,
             "controls": controls_ref,
         }
+        if declared is not None:
+            evidence["fixture_envelope"] = declared
         run._receipt.add_evidence(CALIBRATION_EVIDENCE, evidence)
+        series = {repetition: handoff_series(arrays) for repetition, arrays in run.envelope_series.items()}
         judged = judge_calibration(run.records, evidence, lane=lane, rung=spec.recipe.rung,
-                                   draft=spec.speculative_draft, restarts_minimum=chosen_set.producer_restarts_minimum)
+                                   draft=spec.speculative_draft, restarts_minimum=chosen_set.producer_restarts_minimum,
+                                   envelope_series=series)
         outcome_words, controls_outcome, table = _judged_controls(controls_record, criteria, run)
         verdict = judged.verdict
         if outcome_words:
@@ -235,7 +313,8 @@ def calibrate(spec: LaneSpec, recipe: str, options: RunOptions,
     return Calibration(lane, run.records, judged.cells, judged.proposed_maximum_absolute,
                        judged.proposed_maximum_mean_absolute, judged.acceptance_floor, run.receipt_path,
                        judged.failures, judged.anchor_tokens_exact, judged.deterministic, verdict.passed,
-                       verdict.headline, controls_outcome, table, judged.teacher_forced)
+                       verdict.headline, controls_outcome, table, judged.teacher_forced, judged.envelope,
+                       non_deterministic)
 
 
 def _judged_controls(record: dict[str, Any] | None, criteria: Any, run: QualificationRun

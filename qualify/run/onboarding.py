@@ -49,6 +49,15 @@ def next_steps(result: Calibration, lane: str, recipe: str, connector: list[str]
     ``connector``: a connector lane's ``--connector ...`` options, as calibrated."""
     if result.failures:
         return [StepLine("no rule derived: a handoff failed; publish this receipt as its result", "bold red")]
+    envelope = result.envelope
+    if result.non_deterministic and (envelope is None or not result.passed):
+        return [StepLine(f"no rule derived: {result.headline}", "bold red")]
+    # A producer declared non-deterministic: its fixture envelope is sealed beside the bounds.
+    held = [] if envelope is None else [StepLine(
+        f"derived fixture envelope ({envelope.rule}: the producer is declared non-deterministic, so every handoff "
+        f"is held to it and no anchor is rechecked): {envelope.handoffs} envelope handoffs over {envelope.starts} "
+        f"producer starts, k {'/'.join(repr(k) for k in envelope.multipliers)} for row max, row mean, position, "
+        f"layer tensor position", "bold")]
     forced = result.teacher_forced
     if forced is not None and result.passed:
         lead = StepLine(
@@ -57,7 +66,13 @@ def next_steps(result: Calibration, lane: str, recipe: str, connector: list[str]
             f"maximum_absolute {forced.maximum_absolute!r}, maximum_mean_absolute (per row) "
             f"{forced.maximum_mean_absolute!r}, near_tie_margin {forced.near_tie_margin!r}, "
             f"maximum_changed_row_share {forced.maximum_changed_row_share!r}", "bold")
-        return [lead, *freeze_steps(lane, result.receipt_path, connector)]
+        return [lead, *held, *freeze_steps(lane, result.receipt_path, connector)]
+    if envelope is not None and result.proposed_maximum_absolute is not None:
+        lead = StepLine(
+            f"derived rule (largest cell value plus one standard deviation over {len(result.cells)} calibration "
+            f"cells): maximum_absolute {result.proposed_maximum_absolute!r}, "
+            f"maximum_mean_absolute {result.proposed_maximum_mean_absolute!r}", "bold")
+        return [lead, *held, *freeze_steps(lane, result.receipt_path, connector)]
     if not result.tokens_exact:
         return [StepLine("no rule derived: the lane does not keep exact tokens on its fixture (an anchor handoff "
                          "diverged) and the teacher-forced rule refuses it (see the receipt's verdict); publish "

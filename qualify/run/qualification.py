@@ -35,7 +35,7 @@ from qualify.evidence.compare import transform_between
 from qualify.evidence.comparers import Comparer, ComparerFactory, ComparerSetup, HostComparer
 from qualify.evidence.records import BoundedDriftRule, SampleRecord, failed_sample_record, record_json
 from qualify.evidence.sample import sample_record
-from qualify.evidence.series import sample_series
+from qualify.evidence.series import envelope_series, sample_series
 from qualify.handoff.setup import (
     RemoteProducerChoice,
     TransportFactory,
@@ -53,8 +53,10 @@ from qualify.judge import (
     judge_refused,
     judge_sample,
 )
+from qualify.judge.envelope import judge_envelope
 from qualify.judge.scope import SERVICE_CONDITIONS, Scope
 from qualify.judge.service import RESTARTED, SERVICE_EVIDENCE, judge_service_conditions
+from qualify.run.fixture_envelope import NO_COMPARISON, NO_TENSOR_SERIES, handoff_series, missing_series
 from qualify.run.run_contract import (
     ORDERED_HANDOFFS,
     Contract,
@@ -207,6 +209,14 @@ class QualificationRun:
         # forks cleanly (qualify.evidence.cold_ahead.PlannedColdBranches).
         self.planned_handoffs: list[tuple[np.ndarray, int]] | None = None
         self.planned: PlannedColdBranches | None = None
+        # Repetitions whose envelope series are recorded besides a non-deterministic contract's every
+        # sample (a calibration's fixture envelope handoffs), and each recorded handoff's series
+        # (series/envelope-<n>.safetensors): what a fixture envelope is stated from or holds.
+        self.envelope_repetitions: set[int] = set()
+        self.envelope_series: dict[int, dict[str, np.ndarray]] = {}
+        # Compared handoffs whose envelope series the comparer could not give (None), until _keep.
+        self._envelope_pending: dict[int, dict[str, np.ndarray] | None] = {}
+        self._envelope_missing: dict[int, str] = {}
 
     def _add_seconds(self, activity: str, started: float) -> None:
         self.seconds[activity] = self.seconds.get(activity, 0.0) + time.perf_counter() - started
@@ -752,6 +762,8 @@ class QualificationRun:
         def build_record() -> SampleRecord:
             comparison = compared.result()
             self._series[repetition] = sample_series(comparison)
+            if self._wants_envelope(repetition):
+                self._envelope_pending[repetition] = envelope_series(comparison)
             self.draft_counts[repetition] = comparison.handoff_draft_counts
             return sample_record(
                 repetition=repetition,
@@ -860,6 +872,14 @@ class QualificationRun:
         series = self._series.pop(repetition, None)
         if series is not None:
             self._receipt.add_series(repetition, series)
+        if repetition in self._envelope_pending:
+            arrays = self._envelope_pending.pop(repetition)
+            if arrays is None:  # absent evidence is failed evidence: the envelope judges it so
+                self._envelope_missing[repetition] = missing_series(repetition, NO_TENSOR_SERIES)
+                self.log(f"sample {repetition}: no envelope series: {self._envelope_missing[repetition]}")
+            else:
+                self._receipt.add_envelope_series(repetition, arrays)
+                self.envelope_series[repetition] = arrays
         self._add_seconds("receipt", started)
         if self._contract.rule is None:  # calibration: measure, do not judge
             return f"max_abs {document.get('max_abs')}, mean_abs {document.get('mean_abs')}"
@@ -871,6 +891,27 @@ class QualificationRun:
             deferred = self.comparer is not None and self.comparer.deferred
             raise StepFailed(f"sample {repetition}: {verdict.headline}" if deferred else verdict.headline)
         return verdict.headline
+
+    def _wants_envelope(self, repetition: int) -> bool:
+        """Whether a handoff's envelope series are recorded: every sample of a run held to a
+        fixture envelope, and the repetitions a calibration states one from."""
+        return self._contract.fixture_envelope is not None or repetition in self.envelope_repetitions
+
+    def _judge_envelope(self) -> Verdict:
+        """Every sample held to the contract's fixture envelope; a sample without its series (it
+        failed before its comparison, or its comparer computes none) fails it."""
+        envelope = self._contract.fixture_envelope
+        assert envelope is not None  # the caller asks only under a non-deterministic contract
+        repetitions = [record.get("repetition") for record in self.records]
+        series, missing = [], []
+        for repetition in repetitions:
+            if type(repetition) is int and repetition in self.envelope_series:
+                series.append(handoff_series(self.envelope_series[repetition]))
+            elif type(repetition) is int and repetition in self._envelope_missing:
+                missing.append(self._envelope_missing[repetition])
+            else:
+                missing.append(missing_series(repetition, NO_COMPARISON))
+        return judge_envelope(series, envelope, missing=missing)
 
     def settle_all(self) -> None:
         """Record and judge every compared sample not yet recorded (a deferred comparer's)."""
@@ -889,7 +930,7 @@ class QualificationRun:
         return Scope(fixture=contract.prompt_name, repetitions=contract.repetitions,
                      prompt_tokens=len(contract.prompt), output_tokens=contract.output_tokens,
                      controls=contract.controls, service_conditions=self.options.service_conditions,
-                     judged_by=TEACHER_FORCED_RULE if forced else None)
+                     judged_by=TEACHER_FORCED_RULE if forced else None, envelope=contract.envelope_scope)
 
     def _judge_summary(self) -> str:
         self.settle_all()
@@ -903,9 +944,12 @@ class QualificationRun:
             evidence = self.service.document(self.records)
             self._receipt.add_evidence(SERVICE_EVIDENCE, evidence)
             service = judge_service_conditions(evidence)
+        # A producer declared non-deterministic has no anchor: its samples are held to the envelope.
+        envelope = self._judge_envelope() if contract.fixture_envelope is not None else None
         verdict = judge_qualification(self.records, contract.rule, contract.anchor_records,
                                       deterministic_producer=contract.deterministic_producer, scope=self._scope(),
-                                      link_floor_gbit_per_s=contract.link_floor_gbit_per_s, service=service)
+                                      link_floor_gbit_per_s=contract.link_floor_gbit_per_s, service=service,
+                                      envelope=envelope)
         self.finish(verdict)  # finalize writes the receipt's one "verdict:" line
         if not verdict.passed:
             raise StepFailed(verdict.headline)

@@ -40,7 +40,8 @@ from qualify.handoff.protocol import (
     ProducerExpectation,
     seconds_or_none,
 )
-from qualify.judge.scope import ControlsOutcome
+from qualify.judge.envelope import FixtureEnvelope
+from qualify.judge.scope import ControlsOutcome, EnvelopeScope
 
 ORDERED_HANDOFFS = 3
 """Every recipe runs three ordered handoffs (an identity declaring another count is refused)."""
@@ -145,11 +146,20 @@ class Contract:
     # The identity's link-rate floor in Gbit/s (None: it declares none): every handoff's payload
     # rate must reach it, so the producer must be reached over a network link.
     link_floor_gbit_per_s: float | None = None
+    # A producer declared non-deterministic: the fixture envelope its basis receipt states, re-derived
+    # and held to the identity's seal at load; every sample is held to it instead of an anchor.
+    fixture_envelope: FixtureEnvelope | None = None
 
     @property
     def lane(self) -> str:
         """The lane's name, as receipts, logs and the producer's ``--lane`` carry it."""
         return self.spec.name
+
+    @property
+    def envelope_scope(self) -> EnvelopeScope | None:
+        """What the verdict's scope says of the fixture envelope (None: no envelope judges the run)."""
+        envelope = self.fixture_envelope
+        return None if envelope is None else EnvelopeScope(envelope.rule, envelope.handoffs, envelope.starts)
 
 
 def phase_deadlines(basis_records: list[dict[str, Any]]) -> PhaseDeadlines:
@@ -260,25 +270,31 @@ def basis_controls(identity: Identity, basis_dir: Path) -> ControlsOutcome | Non
 
 @dataclass(frozen=True)
 class CheckedBasis:
-    """An identity's basis receipt once every check passed: its file, samples, fixture anchors and
-    judged controls."""
+    """An identity's basis receipt once every check passed: its file, samples, fixture anchors (none
+    for a producer declared non-deterministic), judged controls, the fixture's handoffs (anchors or
+    envelope handoffs) and, for a non-deterministic producer, its re-derived fixture envelope."""
 
     path: Path
     records: list[dict[str, Any]]
     anchors: list[Mapping[str, Any]]
     controls: ControlsOutcome | None
+    fixture: list[Mapping[str, Any]]
+    envelope: FixtureEnvelope | None = None
 
 
 def checked_basis(identity: Identity, *, where: str) -> CheckedBasis:
     """Everything loading an identity checks of its basis (``qualify --recipe``, ``qualify identity
     check`` and enrollment alike): the receipt whole against its sealed manifest digest, the
     committed calibration set it names, every sealed number re-derived by the stated rules, at
-    least two fixture anchors, and its controls judged. Any failure is a one-line refusal (exit 2)."""
+    least two fixture anchors (for a producer declared non-deterministic: its fixture envelope,
+    re-derived from the basis's series and held to the identity's seal), and its controls judged.
+    Any failure is a one-line refusal (exit 2)."""
     from qualify.archive.reader import resolve_receipt_uri
     from qualify.archive.verify import check_receipt
     from qualify.contract.controls import load_calibration_set
     from qualify.contract.identity import check_basis_receipt
-    from qualify.judge.calibration import anchor_records
+    from qualify.judge.calibration import anchor_records, fixture_records
+    from qualify.run.fixture_envelope import basis_envelope
 
     uri = identity.onboarding_qualification.basis
     path = check_basis_receipt(identity, resolve_receipt_uri, check_receipt, where=where)
@@ -292,11 +308,15 @@ def checked_basis(identity: Identity, *, where: str) -> CheckedBasis:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise Refused(f"{where}: a sealed number does not follow from its basis {uri}: {problems[0]}{more}")
+    if not identity.deterministic_producer:  # no anchor: the fixture envelope instead
+        envelope = basis_envelope(identity, path.parent, evidence, where=where)
+        return CheckedBasis(path, records, [], basis_controls(identity, path.parent),
+                            fixture_records(evidence, records), envelope)
     anchors = anchor_records(evidence, records)
     if len(anchors) < 2:
         raise Refused(f"{where}: basis {uri}: {len(anchors)} fixture anchor samples, expected at least 2 "
                       f"to recheck a run against")
-    return CheckedBasis(path, records, anchors, basis_controls(identity, path.parent))
+    return CheckedBasis(path, records, anchors, basis_controls(identity, path.parent), anchors)
 
 
 def kv_envelope_from_records(records: list[dict[str, Any]], layers: int) -> list[tuple[float, float]] | None:
@@ -411,14 +431,15 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
     graded = drift_graded or identity.rung == 2
     basis = checked_basis(identity, where=f"identity {identity_path}")
     basis_records, anchors, controls = basis.records, basis.anchors, basis.controls
-    # Localisation compares each layer's handed-off KV delta with the anchor's: the fixture's own,
-    # which a deterministic producer reproduces exactly (the calibration cells, other documents,
-    # would hide a small fault under their larger deltas).
+    # Localisation compares each layer's handed-off KV delta with the fixture's own handoffs' (the
+    # anchor, which a deterministic producer reproduces exactly, or a non-deterministic producer's
+    # envelope handoffs); the calibration cells, other documents, would hide a small fault under
+    # their larger deltas.
     kv_envelope: list[tuple[float, float]] | None
     if identity.rung == 3:
         kv_envelope = [(0.0, 0.0)] * consumer_geometry.layers
     else:
-        kv_envelope = kv_envelope_from_records([dict(record) for record in anchors], consumer_geometry.layers)
+        kv_envelope = kv_envelope_from_records([dict(record) for record in basis.fixture], consumer_geometry.layers)
 
     return Contract(
         spec=identity.spec,
@@ -444,6 +465,7 @@ def contract_from_identity(identity_path: Path, recipe: str, drift_graded: bool,
         deterministic_producer=qualification.require_deterministic_remote_output,
         deadlines=phase_deadlines(basis_records),
         link_floor_gbit_per_s=None if identity.link_floor is None else identity.link_floor.gbit_per_s_minimum,
+        fixture_envelope=basis.envelope,
     )
 
 
@@ -494,9 +516,10 @@ class CalibrationHandoff:
 
 def calibration_contract(spec: LaneSpec, recipe: str, handoffs: list[CalibrationHandoff], *,
                          calibration_set: dict[str, str], controls: dict[str, str] | None,
-                         output_tokens: int = 256) -> Contract:
+                         output_tokens: int = 256, fixture_envelope: dict[str, Any] | None = None) -> Contract:
     """A contract for measuring a lane before its identity exists: the lane's real artifacts and
-    cache identity, a calibration document (every handoff it will make, the set and the rules)
+    cache identity, a calibration document (every handoff it will make, the set and the rules;
+    for a producer declared non-deterministic, the fixture envelope it states: ``fixture_envelope``)
     in place of the identity, no rule, and the first handoff's prompt (the run switches prompts
     per handoff: :meth:`qualify.run.qualification.QualificationRun.switch_prompt`)."""
     from qualify.contract.rules import BOUND_RULE, BOUND_RULE_STATEMENT, FLOOR_RULE, FLOOR_RULE_STATEMENT
@@ -525,6 +548,8 @@ def calibration_contract(spec: LaneSpec, recipe: str, handoffs: list[Calibration
         "controls": None if controls is None else dict(controls),
         "target_cache_identity_sha256": cache_identity,
     }
+    if fixture_envelope is not None:  # only then: a deterministic calibration's document is as it was
+        document["fixture_envelope"] = dict(fixture_envelope)
     digest = document_sha256(document)
     first = handoffs[0]
     return Contract(

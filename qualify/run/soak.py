@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qualify.contract.soak import SoakCriteria
-from qualify.core.errors import HandoffRefused, ProducerFailed, one_line
+from qualify.core.errors import HandoffRefused, ProducerFailed, Refused, one_line
 from qualify.core.kv import first_non_finite
 from qualify.judge import Verdict
 from qualify.judge.soak import anchor_payload, judge_soak
@@ -51,7 +51,12 @@ class SoakRun(QualificationRun):
             return self._soak()
         if label == "verdict":
             return self._judge_soak()
-        return super()._run(label)
+        message = super()._run(label)
+        if label == "identity sealed" and not self._contract.deterministic_producer:
+            # Each soak handoff's payload is held to the anchor bit for bit; such a producer has none.
+            raise Refused(f"soak: lane {self._contract.lane}: the identity declares a non-deterministic producer, "
+                          f"which retains no anchor payload to hold every handoff to")
+        return message
 
     def _soak(self) -> str:
         contract, criteria = self._contract, self.criteria

@@ -4,7 +4,8 @@ scratch checkout, and must equal a line of the real output once the parts that d
 run (run ids, digests, absolute paths, numbers, the step a signal landed in) are masked alike.
 
 Not reproduced here, and so not marked in the page: another numpy or CPU class (needs another
-environment), a stalled producer (a full run; tests/unit/handoff/test_producer_deadlines.py), a read-only mount.
+environment), a stalled producer (a full run; tests/unit/handoff/test_producer_deadlines.py), a read-only mount,
+a non-deterministic identity's envelope seal (a calibration first; tests/system/test_non_deterministic_lane.py).
 """
 
 from __future__ import annotations

@@ -701,7 +701,59 @@ def judge_calibration_cases() -> list[Case]:
             [parted(1, 2.0, 0.3, [(5, 0.2)]), parted(2, 3.0, 0.4, [(9, 0.4)]),
              parted(3, 2.5, 0.35, [(7, 3.0)]), parted(4, 2.5, 0.35, [(7, 3.0)])], evidence(CELLS[:2] + ANCHORS))),
         Case("sealed numbers, teacher-forced: a near-tie margin one ULP over", tf_one_ulp_over),
+        *calibration_envelope_cases(),
     ]
+
+
+def calibration_envelope_cases() -> list[Case]:
+    """A calibration of a producer declared non-deterministic (tests/unit/judge/test_calibration_envelope.py)."""
+    from tests.unit.judge.test_calibration_envelope import calibration
+    from tests.unit.judge.test_calibration_envelope import judged as envelope_calibrated
+
+    def stated(**options: Any) -> Produce:
+        return lambda _workspace: envelope_calibrated(*calibration(), **options).verdict
+
+    def without_series(_workspace: Workspace) -> Verdict:
+        document, records, by_repetition = calibration()
+        del by_repetition[6]
+        return envelope_calibrated(document, records, by_repetition).verdict
+
+    def one_start(_workspace: Workspace) -> Verdict:
+        return envelope_calibrated(*calibration(starts=[4, 4, 4, 4])).verdict
+
+    def miscounted(_workspace: Workspace) -> Verdict:
+        document, records, by_repetition = calibration()
+        document["fixture_envelope"]["handoffs"] = 8
+        return envelope_calibrated(document, records, by_repetition).verdict
+
+    return [
+        Case("non-deterministic calibration: the envelope stated", stated()),
+        Case("non-deterministic calibration: an envelope handoff without its series", without_series),
+        Case("non-deterministic calibration: one producer start", one_start),
+        Case("non-deterministic calibration: a declaration its entries do not show", miscounted),
+        Case("non-deterministic calibration: rung 3", stated(rung=3)),
+        Case("non-deterministic calibration: next steps", calibration_next_steps),
+    ]
+
+
+def calibration_next_steps(_workspace: Workspace) -> list[str]:
+    """What ``qualify calibrate --non-deterministic`` prints after its verdict (no receipt here: the
+    freeze commands are tests/unit/run/test_onboarding.py's)."""
+    from qualify.run.calibrate import Calibration
+    from qualify.run.onboarding import next_steps
+    from tests.unit.judge.test_calibration_envelope import calibration
+    from tests.unit.judge.test_calibration_envelope import judged as envelope_calibrated
+
+    document, records, by_repetition = calibration()
+    judged_calibration = envelope_calibrated(document, records, by_repetition)
+    passed = Calibration("lane-x", records, judged_calibration.cells, judged_calibration.proposed_maximum_absolute,
+                         judged_calibration.proposed_maximum_mean_absolute, None, None, [], True, False, True,
+                         judged_calibration.verdict.headline, envelope=judged_calibration.envelope,
+                         non_deterministic=True)
+    failed = Calibration("lane-x", records, judged_calibration.cells, None, None, None, None, [], True, False, False,
+                         "calibration of lane-x: no envelope", non_deterministic=True)
+    return [f"{step.style or 'plain'}: {step.text}" for result in (passed, failed)
+            for step in next_steps(result, "nvfp4-native-w4a4", "native-text")]
 
 
 def judge_envelope_cases() -> list[Case]:
@@ -724,6 +776,52 @@ def judge_envelope_cases() -> list[Case]:
                                                 starts=2)),
         Case("summary: non-deterministic producer, payload digest moved",
              judged(judge_summary, moved, RULE2, deterministic_producer=False)),
+        *envelope_seal_and_qualification_cases(),
+    ]
+
+
+def envelope_seal_and_qualification_cases() -> list[Case]:
+    """A sealed envelope held to its basis's handoffs, a handoff without series, and the verdict
+    and scope of a qualification held to its envelope."""
+    from dataclasses import replace
+
+    from qualify.judge import judge_qualification
+    from qualify.judge.envelope import EnvelopeSeal, derive_fixture_envelope, judge_envelope, seal_problems
+    from qualify.judge.scope import EnvelopeScope, Scope
+    from qualify.run.fixture_envelope import NO_COMPARISON, NO_TENSOR_SERIES, missing_series
+    from tests.unit.judge.test_envelope import HONEST, series
+    from tests.unit.judge.test_judge import RULE2, three
+
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    seal = EnvelopeSeal.of(envelope)
+    scope = Scope("python-textwrap", 3, 2048, 256, None,
+                  envelope=EnvelopeScope(envelope.rule, envelope.handoffs, envelope.starts))
+    records = three(seams_sha256="a" * 64)
+
+    def problems(sealed: EnvelopeSeal, handoffs: list[Any]) -> Produce:
+        return lambda _workspace: seal_problems(sealed, handoffs, starts=2)[0]
+
+    inside = judge_envelope(HONEST[:3], envelope)
+    outside = judge_envelope([*HONEST[:2], series([1.0, 4.5, 0.0])], envelope)
+    missing = judge_envelope(HONEST[:2], envelope, missing=[missing_series(3, NO_TENSOR_SERIES)])
+    return [
+        Case("seal: every field moved", problems(replace(seal, rule="fixture-envelope-max-plus-range.v1", handoffs=8,
+                                                         starts=3, multipliers=(2.0, 2.5, 2.0, 2.0),
+                                                         ceilings_sha256="ab" * 32), HONEST)),
+        Case("seal: one multiplier too few", problems(replace(seal, multipliers=(2.0, 2.0, 2.0)), HONEST)),
+        Case("seal: handoffs that state no envelope", problems(seal, HONEST[:3])),
+        Case("envelope: a handoff without its series", lambda _workspace: missing),
+        Case("envelope: a handoff that failed before its comparison",
+             judged(judge_envelope, HONEST[:2], envelope, missing=[missing_series(3, NO_COMPARISON)])),
+        Case("qualification held to its envelope: passed",
+             judged(judge_qualification, records, RULE2, three(seams_sha256="a" * 64), deterministic_producer=False,
+                    scope=scope, envelope=inside)),
+        Case("qualification held to its envelope: a row outside",
+             judged(judge_qualification, records, RULE2, three(seams_sha256="a" * 64), deterministic_producer=False,
+                    scope=scope, envelope=outside)),
+        Case("qualification held to its envelope: a handoff without its series",
+             judged(judge_qualification, records, RULE2, three(seams_sha256="a" * 64), deterministic_producer=False,
+                    scope=scope, envelope=missing)),
     ]
 
 
@@ -1003,7 +1101,20 @@ def identity_cases() -> list[Case]:
         Case("a nested basis URI, its receipt's manifest differing from the seal", nested),
         Case("the digest of a document that is no identity", refused(identity_sha256, {"lane": "x"})),
         Case("the digest of an identity with no canonical form", no_canonical_form),
+        *(Case(f"v8: {name}", parsed(make()))
+          for name, (make, _field) in non_deterministic_refusals().items()),
+        Case("v8, the model: more producer starts than handoffs",
+             model_errors(non_deterministic_refusals()["more producer starts than handoffs"][0]())),
+        Case("v8, the model: v5 declaring a non-deterministic producer",
+             model_errors(non_deterministic_refusals()["v5 declaring a non-deterministic producer"][0]())),
     ]
+
+
+def non_deterministic_refusals() -> dict[str, Any]:
+    """The v8 refusal cases of tests/unit/contract/test_identity_non_deterministic.py: name -> (document maker, field)."""
+    from tests.unit.contract.test_identity_non_deterministic import REFUSED
+
+    return REFUSED
 
 
 # =========================================================================== qualify.archive.verify: receipts verify
@@ -1547,6 +1658,53 @@ def supervisor_cases() -> list[Case]:
     ]
 
 
+# =========================================================================== qualify.run.fixture_envelope
+
+
+def fixture_envelope_cases() -> list[Case]:
+    from qualify.evidence.series import envelope_file_name
+    from qualify.run.fixture_envelope import basis_envelope, basis_envelope_series
+    from tests.unit.run.test_fixture_envelope import basis, honest_envelope, sealed_identity
+
+    def refused_basis(change: Callable[[Path, dict[str, Any]], None], **sealed: Any) -> Produce:
+        def produce(workspace: Workspace) -> Raised:
+            receipt, evidence = basis(workspace.root)
+            change(receipt, evidence)
+            return refusal_of(lambda: basis_envelope(sealed_identity(honest_envelope(), **sealed), receipt, evidence,
+                                                     where="identity x"))
+        return produce
+
+    def unchanged(_receipt: Path, _evidence: dict[str, Any]) -> None:
+        pass
+
+    def deleted(receipt: Path, _evidence: dict[str, Any]) -> None:
+        (receipt / "series" / envelope_file_name(6)).unlink()
+
+    def malformed(receipt: Path, _evidence: dict[str, Any]) -> None:
+        (receipt / "series" / envelope_file_name(6)).write_bytes(b"not safetensors")
+
+    def undeclared(_receipt: Path, evidence: dict[str, Any]) -> None:
+        del evidence["fixture_envelope"]
+
+    def unstarted(_receipt: Path, evidence: dict[str, Any]) -> None:
+        del evidence["handoffs"][4]["producer_start"]
+
+    def series_of_undeclared(workspace: Workspace) -> Raised:
+        receipt, evidence = basis(workspace.root)
+        del evidence["fixture_envelope"]
+        return refusal_of(lambda: basis_envelope_series(receipt, evidence))
+
+    return [
+        Case("a sealed ceilings digest the basis does not give", refused_basis(unchanged, ceilings_sha256="ab" * 32)),
+        Case("sealed counts the basis does not give", refused_basis(unchanged, handoffs=5, producer_starts=3)),
+        Case("an envelope handoff's series file missing", refused_basis(deleted)),
+        Case("an envelope handoff's series file not safetensors", refused_basis(malformed)),
+        Case("a basis that declares no envelope", refused_basis(undeclared)),
+        Case("a basis envelope handoff without its producer start", refused_basis(unstarted)),
+        Case("the series of a basis that declares no envelope", series_of_undeclared),
+    ]
+
+
 # =========================================================================== the golden files
 
 
@@ -1572,6 +1730,7 @@ MODULES: dict[str, Callable[[], list[Case]]] = {
     "engines.connector_loads": connector_loads_cases,
     "engines.connector_under_test": connector_under_test_cases,
     "run.supervisor": supervisor_cases,
+    "run.fixture_envelope": fixture_envelope_cases,
 }
 
 

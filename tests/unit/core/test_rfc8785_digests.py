@@ -52,6 +52,7 @@ V3 = "trust-ladder.onboarding-identity.v3"
 V5 = "trust-ladder.onboarding-identity.v5"
 V6 = "trust-ladder.onboarding-identity.v6"
 V7 = "trust-ladder.onboarding-identity.v7"
+V8 = "trust-ladder.onboarding-identity.v8"
 SHIPPED = sorted(CONTRACTS_DIR.glob("*-identity-v1.json"))
 LEGACY_RECEIPTS, SIGNED_RECEIPTS = committed_receipts()
 
@@ -127,7 +128,7 @@ def test_an_unknown_identity_schema_is_refused_in_one_line(tmp_path: Path, schem
     with pytest.raises(Refused) as caught:
         pair.load()
     message = str(caught.value)
-    assert message == f'identity {pair.path}: schema: found {json.dumps(schema)}, expected one of "{V5}", "{V6}", "{V7}"', message
+    assert message == f'identity {pair.path}: schema: found {json.dumps(schema)}, expected one of "{V5}", "{V6}", "{V7}", "{V8}"', message
 
 
 def test_the_freeze_tool_refreezes_a_shipped_identity_to_itself_and_refuses_a_retired_one(

@@ -19,9 +19,17 @@ from safetensors.numpy import save
 from qualify.archive.verify import verify_receipt
 from qualify.core.errors import ProducerFailed, Refused
 from qualify.engines.base import DecodeResult
-from qualify.evidence.compare import compare_branches, generated_token_sha256
+from qualify.evidence.compare import compare_branches, generated_token_sha256, teacher_forced_drift
 from qualify.evidence.records import BoundedDriftRule
-from qualify.evidence.series import MAX_SERIES_BYTES, SERIES_DTYPES, read_series, sample_series
+from qualify.evidence.series import (
+    ENVELOPE_TENSORS,
+    MAX_SERIES_BYTES,
+    SERIES_DTYPES,
+    envelope_series,
+    read_envelope_series,
+    read_series,
+    sample_series,
+)
 from qualify.run.qualification import STEP_LABELS, QualificationRun, RunOptions
 from tests.unit.core.test_hostenv import lane_calibration_contract
 
@@ -332,3 +340,91 @@ def test_a_real_run_leaves_one_series_per_sample_agreeing_with_its_record(tmp_pa
         assert float(series["cold_top1_top2_margin"].min()) == localisation["min_cold_margin"]
         assert series["kv_k_max_abs_delta"].tolist() == [layer["k"] for layer in layers]
         assert series["kv_v_max_abs_delta"].tolist() == [layer["v"] for layer in layers]
+
+
+# --------------------------------------------------------------------------- a fixture envelope's series
+
+
+def test_envelope_series_are_the_rows_and_each_layers_k_and_v_by_handed_off_position() -> None:
+    comparison = _comparison()
+    series = envelope_series(comparison)
+    assert series is not None and comparison.kv is not None and comparison.kv.tensor_position_max_abs is not None
+    assert {name: (array.dtype, array.shape) for name, array in series.items()} == {
+        "row_max_abs": (np.dtype("<f8"), (ROWS,)), "row_mean_abs": (np.dtype("<f8"), (ROWS,)),
+        "position_max_abs": (np.dtype("<f8"), (HANDED_OFF,)),
+        "tensor_position_max_abs": (np.dtype("<f8"), (2 * LAYERS, HANDED_OFF))}
+    assert np.array_equal(series["row_max_abs"], comparison.delta.row_max_abs)
+    assert np.array_equal(series["position_max_abs"], comparison.kv.position_max_abs)
+    # Layer by layer, K before V: row 2 * layer is that layer's K, its maximum the layer's K delta.
+    tensors = series["tensor_position_max_abs"]
+    assert [float(tensors[2 * n].max()) for n in range(LAYERS)] == [layer.k for layer in comparison.kv.layers]
+    assert [float(tensors[2 * n + 1].max()) for n in range(LAYERS)] == [layer.v for layer in comparison.kv.layers]
+    assert np.array_equal(tensors.max(axis=0), series["position_max_abs"])
+
+
+def test_envelope_rows_are_the_teacher_forced_rows_where_the_tokens_parted() -> None:
+    plain = _comparison()
+    rng = np.random.default_rng(7)
+    forced = (rng.standard_normal((ROWS, VOCAB)) * 4).astype(np.float32)
+    comparison = dataclasses.replace(plain, teacher_forced=teacher_forced_drift(forced, forced + np.float32(0.5)))
+    series = envelope_series(comparison)
+    assert series is not None and comparison.teacher_forced is not None
+    assert np.array_equal(series["row_max_abs"], comparison.teacher_forced.row_max_abs)
+    assert not np.array_equal(series["row_max_abs"], plain.delta.row_max_abs)
+
+
+def test_a_comparison_without_per_tensor_series_gives_none() -> None:
+    comparison = _comparison()
+    assert comparison.kv is not None
+    assert envelope_series(dataclasses.replace(comparison, kv=dataclasses.replace(
+        comparison.kv, tensor_position_max_abs=None))) is None
+    assert envelope_series(_comparison(with_kv=False)) is None
+
+
+def test_envelope_series_round_trip_through_their_files_bytes() -> None:
+    series = envelope_series(_comparison())
+    assert series is not None
+    read = read_envelope_series(_series_bytes(series), rows=ROWS, positions=HANDED_OFF)
+    assert all(np.array_equal(read[name], series[name]) for name in ENVELOPE_TENSORS)
+
+
+def _envelope_with(**changes: object) -> dict[str, np.ndarray]:
+    series = envelope_series(_comparison())
+    assert series is not None
+    for name, value in changes.items():
+        if value is None:
+            del series[name]
+        else:
+            series[name] = value  # type: ignore[assignment]
+    return series
+
+
+@pytest.mark.parametrize("changes", [
+    {"row_mean_abs": None},
+    {"extra": np.zeros(3)},
+    {"row_max_abs": np.zeros(ROWS, dtype=np.float32)},
+    {"tensor_position_max_abs": np.zeros(2 * LAYERS * HANDED_OFF)},
+    {"row_mean_abs": np.zeros(ROWS - 1)},
+    {"tensor_position_max_abs": np.zeros((2 * LAYERS + 1, HANDED_OFF))},
+    {"tensor_position_max_abs": np.zeros((2 * LAYERS, HANDED_OFF + 1))},
+    {"position_max_abs": np.full(HANDED_OFF, -1.0), "tensor_position_max_abs": np.zeros((2 * LAYERS, HANDED_OFF))},
+    {"row_max_abs": np.zeros(0), "row_mean_abs": np.zeros(0)},
+])
+def test_envelope_series_off_their_form_are_refused_in_one_line(changes: dict[str, object]) -> None:
+    with pytest.raises(Refused) as caught:
+        read_envelope_series(_series_bytes(_envelope_with(**changes)))
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("envelope series: ")
+
+
+def test_envelope_series_of_other_lengths_than_expected_are_refused() -> None:
+    data = _series_bytes(_envelope_with())
+    for expected in ({"rows": ROWS + 1}, {"positions": HANDED_OFF - 1}):
+        with pytest.raises(Refused):
+            read_envelope_series(data, **expected)  # type: ignore[arg-type]
+
+
+def test_a_nan_in_an_envelope_series_is_kept_for_the_envelope_to_judge() -> None:
+    nan_rows = np.zeros(ROWS)
+    nan_rows[3] = np.nan
+    read = read_envelope_series(_series_bytes(_envelope_with(row_max_abs=nan_rows)))
+    assert np.isnan(read["row_max_abs"][3])

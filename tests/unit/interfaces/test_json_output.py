@@ -170,7 +170,7 @@ def test_the_recipe_document_v2_is_v1_with_the_scope_of_the_summary_v3() -> None
     """v2 adds ``scope`` and nothing else; its form is the receipt summary's, part for part."""
     v1, v2 = (json.loads((CONTRACTS_DIR / f"cli-recipe.v{n}.schema.json").read_text()) for n in (1, 2))
     summary_defs = json.loads((CONTRACTS_DIR / "validation-summary.v3.schema.json").read_text())["$defs"]
-    scope_parts = ("ScopeRecord", "ScopeFixture", "ScopeControls", "ScopeControlDocument", "ScopeJudgedBy")
+    scope_parts = ("ScopeRecord", "ScopeFixture", "ScopeControls", "ScopeControlDocument", "ScopeJudgedBy", "ScopeEnvelope")
     assert {name: v2["$defs"].pop(name) for name in scope_parts} == {name: summary_defs[name] for name in scope_parts}
     result = v2["$defs"]["result"]
     assert result["properties"].pop("scope")["anyOf"] == [{"$ref": "#/$defs/ScopeRecord"}, {"type": "null"}]
@@ -252,6 +252,27 @@ def fake_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quiet_key:
                          write_receipt(tmp_path / "archive", records), [], True, True, True, "calibrated: 3 handoffs")
     monkeypatch.setattr(calibrate_module, "calibrate", lambda *args, **kwargs: result)
     yield result
+
+
+def test_calibrate_json_of_a_non_deterministic_producer_carries_its_envelope_and_no_anchor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_calibration: Calibration, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dataclasses import replace
+
+    from qualify.judge.envelope import FixtureEnvelope
+    from qualify.run import calibrate as calibrate_module
+
+    envelope = FixtureEnvelope(8, 2, (1.0,), (0.1,), (0.5,), (0.25, 0.25), (2.0, 2.0, 7.17, 6.56))
+    result = replace(fake_calibration, envelope=envelope, non_deterministic=True, deterministic=False)
+    asked: dict[str, Any] = {}
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *args, **kwargs: asked.update(kwargs) or result)
+    code, document, err = run_json(capsys, "calibrate", "--recipe", "native-text", "--lane", "nvfp4-native-f16",
+                                   "--non-deterministic", "--receipts", str(tmp_path / "archive"), "--json")
+    validate("calibrate", document)
+    assert code == 0 and err == "" and document["anchors"] == 0
+    assert (asked["non_deterministic"], asked["envelope_handoffs"], asked["envelope_starts"]) == (True, 8, 2)
+    assert document["fixture_envelope"] == {"rule": "fixture-envelope-loo-range.v1", "handoffs": 8,
+                                            "producer_starts": 2, "multipliers": [2.0, 2.0, 7.17, 6.56]}
 
 
 def test_calibrate_json_carries_the_cells_and_next_steps(

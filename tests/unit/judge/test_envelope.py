@@ -1,10 +1,12 @@
-"""A non-deterministic producer's fixture envelope (fixture-envelope-max-plus-range.v1): derived
+"""A non-deterministic producer's fixture envelope (fixture-envelope-loo-range.v1): derived
 index by index from the fixture's honest handoffs, every judged row and position held inside it;
 and the summary of a producer declared non-deterministic, which compares only the cold digests."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -15,11 +17,14 @@ from qualify.core.errors import Refused
 from qualify.judge import judge_qualification, judge_summary
 from qualify.judge.envelope import (
     MINIMUM_ENVELOPE_HANDOFFS,
+    EnvelopeSeal,
     FixtureEnvelope,
     HandoffSeries,
+    ceilings_sha256,
     derive_fixture_envelope,
     judge_envelope,
     leave_one_out_exceedance,
+    seal_problems,
 )
 from tests.unit.judge.test_judge import RULE2, three
 
@@ -250,3 +255,80 @@ def test_a_tensor_index_is_named_by_its_layer_tensor_and_position_over_several_p
     assert judge_envelope([faulty], envelope).reasons == [
         "handoff 1: layer K or V position max |delta| outside the fixture envelope at 1 of 8 indices, first at "
         "layer 1 K position 0 (0.75 > 0.5)"]
+
+
+# --------------------------------------------------------------------------- the seal an identity carries
+
+
+def digest_by_definition(envelope: FixtureEnvelope) -> str:
+    """FIXTURE_ENVELOPE_CEILINGS_DIGEST's words, followed with numpy's own byte forms."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for name in ("row_max_abs", "row_mean_abs", "position_max_abs", "tensor_position_max_abs"):
+        values = getattr(envelope, name)
+        digest.update(name.encode("ascii") + b"\0" + np.uint64(len(values)).astype("<u8").tobytes())
+        digest.update(np.asarray(values, dtype="<f8").tobytes())
+    return digest.hexdigest()
+
+
+def test_the_ceilings_digest_is_what_its_stated_words_compute() -> None:
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    assert ceilings_sha256(envelope) == digest_by_definition(envelope)
+
+
+def test_the_ceilings_digest_moves_with_one_ulp_of_one_ceiling_and_with_where_a_value_sits() -> None:
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    nudged = replace(envelope, row_mean_abs=(envelope.row_mean_abs[0], math.nextafter(envelope.row_mean_abs[1], 1.0),
+                                             envelope.row_mean_abs[2]))
+    assert ceilings_sha256(nudged) != ceilings_sha256(envelope)
+    # The same values, one moved from the end of one series to the start of the next: lengths are digested.
+    shifted = replace(envelope, row_max_abs=envelope.row_max_abs[:-1],
+                      row_mean_abs=envelope.row_max_abs[-1:] + envelope.row_mean_abs)
+    assert ceilings_sha256(shifted) != ceilings_sha256(envelope)
+
+
+def test_a_seal_of_the_envelope_its_handoffs_give_follows_from_them() -> None:
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    assert seal_problems(EnvelopeSeal.of(envelope), HONEST, starts=2) == ([], envelope)
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("rule", "fixture-envelope-max-plus-range.v1", "fixture_envelope.rule.name"),
+    ("handoffs", 8, "fixture_envelope.handoffs"),
+    ("starts", 3, "fixture_envelope.producer_starts"),
+    ("multipliers", (2.0, 2.0, 2.5, 2.0), "fixture_envelope.multipliers.position_max_abs"),
+    ("multipliers", (2.0, 2.0, 2.0), "fixture_envelope.multipliers"),
+    ("ceilings_sha256", "ab" * 32, "fixture_envelope.ceilings_sha256"),
+])
+def test_each_sealed_field_the_handoffs_do_not_give_is_named(field: str, value: Any, named: str) -> None:
+    sealed = replace(EnvelopeSeal.of(derive_fixture_envelope(HONEST, starts=2)), **{field: value})
+    problems, envelope = seal_problems(sealed, HONEST, starts=2)
+    assert envelope is not None and [problem.split(":")[0] for problem in problems] == [named]
+
+
+def test_handoffs_that_state_no_envelope_give_no_seal() -> None:
+    sealed = EnvelopeSeal.of(derive_fixture_envelope(HONEST, starts=2))
+    problems, envelope = seal_problems(sealed, HONEST[:3], starts=2)
+    assert envelope is None and len(problems) == 1 and problems[0].startswith("fixture_envelope: ")
+
+
+def test_a_handoff_without_its_series_fails_even_when_every_other_is_inside() -> None:
+    envelope = derive_fixture_envelope(HONEST, starts=2)
+    verdict = judge_envelope(HONEST[:2], envelope, missing=["handoff 3: no series"])
+    assert not verdict.passed and verdict.reasons == ["handoff 3: no series"]
+    assert not judge_envelope([], envelope, missing=["handoff 1: no series"]).passed
+
+
+def test_a_non_deterministic_qualification_rechecks_no_anchor() -> None:
+    """The envelope judges instead: anchors that differ from every sample name no check."""
+    records, anchors = three(seams_sha256="a" * 64), three(seams_sha256="a" * 64)
+    for anchor in anchors:
+        anchor["payload_sha256"] = "c" * 64
+    inside = judge_envelope(HONEST, derive_fixture_envelope(HONEST, starts=2))
+    verdict = judge_qualification(records, RULE2, anchors, deterministic_producer=False, envelope=inside)
+    assert verdict.passed and not any(check.name.endswith("as anchored") for check in verdict.checks)
+    deterministic = judge_qualification(records, RULE2, anchors, deterministic_producer=True)
+    assert not deterministic.passed and any(check.name.endswith("as anchored") for check in deterministic.checks)
