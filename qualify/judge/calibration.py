@@ -402,12 +402,7 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
         return _judge_envelope_calibration(records, evidence, lane=lane, rung=rung, draft=draft,
                                            restarts_minimum=restarts_minimum, series=envelope_series or {})
     judgement = _Judgement()
-    plain = [_plain(record) for record in records]
-    failures = [one_line(str(r["error"])) for r in plain if isinstance(r, Mapping) and r.get("error")]
-    failures += [f"sample is not a record: {type(r).__name__}" for r in plain if not isinstance(r, Mapping)]
-    judgement.check("handoffs", not failures,
-                    f"{len(plain)} handoffs measured" if not failures else f"{len(failures)} of {len(plain)} handoffs failed",
-                    reasons=[f"handoff failed: {failure}" for failure in failures])
+    failures = _check_handoffs(judgement, records)
     problems: list[str] = []
     handoffs = _handoffs(evidence, problems)
     restarts = max(len(handoffs) - 1, 0)
@@ -480,18 +475,24 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
                                 teacher_forced)
 
 
-def _judge_envelope_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *, lane: str, rung: int,
-                                draft: bool, restarts_minimum: int,
-                                series: Mapping[int, HandoffSeries]) -> CalibrationJudgement:
-    """:func:`judge_calibration` of a producer declared non-deterministic: the cells as always,
-    then the fixture envelope its envelope handoffs state in place of an anchor."""
-    judgement = _Judgement()
+def _check_handoffs(judgement: _Judgement, records: Sequence[Record]) -> list[str]:
+    """The "handoffs" check: every record measured, none failed; returns the failures' lines."""
     plain = [_plain(record) for record in records]
     failures = [one_line(str(r["error"])) for r in plain if isinstance(r, Mapping) and r.get("error")]
     failures += [f"sample is not a record: {type(r).__name__}" for r in plain if not isinstance(r, Mapping)]
     judgement.check("handoffs", not failures,
                     f"{len(plain)} handoffs measured" if not failures else f"{len(failures)} of {len(plain)} handoffs failed",
                     reasons=[f"handoff failed: {failure}" for failure in failures])
+    return failures
+
+
+def _judge_envelope_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *, lane: str, rung: int,
+                                draft: bool, restarts_minimum: int,
+                                series: Mapping[int, HandoffSeries]) -> CalibrationJudgement:
+    """:func:`judge_calibration` of a producer declared non-deterministic: the cells as always,
+    then the fixture envelope its envelope handoffs state in place of an anchor."""
+    judgement = _Judgement()
+    failures = _check_handoffs(judgement, records)
     restarts = max(producer_starts(evidence) - 1, 0)
     judgement.check("producer restarts", restarts >= restarts_minimum,
                     f"{restarts} producer restarts (at least {restarts_minimum})")

@@ -32,9 +32,8 @@ from qualify.contract.rules import (
     FIXTURE_ENVELOPE_RULE_STATEMENT,
 )
 from qualify.core.digests import jcs_sha256
-from qualify.core.errors import Refused
 from tests.unit.contract.test_identity import make_document, mutated
-from tests.unit.contract.test_identity_teacher_forced import LOGITS, RULE, shipped_document, v7_document
+from tests.unit.contract.test_identity_teacher_forced import LOGITS, RULE, refusal, shipped_document, v7_document
 
 ENVELOPE = f"{RULE}.fixture_envelope"
 SEALED = {
@@ -47,9 +46,8 @@ SEALED = {
 }
 
 
-def v8_document() -> dict[str, Any]:
-    """The shipped default lane's v5 document declared non-deterministic (bounded-drift, exact tokens)."""
-    document = shipped_document()
+def declared_non_deterministic(document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` as v8, its producer declared non-deterministic with the sealed envelope."""
     document["schema"] = NON_DETERMINISTIC_SCHEMA_ID
     document[RULE]["require_deterministic_remote_output"] = False
     document[RULE]["fixture_envelope"] = json.loads(json.dumps(SEALED))
@@ -57,22 +55,14 @@ def v8_document() -> dict[str, Any]:
     return document
 
 
+def v8_document() -> dict[str, Any]:
+    """The shipped default lane's v5 document declared non-deterministic (bounded-drift, exact tokens)."""
+    return declared_non_deterministic(shipped_document())
+
+
 def v8_teacher_forced() -> dict[str, Any]:
     """A v7 document declared non-deterministic: v8 judges either rung-2 mode."""
-    document = v7_document()
-    document["schema"] = NON_DETERMINISTIC_SCHEMA_ID
-    document[RULE]["require_deterministic_remote_output"] = False
-    document[RULE]["fixture_envelope"] = json.loads(json.dumps(SEALED))
-    return document
-
-
-def refusal(document: dict[str, Any]) -> str:
-    """The one-line refusal of loading ``document`` (schema layer, then model)."""
-    with pytest.raises(Refused) as caught:
-        parse_identity_document(document, where="identity x")
-    message = str(caught.value)
-    assert "\n" not in message and message.startswith("identity x: ")
-    return message
+    return declared_non_deterministic(v7_document())
 
 
 def model_refusal(document: dict[str, Any]) -> str:
@@ -185,12 +175,7 @@ def _placeholder_digest() -> dict[str, Any]:
 
 
 def _rung3_non_deterministic() -> dict[str, Any]:
-    document = make_document("kquant-exact-dflash")
-    document["schema"] = NON_DETERMINISTIC_SCHEMA_ID
-    document[RULE]["require_deterministic_remote_output"] = False
-    document[RULE]["fixture_envelope"] = json.loads(json.dumps(SEALED))
-    document["link_floor"] = None
-    return document
+    return declared_non_deterministic(make_document("kquant-exact-dflash"))
 
 
 def _v8_exact_mode() -> dict[str, Any]:
