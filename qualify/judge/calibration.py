@@ -409,12 +409,7 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
     judgement.check("producer restarts", restarts >= restarts_minimum,
                     f"{restarts} producer restarts (at least {restarts_minimum})")
     judgement.check("rule stated", not _rule_stated(evidence), "; ".join(_rule_stated(evidence)) or f"rule {BOUND_RULE}")
-    cells, cell_problems = calibration_cells(evidence, records)
-    bounds = derive_bounds(cells)
-    judgement.check("calibration cells", not cell_problems and bounds is not None,
-                    f"{len(cells)} cells measured" if not cell_problems and bounds is not None
-                    else "; ".join(cell_problems) or f"{len(cells)} cells: the rule needs at least 2",
-                    reasons=cell_problems)
+    cells, bounds = _check_cells(judgement, evidence, records)
     if rung == 3 and cells:
         drifting = [f"{c.document}@{c.prompt_tokens}" for c in cells if c.max_abs != 0.0 or c.mean_abs != 0.0]
         judgement.check("bit-exact cells", not drifting, "every cell bit-exact" if not drifting
@@ -425,14 +420,7 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
     teacher_forced = None
     forced_note = ""
     if rung == 2 and anchor_ok and not keeps_tokens(anchor_ok):
-        teacher_forced = derive_teacher_forced_bounds(cells)
-        judgement.check("teacher-forced rule", teacher_forced is not None,
-                        f"the fixture parts from the cold recompute: rule {TEACHER_FORCED_BOUND_RULE} derived"
-                        if teacher_forced is not None else
-                        f"the fixture parts from the cold recompute, and rule {TEACHER_FORCED_BOUND_RULE} needs at "
-                        f"least 2 cells with their teacher-forced rows recorded")
-        if teacher_forced is not None:
-            forced_note = _anchors_under(anchor_ok, teacher_forced)
+        teacher_forced, forced_note = _teacher_forced_rule(judgement, cells, anchor_ok)
     else:
         judgement.check("anchor tokens exact", anchor_tokens_exact,
                         "the fixture's greedy tokens exact in every anchor handoff" if anchor_tokens_exact
@@ -457,15 +445,9 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
         within = fixture_max <= bounds.maximum_absolute and fixture_mean <= bounds.maximum_mean_absolute
         fixture_note = (f"; the fixture's own drift (max {fixture_max!r}, mean {fixture_mean!r}) is "
                         f"{'within' if within else 'OUTSIDE'} the derived bounds")
+    gives = _rule_gives(bounds, teacher_forced)
     if teacher_forced is not None:
-        gives = (f"the lane parts from the cold recompute, so rule {TEACHER_FORCED_BOUND_RULE} gives "
-                 f"maximum_absolute {teacher_forced.maximum_absolute!r}, maximum_mean_absolute (per row) "
-                 f"{teacher_forced.maximum_mean_absolute!r}, near_tie_margin {teacher_forced.near_tie_margin!r}, "
-                 f"maximum_changed_row_share {teacher_forced.maximum_changed_row_share!r}")
         fixture_note = forced_note
-    else:
-        gives = (f"rule {BOUND_RULE} gives maximum_absolute {None if bounds is None else bounds.maximum_absolute!r}, "
-                 f"maximum_mean_absolute {None if bounds is None else bounds.maximum_mean_absolute!r}")
     headline = (f"calibration of {lane}: {len(cells)} cells over {len({c.document for c in cells})} documents, "
                 f"{len(anchor_ok)} fixture anchors, {restarts} producer restarts; {gives}"
                 + (f"; acceptance floor {floor!r} by {FLOOR_RULE}" if floor is not None else "") + fixture_note)
@@ -473,6 +455,42 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
     verdict = Verdict(not reasons, headline, list(reasons) or [headline], judgement.checks + determinism.checks)
     return CalibrationJudgement(tuple(cells), bounds, anchor_tokens_exact, deterministic, floor, failures, verdict,
                                 teacher_forced)
+
+
+def _teacher_forced_rule(judgement: _Judgement, cells: Sequence[CellDrift], fixture: Sequence[Mapping[str, Any]],
+                         what: str = "anchor") -> tuple[TeacherForcedBounds | None, str]:
+    """The fixture parts from the cold recompute: the teacher-forced rule the cells give (checked),
+    and the note of the fixture's handoffs judged by it."""
+    teacher_forced = derive_teacher_forced_bounds(cells)
+    judgement.check("teacher-forced rule", teacher_forced is not None,
+                    f"the fixture parts from the cold recompute: rule {TEACHER_FORCED_BOUND_RULE} derived"
+                    if teacher_forced is not None else
+                    f"the fixture parts from the cold recompute, and rule {TEACHER_FORCED_BOUND_RULE} needs at "
+                    f"least 2 cells with their teacher-forced rows recorded")
+    return teacher_forced, "" if teacher_forced is None else _anchors_under(fixture, teacher_forced, what=what)
+
+
+def _rule_gives(bounds: DerivedBounds | None, teacher_forced: TeacherForcedBounds | None) -> str:
+    """What the calibration's rule gives, for its headline."""
+    if teacher_forced is not None:
+        return (f"the lane parts from the cold recompute, so rule {TEACHER_FORCED_BOUND_RULE} gives "
+                f"maximum_absolute {teacher_forced.maximum_absolute!r}, maximum_mean_absolute (per row) "
+                f"{teacher_forced.maximum_mean_absolute!r}, near_tie_margin {teacher_forced.near_tie_margin!r}, "
+                f"maximum_changed_row_share {teacher_forced.maximum_changed_row_share!r}")
+    return (f"rule {BOUND_RULE} gives maximum_absolute {None if bounds is None else bounds.maximum_absolute!r}, "
+            f"maximum_mean_absolute {None if bounds is None else bounds.maximum_mean_absolute!r}")
+
+
+def _check_cells(judgement: _Judgement, evidence: Mapping[str, Any],
+                 records: Sequence[Record]) -> tuple[list[CellDrift], DerivedBounds | None]:
+    """The "calibration cells" check: the cells the evidence names, and the bounds they give."""
+    cells, cell_problems = calibration_cells(evidence, records)
+    bounds = derive_bounds(cells)
+    judgement.check("calibration cells", not cell_problems and bounds is not None,
+                    f"{len(cells)} cells measured" if not cell_problems and bounds is not None
+                    else "; ".join(cell_problems) or f"{len(cells)} cells: the rule needs at least 2",
+                    reasons=cell_problems)
+    return cells, bounds
 
 
 def _check_handoffs(judgement: _Judgement, records: Sequence[Record]) -> list[str]:
@@ -501,24 +519,12 @@ def _judge_envelope_calibration(records: Sequence[Record], evidence: Mapping[str
                     "a rung-2 producer without a draft, which may be declared non-deterministic" if rung == 2 and not draft
                     else f"rung {rung}{' with a draft' if draft else ''} is bit-exact: its producer cannot be declared "
                          "non-deterministic")
-    cells, cell_problems = calibration_cells(evidence, records)
-    bounds = derive_bounds(cells)
-    judgement.check("calibration cells", not cell_problems and bounds is not None,
-                    f"{len(cells)} cells measured" if not cell_problems and bounds is not None
-                    else "; ".join(cell_problems) or f"{len(cells)} cells: the rule needs at least 2",
-                    reasons=cell_problems)
+    cells, bounds = _check_cells(judgement, evidence, records)
     fixture = [r for r in fixture_records(evidence, records) if not r.get("error")]
     teacher_forced = None
     forced_note = ""
     if fixture and not keeps_tokens(fixture):
-        teacher_forced = derive_teacher_forced_bounds(cells)
-        judgement.check("teacher-forced rule", teacher_forced is not None,
-                        f"the fixture parts from the cold recompute: rule {TEACHER_FORCED_BOUND_RULE} derived"
-                        if teacher_forced is not None else
-                        f"the fixture parts from the cold recompute, and rule {TEACHER_FORCED_BOUND_RULE} needs at "
-                        f"least 2 cells with their teacher-forced rows recorded")
-        if teacher_forced is not None:
-            forced_note = _anchors_under(fixture, teacher_forced, what="envelope handoff")
+        teacher_forced, forced_note = _teacher_forced_rule(judgement, cells, fixture, what="envelope handoff")
     entries, entry_problems = envelope_handoffs(evidence)
     missing = [f"envelope handoff {repetition}: no series recorded (the comparer computed no per-tensor KV series)"
                for repetition, _ in entries if repetition not in series]
@@ -534,14 +540,7 @@ def _judge_envelope_calibration(records: Sequence[Record], evidence: Mapping[str
                     f"rule {FIXTURE_ENVELOPE_RULE} stated from {envelope.handoffs} envelope handoffs over "
                     f"{envelope.starts} producer starts (k {'/'.join(repr(k) for k in envelope.multipliers)})"
                     if envelope is not None else "; ".join(problems), reasons=problems)
-    if teacher_forced is not None:
-        gives = (f"the lane parts from the cold recompute, so rule {TEACHER_FORCED_BOUND_RULE} gives "
-                 f"maximum_absolute {teacher_forced.maximum_absolute!r}, maximum_mean_absolute (per row) "
-                 f"{teacher_forced.maximum_mean_absolute!r}, near_tie_margin {teacher_forced.near_tie_margin!r}, "
-                 f"maximum_changed_row_share {teacher_forced.maximum_changed_row_share!r}")
-    else:
-        gives = (f"rule {BOUND_RULE} gives maximum_absolute {None if bounds is None else bounds.maximum_absolute!r}, "
-                 f"maximum_mean_absolute {None if bounds is None else bounds.maximum_mean_absolute!r}")
+    gives = _rule_gives(bounds, teacher_forced)
     stated = (f"; rule {FIXTURE_ENVELOPE_RULE} states the fixture envelope from {envelope.handoffs} envelope handoffs "
               f"over {envelope.starts} producer starts (k {'/'.join(repr(k) for k in envelope.multipliers)}); no "
               f"anchor: the producer is declared non-deterministic" if envelope is not None else "")
