@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qualify.contract.rules import FIXTURE_ENVELOPE_RULE, FIXTURE_ENVELOPE_RULE_STATEMENT
+from qualify.contract.rules import FIXTURE_ENVELOPE_RULE, FIXTURE_ENVELOPE_RULE_STATEMENT, TEACHER_FORCED_BOUND_RULE
 from qualify.judge.calibration import (
     ENVELOPE_PART,
     anchor_records,
@@ -18,7 +18,7 @@ from qualify.judge.calibration import (
     producer_starts,
 )
 from qualify.judge.envelope import HandoffSeries, derive_fixture_envelope
-from tests.unit.judge.test_calibration_rules import CELLS, evidence, parted, record
+from tests.unit.judge.test_calibration_rules import ANCHORS, CELLS, evidence, parted, record
 from tests.unit.judge.test_envelope import series
 
 
@@ -131,3 +131,70 @@ def test_a_failed_envelope_handoff_fails_the_calibration() -> None:
     result = judged(document, records, by_repetition)
     assert {check.name for check in result.verdict.checks if not check.passed} == {"handoffs", "fixture envelope"}
 
+
+
+def test_one_producer_start_is_no_restart() -> None:
+    document, records, by_repetition = calibration()
+    for entry in document["handoffs"]:
+        entry["producer_start"] = 1
+    document["fixture_envelope"]["producer_starts"] = 1
+    result = judged(document, records, by_repetition, restarts_minimum=1)
+    assert "producer restarts" in [check.name for check in result.verdict.checks if not check.passed]
+
+
+def test_a_calibration_that_keeps_tokens_says_so_and_one_that_parts_does_not() -> None:
+    document, records, by_repetition = calibration()
+    assert judged(document, records, by_repetition).anchor_tokens_exact is True
+    cells = [parted(1, 1.0, 0.1, [(5, 0.5)]), parted(2, 1.5, 0.2, [(3, 0.5)]), parted(3, 1.25, 0.15, [(9, 0.25)])]
+    fixture = [parted(4, 40.0, 0.1, [(7, 0.25)])] + [parted(5 + index, 1.0, 0.1, [(7, 0.25)]) for index in range(3)]
+    result = judged(document, cells + fixture, by_repetition)
+    assert result.anchor_tokens_exact is False and result.teacher_forced is not None
+    # The headline gives the teacher-forced rule's numbers and names the envelope handoff outside them.
+    assert TEACHER_FORCED_BOUND_RULE in result.verdict.headline
+    assert "envelope handoff 4:" in result.verdict.headline and "anchor 4" not in result.verdict.headline
+
+
+def test_each_missing_series_is_a_reason_of_its_own() -> None:
+    document, records, by_repetition = calibration()
+    del by_repetition[5], by_repetition[6]
+    result = judged(document, records, by_repetition)
+    missing = [reason for reason in result.verdict.reasons if "no series recorded" in reason]
+    assert len(missing) == 2
+    failed = next(check for check in result.verdict.checks if check.name == "fixture envelope")
+    assert failed.detail == "; ".join(missing)
+
+
+def test_a_draft_lane_is_refused_as_one_with_a_draft() -> None:
+    document, records, by_repetition = calibration()
+    detail = {options: next(check.detail for check in judged(document, records, by_repetition, **dict([options])
+                                                               ).verdict.checks if not check.passed)
+              for options in (("draft", True), ("rung", 3))}
+    assert "with a draft" in detail[("draft", True)] and "with a draft" not in detail[("rung", 3)]
+
+
+def test_envelope_entries_count_from_start_one_and_a_malformed_one_is_passed_over() -> None:
+    assert envelope_handoffs(envelope_evidence([1, 1, 2, 2])) == ([(4, 1), (5, 1), (6, 2), (7, 2)], [])
+    document = envelope_evidence([0, 4, 5, 5])
+    found, problems = envelope_handoffs(document)
+    assert found == [(5, 4), (6, 5), (7, 5)] and any("malformed" in problem for problem in problems)
+    assert envelope_handoffs([]) == ([], ["calibration evidence: fixture_envelope missing or not an object"])  # type: ignore[arg-type]
+
+
+def test_a_deterministic_calibrations_fixture_is_its_anchors() -> None:
+    document = evidence(CELLS + ANCHORS)
+    records = [record(index + 1, 1.0, 0.05) for index in range(5)]
+    assert fixture_records(document, records) == records[3:]
+    document["handoffs"][3]["repetition"] = "4"
+    assert fixture_records(document, records) == records[4:]  # an entry whose repetition is no number counts not
+    for entry in document["handoffs"]:
+        entry["producer_start"] = 1
+    assert producer_starts(document) == 5  # one per handoff unless a fixture envelope shares them
+
+
+def test_a_parting_fixture_whose_cells_give_no_teacher_forced_rule_adds_no_note() -> None:
+    document, records, by_repetition = calibration()
+    fixture = [parted(4 + index, 1.0, 0.1, [(7, 0.25)]) for index in range(4)]
+    result = judged(document, records[:3] + fixture, by_repetition)  # the cells recorded no teacher-forced rows
+    assert result.teacher_forced is None
+    assert "teacher-forced rule" in [check.name for check in result.verdict.checks if not check.passed]
+    assert result.verdict.headline.endswith("no anchor: the producer is declared non-deterministic")

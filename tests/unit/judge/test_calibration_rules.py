@@ -279,6 +279,7 @@ def test_a_decisive_anchor_parting_is_published_in_the_headline_and_fails_nothin
     assert result.verdict.passed and result.teacher_forced is not None
     assert "OUTSIDE the derived teacher-forced rule" in result.verdict.headline
     assert "decisive parting at step 7" in result.verdict.headline
+    assert "anchor 3:" in result.verdict.headline  # the note names each fixture handoff as an anchor
     within = judged(cells + [parted(3, 2.5, 0.35, [(7, 0.3)]), parted(4, 2.5, 0.35, [(7, 0.3)])], document)
     assert "within the derived teacher-forced rule" in within.verdict.headline
 

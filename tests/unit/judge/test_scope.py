@@ -22,6 +22,7 @@ from qualify.judge import Verdict
 from qualify.judge.scope import (
     ControlsOutcome,
     DocumentOutcome,
+    EnvelopeScope,
     Scope,
     controls_words,
     fixture_words,
@@ -212,6 +213,10 @@ def controls(**changes: Any) -> ControlsOutcome:
     (lambda: Scope("x" * 129, 3, 2048, 256, None), "fixture 'xxx"),
     (lambda: Scope("", 3, 2048, 256, None), "fixture ''"),
     (lambda: Scope("python-textwrap", 3, 2048, 256, "e2"), "controls str"),  # type: ignore[arg-type]
+    (lambda: Scope("python-textwrap", 3, 2048, 256, None, calibrated_on="receipts/r"),
+     "calibrated on 'receipts/r', expected receipt://"),
+    (lambda: Scope("python-textwrap", 3, 2048, 256, None, envelope="fixture-envelope"),  # type: ignore[arg-type]
+     "envelope str, expected an EnvelopeScope"),
     (lambda: controls(lengths=()), "lengths (), expected a non-empty tuple"),
     (lambda: controls(lengths=(1024, 512)), "expected increasing lengths"),
     (lambda: controls(lengths=(512, 512)), "expected increasing lengths"),
@@ -255,3 +260,11 @@ def test_a_scope_calibrated_on_a_receipt_names_it_in_its_fixture_half_and_its_re
 def test_a_scope_refuses_a_calibration_that_is_not_a_receipt(calibrated_on):
     with pytest.raises(ValueError):
         dataclasses.replace(SCOPE, calibrated_on=calibrated_on)
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_the_json_form_carries_the_envelope_a_scope_was_held_to(passed: bool) -> None:
+    held = dataclasses.replace(SCOPE, envelope=EnvelopeScope("fixture-envelope-loo-range.v1", 8, 2))
+    assert scope_document(held, passed)["envelope"] == {
+        "rule": "fixture-envelope-loo-range.v1", "handoffs": 8, "producer_starts": 2}
+    assert scope_document(SCOPE, passed)["envelope"] is None
