@@ -310,11 +310,17 @@ def derive_acceptance_floor(proposed: int, accepted: int) -> float:
     return wilson_interval(accepted, proposed, sides=1)[0]  # at the default confidence, 0.95
 
 
-def _rule_stated(evidence: Mapping[str, Any]) -> list[str]:
+def _rule_problem(evidence: Mapping[str, Any]) -> str | None:
+    """Why the evidence does not state :data:`BOUND_RULE` as written (None: it does)."""
     rule = evidence.get("rule") if isinstance(evidence, Mapping) else None
     if not isinstance(rule, Mapping) or rule.get("name") != BOUND_RULE or rule.get("statement") != BOUND_RULE_STATEMENT:
-        return [f"calibration evidence: rule: found {one_line(repr(rule))[:120]}, expected {BOUND_RULE} as stated"]
-    return []
+        return f"calibration evidence: rule: found {one_line(repr(rule))[:120]}, expected {BOUND_RULE} as stated"
+    return None
+
+
+def _check_rule_stated(judgement: _Judgement, evidence: Mapping[str, Any]) -> None:
+    problem = _rule_problem(evidence)
+    judgement.check("rule stated", problem is None, problem or f"rule {BOUND_RULE}")
 
 
 def bound_problems(evidence: Mapping[str, Any], records: Sequence[Record], *,
@@ -324,7 +330,8 @@ def bound_problems(evidence: Mapping[str, Any], records: Sequence[Record], *,
     ``maximum_*`` None is a rung-3 rule (bit-exact: every cell must show zero drift);
     ``acceptance_floor`` None declares no draft; ``teacher_forced`` is a teacher-forced identity's
     four numbers (then ``maximum_*`` are ignored: they are two of the four)."""
-    problems = _rule_stated(evidence)
+    problem = _rule_problem(evidence)
+    problems = [] if problem is None else [problem]
     cells, cell_problems = calibration_cells(evidence, records)
     problems += cell_problems
     derived = derive_bounds(cells)
@@ -408,7 +415,7 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
     restarts = max(len(handoffs) - 1, 0)
     judgement.check("producer restarts", restarts >= restarts_minimum,
                     f"{restarts} producer restarts (at least {restarts_minimum})")
-    judgement.check("rule stated", not _rule_stated(evidence), "; ".join(_rule_stated(evidence)) or f"rule {BOUND_RULE}")
+    _check_rule_stated(judgement, evidence)
     cells, bounds = _check_cells(judgement, evidence, records)
     if rung == 3 and cells:
         drifting = [f"{c.document}@{c.prompt_tokens}" for c in cells if c.max_abs != 0.0 or c.mean_abs != 0.0]
@@ -418,9 +425,8 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
     anchor_ok = [r for r in anchors if not r.get("error")]
     anchor_tokens_exact = bool(anchor_ok) and all(_finite(r.get("token_agreement_rate")) == 1.0 for r in anchor_ok)
     teacher_forced = None
-    forced_note = ""
     if rung == 2 and anchor_ok and not keeps_tokens(anchor_ok):
-        teacher_forced, forced_note = _teacher_forced_rule(judgement, cells, anchor_ok)
+        teacher_forced = _teacher_forced_rule(judgement, cells)
     else:
         judgement.check("anchor tokens exact", anchor_tokens_exact,
                         "the fixture's greedy tokens exact in every anchor handoff" if anchor_tokens_exact
@@ -447,7 +453,7 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
                         f"{'within' if within else 'OUTSIDE'} the derived bounds")
     gives = _rule_gives(bounds, teacher_forced)
     if teacher_forced is not None:
-        fixture_note = forced_note
+        fixture_note = _anchors_under(anchor_ok, teacher_forced, "anchor")
     headline = (f"calibration of {lane}: {len(cells)} cells over {len({c.document for c in cells})} documents, "
                 f"{len(anchor_ok)} fixture anchors, {restarts} producer restarts; {gives}"
                 + (f"; acceptance floor {floor!r} by {FLOOR_RULE}" if floor is not None else "") + fixture_note)
@@ -457,17 +463,15 @@ def judge_calibration(records: Sequence[Record], evidence: Mapping[str, Any], *,
                                 teacher_forced)
 
 
-def _teacher_forced_rule(judgement: _Judgement, cells: Sequence[CellDrift], fixture: Sequence[Mapping[str, Any]],
-                         what: str = "anchor") -> tuple[TeacherForcedBounds | None, str]:
-    """The fixture parts from the cold recompute: the teacher-forced rule the cells give (checked),
-    and the note of the fixture's handoffs judged by it."""
+def _teacher_forced_rule(judgement: _Judgement, cells: Sequence[CellDrift]) -> TeacherForcedBounds | None:
+    """The fixture parts from the cold recompute: the teacher-forced rule the cells give (checked)."""
     teacher_forced = derive_teacher_forced_bounds(cells)
     judgement.check("teacher-forced rule", teacher_forced is not None,
                     f"the fixture parts from the cold recompute: rule {TEACHER_FORCED_BOUND_RULE} derived"
                     if teacher_forced is not None else
                     f"the fixture parts from the cold recompute, and rule {TEACHER_FORCED_BOUND_RULE} needs at "
                     f"least 2 cells with their teacher-forced rows recorded")
-    return teacher_forced, "" if teacher_forced is None else _anchors_under(fixture, teacher_forced, what=what)
+    return teacher_forced
 
 
 def _rule_gives(bounds: DerivedBounds | None, teacher_forced: TeacherForcedBounds | None) -> str:
@@ -514,17 +518,15 @@ def _judge_envelope_calibration(records: Sequence[Record], evidence: Mapping[str
     restarts = max(producer_starts(evidence) - 1, 0)
     judgement.check("producer restarts", restarts >= restarts_minimum,
                     f"{restarts} producer restarts (at least {restarts_minimum})")
-    judgement.check("rule stated", not _rule_stated(evidence), "; ".join(_rule_stated(evidence)) or f"rule {BOUND_RULE}")
+    _check_rule_stated(judgement, evidence)
     judgement.check("non-deterministic declaration", rung == 2 and not draft,
                     "a rung-2 producer without a draft, which may be declared non-deterministic" if rung == 2 and not draft
                     else f"rung {rung}{' with a draft' if draft else ''} is bit-exact: its producer cannot be declared "
                          "non-deterministic")
     cells, bounds = _check_cells(judgement, evidence, records)
     fixture = [r for r in fixture_records(evidence, records) if not r.get("error")]
-    teacher_forced = None
-    forced_note = ""
-    if fixture and not keeps_tokens(fixture):
-        teacher_forced, forced_note = _teacher_forced_rule(judgement, cells, fixture, what="envelope handoff")
+    teacher_forced = _teacher_forced_rule(judgement, cells) if fixture and not keeps_tokens(fixture) else None
+    forced_note = "" if teacher_forced is None else _anchors_under(fixture, teacher_forced, "envelope handoff")
     entries, entry_problems = envelope_handoffs(evidence)
     missing = [f"envelope handoff {repetition}: no series recorded (the comparer computed no per-tensor KV series)"
                for repetition, _ in entries if repetition not in series]
@@ -552,7 +554,7 @@ def _judge_envelope_calibration(records: Sequence[Record], evidence: Mapping[str
                                 verdict, teacher_forced, envelope)
 
 
-def _anchors_under(anchors: Sequence[Mapping[str, Any]], bounds: TeacherForcedBounds, what: str = "anchor") -> str:
+def _anchors_under(anchors: Sequence[Mapping[str, Any]], bounds: TeacherForcedBounds, what: str) -> str:
     """The fixture anchors judged by the rule the cells give, as a note for the headline: like the
     exact-token rule's fixture note, it fails nothing here (the anchor sets no number; a
     qualification judges the fixture, and publishes what it finds)."""

@@ -79,13 +79,13 @@ def leave_one_out_exceedance(columns: Sequence[Sequence[float]]) -> float:
     an unseen honest run may step past the envelope's data, measured on the data."""
     largest = 0.0
     for values in zip(*columns, strict=True):
+        # Only the largest value can rise above the others' largest; the others are then every
+        # value but it, whose largest is the second and whose smallest is the first in order.
         ordered = sorted(values)
-        for value in values:
-            others_max = ordered[-2] if value == ordered[-1] else ordered[-1]
-            others_min = ordered[1] if value == ordered[0] else ordered[0]
-            spread = others_max - others_min
-            if spread > 0 and value > others_max:
-                largest = max(largest, (value - others_max) / spread)
+        *_, others_max, top = ordered
+        spread = others_max - ordered[0]
+        if spread > 0 and top > others_max:
+            largest = max(largest, (top - others_max) / spread)
     return largest
 
 

@@ -194,6 +194,7 @@ def judge_handoff_cases() -> list[Case]:
         judge_sample,
         judge_summary,
     )
+    from qualify.judge.handoffs import judge_teacher_forced_rows
     from qualify.judge.scope import Scope
     from tests.unit.judge.test_judge import RULE2, RULE3, rung2_record, rung3_record
 
@@ -313,6 +314,9 @@ def judge_handoff_cases() -> list[Case]:
         # ---- a judge given another rung's rule
         Case("judge_rung2_sample given a bit-exact rule", refused(judge_rung2_sample, rung2_record(), RULE3)),
         Case("judge_rung3_sample given a bounded-drift rule", refused(judge_rung3_sample, rung2_record(), RULE2)),
+        Case("judge_teacher_forced_rows given a bit-exact rule", refused(judge_teacher_forced_rows, rung2_record(), RULE3)),
+        Case("a sample of another schema", judged(judge_rung2_sample, rung2_record() | {"schema": "trust-ladder.sample.v0"},
+                                                  RULE2)),
         # ---- the summary over repetitions
         Case("summary: three passing repetitions", judged(judge_summary, three, RULE2)),
         Case("summary: one repetition, as its rule asks",
@@ -405,9 +409,16 @@ def judge_handoff_cases() -> list[Case]:
 
 
 def judge_scope_cases() -> list[Case]:
-    from qualify.judge.scope import DocumentOutcome
+    from qualify.judge.scope import DocumentOutcome, Scope, length_ranges
 
-    return [Case("a control document named with a space", refused(DocumentOutcome, "no spaces", ()))]
+    grid = (512, 1024, 2048, 4096, 8192)
+    return [
+        Case("a control document named with a space", refused(DocumentOutcome, "no spaces", ())),
+        Case("service conditions the scope does not know",
+             refused(Scope, "python-textwrap", 3, 2048, 256, None, service_conditions="rush-hour")),
+        Case("lengths in three runs of the grid", lambda _workspace: length_ranges((512, 2048, 8192), grid)),
+        Case("lengths in two runs of the grid", lambda _workspace: length_ranges((512, 1024, 4096, 8192), grid)),
+    ]
 
 
 def judge_service_cases() -> list[Case]:
@@ -700,6 +711,9 @@ def judge_calibration_cases() -> list[Case]:
         Case("calibration: the fixture parts decisively (teacher-forced)", judged_calibration(
             [parted(1, 2.0, 0.3, [(5, 0.2)]), parted(2, 3.0, 0.4, [(9, 0.4)]),
              parted(3, 2.5, 0.35, [(7, 3.0)]), parted(4, 2.5, 0.35, [(7, 3.0)])], evidence(CELLS[:2] + ANCHORS))),
+        Case("calibration: each anchor parts decisively and over the row bound (teacher-forced)", judged_calibration(
+            [parted(1, 2.0, 0.3, [(5, 0.2)]), parted(2, 3.0, 0.4, [(9, 0.4)]),
+             parted(3, 9.0, 0.35, [(7, 3.0)]), parted(4, 9.0, 0.35, [(7, 3.0)])], evidence(CELLS[:2] + ANCHORS))),
         Case("sealed numbers, teacher-forced: a near-tie margin one ULP over", tf_one_ulp_over),
         *calibration_envelope_cases(),
     ]
@@ -726,8 +740,16 @@ def calibration_envelope_cases() -> list[Case]:
         document["fixture_envelope"]["handoffs"] = 8
         return envelope_calibrated(document, records, by_repetition).verdict
 
+    def long_entry_and_rule(_workspace: Workspace) -> Verdict:
+        document, records, by_repetition = calibration()
+        document["handoffs"][3]["producer_start"] = "start " + "s" * 200
+        document["fixture_envelope"]["rule"] = {"name": "r" * 200}
+        return envelope_calibrated(document, records, by_repetition).verdict
+
     return [
         Case("non-deterministic calibration: the envelope stated", stated()),
+        Case("non-deterministic calibration: a malformed entry and a rule, each longer than 120 characters",
+             long_entry_and_rule),
         Case("non-deterministic calibration: an envelope handoff without its series", without_series),
         Case("non-deterministic calibration: one producer start", one_start),
         Case("non-deterministic calibration: a declaration its entries do not show", miscounted),

@@ -186,6 +186,7 @@ def test_a_deterministic_calibrations_fixture_is_its_anchors() -> None:
     assert fixture_records(document, records) == records[3:]
     document["handoffs"][3]["repetition"] = "4"
     assert fixture_records(document, records) == records[4:]  # an entry whose repetition is no number counts not
+    assert fixture_records(document, records[:4]) == []  # nor one whose sample is missing
     for entry in document["handoffs"]:
         entry["producer_start"] = 1
     assert producer_starts(document) == 5  # one per handoff unless a fixture envelope shares them

@@ -25,6 +25,7 @@ from qualify.judge.calibration import (
     cell_table,
     derive_acceptance_floor,
     derive_bounds,
+    derive_teacher_forced_bounds,
     judge_calibration,
 )
 
@@ -253,6 +254,19 @@ def test_a_parted_cell_counts_its_drift_and_the_fixture_parting_makes_the_lane_t
     result = judged(records, document)
     assert not result.verdict.passed and not result.anchor_tokens_exact and result.teacher_forced is None
     assert [c.name for c in result.verdict.checks if not c.passed] == ["teacher-forced rule"]
+
+
+@pytest.mark.parametrize("output_tokens", [0, -256, "256", 256.0, True, None])
+def test_a_cell_without_a_whole_positive_output_length_gives_no_parted_share(output_tokens: object) -> None:
+    """The parted share is partings over the decoded rows: a cell whose sample records no whole,
+    positive count of them has no share, and the teacher-forced rule then derives nothing."""
+    document, _ = calibrated([1.0, 1.5], [0.05, 0.07])
+    cells = [parted(1, 2.0, 0.3, [(5, 0.2)]), parted(2, 3.0, 0.4, [(9, 0.4)])]
+    assert derive_teacher_forced_bounds(calibration_cells(document, cells)[0]) is not None
+    cells[1]["output_tokens"] = output_tokens
+    found, problems = calibration_cells(document, cells)
+    assert problems == [] and found[1].output_tokens is None and found[1].teacher_forced_values is None
+    assert derive_teacher_forced_bounds(found) is None
 
 
 def test_a_lane_that_parts_at_near_ties_is_calibrated_teacher_forced() -> None:

@@ -332,3 +332,10 @@ def test_a_non_deterministic_qualification_rechecks_no_anchor() -> None:
     assert verdict.passed and not any(check.name.endswith("as anchored") for check in verdict.checks)
     deterministic = judge_qualification(records, RULE2, anchors, deterministic_producer=True)
     assert not deterministic.passed and any(check.name.endswith("as anchored") for check in deterministic.checks)
+
+
+def test_the_leave_one_out_step_refuses_handoffs_of_different_lengths() -> None:
+    # derive_fixture_envelope refuses such series first; the step itself never pairs a value with
+    # another handoff's neighbour either.
+    with pytest.raises(ValueError, match="zip"):
+        leave_one_out_exceedance([[1.0, 2.0], [1.0, 2.0], [1.0]])

@@ -447,6 +447,13 @@ def test_rung3_refuses_each_omitted_field(field):
     assert not verdict.passed and f"sample omits {field}" in verdict.reasons
 
 
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_rung3_refuses_a_row_digest_flag_that_is_not_true_or_false(value):
+    """A flag the judge cannot read as true or false is invalid evidence, never truthy."""
+    verdict = judge_rung3_sample(rung3_record(logit_row_digests_equal=value), RULE3)
+    assert not verdict.passed and any("logit_row_digests_equal" in reason for reason in verdict.reasons)
+
+
 def test_rung3_requires_the_mismatch_row_key_to_be_present():
     record = rung3_record()
     del record["first_logit_digest_mismatch_row"]

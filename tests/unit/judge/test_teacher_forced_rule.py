@@ -137,6 +137,9 @@ def test_a_teacher_forced_row_max_over_the_bound_fails() -> None:
     verdict = judge_rung2_sample(parted_sample(row_max=over, first_row_over_rule=40), RULE_TF)
     assert not verdict.passed and failed_checks(verdict) == ["teacher-forced drift"]
     assert "first row over the rule 40" in verdict.reasons[0]
+    for unread in ("40", 40.0, True):  # a row is a whole number: anything else names none
+        verdict = judge_rung2_sample(parted_sample(row_max=over, first_row_over_rule=unread), RULE_TF)
+        assert failed_checks(verdict) == ["teacher-forced drift"] and "first row over" not in verdict.reasons[0]
 
 
 def test_a_row_mean_over_the_bound_fails_though_the_block_mean_is_under() -> None:
@@ -527,6 +530,8 @@ def test_the_rows_clauses_alone_need_a_teacher_forced_rule_and_the_samples_own_t
         assert not verdict.passed and [c.name for c in verdict.checks if not c.passed][0] == "output tokens"
     assert judge_teacher_forced_rows(parted_sample(), RULE_TF).headline == "passed: teacher-forced: 2 partings, each a near-tie"
     assert judge_teacher_forced_rows(exact_sample(), RULE_TF).headline == "passed: teacher-forced: tokens exact"
+    one_row = judge_teacher_forced_rows(exact_sample() | {"output_tokens": 1}, RULE_TF)  # one decoded row is enough
+    assert one_row.headline == "passed: teacher-forced: tokens exact"
     crowded = parted_sample(partings=[(row, 0.25) for row in range(9)])  # 9 of 256: over the 8-row ceiling
     verdict = judge_teacher_forced_rows(crowded, RULE_TF)
     assert not verdict.passed and [c.name for c in verdict.checks if not c.passed] == ["parted rows"]
