@@ -80,11 +80,12 @@ def leave_one_out_exceedance(columns: Sequence[Sequence[float]]) -> float:
     largest = 0.0
     for values in zip(*columns, strict=True):
         # Only the largest value can rise above the others' largest; the others are then every
-        # value but it, whose largest is the second and whose smallest is the first in order.
+        # value but it, whose largest is the second and whose smallest is the first in order. A
+        # largest value equal to the second rose by 0.
         ordered = sorted(values)
         *_, others_max, top = ordered
         spread = others_max - ordered[0]
-        if spread > 0 and top > others_max:
+        if spread > 0:
             largest = max(largest, (top - others_max) / spread)
     return largest
 
