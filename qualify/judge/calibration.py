@@ -319,6 +319,7 @@ def _rule_problem(evidence: Mapping[str, Any]) -> str | None:
 
 
 def _check_rule_stated(judgement: _Judgement, evidence: Mapping[str, Any]) -> None:
+    """The "rule stated" check of a calibration: its evidence names :data:`BOUND_RULE` as written."""
     problem = _rule_problem(evidence)
     judgement.check("rule stated", problem is None, problem or f"rule {BOUND_RULE}")
 

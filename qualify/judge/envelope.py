@@ -197,10 +197,9 @@ def judge_envelope(series: Sequence[HandoffSeries], envelope: FixtureEnvelope, *
             if len(values) != len(ceilings):
                 problems.append(f"handoff {handoff}: {len(values)} {name} values, the envelope has {len(ceilings)}")
                 continue
-            outside = [i for i, (value, ceiling) in enumerate(zip(values, ceilings, strict=True))
-                       if not value <= ceiling]  # NaN compares false: outside
-            nearest = max([nearest] + [value / ceiling for value, ceiling in zip(values, ceilings, strict=True)
-                                       if 0 < ceiling and value <= ceiling])
+            pairs = list(zip(values, ceilings, strict=True))
+            outside = [i for i, (value, ceiling) in enumerate(pairs) if not value <= ceiling]  # NaN: outside
+            nearest = max([nearest] + [value / ceiling for value, ceiling in pairs if 0 < ceiling and value <= ceiling])
             if outside:
                 first = outside[0]
                 problems.append(f"handoff {handoff}: {words} outside the fixture envelope at {len(outside)} of "
