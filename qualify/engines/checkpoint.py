@@ -1,7 +1,8 @@
 """Load a Hugging Face Llama checkpoint (``config.json`` + ``model.safetensors``), failing closed.
 
 Only what the reference engine implements is accepted: ``LlamaForCausalLM`` (Llama 2 and 3.x:
-RoPE plain, ``linear`` or ``llama3``-scaled; tied or untied ``lm_head``; no biases) and
+RoPE plain, ``linear`` or ``llama3``-scaled; tied or untied ``lm_head``; no biases),
+``MistralForCausalLM`` (the same arithmetic, without sliding-window attention) and
 ``Qwen2ForCausalLM`` (Qwen2 and 2.5: Q/K/V biases, tied or untied head, no sliding window), with
 SiLU. Weights are upcast to float32 exactly (float16 -> float32 is
 lossless) and refused if any value is not finite. Every refusal is one line naming file and field.
@@ -26,7 +27,7 @@ WEIGHTS_FILE = "model.safetensors"
 ACCEPTED_WEIGHT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 """The Hugging Face architectures the engines implement, and their ``model_type``."""
 
 
@@ -168,6 +169,10 @@ def load_config(model_dir: Path) -> LlamaConfig:
     if architecture == "qwen2" and config.get("use_sliding_window", False) is not False:
         raise _refuse(path, "use_sliding_window", f"expected false (sliding-window attention is not implemented), "
                                                   f"found {config['use_sliding_window']!r}")
+    # A Mistral without a window is a Llama (Hugging Face's MistralAttention differs only there).
+    if architecture == "mistral" and config.get("sliding_window") is not None:
+        raise _refuse(path, "sliding_window", f"expected null (sliding-window attention is not implemented), "
+                                              f"found {config['sliding_window']!r}")
     if "hidden_act" not in config:
         raise _refuse(path, "hidden_act", "missing; expected 'silu'")
     if config["hidden_act"] != "silu":
@@ -176,7 +181,7 @@ def load_config(model_dir: Path) -> LlamaConfig:
         raise _refuse(path, "tie_word_embeddings", "missing; expected true or false")
     if not isinstance(config["tie_word_embeddings"], bool):
         raise _refuse(path, "tie_word_embeddings", f"expected true or false, found {config['tie_word_embeddings']!r}")
-    for key in ("attention_bias", "mlp_bias") if architecture == "llama" else ("mlp_bias",):
+    for key in ("mlp_bias",) if architecture == "qwen2" else ("attention_bias", "mlp_bias"):
         # Absent means false in Hugging Face's LlamaConfig; anything but false is unimplemented.
         if config.get(key, False) is not False:
             raise _refuse(path, key, f"expected false (no biases), found {config[key]!r}")
@@ -185,9 +190,9 @@ def load_config(model_dir: Path) -> LlamaConfig:
     hidden = _positive_int(config, "hidden_size", path)
     heads = _positive_int(config, "num_attention_heads", path)
     kv_heads = _positive_int(config, "num_key_value_heads", path)
-    # Qwen2 configs leave head_dim to the division, as Hugging Face's Qwen2 model does.
-    head_dim = (hidden // heads if architecture == "qwen2" and config.get("head_dim") is None
-                else _positive_int(config, "head_dim", path))
+    # Absent or null, head_dim is hidden_size // num_attention_heads, as in Hugging Face's configs
+    # (Llama 3.x and Qwen2.5 checkpoints on the Hub leave it out; Mistral Nemo sets another).
+    head_dim = hidden // heads if config.get("head_dim") is None else _positive_int(config, "head_dim", path)
     intermediate = _positive_int(config, "intermediate_size", path)
     vocab = _positive_int(config, "vocab_size", path)
     max_positions = _positive_int(config, "max_position_embeddings", path)

@@ -25,7 +25,7 @@ from qualify.contract.lanes import ProducerMode
 from qualify.core import model_choice
 from qualify.core.errors import Refused
 from qualify.core.model_choice import ModelChoice
-from qualify.engines.checkpoint import LlamaConfig, RopeScaling
+from qualify.engines.checkpoint import ARCHITECTURES, LlamaConfig, RopeScaling
 from qualify.engines.kquant import KQuantConfig, KQuantEngine, KQuantModel, KQuantWeights, Q8Matrix
 from qualify.engines.model_source import PUBLISHED_MODELS, LoadedModel, load_model, resolve_model
 from qualify.engines.nvfp4 import (
@@ -214,7 +214,7 @@ def hf_float32_sha256() -> tuple[str, int]:
 
 def hf_config_document(config: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` of a float32 Hugging Face directory of ``config``'s model: a Llama
-    (its RoPE scaling as Hugging Face writes it) or a Qwen2 (no sliding window), tied or not."""
+    (its RoPE scaling as Hugging Face writes it), a Mistral or a Qwen2 (no sliding window), tied or not."""
     geometry = config.geometry
     scaling = config.rope_scaling
     rope_scaling = None if scaling is None else (
@@ -222,7 +222,7 @@ def hf_config_document(config: LlamaConfig) -> dict[str, Any]:
         {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
          "high_freq_factor": scaling.high_freq_factor,
          "original_max_position_embeddings": scaling.original_max_position_embeddings})
-    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.architecture]
+    architecture = {value: key for key, value in ARCHITECTURES.items()}[config.architecture]
     document: dict[str, Any] = {
         "architectures": [architecture], "model_type": config.architecture, "vocab_size": geometry.vocab,
         "hidden_size": geometry.hidden, "intermediate_size": config.intermediate,
@@ -234,6 +234,8 @@ def hf_config_document(config: LlamaConfig) -> dict[str, Any]:
     }
     if config.architecture == "llama":
         document.update(attention_bias=False, mlp_bias=False)
+    elif config.architecture == "mistral":
+        document.update(sliding_window=None)
     else:
         document.update(use_sliding_window=False, sliding_window=None, max_window_layers=geometry.layers)
     return document

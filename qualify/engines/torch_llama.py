@@ -1,20 +1,23 @@
 """A compact torch Llama, top to bottom in one file, with a static KV cache and a CUDA-graph decode.
 
 The same model as :mod:`qualify.engines.reference` (Hugging Face ``LlamaForCausalLM`` math:
-RMSNorm, RoPE in the rotate_half layout, grouped-query attention, SwiGLU), written the way Meta's
-reference ``model.py`` is, for the GPU. It exists so the harness can qualify a handoff at a real
-model shape (Llama-3 8B: 32 layers, hidden 4096, 32 heads, 8 KV heads, vocab 128256) in seconds:
+RMSNorm, RoPE in the rotate_half layout, grouped-query attention, SwiGLU; the Llama 3.x, Mistral
+and Qwen2.x variants the loader accepts: ``linear`` or ``llama3`` RoPE scaling, an untied head,
+Q/K/V biases), written the way Meta's reference ``model.py`` is, for the GPU. It exists so the
+harness can qualify a handoff at a real model shape (Llama-3 8B: 32 layers, hidden 4096, 32
+heads, 8 KV heads, vocab 128256) in seconds:
 
     x = embed[token]                                        # [T, hidden]
     for each layer:
-        q, k, v = split(Wqkv · RMSNorm(x))                  # one fused projection
+        q, k, v = split(Wqkv · RMSNorm(x) + bqkv)           # one fused projection (bias: Qwen2)
         q, k = RoPE(q), RoPE(k)                             # rotated in float32, cast back
         x = x + Wo · attention(q, K cache, V cache)         # GQA: query head h reads KV head h // group
         x = x + W2 · (silu(W1 m) * W3 m),  m = RMSNorm(x)   # one fused W1|W3 projection
     logits = Wout · RMSNorm(x)                              # [T, vocab], float32 accumulate and rows
 
-Weights come from the shipped checkpoint (``model/``; float16 stored, tied embeddings) or are
-drawn at a given shape from a seed with a ``torch.Generator`` on the device (deterministic for a
+Weights come from the shipped checkpoint (``model/``; float16 stored, tied embeddings), from any
+model ``--model`` loads (a Hugging Face directory or a GGUF file, :mod:`qualify.engines.model_source`),
+or are drawn at a given shape from a seed with a ``torch.Generator`` on the device (deterministic for a
 given device kind, seed and torch version). Q|K|V and W1|W3 are stored fused; the per-projection
 tensors Hugging Face names are row slices of them (:meth:`LlamaWeights.hf_state_dict`), so a
 ``transformers`` model can run on the very same weight storage.
@@ -56,7 +59,9 @@ from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache, check_kv_fits
 from qualify.engines.base import ENGINE_VERSION, DecodeResult, GreedyDecoder, ModelGeometry, check_decode_count, finished_decode
-from qualify.engines.checkpoint import load_config, load_weights
+from qualify.engines.checkpoint import RopeScaling
+from qualify.engines.model_source import load_model
+from qualify.engines.reference import scaled_inverse_frequencies
 
 # Bump whenever the numerics of this file change (op order, fusion, dtypes, attention): the abi is
 # part of a lane's cache identity, so KV of old arithmetic never aliases new arithmetic.
@@ -90,6 +95,8 @@ class LlamaShape:
     rope_theta: float
     rms_norm_eps: float
     tied_embeddings: bool
+    rope_scaling: RopeScaling | None = None  # Llama 3.x: linear or llama3 (scaled inverse frequencies)
+    qkv_bias: bool = False  # Qwen2: the fused Q|K|V projection carries a bias
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
@@ -107,9 +114,11 @@ class LlamaShape:
         if self.head_dim % 2:
             raise Refused(f"model shape head_dim: expected an even number (RoPE rotates pairs), "
                           f"found {self.head_dim}")
-        if not isinstance(self.tied_embeddings, bool):
-            raise Refused(f"model shape tied_embeddings: expected true or false, "
-                          f"found {self.tied_embeddings!r}")
+        for name in ("tied_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise Refused(f"model shape {name}: expected true or false, found {getattr(self, name)!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise Refused(f"model shape rope_scaling: expected none or a RopeScaling, found {self.rope_scaling!r}")
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -133,6 +142,7 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [hidden]
     w13: torch.Tensor  # [2 * intermediate, hidden]: gate (W1) rows, then up (W3)
     w2: torch.Tensor  # [hidden, intermediate]: down
+    bqkv: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim] Q|K|V bias (Qwen2), else None
 
 
 @dataclass
@@ -166,6 +176,10 @@ class LlamaWeights:
             state[prefix + "self_attn.q_proj.weight"] = layer.wqkv[:q_rows]
             state[prefix + "self_attn.k_proj.weight"] = layer.wqkv[q_rows:q_rows + kv_rows]
             state[prefix + "self_attn.v_proj.weight"] = layer.wqkv[q_rows + kv_rows:]
+            if layer.bqkv is not None:
+                state[prefix + "self_attn.q_proj.bias"] = layer.bqkv[:q_rows]
+                state[prefix + "self_attn.k_proj.bias"] = layer.bqkv[q_rows:q_rows + kv_rows]
+                state[prefix + "self_attn.v_proj.bias"] = layer.bqkv[q_rows + kv_rows:]
             state[prefix + "self_attn.o_proj.weight"] = layer.wo
             state[prefix + "post_attention_layernorm.weight"] = layer.mlp_norm
             state[prefix + "mlp.gate_proj.weight"] = layer.w13[:shape.intermediate]
@@ -223,7 +237,8 @@ def random_weights(shape: LlamaShape, *, seed: int, dtype: str = "bfloat16",
         layers = [LayerWeights(attention_norm=ones(), wqkv=normal(shape.qkv_width, shape.hidden),
                                wo=normal(shape.hidden, shape.heads * shape.head_dim), mlp_norm=ones(),
                                w13=normal(2 * shape.intermediate, shape.hidden),
-                               w2=normal(shape.hidden, shape.intermediate))
+                               w2=normal(shape.hidden, shape.intermediate),
+                               bqkv=normal(shape.qkv_width) if shape.qkv_bias else None)
                   for _ in range(shape.layers)]
         lm_head = embed if shape.tied_embeddings else normal(shape.vocab, shape.hidden)
         return LlamaWeights(shape, embed, layers, ones(), lm_head)
@@ -231,17 +246,19 @@ def random_weights(shape: LlamaShape, *, seed: int, dtype: str = "bfloat16",
 
 def checkpoint_weights(model_dir: Path = assets.MODEL_DIR, *, dtype: str = "float32",
                        device: str = "cpu") -> LlamaWeights:
-    """The checkpoint in ``model_dir`` (validated by :mod:`qualify.engines.checkpoint`: tied
-    embeddings, float16 or float32 stored), fused and cast to ``dtype`` on ``device``."""
+    """The model at ``model_dir`` (a Hugging Face directory or a GGUF file, loaded and validated
+    by :func:`qualify.engines.model_source.load_model` as ``--model`` loads it: float32, exact),
+    fused and cast to ``dtype`` on ``device``."""
     torch_dtype = check_dtype_device(dtype, device)
-    config = load_config(Path(model_dir))
-    stored = load_weights(Path(model_dir), config)  # float32 numpy, HF names, checked
+    loaded = load_model(Path(model_dir))
+    config, stored = loaded.config, loaded.weights  # float32 numpy, HF names, checked
     geometry = config.geometry
     shape = LlamaShape(layers=geometry.layers, hidden=geometry.hidden, heads=geometry.heads,
                        kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
                        intermediate=config.intermediate, vocab=geometry.vocab,
                        max_positions=geometry.max_positions, rope_theta=geometry.rope_theta,
-                       rms_norm_eps=config.rms_norm_eps, tied_embeddings=True)
+                       rms_norm_eps=config.rms_norm_eps, tied_embeddings=config.tied_head,
+                       rope_scaling=config.rope_scaling, qkv_bias=config.qkv_bias)
 
     def tensor(*names: str) -> torch.Tensor:
         joined = np.concatenate([stored[name] for name in names], axis=0)
@@ -257,9 +274,12 @@ def checkpoint_weights(model_dir: Path = assets.MODEL_DIR, *, dtype: str = "floa
             wo=tensor(p + "self_attn.o_proj.weight"),
             mlp_norm=tensor(p + "post_attention_layernorm.weight"),
             w13=tensor(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            w2=tensor(p + "mlp.down_proj.weight")))
+            w2=tensor(p + "mlp.down_proj.weight"),
+            bqkv=tensor(p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias")
+            if shape.qkv_bias else None))
     embed = tensor("model.embed_tokens.weight")
-    return LlamaWeights(shape, embed, layers, tensor("model.norm.weight"), embed)
+    lm_head = embed if shape.tied_embeddings else tensor("lm_head.weight")
+    return LlamaWeights(shape, embed, layers, tensor("model.norm.weight"), lm_head)
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,10 +293,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: int, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [positions, head_dim] float32, angles laid out [f, f] (HF rotate_half layout),
-    computed on the CPU in float32 exactly as Hugging Face computes them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    computed on the CPU in float32 exactly as Hugging Face computes them; the inverse
+    frequencies scaled by the reference engine's float32 rule when the model declares a scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [hd/2]
+    if scaling is not None:
+        inv_freq = torch.from_numpy(scaled_inverse_frequencies(inv_freq.numpy(), scaling))
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, hd/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
     return angles.cos(), angles.sin()
@@ -385,7 +409,7 @@ class TorchLlama(GreedyDecoder):
         device, dtype = self.device, self.dtype
         slots = capacity + WARMUP_SLOTS
         with torch.inference_mode():
-            cos, sin = rope_tables(slots, shape.head_dim, float(shape.rope_theta))
+            cos, sin = rope_tables(slots, shape.head_dim, float(shape.rope_theta), shape.rope_scaling)
             self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)  # [slots, hd] float32
             # K and V of every layer, [layers, 2, kv_heads, slots, head_dim]; zeros, so masked
             # positions hold finite values (0 * garbage could be NaN) before anything is written.
@@ -408,7 +432,7 @@ class TorchLlama(GreedyDecoder):
     @classmethod
     def from_model_dir(cls, model_dir: Path = assets.MODEL_DIR, *, dtype: str = "float32",
                        device: str = "cpu", **options: Unpack[EngineOptions]) -> TorchLlama:
-        """The shipped (or another tied-embedding Llama) checkpoint; see :func:`checkpoint_weights`."""
+        """The shipped checkpoint, or any model the loader accepts; see :func:`checkpoint_weights`."""
         return cls(checkpoint_weights(model_dir, dtype=dtype, device=device), **options)
 
     @classmethod
@@ -431,7 +455,7 @@ class TorchLlama(GreedyDecoder):
         """h [T, hidden] -> q [T, heads, hd], k [T, kv_heads, hd] (both post-RoPE), v [T, kv_heads, hd].
         cos/sin are [T, 1, hd] (broadcast over heads)."""
         shape = self.shape
-        qkv = F.linear(h, layer.wqkv).view(h.shape[0], shape.heads + 2 * shape.kv_heads, shape.head_dim)
+        qkv = F.linear(h, layer.wqkv, layer.bqkv).view(h.shape[0], shape.heads + 2 * shape.kv_heads, shape.head_dim)
         qk = apply_rope(qkv[:, :shape.heads + shape.kv_heads], cos, sin)  # one rotation for q and k
         return qk[:, :shape.heads], qk[:, shape.heads:], qkv[:, shape.heads + shape.kv_heads:]
 

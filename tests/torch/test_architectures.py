@@ -1,9 +1,11 @@
 """The architectures users serve, against Hugging Face transformers (issue 37): Llama 3.x (``llama3``
-and ``linear`` RoPE scaling, an untied ``lm_head``) and Qwen2/2.5 (Q/K/V biases, tied or untied
-head). Each checkpoint is built here with random weights from its architecture's config (tiny,
-the shipped tokenizer's vocabulary), saved as a Hugging Face directory, loaded through
-``--model``'s loader, and run by the numpy reference engine: full logits within float32 rounding
-of transformers' on every position of a prompt and of a decode after a handoff. ``qualify model
+and ``linear`` RoPE scaling, an untied ``lm_head``), Mistral without sliding window (a head size
+other than hidden / heads, as Mistral Nemo has) and Qwen2/2.5 (Q/K/V biases, tied or untied head).
+Each checkpoint is built here with random weights from its architecture's config (tiny, the
+shipped tokenizer's vocabulary), saved as a Hugging Face directory, loaded through ``--model``'s
+loader, and run by the numpy reference engine and the torch engine (float32, CPU): full logits
+within float32 rounding of transformers' on every position of a prompt and of a decode after a
+handoff. ``qualify model
 inspect`` prints each; the NVFP4 and k-quant lanes hand them off (``tests/vllm/`` runs the vLLM
 lanes on them).
 """
@@ -43,6 +45,9 @@ def _tiny(kind: str) -> tuple[Any, Any]:
             **common, head_dim=32, tie_word_embeddings=False, rope_theta=500000.0,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 64}), transformers.LlamaForCausalLM
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, head_dim=64, tie_word_embeddings=False, rope_theta=1000000.0,
+                                          sliding_window=None), transformers.MistralForCausalLM
     if kind == "llama-linear":
         return transformers.LlamaConfig(**common, head_dim=32, tie_word_embeddings=True, rope_theta=10000.0,
                                         rope_scaling={"rope_type": "linear", "factor": 4.0}), transformers.LlamaForCausalLM
@@ -68,7 +73,12 @@ def write_tiny_checkpoint(kind: str, directory: Path) -> Any:
     return model
 
 
-@pytest.fixture(params=["llama3", "llama-linear", "qwen2", "qwen2-tied"])
+KINDS = ["llama3", "llama-linear", "mistral", "qwen2", "qwen2-tied"]
+ARCHITECTURE = {"llama3": "llama", "llama-linear": "llama", "mistral": "mistral", "qwen2": "qwen2",
+                "qwen2-tied": "qwen2"}
+
+
+@pytest.fixture(params=KINDS)
 def checkpoint(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path, Any]]:
     """A random-weight checkpoint as a Hugging Face directory, and the transformers model."""
     directory = tmp_path / f"{request.param}-tiny"
@@ -97,6 +107,7 @@ def _transformers_logits(model: Any, prompt: np.ndarray) -> tuple[np.ndarray, np
 def test_the_reference_engine_agrees_with_transformers(checkpoint: tuple[str, Path, Any]) -> None:
     kind, directory, model = checkpoint
     loaded = load_model(directory)
+    assert loaded.config.architecture == ARCHITECTURE[kind]
     assert loaded.config.tied_head == (kind in ("llama-linear", "qwen2-tied"))
     assert loaded.config.qkv_bias == kind.startswith("qwen2")
     assert (loaded.config.rope_scaling is not None) == kind.startswith("llama")
@@ -114,6 +125,24 @@ def test_the_reference_engine_agrees_with_transformers(checkpoint: tuple[str, Pa
     assert list(decoded.tokens) == list(expected_decode.argmax(-1)), kind
 
 
+def test_the_torch_engine_agrees_with_transformers(checkpoint: tuple[str, Path, Any]) -> None:
+    """The same checks for :class:`TorchLlama` on the CPU in float32: its scaled RoPE tables,
+    untied head and fused Q|K|V bias, from the directory ``--model`` would load."""
+    from qualify.engines.torch_llama import TorchLlama
+
+    kind, directory, model = checkpoint
+    engine = TorchLlama.from_model_dir(directory, dtype="float32", device="cpu", cache_positions=PROMPT_TOKENS + DECODE,
+                                       max_decode_steps=PROMPT_TOKENS, cuda_graph=False)
+    assert engine.shape.tied_embeddings == (kind in ("llama-linear", "qwen2-tied"))
+    prompt = assets.load_prompt()[:PROMPT_TOKENS]
+    expected_rows, expected_decode = _transformers_logits(model, prompt)
+    decoded = engine.decode(engine.prefill(prompt[:HANDOFF]), prompt[HANDOFF:], DECODE)
+    forced = engine.teacher_forced(engine.prefill(prompt[:1]), prompt[1:2], prompt[2:PROMPT_TOKENS])
+    assert np.abs(forced - expected_rows[1:PROMPT_TOKENS - 1]).max() < TOLERANCE, kind
+    assert np.abs(decoded.logits - expected_decode).max() < TOLERANCE, kind
+    assert list(decoded.tokens) == list(expected_decode.argmax(-1)), kind
+
+
 def test_model_inspect_prints_the_architecture_and_the_other_lanes_refuse_it(
         checkpoint: tuple[str, Path, Any], capsys: pytest.CaptureFixture[str]) -> None:
     from qualify.interfaces import cli
@@ -121,7 +150,7 @@ def test_model_inspect_prints_the_architecture_and_the_other_lanes_refuse_it(
     kind, directory, _ = checkpoint
     assert cli.main(["model", "inspect", str(directory)]) == 0
     printed = capsys.readouterr().out
-    assert "qwen2" in printed if kind.startswith("qwen2") else "llama" in printed
+    assert f", {ARCHITECTURE[kind]}, " in printed
     chosen_model.use_model(str(directory))
     engine = chosen_model.reference_engine()
     assert engine.prefill(assets.load_prompt()[:8]).geometry.positions == 8

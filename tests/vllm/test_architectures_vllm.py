@@ -28,7 +28,7 @@ def shipped_model_again() -> Iterator[None]:
     chosen_model.use_model(None)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen2"])
 def test_vllm_hands_off_the_references_kv_on_the_architecture(kind: str, tmp_path: Path) -> None:
     from qualify.engines.factory import build_producer
 

@@ -179,7 +179,7 @@ def _truncated(tiny: Path) -> Path:
 
 def _other_architecture(tiny: Path) -> Path:
     config = (tiny / "config.json").read_text(encoding="utf-8")
-    (tiny / "config.json").write_text(config.replace('"LlamaForCausalLM"', '"MistralForCausalLM"'), encoding="utf-8")
+    (tiny / "config.json").write_text(config.replace('"LlamaForCausalLM"', '"GemmaForCausalLM"'), encoding="utf-8")
     return tiny
 
 

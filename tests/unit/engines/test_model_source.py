@@ -182,10 +182,10 @@ def refusal(path: Path, pins: dict[str, str] | None = None) -> str:
 def test_unsupported_architectures_are_refused_naming_the_field(tmp_path: Path, shipped) -> None:
     directory = hf_copy(tmp_path / "hf")
     config = json.loads((directory / "config.json").read_text())
-    config["architectures"] = ["MistralForCausalLM"]
+    config["architectures"] = ["GemmaForCausalLM"]
     (directory / "config.json").write_text(json.dumps(config))
     message = refusal(directory)
-    assert "config.json: architectures: expected one of" in message and "found ['MistralForCausalLM']" in message
+    assert "config.json: architectures: expected one of" in message and "found ['GemmaForCausalLM']" in message
     message = refusal(write_gguf(tmp_path / "g.gguf", *shipped, architecture="gpt2"))
     assert message.endswith("g.gguf: general.architecture: found 'gpt2', expected 'llama'")
 

@@ -25,7 +25,7 @@ from qualify.core import assets
 from qualify.core.errors import Refused
 from qualify.core.kv import KVCache
 from qualify.engines.base import DecodeResult
-from qualify.engines.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+from qualify.engines.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint, load_config
 from qualify.engines.reference import (
     ABI_VERSION,
     DenseLinear,
@@ -138,7 +138,11 @@ LOADER_REFUSALS = {
     "weights missing": (lambda c, t: (c, None), WEIGHTS_FILE, "missing"),
     "config not JSON": (lambda c, t: ("{\"architectures\": [", t), CONFIG_FILE, "json"),
     "config not an object": (lambda c, t: ("[1, 2]", t), CONFIG_FILE, "json"),
-    "not LlamaForCausalLM": (with_config(architectures=["MistralForCausalLM"]), CONFIG_FILE, "architectures"),
+    "another architecture": (with_config(architectures=["GemmaForCausalLM"]), CONFIG_FILE, "architectures"),
+    "mistral sliding window": (with_config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096),
+                               CONFIG_FILE, "sliding_window"),
+    "mistral attention bias": (with_config(architectures=["MistralForCausalLM"], model_type="mistral",
+                                           attention_bias=True), CONFIG_FILE, "attention_bias"),
     "hidden_act gelu": (with_config(hidden_act="gelu"), CONFIG_FILE, "hidden_act"),
     "hidden_act missing": (with_config(hidden_act=DROP), CONFIG_FILE, "hidden_act"),
     "kv heads missing": (with_config(num_key_value_heads=DROP), CONFIG_FILE, "num_key_value_heads"),
@@ -183,6 +187,21 @@ def test_loader_refuses_with_one_line_naming_file_and_field(
     message = str(refusal.value)
     assert "\n" not in message and "Traceback" not in message
     assert file_name in message and field_name in message, message
+
+
+def test_a_windowless_mistral_and_a_config_without_head_dim_load_as_the_llama_they_are(
+        tmp_path: Path, shipped_config: dict, shipped_tensors: dict) -> None:
+    """A Mistral without sliding window is a Llama's arithmetic; head_dim left out (as Hub configs
+    of Llama 3.x and Qwen2.5 do) is hidden_size // num_attention_heads, as Hugging Face reads it."""
+    shipped = load_config(assets.MODEL_DIR)
+    mistral = dict(shipped_config, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    loaded = load_config(write_model_dir(tmp_path / "mistral", mistral, shipped_tensors))
+    assert loaded.architecture == "mistral" and loaded.geometry == shipped.geometry
+    assert (loaded.tied_head, loaded.qkv_bias, loaded.rope_scaling) == (True, False, None)
+    without = {key: value for key, value in shipped_config.items() if key != "head_dim"}
+    assert load_config(write_model_dir(tmp_path / "llama", without, shipped_tensors)).geometry == shipped.geometry
+    other = dict(shipped_config, head_dim=shipped.geometry.head_dim * 2)
+    assert load_config(write_model_dir(tmp_path / "wide", other, shipped_tensors)).geometry.head_dim == 64
 
 
 def test_loader_refuses_corrupt_safetensors(tmp_path: Path, shipped_config: dict) -> None:
