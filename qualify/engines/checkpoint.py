@@ -37,11 +37,15 @@ class RopeScaling:
     by ``factor``; ``llama3`` divides the low frequencies by it, keeps the high ones and blends
     between (Llama 3.1 and later)."""
 
-    rope_type: str  # "linear" or "llama3"
+    rope_type: str  # "linear", "llama3" or "frequency-factors"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # "frequency-factors": llama3 scaling as a GGUF stores it (``rope_freqs.weight``, what
+    # convert_hf_to_gguf.py computes from the four numbers above): each inverse frequency divided
+    # by its float32 factor, as llama.cpp applies them. ``factor`` is then the largest of them.
+    frequency_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,9 @@ def hf_config_document(config: LlamaConfig) -> dict[str, Any]:
     (its RoPE scaling as Hugging Face writes it), a Mistral or a Qwen2 (no sliding window), tied or not."""
     geometry = config.geometry
     scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "frequency-factors":
+        raise Refused("--model: a GGUF's RoPE frequency factors (rope_freqs.weight) have no Hugging Face "
+                      "rope_scaling to give vLLM; give the model's Hugging Face directory for the vLLM lanes")
     rope_scaling = None if scaling is None else (
         {"rope_type": "linear", "factor": scaling.factor} if scaling.rope_type == "linear" else
         {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,

@@ -2,22 +2,25 @@
 into float32 weights under Hugging Face names plus its tokenizer, every file pinned by digest.
 
 What the reference engine does not implement is refused, one line naming the file and the field
-or tensor: another architecture, an untied LM head, RoPE scaling, biases, a tensor type outside
+or tensor: another architecture, a RoPE scaling or bias it does not implement, a tensor type outside
 :data:`GGUF_DEQUANTIZED_TYPES`, a missing or extra tensor, a truncated file. Nothing runs on a
 partial model.
 
 * **Hugging Face directory**: ``config.json`` (validated by :mod:`qualify.engines.checkpoint`),
   ``tokenizer.json``, and ``model.safetensors`` or the shards named by
   ``model.safetensors.index.json``. Stored F32, F16 and BF16 widen to float32 exactly.
-* **GGUF file** (``general.architecture`` = ``llama``): hyperparameters from ``llama.*`` keys,
-  tensors dequantized to float32 by the ``gguf`` package (elementwise float32 arithmetic, the
-  same bits on every machine), Q/K rows returned from llama.cpp's interleaved RoPE order to
-  Hugging Face's (``convert_hf_to_gguf.py`` permutes them on the way in), and the tokenizer
-  rebuilt from ``tokenizer.ggml.*`` metadata (byte-level BPE; see :data:`GGUF_PRE_TOKENIZERS`).
+* **GGUF file** (``general.architecture`` = ``llama`` or ``qwen2``): hyperparameters from the
+  architecture's keys, tensors dequantized to float32 by the ``gguf`` package (elementwise float32
+  arithmetic, the same bits on every machine), a Llama's Q/K rows returned from llama.cpp's
+  interleaved RoPE order to Hugging Face's (``convert_hf_to_gguf.py`` permutes them on the way
+  in; a Qwen2's are stored unpermuted), a Llama 3.x's ``rope_freqs.weight`` read as RoPE
+  frequency factors, a Qwen2's Q/K/V biases, and the tokenizer rebuilt from ``tokenizer.ggml.*``
+  metadata (byte-level BPE; see :data:`GGUF_PRE_TOKENIZERS`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from qualify.engines.base import ModelGeometry
 from qualify.engines.checkpoint import (
     CONFIG_FILE,
     LlamaConfig,
+    RopeScaling,
     _positive_float,
     _positive_int,
     _refuse,
@@ -72,9 +76,21 @@ GGUF_DEQUANTIZED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
-# tokenizer.ggml.pre -> digits split individually before the byte-level GPT-2 regex (llama.cpp
-# groups these pre-tokenizer types by the regexes it applies in llama-vocab.cpp).
-GGUF_PRE_TOKENIZERS: dict[str, bool] = {"gpt2": False, "smollm": True, "starcoder": True}
+# The split regexes of the Llama 3 and Qwen2 tokenizers (their tokenizer.json ``Split`` patterns;
+# llama.cpp's llama-vocab.cpp applies the same for ``llama-bpe`` and ``qwen2``): contractions, letter
+# runs with one leading non-letter, digits (up to three together for Llama 3, one by one for
+# Qwen2), punctuation runs, newlines, spaces.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> what splits the text before byte-level BPE: None for the byte-level GPT-2
+# regex alone, "digits" for digits one by one before it (llama.cpp groups these pre-tokenizer
+# types by the regexes it applies), else the split regex that replaces it.
+GGUF_PRE_TOKENIZERS: dict[str, str | None] = {"gpt2": None, "smollm": "digits", "starcoder": "digits",
+                                              "llama-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+"""``general.architecture`` values the loader reads (a Mistral GGUF is written as ``llama``)."""
 # GGUF suffix inside ``blk.{i}`` -> Hugging Face suffix inside ``model.layers.{i}``.
 GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -86,6 +102,9 @@ GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
 }
 GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
 
@@ -252,8 +271,9 @@ def check_architecture(path: Path, kind: str) -> None:
         load_config(path)
         return
     architecture = gguf_architecture(path)
-    if architecture != "llama":
-        raise _refuse(path, "general.architecture", f"found {architecture!r}, expected 'llama'")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise _refuse(path, "general.architecture", f"found {architecture!r}, expected one of "
+                                                    f"{', '.join(map(repr, GGUF_ARCHITECTURES))}")
 
 
 def load_model(path: str | Path, pins: Mapping[str, str] | None = None) -> LoadedModel:
@@ -384,39 +404,57 @@ def _gguf_float(reader: Any, path: Path, key: str) -> float:
 
 
 def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
-    architecture = _gguf_field(reader, path, "general.architecture")
-    if architecture != "llama":
-        raise _refuse(path, "general.architecture", f"found {architecture!r}, expected 'llama'")
-    for key in ("llama.rope.scaling.type", "llama.expert_count"):
+    arch = _gguf_field(reader, path, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise _refuse(path, "general.architecture", f"found {arch!r}, expected one of "
+                                                    f"{', '.join(map(repr, GGUF_ARCHITECTURES))}")
+    for key in (f"{arch}.rope.scaling.type", f"{arch}.expert_count"):
         if key in reader.fields:
             raise _refuse(path, key, f"found {reader.fields[key].contents()!r}; not implemented")
-    heads = _gguf_int(reader, path, "llama.attention.head_count")
-    kv_heads = _gguf_int(reader, path, "llama.attention.head_count_kv")
-    hidden = _gguf_int(reader, path, "llama.embedding_length")
-    if hidden % heads != 0 or heads % kv_heads != 0:
-        raise _refuse(path, "llama.attention.head_count",
-                      f"{heads} heads / {kv_heads} KV heads do not divide embedding_length {hidden}")
-    head_dim = hidden // heads
-    if "llama.rope.dimension_count" in reader.fields \
-            and _gguf_int(reader, path, "llama.rope.dimension_count") != head_dim:
-        raise _refuse(path, "llama.rope.dimension_count", f"expected {head_dim} (full-width RoPE)")
+    heads = _gguf_int(reader, path, f"{arch}.attention.head_count")
+    kv_heads = _gguf_int(reader, path, f"{arch}.attention.head_count_kv")
+    hidden = _gguf_int(reader, path, f"{arch}.embedding_length")
+    if heads % kv_heads != 0:
+        raise _refuse(path, f"{arch}.attention.head_count_kv", f"{kv_heads} does not divide head_count {heads}")
+    # key_length is written where the head size is not embedding_length / head_count (Mistral Nemo).
+    head_dim = _gguf_int(reader, path, f"{arch}.attention.key_length") \
+        if f"{arch}.attention.key_length" in reader.fields else hidden // heads
+    if head_dim * heads != hidden and f"{arch}.attention.key_length" not in reader.fields:
+        raise _refuse(path, f"{arch}.attention.head_count", f"{heads} heads do not divide embedding_length {hidden}")
+    if f"{arch}.rope.dimension_count" in reader.fields \
+            and _gguf_int(reader, path, f"{arch}.rope.dimension_count") != head_dim:
+        raise _refuse(path, f"{arch}.rope.dimension_count", f"expected {head_dim} (full-width RoPE)")
     tokens = _gguf_field(reader, path, "tokenizer.ggml.tokens")
     vocab = len(tokens)
-    if "llama.vocab_size" in reader.fields and _gguf_int(reader, path, "llama.vocab_size") != vocab:
-        raise _refuse(path, "llama.vocab_size", f"disagrees with {vocab} tokenizer.ggml.tokens")
+    if f"{arch}.vocab_size" in reader.fields and _gguf_int(reader, path, f"{arch}.vocab_size") != vocab:
+        raise _refuse(path, f"{arch}.vocab_size", f"disagrees with {vocab} tokenizer.ggml.tokens")
     geometry = ModelGeometry(
-        layers=_gguf_int(reader, path, "llama.block_count"), hidden=hidden, heads=heads,
+        layers=_gguf_int(reader, path, f"{arch}.block_count"), hidden=hidden, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
-        max_positions=_gguf_int(reader, path, "llama.context_length"),
-        rope_theta=_gguf_float(reader, path, "llama.rope.freq_base") if "llama.rope.freq_base"
+        max_positions=_gguf_int(reader, path, f"{arch}.context_length"),
+        rope_theta=_gguf_float(reader, path, f"{arch}.rope.freq_base") if f"{arch}.rope.freq_base"
         in reader.fields else 10000.0,
     )
     # llama.cpp writes output.weight only for an untied head (convert_hf_to_gguf.py skips a tied one).
     untied = any(tensor.name == "output.weight" for tensor in reader.tensors)
     return LlamaConfig(geometry=geometry,
-                       intermediate=_gguf_int(reader, path, "llama.feed_forward_length"),
-                       rms_norm_eps=_gguf_float(reader, path, "llama.attention.layer_norm_rms_epsilon"),
-                       tied_head=not untied)
+                       intermediate=_gguf_int(reader, path, f"{arch}.feed_forward_length"),
+                       rms_norm_eps=_gguf_float(reader, path, f"{arch}.attention.layer_norm_rms_epsilon"),
+                       architecture=arch, tied_head=not untied, qkv_bias=arch == "qwen2")
+
+
+def _gguf_frequency_factors(tensor: Any, config: LlamaConfig, path: Path) -> RopeScaling:
+    """A Llama 3.x's ``rope_freqs.weight``: one float32 divisor per inverse frequency, finite and
+    positive (what convert_hf_to_gguf.py writes for ``llama3`` scaling)."""
+    half = config.geometry.head_dim // 2
+    if config.architecture != "llama" or tensor.tensor_type.name != "F32" or int(np.prod(tensor.shape)) != half:
+        raise _refuse(path, "rope_freqs.weight", f"expected {half} float32 frequency factors of a llama, found "
+                                                 f"{tensor.tensor_type.name} {list(tensor.shape)} of a {config.architecture}")
+    factors = np.asarray(tensor.data, dtype=np.float32).reshape(half)
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise _refuse(path, "rope_freqs.weight", "expected finite positive factors")
+    return RopeScaling("frequency-factors", float(factors.max()),
+                       frequency_factors=tuple(float(value) for value in factors))
 
 
 def _gguf_hf_name(name: str, path: Path) -> str:
@@ -424,9 +462,6 @@ def _gguf_hf_name(name: str, path: Path) -> str:
         return GGUF_TOP_NAMES[name]
     if name == "output.weight":
         return "lm_head.weight"
-    if name == "rope_freqs.weight":
-        raise _refuse(path, name, "llama3 RoPE scaling stored as frequency factors is not implemented for GGUF; "
-                                  "give the model's Hugging Face directory")
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_LAYER_NAMES:
         return f"model.layers.{int(parts[1])}.{GGUF_LAYER_NAMES[parts[2]]}"
@@ -444,6 +479,9 @@ def _gguf_model(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
     geometry = config.geometry
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            config = dataclasses.replace(config, rope_scaling=_gguf_frequency_factors(tensor, config, path))
+            continue
         hf_name = _gguf_hf_name(tensor.name, path)
         type_name = tensor.tensor_type.name
         if type_name not in GGUF_DEQUANTIZED_TYPES:
@@ -456,18 +494,19 @@ def _gguf_model(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
                                              f"{exc})") from None
         # GGUF shapes are innermost-first; numpy rows are the reverse.
         values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
-        if hf_name.endswith("q_proj.weight"):
+        if config.architecture == "llama" and hf_name.endswith("q_proj.weight"):
             values = permute_qk_rows_from_gguf(values, geometry.heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif config.architecture == "llama" and hf_name.endswith("k_proj.weight"):
             values = permute_qk_rows_from_gguf(values, geometry.kv_heads)
         weights[hf_name] = np.ascontiguousarray(values, dtype=np.float32)
-    check_weights(weights, geometry, config.intermediate, str(path), tied_head=config.tied_head)
+    check_weights(weights, geometry, config.intermediate, str(path), tied_head=config.tied_head,
+                  qkv_bias=config.qkv_bias)
     return config, weights, _gguf_tokenizer(reader, path)
 
 
 def _gguf_tokenizer(reader: Any, path: Path) -> Any:
     """Byte-level BPE from ``tokenizer.ggml.*``; any other tokenizer model is refused."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     model = _gguf_field(reader, path, "tokenizer.ggml.model")
     if model != "gpt2":
@@ -491,10 +530,17 @@ def _gguf_tokenizer(reader: Any, path: Path) -> Any:
         merges.append((pair[0], pair[1]))
     vocab = {token: index for index, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                        byte_level])
-                               if GGUF_PRE_TOKENIZERS[pre] else byte_level)
+    split = GGUF_PRE_TOKENIZERS[pre]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=split is None)
+    if split is None:
+        tokenizer.pre_tokenizer = byte_level
+    elif split == "digits":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                           pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                    trim_offsets=True, use_regex=True)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False), byte_level])
     tokenizer.decoder = decoders.ByteLevel()
     control = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens matched whole
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
@@ -540,4 +586,13 @@ def _tokenizer_pre_name(pre_tokenizer: Any, path: Path) -> str:
         if len(parts) == 2 and parts[0] == {"type": "Digits", "individual_digits": True} \
                 and is_byte_level(parts[1]):
             return "smollm"
-    raise _refuse(path, "pre_tokenizer", "expected byte-level BPE (optionally after individual digits)")
+        if len(parts) == 2 and isinstance(parts[0], dict) and parts[0].get("type") == "Split" \
+                and parts[0].get("behavior") == "Isolated" and parts[0].get("invert") is False \
+                and isinstance(parts[1], dict) and parts[1].get("type") == "ByteLevel" \
+                and parts[1].get("use_regex") is False:
+            pattern = parts[0].get("pattern", {}).get("Regex")
+            for name in ("llama-bpe", "qwen2"):
+                if pattern == GGUF_PRE_TOKENIZERS[name]:
+                    return name
+    raise _refuse(path, "pre_tokenizer", "expected byte-level BPE (optionally after individual digits, or "
+                                         "after Llama 3's or Qwen2's split regex)")

@@ -199,10 +199,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
 
 
 def scaled_inverse_frequencies(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
-    """Hugging Face's ``linear`` and ``llama3`` RoPE scaling of float32 inverse frequencies, in
-    float32 elementwise operations (each IEEE-rounded, so the same bits on every machine)."""
+    """Hugging Face's ``linear`` and ``llama3`` RoPE scaling of float32 inverse frequencies, or a
+    GGUF's per-frequency factors, in float32 elementwise operations (each IEEE-rounded, so the same
+    bits on every machine)."""
     f32 = np.float32
     factor = f32(scaling.factor)
+    if scaling.rope_type == "frequency-factors":  # a GGUF's rope_freqs.weight, as llama.cpp divides by it
+        return (inv_freq / np.asarray(scaling.frequency_factors, dtype=np.float32)).astype(np.float32)
     if scaling.rope_type == "linear":
         return inv_freq / factor
     low, high = f32(scaling.low_freq_factor), f32(scaling.high_freq_factor)

@@ -27,7 +27,9 @@ def model_inspect_cli(argv: Sequence[str]) -> int:
     geometry = model.geometry
     config = model.config
     scaling = config.rope_scaling
-    rope = "" if scaling is None else f" scaled {scaling.rope_type} x{scaling.factor:g}"
+    rope = "" if scaling is None else (
+        f" scaled by {len(scaling.frequency_factors)} frequency factors up to x{scaling.factor:g}"
+        if scaling.rope_type == "frequency-factors" else f" scaled {scaling.rope_type} x{scaling.factor:g}")
     _OUT.print(f"model {args.model}: {model.kind}, {config.architecture}, {geometry.layers} layers, hidden {geometry.hidden}, "
                f"{geometry.heads} heads / {geometry.kv_heads} KV heads x {geometry.head_dim}, intermediate "
                f"{model.config.intermediate}, vocab {geometry.vocab}, max positions {geometry.max_positions}, "

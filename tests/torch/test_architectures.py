@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from qualify.core import assets
+from qualify.core.errors import Refused
 from qualify.engines import chosen_model
 from qualify.engines.model_source import load_model
 from qualify.engines.reference import ReferenceEngine
@@ -141,6 +142,59 @@ def test_the_torch_engine_agrees_with_transformers(checkpoint: tuple[str, Path, 
     assert np.abs(forced - expected_rows[1:PROMPT_TOKENS - 1]).max() < TOLERANCE, kind
     assert np.abs(decoded.logits - expected_decode).max() < TOLERANCE, kind
     assert list(decoded.tokens) == list(expected_decode.argmax(-1)), kind
+
+
+def llama3_frequency_factors(config: Any) -> np.ndarray:
+    """``rope_freqs.weight`` as convert_hf_to_gguf.py computes it from a ``llama3`` rope_scaling:
+    per inverse frequency 1 (short wavelengths), ``factor`` (long ones) or the blend's divisor."""
+    import math
+
+    scaling, dim = config.rope_scaling, config.head_dim
+    base = config.rope_theta if hasattr(config, "rope_theta") else config.rope_parameters["rope_theta"]
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    factors = []
+    for index in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (index / dim)
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_a_gguf_of_the_checkpoint_agrees_with_transformers(kind: str, tmp_path: Path) -> None:
+    """The same checkpoint as llama.cpp's GGUF: a Llama 3 with its ``llama3`` scaling as
+    ``rope_freqs.weight`` frequency factors (convert_hf_to_gguf.py's form), a Qwen2 with its
+    biases and unpermuted Q/K rows under ``general.architecture = qwen2``. Loaded by path, the
+    reference engine's logits are transformers' within the same tolerance."""
+    from tests.unit.engines.test_model_source import write_gguf
+
+    directory = tmp_path / kind
+    model = write_tiny_checkpoint(kind, directory)
+    hf = load_model(directory)
+    extra = {"rope_freqs.weight": llama3_frequency_factors(model.config)} if kind == "llama3" else None
+    path = write_gguf(tmp_path / f"{kind}.Tiny-F32.gguf", hf.config, hf.weights, architecture=ARCHITECTURE[kind],
+                      extra=extra, tokenizer_json=directory / "tokenizer.json")
+    loaded = load_model(path)
+    assert (loaded.config.architecture, loaded.config.qkv_bias, loaded.config.tied_head) == \
+        (hf.config.architecture, hf.config.qkv_bias, hf.config.tied_head)
+    assert (loaded.config.rope_scaling is not None) == (kind == "llama3")
+    if kind == "llama3":  # vLLM is given a Hugging Face config, and factors have no rope_scaling there
+        with pytest.raises(Refused, match="rope_freqs.weight"):
+            chosen_model.hf_config_document(loaded.config)
+    engine = ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps,
+                             rope_scaling=loaded.config.rope_scaling)
+    prompt = assets.load_prompt()[:PROMPT_TOKENS]
+    expected_rows, expected_decode = _transformers_logits(model, prompt)
+    decoded = engine.decode(engine.prefill(prompt[:HANDOFF]), prompt[HANDOFF:], DECODE)
+    forced = engine.teacher_forced(engine.prefill(prompt[:1]), prompt[1:2], prompt[2:PROMPT_TOKENS])
+    assert np.abs(forced - expected_rows[1:PROMPT_TOKENS - 1]).max() < TOLERANCE, kind
+    assert np.abs(decoded.logits - expected_decode).max() < TOLERANCE, kind
 
 
 def test_model_inspect_prints_the_architecture_and_the_other_lanes_refuse_it(

@@ -50,9 +50,11 @@ def hf_copy(directory: Path) -> Path:
 
 def write_gguf(path: Path, config: object, weights: dict[str, np.ndarray], *, quant: str = "F32",
                architecture: str = "llama", skip: str = "", extra: dict[str, np.ndarray] | None = None,
-               raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None) -> Path:
-    """The shipped weights as llama.cpp's ``llama`` GGUF: Q/K rows permuted as
-    convert_hf_to_gguf.py does, projections in ``quant``, norms F32, tokenizer in metadata."""
+               raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+               tokenizer_json: Path = MODEL_DIR / TOKENIZER_FILE) -> Path:
+    """Weights as llama.cpp's GGUF of ``architecture``: a Llama's Q/K rows permuted as
+    convert_hf_to_gguf.py does (a Qwen2's not), Q/K/V biases and an untied head where the weights
+    have them, projections in ``quant``, norms F32, tokenizer in metadata."""
     geometry = config.geometry  # type: ignore[attr-defined]
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(geometry.max_positions)
@@ -64,16 +66,22 @@ def write_gguf(path: Path, config: object, weights: dict[str, np.ndarray], *, qu
     writer.add_rope_freq_base(geometry.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)  # type: ignore[attr-defined]
     writer.add_block_count(geometry.layers)
-    add_gguf_tokenizer(writer, MODEL_DIR / TOKENIZER_FILE)
-    hf_to_gguf = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if geometry.head_dim * geometry.heads != geometry.hidden:
+        writer.add_key_length(geometry.head_dim)
+        writer.add_value_length(geometry.head_dim)
+    add_gguf_tokenizer(writer, tokenizer_json)
+    hf_to_gguf = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                  "lm_head.weight": "output.weight"}
     for index in range(geometry.layers):
         for gguf_suffix, hf_suffix in GGUF_LAYER_NAMES.items():
             hf_to_gguf[f"model.layers.{index}.{hf_suffix}"] = f"blk.{index}.{gguf_suffix}"
     for hf_name, gguf_name in hf_to_gguf.items():
-        if gguf_name == skip:
+        if gguf_name == skip or hf_name not in weights:
             continue
         weight = weights[hf_name]
-        if hf_name.endswith("q_proj.weight"):
+        if architecture != "llama":
+            pass  # llama.cpp's Qwen2 rotates in Hugging Face's half-split layout: nothing to permute
+        elif hf_name.endswith("q_proj.weight"):
             weight = permute_qk_rows_to_gguf(weight, geometry.heads)
         elif hf_name.endswith("k_proj.weight"):
             weight = permute_qk_rows_to_gguf(weight, geometry.kv_heads)
@@ -157,6 +165,32 @@ def test_f32_gguf_gives_the_same_weights_and_tokens_as_the_hf_directory(tmp_path
     assert [entry.name for entry in model.files] == ["m.gguf"]
 
 
+TOKENIZER_PROBE = SAMPLE_TEXT + "In 2024, 1234567 people said: I'LL go, they're here!\n\n\n   x\t\u00e9t\u00e9 99.5%"
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_llama3_and_qwen2_pre_tokenizers_survive_the_gguf_round_trip(pre: str, tmp_path: Path, shipped) -> None:
+    """The shipped vocabulary under Llama 3's (digits in threes) or Qwen2's (digits one by one)
+    split regex, as their tokenizer.json files state it: written to a GGUF as ``tokenizer.ggml.pre``
+    ``llama-bpe`` or ``qwen2`` and rebuilt from it, the tokenizer gives the same ids as the
+    tokenizer.json it came from."""
+    from tokenizers import Tokenizer
+
+    from qualify.engines.model_source import GGUF_PRE_TOKENIZERS
+
+    document = json.loads((MODEL_DIR / TOKENIZER_FILE).read_text(encoding="utf-8"))
+    document["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": GGUF_PRE_TOKENIZERS[pre]}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    tokenizer_json = tmp_path / "tokenizer.json"
+    tokenizer_json.write_text(json.dumps(document), encoding="utf-8")
+    source = Tokenizer.from_file(str(tokenizer_json))
+    rebuilt = load_model(write_gguf(tmp_path / "t.gguf", *shipped, tokenizer_json=tokenizer_json)).tokenizer
+    assert rebuilt.encode(TOKENIZER_PROBE).ids == source.encode(TOKENIZER_PROBE).ids
+    digits = [piece for piece, _ in rebuilt.pre_tokenizer.pre_tokenize_str("1234567")]
+    assert digits == (["123", "456", "7"] if pre == "llama-bpe" else list("1234567"))
+
+
 def test_q8_0_gguf_is_the_row_wise_q8_0_of_each_weight(tmp_path: Path, shipped) -> None:
     """Q8_0 quantizes rows independently, so undoing the Q/K row permutation after dequantizing
     must give exactly Q8_0 round-tripped Hugging Face rows; norms stay F32 copies."""
@@ -187,7 +221,7 @@ def test_unsupported_architectures_are_refused_naming_the_field(tmp_path: Path, 
     message = refusal(directory)
     assert "config.json: architectures: expected one of" in message and "found ['GemmaForCausalLM']" in message
     message = refusal(write_gguf(tmp_path / "g.gguf", *shipped, architecture="gpt2"))
-    assert message.endswith("g.gguf: general.architecture: found 'gpt2', expected 'llama'")
+    assert message.endswith("g.gguf: general.architecture: found 'gpt2', expected one of 'llama', 'qwen2'")
 
 
 def test_missing_tensors_are_refused_naming_the_tensor(tmp_path: Path, shipped) -> None:
@@ -243,7 +277,7 @@ def test_another_architecture_is_refused_from_the_header_alone(tmp_path: Path, s
     whole = write_gguf(tmp_path / "Gemma-3.270M.Q8.gguf", *shipped, architecture="gemma3")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(whole.read_bytes()[:4096])
-    assert refusal(cut).endswith("cut.gguf: general.architecture: found 'gemma3', expected 'llama'")
+    assert refusal(cut).endswith("cut.gguf: general.architecture: found 'gemma3', expected one of 'llama', 'qwen2'")
     directory = hf_copy(tmp_path / "hf")
     config = json.loads((directory / "config.json").read_text())
     config["architectures"] = ["Gemma3ForCausalLM"]
@@ -330,7 +364,7 @@ def test_model_inspect_refuses_damaged_models_in_one_line_with_exit_2(
     argument: str | Path
     if damage == "architecture":
         argument = write_gguf(tmp_path / "g.gguf", config, weights, architecture="gpt2")
-        expected = "general.architecture: found 'gpt2', expected 'llama'"
+        expected = "general.architecture: found 'gpt2', expected one of 'llama', 'qwen2'"
     elif damage == "missing tensor":
         argument = write_gguf(tmp_path / "g.gguf", config, weights, skip="blk.3.ffn_down.weight")
         expected = "model.layers.3.mlp.down_proj.weight: tensor missing"
