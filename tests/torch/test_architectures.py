@@ -105,6 +105,19 @@ def _transformers_logits(model: Any, prompt: np.ndarray) -> tuple[np.ndarray, np
     return full, np.stack(rows)
 
 
+def assert_agrees_with_transformers(engine: Any, model: Any, kind: str) -> None:
+    """``engine``'s logits against transformers': every prompt row (the engine decoding the prompt
+    one row at a time after a handoff of one position, teacher-forced) and a greedy decode after a
+    handoff of HANDOFF positions, within TOLERANCE, with the same greedy tokens."""
+    prompt = assets.load_prompt()[:PROMPT_TOKENS]
+    expected_rows, expected_decode = _transformers_logits(model, prompt)
+    decoded = engine.decode(engine.prefill(prompt[:HANDOFF]), prompt[HANDOFF:], DECODE)
+    forced = engine.teacher_forced(engine.prefill(prompt[:1]), prompt[1:2], prompt[2:PROMPT_TOKENS])
+    assert np.abs(forced - expected_rows[1:PROMPT_TOKENS - 1]).max() < TOLERANCE, kind
+    assert np.abs(decoded.logits - expected_decode).max() < TOLERANCE, kind
+    assert list(decoded.tokens) == list(expected_decode.argmax(-1)), kind
+
+
 def test_the_reference_engine_agrees_with_transformers(checkpoint: tuple[str, Path, Any]) -> None:
     kind, directory, model = checkpoint
     loaded = load_model(directory)
@@ -114,16 +127,7 @@ def test_the_reference_engine_agrees_with_transformers(checkpoint: tuple[str, Pa
     assert (loaded.config.rope_scaling is not None) == kind.startswith("llama")
     engine = ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps,
                              rope_scaling=loaded.config.rope_scaling)
-    prompt = assets.load_prompt()[:PROMPT_TOKENS]
-    expected_rows, expected_decode = _transformers_logits(model, prompt)
-    kv = engine.prefill(prompt[:HANDOFF])
-    decoded = engine.decode(kv, prompt[HANDOFF:], DECODE)
-    # Every row's logits: transformers' forward over the prompt against the reference's decode
-    # of it one row at a time after a handoff of one position.
-    forced = engine.teacher_forced(engine.prefill(prompt[:1]), prompt[1:2], prompt[2:PROMPT_TOKENS])
-    assert np.abs(forced - expected_rows[1:PROMPT_TOKENS - 1]).max() < TOLERANCE, kind
-    assert np.abs(decoded.logits - expected_decode).max() < TOLERANCE, kind
-    assert list(decoded.tokens) == list(expected_decode.argmax(-1)), kind
+    assert_agrees_with_transformers(engine, model, kind)
 
 
 def test_the_torch_engine_agrees_with_transformers(checkpoint: tuple[str, Path, Any]) -> None:
@@ -135,13 +139,7 @@ def test_the_torch_engine_agrees_with_transformers(checkpoint: tuple[str, Path, 
     engine = TorchLlama.from_model_dir(directory, dtype="float32", device="cpu", cache_positions=PROMPT_TOKENS + DECODE,
                                        max_decode_steps=PROMPT_TOKENS, cuda_graph=False)
     assert engine.shape.tied_embeddings == (kind in ("llama-linear", "qwen2-tied"))
-    prompt = assets.load_prompt()[:PROMPT_TOKENS]
-    expected_rows, expected_decode = _transformers_logits(model, prompt)
-    decoded = engine.decode(engine.prefill(prompt[:HANDOFF]), prompt[HANDOFF:], DECODE)
-    forced = engine.teacher_forced(engine.prefill(prompt[:1]), prompt[1:2], prompt[2:PROMPT_TOKENS])
-    assert np.abs(forced - expected_rows[1:PROMPT_TOKENS - 1]).max() < TOLERANCE, kind
-    assert np.abs(decoded.logits - expected_decode).max() < TOLERANCE, kind
-    assert list(decoded.tokens) == list(expected_decode.argmax(-1)), kind
+    assert_agrees_with_transformers(engine, model, kind)
 
 
 def llama3_frequency_factors(config: Any) -> np.ndarray:
@@ -189,12 +187,7 @@ def test_a_gguf_of_the_checkpoint_agrees_with_transformers(kind: str, tmp_path: 
             chosen_model.hf_config_document(loaded.config)
     engine = ReferenceEngine(loaded.geometry, loaded.weights, rms_norm_eps=loaded.config.rms_norm_eps,
                              rope_scaling=loaded.config.rope_scaling)
-    prompt = assets.load_prompt()[:PROMPT_TOKENS]
-    expected_rows, expected_decode = _transformers_logits(model, prompt)
-    decoded = engine.decode(engine.prefill(prompt[:HANDOFF]), prompt[HANDOFF:], DECODE)
-    forced = engine.teacher_forced(engine.prefill(prompt[:1]), prompt[1:2], prompt[2:PROMPT_TOKENS])
-    assert np.abs(forced - expected_rows[1:PROMPT_TOKENS - 1]).max() < TOLERANCE, kind
-    assert np.abs(decoded.logits - expected_decode).max() < TOLERANCE, kind
+    assert_agrees_with_transformers(engine, model, kind)
 
 
 def test_model_inspect_prints_the_architecture_and_the_other_lanes_refuse_it(
