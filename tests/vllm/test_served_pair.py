@@ -194,15 +194,24 @@ def test_the_pair_is_calibrated_then_qualified_under_its_identity_on_the_stronge
     assert identity.basis == f"receipt://{calibrated.receipt.name}"
     assert identity.statement_sha256 == sha256_file(calibrated.receipt / "attestation.dsse.json")
     assert identity.field("model.model_check") == "config" and identity.field("decode.vllm_version")
-    # Every cell bit-equal on this build, cold against cold and handoff against cold: the bound only a zero delta meets.
-    assert (identity.maximum_absolute, identity.maximum_mean_absolute) == (ZERO_DRIFT_BOUND, ZERO_DRIFT_BOUND)
     evidence = json.loads((calibrated.receipt / "evidence" / "served-calibration.json").read_text())
-    assert len(evidence["cells"]) == identity.field("calibration.cells") == 6
-    for cell in evidence["cells"]:
+    cells = evidence["cells"]
+    assert len(cells) == identity.field("calibration.cells") == 6
+    for cell in cells:
         for comparison in ("cold_again_vs_cold", "handoff_vs_cold"):
             assert cell[comparison]["compared_logprob_entries"] == 256 * (VOCAB if full else TOP_K)
             assert cell[comparison]["tokens_equal"] == 256
-        assert cell["max_abs"] == cell["mean_abs"] == 0.0
+        # The decode server's cold recompute repeats itself bit for bit on every host.
+        assert cell["cold_again_vs_cold"]["max_abs"] == 0.0
+    largest = max(cell["max_abs"] for cell in cells), max(cell["mean_abs"] for cell in cells)
+    if largest == (0.0, 0.0):
+        # Every cell bit-equal (as on every CI runner before 2026-12-07): the bound only a zero delta meets.
+        assert (identity.maximum_absolute, identity.maximum_mean_absolute) == (ZERO_DRIFT_BOUND, ZERO_DRIFT_BOUND)
+    else:
+        # On a host without them (2026-12-07: an AVX-512 Xeon without AMX) half the cells' decode over
+        # the loaded KV differed from the cold recompute by 1.5e-5 to 1.9e-5 in a logprob: the bound
+        # is above every cell, as the rule derives it.
+        assert identity.maximum_absolute > largest[0] and identity.maximum_mean_absolute > largest[1]
     # The command the calibration printed to run next qualifies the pair under the identity.
     [command] = [line.removeprefix("next: ") for line in calibrated.out.splitlines() if line.startswith("next: ")]
     code, receipt, out, err = _qualify(shlex.split(command)[1:], calibrated.receipts, capsys)
@@ -217,8 +226,8 @@ def test_the_pair_is_calibrated_then_qualified_under_its_identity_on_the_stronge
         # The prefill server computed the prompt; the decode server loaded it through its connector ...
         assert sample["prefill_connector_tokens"] == 0 and sample["decode_prefix_cache_tokens"] == 0
         assert sample["decode_connector_tokens"] == HANDED_OFF
-        # ... and decoded what its cold recompute decoded, every logprob of the evidence equal.
-        assert sample["tokens_equal"] == 256 and sample["max_abs"] == 0.0
+        # ... and decoded what its cold recompute decoded, every logprob of the evidence within the bound.
+        assert sample["tokens_equal"] == 256 and sample["max_abs"] <= identity.maximum_absolute
         assert sample["compared_logprob_entries"] == 256 * (VOCAB if full else TOP_K)
 
 
