@@ -417,10 +417,15 @@ def _gguf_config(reader: Any, path: Path) -> LlamaConfig:
     if heads % kv_heads != 0:
         raise _refuse(path, f"{arch}.attention.head_count_kv", f"{kv_heads} does not divide head_count {heads}")
     # key_length is written where the head size is not embedding_length / head_count (Mistral Nemo).
-    head_dim = _gguf_int(reader, path, f"{arch}.attention.key_length") \
-        if f"{arch}.attention.key_length" in reader.fields else hidden // heads
-    if head_dim * heads != hidden and f"{arch}.attention.key_length" not in reader.fields:
+    if f"{arch}.attention.key_length" in reader.fields:
+        head_dim = _gguf_int(reader, path, f"{arch}.attention.key_length")
+    elif hidden % heads:
         raise _refuse(path, f"{arch}.attention.head_count", f"{heads} heads do not divide embedding_length {hidden}")
+    else:
+        head_dim = hidden // heads
+    if f"{arch}.attention.value_length" in reader.fields \
+            and _gguf_int(reader, path, f"{arch}.attention.value_length") != head_dim:
+        raise _refuse(path, f"{arch}.attention.value_length", f"expected {head_dim}, the key length")
     if f"{arch}.rope.dimension_count" in reader.fields \
             and _gguf_int(reader, path, f"{arch}.rope.dimension_count") != head_dim:
         raise _refuse(path, f"{arch}.rope.dimension_count", f"expected {head_dim} (full-width RoPE)")
@@ -531,13 +536,13 @@ def _gguf_tokenizer(reader: Any, path: Path) -> Any:
     vocab = {token: index for index, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     split = GGUF_PRE_TOKENIZERS[pre]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=split is None)
+    # A split regex replaces the byte-level GPT-2 regex; digits one by one come before it.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
+                                          use_regex=split in (None, "digits"))
     if split is None:
         tokenizer.pre_tokenizer = byte_level
     elif split == "digits":
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                           pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                    trim_offsets=True, use_regex=True)])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False), byte_level])

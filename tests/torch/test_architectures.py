@@ -164,23 +164,27 @@ def llama3_frequency_factors(config: Any) -> np.ndarray:
     return np.asarray(factors, dtype=np.float32)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+GGUF_ARCHITECTURE = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2"}  # llama.cpp writes a Mistral as llama
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_ARCHITECTURE))
 def test_a_gguf_of_the_checkpoint_agrees_with_transformers(kind: str, tmp_path: Path) -> None:
     """The same checkpoint as llama.cpp's GGUF: a Llama 3 with its ``llama3`` scaling as
-    ``rope_freqs.weight`` frequency factors (convert_hf_to_gguf.py's form), a Qwen2 with its
-    biases and unpermuted Q/K rows under ``general.architecture = qwen2``. Loaded by path, the
-    reference engine's logits are transformers' within the same tolerance."""
+    ``rope_freqs.weight`` frequency factors (convert_hf_to_gguf.py's form), a Mistral as a
+    ``llama`` whose head size (64) is given by ``key_length`` (hidden 128 / 4 heads would say 32),
+    a Qwen2 with its biases and unpermuted Q/K rows under ``general.architecture = qwen2``.
+    Loaded by path, the reference engine's logits are transformers' within the same tolerance."""
     from tests.unit.engines.test_model_source import write_gguf
 
     directory = tmp_path / kind
     model = write_tiny_checkpoint(kind, directory)
     hf = load_model(directory)
     extra = {"rope_freqs.weight": llama3_frequency_factors(model.config)} if kind == "llama3" else None
-    path = write_gguf(tmp_path / f"{kind}.Tiny-F32.gguf", hf.config, hf.weights, architecture=ARCHITECTURE[kind],
+    path = write_gguf(tmp_path / f"{kind}.Tiny-F32.gguf", hf.config, hf.weights, architecture=GGUF_ARCHITECTURE[kind],
                       extra=extra, tokenizer_json=directory / "tokenizer.json")
     loaded = load_model(path)
-    assert (loaded.config.architecture, loaded.config.qkv_bias, loaded.config.tied_head) == \
-        (hf.config.architecture, hf.config.qkv_bias, hf.config.tied_head)
+    assert loaded.geometry == hf.geometry and loaded.config.architecture == GGUF_ARCHITECTURE[kind]
+    assert (loaded.config.qkv_bias, loaded.config.tied_head) == (hf.config.qkv_bias, hf.config.tied_head)
     assert (loaded.config.rope_scaling is not None) == (kind == "llama3")
     if kind == "llama3":  # vLLM is given a Hugging Face config, and factors have no rope_scaling there
         with pytest.raises(Refused, match="rope_freqs.weight"):

@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -201,17 +202,17 @@ def test_the_pair_is_calibrated_then_qualified_under_its_identity_on_the_stronge
         for comparison in ("cold_again_vs_cold", "handoff_vs_cold"):
             assert cell[comparison]["compared_logprob_entries"] == 256 * (VOCAB if full else TOP_K)
             assert cell[comparison]["tokens_equal"] == 256
-        # The decode server's cold recompute repeats itself bit for bit on every host.
+        # The decode server's cold recompute repeated itself bit for bit on both kinds of host measured.
         assert cell["cold_again_vs_cold"]["max_abs"] == 0.0
-    largest = max(cell["max_abs"] for cell in cells), max(cell["mean_abs"] for cell in cells)
-    if largest == (0.0, 0.0):
-        # Every cell bit-equal (as on every CI runner before 2026-12-07): the bound only a zero delta meets.
-        assert (identity.maximum_absolute, identity.maximum_mean_absolute) == (ZERO_DRIFT_BOUND, ZERO_DRIFT_BOUND)
-    else:
-        # On a host without them (2026-12-07: an AVX-512 Xeon without AMX) half the cells' decode over
-        # the loaded KV differed from the cold recompute by 1.5e-5 to 1.9e-5 in a logprob: the bound
-        # is above every cell, as the rule derives it.
-        assert identity.maximum_absolute > largest[0] and identity.maximum_mean_absolute > largest[1]
+    # The bound the rule states, from the cells: the largest value plus one sample standard
+    # deviation, or the least positive double where every cell is zero. Hosts differ: the ones
+    # every landing ran on before 2026-12-07 gave all cells bit-equal (5e-324); an AVX-512 Xeon
+    # without AMX gave 3 of 6 handoffs 1.5e-5 to 1.9e-5 from their cold recompute.
+    def rule(values: list[float]) -> float:
+        return ZERO_DRIFT_BOUND if max(values) == 0.0 else max(values) + statistics.stdev(values)
+
+    assert (identity.maximum_absolute, identity.maximum_mean_absolute) == (
+        rule([cell["max_abs"] for cell in cells]), rule([cell["mean_abs"] for cell in cells]))
     # The command the calibration printed to run next qualifies the pair under the identity.
     [command] = [line.removeprefix("next: ") for line in calibrated.out.splitlines() if line.startswith("next: ")]
     code, receipt, out, err = _qualify(shlex.split(command)[1:], calibrated.receipts, capsys)
