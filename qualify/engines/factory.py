@@ -253,6 +253,13 @@ def lane_producer_abi(spec: LaneSpec) -> str:
     if spec.kind is LaneKind.NVFP4:
         require_checkpoint_files(spec.kind)
         return _nvfp4_abi(_nvfp4_arithmetic(spec, spec.mode))
+    if spec.kind is LaneKind.KQUANT and not spec.speculative_draft:
+        # The draftless target's abi names its arithmetic alone: no GGUF read, no Q8_0 images
+        # made (2.6 s of the identity step on the published model).
+        from qualify.engines.kquant import kquant_abi
+
+        require_checkpoint_files(spec.kind)
+        return kquant_abi(spec.mode)
     return _build(spec, spec.mode).abi
 
 

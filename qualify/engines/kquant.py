@@ -57,12 +57,14 @@ from qualify.engines.checkpoint import RopeScaling
 from qualify.engines.reference import (
     DecodeCache,
     DecoderLayer,
+    KeepFloat32,
     LayerKV,
     MakeLinear,
     ReferenceEngine,
     RowsOutput,
     apply_rope,
     arithmetic_kind,
+    engine_abi,
     rms_norm,
 )
 
@@ -524,11 +526,23 @@ ABI_VERSION = "kquant-q8_0-abi-1"
 """Bump whenever this lane's numerics change (quantizer, epilogue order, LM head, row forward)."""
 
 
+def kquant_abi(mode: ProducerMode) -> str:
+    """The abi of a k-quant target in ``mode`` (:class:`KQuantModel`'s), composed without loading
+    a GGUF: every projection and the LM head are of ``mode``'s one linear class, and intermediates
+    stay float32, so those name the reference engine's part as it composes it."""
+    kind = _linear_class(mode).kind
+    return f"{ABI_VERSION}+{engine_abi({kind}, KeepFloat32.kind)}+lm_head-{kind}"
+
+
+def _linear_class(mode: ProducerMode) -> type[ExactQ8Linear] | type[NativeQ8Linear]:
+    return ExactQ8Linear if mode is ProducerMode.EXACT else NativeQ8Linear
+
+
 def linear_factory(matrices: dict[str, Q8Matrix], mode: ProducerMode) -> MakeLinear:
     """A ``make_linear(name, weight_f32)`` for :class:`ReferenceEngine` / :class:`DecoderLayer`
     that serves the GGUF's Q8_0 matrix called ``name`` (``.weight`` dropped) in ``mode``'s
     arithmetic; ``weight_f32`` is that matrix dequantized (the reference's shape check)."""
-    linear_class = ExactQ8Linear if mode is ProducerMode.EXACT else NativeQ8Linear
+    linear_class = _linear_class(mode)
 
     def make_linear(name: str, weight_f32: np.ndarray) -> Linear:
         key = name.removesuffix(".weight")

@@ -64,11 +64,13 @@ def test_a_lane_engine_carries_its_lane_facts() -> None:
         producer.engine.name, producer.engine.version, producer.engine.abi)
 
 
-@pytest.mark.parametrize("lane", sorted(name for name, spec in LANES.items() if spec.kind is LaneKind.NVFP4))
-def test_an_nvfp4_lanes_producer_abi_is_the_built_producers_without_building_it(lane: str) -> None:
+@pytest.mark.parametrize("lane", sorted(name for name, spec in LANES.items() if spec.kind is LaneKind.NVFP4
+                                         or (spec.kind is LaneKind.KQUANT and not spec.speculative_draft)))
+def test_a_lanes_producer_abi_is_the_built_producers_without_building_it(lane: str) -> None:
     """The identity step names the producer's abi before the producer starts; on an NVFP4 lane
-    it is composed from the arithmetic (no weight image made) and must be the one the producer
-    process reports, or every handoff's cache identity would be refused."""
+    and a draftless k-quant lane it is composed from the arithmetic (no weight image made) and
+    must be the one the producer process reports, or every handoff's cache identity would be
+    refused."""
     spec = lane_spec(lane)
     assert lane_producer_abi(spec) == build_producer(lane, spec.mode).abi
 
