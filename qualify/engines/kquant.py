@@ -531,7 +531,11 @@ def kquant_abi(mode: ProducerMode) -> str:
     a GGUF: every projection and the LM head are of ``mode``'s one linear class, and intermediates
     stay float32, so those name the reference engine's part as it composes it."""
     kind = _linear_class(mode).kind
-    return f"{ABI_VERSION}+{engine_abi({kind}, KeepFloat32.kind)}+lm_head-{kind}"
+    return _target_abi(engine_abi({kind}, KeepFloat32.kind), kind)
+
+
+def _target_abi(reference_abi: str, lm_head_kind: str) -> str:
+    return f"{ABI_VERSION}+{reference_abi}+lm_head-{lm_head_kind}"
 
 
 def _linear_class(mode: ProducerMode) -> type[ExactQ8Linear] | type[NativeQ8Linear]:
@@ -616,7 +620,7 @@ class KQuantModel:
         self.lm_head = self.make_linear(head, dequantized[head])
         self.final_norm = weights.vectors["model.norm.weight"]  # [hidden]
         self.eps = np.float32(config.rms_norm_eps)
-        self.abi = f"{ABI_VERSION}+{self.reference.abi}+lm_head-{arithmetic_kind(self.lm_head, 'lm_head')}"
+        self.abi = _target_abi(self.reference.abi, arithmetic_kind(self.lm_head, "lm_head"))
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Token ids [R] -> embeddings float32 [R, hidden] (Q8_0 rows dequantized, as get_rows)."""

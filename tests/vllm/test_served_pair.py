@@ -20,7 +20,6 @@ import json
 import os
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ from qualify.core.digests import sha256_file
 from qualify.engines.checkpoint import model_files_view
 from qualify.engines.vllm_engine import ENV, ENV_REMOVED, VLLM_ENV_KEPT
 from qualify.interfaces.cli import main
-from qualify.judge.calibration import ZERO_DRIFT_BOUND
+from qualify.judge.calibration import bound_of
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_TOKENS = len(assets.load_prompt())
@@ -204,15 +203,13 @@ def test_the_pair_is_calibrated_then_qualified_under_its_identity_on_the_stronge
             assert cell[comparison]["tokens_equal"] == 256
         # The decode server's cold recompute repeated itself bit for bit on both kinds of host measured.
         assert cell["cold_again_vs_cold"]["max_abs"] == 0.0
-    # The bound the rule states, from the cells: the largest value plus one sample standard
-    # deviation, or the least positive double where every cell is zero. Hosts differ: the ones
-    # every landing ran on before 2026-12-07 gave all cells bit-equal (5e-324); an AVX-512 Xeon
-    # without AMX gave 3 of 6 handoffs 1.5e-5 to 1.9e-5 from their cold recompute.
-    def rule(values: list[float]) -> float:
-        return ZERO_DRIFT_BOUND if max(values) == 0.0 else max(values) + statistics.stdev(values)
-
+    # The identity's bounds are the rule's over these cells (qualify.judge.calibration.bound_of:
+    # the largest value plus one sample standard deviation, or ZERO_DRIFT_BOUND where every cell
+    # is zero). Hosts differ: the ones every landing ran on before 2026-12-07 gave all cells
+    # bit-equal; an AVX-512 Xeon without AMX gave 3 of 6 handoffs 1.5e-5 to 1.9e-5 from their cold
+    # recompute.
     assert (identity.maximum_absolute, identity.maximum_mean_absolute) == (
-        rule([cell["max_abs"] for cell in cells]), rule([cell["mean_abs"] for cell in cells]))
+        bound_of([cell["max_abs"] for cell in cells])[0], bound_of([cell["mean_abs"] for cell in cells])[0])
     # The command the calibration printed to run next qualifies the pair under the identity.
     [command] = [line.removeprefix("next: ") for line in calibrated.out.splitlines() if line.startswith("next: ")]
     code, receipt, out, err = _qualify(shlex.split(command)[1:], calibrated.receipts, capsys)
